@@ -1,0 +1,115 @@
+//! The device abstraction the model is written against once.
+//!
+//! A `Backend` owns device buffers, runs the kernels and the collectives of one rank.
+//! Activations are f32 matrices; weights are bf16 `[n, k]` matrices as HF stores them; the
+//! KV cache is bf16. Rows of a batch are the sequences' new tokens concatenated with no
+//! padding (`SeqRows` says which rows belong to which sequence and at which positions), so
+//! padding can never change a row's numbers.
+//!
+//! Interface drafted by the lead; the model work owns it and may extend it (the CUDA
+//! backend follows it).
+
+pub mod cpu;
+
+use arbor_kernels::cpu::RopeTable;
+
+/// The rows of one sequence inside a ragged batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqRows {
+    /// KV-cache slot of the sequence.
+    pub slot: usize,
+    /// First row of this sequence in the batch's activations.
+    pub row0: usize,
+    /// Number of new tokens (rows).
+    pub len: usize,
+    /// Position of the first new token (= tokens already in the cache).
+    pub pos0: usize,
+}
+
+/// Shape of the local attention heads of one rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeadSpec {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// Size of a KV cache: `layers × slots × max_len × n_kv_heads × head_dim`, K and V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvSpec {
+    pub layers: usize,
+    pub slots: usize,
+    pub max_len: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Which part of the 8-segment tree a matmul computes: the weight's local K consists of
+/// `n_seg` segments of `seg_len` columns (see `arbor_kernels::tree::SegmentLayout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TreeSpec {
+    pub seg_len: usize,
+    pub n_seg: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("device error on rank {rank}: {msg}")]
+    Device { rank: usize, msg: String },
+    #[error("collective error on rank {rank}: {source}")]
+    Collective {
+        rank: usize,
+        #[source]
+        source: arbor_collective::CommError,
+    },
+    #[error("shape error: {0}")]
+    Shape(String),
+}
+
+pub type BResult<T> = Result<T, BackendError>;
+
+pub trait Backend {
+    /// f32 matrix `[rows, cols]` in device memory.
+    type Act;
+    /// bf16 weight matrix `[n, k]` in device memory.
+    type Mat: Send + Sync;
+    type KvCache;
+
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    fn device_name(&self) -> String;
+
+    fn mat_from_host(&self, data: &[half::bf16], n: usize, k: usize) -> BResult<Self::Mat>;
+    fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<Self::Act>;
+    fn act_to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;
+    /// (rows, cols)
+    fn shape(&self, a: &Self::Act) -> (usize, usize);
+    /// Same data viewed as `[rows, cols]` (rows·cols unchanged).
+    fn reshape(&self, a: Self::Act, rows: usize, cols: usize) -> BResult<Self::Act>;
+    /// The given rows, in the given order.
+    fn select_rows(&self, a: &Self::Act, rows: &[usize]) -> BResult<Self::Act>;
+
+    fn embedding(&self, table: &Self::Mat, ids: &[u32]) -> BResult<Self::Act>;
+    /// Per-row RMSNorm; `weight` is `[1, cols]`.
+    fn rms_norm(&self, x: &Self::Act, weight: &Self::Act, eps: f32) -> BResult<Self::Act>;
+    /// x (rounded to bf16) · wᵀ, the subtree root over the weight's local segments.
+    fn matmul(&self, x: &Self::Act, w: &Self::Mat, tree: TreeSpec) -> BResult<Self::Act>;
+    fn add_row_bias(&self, x: &mut Self::Act, bias: &Self::Act) -> BResult<()>;
+    fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> BResult<()>;
+    fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> BResult<Self::Act>;
+    /// Rotate `x` (`[rows, n_heads*head_dim]`) in place at the positions `seqs` give.
+    fn rope(&self, x: &mut Self::Act, seqs: &[SeqRows], n_heads: usize, table: &RopeTable) -> BResult<()>;
+
+    fn kv_cache(&self, spec: KvSpec) -> BResult<Self::KvCache>;
+    /// Write K and V (`[rows, n_kv_heads*head_dim]`, rounded to bf16) at the positions `seqs` give.
+    fn kv_write(&self, cache: &mut Self::KvCache, layer: usize, k: &Self::Act, v: &Self::Act, seqs: &[SeqRows]) -> BResult<()>;
+    /// Causal attention of `q` against the cache (which already holds this batch's keys).
+    fn attention(&self, q: &Self::Act, cache: &Self::KvCache, layer: usize, seqs: &[SeqRows], heads: HeadSpec) -> BResult<Self::Act>;
+
+    /// The row-parallel all-reduce: every rank passes the subtree root of its segments;
+    /// every rank gets the full tree's root (same bits on all ranks and at every TP).
+    fn tree_all_reduce(&self, partial: Self::Act) -> BResult<Self::Act>;
+    /// Concatenate the ranks' column blocks (equal widths): `[rows, cols]` → `[rows, world·cols]`.
+    fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;
+}

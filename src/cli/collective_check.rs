@@ -1,0 +1,6 @@
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<()> {
+    anyhow::bail!("'collective_check' is not implemented yet")
+}

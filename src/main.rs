@@ -1,0 +1,55 @@
+//! `arbor`: the worker and CLI. Every subcommand that runs a model runs as one rank of a
+//! tensor-parallel group (TP = world size), started by `arbor-launch` or `mpirun`.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "arbor",
+    version,
+    about = "TP-invariant LLM inference: bit-identical logits across TP 1/2/4/8, batch size, prefill and decode",
+    long_about = None
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate continuations of prompts (one rank of a TP group).
+    Generate(cli::generate::Args),
+    /// Teacher-forced log-probs of given sequences (prefill only: the trainer's path).
+    Score(cli::score::Args),
+    /// Run every (TP, batch) configuration and compare outputs bit for bit.
+    Check(cli::check::Args),
+    /// Write a random-weight model in Hugging Face format.
+    MakeModel(cli::make_model::Args),
+    /// Make the tiny model if absent and run the invariance check over TP 1/2/4/8.
+    Demo(cli::demo::Args),
+    /// Exercise the collective stack: tree all-reduce of random data, checked bitwise.
+    CollectiveCheck(cli::collective_check::Args),
+    /// Benchmarks (CPU matmul, GPU GEMM, all-reduce).
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
+}
+
+fn main() {
+    cli::common::init_logging();
+    let args = Cli::parse();
+    let result = match args.command {
+        Command::Generate(a) => cli::generate::run(a),
+        Command::Score(a) => cli::score::run(a),
+        Command::Check(a) => cli::check::run(a),
+        Command::MakeModel(a) => cli::make_model::run(a),
+        Command::Demo(a) => cli::demo::run(a),
+        Command::CollectiveCheck(a) => cli::collective_check::run(a),
+        Command::Bench(c) => cli::bench::run(c),
+    };
+    if let Err(e) = result {
+        eprintln!("arbor: error: {e:#}");
+        std::process::exit(1);
+    }
+}
