@@ -10,6 +10,7 @@
 //! backend follows it).
 
 pub mod cpu;
+pub mod cuda;
 
 use arbor_kernels::cpu::RopeTable;
 
