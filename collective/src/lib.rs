@@ -5,14 +5,62 @@
 //! contributes the f32 subtree root of its segments, all ranks all-gather the roots, and
 //! each finishes the same fixed tree, so all ranks hold the same bits, equal to the
 //! single-process tree over the same 8 segments.
+//!
+//! Entry point for a worker process: [`init_from_env`] reads its rank from the launcher's
+//! variables ([`env`]) and returns a connected communicator.
 
 pub mod comm;
+mod engine;
+pub mod env;
+mod error;
+pub mod gpu;
+pub mod inproc;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod nccl;
+pub mod single;
+pub mod tcp;
+pub mod tree_allreduce;
+pub mod wire;
+
+use std::sync::Arc;
 
 pub use comm::Communicator;
+pub use env::{RankInfo, Timeouts};
+pub use error::CommError;
+pub use inproc::{InProcComm, InProcGroup};
+pub use single::SingleComm;
+pub use tcp::TcpComm;
+pub use tree_allreduce::tree_all_reduce;
 
-/// Errors of the collective layer; each names the rank(s) and what went wrong.
-#[derive(Debug, thiserror::Error)]
-pub enum CommError {
-    #[error("{0}")]
-    Other(String),
+/// Connects this process to its group: rank and world size from the launcher's variables
+/// (RANK/WORLD_SIZE…, OpenMPI, PMI or Slurm; see [`env`]), rendezvous at
+/// MASTER_ADDR:MASTER_PORT, timeouts from ARBOR_TIMEOUT_SECS / ARBOR_OP_TIMEOUT_SECS.
+/// World size 1 (nothing set) needs no network. Returns the communicator and where this
+/// process sits (local rank for the GPU choice).
+pub fn init_from_env() -> Result<(Arc<dyn Communicator>, RankInfo), CommError> {
+    // [issue 8, feature `mpi`] Under mpirun: rank, size and every collective through MPI.
+    #[cfg(feature = "mpi")]
+    if mpi::under_mpirun() {
+        return mpi::init_from_mpi();
+    }
+    let info = RankInfo::from_env()?;
+    let timeouts = Timeouts::from_env()?;
+    let comm = connect(&info, timeouts)?;
+    Ok((comm, info))
+}
+
+/// Like [`init_from_env`] with the rank and timeouts given.
+pub fn connect(info: &RankInfo, timeouts: Timeouts) -> Result<Arc<dyn Communicator>, CommError> {
+    tracing::debug!(
+        rank = info.rank,
+        world = info.world_size,
+        source = info.source,
+        master = %format!("{}:{}", info.master_addr, info.master_port),
+        "joining the group"
+    );
+    if info.world_size == 1 {
+        return Ok(Arc::new(SingleComm));
+    }
+    Ok(Arc::new(TcpComm::connect(info, timeouts)?))
 }

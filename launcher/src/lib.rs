@@ -1,8 +1,284 @@
 //! arbor-launch: starts one process per rank with RANK, WORLD_SIZE, LOCAL_RANK,
-//! LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. (Filled in by the launcher work.)
+//! LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun's variables), prefixes
+//! their output with the rank, and stops the whole group when one rank fails.
+//!
+//! Nothing else is asked of the ranks: any program that reads those variables (or none)
+//! can be launched. The `arbor-launch` binary (src/bin/arbor-launch.rs in the root
+//! package) only calls [`main`].
+
+pub mod hostfile;
+pub mod output;
+pub mod remote;
+pub mod signals;
+pub mod supervise;
+
+use std::ffi::OsString;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+
+use hostfile::Hostfile;
+
+/// Whose output to show.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// Every rank's stdout and stderr, each line prefixed "[rank N] ".
+    All,
+    /// Rank 0's only (the last stderr lines of a failing rank are still shown).
+    Rank0,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "arbor-launch",
+    version,
+    about = "Start one process per rank of a tensor-parallel group (torchrun/mpirun style)",
+    long_about = "Start one process per rank of a tensor-parallel group (torchrun/mpirun style).\n\n\
+        Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and \
+        MASTER_PORT in its environment, on top of everything arbor-launch inherited \
+        (NCCL_*, CUDA_*, RUST_LOG ... pass through untouched). Output lines are prefixed \
+        with the rank. If a rank exits non-zero or dies by a signal, the other ranks get \
+        SIGTERM, then SIGKILL after --kill-grace seconds, and arbor-launch exits non-zero \
+        naming the rank and how it ended. SIGINT, SIGTERM and SIGHUP are forwarded to the \
+        ranks.\n\n\
+        Example: arbor-launch -n 8 -- arbor collective-check",
+    after_help = "Exit status: 0 when every rank succeeded; the failing rank's exit code \
+        (128+N for signal N) when one failed; 128+N when arbor-launch was stopped by signal \
+        N; 2 for bad arguments or hostfiles."
+)]
+pub struct Args {
+    /// Number of ranks to start [default: the hostfile's slot count].
+    #[arg(short = 'n', long = "np", value_name = "N")]
+    pub np: Option<usize>,
+
+    /// Hostfile in OpenMPI format ("host slots=N" lines, # comments). Ranks fill the hosts'
+    /// slots in order; hosts that are not this machine get theirs through --rsh.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+
+    /// Remote-shell agent for hostfile hosts that are not this machine: "{host}" in it is
+    /// replaced by the host name (else the name follows the agent's words) and its last
+    /// argument is one shell command line, as for ssh. E.g. "ssh -p 2222", or for network
+    /// namespaces "ip netns exec {host} sh -c".
+    #[arg(long, value_name = "CMD", default_value = remote::DEFAULT_AGENT)]
+    pub rsh: String,
+
+    /// Also pass this variable of arbor-launch's environment to remote ranks (repeatable;
+    /// ARBOR_*, NCCL_* and RUST_* always are). Local ranks inherit everything.
+    #[arg(short = 'x', long = "export", value_name = "NAME")]
+    pub export: Vec<String>,
+
+    /// Allow more ranks than the hostfile has slots.
+    #[arg(long)]
+    pub oversubscribe: bool,
+
+    /// Address of rank 0's rendezvous, as every rank reaches it [default: 127.0.0.1 when
+    /// all ranks are local; with remote hosts, this host's address toward them when rank 0
+    /// runs here, else rank 0's host name].
+    #[arg(long, value_name = "ADDR")]
+    pub master_addr: Option<String>,
+
+    /// Port of rank 0's rendezvous [default: a free port].
+    #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
+    pub master_port: Option<u16>,
+
+    /// Whose output to show.
+    #[arg(long, value_enum, default_value_t = Output::All)]
+    pub output: Output,
+
+    /// Same as --output rank0.
+    #[arg(long, conflicts_with = "output")]
+    pub rank0_only: bool,
+
+    /// Do not prefix output lines with "[rank N] ".
+    #[arg(long)]
+    pub no_prefix: bool,
+
+    /// Seconds between SIGTERM and SIGKILL when stopping the ranks.
+    #[arg(long, value_name = "SECS", default_value_t = 3.0)]
+    pub kill_grace: f64,
+
+    /// The program each rank runs, and its arguments (after "--").
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<OsString>,
+}
 
 /// Entry point of the `arbor-launch` binary; returns the process exit code.
 pub fn main() -> i32 {
-    eprintln!("arbor-launch: not built yet");
-    2
+    init_logging();
+    let args = Args::parse();
+    match plan(&args) {
+        Err(e) => {
+            eprintln!("arbor-launch: error: {e:#}");
+            2
+        }
+        Ok(plan) => {
+            if let Err(e) = signals::install() {
+                eprintln!("arbor-launch: error: cannot install signal handlers: {e}");
+                return 2;
+            }
+            match supervise::run(&plan) {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("arbor-launch: error: {e:#}");
+                    1
+                }
+            }
+        }
+    }
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Checks the arguments and the hostfile; decides the world size and the rendezvous.
+pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
+    let hostfile = args.hostfile.as_deref().map(Hostfile::load).transpose()?;
+    let world_size = match (args.np, &hostfile) {
+        (Some(0), _) => anyhow::bail!("-n 0: at least one rank is needed"),
+        (Some(n), _) => n,
+        (None, Some(h)) => h.total_slots(),
+        (None, None) => anyhow::bail!("give the number of ranks with -n N (or a --hostfile)"),
+    };
+    if let Some(h) = &hostfile {
+        let slots = h.total_slots();
+        if world_size > slots && !args.oversubscribe {
+            anyhow::bail!(
+                "-n {world_size} is more than the {slots} slot(s) of hostfile {} \
+                 (add --oversubscribe to allow it)",
+                h.path.display()
+            );
+        }
+    }
+    if !(args.kill_grace.is_finite() && args.kill_grace >= 0.0 && args.kill_grace < 1e6) {
+        anyhow::bail!(
+            "--kill-grace {}: give a number of seconds ≥ 0",
+            args.kill_grace
+        );
+    }
+    // [issue 8] Where each rank runs; ranks on other hosts start through the agent.
+    let hosts: Vec<(String, usize)> = match &hostfile {
+        Some(h) => h.hosts.iter().map(|x| (x.name.clone(), x.slots)).collect(),
+        None => vec![("localhost".to_string(), world_size)],
+    };
+    let placement = remote::place_ranks(&hosts, world_size, hostfile::is_local);
+    let remote = if placement.iter().any(|p| !p.local) {
+        let agent = remote::RemoteAgent::parse(&args.rsh)?;
+        remote::check_hosts(&agent, &placement, remote::DEFAULT_REACH_TIMEOUT)?;
+        let env = remote::forwarded_env(std::env::vars(), &args.export)?;
+        Some(supervise::RemoteStart { agent, env })
+    } else {
+        None
+    };
+    let master_addr = remote::choose_master_addr(args.master_addr.as_deref(), &placement)?;
+    let master_port = match args.master_port {
+        Some(p) => p,
+        None => {
+            free_port().context("finding a free port for the rendezvous (give --master-port)")?
+        }
+    };
+    Ok(supervise::Plan {
+        command: args.command.clone(),
+        world_size,
+        master_addr,
+        placement,
+        remote,
+        master_port,
+        rank0_only: args.rank0_only || args.output == Output::Rank0,
+        prefix: !args.no_prefix,
+        kill_grace: Duration::from_secs_f64(args.kill_grace),
+    })
+}
+
+/// A port nobody listens on right now (the OS picks it; rank 0 binds it moments later).
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("0.0.0.0:0")?.local_addr()?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Args {
+        Args::try_parse_from(v).unwrap()
+    }
+
+    #[test]
+    fn command_after_double_dash_is_kept_verbatim() {
+        let a = args(&[
+            "arbor-launch",
+            "-n",
+            "4",
+            "--",
+            "sh",
+            "-c",
+            "echo $RANK",
+            "--np",
+        ]);
+        assert_eq!(a.np, Some(4));
+        assert_eq!(a.command, vec!["sh", "-c", "echo $RANK", "--np"]);
+        let p = plan(&a).unwrap();
+        assert_eq!(p.world_size, 4);
+        assert_ne!(p.master_port, 0);
+        assert!(Args::try_parse_from(["arbor-launch", "-n", "2"]).is_err());
+    }
+
+    #[test]
+    fn slots_bound_the_rank_count() {
+        let dir = std::env::temp_dir().join(format!("arbor-launch-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let hf = dir.join("hf");
+        std::fs::write(&hf, "localhost slots=2\n").unwrap();
+        let hfs = hf.to_str().unwrap();
+        assert_eq!(
+            plan(&args(&["l", "--hostfile", hfs, "--", "x"]))
+                .unwrap()
+                .world_size,
+            2
+        );
+        let e = plan(&args(&["l", "-n", "3", "--hostfile", hfs, "--", "x"])).unwrap_err();
+        assert!(e.to_string().contains("more than the 2 slot(s)"), "{e}");
+        assert!(plan(&args(&[
+            "l",
+            "-n",
+            "3",
+            "--oversubscribe",
+            "--hostfile",
+            hfs,
+            "--",
+            "x"
+        ]))
+        .is_ok());
+        // A remote host is checked through the agent before anything starts; here an
+        // agent that always fails, as ssh does for a host it cannot reach.
+        std::fs::write(&hf, "localhost slots=2\nnode7.invalid slots=2\n").unwrap();
+        let e = plan(&args(&[
+            "l",
+            "--hostfile",
+            hfs,
+            "--master-addr",
+            "10.0.0.1",
+            "--rsh",
+            "sh -c 'echo no route >&2; exit 255'",
+            "--",
+            "x",
+        ]))
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("\"node7.invalid\" cannot be reached")
+                && e.to_string().contains("no route"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

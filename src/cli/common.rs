@@ -1,4 +1,17 @@
-//! Pieces every subcommand shares.
+//! Pieces every subcommand shares: logging, the device flag, this rank's communicator and
+//! runner, JSONL input and output.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use arbor_collective::Communicator;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::model_api::{self, Device, LoadOptions, Runner};
 
 /// Logs go to stderr; `RUST_LOG` is honoured (default: warnings and errors).
 pub fn init_logging() {
@@ -8,4 +21,194 @@ pub fn init_logging() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// `--device cpu|cuda|auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+    /// CUDA when a CUDA device is usable, else CPU.
+    Auto,
+}
+
+impl DeviceArg {
+    pub fn resolve(self) -> Device {
+        match self {
+            DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => Device::Cuda,
+            DeviceArg::Auto if arbor_kernels::cuda::probe::gpu_present() => Device::Cuda,
+            DeviceArg::Auto => Device::Cpu,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::Cuda => "cuda",
+            DeviceArg::Auto => "auto",
+        }
+    }
+}
+
+/// This process's rank in its TP group, from the launcher's environment (a group of
+/// one when started directly).
+pub fn init_comm() -> Result<Arc<dyn Communicator>> {
+    let (comm, info) = arbor_collective::init_from_env()
+        .context("joining the TP group (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)")?;
+    tracing::debug!(
+        rank = info.rank,
+        world = info.world_size,
+        source = info.source,
+        "joined"
+    );
+    Ok(comm)
+}
+
+/// Joins the TP group and loads this rank's shard of the model.
+pub fn load_runner(
+    model_dir: &Path,
+    device: DeviceArg,
+    max_seq_len: Option<usize>,
+    shadow_tp1: bool,
+) -> Result<Box<dyn Runner>> {
+    let comm = init_comm()?;
+    let opts = LoadOptions {
+        model_dir: model_dir.to_path_buf(),
+        device: device.resolve(),
+        max_seq_len,
+        shadow_tp1,
+    };
+    let rank = comm.rank();
+    tracing::info!(rank, world = comm.world_size(), model = %model_dir.display(), "loading");
+    model_api::load(&opts, comm)
+        .with_context(|| format!("loading model {} on rank {rank}", model_dir.display()))
+}
+
+/// Reads a JSONL file (blank lines skipped); errors name the file and line.
+/// Returns `(line number, value)` pairs.
+pub fn read_jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), i + 1))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}: malformed JSONL record", path.display(), i + 1))?;
+        out.push((i + 1, v));
+    }
+    Ok(out)
+}
+
+/// Where JSONL output goes: a file, or stdout.
+pub struct JsonlSink {
+    out: Box<dyn Write>,
+    name: String,
+}
+
+impl JsonlSink {
+    pub fn create(path: Option<&Path>) -> Result<Self> {
+        match path {
+            Some(p) => {
+                let f = File::create(p)
+                    .with_context(|| format!("cannot create output file {}", p.display()))?;
+                Ok(Self {
+                    out: Box::new(BufWriter::new(f)),
+                    name: p.display().to_string(),
+                })
+            }
+            None => Ok(Self {
+                out: Box::new(std::io::stdout().lock()),
+                name: "stdout".into(),
+            }),
+        }
+    }
+
+    pub fn write<T: Serialize>(&mut self, v: &T) -> Result<()> {
+        serde_json::to_writer(&mut self.out, v)
+            .with_context(|| format!("writing a JSONL record to {}", self.name))?;
+        self.out
+            .write_all(b"\n")
+            .with_context(|| format!("writing to {}", self.name))
+    }
+
+    pub fn finish(mut self) -> Result<()> {
+        self.out
+            .flush()
+            .with_context(|| format!("writing to {}", self.name))
+    }
+}
+
+/// Splits `n` items into static batches of `batch` in input order.
+pub fn batches(n: usize, batch: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let b = batch.max(1);
+    (0..n.div_ceil(b)).map(move |i| i * b..((i + 1) * b).min(n))
+}
+
+/// Ids must be unique: outputs are matched across runs by id.
+pub fn check_unique_ids(ids: impl IntoIterator<Item = u64>, what: &str) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for id in ids {
+        if !seen.insert(id) {
+            bail!("{what}: request id {id} appears more than once");
+        }
+    }
+    Ok(())
+}
+
+/// The `arbor-launch` binary: `explicit`, else the one next to this executable.
+pub fn find_launcher(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = explicit {
+        if !p.is_file() {
+            bail!("launcher {} does not exist", p.display());
+        }
+        return Ok(p.to_path_buf());
+    }
+    let exe = std::env::current_exe().context("cannot find the path of this executable")?;
+    let sibling = exe.with_file_name(format!("arbor-launch{}", std::env::consts::EXE_SUFFIX));
+    if sibling.is_file() {
+        return Ok(sibling);
+    }
+    bail!(
+        "cannot find arbor-launch next to {} (build it with `cargo build --release --bins`, \
+         or pass --launcher PATH)",
+        exe.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_keep_input_order() {
+        let b: Vec<_> = batches(7, 3).collect();
+        assert_eq!(b, vec![0..3, 3..6, 6..7]);
+        assert_eq!(batches(0, 4).count(), 0);
+        assert_eq!(batches(2, 8).collect::<Vec<_>>(), vec![0..2]);
+    }
+
+    #[test]
+    fn duplicate_ids_are_named() {
+        let e = check_unique_ids([1, 5, 5], "prompts.jsonl").unwrap_err();
+        assert!(e.to_string().contains("id 5"), "{e}");
+        assert!(check_unique_ids([1, 2, 3], "x").is_ok());
+    }
+
+    #[test]
+    fn jsonl_errors_name_file_and_line() {
+        let dir = std::env::temp_dir().join(format!("arbor-common-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("in.jsonl");
+        std::fs::write(&p, "{\"a\":1}\n\n{\"a\":\n").unwrap();
+        let e = read_jsonl::<serde_json::Value>(&p).unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(msg.contains("in.jsonl:3"), "{msg}");
+        std::fs::write(&p, "{\"a\":1}\n\n{\"a\":2}\n").unwrap();
+        let v = read_jsonl::<serde_json::Value>(&p).unwrap();
+        assert_eq!(v.iter().map(|(l, _)| *l).collect::<Vec<_>>(), vec![1, 3]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

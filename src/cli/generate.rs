@@ -1,6 +1,353 @@
-#[derive(clap::Args)]
-pub struct Args {}
+//! `arbor generate`: continuations of prompts, as one rank of a TP group.
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("'generate' is not implemented yet")
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::common::{self, DeviceArg, JsonlSink};
+use super::model_api::{FinishReason, GenOutput, GenRequest, Runner, Sampling};
+use super::records::{Finish, GenRecord, PromptLine, TopEntry};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// Model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// A prompt as text (repeatable; needs the model's tokenizer.json).
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// JSONL prompts: {"id":..,"prompt":"text"} or {"id":..,"tokens":[...]} per line.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// New tokens per request (fewer if the model emits end-of-sequence).
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// 0 = greedy (argmax, lowest token id on ties).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed; tokens depend on (seed, request id, position) only.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Requests per static batch, taken in input order.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Also report the N most likely alternatives at each generated position.
+    #[arg(long, default_value_t = 0)]
+    pub logprobs: usize,
+    /// Write JSONL here (rank 0 only).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Write JSONL to stdout instead of the human-readable listing.
+    #[arg(long, conflicts_with = "out")]
+    pub jsonl: bool,
+    /// Also run a TP=1 copy of the model and stop at the first bit that differs.
+    #[arg(long)]
+    pub shadow_tp1: bool,
+    /// Context length to allocate (default: the model's).
+    #[arg(long)]
+    pub max_seq_len: Option<usize>,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+}
+
+/// A prompt before tokenisation.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    pub id: u64,
+    pub text: Option<String>,
+    pub tokens: Option<Vec<u32>>,
+}
+
+/// `--prompt` arguments first (ids 0, 1, ...), then the `--prompts` file's lines (ids
+/// from the file, else their index in the combined list).
+pub fn collect_prompts(texts: &[String], file: Option<&Path>) -> Result<Vec<Prompt>> {
+    let mut prompts: Vec<Prompt> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Prompt {
+            id: i as u64,
+            text: Some(t.clone()),
+            tokens: None,
+        })
+        .collect();
+    if let Some(path) = file {
+        for (line, p) in common::read_jsonl::<PromptLine>(path)? {
+            let id = p.id.unwrap_or(prompts.len() as u64);
+            let prompt = match (p.prompt, p.tokens) {
+                (Some(text), None) => Prompt {
+                    id,
+                    text: Some(text),
+                    tokens: None,
+                },
+                (None, Some(tokens)) => Prompt {
+                    id,
+                    text: None,
+                    tokens: Some(tokens),
+                },
+                _ => bail!(
+                    "{}:{line}: give exactly one of \"prompt\" (text) or \"tokens\" (ids)",
+                    path.display()
+                ),
+            };
+            prompts.push(prompt);
+        }
+    }
+    if prompts.is_empty() {
+        bail!("no prompts: give --prompt TEXT or --prompts FILE.jsonl");
+    }
+    common::check_unique_ids(prompts.iter().map(|p| p.id), "prompts")?;
+    Ok(prompts)
+}
+
+pub fn validate_sampling(s: &Sampling) -> Result<()> {
+    if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+        bail!(
+            "--temperature {} must be a finite number >= 0",
+            s.temperature
+        );
+    }
+    if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+        bail!("--top-p {} must be in (0, 1]", s.top_p);
+    }
+    Ok(())
+}
+
+/// Token ids of every prompt; text needs the model's tokenizer.
+fn tokenize(runner: &dyn Runner, prompts: &[Prompt], model: &Path) -> Result<Vec<Vec<u32>>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let ids = match (&p.tokens, &p.text) {
+                (Some(t), _) => t.clone(),
+                (None, Some(text)) => {
+                    let tok = runner.tokenizer().with_context(|| {
+                        format!(
+                            "prompt {} is text, but {} has no tokenizer.json (give token ids instead)",
+                            p.id,
+                            model.display()
+                        )
+                    })?;
+                    tok.encode(text.as_str(), true)
+                        .map_err(|e| anyhow::anyhow!("cannot tokenise prompt {}: {e}", p.id))?
+                        .get_ids()
+                        .to_vec()
+                }
+                (None, None) => bail!("prompt {} has neither text nor tokens", p.id),
+            };
+            if ids.is_empty() {
+                bail!("prompt {} is empty (it must have at least one token)", p.id);
+            }
+            Ok(ids)
+        })
+        .collect()
+}
+
+fn decode(runner: &dyn Runner, ids: &[u32]) -> Option<String> {
+    let tok = runner.tokenizer()?;
+    match tok.decode(ids, true) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("cannot decode {} tokens: {e}", ids.len());
+            None
+        }
+    }
+}
+
+fn to_record(runner: &dyn Runner, prompt: &[u32], out: GenOutput, n_top: usize) -> GenRecord {
+    GenRecord {
+        id: out.id,
+        prompt_tokens: prompt.to_vec(),
+        text: decode(runner, &out.tokens),
+        tokens: out.tokens,
+        logprobs: out.logprobs,
+        top: (n_top > 0).then(|| {
+            out.top
+                .into_iter()
+                .map(|alts| {
+                    alts.into_iter()
+                        .map(|a| TopEntry {
+                            token: a.token,
+                            logprob: a.logprob,
+                        })
+                        .collect()
+                })
+                .collect()
+        }),
+        logits_digest: out.logits_digest,
+        finish: match out.finish {
+            FinishReason::Length => Finish::Length,
+            FinishReason::Eos => Finish::Eos,
+        },
+    }
+}
+
+/// Runs `reqs` in static batches of `batch`, in input order.
+pub fn run_batches<T>(
+    reqs: &[T],
+    batch: usize,
+    mut step: impl FnMut(&[T]) -> Result<()>,
+) -> Result<()> {
+    let n_batches = reqs.len().div_ceil(batch.max(1));
+    let show = n_batches > 1 && std::io::stderr().is_terminal();
+    for (i, r) in common::batches(reqs.len(), batch).enumerate() {
+        if show {
+            eprintln!("batch {}/{} ({} requests)", i + 1, n_batches, r.len());
+        }
+        step(&reqs[r])?;
+    }
+    Ok(())
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    validate_sampling(&sampling)?;
+    let prompts = collect_prompts(&args.prompt, args.prompts.as_deref())?;
+    let mut runner =
+        common::load_runner(&args.model, args.device, args.max_seq_len, args.shadow_tp1)?;
+    let ids = tokenize(runner.as_ref(), &prompts, &args.model)?;
+    let reqs: Vec<GenRequest> = prompts
+        .iter()
+        .zip(&ids)
+        .map(|(p, t)| GenRequest {
+            id: p.id,
+            prompt: t.clone(),
+            max_new_tokens: args.max_tokens,
+        })
+        .collect();
+
+    let mut records = Vec::with_capacity(reqs.len());
+    run_batches(&reqs, args.batch, |chunk| {
+        let outs = runner.generate(chunk, &sampling, args.logprobs)?;
+        if outs.len() != chunk.len() {
+            bail!(
+                "the runner returned {} outputs for {} requests",
+                outs.len(),
+                chunk.len()
+            );
+        }
+        for (req, out) in chunk.iter().zip(outs) {
+            if out.id != req.id {
+                bail!(
+                    "the runner returned request {} where {} was expected",
+                    out.id,
+                    req.id
+                );
+            }
+            records.push(to_record(runner.as_ref(), &req.prompt, out, args.logprobs));
+        }
+        Ok(())
+    })?;
+
+    if runner.rank() != 0 {
+        return Ok(());
+    }
+    if args.out.is_some() || args.jsonl {
+        let mut sink = JsonlSink::create(args.out.as_deref())?;
+        for r in &records {
+            sink.write(r)?;
+        }
+        sink.finish()
+    } else {
+        print_listing(runner.as_ref(), &prompts, &records);
+        Ok(())
+    }
+}
+
+fn print_listing(runner: &dyn Runner, prompts: &[Prompt], records: &[GenRecord]) {
+    for (p, r) in prompts.iter().zip(records) {
+        let prompt_text = p
+            .text
+            .clone()
+            .or_else(|| decode(runner, &r.prompt_tokens))
+            .unwrap_or_default();
+        let sum: f64 = r.logprobs.iter().map(|&l| l as f64).sum();
+        println!(
+            "[{}] {} prompt tokens, {} new ({}), sum logprob {:.4}",
+            r.id,
+            r.prompt_tokens.len(),
+            r.tokens.len(),
+            match r.finish {
+                Finish::Length => "length",
+                Finish::Eos => "eos",
+            },
+            sum
+        );
+        // Quoted and escaped: a random-weight model emits control bytes.
+        println!("  prompt: {prompt_text:?}");
+        match &r.text {
+            Some(t) => println!("  output: {t:?}"),
+            None => println!("  output tokens: {:?}", r.tokens),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_from_args_and_file() {
+        let dir = std::env::temp_dir().join(format!("arbor-gen-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("p.jsonl");
+        std::fs::write(&p, "{\"prompt\":\"hi\"}\n{\"id\":9,\"tokens\":[1,2,3]}\n").unwrap();
+        let got = collect_prompts(&["a".into()], Some(&p)).unwrap();
+        assert_eq!(got.iter().map(|p| p.id).collect::<Vec<_>>(), vec![0, 1, 9]);
+        assert_eq!(got[2].tokens, Some(vec![1, 2, 3]));
+
+        std::fs::write(&p, "{\"id\":1,\"prompt\":\"x\",\"tokens\":[1]}\n").unwrap();
+        let e = format!("{:#}", collect_prompts(&[], Some(&p)).unwrap_err());
+        assert!(e.contains("p.jsonl:1"), "{e}");
+        std::fs::write(&p, "{\"id\":0,\"prompt\":\"x\"}\n").unwrap();
+        let e = format!(
+            "{:#}",
+            collect_prompts(&["y".into()], Some(&p)).unwrap_err()
+        );
+        assert!(e.contains("id 0"), "{e}");
+        std::fs::write(&p, "{\"id\":-1,\"prompt\":\"x\"}\n").unwrap();
+        assert!(collect_prompts(&[], Some(&p)).is_err());
+        assert!(collect_prompts(&[], None).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sampling_is_validated() {
+        let ok = Sampling {
+            temperature: 0.7,
+            top_k: 5,
+            top_p: 0.9,
+            seed: 1,
+        };
+        assert!(validate_sampling(&ok).is_ok());
+        assert!(validate_sampling(&Sampling {
+            temperature: -1.0,
+            ..ok
+        })
+        .is_err());
+        assert!(validate_sampling(&Sampling {
+            temperature: f32::NAN,
+            ..ok
+        })
+        .is_err());
+        assert!(validate_sampling(&Sampling { top_p: 0.0, ..ok }).is_err());
+        assert!(validate_sampling(&Sampling { top_p: 1.5, ..ok }).is_err());
+    }
 }

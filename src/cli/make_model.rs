@@ -1,6 +1,128 @@
-#[derive(clap::Args)]
-pub struct Args {}
+//! `arbor make-model`: a random-weight model in Hugging Face format (wraps
+//! `arbor_model::synth`).
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("'make_model' is not implemented yet")
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::model_api::{make_model_with_progress, Arch, Preset, Progress, SynthOptions};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ArchArg {
+    Llama,
+    Qwen3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PresetArg {
+    /// A few MB; what CI and the demo use.
+    Tiny,
+    /// Llama-3-8B shapes (~16 GB of bf16).
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// Qwen3-8B shapes (~16 GB of bf16).
+    #[value(name = "qwen3-8b")]
+    Qwen3_8b,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// Architecture [default: the preset's own; llama for tiny].
+    #[arg(long, value_enum)]
+    pub arch: Option<ArchArg>,
+    #[arg(long, value_enum, default_value_t = PresetArg::Tiny)]
+    pub preset: PresetArg,
+    /// The weights are a function of the seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory (created; must be empty unless --force).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Write into a non-empty directory, replacing the model files there.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// Fails when `dir` exists and holds anything (unless `force`).
+pub fn check_out_dir(dir: &Path, force: bool) -> Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        bail!("--out {} exists and is not a directory", dir.display());
+    }
+    if dir.is_dir() && !force {
+        let mut entries = std::fs::read_dir(dir)
+            .with_context(|| format!("cannot read directory {}", dir.display()))?;
+        if entries.next().is_some() {
+            bail!(
+                "--out {} is not empty; pass --force to overwrite the model files there",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn make(arch: ArchArg, preset: PresetArg, seed: u64, out: &Path, force: bool) -> Result<()> {
+    check_out_dir(out, force)?;
+    let arch = match arch {
+        ArchArg::Llama => Arch::Llama,
+        ArchArg::Qwen3 => Arch::Qwen3,
+    };
+    let preset = match preset {
+        PresetArg::Tiny => Preset::Tiny,
+        PresetArg::Llama3_8b => Preset::Llama3_8b,
+        PresetArg::Qwen3_8b => Preset::Qwen3_8b,
+    };
+    let big = preset != Preset::Tiny;
+    let mut next_report = 0u64;
+    let mut report = |p: Progress| {
+        // Big presets take minutes: a line per ~2% (or the last tensor) on stderr.
+        if big && (p.done_bytes >= next_report || p.done_bytes == p.total_bytes) {
+            next_report = p.done_bytes + p.total_bytes / 50;
+            eprintln!(
+                "make-model: {:5.1}% {:.2} / {:.2} GB  {}",
+                100.0 * p.done_bytes as f64 / p.total_bytes.max(1) as f64,
+                p.done_bytes as f64 / 1e9,
+                p.total_bytes as f64 / 1e9,
+                p.tensor
+            );
+        }
+    };
+    make_model_with_progress(&SynthOptions::new(arch, preset, seed, out), &mut report)
+        .with_context(|| format!("writing the model to {}", out.display()))
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let natural = match args.preset {
+        PresetArg::Tiny | PresetArg::Llama3_8b => ArchArg::Llama,
+        PresetArg::Qwen3_8b => ArchArg::Qwen3,
+    };
+    let arch = args.arch.unwrap_or(natural);
+    if arch != natural && args.preset != PresetArg::Tiny {
+        tracing::warn!(
+            "writing {arch:?} architecture with the {:?} preset's shapes",
+            args.preset
+        );
+    }
+    make(arch, args.preset, args.seed, &args.out, args.force)?;
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_non_empty_dir_without_force() {
+        let dir = std::env::temp_dir().join(format!("arbor-mm-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(check_out_dir(&dir, false).is_ok());
+        assert!(check_out_dir(&dir.join("new"), false).is_ok());
+        std::fs::write(dir.join("x"), "1").unwrap();
+        let e = check_out_dir(&dir, false).unwrap_err().to_string();
+        assert!(e.contains("--force") && e.contains("arbor-mm-test"), "{e}");
+        assert!(check_out_dir(&dir, true).is_ok());
+        assert!(check_out_dir(&dir.join("x"), true).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

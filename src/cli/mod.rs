@@ -5,4 +5,7 @@ pub mod common;
 pub mod demo;
 pub mod generate;
 pub mod make_model;
+pub mod metrics;
+pub mod model_api;
+pub mod records;
 pub mod score;

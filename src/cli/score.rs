@@ -1,6 +1,143 @@
-#[derive(clap::Args)]
-pub struct Args {}
+//! `arbor score`: teacher-forced log-probs of given sequences (prefill only, the trainer's
+//! path), as one rank of a TP group.
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("'score' is not implemented yet")
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+
+use super::common::{self, DeviceArg, JsonlSink};
+use super::generate::run_batches;
+use super::model_api::ScoreRequest;
+use super::records::{ScoreLine, ScoreRecord, TopEntry};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// Model directory (config.json, *.safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSONL: {"id":..,"tokens":[...],"prompt_len":n} per line, or `arbor generate` output.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Sequences per static batch, taken in input order.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Also report the N most likely alternatives at each scored position.
+    #[arg(long, default_value_t = 0)]
+    pub logprobs: usize,
+    /// Write JSONL here (rank 0 only); default stdout.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Context length to allocate (default: the model's).
+    #[arg(long)]
+    pub max_seq_len: Option<usize>,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+}
+
+/// The scoring requests of an input file, ids defaulting to the record's index.
+pub fn read_requests(path: &Path) -> Result<Vec<ScoreRequest>> {
+    let mut reqs = Vec::new();
+    for (line, rec) in common::read_jsonl::<ScoreLine>(path)? {
+        let (id, tokens, prompt_len) = rec
+            .sequence(line)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        reqs.push(ScoreRequest {
+            id: id.unwrap_or(reqs.len() as u64),
+            tokens,
+            prompt_len,
+        });
+    }
+    if reqs.is_empty() {
+        bail!("{} holds no sequences", path.display());
+    }
+    common::check_unique_ids(reqs.iter().map(|r| r.id), &path.display().to_string())?;
+    Ok(reqs)
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
+    let reqs = read_requests(&args.input)?;
+    let mut runner = common::load_runner(&args.model, args.device, args.max_seq_len, false)?;
+    let mut records = Vec::with_capacity(reqs.len());
+    run_batches(&reqs, args.batch, |chunk| {
+        let outs = runner.score(chunk, args.logprobs)?;
+        if outs.len() != chunk.len() {
+            bail!(
+                "the runner returned {} outputs for {} sequences",
+                outs.len(),
+                chunk.len()
+            );
+        }
+        for (req, out) in chunk.iter().zip(outs) {
+            if out.id != req.id {
+                bail!(
+                    "the runner returned sequence {} where {} was expected",
+                    out.id,
+                    req.id
+                );
+            }
+            records.push(ScoreRecord {
+                id: out.id,
+                prompt_len: req.prompt_len,
+                tokens: req.tokens.clone(),
+                logprobs: out.logprobs,
+                top: (args.logprobs > 0).then(|| {
+                    out.top
+                        .into_iter()
+                        .map(|alts| {
+                            alts.into_iter()
+                                .map(|a| TopEntry {
+                                    token: a.token,
+                                    logprob: a.logprob,
+                                })
+                                .collect()
+                        })
+                        .collect()
+                }),
+                logits_digest: out.logits_digest,
+            });
+        }
+        Ok(())
+    })?;
+    if runner.rank() != 0 {
+        return Ok(());
+    }
+    let mut sink = JsonlSink::create(args.out.as_deref())?;
+    for r in &records {
+        sink.write(r)?;
+    }
+    sink.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_both_input_forms() {
+        let dir = std::env::temp_dir().join(format!("arbor-score-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("s.jsonl");
+        std::fs::write(
+            &p,
+            "{\"tokens\":[1,2,3],\"prompt_len\":1}\n\
+             {\"id\":5,\"prompt_tokens\":[4],\"tokens\":[6,7],\"logprobs\":[-1,-2]}\n",
+        )
+        .unwrap();
+        let r = read_requests(&p).unwrap();
+        assert_eq!(
+            (r[0].id, r[0].prompt_len, r[0].tokens.clone()),
+            (0, 1, vec![1, 2, 3])
+        );
+        assert_eq!(
+            (r[1].id, r[1].prompt_len, r[1].tokens.clone()),
+            (5, 1, vec![4, 6, 7])
+        );
+        std::fs::write(&p, "{\"tokens\":[1],\"prompt_len\":0}\n").unwrap();
+        let e = format!("{:#}", read_requests(&p).unwrap_err());
+        assert!(e.contains("s.jsonl") && e.contains("prompt_len 0"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -1,5 +1,16 @@
 //! Y = X·Wᵀ with the reduction over K following the 8-segment tree.
+//!
+//! Every output element is computed the same way wherever it sits: for each of its local
+//! segments the leaf of `leaf.rs` (16 lanes, multiply then add, pairwise lane tree), then
+//! `tree::tree_sum` over the segment sums. Tiling, the instruction set used and the thread
+//! count only decide which elements are computed together, never how one is computed.
+use std::ops::Range;
+
 use half::bf16;
+
+use super::leaf::{bf16_to_f32, lanes_tree, LANES};
+use super::threads::{map_jobs, threads_for};
+use crate::tree::{tree_sum, SEGMENTS};
 
 /// Which part of the tree a call computes.
 ///
@@ -17,16 +28,487 @@ pub struct TreeMatmul {
     pub n_seg: usize,
 }
 
+impl TreeMatmul {
+    /// The whole reduction on one rank: `n_seg = 8` over `SegmentLayout::new(k)`.
+    pub fn full(m: usize, n: usize, k: usize) -> Self {
+        Self {
+            m,
+            n,
+            k,
+            seg_len: crate::tree::SegmentLayout::new(k).seg_len,
+            n_seg: SEGMENTS,
+        }
+    }
+}
+
+/// Rows × columns of output one job computes: the weight block (`cols` rows of W) stays
+/// in cache while the job's rows stream past it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Blocking {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+const BLOCKING: Blocking = Blocking { rows: 64, cols: 16 };
+
 /// x: [m, k] row-major bf16; w: [n, k] row-major bf16 (a linear layer's weight as stored by
 /// HF); out: [m, n] f32, the subtree root for every element.
+///
+/// Panics (naming the mismatch) if the slices do not have the sizes `shape` gives or if
+/// `shape` is not a valid piece of the tree (`n_seg` a power of two ≤ 8,
+/// `k ≤ n_seg·seg_len`): those are programming errors of the caller, not input data.
 pub fn tree_matmul(x: &[bf16], w: &[bf16], shape: TreeMatmul, out: &mut [f32]) {
-    let _ = (x, w, shape, out);
-    unimplemented!("tree_matmul")
+    let TreeMatmul { m, n, k, .. } = shape;
+    let jobs = m.div_ceil(BLOCKING.rows) * n.div_ceil(BLOCKING.cols);
+    let threads = threads_for(m.saturating_mul(n).saturating_mul(k), jobs);
+    tree_matmul_on(x, w, shape, out, threads);
+}
+
+/// [`tree_matmul`] on an explicit number of threads (benchmarks; the result does not
+/// depend on it).
+pub fn tree_matmul_on(x: &[bf16], w: &[bf16], shape: TreeMatmul, out: &mut [f32], threads: usize) {
+    tree_matmul_blocked(x, w, shape, out, threads, BLOCKING, Isa::detect());
+}
+
+pub(crate) fn tree_matmul_blocked(
+    x: &[bf16],
+    w: &[bf16],
+    shape: TreeMatmul,
+    out: &mut [f32],
+    threads: usize,
+    blocking: Blocking,
+    isa: Isa,
+) {
+    check_shape(x, w, shape, out);
+    let TreeMatmul {
+        m,
+        n,
+        k,
+        seg_len,
+        n_seg,
+    } = shape;
+    if m == 0 || n == 0 {
+        return;
+    }
+    let xf: Vec<f32> = x.iter().map(|&b| bf16_to_f32(b)).collect();
+    let p = Problem {
+        xf: &xf,
+        w,
+        k,
+        seg_len,
+        n_seg,
+        isa,
+    };
+    run_blocked(m, n, out, threads, blocking, |rows, cols, o, ld, origin| {
+        tree_block(&p, rows, cols, o, ld, origin)
+    });
 }
 
 /// Baseline for the benchmark only: a straightforward f32-accumulating matmul with no
 /// fixed tree (same layout as [`tree_matmul`]).
 pub fn plain_matmul(x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize, out: &mut [f32]) {
-    let _ = (x, w, m, n, k, out);
-    unimplemented!("plain_matmul")
+    let jobs = m.div_ceil(BLOCKING.rows) * n.div_ceil(BLOCKING.cols);
+    plain_matmul_on(
+        x,
+        w,
+        m,
+        n,
+        k,
+        out,
+        threads_for(m.saturating_mul(n).saturating_mul(k), jobs),
+    );
 }
+
+/// [`plain_matmul`] on an explicit number of threads: the same job split as
+/// [`tree_matmul_on`], each element a sequential sum over K.
+pub fn plain_matmul_on(
+    x: &[bf16],
+    w: &[bf16],
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    threads: usize,
+) {
+    check_shape(
+        x,
+        w,
+        TreeMatmul {
+            m,
+            n,
+            k,
+            seg_len: k.max(1),
+            n_seg: 1,
+        },
+        out,
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let xf: Vec<f32> = x.iter().map(|&b| bf16_to_f32(b)).collect();
+    run_blocked(m, n, out, threads, BLOCKING, |rows, cols, o, ld, origin| {
+        for r in rows {
+            let xr = &xf[r * k..(r + 1) * k];
+            for c in cols.clone() {
+                let wr = &w[c * k..(c + 1) * k];
+                let mut s = 0.0f32;
+                for (a, b) in xr.iter().zip(wr) {
+                    s += a * bf16_to_f32(*b);
+                }
+                o[(r - origin.0) * ld + (c - origin.1)] = s;
+            }
+        }
+    });
+}
+
+fn check_shape(x: &[bf16], w: &[bf16], s: TreeMatmul, out: &[f32]) {
+    let TreeMatmul {
+        m,
+        n,
+        k,
+        seg_len,
+        n_seg,
+    } = s;
+    assert!(
+        n_seg.is_power_of_two() && n_seg <= SEGMENTS,
+        "tree_matmul: n_seg must be 1, 2, 4 or 8, got {n_seg}"
+    );
+    assert!(
+        k <= n_seg * seg_len,
+        "tree_matmul: k = {k} columns do not fit in {n_seg} segments of {seg_len}"
+    );
+    assert_eq!(
+        x.len(),
+        m * k,
+        "tree_matmul: x has {} values, expected m·k = {m}·{k}",
+        x.len()
+    );
+    assert_eq!(
+        w.len(),
+        n * k,
+        "tree_matmul: w has {} values, expected n·k = {n}·{k}",
+        w.len()
+    );
+    assert_eq!(
+        out.len(),
+        m * n,
+        "tree_matmul: out has {} values, expected m·n = {m}·{n}",
+        out.len()
+    );
+}
+
+/// Cut [m, n] into blocks, run `block(rows, cols, out, ld, origin)` on each (on `threads`
+/// threads) and place the results. `block` writes element (r, c) at
+/// `out[(r - origin.0)·ld + (c - origin.1)]`.
+fn run_blocked<F>(m: usize, n: usize, out: &mut [f32], threads: usize, b: Blocking, block: F)
+where
+    F: Fn(Range<usize>, Range<usize>, &mut [f32], usize, (usize, usize)) + Sync,
+{
+    let (rb, cb) = (b.rows.max(1), b.cols.max(1));
+    let n_cb = n.div_ceil(cb);
+    let jobs = m.div_ceil(rb) * n_cb;
+    let ranges = |j: usize| {
+        let (r0, c0) = ((j / n_cb) * rb, (j % n_cb) * cb);
+        (r0..(r0 + rb).min(m), c0..(c0 + cb).min(n))
+    };
+    if threads <= 1 || jobs <= 1 {
+        for j in 0..jobs {
+            let (rows, cols) = ranges(j);
+            block(rows, cols, out, n, (0, 0));
+        }
+        return;
+    }
+    let results = map_jobs(jobs, threads, |j| {
+        let (rows, cols) = ranges(j);
+        let mut buf = vec![0.0f32; rows.len() * cols.len()];
+        block(
+            rows.clone(),
+            cols.clone(),
+            &mut buf,
+            cols.len(),
+            (rows.start, cols.start),
+        );
+        buf
+    });
+    for (j, buf) in results.into_iter().enumerate() {
+        let (rows, cols) = ranges(j);
+        for (i, r) in rows.enumerate() {
+            out[r * n + cols.start..r * n + cols.end]
+                .copy_from_slice(&buf[i * cols.len()..(i + 1) * cols.len()]);
+        }
+    }
+}
+
+struct Problem<'a> {
+    /// x converted to f32 once per call: [m, k].
+    xf: &'a [f32],
+    w: &'a [bf16],
+    k: usize,
+    seg_len: usize,
+    n_seg: usize,
+    isa: Isa,
+}
+
+/// Which implementation of the leaf's inner loop runs. They differ only in how many lanes
+/// one instruction moves: each lane sees the same multiply and add (never fused), so all
+/// give the same bits (tested).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    pub(crate) fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every variant this CPU can run (for tests).
+    #[cfg(test)]
+    pub(crate) fn all_available() -> Vec<Self> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                v.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+}
+
+fn tree_block(
+    p: &Problem,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: &mut [f32],
+    ld: usize,
+    origin: (usize, usize),
+) {
+    // Tile sizes that keep the accumulators in registers: 16 zmm at 4×4 with AVX-512,
+    // 8 pairs of ymm at 2×2 with AVX2.
+    match p.isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => tree_block_tiled::<4, 4>(p, rows, cols, out, ld, origin),
+        _ => tree_block_tiled::<2, 2>(p, rows, cols, out, ld, origin),
+    }
+}
+
+/// Tiles of R rows × C columns (R·C independent accumulators share each load), with
+/// 1-wide tiles for the edges.
+fn tree_block_tiled<const R: usize, const C: usize>(
+    p: &Problem,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: &mut [f32],
+    ld: usize,
+    origin: (usize, usize),
+) {
+    let mut r = rows.start;
+    while r < rows.end {
+        let full_rows = r + R <= rows.end;
+        let mut c = cols.start;
+        while c < cols.end {
+            let full_cols = c + C <= cols.end;
+            let at = (r - origin.0) * ld + (c - origin.1);
+            match (full_rows, full_cols) {
+                (true, true) => store(out, at, ld, &tile::<R, C>(p, r, c)),
+                (true, false) => store(out, at, ld, &tile::<R, 1>(p, r, c)),
+                (false, true) => store(out, at, ld, &tile::<1, C>(p, r, c)),
+                (false, false) => store(out, at, ld, &tile::<1, 1>(p, r, c)),
+            }
+            c += if full_cols { C } else { 1 };
+        }
+        r += if full_rows { R } else { 1 };
+    }
+}
+
+fn store<const R: usize, const C: usize>(out: &mut [f32], at: usize, ld: usize, v: &[[f32; C]; R]) {
+    for (i, row) in v.iter().enumerate() {
+        out[at + i * ld..at + i * ld + C].copy_from_slice(row);
+    }
+}
+
+/// Lane accumulators of R rows × C columns.
+type Acc<const R: usize, const C: usize> = [[[f32; LANES]; C]; R];
+
+/// The subtree roots of rows `r0..r0+R` × columns `c0..c0+C`.
+#[allow(clippy::needless_range_loop)] // s also names the segment's columns
+fn tile<const R: usize, const C: usize>(p: &Problem, r0: usize, c0: usize) -> [[f32; C]; R] {
+    let k = p.k;
+    let mut seg_sums = [[[0.0f32; SEGMENTS]; C]; R];
+    for s in 0..p.n_seg {
+        let lo = (s * p.seg_len).min(k);
+        let hi = ((s + 1) * p.seg_len).min(k);
+        let xs: [&[f32]; R] = std::array::from_fn(|i| &p.xf[(r0 + i) * k + lo..(r0 + i) * k + hi]);
+        let ws: [&[bf16]; C] = std::array::from_fn(|j| &p.w[(c0 + j) * k + lo..(c0 + j) * k + hi]);
+        let chunks = (hi - lo) / LANES;
+        let mut acc: Acc<R, C> = match p.isa {
+            // SAFETY: the variant was chosen by `Isa::detect`/`all_available`, so the CPU
+            // has the feature; every slice holds at least `chunks·16` elements.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::chunks_avx512::<R, C>(&xs, &ws, chunks) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::chunks_avx2::<R, C>(&xs, &ws, chunks) },
+            Isa::Portable => chunks_portable::<R, C>(&xs, &ws, chunks),
+        };
+        // The short tail of a segment: element `chunks·16 + l` goes to lane l.
+        let t0 = chunks * LANES;
+        for i in 0..R {
+            for j in 0..C {
+                for (l, (a, b)) in xs[i][t0..].iter().zip(&ws[j][t0..]).enumerate() {
+                    acc[i][j][l] += a * bf16_to_f32(*b);
+                }
+                seg_sums[i][j][s] = lanes_tree(&acc[i][j]);
+            }
+        }
+    }
+    std::array::from_fn(|i| std::array::from_fn(|j| tree_sum(&seg_sums[i][j][..p.n_seg])))
+}
+
+/// The leaf's full 16-element chunks, one lane per array element.
+#[allow(clippy::needless_range_loop)]
+fn chunks_portable<const R: usize, const C: usize>(
+    xs: &[&[f32]; R],
+    ws: &[&[bf16]; C],
+    chunks: usize,
+) -> Acc<R, C> {
+    let mut acc = [[[0.0f32; LANES]; C]; R];
+    let mut wv = [[0.0f32; LANES]; C];
+    for ch in 0..chunks {
+        let i0 = ch * LANES;
+        for j in 0..C {
+            for l in 0..LANES {
+                wv[j][l] = bf16_to_f32(ws[j][i0 + l]);
+            }
+        }
+        for i in 0..R {
+            for j in 0..C {
+                for l in 0..LANES {
+                    acc[i][j][l] += xs[i][i0 + l] * wv[j][l];
+                }
+            }
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The leaf's full chunks with explicit vectors: `_mm*_mul_ps` then `_mm*_add_ps`
+    //! (never FMA), lane l of a vector = lane l of the leaf.
+    // Index loops over the const tile sizes unroll fully and keep vectors in registers.
+    #![allow(clippy::needless_range_loop)]
+    use std::arch::x86_64::*;
+
+    use half::bf16;
+
+    use super::{Acc, LANES};
+
+    fn check<const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[bf16]; C], chunks: usize) {
+        let need = chunks * LANES;
+        assert!(
+            xs.iter().all(|x| x.len() >= need) && ws.iter().all(|w| w.len() >= need),
+            "tree_matmul leaf: slices shorter than {chunks} chunks"
+        );
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn chunks_avx512<const R: usize, const C: usize>(
+        xs: &[&[f32]; R],
+        ws: &[&[bf16]; C],
+        chunks: usize,
+    ) -> Acc<R, C> {
+        check(xs, ws, chunks);
+        let mut a = [[_mm512_setzero_ps(); C]; R];
+        let mut wv = [_mm512_setzero_ps(); C];
+        for ch in 0..chunks {
+            let i0 = ch * LANES;
+            for j in 0..C {
+                // SAFETY: `check` guarantees i0 + 16 ≤ len.
+                let raw = unsafe { _mm256_loadu_si256(ws[j].as_ptr().add(i0).cast()) };
+                wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+            }
+            for i in 0..R {
+                // SAFETY: as above.
+                let xv = unsafe { _mm512_loadu_ps(xs[i].as_ptr().add(i0)) };
+                for j in 0..C {
+                    a[i][j] = _mm512_add_ps(a[i][j], _mm512_mul_ps(xv, wv[j]));
+                }
+            }
+        }
+        let mut acc = [[[0.0f32; LANES]; C]; R];
+        for i in 0..R {
+            for j in 0..C {
+                // SAFETY: acc[i][j] holds 16 f32.
+                unsafe { _mm512_storeu_ps(acc[i][j].as_mut_ptr(), a[i][j]) };
+            }
+        }
+        acc
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn chunks_avx2<const R: usize, const C: usize>(
+        xs: &[&[f32]; R],
+        ws: &[&[bf16]; C],
+        chunks: usize,
+    ) -> Acc<R, C> {
+        check(xs, ws, chunks);
+        // Lanes 0..8 in [0], 8..16 in [1].
+        let mut a = [[[_mm256_setzero_ps(); 2]; C]; R];
+        let mut wv = [[_mm256_setzero_ps(); 2]; C];
+        for ch in 0..chunks {
+            let i0 = ch * LANES;
+            for j in 0..C {
+                for h in 0..2 {
+                    // SAFETY: `check` guarantees i0 + 16 ≤ len.
+                    let raw = unsafe { _mm_loadu_si128(ws[j].as_ptr().add(i0 + 8 * h).cast()) };
+                    wv[j][h] =
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)));
+                }
+            }
+            for i in 0..R {
+                for h in 0..2 {
+                    // SAFETY: as above.
+                    let xv = unsafe { _mm256_loadu_ps(xs[i].as_ptr().add(i0 + 8 * h)) };
+                    for j in 0..C {
+                        a[i][j][h] = _mm256_add_ps(a[i][j][h], _mm256_mul_ps(xv, wv[j][h]));
+                    }
+                }
+            }
+        }
+        let mut acc = [[[0.0f32; LANES]; C]; R];
+        for i in 0..R {
+            for j in 0..C {
+                for h in 0..2 {
+                    // SAFETY: acc[i][j] holds 16 f32.
+                    unsafe { _mm256_storeu_ps(acc[i][j].as_mut_ptr().add(8 * h), a[i][j][h]) };
+                }
+            }
+        }
+        acc
+    }
+}
+
+#[cfg(test)]
+#[path = "matmul_tests.rs"]
+mod tests;

@@ -2,18 +2,26 @@
 //!
 //! Every function computes each output row with the same sequence of operations whatever
 //! the number of rows, the row's position in the batch, or the number of threads.
-//! (Interface fixed by the lead; bodies are filled in by the kernels work.)
+//! Size mismatches between arguments are programming errors of the caller and panic with
+//! a message naming the sizes; data values never panic.
 
 pub mod attention;
 pub mod elementwise;
+pub mod leaf;
 pub mod matmul;
 pub mod norm;
 pub mod rope;
 pub mod softmax;
+pub mod threads;
 
-pub use attention::{attention, AttnShape, ATTN_BLOCK};
+#[cfg(test)]
+mod testutil;
+
+pub use attention::{attention, attention_on, AttnShape, ATTN_BLOCK};
 pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
-pub use matmul::{plain_matmul, tree_matmul, TreeMatmul};
+pub use leaf::{bf16_to_f32, LANES};
+pub use matmul::{plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, TreeMatmul};
 pub use norm::rms_norm;
-pub use rope::{RopeScaling, RopeTable};
+pub use rope::{RopeError, RopeScaling, RopeTable};
 pub use softmax::{argmax, log_softmax_at, softmax};
+pub use threads::{num_threads, set_num_threads, THREADS_ENV};

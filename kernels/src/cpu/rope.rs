@@ -9,6 +9,18 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RopeError {
+    #[error("rope: head_dim must be even and positive, got {0}")]
+    HeadDim(usize),
+    #[error("rope: rope_theta must be finite and > 1, got {0}")]
+    Theta(f64),
+    #[error("rope: llama3 scaling parameter {name} is invalid: {value}")]
+    Scaling { name: &'static str, value: f64 },
+    #[error("rope: {max_pos} positions × {half} frequencies do not fit in memory")]
+    TooLarge { max_pos: usize, half: usize },
+}
+
 /// cos/sin for positions `0..max_pos`, computed once in f64 and stored as f32, so every
 /// backend uses the same table. Layout: `cos[pos * half + i]`, `sin[pos * half + i]`,
 /// `half = rotary_dim / 2`.
@@ -21,14 +33,253 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
+    /// [`RopeTable::try_new`] for parameters already validated; panics with the
+    /// [`RopeError`] message otherwise.
     pub fn new(head_dim: usize, max_pos: usize, theta: f64, scaling: Option<RopeScaling>) -> Self {
-        let _ = (head_dim, max_pos, theta, scaling);
-        unimplemented!("RopeTable::new")
+        match Self::try_new(head_dim, max_pos, theta, scaling) {
+            Ok(t) => t,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The table for `head_dim` (all of it rotated), `rope_theta` and optional Llama-3
+    /// scaling; parameters from a model config are checked, not trusted.
+    pub fn try_new(
+        head_dim: usize,
+        max_pos: usize,
+        theta: f64,
+        scaling: Option<RopeScaling>,
+    ) -> Result<Self, RopeError> {
+        if head_dim == 0 || head_dim % 2 == 1 {
+            return Err(RopeError::HeadDim(head_dim));
+        }
+        if !(theta.is_finite() && theta > 1.0) {
+            return Err(RopeError::Theta(theta));
+        }
+        let half = head_dim / 2;
+        if max_pos
+            .checked_mul(half)
+            .is_none_or(|n| n > isize::MAX as usize / 8)
+        {
+            return Err(RopeError::TooLarge { max_pos, half });
+        }
+        let mut inv_freq = default_inv_freq(head_dim, theta);
+        if let Some(s) = scaling {
+            check_scaling(&s)?;
+            for f in inv_freq.iter_mut() {
+                *f = llama3_scale(*f, &s);
+            }
+        }
+        let mut cos = Vec::with_capacity(max_pos * half);
+        let mut sin = Vec::with_capacity(max_pos * half);
+        for pos in 0..max_pos {
+            for &f in &inv_freq {
+                let angle = pos as f64 * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Ok(Self {
+            head_dim,
+            max_pos,
+            cos,
+            sin,
+        })
     }
 
     /// Rotate `x` ([rows, n_heads * head_dim]) in place; row i is at position `positions[i]`.
+    ///
+    /// For i < half: `x[i], x[i+half] ← x[i]·cos − x[i+half]·sin, x[i+half]·cos + x[i]·sin`
+    /// (HF's `x·cos + rotate_half(x)·sin`). Panics naming the position if it is outside
+    /// the table.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, positions: &[usize]) {
-        let _ = (x, n_heads, positions);
-        unimplemented!("RopeTable::apply")
+        let width = n_heads * self.head_dim;
+        assert_eq!(
+            x.len(),
+            positions.len() * width,
+            "rope: x has {} values for {} rows × {n_heads} heads × {}",
+            x.len(),
+            positions.len(),
+            self.head_dim
+        );
+        if width == 0 {
+            return;
+        }
+        let half = self.head_dim / 2;
+        for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
+            assert!(
+                pos < self.max_pos,
+                "rope: position {pos} beyond the table's {} positions",
+                self.max_pos
+            );
+            let cos = &self.cos[pos * half..(pos + 1) * half];
+            let sin = &self.sin[pos * half..(pos + 1) * half];
+            for head in row.chunks_exact_mut(self.head_dim) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * cos[i] - x2 * sin[i];
+                    b[i] = x2 * cos[i] + x1 * sin[i];
+                }
+            }
+        }
+    }
+}
+
+/// HF `_compute_default_rope_parameters`: `1 / theta^(2i/d)` for i in 0..d/2, in f64.
+fn default_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
+        .collect()
+}
+
+fn check_scaling(s: &RopeScaling) -> Result<(), RopeError> {
+    let bad = |name, value: f64| Err(RopeError::Scaling { name, value });
+    if !(s.factor.is_finite() && s.factor > 0.0) {
+        return bad("factor", s.factor);
+    }
+    if !(s.low_freq_factor.is_finite() && s.low_freq_factor > 0.0) {
+        return bad("low_freq_factor", s.low_freq_factor);
+    }
+    if !(s.high_freq_factor.is_finite() && s.high_freq_factor > s.low_freq_factor) {
+        return bad("high_freq_factor", s.high_freq_factor);
+    }
+    if s.original_max_position_embeddings == 0 {
+        return bad("original_max_position_embeddings", 0.0);
+    }
+    Ok(())
+}
+
+/// HF `_compute_llama3_parameters` for one frequency: long wavelengths are divided by
+/// `factor`, short ones kept, and the band between interpolated smoothly.
+fn llama3_scale(inv_freq: f64, s: &RopeScaling) -> f64 {
+    let old_ctx = s.original_max_position_embeddings as f64;
+    let low_freq_wavelen = old_ctx / s.low_freq_factor;
+    let high_freq_wavelen = old_ctx / s.high_freq_factor;
+    let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+    let scaled = if wavelen > low_freq_wavelen {
+        inv_freq / s.factor
+    } else {
+        inv_freq
+    };
+    // HF: ~(wavelen < high) & ~(wavelen > low); wavelen is never NaN here.
+    let is_medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
+    if is_medium {
+        let smooth =
+            (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        (1.0 - smooth) * scaled / s.factor + smooth * scaled
+    } else {
+        scaled
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::Rng;
+
+    const LLAMA31: RopeScaling = RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+
+    #[test]
+    fn llama3_inv_freq_matches_known_values() {
+        // Llama-3.1-8B (theta 5e5, head_dim 128), computed separately in Python from HF's
+        // `_compute_llama3_parameters` in float64: (i, inv_freq before, inv_freq after).
+        let known = [
+            (0usize, 1.0f64, 1.0f64),
+            (1, 0.8146172338565447, 0.8146172338565447),
+            (28, 0.0032114459947525913, 0.0032114459947525913),
+            (29, 0.0026160992529250353, 0.002166570763503359),
+            (30, 0.0021311195369119653, 0.0013718935677611381),
+            (32, 0.001414213562373095, 0.0005248461609929547),
+            (34, 0.0009384738703573801, 0.00017850781276799638),
+            (35, 0.0007644969883171747, 9.556212353964683e-05),
+            (63, 2.455140791131609e-06, 3.068925988914511e-07),
+        ];
+        let plain = default_inv_freq(128, 500000.0);
+        for (i, before, after) in known {
+            let rel = |a: f64, b: f64| (a - b).abs() / b;
+            assert!(
+                rel(plain[i], before) < 1e-13,
+                "i={i}: {} vs {before}",
+                plain[i]
+            );
+            let got = llama3_scale(plain[i], &LLAMA31);
+            assert!(rel(got, after) < 1e-13, "i={i}: {got} vs {after}");
+        }
+        // The table holds cos/sin of pos·inv_freq.
+        let t = RopeTable::new(128, 3000, 500000.0, Some(LLAMA31));
+        let (pos, i) = (2999usize, 30usize);
+        let want = (pos as f64 * 0.0013718935677611381).cos();
+        assert!(
+            (t.cos[pos * 64 + i] as f64 - want).abs() < 1e-6,
+            "{} vs {want}",
+            t.cos[pos * 64 + i]
+        );
+    }
+
+    #[test]
+    fn apply_rotates_halves_like_hf() {
+        let (hd, heads) = (8usize, 3usize);
+        let t = RopeTable::new(hd, 50, 10000.0, None);
+        let mut rng = Rng::new(20);
+        let positions = [0usize, 7, 49, 7];
+        let x = rng.f32_vec(positions.len() * heads * hd, 2);
+        let mut y = x.clone();
+        t.apply(&mut y, heads, &positions);
+        for (r, &pos) in positions.iter().enumerate() {
+            for h in 0..heads {
+                let base = (r * heads + h) * hd;
+                for i in 0..hd / 2 {
+                    let ang = pos as f64 / 10000f64.powf((2 * i) as f64 / hd as f64);
+                    let (c, s) = (ang.cos(), ang.sin());
+                    let (x1, x2) = (x[base + i] as f64, x[base + i + hd / 2] as f64);
+                    let w1 = x1 * c - x2 * s;
+                    let w2 = x2 * c + x1 * s;
+                    assert!((y[base + i] as f64 - w1).abs() < 1e-5, "r={r} h={h} i={i}");
+                    assert!(
+                        (y[base + i + hd / 2] as f64 - w2).abs() < 1e-5,
+                        "r={r} h={h} i={i}+half"
+                    );
+                }
+            }
+        }
+        // Rows 1 and 3 share a position and data: same bits.
+        let mut z = x[heads * hd..2 * heads * hd].to_vec();
+        t.apply(&mut z, heads, &[7]);
+        for (a, b) in z.iter().zip(&y[heads * hd..2 * heads * hd]) {
+            assert_eq!(a.to_bits(), b.to_bits());
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_errors() {
+        assert_eq!(
+            RopeTable::try_new(7, 4, 1e4, None).err(),
+            Some(RopeError::HeadDim(7))
+        );
+        assert!(matches!(
+            RopeTable::try_new(8, 4, f64::NAN, None),
+            Err(RopeError::Theta(_))
+        ));
+        let bad = RopeScaling {
+            high_freq_factor: 1.0,
+            ..LLAMA31
+        };
+        assert!(matches!(
+            RopeTable::try_new(8, 4, 1e4, Some(bad)),
+            Err(RopeError::Scaling {
+                name: "high_freq_factor",
+                ..
+            })
+        ));
+        assert!(matches!(
+            RopeTable::try_new(8, usize::MAX, 1e4, None),
+            Err(RopeError::TooLarge { .. })
+        ));
     }
 }

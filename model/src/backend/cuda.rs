@@ -1,2 +1,560 @@
-//! CUDA backend: device buffers, NVRTC kernels from `arbor_kernels::cuda`, and the GPU
-//! collective. (Filled in by the CUDA backend work.)
+//! CUDA backend: device buffers, the NVRTC kernels of `arbor_kernels::cuda`, and the GPU
+//! collective (NCCL all-gather of f32 subtree roots + the fixed tree as a GPU kernel).
+//!
+//! Each rank takes GPU `LOCAL_RANK` (else its rank), counted as the driver counts, i.e.
+//! relative to `CUDA_VISIBLE_DEVICES`. Every kernel fixes each output element's order of
+//! roundings independently of rows, TP and launch shape, so the contract's invariances hold
+//! on the GPU as on the CPU; the two backends agree within bf16 tolerance only.
+
+use std::sync::{Arc, Mutex};
+
+use arbor_collective::gpu::{Algo, GpuCollective, GpuOptions};
+use arbor_collective::Communicator;
+use arbor_kernels::cpu::RopeTable;
+use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice, KvLayout};
+
+use super::{BResult, Backend, BackendError, HeadSpec, KvSpec, SeqRows, TreeSpec};
+use crate::error::ModelError;
+use crate::runner::{Engine, LoadOptions, Runner};
+
+/// f32 activations `[rows, cols]` on the GPU.
+pub struct CudaAct {
+    buf: DevF32,
+    rows: usize,
+    cols: usize,
+}
+
+/// bf16 weight `[n, k]` on the GPU.
+pub struct CudaMat {
+    buf: DevBf16,
+    n: usize,
+    k: usize,
+}
+
+/// bf16 K and V caches, `[layers, slots, max_len, n_kv_heads·head_dim]` each.
+pub struct CudaKv {
+    k: DevBf16,
+    v: DevBf16,
+    layout: KvLayout,
+}
+
+/// The RoPE table's copy on the device, keyed by the host table it came from.
+struct RopeDev {
+    key: (usize, usize, usize, usize),
+    cos: DevF32,
+    sin: DevF32,
+}
+
+pub struct CudaBackend {
+    comm: Arc<dyn Communicator>,
+    dev: Arc<GpuDevice>,
+    /// The TP group's GPU collective (None at world size 1).
+    coll: Option<GpuCollective>,
+    algo: Algo,
+    rope: Mutex<Option<RopeDev>>,
+}
+
+/// The GPU ordinal of this rank: `LOCAL_RANK`, else the rank.
+fn ordinal_for(rank: usize) -> Result<usize, String> {
+    match std::env::var("LOCAL_RANK") {
+        Ok(s) => s
+            .trim()
+            .parse::<usize>()
+            .map_err(|_| format!("LOCAL_RANK={s:?} is not a GPU index")),
+        Err(_) => Ok(rank),
+    }
+}
+
+/// The all-reduce algorithm: the all-gather + tree by default (the algorithm);
+/// `ARBOR_GPU_ALLREDUCE=auto|oneshot|twoshot` picks the collective's faster paths, which
+/// keep the same bits. NVLS is never taken from here.
+fn allreduce_algo() -> Result<Algo, String> {
+    match std::env::var("ARBOR_GPU_ALLREDUCE") {
+        Err(_) => Ok(Algo::AllGatherTree),
+        Ok(s) => match s.parse::<Algo>()? {
+            Algo::Nvls => Err(
+                "ARBOR_GPU_ALLREDUCE=nvls: NVLink multicast is not used by the CUDA backend".into(),
+            ),
+            a => Ok(a),
+        },
+    }
+}
+
+fn gpu_collective(
+    comm: &Arc<dyn Communicator>,
+    dev: &GpuDevice,
+    algo: Algo,
+) -> Result<GpuCollective, String> {
+    let mut opts = GpuOptions::default();
+    if algo == Algo::AllGatherTree {
+        // No CUDA IPC buffers when only the all-gather path runs.
+        opts.ipc_capacity_bytes = 0;
+    }
+    GpuCollective::with_options(comm.clone(), dev.stream.clone(), opts).map_err(|e| e.to_string())
+}
+
+impl CudaBackend {
+    /// Opens this rank's GPU and, at TP > 1, joins the NCCL group (collective: every rank
+    /// of `comm` must call it).
+    pub fn new(comm: Arc<dyn Communicator>) -> Result<Self, BackendError> {
+        let rank = comm.rank();
+        let err = |msg: String| BackendError::Device { rank, msg };
+        let ordinal = ordinal_for(rank).map_err(err)?;
+        let dev = GpuDevice::open(ordinal).map_err(|e| err(e.to_string()))?;
+        let algo = allreduce_algo().map_err(err)?;
+        let coll = if comm.world_size() > 1 {
+            Some(gpu_collective(&comm, &dev, algo).map_err(err)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            comm,
+            dev: Arc::new(dev),
+            coll,
+            algo,
+            rope: Mutex::new(None),
+        })
+    }
+
+    /// A world-size-1 backend on an already opened device (the TP=1 shadow).
+    pub fn solo(dev: Arc<GpuDevice>) -> Self {
+        Self {
+            comm: Arc::new(arbor_collective::SingleComm),
+            dev,
+            coll: None,
+            algo: Algo::AllGatherTree,
+            rope: Mutex::new(None),
+        }
+    }
+
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.dev
+    }
+
+    fn dev_err(&self, e: CudaError) -> BackendError {
+        BackendError::Device {
+            rank: self.comm.rank(),
+            msg: e.to_string(),
+        }
+    }
+
+    fn shape_err(&self, msg: String) -> BackendError {
+        BackendError::Shape(format!("rank {} (cuda): {msg}", self.comm.rank()))
+    }
+
+    fn act(&self, buf: DevF32, rows: usize, cols: usize) -> CudaAct {
+        CudaAct { buf, rows, cols }
+    }
+
+    /// Per-row (slot, position) of a ragged batch of `rows` rows; every row must belong to
+    /// exactly one sequence.
+    fn row_map(&self, seqs: &[SeqRows], rows: usize) -> BResult<(Vec<u32>, Vec<u32>)> {
+        let mut slot = vec![u32::MAX; rows];
+        let mut pos = vec![u32::MAX; rows];
+        for s in seqs {
+            if s.row0 + s.len > rows {
+                return Err(self.shape_err(format!(
+                    "sequence in slot {} covers rows {}..{} of a batch of {rows} rows",
+                    s.slot,
+                    s.row0,
+                    s.row0 + s.len
+                )));
+            }
+            for i in 0..s.len {
+                let r = s.row0 + i;
+                if slot[r] != u32::MAX {
+                    return Err(self.shape_err(format!("row {r} belongs to two sequences")));
+                }
+                let p = s.pos0 + i;
+                let (s32, p32) = (u32::try_from(s.slot), u32::try_from(p));
+                match (s32, p32) {
+                    (Ok(a), Ok(b)) => {
+                        slot[r] = a;
+                        pos[r] = b;
+                    }
+                    _ => {
+                        return Err(
+                            self.shape_err(format!("slot {} / position {p} out of range", s.slot))
+                        )
+                    }
+                }
+            }
+        }
+        if let Some(r) = slot.iter().position(|&s| s == u32::MAX) {
+            return Err(self.shape_err(format!("row {r} belongs to no sequence")));
+        }
+        Ok((slot, pos))
+    }
+
+    fn rope_tables(
+        &self,
+        table: &RopeTable,
+    ) -> BResult<std::sync::MutexGuard<'_, Option<RopeDev>>> {
+        // The model keeps one table for its lifetime; key on its identity and shape.
+        let key = (
+            table.cos.as_ptr() as usize,
+            table.cos.len(),
+            table.max_pos,
+            table.head_dim,
+        );
+        let mut guard = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().map(|r| r.key) != Some(key) {
+            let cos = self
+                .dev
+                .upload_f32(&table.cos)
+                .map_err(|e| self.dev_err(e))?;
+            let sin = self
+                .dev
+                .upload_f32(&table.sin)
+                .map_err(|e| self.dev_err(e))?;
+            *guard = Some(RopeDev { key, cos, sin });
+        }
+        Ok(guard)
+    }
+
+    fn coll(&self) -> BResult<&GpuCollective> {
+        self.coll.as_ref().ok_or_else(|| BackendError::Device {
+            rank: self.comm.rank(),
+            msg: format!(
+                "no GPU collective for world size {}",
+                self.comm.world_size()
+            ),
+        })
+    }
+
+    fn coll_err(&self, what: &str, e: arbor_collective::gpu::GpuError) -> BackendError {
+        BackendError::Device {
+            rank: self.comm.rank(),
+            msg: format!("{what}: {e}"),
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaAct;
+    type Mat = CudaMat;
+    type KvCache = CudaKv;
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+    fn device_name(&self) -> String {
+        format!(
+            "cuda:{} {} ({})",
+            self.dev.ordinal,
+            self.dev.name(),
+            self.dev.arch
+        )
+    }
+
+    fn mat_from_host(&self, data: &[half::bf16], n: usize, k: usize) -> BResult<CudaMat> {
+        if data.len() != n * k {
+            return Err(self.shape_err(format!(
+                "weight of {} values uploaded as [{n}, {k}]",
+                data.len()
+            )));
+        }
+        let buf = self.dev.upload_bf16(data).map_err(|e| self.dev_err(e))?;
+        Ok(CudaMat { buf, n, k })
+    }
+
+    fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaAct> {
+        if data.len() != rows * cols {
+            return Err(self.shape_err(format!(
+                "activation of {} values uploaded as [{rows}, {cols}]",
+                data.len()
+            )));
+        }
+        let buf = self.dev.upload_f32(data).map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, rows, cols))
+    }
+
+    fn act_to_host(&self, a: &CudaAct) -> BResult<Vec<f32>> {
+        self.dev.download_f32(&a.buf).map_err(|e| self.dev_err(e))
+    }
+
+    fn shape(&self, a: &CudaAct) -> (usize, usize) {
+        (a.rows, a.cols)
+    }
+
+    fn reshape(&self, a: CudaAct, rows: usize, cols: usize) -> BResult<CudaAct> {
+        if rows * cols != a.rows * a.cols {
+            return Err(self.shape_err(format!(
+                "reshape [{}, {}] to [{rows}, {cols}]",
+                a.rows, a.cols
+            )));
+        }
+        Ok(self.act(a.buf, rows, cols))
+    }
+
+    fn select_rows(&self, a: &CudaAct, rows: &[usize]) -> BResult<CudaAct> {
+        if a.cols == 0 {
+            return Ok(self.act(
+                self.dev.zeros_f32(0).map_err(|e| self.dev_err(e))?,
+                rows.len(),
+                0,
+            ));
+        }
+        let buf = self
+            .dev
+            .select_rows(&a.buf, a.cols, rows)
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, rows.len(), a.cols))
+    }
+
+    fn embedding(&self, table: &CudaMat, ids: &[u32]) -> BResult<CudaAct> {
+        let buf = self
+            .dev
+            .embedding(&table.buf, table.k, ids)
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, ids.len(), table.k))
+    }
+
+    fn rms_norm(&self, x: &CudaAct, weight: &CudaAct, eps: f32) -> BResult<CudaAct> {
+        let buf = self
+            .dev
+            .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps)
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, x.rows, x.cols))
+    }
+
+    fn matmul(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
+        if x.cols != w.k {
+            return Err(self.shape_err(format!(
+                "matmul of x [{}, {}] with w [{}, {}]",
+                x.rows, x.cols, w.n, w.k
+            )));
+        }
+        let buf = self
+            .dev
+            .tree_matmul(
+                &x.buf,
+                x.rows,
+                x.cols,
+                &w.buf,
+                w.n,
+                tree.seg_len,
+                tree.n_seg,
+            )
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, x.rows, w.n))
+    }
+
+    fn add_row_bias(&self, x: &mut CudaAct, bias: &CudaAct) -> BResult<()> {
+        if bias.rows * bias.cols != x.cols {
+            return Err(self.shape_err(format!(
+                "bias of {} values for {} columns",
+                bias.rows * bias.cols,
+                x.cols
+            )));
+        }
+        if x.rows == 0 {
+            return Ok(());
+        }
+        let (d, b) = (&self.dev, &bias.buf);
+        d.add_row_bias(&mut x.buf, b).map_err(|e| self.dev_err(e))
+    }
+
+    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> BResult<()> {
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(self.shape_err(format!(
+                "add of [{}, {}] and [{}, {}]",
+                x.rows, x.cols, y.rows, y.cols
+            )));
+        }
+        let d = &self.dev;
+        d.add_assign(&mut x.buf, &y.buf)
+            .map_err(|e| self.dev_err(e))
+    }
+
+    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> BResult<CudaAct> {
+        if (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return Err(self.shape_err(format!(
+                "silu_mul of gate [{}, {}] and up [{}, {}]",
+                gate.rows, gate.cols, up.rows, up.cols
+            )));
+        }
+        let buf = self
+            .dev
+            .silu_mul(&gate.buf, &up.buf)
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, gate.rows, gate.cols))
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaAct,
+        seqs: &[SeqRows],
+        n_heads: usize,
+        table: &RopeTable,
+    ) -> BResult<()> {
+        if x.cols != n_heads * table.head_dim {
+            return Err(self.shape_err(format!(
+                "rope on {} columns for {n_heads} heads of {}",
+                x.cols, table.head_dim
+            )));
+        }
+        let (_, pos) = self.row_map(seqs, x.rows)?;
+        let tables = self.rope_tables(table)?;
+        let Some(t) = tables.as_ref() else {
+            return Err(self.shape_err("RoPE table missing after upload".into()));
+        };
+        let half = table.head_dim / 2;
+        if half == 0 {
+            return Ok(());
+        }
+        self.dev
+            .rope(
+                &mut x.buf,
+                &t.cos,
+                &t.sin,
+                half,
+                &pos,
+                n_heads,
+                table.head_dim,
+            )
+            .map_err(|e| self.dev_err(e))
+    }
+
+    fn kv_cache(&self, spec: KvSpec) -> BResult<CudaKv> {
+        let layout = KvLayout {
+            layers: spec.layers,
+            slots: spec.slots,
+            max_len: spec.max_len,
+            width: spec.n_kv_heads * spec.head_dim,
+        };
+        let k = self
+            .dev
+            .zeros_bf16(layout.len())
+            .map_err(|e| self.dev_err(e))?;
+        let v = self
+            .dev
+            .zeros_bf16(layout.len())
+            .map_err(|e| self.dev_err(e))?;
+        Ok(CudaKv { k, v, layout })
+    }
+
+    fn kv_write(
+        &self,
+        cache: &mut CudaKv,
+        layer: usize,
+        k: &CudaAct,
+        v: &CudaAct,
+        seqs: &[SeqRows],
+    ) -> BResult<()> {
+        let w = cache.layout.width;
+        if k.cols != w || v.cols != w || k.rows != v.rows {
+            return Err(self.shape_err(format!(
+                "kv_write of k [{}, {}] / v [{}, {}] into a cache of width {w}",
+                k.rows, k.cols, v.rows, v.cols
+            )));
+        }
+        let (slot, pos) = self.row_map(seqs, k.rows)?;
+        let layout = cache.layout;
+        self.dev
+            .kv_write(
+                &mut cache.k,
+                &mut cache.v,
+                layout,
+                layer,
+                &k.buf,
+                &v.buf,
+                &slot,
+                &pos,
+            )
+            .map_err(|e| self.dev_err(e))
+    }
+
+    fn attention(
+        &self,
+        q: &CudaAct,
+        cache: &CudaKv,
+        layer: usize,
+        seqs: &[SeqRows],
+        heads: HeadSpec,
+    ) -> BResult<CudaAct> {
+        if q.cols != heads.n_heads * heads.head_dim {
+            return Err(self.shape_err(format!(
+                "attention q has {} columns for {} heads of {}",
+                q.cols, heads.n_heads, heads.head_dim
+            )));
+        }
+        let (slot, pos) = self.row_map(seqs, q.rows)?;
+        let buf = self
+            .dev
+            .attention(
+                &q.buf,
+                &cache.k,
+                &cache.v,
+                cache.layout,
+                layer,
+                &slot,
+                &pos,
+                heads.n_heads,
+                heads.n_kv_heads,
+                heads.head_dim,
+                heads.scale,
+            )
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, q.rows, q.cols))
+    }
+
+    fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {
+        let world = self.comm.world_size();
+        if world == 1 {
+            return Ok(partial);
+        }
+        if partial.buf.is_empty() {
+            return Ok(partial);
+        }
+        let buf = self
+            .coll()?
+            .tree_all_reduce_with(self.algo, &partial.buf)
+            .map_err(|e| self.coll_err("tree all-reduce", e))?;
+        Ok(self.act(buf, partial.rows, partial.cols))
+    }
+
+    fn all_gather_cols(&self, x: &CudaAct) -> BResult<CudaAct> {
+        let world = self.comm.world_size();
+        if world == 1 {
+            let buf = self.dev.copy_f32(&x.buf).map_err(|e| self.dev_err(e))?;
+            return Ok(self.act(buf, x.rows, x.cols));
+        }
+        if x.buf.is_empty() {
+            return Ok(self.act(
+                self.dev.zeros_f32(0).map_err(|e| self.dev_err(e))?,
+                x.rows,
+                world * x.cols,
+            ));
+        }
+        let gathered = self
+            .coll()?
+            .nccl()
+            .all_gather_f32(&x.buf)
+            .map_err(|e| self.coll_err("all-gather of columns", e))?;
+        let buf = self
+            .dev
+            .interleave_cols(&gathered, world, x.rows, x.cols)
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, x.rows, world * x.cols))
+    }
+}
+
+/// Loads this rank's shard on its GPU (and a TP=1 shadow on the same GPU if asked).
+pub fn load_runner(
+    opts: &LoadOptions,
+    comm: Arc<dyn Communicator>,
+) -> Result<Box<dyn Runner>, ModelError> {
+    let rank = comm.rank();
+    let backend = CudaBackend::new(comm).map_err(|source| ModelError::Backend { rank, source })?;
+    let dev = backend.device().clone();
+    let mut engine = Engine::new(backend, opts)?;
+    if opts.shadow_tp1 {
+        let shadow = Engine::new(CudaBackend::solo(dev), opts)?;
+        engine = engine.with_shadow(shadow);
+    }
+    Ok(Box::new(engine))
+}

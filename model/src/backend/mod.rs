@@ -100,13 +100,33 @@ pub trait Backend {
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> BResult<()>;
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> BResult<Self::Act>;
     /// Rotate `x` (`[rows, n_heads*head_dim]`) in place at the positions `seqs` give.
-    fn rope(&self, x: &mut Self::Act, seqs: &[SeqRows], n_heads: usize, table: &RopeTable) -> BResult<()>;
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        seqs: &[SeqRows],
+        n_heads: usize,
+        table: &RopeTable,
+    ) -> BResult<()>;
 
     fn kv_cache(&self, spec: KvSpec) -> BResult<Self::KvCache>;
     /// Write K and V (`[rows, n_kv_heads*head_dim]`, rounded to bf16) at the positions `seqs` give.
-    fn kv_write(&self, cache: &mut Self::KvCache, layer: usize, k: &Self::Act, v: &Self::Act, seqs: &[SeqRows]) -> BResult<()>;
+    fn kv_write(
+        &self,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        k: &Self::Act,
+        v: &Self::Act,
+        seqs: &[SeqRows],
+    ) -> BResult<()>;
     /// Causal attention of `q` against the cache (which already holds this batch's keys).
-    fn attention(&self, q: &Self::Act, cache: &Self::KvCache, layer: usize, seqs: &[SeqRows], heads: HeadSpec) -> BResult<Self::Act>;
+    fn attention(
+        &self,
+        q: &Self::Act,
+        cache: &Self::KvCache,
+        layer: usize,
+        seqs: &[SeqRows],
+        heads: HeadSpec,
+    ) -> BResult<Self::Act>;
 
     /// The row-parallel all-reduce: every rank passes the subtree root of its segments;
     /// every rank gets the full tree's root (same bits on all ranks and at every TP).

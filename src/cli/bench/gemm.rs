@@ -1,6 +1,899 @@
-#[derive(clap::Args)]
-pub struct Args {}
+//! `arbor bench gemm`: the tree GEMM against cuBLAS (same process, same data), with the
+//! invariance checked bitwise for every shape and M it times.
+//!
+//! Per (K, N) and M: median of per-iteration CUDA-event times after a warm-up, W rotated
+//! over enough copies to defeat L2; TFLOP/s of both and their ratio; for M ≤ 64 the
+//! weight-streaming GB/s against the device-to-device copy ceiling measured in the same
+//! run. Checks: bits of the full result vs the host tree-combination of the TP = 2/4/8
+//! segment-range shards, vs the same rows computed at the largest M (at a shifted row
+//! position), vs a column shard of W, vs every launch path, bf16 output = rounded f32
+//! root; and the relative error against cuBLAS (< 1e-2).
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("'bench gemm' is not implemented yet")
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use arbor_kernels::cpu::matmul::TreeMatmul;
+use arbor_kernels::cuda::gemm::{self, Family, GemmArgs, OutDtype, Path, TreeGemm};
+use arbor_kernels::tree::{combine_roots, SegmentLayout, SEGMENTS};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUevent_flags};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use serde::Serialize;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// (K, N) shapes as KxN, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "4096x4096,14336x4096,4096x14336,6144x2048"
+    )]
+    shapes: Vec<String>,
+    /// Batch sizes M, comma-separated; the largest is also the reference for the row check.
+    #[arg(long = "m", value_delimiter = ',', default_value = "1,16,64,1024,4096")]
+    ms: Vec<usize>,
+    /// Timed iterations per measurement (the median is reported).
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    /// Untimed iterations before timing.
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    /// Output element type of both arbor and cuBLAS.
+    #[arg(long, value_enum, default_value = "f32")]
+    out: OutArg,
+    /// Leaf family: auto (wgmma on Hopper, mma.sync elsewhere), mma or wgmma.
+    #[arg(long, value_enum, default_value = "auto")]
+    family: FamilyArg,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Seed of the random operands.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write every measurement and check as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum OutArg {
+    F32,
+    Bf16,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum FamilyArg {
+    Auto,
+    Mma,
+    Wgmma,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device: String,
+    arch: String,
+    out_dtype: &'static str,
+    copy_ceiling_gbps: f64,
+    iters: usize,
+    results: Vec<Row>,
+    all_checks_pass: bool,
+}
+
+#[derive(Serialize, Clone)]
+struct Row {
+    k: usize,
+    n: usize,
+    m: usize,
+    path: &'static str,
+    arbor_ms: f64,
+    cublas_ms: f64,
+    arbor_tflops: f64,
+    cublas_tflops: f64,
+    ratio: f64,
+    /// Weight bytes over arbor's time, and that as a fraction of the copy ceiling (M ≤ 64).
+    weight_gbps: Option<f64>,
+    frac_of_copy: Option<f64>,
+    rel_err_vs_cublas: f64,
+    checks: Vec<Check>,
+    /// Whether the other leaf family (when compiled) gives the same bits: information
+    /// only, the contract holds per family.
+    other_family_equal: Option<bool>,
+}
+
+#[derive(Serialize, Clone)]
+struct Check {
+    name: String,
+    pass: bool,
+    detail: String,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    gemm::probe().context("'bench gemm' needs an NVIDIA GPU")?;
+    // SAFETY: only dlopens the library names cudarc would use.
+    if !unsafe { blas_sys::is_culib_present() } {
+        bail!(
+            "'bench gemm' needs libcublas for its baseline: add its directory (e.g. \
+             /usr/local/cuda/targets/x86_64-linux/lib) to LD_LIBRARY_PATH"
+        );
+    }
+    let shapes = parse_shapes(&args.shapes)?;
+    let mut ms = args.ms.clone();
+    ms.sort_unstable();
+    ms.dedup();
+    if ms.first() == Some(&0) || ms.is_empty() {
+        bail!("--m needs positive batch sizes, got {:?}", args.ms);
+    }
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    let ctx = CudaContext::new(args.device)
+        .with_context(|| format!("cannot open CUDA device {}", args.device))?;
+    // Raw pointers are used throughout on one stream; cudarc's per-buffer events add nothing.
+    // SAFETY: no buffer is shared with another stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().context("cuStreamCreate")?;
+    let device = ctx.name().unwrap_or_else(|_| "unknown".into());
+    let l2 = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        .unwrap_or(64 << 20)
+        .max(1) as usize;
+    let t0 = std::time::Instant::now();
+    let tg = TreeGemm::new(&ctx)?;
+    tracing::info!(
+        arch = %tg.arch,
+        ms = t0.elapsed().as_millis() as u64,
+        "compiled the tree GEMM"
+    );
+    let blas = Blas::new(&stream)?;
+    let timer = Timer::new(&ctx, &stream, args.warmup, args.iters)?;
+    let out_dtype = match args.out {
+        OutArg::F32 => OutDtype::F32,
+        OutArg::Bf16 => OutDtype::Bf16,
+    };
+
+    let family = match args.family {
+        FamilyArg::Auto => tg.family,
+        FamilyArg::Mma => Family::Mma,
+        FamilyArg::Wgmma => Family::Wgmma,
+    };
+    if let Some(p) = Path::all(family).iter().find(|p| !tg.has(**p)) {
+        bail!("path {} is not available on {}", p.name(), tg.arch);
+    }
+    let copy_gbps = copy_ceiling(&stream, &timer)?;
+    println!(
+        "device: {device} ({}), L2 {} MiB, leaf family {family:?}",
+        tg.arch,
+        l2 >> 20
+    );
+    println!("copy ceiling (device-to-device, read+write): {copy_gbps:.0} GB/s");
+    println!(
+        "{:>6} {:>6} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7} {:>6} {:>8} checks",
+        "K",
+        "N",
+        "M",
+        "path",
+        "arbor ms",
+        "cuBLAS ms",
+        "arbor TF",
+        "cuBLAS TF",
+        "ratio",
+        "GB/s",
+        "%copy",
+        "rel err"
+    );
+    let mut rows = Vec::new();
+    for &(k, n) in &shapes {
+        let shape_rows = bench_shape(
+            &stream, &tg, &blas, &timer, &args, &ms, k, n, l2, out_dtype, copy_gbps, family,
+        )
+        .with_context(|| format!("shape K={k} N={n}"))?;
+        rows.extend(shape_rows);
+    }
+    let all_pass = rows
+        .iter()
+        .all(|r| r.rel_err_vs_cublas < 1e-2 && r.checks.iter().all(|c| c.pass));
+    let report = Report {
+        device,
+        arch: tg.arch.clone(),
+        out_dtype: match out_dtype {
+            OutDtype::F32 => "f32",
+            OutDtype::Bf16 => "bf16",
+        },
+        copy_ceiling_gbps: copy_gbps,
+        iters: args.iters,
+        results: rows,
+        all_checks_pass: all_pass,
+    };
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    print_summary(&report);
+    if !all_pass {
+        bail!("some invariance or correctness checks failed (see the table above)");
+    }
+    Ok(())
+}
+
+fn parse_shapes(specs: &[String]) -> Result<Vec<(usize, usize)>> {
+    specs
+        .iter()
+        .map(|s| {
+            let (k, n) = s
+                .split_once(['x', 'X'])
+                .with_context(|| format!("shape '{s}' is not KxN"))?;
+            let k: usize = k
+                .trim()
+                .parse()
+                .with_context(|| format!("K in shape '{s}'"))?;
+            let n: usize = n
+                .trim()
+                .parse()
+                .with_context(|| format!("N in shape '{s}'"))?;
+            if k == 0 || n == 0 {
+                bail!("shape '{s}' has a zero dimension");
+            }
+            Ok((k, n))
+        })
+        .collect()
+}
+
+fn print_summary(r: &Report) {
+    let big: Vec<&Row> = r.results.iter().filter(|x| x.m >= 1024).collect();
+    let small: Vec<&Row> = r.results.iter().filter(|x| x.m <= 64).collect();
+    if let Some(min) = big.iter().map(|x| x.ratio).reduce(f64::min) {
+        println!("M >= 1024: worst arbor/cuBLAS ratio {min:.3} (target 0.90)");
+    }
+    if let Some(min) = small.iter().filter_map(|x| x.frac_of_copy).reduce(f64::min) {
+        println!(
+            "M <= 64: worst weight-streaming fraction of the copy ceiling {min:.3} (target 0.85)"
+        );
+    }
+    println!(
+        "invariance and correctness: {}",
+        if r.all_checks_pass {
+            "all pass"
+        } else {
+            "FAILURES"
+        }
+    );
+}
+
+/// Deterministic non-zero bf16 values in (-1, 1).
+fn random_bf16(len: usize, seed: u64) -> Vec<u16> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = ((s >> 40) as f32) / (1u64 << 24) as f32; // [0, 1)
+            let v = 2.0 * u - 1.0;
+            let v = if v == 0.0 { 0.5 } else { v };
+            half::bf16::from_f32(v).to_bits()
+        })
+        .collect()
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> CUdeviceptr {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    stream
+        .alloc_zeros::<T>(len.max(1))
+        .with_context(|| format!("cannot allocate {len} elements on the GPU"))
+}
+
+struct Timer {
+    starts: Vec<cudarc::driver::CudaEvent>,
+    ends: Vec<cudarc::driver::CudaEvent>,
+    warmup: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl Timer {
+    fn new(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Self> {
+        let mk = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        let starts = (0..iters).map(|_| mk()).collect::<Result<Vec<_>, _>>()?;
+        let ends = (0..iters).map(|_| mk()).collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            starts,
+            ends,
+            warmup,
+            stream: stream.clone(),
+        })
+    }
+
+    /// Median milliseconds of `f(i)` over the timed iterations.
+    fn median_ms(&self, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+        for i in 0..self.warmup {
+            f(i)?;
+        }
+        for (i, (a, b)) in self.starts.iter().zip(&self.ends).enumerate() {
+            a.record(&self.stream)?;
+            f(self.warmup + i)?;
+            b.record(&self.stream)?;
+        }
+        self.stream.synchronize()?;
+        let mut t = self
+            .starts
+            .iter()
+            .zip(&self.ends)
+            .map(|(a, b)| a.elapsed_ms(b).map(|x| x as f64))
+            .collect::<Result<Vec<_>, _>>()?;
+        t.sort_by(f64::total_cmp);
+        Ok(t[t.len() / 2])
+    }
+}
+
+fn copy_ceiling(stream: &Arc<CudaStream>, timer: &Timer) -> Result<f64> {
+    let bytes = 1usize << 30;
+    let src: CudaSlice<u8> = zeros(stream, bytes)?;
+    let mut dst: CudaSlice<u8> = zeros(stream, bytes)?;
+    let ms = timer.median_ms(|_| Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
+    Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
+}
+
+/// cuBLAS handle on the bench stream; the baseline Y = X·Wᵀ in row-major terms.
+struct Blas {
+    handle: blas_sys::cublasHandle_t,
+}
+
+impl Blas {
+    fn new(stream: &CudaStream) -> Result<Self> {
+        let handle = blas::create_handle().context("cublasCreate")?;
+        // SAFETY: a fresh handle and a live stream.
+        unsafe { blas::set_stream(handle, stream.cu_stream() as blas_sys::cudaStream_t) }
+            .context("cublasSetStream")?;
+        Ok(Self { handle })
+    }
+
+    /// Row-major Y[m,n] = X[m,k]·W[n,k]ᵀ is column-major Yᵀ = W·Xᵀ with W transposed.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: CUdeviceptr,
+        w: CUdeviceptr,
+        y: CUdeviceptr,
+        out: OutDtype,
+    ) -> Result<()> {
+        let alpha = 1.0f32;
+        let beta = 0.0f32;
+        let c_type = match out {
+            OutDtype::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            OutDtype::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        };
+        // SAFETY: the pointers are live allocations of the sizes the shape describes.
+        unsafe {
+            blas::gemm_ex(
+                self.handle,
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                c_type,
+                n as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .with_context(|| format!("cublasGemmEx m={m} n={n} k={k}"))
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `Blas::new` and is destroyed once.
+        let _ = unsafe { blas::destroy_handle(self.handle) };
+    }
+}
+
+/// Device operands of one (K, N); X and W rows have stride `k`.
+struct Operands {
+    family: Family,
+    k: usize,
+    n: usize,
+    x: CudaSlice<u16>,
+    w: Vec<CudaSlice<u16>>,
+    out: CudaSlice<f32>,
+    out2: CudaSlice<f32>,
+    ws: CudaSlice<f32>,
+    ws_len: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_shape(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    blas: &Blas,
+    timer: &Timer,
+    args: &Args,
+    ms: &[usize],
+    k: usize,
+    n: usize,
+    l2: usize,
+    out_dtype: OutDtype,
+    copy_gbps: f64,
+    family: Family,
+) -> Result<Vec<Row>> {
+    let layout = SegmentLayout::new(k);
+    let m_ref = *ms.last().context("no M")?;
+    let x_rows = m_ref + 8;
+    let w_bytes = n * k * 2;
+    // Enough weight copies that one pass over them is 3× L2: a timed call never finds W
+    // cached by the previous one.
+    let copies = (3 * l2).div_ceil(w_bytes).clamp(1, 16);
+    let x_host = random_bf16(x_rows * k, args.seed);
+    let w_host = random_bf16(n * k, args.seed.wrapping_add(0x51ed));
+    let x = stream.clone_htod(&x_host)?;
+    let w_copies = (0..copies)
+        .map(|_| stream.clone_htod(&w_host))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Workspace for the split paths (zeroed once, as they require), up to M = 1024
+    // (larger M reach the split paths through the row check).
+    let ws_len = ms
+        .iter()
+        .flat_map(|&m| {
+            [Family::Mma, Family::Wgmma]
+                .iter()
+                .flat_map(move |f| Path::all(*f).iter())
+                .map(move |p| p.workspace_len(m.min(1024), n, SEGMENTS))
+        })
+        .max()
+        .unwrap_or(0);
+    let ops = Operands {
+        family,
+        k,
+        n,
+        x,
+        w: w_copies,
+        out: zeros(stream, m_ref * n)?,
+        out2: zeros(stream, m_ref * n)?,
+        ws: zeros(stream, ws_len)?,
+        ws_len,
+    };
+    let full = |m: usize| TreeMatmul {
+        m,
+        n,
+        k,
+        seg_len: layout.seg_len,
+        n_seg: SEGMENTS,
+    };
+
+    // The reference rows: the largest M, by its own path.
+    let ref_y = call_f32(stream, tg, &ops, &Call::new(full(m_ref)), &ops.out)?;
+
+    let mut rows = Vec::new();
+    for &m in ms {
+        let path = Path::for_m(m, family);
+        let x_p = ptr(&ops.x, stream);
+        let out_p = ptr(&ops.out, stream);
+        let ws_p = ptr(&ops.ws, stream);
+        let wp: Vec<CUdeviceptr> = ops.w.iter().map(|w| ptr(w, stream)).collect();
+        let arbor_ms = timer.median_ms(|i| {
+            let a = GemmArgs {
+                shape: full(m),
+                x: x_p,
+                ldx: k,
+                w: wp[i % wp.len()],
+                ldw: k,
+                out: out_p,
+                out_dtype,
+                ws: ws_p,
+                ws_len: ops.ws_len,
+            };
+            // SAFETY: all pointers are live buffers sized for `full(m)`.
+            unsafe { tg.launch(stream, &a, Some(path)) }?;
+            Ok(())
+        })?;
+        let out2_p = ptr(&ops.out2, stream);
+        let cublas_ms =
+            timer.median_ms(|i| blas.gemm(m, n, k, x_p, wp[i % wp.len()], out2_p, out_dtype))?;
+
+        // Checks (untimed).
+        let y = call_f32(stream, tg, &ops, &Call::new(full(m)), &ops.out)?;
+        blas.gemm(m, n, k, x_p, wp[0], out2_p, OutDtype::F32)?;
+        let y_blas: Vec<f32> = stream.clone_dtoh(&ops.out2)?[..m * n].to_vec();
+        let rel_err = rel_err(&y, &y_blas);
+        let mut checks = Vec::new();
+        checks.push(check_tp(stream, tg, &ops, &layout, m, &y)?);
+        if m < m_ref {
+            checks.push(check_rows(stream, tg, &ops, full(m), m_ref, &ref_y)?);
+        }
+        checks.push(check_cols(stream, tg, &ops, full(m), &y)?);
+        if m <= 1024 {
+            checks.push(check_paths(stream, tg, &ops, full(m), &y)?);
+        }
+        checks.push(check_bf16(stream, tg, &ops, full(m), &y)?);
+        let other = match family {
+            Family::Mma => Family::Wgmma,
+            Family::Wgmma => Family::Mma,
+        };
+        let other_path = Path::for_m(m, other);
+        let other_family_equal = if tg.has(other_path) {
+            let c = Call {
+                path: Some(other_path),
+                ..Call::new(full(m))
+            };
+            let o = call_f32(stream, tg, &ops, &c, &ops.out2)?;
+            Some(first_mismatch(&o, &y, n).is_none())
+        } else {
+            None
+        };
+
+        let flops = 2.0 * (m * n * k) as f64;
+        let arbor_tf = flops / (arbor_ms * 1e-3) / 1e12;
+        let cublas_tf = flops / (cublas_ms * 1e-3) / 1e12;
+        let (gbps, frac) = if m <= 64 {
+            let g = w_bytes as f64 / (arbor_ms * 1e-3) / 1e9;
+            (Some(g), Some(g / copy_gbps))
+        } else {
+            (None, None)
+        };
+        let row = Row {
+            k,
+            n,
+            m,
+            path: path.name(),
+            arbor_ms,
+            cublas_ms,
+            arbor_tflops: arbor_tf,
+            cublas_tflops: cublas_tf,
+            ratio: cublas_ms / arbor_ms,
+            weight_gbps: gbps,
+            frac_of_copy: frac,
+            rel_err_vs_cublas: rel_err,
+            checks,
+            other_family_equal,
+        };
+        print_row(&row);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+fn print_row(r: &Row) {
+    let fails: Vec<&str> = r
+        .checks
+        .iter()
+        .filter(|c| !c.pass)
+        .map(|c| c.name.as_str())
+        .collect();
+    let mut status = if fails.is_empty() && r.rel_err_vs_cublas < 1e-2 {
+        format!("ok ({})", r.checks.len())
+    } else {
+        format!("FAIL {fails:?}")
+    };
+    if let Some(eq) = r.other_family_equal {
+        status.push_str(if eq {
+            " [other family: same bits]"
+        } else {
+            " [other family: other bits]"
+        });
+    }
+    println!(
+        "{:>6} {:>6} {:>5} {:>8} {:>9.4} {:>9.4} {:>8.1} {:>8.1} {:>6.3} {:>7} {:>6} {:>8.1e} {}",
+        r.k,
+        r.n,
+        r.m,
+        r.path,
+        r.arbor_ms,
+        r.cublas_ms,
+        r.arbor_tflops,
+        r.cublas_tflops,
+        r.ratio,
+        r.weight_gbps.map_or("-".into(), |g| format!("{g:.0}")),
+        r.frac_of_copy
+            .map_or("-".into(), |f| format!("{:.1}", 100.0 * f)),
+        r.rel_err_vs_cublas,
+        status
+    );
+    for c in r.checks.iter().filter(|c| !c.pass) {
+        println!("    {}: {}", c.name, c.detail);
+    }
+}
+
+/// max |a - b| / max |b|.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let mut num = 0.0f64;
+    let mut den = 0.0f64;
+    for (&x, &y) in a.iter().zip(b) {
+        num = num.max((x as f64 - y as f64).abs());
+        den = den.max((y as f64).abs());
+    }
+    if a.iter().chain(b).any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    num / den.max(f64::MIN_POSITIVE)
+}
+
+/// One call of the tree GEMM on the bench operands: `x_row` / `w_row` shift the operands
+/// by rows (a batch position, a column shard of W), `k_off` by columns (a TP shard of K).
+struct Call {
+    shape: TreeMatmul,
+    x_row: usize,
+    w_row: usize,
+    k_off: usize,
+    path: Option<Path>,
+    out_dtype: OutDtype,
+}
+
+impl Call {
+    fn new(shape: TreeMatmul) -> Self {
+        Self {
+            shape,
+            x_row: 0,
+            w_row: 0,
+            k_off: 0,
+            path: None,
+            out_dtype: OutDtype::F32,
+        }
+    }
+}
+
+fn launch(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    c: &Call,
+    out: &CudaSlice<f32>,
+) -> Result<()> {
+    let s = c.shape;
+    let out_elems = match c.out_dtype {
+        OutDtype::F32 => s.m * s.n,
+        OutDtype::Bf16 => (s.m * s.n).div_ceil(2),
+    };
+    let fits = (c.x_row + s.m) * ops.k <= ops.x.len()
+        && (c.w_row + s.n) * ops.k <= ops.w[0].len()
+        && c.k_off + s.k <= ops.k
+        && out_elems <= out.len();
+    if !fits {
+        bail!(
+            "bench call {:?} at rows {}/{} does not fit its buffers",
+            s,
+            c.x_row,
+            c.w_row
+        );
+    }
+    let a = GemmArgs {
+        shape: s,
+        x: ptr(&ops.x, stream) + ((c.x_row * ops.k + c.k_off) * 2) as u64,
+        ldx: ops.k,
+        w: ptr(&ops.w[0], stream) + ((c.w_row * ops.k + c.k_off) * 2) as u64,
+        ldw: ops.k,
+        out: ptr(out, stream),
+        out_dtype: c.out_dtype,
+        ws: ptr(&ops.ws, stream),
+        ws_len: ops.ws_len,
+    };
+    let path = c.path.unwrap_or(Path::for_m(s.m, ops.family));
+    // SAFETY: checked above that every operand lies inside its buffer.
+    unsafe { tg.launch(stream, &a, Some(path)) }?;
+    Ok(())
+}
+
+/// Runs an f32 call and returns its [m, n] result.
+fn call_f32(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    c: &Call,
+    out: &CudaSlice<f32>,
+) -> Result<Vec<f32>> {
+    launch(stream, tg, ops, c, out)?;
+    let mut host = stream.clone_dtoh(out)?;
+    host.truncate(c.shape.m * c.shape.n);
+    Ok(host)
+}
+
+/// The first element whose bits differ, as "(row, col): got vs want".
+fn first_mismatch(got: &[f32], want: &[f32], cols: usize) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("length {} vs {}", got.len(), want.len()));
+    }
+    got.iter()
+        .zip(want)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+        .map(|i| {
+            format!(
+                "first at ({}, {}): {:e} vs {:e}",
+                i / cols,
+                i % cols,
+                got[i],
+                want[i]
+            )
+        })
+}
+
+fn verdict(name: String, mismatch: Option<String>, ok_detail: String) -> Check {
+    match mismatch {
+        None => Check {
+            name,
+            pass: true,
+            detail: ok_detail,
+        },
+        Some(d) => Check {
+            name,
+            pass: false,
+            detail: d,
+        },
+    }
+}
+
+/// Full result vs the host tree-combination of the TP = 2, 4, 8 shard roots.
+fn check_tp(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    layout: &SegmentLayout,
+    m: usize,
+    y: &[f32],
+) -> Result<Check> {
+    let n = ops.n;
+    let mut bad = None;
+    for world in [2usize, 4, 8] {
+        let mut roots = Vec::with_capacity(world);
+        for rank in 0..world {
+            let cols = layout.shard(rank, world);
+            let shape = TreeMatmul {
+                m,
+                n,
+                k: cols.len(),
+                seg_len: layout.seg_len,
+                n_seg: SEGMENTS / world,
+            };
+            let c = Call {
+                k_off: cols.start,
+                ..Call::new(shape)
+            };
+            roots.push(call_f32(stream, tg, ops, &c, &ops.out2)?);
+        }
+        let slices: Vec<&[f32]> = roots.iter().map(|r| r.as_slice()).collect();
+        let mut combined = vec![0.0f32; m * n];
+        combine_roots(&slices, &mut combined);
+        if let Some(d) = first_mismatch(&combined, y, n) {
+            bad = Some(format!("TP={world}: {d}"));
+            break;
+        }
+    }
+    Ok(verdict(
+        "tp_shards".into(),
+        bad,
+        "TP 2/4/8 roots combine to the full bits".into(),
+    ))
+}
+
+/// Rows computed at M = m from a shifted batch position vs the same rows at M = m_ref.
+fn check_rows(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    shape: TreeMatmul,
+    m_ref: usize,
+    ref_y: &[f32],
+) -> Result<Check> {
+    let n = ops.n;
+    let off = 3.min(m_ref - shape.m);
+    let c = Call {
+        x_row: off,
+        ..Call::new(shape)
+    };
+    let got = call_f32(stream, tg, ops, &c, &ops.out2)?;
+    let want = &ref_y[off * n..(off + shape.m) * n];
+    Ok(verdict(
+        "rows_vs_m".into(),
+        first_mismatch(&got, want, n)
+            .map(|d| format!("M={} at row offset {off} vs M={m_ref}: {d}", shape.m)),
+        format!(
+            "rows {off}..{} equal at M={} and M={m_ref}",
+            off + shape.m,
+            shape.m
+        ),
+    ))
+}
+
+/// A column shard of W (N-sharding, as a column-parallel layer does) vs the full result.
+fn check_cols(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    shape: TreeMatmul,
+    y: &[f32],
+) -> Result<Check> {
+    let n = ops.n;
+    let n0 = (n / 2 / 8 * 8 + 8).min(n - 1);
+    let nn = n - n0;
+    let c = Call {
+        w_row: n0,
+        ..Call::new(TreeMatmul { n: nn, ..shape })
+    };
+    let got = call_f32(stream, tg, ops, &c, &ops.out2)?;
+    let want: Vec<f32> = (0..shape.m)
+        .flat_map(|r| y[r * n + n0..(r + 1) * n].iter().copied())
+        .collect();
+    Ok(verdict(
+        "cols_shard".into(),
+        first_mismatch(&got, &want, nn).map(|d| format!("columns {n0}..{n}: {d}")),
+        format!("columns {n0}..{n} equal as an N shard"),
+    ))
+}
+
+/// Every launch path (tile shapes, split or in-block tree) gives the same bits.
+fn check_paths(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    shape: TreeMatmul,
+    y: &[f32],
+) -> Result<Check> {
+    let mut bad = None;
+    for &p in Path::all(ops.family) {
+        let c = Call {
+            path: Some(p),
+            ..Call::new(shape)
+        };
+        if let Some(d) = first_mismatch(&call_f32(stream, tg, ops, &c, &ops.out2)?, y, ops.n) {
+            bad = Some(format!("path {}: {d}", p.name()));
+            break;
+        }
+    }
+    Ok(verdict(
+        "paths".into(),
+        bad,
+        "every path of the family agrees".into(),
+    ))
+}
+
+/// bf16 output is the f32 root rounded to nearest even.
+fn check_bf16(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    shape: TreeMatmul,
+    y: &[f32],
+) -> Result<Check> {
+    let c = Call {
+        out_dtype: OutDtype::Bf16,
+        ..Call::new(shape)
+    };
+    launch(stream, tg, ops, &c, &ops.out2)?;
+    let raw = stream.clone_dtoh(&ops.out2)?;
+    // Little-endian: f32 word i holds bf16 elements 2i (low half) and 2i + 1.
+    let got = raw.iter().flat_map(|w| {
+        let b = w.to_bits();
+        [(b & 0xffff) as u16, (b >> 16) as u16]
+    });
+    let bad = got
+        .zip(y)
+        .position(|(g, v)| g != half::bf16::from_f32(*v).to_bits())
+        .map(|i| format!("element {i}: f32 root {:e}", y[i]));
+    Ok(verdict(
+        "bf16_out".into(),
+        bad,
+        "bf16 output = RNE(f32 root)".into(),
+    ))
 }

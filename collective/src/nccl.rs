@@ -1,0 +1,309 @@
+//! NCCL communicator for GPU ranks, bootstrapped over a host [`Communicator`].
+//!
+//! ```text
+//! let comm = NcclComm::new(host.clone(), stream.clone())?;   // collective: all ranks call it
+//! let gathered = comm.all_gather_f32(&partial)?;              // [world * n], rank order
+//! comm.all_reduce_raw(src, dst, n, Dtype::Bf16)?;             // NCCL's own (non-deterministic) sum
+//! ```
+//!
+//! Rank 0 makes the NCCL unique id and broadcasts it with `Communicator::broadcast_bytes`;
+//! every rank then joins with `ncclCommInitRank` on the device of `stream`. All work is
+//! enqueued on that stream; nothing here synchronises it. The deterministic all-reduce lives
+//! in [`crate::gpu`]; this module is its transport and NCCL's reference sum.
+//!
+//! cudarc opens libcuda / libnccl at first use and panics when one is missing, so
+//! [`probe_nccl`] checks first and every entry point returns [`GpuError`] instead.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{result as nres, sys as nsys};
+
+use crate::gpu::GpuError;
+use crate::Communicator;
+
+/// Element type of a device buffer handed to the raw entry points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Dtype {
+    F32,
+    /// bf16 stored as `u16` bits.
+    Bf16,
+}
+
+impl Dtype {
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    fn nccl(self) -> nsys::ncclDataType_t {
+        match self {
+            Dtype::F32 => nsys::ncclDataType_t::ncclFloat32,
+            Dtype::Bf16 => nsys::ncclDataType_t::ncclBfloat16,
+        }
+    }
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Dtype::F32),
+            "bf16" => Ok(Dtype::Bf16),
+            other => Err(format!("unknown dtype '{other}' (expected f32 or bf16)")),
+        }
+    }
+}
+
+/// Checks that libcuda and libnccl can be loaded, without letting cudarc panic.
+pub fn probe_nccl() -> Result<(), GpuError> {
+    crate::gpu::probe_driver()?;
+    // SAFETY: only tries to dlopen the library names cudarc would use.
+    if !unsafe { nsys::is_culib_present() } {
+        return Err(GpuError::Unavailable(
+            "libnccl.so could not be loaded (NCCL is not installed or not on LD_LIBRARY_PATH)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+fn nccl_err(rank: usize, what: &str, e: nres::NcclError) -> GpuError {
+    GpuError::Nccl {
+        rank,
+        msg: format!("{what} failed: {:?}", e.0),
+    }
+}
+
+/// One rank's NCCL communicator; all collective calls are enqueued on `stream`.
+pub struct NcclComm {
+    comm: nsys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; every method takes `&self` but NCCL serialises enqueueing per communicator,
+// and arbor issues collectives from one thread per rank.
+unsafe impl Send for NcclComm {}
+unsafe impl Sync for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+impl NcclComm {
+    /// Collective: every rank of `host` calls it with a stream on its own GPU.
+    pub fn new(host: Arc<dyn Communicator>, stream: Arc<CudaStream>) -> Result<Self, GpuError> {
+        probe_nccl()?;
+        let rank = host.rank();
+        let world = host.world_size();
+        let mut bytes = Vec::new();
+        if rank == 0 {
+            let id = std::panic::catch_unwind(nres::get_uniqueid)
+                .map_err(|_| GpuError::Unavailable("libnccl lacks ncclGetUniqueId".into()))?
+                .map_err(|e| nccl_err(rank, "ncclGetUniqueId", e))?;
+            bytes = id.internal.iter().map(|&c| c as u8).collect();
+        }
+        host.broadcast_bytes(&mut bytes, 0)
+            .map_err(|e| GpuError::Host {
+                rank,
+                msg: format!("broadcast of the NCCL id: {e}"),
+            })?;
+        if bytes.len() != 128 {
+            return Err(GpuError::Nccl {
+                rank,
+                msg: format!(
+                    "the NCCL unique id from rank 0 has {} bytes, expected 128",
+                    bytes.len()
+                ),
+            });
+        }
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (d, s) in internal.iter_mut().zip(&bytes) {
+            *d = *s as std::ffi::c_char;
+        }
+        let id = nsys::ncclUniqueId { internal };
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| GpuError::Cuda {
+                rank,
+                msg: format!("binding the context: {e:?}"),
+            })?;
+        let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; the id comes from rank 0's ncclGetUniqueId.
+        unsafe { nres::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
+            .map_err(|e| nccl_err(rank, &format!("ncclCommInitRank (world {world})"), e))?;
+        tracing::debug!(rank, world, "NCCL communicator ready");
+        Ok(Self {
+            comm,
+            stream,
+            rank,
+            world,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn cu_stream(&self) -> nsys::cudaStream_t {
+        self.stream.cu_stream() as nsys::cudaStream_t
+    }
+
+    /// NCCL all-gather of `count` elements per rank: `recv` receives `world * count`.
+    ///
+    /// # Safety
+    /// `send` and `recv` must be device pointers on this rank's GPU, valid for the stream's
+    /// work, holding `count` and `world * count` elements of `dtype`.
+    pub unsafe fn all_gather_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: Dtype,
+    ) -> Result<(), GpuError> {
+        nres::all_gather(
+            send as *const _,
+            recv as *mut _,
+            count,
+            dtype.nccl(),
+            self.comm,
+            self.cu_stream(),
+        )
+        .map(|_| ())
+        .map_err(|e| {
+            nccl_err(
+                self.rank,
+                &format!("ncclAllGather of {count} {}", dtype.name()),
+                e,
+            )
+        })
+    }
+
+    /// NCCL's own sum all-reduce (its order depends on NCCL's algorithm choice: the
+    /// non-deterministic reference the benchmark compares against).
+    ///
+    /// # Safety
+    /// As [`NcclComm::all_gather_raw`], with `count` elements in both buffers.
+    pub unsafe fn all_reduce_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: Dtype,
+    ) -> Result<(), GpuError> {
+        nres::all_reduce(
+            send as *const _,
+            recv as *mut _,
+            count,
+            dtype.nccl(),
+            nsys::ncclRedOp_t::ncclSum,
+            self.comm,
+            self.cu_stream(),
+        )
+        .map(|_| ())
+        .map_err(|e| {
+            nccl_err(
+                self.rank,
+                &format!("ncclAllReduce of {count} {}", dtype.name()),
+                e,
+            )
+        })
+    }
+
+    /// All-gather of an f32 buffer: the ranks' buffers concatenated in rank order.
+    pub fn all_gather_f32(&self, send: &CudaSlice<f32>) -> Result<CudaSlice<f32>, GpuError> {
+        self.all_gather_typed(send, Dtype::F32)
+    }
+
+    /// All-gather of a bf16 buffer (`u16` bits).
+    pub fn all_gather_bf16(&self, send: &CudaSlice<u16>) -> Result<CudaSlice<u16>, GpuError> {
+        self.all_gather_typed(send, Dtype::Bf16)
+    }
+
+    fn all_gather_typed<T: cudarc::driver::DeviceRepr>(
+        &self,
+        send: &CudaSlice<T>,
+        dtype: Dtype,
+    ) -> Result<CudaSlice<T>, GpuError> {
+        let n = send.len();
+        // SAFETY: fully written by the all-gather below before anyone reads it.
+        let mut recv =
+            unsafe { self.stream.alloc::<T>(n * self.world) }.map_err(|e| GpuError::Cuda {
+                rank: self.rank,
+                msg: format!("alloc of {} elements: {e:?}", n * self.world),
+            })?;
+        {
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: both buffers live on this stream's device with the right lengths.
+            unsafe { self.all_gather_raw(s, r, n, dtype) }?;
+        }
+        Ok(recv)
+    }
+
+    /// NCCL sum all-reduce of an f32 buffer into a new buffer (non-deterministic order).
+    pub fn nccl_all_reduce_f32(&self, send: &CudaSlice<f32>) -> Result<CudaSlice<f32>, GpuError> {
+        let n = send.len();
+        // SAFETY: fully written by the all-reduce below.
+        let mut recv = unsafe { self.stream.alloc::<f32>(n) }.map_err(|e| GpuError::Cuda {
+            rank: self.rank,
+            msg: format!("alloc of {n} f32: {e:?}"),
+        })?;
+        {
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: both buffers hold n f32 on this stream's device.
+            unsafe { self.all_reduce_raw(s, r, n, Dtype::F32) }?;
+        }
+        Ok(recv)
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was created by ncclCommInitRank and is destroyed once.
+        if let Err(e) = unsafe { nres::comm_destroy(self.comm) } {
+            tracing::warn!(rank = self.rank, "ncclCommDestroy failed: {:?}", e.0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_parses_and_sizes() {
+        assert_eq!("f32".parse::<Dtype>(), Ok(Dtype::F32));
+        assert_eq!("bf16".parse::<Dtype>(), Ok(Dtype::Bf16));
+        assert!("f16".parse::<Dtype>().unwrap_err().contains("f16"));
+        assert_eq!(Dtype::F32.size(), 4);
+        assert_eq!(Dtype::Bf16.size(), 2);
+    }
+}

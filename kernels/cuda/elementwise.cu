@@ -1,0 +1,68 @@
+// Element-wise kernels: one thread per element, no reductions.
+
+extern "C" __global__ void silu_mul_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+                                           float* __restrict__ out, long long count) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const float g = gate[i];
+    out[i] = (g / (1.0f + expf(-g))) * up[i];
+}
+
+extern "C" __global__ void add_row_bias_kernel(float* __restrict__ x, const float* __restrict__ bias,
+                                               long long count, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] = x[i] + bias[i % cols];
+}
+
+extern "C" __global__ void add_assign_kernel(float* __restrict__ x, const float* __restrict__ y, long long count) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] = x[i] + y[i];
+}
+
+// out[r, c] = table[ids[r], c] as f32. ids are checked on the host.
+extern "C" __global__ void embedding_kernel(const bf16_t* __restrict__ table, const unsigned int* __restrict__ ids,
+                                            float* __restrict__ out, int rows, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * cols) return;
+    const int r = (int)(i / cols);
+    const int c = (int)(i % cols);
+    out[i] = bf16_to_f32(table[(size_t)ids[r] * cols + c]);
+}
+
+// out[r, :] = x[idx[r], :]
+extern "C" __global__ void select_rows_kernel(const float* __restrict__ x, const unsigned int* __restrict__ idx,
+                                              float* __restrict__ out, int rows, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * cols) return;
+    const int r = (int)(i / cols);
+    const int c = (int)(i % cols);
+    out[i] = x[(size_t)idx[r] * cols + c];
+}
+
+// gathered [world, rows, cols] (an all-gather's rank-major output) → out [rows, world*cols].
+extern "C" __global__ void interleave_cols_kernel(const float* __restrict__ gathered, float* __restrict__ out,
+                                                  int world, int rows, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long total = (long long)world * rows * cols;
+    if (i >= total) return;
+    const int c = (int)(i % cols);
+    const long long rest = i / cols;
+    const int r = (int)(rest % rows);
+    const int w = (int)(rest / rows);
+    out[((size_t)r * world + w) * cols + c] = gathered[i];
+}
+
+// Write K and V rows (rounded to bf16) into the cache of one layer.
+// cache layout: [layers, slots, max_len, width], width = n_kv_heads * head_dim.
+extern "C" __global__ void kv_write_kernel(bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+                                           const float* __restrict__ k, const float* __restrict__ v,
+                                           const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos,
+                                           int rows, int width, int layer, int slots, int max_len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * width) return;
+    const int r = (int)(i / width);
+    const int c = (int)(i % width);
+    const size_t dst = (((size_t)layer * slots + row_slot[r]) * max_len + row_pos[r]) * width + c;
+    kc[dst] = f32_to_bf16(k[i]);
+    vc[dst] = f32_to_bf16(v[i]);
+}

@@ -1,0 +1,321 @@
+// arbor's TP-invariant GEMM: Y[m,n] = sum_k X[m,k] * W[n,k] with the reduction over K
+// following the fixed 8-segment tree (shared/design/INVARIANCE.md).
+//
+// The leaf of one output element over one segment is a chain of m16n8k16 tensor-core MMAs
+// over the segment's k16 chunks, in order, starting from +0, with the chunk that crosses the
+// segment end zero-filled and no chunk that starts past it. Nothing in that chain depends on
+// M, N, the tile shape or the grid: an element's MMA result depends only on its own row of
+// X, its own row of W and its own accumulator, so every kernel below (large tiles with the
+// tree held in the block, or one block per segment plus a combine kernel) produces the
+// same bits. Segment sums are combined as ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) in f32; a
+// call over n_seg = 1, 2, 4 segments (a TP shard) returns that subtree's root.
+//
+// Requirements checked on the host: K, seg_len, ldx and ldw are multiples of 8 (16-byte
+// cp.async chunks never straddle a segment end) and K <= n_seg * seg_len.
+// Built by NVRTC without CUDA headers: only builtins and inline PTX (sm_80+).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define DEVI __device__ __forceinline__
+
+DEVI u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+DEVI void cp_async16(u32 dst, const void* src, bool valid) {
+    int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+DEVI void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+DEVI void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+DEVI void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+DEVI void mma16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// f32 -> bf16, round to nearest even; NaN stays a (quiet) NaN.
+DEVI u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+DEVI void store_out(float* outf, u16* outh, long long idx, float v) {
+    if (outh) outh[idx] = f32_to_bf16(v);
+    else outf[idx] = v;
+}
+
+// 16-byte chunk swizzle inside a row of BK bf16, so that ldmatrix's 8 rows hit 8 distinct
+// bank groups.
+template <int CH>
+DEVI int swz(int r) {
+    return CH == 4 ? ((r >> 1) & 3) : (r & 7);
+}
+
+struct Params {
+    const u16* x;   // [M, ldx], columns [0, K) used
+    const u16* w;   // [N, ldw]
+    float* outf;    // [M, N] f32 result, or null
+    u16* outh;      // [M, N] bf16 result, or null
+    float* ws;      // split path: [n_seg, M, N] f32 segment sums
+    int M, N, K, seg_len, n_seg, ldx, ldw;
+};
+
+DEVI float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// Split path, after a block stored its segment sum of tile (m_tile, n_tile) into ws: the
+// last of the tile's n_seg blocks to arrive combines the n_seg sums with the fixed tree
+// (the same additions whichever block is last) and resets the tile's arrival counter,
+// which lives after the sums in ws (zeroed once when ws is allocated).
+template <int BM, int BN, int THREADS>
+DEVI void split_finish(const Params& p, int m_tile, int n_tile) {
+    const int n_tiles = (p.N + BN - 1) / BN;
+    const long long mn = (long long)p.M * p.N;
+    u32* cnt = (u32*)(p.ws + p.n_seg * mn) + (m_tile * n_tiles + n_tile);
+    __threadfence();
+    int prev = 0;
+    if (threadIdx.x == 0) prev = (int)atomicAdd(cnt, 1u);
+    if (!__syncthreads_or(threadIdx.x == 0 && prev == p.n_seg - 1)) return;
+    __threadfence();
+    const int row0 = m_tile * BM, col0 = n_tile * BN;
+    const float* ws = p.ws;
+    for (int i = threadIdx.x; i < BM * BN; i += THREADS) {
+        const int r = row0 + i / BN, c = col0 + i % BN;
+        if (r >= p.M || c >= p.N) continue;
+        const long long e = (long long)r * p.N + c;
+        float v;
+        if (p.n_seg == 1) {
+            v = ld_cg(ws + e);
+        } else if (p.n_seg == 2) {
+            v = ld_cg(ws + e) + ld_cg(ws + mn + e);
+        } else if (p.n_seg == 4) {
+            v = (ld_cg(ws + e) + ld_cg(ws + mn + e)) + (ld_cg(ws + 2 * mn + e) + ld_cg(ws + 3 * mn + e));
+        } else {
+            v = ((ld_cg(ws + e) + ld_cg(ws + mn + e)) + (ld_cg(ws + 2 * mn + e) + ld_cg(ws + 3 * mn + e))) +
+                ((ld_cg(ws + 4 * mn + e) + ld_cg(ws + 5 * mn + e)) +
+                 (ld_cg(ws + 6 * mn + e) + ld_cg(ws + 7 * mn + e)));
+        }
+        store_out(p.outf, p.outh, e, v);
+    }
+    if (threadIdx.x == 0) *cnt = 0u;
+}
+
+// One block: a BM x BN output tile over segments [seg_begin, seg_begin + seg_count).
+// SPLIT: seg_count == 1 and the leaf goes to ws; otherwise the block runs the whole tree.
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool SPLIT>
+DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin, int seg_count) {
+    constexpr int WARPS_N = BN / WN;
+    constexpr int THREADS = 32 * (BM / WM) * WARPS_N;
+    constexpr int MT = WM / 16, NT = WN / 8;
+    constexpr int CH = BK / 8;
+    constexpr int NACC = MT * NT * 4;
+    static_assert(NT % 2 == 0, "WN must be a multiple of 16");
+    static_assert(CH == 4 || CH == 8, "BK must be 32 or 64");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    u16* sA = (u16*)smem;
+    u16* sB = sA + STAGES * BM * BK;
+    // Two spill slots of the tree stack (thread-private, [slot][reg][thread]): the stack
+    // needs 4 live tile partials at its deepest; registers hold the leaf and one.
+    float* slots = (float*)(sB + STAGES * BN * BK);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int row0 = m_tile * BM, col0 = n_tile * BN;
+    const int tiles_per_seg = (p.seg_len + BK - 1) / BK;
+    const int total = seg_count * tiles_per_seg;
+
+    auto load_tile = [&](int t, int stage) {
+        const int s = seg_begin + t / tiles_per_seg;
+        const int k0 = s * p.seg_len + (t % tiles_per_seg) * BK;
+        const int khi = min((s + 1) * p.seg_len, p.K);
+        const u32 a_base = smem_addr(sA + stage * BM * BK);
+        const u32 b_base = smem_addr(sB + stage * BN * BK);
+#pragma unroll
+        for (int i = tid; i < BM * CH; i += THREADS) {
+            const int r = i / CH, c = i % CH;
+            const int gr = row0 + r, gk = k0 + c * 8;
+            const bool ok = gr < p.M && gk < khi;
+            const u16* src = ok ? p.x + (long long)gr * p.ldx + gk : p.x;
+            cp_async16(a_base + (r * CH + (c ^ swz<CH>(r))) * 16, src, ok);
+        }
+#pragma unroll
+        for (int i = tid; i < BN * CH; i += THREADS) {
+            const int r = i / CH, c = i % CH;
+            const int gr = col0 + r, gk = k0 + c * 8;
+            const bool ok = gr < p.N && gk < khi;
+            const u16* src = ok ? p.w + (long long)gr * p.ldw + gk : p.w;
+            cp_async16(b_base + (r * CH + (c ^ swz<CH>(r))) * 16, src, ok);
+        }
+    };
+
+    float acc[MT][NT][4];
+    float root[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f, root[i][j][c] = 0.f;
+
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < total) load_tile(t, t);
+        cp_commit();
+    }
+
+    for (int t = 0; t < total; ++t) {
+        cp_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            const int tn = t + STAGES - 1;
+            if (tn < total) load_tile(tn, tn % STAGES);
+            cp_commit();
+        }
+        const int stage = t % STAGES;
+        const int sl = t / tiles_per_seg;  // local segment index
+        const int kt = t % tiles_per_seg;
+        const int s = seg_begin + sl;
+        const int k0 = s * p.seg_len + kt * BK;
+        const int khi = min((s + 1) * p.seg_len, p.K);
+        const u32 a_base = smem_addr(sA + stage * BM * BK);
+        const u32 b_base = smem_addr(sB + stage * BN * BK);
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            // The leaf has exactly ceil(len/16) chunks, whatever BK is.
+            if (k0 + kk * 16 >= khi) break;
+            u32 a[MT][4], b[NT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r = wm * WM + mt * 16 + (lane & 15);
+                const int c = kk * 2 + (lane >> 4);
+                ldsm_x4(a_base + (r * CH + (c ^ swz<CH>(r))) * 16, a[mt][0], a[mt][1], a[mt][2],
+                        a[mt][3]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT / 2; ++nt) {
+                const int r = wn * WN + nt * 16 + ((lane >> 4) << 3) + (lane & 7);
+                const int c = kk * 2 + ((lane >> 3) & 1);
+                ldsm_x4(b_base + (r * CH + (c ^ swz<CH>(r))) * 16, b[2 * nt][0], b[2 * nt][1],
+                        b[2 * nt + 1][0], b[2 * nt + 1][1]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mma16816(acc[mt][nt], a[mt], b[nt]);
+        }
+
+        if (kt == tiles_per_seg - 1) {
+            if (SPLIT) {
+                // One segment per block: its leaf goes to ws[s] for split_finish.
+                float* dst = p.ws + (long long)s * p.M * p.N;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int r = row0 + wm * WM + mt * 16 + (lane >> 2) + h * 8;
+                            const int c = col0 + wn * WN + nt * 8 + (lane & 3) * 2;
+                            if (r < p.M) {
+                                if (c < p.N) dst[(long long)r * p.N + c] = acc[mt][nt][2 * h];
+                                if (c + 1 < p.N)
+                                    dst[(long long)r * p.N + c + 1] = acc[mt][nt][2 * h + 1];
+                            }
+                        }
+            } else {
+                // Push the leaf onto the tree stack: root/slot0/slot1 hold the pending
+                // subtrees; the additions below are exactly the tree's, bracket by bracket.
+                float* s0 = slots;
+                float* s1 = slots + NACC * THREADS;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            const int j = ((mt * NT + nt) * 4 + c) * THREADS + tid;
+                            const float v = acc[mt][nt][c];
+                            float& r = root[mt][nt][c];
+                            switch (sl) {
+                                case 0: r = v; break;                    // s0
+                                case 1: r = r + v; break;                // s0+s1
+                                case 2: s0[j] = v; break;                // s2
+                                case 3: r = r + (s0[j] + v); break;      // (s0+s1)+(s2+s3)
+                                case 4: s0[j] = v; break;                // s4
+                                case 5: s0[j] = s0[j] + v; break;        // s4+s5
+                                case 6: s1[j] = v; break;                // s6
+                                default: r = r + (s0[j] + (s1[j] + v));  // root
+                            }
+                            acc[mt][nt][c] = 0.f;
+                        }
+            }
+        }
+    }
+    cp_wait<0>();
+
+    if (SPLIT) {
+        split_finish<BM, BN, THREADS>(p, m_tile, n_tile);
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row0 + wm * WM + mt * 16 + (lane >> 2) + h * 8;
+                    const int c = col0 + wn * WN + nt * 8 + (lane & 3) * 2;
+                    if (r >= p.M) continue;
+                    const long long idx = (long long)r * p.N + c;
+                    if (c < p.N) store_out(p.outf, p.outh, idx, root[mt][nt][2 * h]);
+                    if (c + 1 < p.N) store_out(p.outf, p.outh, idx + 1, root[mt][nt][2 * h + 1]);
+                }
+    }
+}
+
+// Large M: 128x128 tiles, 8 warps of 64x32, 4-stage cp.async pipeline, the whole tree in
+// the block. 1-D grid in groups of 8 row tiles so that neighbouring blocks share W in L2.
+#define TREE_BM 128
+#define TREE_BN 128
+extern "C" __global__ void __launch_bounds__(256, 1) arbor_gemm_tree_128x128(Params p) {
+    const int num_m = (p.M + TREE_BM - 1) / TREE_BM;
+    const int num_n = (p.N + TREE_BN - 1) / TREE_BN;
+    const int group = 8;
+    const int pid = blockIdx.x;
+    const int per_group = group * num_n;
+    const int first_m = (pid / per_group) * group;
+    const int gsize = min(num_m - first_m, group);
+    const int m_tile = first_m + (pid % per_group) % gsize;
+    const int n_tile = (pid % per_group) / gsize;
+    tree_gemm_block<TREE_BM, TREE_BN, 32, 64, 32, 4, false>(p, m_tile, n_tile, 0, p.n_seg);
+}
+
+// Small M (decode): one block per (column tile, segment, row tile); the split over the
+// fixed segments is the tree's own leaf level, so no extra reduction order is introduced;
+// the last block of each tile combines the segment sums (split_finish).
+extern "C" __global__ void __launch_bounds__(128) arbor_gemm_split_16x64(Params p) {
+    tree_gemm_block<16, 64, 32, 16, 16, 8, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
+}
+extern "C" __global__ void __launch_bounds__(128) arbor_gemm_split_64x64(Params p) {
+    tree_gemm_block<64, 64, 32, 64, 16, 6, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
+}

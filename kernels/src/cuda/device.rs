@@ -1,0 +1,97 @@
+//! One GPU of one rank: its context, stream and the loaded kernel module.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use super::{arch_for, compile_ptx, probe, source, CudaError};
+
+/// A device with arbor's kernels loaded. All work goes to one stream, so the order of
+/// launches is the program order (no cross-stream synchronisation to get wrong).
+pub struct GpuDevice {
+    pub ordinal: usize,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub arch: String,
+    funcs: HashMap<&'static str, CudaFunction>,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDevice")
+            .field("ordinal", &self.ordinal)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+impl GpuDevice {
+    /// Opens CUDA device `ordinal` (relative to CUDA_VISIBLE_DEVICES, as the driver counts),
+    /// compiles the kernels for its architecture (once per process) and loads them.
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        let count = probe::driver()?;
+        if ordinal >= count {
+            return Err(CudaError::NoDriver(format!(
+                "device ordinal {ordinal} requested but only {count} CUDA device(s) are visible \
+                 (CUDA_VISIBLE_DEVICES={})",
+                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+            )));
+        }
+        let drv = |what: &str| {
+            let what = what.to_string();
+            move |source| CudaError::Driver {
+                ordinal,
+                what,
+                source,
+            }
+        };
+        let ctx = CudaContext::new(ordinal).map_err(drv("creating the context"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(drv("reading the compute capability"))?;
+        let arch = arch_for(major, minor);
+        let ptx = compile_ptx(&arch)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(drv("loading the kernel module"))?;
+        let mut funcs = HashMap::new();
+        for &name in source::KERNELS {
+            let f = module
+                .load_function(name)
+                .map_err(drv(&format!("loading kernel {name}")))?;
+            funcs.insert(name, f);
+        }
+        let stream = ctx.default_stream();
+        tracing::info!(ordinal, arch = %arch, "CUDA device ready");
+        Ok(Self {
+            ordinal,
+            ctx,
+            stream,
+            arch,
+            funcs,
+        })
+    }
+
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
+        self.funcs.get(name).ok_or(CudaError::Launch {
+            kernel: name,
+            msg: "not in the loaded module".into(),
+        })
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(|source| CudaError::Driver {
+                ordinal: self.ordinal,
+                what: "synchronizing the stream".into(),
+                source,
+            })
+    }
+}

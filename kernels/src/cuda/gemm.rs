@@ -1,0 +1,569 @@
+//! The TP-invariant tensor-core GEMM (`kernels/cuda/gemm_tree.cu`): Y = X·Wᵀ with the
+//! reduction over K following the fixed 8-segment tree, the GPU twin of
+//! [`crate::cpu::matmul::tree_matmul`] (same [`TreeMatmul`] shape, same shard semantics).
+//!
+//! Three launch paths share one leaf (a chain of m16n8k16 MMAs over a segment's k16 chunks
+//! from +0) and one tree, so they give the same bits; the path is picked from M only for
+//! speed. Standalone: it compiles its own NVRTC program, so it does not wait on the rest
+//! of the CUDA backend.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute_enum};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::{CompileError, CompileOptions};
+
+use crate::cpu::matmul::TreeMatmul;
+use crate::tree::SEGMENTS;
+
+/// The kernel sources, compiled together as their own NVRTC program: the portable
+/// mma.sync kernels (sm_80+) and the Hopper wgmma kernels (compiled only for sm_90a).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("gemm_tree.cu", include_str!("../../cuda/gemm_tree.cu")),
+    ("gemm_sm90.cu", include_str!("../../cuda/gemm_sm90.cu")),
+];
+
+/// The program: the sources concatenated, each under a `#line` so messages name the file.
+pub fn program() -> String {
+    let mut s = String::new();
+    for (name, text) in SOURCES {
+        s.push_str(&format!("#line 1 \"{name}\"\n{text}\n"));
+    }
+    s
+}
+
+/// Errors of the GEMM; each names the value or library that was wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum GemmError {
+    #[error("no usable GPU: {0}")]
+    NoGpu(String),
+    #[error("NVRTC compile of gemm_tree.cu for {arch} failed:\n{log}")]
+    Compile { arch: String, log: String },
+    #[error("CUDA driver call '{what}' failed: {source}")]
+    Driver {
+        what: String,
+        #[source]
+        source: DriverError,
+    },
+    #[error("tree GEMM shape {shape:?}: {msg}")]
+    Shape { shape: TreeMatmul, msg: String },
+}
+
+fn driver(what: &str) -> impl FnOnce(DriverError) -> GemmError + '_ {
+    move |source| GemmError::Driver {
+        what: what.to_string(),
+        source,
+    }
+}
+
+/// Checks that libcuda and libnvrtc open before cudarc touches them (its loader panics).
+pub fn probe() -> Result<(), GemmError> {
+    // SAFETY: only dlopens the library names cudarc itself would use.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(GemmError::NoGpu(
+            "libcuda.so could not be loaded (no NVIDIA driver on this machine)".into(),
+        ));
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(GemmError::NoGpu(
+            "libnvrtc.so is not on the loader path (set LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    let count = std::panic::catch_unwind(CudaContext::device_count)
+        .map_err(|_| GemmError::NoGpu("the CUDA driver library is unusable".into()))?
+        .map_err(|e| GemmError::NoGpu(format!("cuInit/cuDeviceGetCount failed: {e}")))?;
+    if count <= 0 {
+        return Err(GemmError::NoGpu("the driver reports no CUDA device".into()));
+    }
+    Ok(())
+}
+
+/// NVRTC target: Hopper gets `sm_90a`; the kernel itself needs sm_80 or newer.
+pub fn arch_for(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "sm_90a".into()
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+/// Compiles [`SOURCE`] for `arch` and returns the PTX text.
+pub fn compile(arch: &str) -> Result<String, GemmError> {
+    let opts = CompileOptions {
+        fmad: Some(false),
+        ftz: Some(false),
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("gemm_tree.cu".into()),
+        ..Default::default()
+    };
+    let src = program();
+    let res = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src, opts))
+        .map_err(|_| GemmError::NoGpu("libnvrtc is unusable".into()))?;
+    let ptx = res.map_err(|e| GemmError::Compile {
+        arch: arch.to_string(),
+        log: match e {
+            CompileError::CompileError { nvrtc, log, .. } => {
+                format!("{nvrtc:?}\n{}", log.to_string_lossy())
+            }
+            other => format!("{other:?}"),
+        },
+    })?;
+    Ok(ptx.to_src())
+}
+
+/// Output element type; both are rounded only after the tree's root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutDtype {
+    F32,
+    Bf16,
+}
+
+/// Which tensor-core instruction the leaf is made of. Paths of one family give the same
+/// bits; the two families need not agree with each other, so a device always uses one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `mma.sync.m16n8k16` (sm_80 and newer).
+    Mma,
+    /// `wgmma.m64n128k16` (sm_90a only).
+    Wgmma,
+}
+
+/// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_m`] picks by
+/// speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// mma.sync, 128×128 tiles, the whole tree inside the block.
+    Tree128,
+    /// mma.sync, one block per (64 columns, segment, 16 rows); the last block of a tile
+    /// combines.
+    Split16,
+    /// mma.sync, one block per (64 columns, segment, 64 rows); the last block of a tile
+    /// combines.
+    Split64,
+    /// wgmma, 128×128 tiles, the whole tree inside the block.
+    WgTree128,
+    /// wgmma, one block per (128 columns, segment, 64 rows); the last block of a tile
+    /// combines.
+    WgSplit64,
+}
+
+impl Path {
+    pub fn for_m(m: usize, family: Family) -> Path {
+        match (family, m) {
+            (Family::Mma, 0..=16) => Path::Split16,
+            (Family::Mma, 17..=256) => Path::Split64,
+            (Family::Mma, _) => Path::Tree128,
+            (Family::Wgmma, 0..=256) => Path::WgSplit64,
+            (Family::Wgmma, _) => Path::WgTree128,
+        }
+    }
+
+    /// Every path of a family (all must agree bitwise).
+    pub fn all(family: Family) -> &'static [Path] {
+        match family {
+            Family::Mma => &[Path::Tree128, Path::Split16, Path::Split64],
+            Family::Wgmma => &[Path::WgTree128, Path::WgSplit64],
+        }
+    }
+
+    pub fn family(self) -> Family {
+        match self {
+            Path::Tree128 | Path::Split16 | Path::Split64 => Family::Mma,
+            Path::WgTree128 | Path::WgSplit64 => Family::Wgmma,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Tree128 => "tree128",
+            Path::Split16 => "split16",
+            Path::Split64 => "split64",
+            Path::WgTree128 => "wgtree128",
+            Path::WgSplit64 => "wgsplit64",
+        }
+    }
+
+    fn is_split(self) -> bool {
+        !matches!(self, Path::Tree128 | Path::WgTree128)
+    }
+
+    /// f32-sized elements of workspace the path needs: the split paths keep each segment
+    /// sum, then one arrival counter per output tile. The workspace must be zeroed once
+    /// when allocated; every call leaves the counters at zero again.
+    pub fn workspace_len(self, m: usize, n: usize, n_seg: usize) -> usize {
+        if self.is_split() {
+            let ((tiles_n, _, tiles_m), _) = self.launch_dims(m, n, n_seg);
+            n_seg * m * n + tiles_n * tiles_m
+        } else {
+            0
+        }
+    }
+
+    /// Dynamic shared memory of the path's kernel; must match the template arguments in
+    /// the .cu files: STAGES·(BM+BN)·BK·2 bytes, plus the tree paths' two f32 spill slots
+    /// of the tree stack (64 values × 256 threads each), plus 1024 bytes for aligning the
+    /// wgmma tiles to the swizzle atom.
+    fn smem_bytes(self) -> u32 {
+        const SLOTS: u32 = 2 * 64 * 256 * 4;
+        match self {
+            Path::Tree128 => 4 * (128 + 128) * 32 * 2 + SLOTS,
+            Path::Split16 => 8 * (16 + 64) * 32 * 2,
+            Path::Split64 => 6 * (64 + 64) * 32 * 2,
+            Path::WgTree128 => 3 * (128 + 128) * 64 * 2 + SLOTS + 1024,
+            Path::WgSplit64 => 4 * (64 + 128) * 64 * 2 + 1024,
+        }
+    }
+
+    /// (grid, threads per block) for a shape.
+    fn launch_dims(self, m: usize, n: usize, n_seg: usize) -> ((usize, usize, usize), u32) {
+        match self {
+            Path::Tree128 | Path::WgTree128 => ((m.div_ceil(128) * n.div_ceil(128), 1, 1), 256),
+            Path::Split16 => ((n.div_ceil(64), n_seg, m.div_ceil(16)), 128),
+            Path::Split64 => ((n.div_ceil(64), n_seg, m.div_ceil(64)), 128),
+            Path::WgSplit64 => ((n.div_ceil(128), n_seg, m.div_ceil(64)), 128),
+        }
+    }
+
+    fn kernel(self) -> &'static str {
+        match self {
+            Path::Tree128 => "arbor_gemm_tree_128x128",
+            Path::Split16 => "arbor_gemm_split_16x64",
+            Path::Split64 => "arbor_gemm_split_64x64",
+            Path::WgTree128 => "arbor_gemm_wg_tree_128x128",
+            Path::WgSplit64 => "arbor_gemm_wg_split_64x128",
+        }
+    }
+}
+
+/// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Params {
+    x: CUdeviceptr,
+    w: CUdeviceptr,
+    outf: CUdeviceptr,
+    outh: CUdeviceptr,
+    ws: CUdeviceptr,
+    m: i32,
+    n: i32,
+    k: i32,
+    seg_len: i32,
+    n_seg: i32,
+    ldx: i32,
+    ldw: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel expects.
+unsafe impl DeviceRepr for Params {}
+
+/// Raw device operands of one call. `x` is [m, ldx] and `w` [n, ldw] bf16 (only columns
+/// `[0, shape.k)` are read, so a TP shard of K is a pointer offset plus the full row
+/// stride); `out` is [m, n] of `out_dtype`; `ws` has `ws_len` f32 elements.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmArgs {
+    pub shape: TreeMatmul,
+    pub x: CUdeviceptr,
+    pub ldx: usize,
+    pub w: CUdeviceptr,
+    pub ldw: usize,
+    pub out: CUdeviceptr,
+    pub out_dtype: OutDtype,
+    pub ws: CUdeviceptr,
+    pub ws_len: usize,
+}
+
+/// Checks a shape against the kernel's requirements (see gemm_tree.cu).
+pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
+    let s = a.shape;
+    let bad = |msg: String| Err(GemmError::Shape { shape: s, msg });
+    if !(s.n_seg.is_power_of_two() && s.n_seg <= SEGMENTS) {
+        return bad(format!("n_seg = {} is not 1, 2, 4 or 8", s.n_seg));
+    }
+    if s.seg_len == 0 || !s.seg_len.is_multiple_of(8) {
+        return bad(format!(
+            "seg_len = {} must be a positive multiple of 8",
+            s.seg_len
+        ));
+    }
+    if !s.k.is_multiple_of(8) || s.k > s.n_seg * s.seg_len {
+        return bad(format!(
+            "k = {} must be a multiple of 8 and at most n_seg·seg_len = {}",
+            s.k,
+            s.n_seg * s.seg_len
+        ));
+    }
+    if a.ldx < s.k || a.ldw < s.k || !a.ldx.is_multiple_of(8) || !a.ldw.is_multiple_of(8) {
+        return bad(format!(
+            "row strides ldx = {}, ldw = {} must be multiples of 8 and at least k",
+            a.ldx, a.ldw
+        ));
+    }
+    if !a.x.is_multiple_of(16) || !a.w.is_multiple_of(16) {
+        return bad(format!(
+            "x ({:#x}) and w ({:#x}) must be 16-byte aligned",
+            a.x, a.w
+        ));
+    }
+    let limit = i32::MAX as usize;
+    if s.m > limit || s.n > limit || s.n_seg * s.seg_len > limit || a.ldx > limit || a.ldw > limit {
+        return bad("a dimension exceeds i32".into());
+    }
+    let need = path.workspace_len(s.m, s.n, s.n_seg);
+    if a.ws_len < need {
+        return bad(format!(
+            "path {} needs {need} f32 of workspace, got {}",
+            path.name(),
+            a.ws_len
+        ));
+    }
+    Ok(())
+}
+
+/// The compiled kernels of one context.
+pub struct TreeGemm {
+    pub arch: String,
+    /// The leaf family this device uses for every default path.
+    pub family: Family,
+    _module: Arc<CudaModule>,
+    kernels: Vec<(Path, CudaFunction)>,
+}
+
+impl TreeGemm {
+    /// Compiles and loads the kernels for the context's device: the wgmma family on
+    /// Hopper (sm_90a), the mma.sync family elsewhere (and on Hopper too, for comparison).
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, GemmError> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
+        if major < 8 {
+            return Err(GemmError::NoGpu(format!(
+                "compute capability {major}.{minor}: the tree GEMM needs sm_80 or newer"
+            )));
+        }
+        let arch = arch_for(major, minor);
+        let family = if arch == "sm_90a" {
+            Family::Wgmma
+        } else {
+            Family::Mma
+        };
+        let ptx = compile(&arch)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(driver("cuModuleLoadData(gemm_tree)"))?;
+        let mut kernels = Vec::new();
+        let families: &[Family] = match family {
+            Family::Wgmma => &[Family::Wgmma, Family::Mma],
+            Family::Mma => &[Family::Mma],
+        };
+        for fam in families {
+            for &path in Path::all(*fam) {
+                let name = path.kernel();
+                let f = module
+                    .load_function(name)
+                    .map_err(driver(&format!("cuModuleGetFunction({name})")))?;
+                f.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    path.smem_bytes() as i32,
+                )
+                .map_err(driver(&format!(
+                    "cuFuncSetAttribute({name}, {} bytes of shared memory)",
+                    path.smem_bytes()
+                )))?;
+                kernels.push((path, f));
+            }
+        }
+        Ok(Self {
+            arch,
+            family,
+            _module: module,
+            kernels,
+        })
+    }
+
+    /// The path a call of `m` rows takes by default.
+    pub fn default_path(&self, m: usize) -> Path {
+        Path::for_m(m, self.family)
+    }
+
+    /// Whether `path` was compiled for this device.
+    pub fn has(&self, path: Path) -> bool {
+        self.kernels.iter().any(|(p, _)| *p == path)
+    }
+
+    /// Enqueues Y = X·Wᵀ (the subtree root over `shape.n_seg` segments) on `stream`,
+    /// by `path` (or [`TreeGemm::default_path`]).
+    ///
+    /// # Safety
+    /// The pointers in `a` must be live device allocations of this context with the sizes
+    /// [`GemmArgs`] describes, not freed before the stream has run the kernels.
+    pub unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        a: &GemmArgs,
+        path: Option<Path>,
+    ) -> Result<(), GemmError> {
+        let s = a.shape;
+        let path = path.unwrap_or_else(|| self.default_path(s.m));
+        validate(a, path)?;
+        let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
+            return Err(GemmError::Shape {
+                shape: s,
+                msg: format!("path {} is not available on {}", path.name(), self.arch),
+            });
+        };
+        if s.m == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let (outf, outh) = match a.out_dtype {
+            OutDtype::F32 => (a.out, 0),
+            OutDtype::Bf16 => (0, a.out),
+        };
+        let p = Params {
+            x: a.x,
+            w: a.w,
+            outf,
+            outh,
+            ws: a.ws,
+            m: s.m as i32,
+            n: s.n as i32,
+            k: s.k as i32,
+            seg_len: s.seg_len as i32,
+            n_seg: s.n_seg as i32,
+            ldx: a.ldx as i32,
+            ldw: a.ldw as i32,
+        };
+        let (grid, block) = path.launch_dims(s.m, s.n, s.n_seg);
+        if grid.0 > u32::MAX as usize || grid.2 > 65535 {
+            return Err(GemmError::Shape {
+                shape: s,
+                msg: format!("grid {grid:?} is too large for path {}", path.name()),
+            });
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: path.smem_bytes(),
+        };
+        stream
+            .launch_builder(f)
+            .arg(&p)
+            .launch(cfg)
+            .map_err(driver(&format!("launch {}", path.kernel())))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(shape: TreeMatmul) -> GemmArgs {
+        GemmArgs {
+            shape,
+            x: 0x1000,
+            ldx: shape.k,
+            w: 0x2000,
+            ldw: shape.k,
+            out: 0x3000,
+            out_dtype: OutDtype::F32,
+            ws: 0x4000,
+            ws_len: 8 * shape.m * shape.n + 1024,
+        }
+    }
+
+    #[test]
+    fn validation_names_the_bad_value() {
+        let good = TreeMatmul {
+            m: 4,
+            n: 64,
+            k: 4096,
+            seg_len: 512,
+            n_seg: 8,
+        };
+        assert!(validate(&args(good), Path::Split16).is_ok());
+        let shard = TreeMatmul {
+            k: 1024,
+            n_seg: 2,
+            ..good
+        };
+        assert!(validate(&args(shard), Path::Tree128).is_ok());
+        let cases = [
+            (TreeMatmul { n_seg: 3, ..good }, "n_seg = 3"),
+            (
+                TreeMatmul {
+                    seg_len: 500,
+                    ..good
+                },
+                "seg_len = 500",
+            ),
+            (TreeMatmul { k: 4100, ..good }, "k = 4100"),
+            (
+                TreeMatmul {
+                    k: 2048,
+                    n_seg: 2,
+                    ..good
+                },
+                "k = 2048",
+            ),
+        ];
+        for (shape, want) in cases {
+            let e = validate(&args(shape), Path::Split16)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let mut a = args(good);
+        a.ws_len = 10;
+        let e = validate(&a, Path::Split64).unwrap_err().to_string();
+        assert!(e.contains("workspace"), "{e}");
+        a.ldx = 4000;
+        assert!(validate(&a, Path::Tree128).is_err());
+    }
+
+    #[test]
+    fn every_m_has_a_path_of_its_family() {
+        for fam in [Family::Mma, Family::Wgmma] {
+            for m in [1usize, 16, 17, 64, 256, 257, 4096] {
+                let p = Path::for_m(m, fam);
+                assert_eq!(p.family(), fam);
+                assert!(Path::all(fam).contains(&p));
+                assert_eq!(p.is_split(), m <= 256, "m = {m}");
+            }
+        }
+    }
+
+    /// The source compiles for Hopper with the local NVRTC, and the tensor-core MMA is in
+    /// the PTX; skipped (with the reason printed) where libnvrtc cannot be loaded.
+    #[test]
+    fn source_compiles_for_sm_90a() {
+        // SAFETY: only dlopens libnvrtc.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: libnvrtc.so is not loadable here (set LD_LIBRARY_PATH)");
+            return;
+        }
+        let ptx = match compile("sm_90a") {
+            Ok(p) => p,
+            Err(e) => panic!("{e}"),
+        };
+        assert!(ptx.contains(".target sm_90a"), "PTX targets another arch");
+        let paths = Path::all(Family::Mma)
+            .iter()
+            .chain(Path::all(Family::Wgmma));
+        for k in paths.map(|p| p.kernel()) {
+            assert!(
+                ptx.contains(&format!(".entry {k}(")),
+                "{k} missing from the PTX"
+            );
+        }
+        assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
+        assert!(ptx.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"));
+        // The Hopper kernels are left out of a non-Hopper build rather than failing it.
+        let ptx80 = compile("sm_80").unwrap_or_else(|e| panic!("{e}"));
+        assert!(!ptx80.contains("wgmma"));
+        assert!(ptx80.contains(".entry arbor_gemm_tree_128x128("));
+    }
+}

@@ -1,0 +1,629 @@
+//! Typed launch wrappers: shapes are checked here, on the host, before any launch, so a
+//! kernel never reads or writes out of bounds because of a caller's mistake.
+
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+
+use super::{CudaError, GpuDevice};
+
+/// f32 device buffer (activations).
+pub type DevF32 = CudaSlice<f32>;
+/// bf16 device buffer, stored as raw bits (weights, KV cache).
+pub type DevBf16 = CudaSlice<u16>;
+/// u32 device buffer (token ids, row indices, positions).
+pub type DevU32 = CudaSlice<u32>;
+
+/// Shape of a KV cache buffer: `[layers, slots, max_len, width]`, width = kv heads × head_dim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layers: usize,
+    pub slots: usize,
+    pub max_len: usize,
+    pub width: usize,
+}
+
+impl KvLayout {
+    pub fn len(&self) -> usize {
+        self.layers * self.slots * self.max_len * self.width
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Rows of a matmul handled per launch: bounds the segment-partials buffer
+/// (`n_seg × rows × n` f32) whatever M is. Each row's arithmetic does not depend on it.
+const MM_ROW_CHUNK: usize = 256;
+const MM_ROWS_PER_WARP_TILE: usize = 8;
+const MM_WARPS_PER_BLOCK: usize = 8;
+const EW_THREADS: u32 = 256;
+const NORM_THREADS: u32 = 256;
+const ATTN_WARPS: usize = 4;
+const ATTN_MAX_HEAD_DIM: usize = 256;
+
+fn i32_of(kernel: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Launch {
+        kernel,
+        msg: format!("{what} = {v} does not fit the kernel's 32-bit index"),
+    })
+}
+
+fn check(kernel: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<(), CudaError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(CudaError::Launch { kernel, msg: msg() })
+    }
+}
+
+fn elementwise_cfg(count: usize) -> LaunchConfig {
+    let blocks = count.div_ceil(EW_THREADS as usize).max(1);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (EW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl GpuDevice {
+    fn drv<T>(
+        &self,
+        what: &str,
+        r: Result<T, cudarc::driver::DriverError>,
+    ) -> Result<T, CudaError> {
+        r.map_err(|source| CudaError::Driver {
+            ordinal: self.ordinal,
+            what: what.to_string(),
+            source,
+        })
+    }
+
+    fn launched(
+        &self,
+        kernel: &'static str,
+        r: Result<impl Sized, cudarc::driver::DriverError>,
+    ) -> Result<(), CudaError> {
+        self.drv(&format!("launching {kernel}"), r).map(|_| ())
+    }
+
+    pub fn upload_f32(&self, data: &[f32]) -> Result<DevF32, CudaError> {
+        if data.is_empty() {
+            return self.zeros_f32(0);
+        }
+        self.drv("uploading f32 data", self.stream.clone_htod(data))
+    }
+
+    pub fn upload_bf16(&self, data: &[half::bf16]) -> Result<DevBf16, CudaError> {
+        if data.is_empty() {
+            return self.drv("allocating", self.stream.alloc_zeros::<u16>(0));
+        }
+        let bits: &[u16] = bytemuck::cast_slice(data);
+        self.drv("uploading bf16 data", self.stream.clone_htod(bits))
+    }
+
+    pub fn upload_u32(&self, data: &[u32]) -> Result<DevU32, CudaError> {
+        if data.is_empty() {
+            return self.drv("allocating", self.stream.alloc_zeros::<u32>(0));
+        }
+        self.drv("uploading u32 data", self.stream.clone_htod(data))
+    }
+
+    pub fn download_f32(&self, buf: &DevF32) -> Result<Vec<f32>, CudaError> {
+        if buf.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.drv("downloading f32 data", self.stream.clone_dtoh(buf))
+    }
+
+    pub fn download_bf16(&self, buf: &DevBf16) -> Result<Vec<half::bf16>, CudaError> {
+        if buf.is_empty() {
+            return Ok(Vec::new());
+        }
+        let bits = self.drv("downloading bf16 data", self.stream.clone_dtoh(buf))?;
+        Ok(bits.into_iter().map(half::bf16::from_bits).collect())
+    }
+
+    pub fn zeros_f32(&self, len: usize) -> Result<DevF32, CudaError> {
+        self.drv("allocating f32 buffer", self.stream.alloc_zeros::<f32>(len))
+    }
+
+    pub fn zeros_bf16(&self, len: usize) -> Result<DevBf16, CudaError> {
+        self.drv(
+            "allocating bf16 buffer",
+            self.stream.alloc_zeros::<u16>(len),
+        )
+    }
+
+    pub fn copy_f32(&self, src: &DevF32) -> Result<DevF32, CudaError> {
+        self.drv("copying f32 buffer", self.stream.clone_dtod(src))
+    }
+
+    /// out `[m, n]` = bf16(x) `[m, k]` · wᵀ (`w`: `[n, k]` bf16), reduced over the local K
+    /// as `n_seg` segments of `seg_len` columns (last ones possibly short or empty) and
+    /// returned as the subtree root over them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn tree_matmul(
+        &self,
+        x: &DevF32,
+        m: usize,
+        k: usize,
+        w: &DevBf16,
+        n: usize,
+        seg_len: usize,
+        n_seg: usize,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "tree_matmul_leaf";
+        check(K, x.len() == m * k, || {
+            format!("x has {} values, expected m×k = {m}×{k}", x.len())
+        })?;
+        check(K, w.len() == n * k, || {
+            format!("w has {} values, expected n×k = {n}×{k}", w.len())
+        })?;
+        check(K, matches!(n_seg, 1 | 2 | 4 | 8), || {
+            format!("n_seg = {n_seg}, expected 1, 2, 4 or 8")
+        })?;
+        check(K, seg_len >= 1 && n_seg * seg_len >= k, || {
+            format!("seg_len = {seg_len} × n_seg = {n_seg} does not cover k = {k}")
+        })?;
+        let mut out = self.zeros_f32(m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(out);
+        }
+        let (ki, ni, segi) = (
+            i32_of(K, "k", k)?,
+            i32_of(K, "n", n)?,
+            i32_of(K, "seg_len", seg_len)?,
+        );
+        let vec = i32::from(k.is_multiple_of(8) && seg_len.is_multiple_of(8));
+        let mut xb = self.zeros_bf16(m * k)?;
+        {
+            let count = (m * k) as i64;
+            let f = self.func("f32_to_bf16_kernel")?;
+            let mut b = self.stream.launch_builder(f);
+            b.arg(x).arg(&mut xb).arg(&count);
+            self.launched("f32_to_bf16_kernel", unsafe {
+                b.launch(elementwise_cfg(m * k))
+            })?;
+        }
+        let chunk = MM_ROW_CHUNK.min(m);
+        let mut part = self.zeros_f32(n_seg * chunk * n)?;
+        let leaf = self.func(K)?;
+        let comb = self.func("tree_combine")?;
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = chunk.min(m - r0);
+            let rows_i = rows as i32;
+            let xv: CudaView<u16> = xb.slice(r0 * k..(r0 + rows) * k);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    n.div_ceil(MM_WARPS_PER_BLOCK) as u32,
+                    n_seg as u32,
+                    rows.div_ceil(MM_ROWS_PER_WARP_TILE) as u32,
+                ),
+                block_dim: ((MM_WARPS_PER_BLOCK * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            {
+                let mut b = self.stream.launch_builder(leaf);
+                b.arg(&xv)
+                    .arg(w)
+                    .arg(&mut part)
+                    .arg(&rows_i)
+                    .arg(&ni)
+                    .arg(&ki)
+                    .arg(&segi)
+                    .arg(&vec);
+                self.launched(K, unsafe { b.launch(cfg) })?;
+            }
+            {
+                let count = (rows * n) as i64;
+                let n_parts = n_seg as i32;
+                let mut ov = out.slice_mut(r0 * n..(r0 + rows) * n);
+                let mut b = self.stream.launch_builder(comb);
+                b.arg(&part).arg(&mut ov).arg(&count).arg(&n_parts);
+                self.launched("tree_combine", unsafe {
+                    b.launch(elementwise_cfg(rows * n))
+                })?;
+            }
+            r0 += rows;
+        }
+        Ok(out)
+    }
+
+    /// out\[i\] = the fixed tree over `parts[p·count + i]`, p < n_parts (1, 2, 4 or 8).
+    pub fn tree_combine(
+        &self,
+        parts: &DevF32,
+        count: usize,
+        n_parts: usize,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "tree_combine";
+        check(K, matches!(n_parts, 1 | 2 | 4 | 8), || {
+            format!("n_parts = {n_parts}, expected 1, 2, 4 or 8")
+        })?;
+        check(K, parts.len() == count * n_parts, || {
+            format!(
+                "parts has {} values, expected {n_parts} × {count}",
+                parts.len()
+            )
+        })?;
+        let mut out = self.zeros_f32(count)?;
+        if count == 0 {
+            return Ok(out);
+        }
+        let (c, np) = (count as i64, n_parts as i32);
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(parts).arg(&mut out).arg(&c).arg(&np);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(count)) })?;
+        Ok(out)
+    }
+
+    pub fn rms_norm(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        weight: &DevF32,
+        eps: f32,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "rms_norm_kernel";
+        check(K, x.len() == rows * cols, || {
+            format!("x has {} values, expected {rows}×{cols}", x.len())
+        })?;
+        check(K, weight.len() == cols, || {
+            format!("weight has {} values, expected {cols}", weight.len())
+        })?;
+        let mut out = self.zeros_f32(rows * cols)?;
+        if rows == 0 || cols == 0 {
+            return Ok(out);
+        }
+        let ci = i32_of(K, "cols", cols)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(x).arg(weight).arg(&mut out).arg(&ci).arg(&eps);
+        self.launched(K, unsafe { b.launch(cfg) })?;
+        Ok(out)
+    }
+
+    pub fn silu_mul(&self, gate: &DevF32, up: &DevF32) -> Result<DevF32, CudaError> {
+        const K: &str = "silu_mul_kernel";
+        check(K, gate.len() == up.len(), || {
+            format!("gate has {} values, up {}", gate.len(), up.len())
+        })?;
+        let count = gate.len();
+        let mut out = self.zeros_f32(count)?;
+        if count == 0 {
+            return Ok(out);
+        }
+        let c = count as i64;
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(gate).arg(up).arg(&mut out).arg(&c);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(count)) })?;
+        Ok(out)
+    }
+
+    pub fn add_row_bias(&self, x: &mut DevF32, bias: &DevF32) -> Result<(), CudaError> {
+        const K: &str = "add_row_bias_kernel";
+        let cols = bias.len();
+        check(K, cols > 0 && x.len().is_multiple_of(cols), || {
+            format!(
+                "x has {} values, not a multiple of the bias length {cols}",
+                x.len()
+            )
+        })?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (count, ci) = (x.len() as i64, i32_of(K, "cols", cols)?);
+        let cfg = elementwise_cfg(x.len());
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(x).arg(bias).arg(&count).arg(&ci);
+        self.launched(K, unsafe { b.launch(cfg) })
+    }
+
+    pub fn add_assign(&self, x: &mut DevF32, y: &DevF32) -> Result<(), CudaError> {
+        const K: &str = "add_assign_kernel";
+        check(K, x.len() == y.len(), || {
+            format!("x has {} values, y {}", x.len(), y.len())
+        })?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let count = x.len() as i64;
+        let cfg = elementwise_cfg(x.len());
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(x).arg(y).arg(&count);
+        self.launched(K, unsafe { b.launch(cfg) })
+    }
+
+    /// Rows `ids` of `table` (`[vocab, cols]` bf16) as f32.
+    pub fn embedding(
+        &self,
+        table: &DevBf16,
+        cols: usize,
+        ids: &[u32],
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "embedding_kernel";
+        check(K, cols > 0 && table.len().is_multiple_of(cols), || {
+            format!("table has {} values, not rows of {cols}", table.len())
+        })?;
+        let vocab = table.len() / cols;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(CudaError::Launch {
+                kernel: K,
+                msg: format!("token id {bad} is out of range for a vocabulary of {vocab}"),
+            });
+        }
+        let mut out = self.zeros_f32(ids.len() * cols)?;
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let dids = self.upload_u32(ids)?;
+        let (ri, ci) = (i32_of(K, "rows", ids.len())?, i32_of(K, "cols", cols)?);
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(table).arg(&dids).arg(&mut out).arg(&ri).arg(&ci);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(ids.len() * cols)) })?;
+        Ok(out)
+    }
+
+    /// The given rows of `x` (`[rows, cols]`), in the given order.
+    pub fn select_rows(&self, x: &DevF32, cols: usize, idx: &[usize]) -> Result<DevF32, CudaError> {
+        const K: &str = "select_rows_kernel";
+        check(K, cols > 0 && x.len().is_multiple_of(cols), || {
+            format!("x has {} values, not rows of {cols}", x.len())
+        })?;
+        let rows = x.len() / cols;
+        let mut idx32 = Vec::with_capacity(idx.len());
+        for &i in idx {
+            check(K, i < rows, || {
+                format!("row {i} requested from a matrix of {rows} rows")
+            })?;
+            idx32.push(i as u32);
+        }
+        let mut out = self.zeros_f32(idx.len() * cols)?;
+        if idx.is_empty() {
+            return Ok(out);
+        }
+        let didx = self.upload_u32(&idx32)?;
+        let (ri, ci) = (i32_of(K, "rows", idx.len())?, i32_of(K, "cols", cols)?);
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(x).arg(&didx).arg(&mut out).arg(&ri).arg(&ci);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(idx.len() * cols)) })?;
+        Ok(out)
+    }
+
+    /// `[world, rows, cols]` (rank-major, as an all-gather returns it) → `[rows, world·cols]`.
+    pub fn interleave_cols(
+        &self,
+        gathered: &DevF32,
+        world: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "interleave_cols_kernel";
+        check(K, gathered.len() == world * rows * cols, || {
+            format!(
+                "gathered has {} values, expected {world}×{rows}×{cols}",
+                gathered.len()
+            )
+        })?;
+        let mut out = self.zeros_f32(gathered.len())?;
+        if gathered.is_empty() {
+            return Ok(out);
+        }
+        let (wi, ri, ci) = (
+            i32_of(K, "world", world)?,
+            i32_of(K, "rows", rows)?,
+            i32_of(K, "cols", cols)?,
+        );
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(gathered).arg(&mut out).arg(&wi).arg(&ri).arg(&ci);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(gathered.len())) })?;
+        Ok(out)
+    }
+
+    fn check_rows(
+        kernel: &'static str,
+        layout: KvLayout,
+        layer: usize,
+        row_slot: &[u32],
+        row_pos: &[u32],
+    ) -> Result<(), CudaError> {
+        check(kernel, layer < layout.layers, || {
+            format!("layer {layer} of a cache with {} layers", layout.layers)
+        })?;
+        check(kernel, row_slot.len() == row_pos.len(), || {
+            "row_slot and row_pos differ in length".into()
+        })?;
+        for (&s, &p) in row_slot.iter().zip(row_pos) {
+            check(kernel, (s as usize) < layout.slots, || {
+                format!("slot {s} of a cache with {} slots", layout.slots)
+            })?;
+            check(kernel, (p as usize) < layout.max_len, || {
+                format!("position {p} beyond the cache length {}", layout.max_len)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Writes K and V rows (`[rows, width]`, rounded to bf16) at (slot, position) per row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        kc: &mut DevBf16,
+        vc: &mut DevBf16,
+        layout: KvLayout,
+        layer: usize,
+        k: &DevF32,
+        v: &DevF32,
+        row_slot: &[u32],
+        row_pos: &[u32],
+    ) -> Result<(), CudaError> {
+        const K: &str = "kv_write_kernel";
+        Self::check_rows(K, layout, layer, row_slot, row_pos)?;
+        let rows = row_slot.len();
+        check(
+            K,
+            kc.len() == layout.len() && vc.len() == layout.len(),
+            || "cache buffers do not match their layout".into(),
+        )?;
+        check(
+            K,
+            k.len() == rows * layout.width && v.len() == rows * layout.width,
+            || {
+                format!(
+                    "k/v have {}/{} values, expected {rows}×{}",
+                    k.len(),
+                    v.len(),
+                    layout.width
+                )
+            },
+        )?;
+        if rows == 0 || layout.width == 0 {
+            return Ok(());
+        }
+        let (ds, dp) = (self.upload_u32(row_slot)?, self.upload_u32(row_pos)?);
+        let ri = rows as i32;
+        let wi = i32_of(K, "width", layout.width)?;
+        let li = layer as i32;
+        let si = i32_of(K, "slots", layout.slots)?;
+        let mi = i32_of(K, "max_len", layout.max_len)?;
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(kc).arg(vc).arg(k).arg(v).arg(&ds).arg(&dp);
+        b.arg(&ri).arg(&wi).arg(&li).arg(&si).arg(&mi);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(rows * layout.width)) })
+    }
+
+    /// Rotates `x` (`[rows, n_heads·head_dim]`) in place; row r at position `row_pos[r]`.
+    /// `cos`/`sin`: `[max_pos, half]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: &mut DevF32,
+        cos: &DevF32,
+        sin: &DevF32,
+        half: usize,
+        row_pos: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "rope_kernel";
+        let rows = row_pos.len();
+        check(K, x.len() == rows * n_heads * head_dim, || {
+            format!(
+                "x has {} values, expected {rows}×{n_heads}×{head_dim}",
+                x.len()
+            )
+        })?;
+        check(K, 2 * half <= head_dim && half > 0, || {
+            format!("rotary half {half} does not fit head_dim {head_dim}")
+        })?;
+        check(K, cos.len() == sin.len() && cos.len().is_multiple_of(half), || {
+            "cos/sin tables of different shapes".into()
+        })?;
+        let max_pos = cos.len() / half;
+        if let Some(p) = row_pos.iter().find(|&&p| p as usize >= max_pos) {
+            return Err(CudaError::Launch {
+                kernel: K,
+                msg: format!("position {p} beyond the RoPE table ({max_pos} positions)"),
+            });
+        }
+        if rows == 0 || n_heads == 0 {
+            return Ok(());
+        }
+        let dp = self.upload_u32(row_pos)?;
+        let (ri, hi, di, hf) = (
+            rows as i32,
+            i32_of(K, "n_heads", n_heads)?,
+            i32_of(K, "head_dim", head_dim)?,
+            half as i32,
+        );
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(x)
+            .arg(cos)
+            .arg(sin)
+            .arg(&dp)
+            .arg(&ri)
+            .arg(&hi)
+            .arg(&di)
+            .arg(&hf);
+        self.launched(K, unsafe {
+            b.launch(elementwise_cfg(rows * n_heads * half))
+        })
+    }
+
+    /// Causal GQA attention of `q` (`[rows, n_heads·head_dim]`) against the cache; row r
+    /// is at `row_pos[r]` of slot `row_slot[r]` and sees keys `0..=row_pos[r]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: &DevF32,
+        kc: &DevBf16,
+        vc: &DevBf16,
+        layout: KvLayout,
+        layer: usize,
+        row_slot: &[u32],
+        row_pos: &[u32],
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "attention_kernel";
+        Self::check_rows(K, layout, layer, row_slot, row_pos)?;
+        let rows = row_slot.len();
+        check(K, n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads), || {
+            format!("{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
+        })?;
+        check(K, head_dim > 0 && head_dim <= ATTN_MAX_HEAD_DIM, || {
+            format!("head_dim {head_dim} is outside 1..={ATTN_MAX_HEAD_DIM}")
+        })?;
+        check(K, layout.width == n_kv_heads * head_dim, || {
+            format!(
+                "cache width {} ≠ {n_kv_heads} KV heads × {head_dim}",
+                layout.width
+            )
+        })?;
+        check(K, q.len() == rows * n_heads * head_dim, || {
+            format!(
+                "q has {} values, expected {rows}×{n_heads}×{head_dim}",
+                q.len()
+            )
+        })?;
+        check(
+            K,
+            kc.len() == layout.len() && vc.len() == layout.len(),
+            || "cache buffers do not match their layout".into(),
+        )?;
+        let mut out = self.zeros_f32(q.len())?;
+        if rows == 0 || n_heads == 0 {
+            return Ok(out);
+        }
+        let (ds, dp) = (self.upload_u32(row_slot)?, self.upload_u32(row_pos)?);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, n_heads.div_ceil(ATTN_WARPS) as u32, 1),
+            block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (hi, kvi, di) = (n_heads as i32, n_kv_heads as i32, head_dim as i32);
+        let (li, si, mi) = (
+            layer as i32,
+            i32_of(K, "slots", layout.slots)?,
+            i32_of(K, "max_len", layout.max_len)?,
+        );
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(q).arg(kc).arg(vc).arg(&mut out).arg(&ds).arg(&dp);
+        b.arg(&hi)
+            .arg(&kvi)
+            .arg(&di)
+            .arg(&scale)
+            .arg(&li)
+            .arg(&si)
+            .arg(&mi);
+        self.launched(K, unsafe { b.launch(cfg) })?;
+        Ok(out)
+    }
+}

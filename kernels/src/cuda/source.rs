@@ -1,0 +1,40 @@
+//! The kernel sources, embedded at build time and compiled as one NVRTC program.
+
+/// (file name, text) in the order they are concatenated; `common.cuh` first.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../cuda/common.cuh")),
+    ("matmul.cu", include_str!("../../cuda/matmul.cu")),
+    ("norm.cu", include_str!("../../cuda/norm.cu")),
+    ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
+    ("rope.cu", include_str!("../../cuda/rope.cu")),
+    ("attention.cu", include_str!("../../cuda/attention.cu")),
+];
+
+/// Every kernel entry point the module must export (checked when it is loaded).
+pub const KERNELS: &[&str] = &[
+    "f32_to_bf16_kernel",
+    "tree_matmul_leaf",
+    "tree_combine",
+    "rms_norm_kernel",
+    "silu_mul_kernel",
+    "add_row_bias_kernel",
+    "add_assign_kernel",
+    "embedding_kernel",
+    "select_rows_kernel",
+    "interleave_cols_kernel",
+    "kv_write_kernel",
+    "rope_kernel",
+    "attention_kernel",
+];
+
+/// The whole program: the sources concatenated, each preceded by a `#line` directive so
+/// that NVRTC's messages name the real file and line.
+pub fn program() -> String {
+    let mut s = String::new();
+    for (name, text) in SOURCES {
+        s.push_str(&format!("#line 1 \"{name}\"\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}

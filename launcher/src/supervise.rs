@@ -1,0 +1,404 @@
+//! Starts the ranks, watches them, and stops them all when one fails or when arbor-launch
+//! is told to stop.
+
+use std::ffi::OsString;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::output::{Pump, Stream, Tail};
+use crate::remote::{self, Placement, RemoteAgent};
+use crate::signals;
+
+/// How often the supervisor looks at its children.
+const POLL: Duration = Duration::from_millis(20);
+/// How long to wait for the last output of finished ranks.
+const OUTPUT_GRACE: Duration = Duration::from_secs(2);
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub command: Vec<OsString>,
+    pub world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Where each rank runs (index = rank); empty = every rank local.
+    pub placement: Vec<Placement>,
+    /// How to start the ranks of other hosts (set when there are any).
+    pub remote: Option<RemoteStart>,
+    /// Show only rank 0's output.
+    pub rank0_only: bool,
+    pub prefix: bool,
+    /// Time between SIGTERM and SIGKILL when stopping ranks.
+    pub kill_grace: Duration,
+}
+
+/// Ranks on other hosts: the agent and the variables of arbor-launch's environment they get
+/// (see `remote`).
+#[derive(Debug, Clone)]
+pub struct RemoteStart {
+    pub agent: RemoteAgent,
+    pub env: Vec<(String, String)>,
+}
+
+/// How a rank ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Ending {
+    fn of(status: ExitStatus) -> Ending {
+        match (status.code(), status.signal()) {
+            (Some(c), _) => Ending::Code(c),
+            (None, Some(s)) => Ending::Signal(s),
+            // Neither an exit code nor a signal cannot happen on Unix; call it a failure.
+            (None, None) => Ending::Code(-1),
+        }
+    }
+
+    pub fn success(self) -> bool {
+        self == Ending::Code(0)
+    }
+
+    /// The exit code arbor-launch reports for it (shell convention for signals).
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Ending::Code(c) => c,
+            Ending::Signal(s) => 128 + s,
+        }
+    }
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Ending::Code(c) => write!(f, "exited with code {c}"),
+            Ending::Signal(s) => write!(f, "was killed by signal {s} ({})", signals::name(*s)),
+        }
+    }
+}
+
+struct Rank {
+    rank: usize,
+    child: Child,
+    ending: Option<Ending>,
+    stderr_tail: Option<Tail>,
+    /// The agent's stdin of a remote rank: the rank is stopped when this closes.
+    agent_stdin: Option<ChildStdin>,
+}
+
+/// Why the group ended early.
+enum Stop {
+    Failed { rank: usize, ending: Ending },
+    Signalled(i32),
+}
+
+/// Runs the plan to the end; returns arbor-launch's exit code.
+pub fn run(plan: &Plan) -> anyhow::Result<i32> {
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut ranks: Vec<Rank> = Vec::with_capacity(plan.world_size);
+    let mut pumps = 0usize;
+    for rank in 0..plan.world_size {
+        match spawn(plan, rank, &done_tx) {
+            Ok((r, n)) => {
+                ranks.push(r);
+                pumps += n;
+            }
+            Err(e) => {
+                stop_all(&mut ranks, plan.kill_grace);
+                return Err(e);
+            }
+        }
+    }
+    drop(done_tx);
+    tracing::debug!(
+        world = plan.world_size,
+        port = plan.master_port,
+        "all ranks started"
+    );
+
+    let mut stop: Option<Stop> = None;
+    let mut kill_at: Option<Instant> = None;
+    let mut killed = false;
+    let mut termed = false;
+    loop {
+        if let Some(sig) = signals::take() {
+            if matches!(stop, Some(Stop::Signalled(_))) {
+                // A second interrupt: no more patience.
+                signal_live(&ranks, libc::SIGKILL);
+                killed = true;
+            } else {
+                eprintln!(
+                    "arbor-launch: got {}, forwarding it to the ranks",
+                    signals::name(sig)
+                );
+                signal_live(&ranks, sig);
+                stop = Some(Stop::Signalled(sig));
+                kill_at = Some(Instant::now() + plan.kill_grace);
+            }
+        }
+        for r in ranks.iter_mut().filter(|r| r.ending.is_none()) {
+            match r.child.try_wait() {
+                Ok(Some(status)) => {
+                    let mut ending = Ending::of(status);
+                    if r.agent_stdin.take().is_some() {
+                        // A remote rank's signal death arrives as 128+N (see `remote`).
+                        if let Some(sig) = match ending {
+                            Ending::Code(c) => remote::signal_of_remote_code(c),
+                            Ending::Signal(_) => None,
+                        } {
+                            ending = Ending::Signal(sig);
+                        }
+                    }
+                    r.ending = Some(ending);
+                    tracing::debug!(rank = r.rank, %ending, "rank ended");
+                    if !ending.success() && stop.is_none() {
+                        stop = Some(Stop::Failed {
+                            rank: r.rank,
+                            ending,
+                        });
+                        kill_at = Some(Instant::now() + plan.kill_grace);
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(rank = r.rank, error = %e, "cannot query rank"),
+            }
+        }
+        if matches!(stop, Some(Stop::Failed { .. })) && !termed {
+            signal_live(&ranks, libc::SIGTERM);
+            termed = true;
+        }
+        if ranks.iter().all(|r| r.ending.is_some()) {
+            break;
+        }
+        if let Some(at) = kill_at {
+            if !killed && Instant::now() >= at {
+                signal_live(&ranks, libc::SIGKILL);
+                killed = true;
+            }
+        }
+        std::thread::sleep(POLL);
+    }
+
+    // Output threads end when the pipes close; a grandchild that escaped its group could
+    // keep one open, so do not wait for ever.
+    let until = Instant::now() + OUTPUT_GRACE;
+    for _ in 0..pumps {
+        if done_rx
+            .recv_timeout(until.saturating_duration_since(Instant::now()))
+            .is_err()
+        {
+            break;
+        }
+    }
+    Ok(report(&ranks, stop))
+}
+
+/// SIGTERM to the live ranks, then SIGKILL after `grace`; reaps them.
+fn stop_all(ranks: &mut [Rank], grace: Duration) {
+    signal_live(ranks, libc::SIGTERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until
+        && ranks
+            .iter_mut()
+            .any(|r| matches!(r.child.try_wait(), Ok(None)))
+    {
+        std::thread::sleep(POLL);
+    }
+    signal_live(ranks, libc::SIGKILL);
+    for r in ranks.iter_mut() {
+        let _ = r.child.wait();
+    }
+}
+
+fn signal_live(ranks: &[Rank], sig: i32) {
+    for r in ranks.iter().filter(|r| r.ending.is_none()) {
+        signals::signal_group(r.child.id(), sig);
+    }
+}
+
+fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(Rank, usize)> {
+    let Some((program, args)) = plan.command.split_first() else {
+        anyhow::bail!("no command to run");
+    };
+    let (local_rank, local_world_size) = match plan.placement.get(rank) {
+        Some(p) => (p.local_rank, p.local_world_size),
+        None => (rank, plan.world_size),
+    };
+    let rank_env = [
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", plan.world_size.to_string()),
+        ("LOCAL_RANK", local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE", local_world_size.to_string()),
+        ("MASTER_ADDR", plan.master_addr.clone()),
+        ("MASTER_PORT", plan.master_port.to_string()),
+    ];
+    // [issue 8] A rank on another host: the agent runs it there, its variables on the
+    // command line; the agent's stdin is a pipe held until the rank ends.
+    let remote_host = plan
+        .placement
+        .get(rank)
+        .filter(|p| !p.local)
+        .map(|p| p.host.as_str());
+    let mut cmd = match (remote_host, &plan.remote) {
+        (Some(host), Some(start)) => {
+            let mut env = start.env.clone();
+            env.extend(rank_env.iter().map(|(k, v)| (k.to_string(), v.clone())));
+            let mut cmd = remote::remote_command(&start.agent, host, &env, &plan.command)?;
+            cmd.stdin(Stdio::piped());
+            cmd
+        }
+        (Some(host), None) => {
+            anyhow::bail!("rank {rank}: host {host:?} is remote but no agent was set up")
+        }
+        (None, _) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).envs(rank_env.iter().map(|(k, v)| (k, v)));
+            // Rank 0 may read our stdin (mpirun does the same), unless it is a terminal: a
+            // background process group reading the terminal would be stopped (SIGTTIN).
+            // SAFETY: isatty has no memory-safety preconditions.
+            let stdin_is_tty = unsafe { libc::isatty(0) } == 1;
+            cmd.stdin(if rank == 0 && !stdin_is_tty {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            });
+            cmd
+        }
+    };
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own process group: a terminal's Ctrl-C reaches arbor-launch only (which
+        // forwards it once), and stopping a rank stops its children too.
+        .process_group(0);
+    #[cfg(target_os = "linux")]
+    {
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs between fork and exec and only calls prctl and getppid,
+        // which are async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                // If arbor-launch itself is killed (SIGKILL cannot be forwarded), the rank
+                // goes too instead of running on as an orphan.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    return Err(std::io::Error::other(
+                        "arbor-launch exited while starting a rank",
+                    ));
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn().map_err(|e| match remote_host {
+        Some(host) => anyhow::anyhow!(
+            "cannot start rank {rank} on host {host:?} through {:?}: {e}",
+            cmd.get_program().to_string_lossy()
+        ),
+        None => anyhow::anyhow!(
+            "cannot start rank {rank}: {:?}: {e}",
+            program.to_string_lossy()
+        ),
+    })?;
+    let agent_stdin = child.stdin.take().filter(|_| remote_host.is_some());
+    let show = !plan.rank0_only || rank == 0;
+    let prefix = if plan.prefix {
+        format!("[rank {rank}] ").into_bytes()
+    } else {
+        Vec::new()
+    };
+    let stderr_tail: Option<Tail> = (!show).then(Default::default);
+    let mut pumps = 0;
+    if let Some(out) = child.stdout.take() {
+        Pump {
+            stream: Stream::Stdout,
+            prefix: prefix.clone(),
+            show,
+            tail: None,
+        }
+        .spawn(out, done.clone())?;
+        pumps += 1;
+    }
+    if let Some(err) = child.stderr.take() {
+        Pump {
+            stream: Stream::Stderr,
+            prefix,
+            show,
+            tail: stderr_tail.clone(),
+        }
+        .spawn(err, done.clone())?;
+        pumps += 1;
+    }
+    Ok((
+        Rank {
+            rank,
+            child,
+            ending: None,
+            stderr_tail,
+            agent_stdin,
+        },
+        pumps,
+    ))
+}
+
+/// Prints how the group ended; returns the exit code.
+fn report(ranks: &[Rank], stop: Option<Stop>) -> i32 {
+    // Ranks we stopped end by our signals; only those that failed by themselves are news.
+    let others = |skip: Option<usize>| -> String {
+        let list: Vec<String> = ranks
+            .iter()
+            .filter(|r| Some(r.rank) != skip)
+            .filter_map(|r| match r.ending {
+                Some(e @ Ending::Code(c)) if c != 0 => Some(format!("rank {} {e}", r.rank)),
+                _ => None,
+            })
+            .collect();
+        if list.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", list.join(", "))
+        }
+    };
+    match stop {
+        None => 0,
+        Some(Stop::Failed { rank, ending }) => {
+            eprintln!(
+                "arbor-launch: rank {rank} {ending}; stopped the other {} rank(s){}",
+                ranks.len() - 1,
+                others(Some(rank))
+            );
+            if let Some(tail) = ranks.get(rank).and_then(|r| r.stderr_tail.as_ref()) {
+                let t = match tail.lock() {
+                    Ok(g) => g,
+                    Err(p) => p.into_inner(),
+                };
+                if !t.is_empty() {
+                    eprintln!("arbor-launch: last lines of rank {rank}'s stderr:");
+                    for line in t.iter() {
+                        eprint!("[rank {rank}] {}", String::from_utf8_lossy(line));
+                        if !line.ends_with(b"\n") {
+                            eprintln!();
+                        }
+                    }
+                }
+            }
+            match ending.exit_code() {
+                0 => 1,
+                c => c,
+            }
+        }
+        Some(Stop::Signalled(sig)) => {
+            eprintln!(
+                "arbor-launch: stopped by {}{}",
+                signals::name(sig),
+                others(None)
+            );
+            128 + sig
+        }
+    }
+}

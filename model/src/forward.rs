@@ -1,0 +1,370 @@
+//! The decoder, written once against `Backend`:
+//!
+//! ```text
+//! ids ─► embedding ─► [ RMSNorm ─► q/k/v (column) ─► (Qwen3: per-head q/k RMSNorm) ─► RoPE
+//!     ─► KV write ─► attention (own heads) ─► o_proj (row + tree all-reduce) ─► + residual
+//!     ─► RMSNorm ─► gate/up (column) ─► SiLU·mul ─► down_proj (row) ─► + residual ] × L
+//!     ─► (rows that need logits) ─► RMSNorm ─► LM head (vocab shard) ─► all-gather
+//! ```
+
+use arbor_kernels::cpu::RopeTable;
+use arbor_kernels::tree::is_valid_world;
+
+use crate::backend::{BResult, Backend, HeadSpec, KvSpec, SeqRows};
+use crate::config::{Arch, ModelConfig};
+use crate::error::{MResult, ModelError};
+use crate::layers::{
+    ColumnParallelLinear, Embedding, LoadCtx, RowParallelLinear, VocabParallelHead,
+};
+
+/// How the attention heads are split over the TP ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadPlan {
+    /// Local query heads (`n_heads / tp`) and the first global one.
+    pub n_heads: usize,
+    pub head0: usize,
+    /// Local KV heads and the first global one (a single replicated head when
+    /// `n_kv_heads < tp`).
+    pub n_kv_heads: usize,
+    pub kv_head0: usize,
+}
+
+impl HeadPlan {
+    pub fn new(cfg: &ModelConfig, rank: usize, tp: usize) -> MResult<Self> {
+        let shard_err = |msg: String| ModelError::Sharding { tp, msg };
+        if !is_valid_world(tp) {
+            return Err(shard_err("TP must be 1, 2, 4 or 8".into()));
+        }
+        if !cfg.num_heads.is_multiple_of(tp) {
+            return Err(shard_err(format!(
+                "num_attention_heads {} is not divisible by TP {tp}",
+                cfg.num_heads
+            )));
+        }
+        // o_proj is row-parallel over K = heads·head_dim: every rank's segment shard of K
+        // must be exactly its heads' columns (true whenever K % 8 == 0).
+        let k = cfg.q_dim();
+        let layout = arbor_kernels::tree::SegmentLayout::new(k);
+        if let Some(r) = (0..tp).find(|&r| layout.shard(r, tp) != (r * k / tp..(r + 1) * k / tp)) {
+            return Err(shard_err(format!(
+                "num_attention_heads·head_dim = {k} is not a multiple of 8: o_proj's segment shard {:?} on rank {r} does not match its heads' columns {:?}",
+                layout.shard(r, tp),
+                r * k / tp..(r + 1) * k / tp
+            )));
+        }
+        let n_heads = cfg.num_heads / tp;
+        let (n_kv_heads, kv_head0) = if cfg.num_kv_heads >= tp {
+            if !cfg.num_kv_heads.is_multiple_of(tp) {
+                return Err(shard_err(format!(
+                    "num_key_value_heads {} is not divisible by TP {tp}",
+                    cfg.num_kv_heads
+                )));
+            }
+            let n = cfg.num_kv_heads / tp;
+            (n, rank * n)
+        } else {
+            if !tp.is_multiple_of(cfg.num_kv_heads) {
+                return Err(shard_err(format!(
+                    "TP {tp} is not a multiple of num_key_value_heads {} (needed to replicate KV heads)",
+                    cfg.num_kv_heads
+                )));
+            }
+            (1, rank * cfg.num_kv_heads / tp)
+        };
+        Ok(HeadPlan {
+            n_heads,
+            head0: rank * n_heads,
+            n_kv_heads,
+            kv_head0,
+        })
+    }
+}
+
+struct Norm<B: Backend> {
+    w: B::Act,
+}
+
+impl<B: Backend> Norm<B> {
+    fn load(ctx: &LoadCtx<B>, name: &str, len: usize) -> MResult<Self> {
+        let w = ctx.store.vector(name, len, 0..len)?;
+        Ok(Norm {
+            w: ctx
+                .backend
+                .act_from_host(&w, 1, len)
+                .map_err(|e| ctx.backend_err(e))?,
+        })
+    }
+}
+
+struct Layer<B: Backend> {
+    input_norm: Norm<B>,
+    q: ColumnParallelLinear<B>,
+    k: ColumnParallelLinear<B>,
+    v: ColumnParallelLinear<B>,
+    q_norm: Option<Norm<B>>,
+    k_norm: Option<Norm<B>>,
+    o: RowParallelLinear<B>,
+    post_norm: Norm<B>,
+    gate: ColumnParallelLinear<B>,
+    up: ColumnParallelLinear<B>,
+    down: RowParallelLinear<B>,
+}
+
+pub struct Model<B: Backend> {
+    pub cfg: ModelConfig,
+    pub heads: HeadPlan,
+    embed: Embedding<B>,
+    layers: Vec<Layer<B>>,
+    final_norm: Norm<B>,
+    head: VocabParallelHead<B>,
+    rope: RopeTable,
+}
+
+/// Per-layer hidden states (host copies, replicated after every all-reduce) for the
+/// TP=1 shadow comparison.
+pub type Trace = Vec<Vec<f32>>;
+
+impl<B: Backend> Model<B> {
+    /// Loads this rank's shard; `max_pos` sizes the RoPE table (the context length).
+    pub fn load(ctx: &LoadCtx<B>, cfg: &ModelConfig, max_pos: usize) -> MResult<Self> {
+        let heads = HeadPlan::new(cfg, ctx.rank, ctx.tp)?;
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let inter_rows = RowParallelLinear::<B>::shard(cfg.intermediate_size, ctx.rank, ctx.tp);
+        let q_rows = heads.head0 * hd..(heads.head0 + heads.n_heads) * hd;
+        let kv_rows = heads.kv_head0 * hd..(heads.kv_head0 + heads.n_kv_heads) * hd;
+        debug_assert_eq!(
+            q_rows,
+            RowParallelLinear::<B>::shard(cfg.q_dim(), ctx.rank, ctx.tp)
+        );
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let ab = cfg.attention_bias;
+            let mb = cfg.mlp_bias;
+            let qk_norm = cfg.arch == Arch::Qwen3;
+            layers.push(Layer {
+                input_norm: Norm::load(ctx, &format!("{p}.input_layernorm.weight"), h)?,
+                q: ColumnParallelLinear::load(
+                    ctx,
+                    &format!("{p}.self_attn.q_proj"),
+                    cfg.q_dim(),
+                    h,
+                    q_rows.clone(),
+                    ab,
+                )?,
+                k: ColumnParallelLinear::load(
+                    ctx,
+                    &format!("{p}.self_attn.k_proj"),
+                    cfg.kv_dim(),
+                    h,
+                    kv_rows.clone(),
+                    ab,
+                )?,
+                v: ColumnParallelLinear::load(
+                    ctx,
+                    &format!("{p}.self_attn.v_proj"),
+                    cfg.kv_dim(),
+                    h,
+                    kv_rows.clone(),
+                    ab,
+                )?,
+                q_norm: if qk_norm {
+                    Some(Norm::load(
+                        ctx,
+                        &format!("{p}.self_attn.q_norm.weight"),
+                        hd,
+                    )?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norm {
+                    Some(Norm::load(
+                        ctx,
+                        &format!("{p}.self_attn.k_norm.weight"),
+                        hd,
+                    )?)
+                } else {
+                    None
+                },
+                o: RowParallelLinear::load(
+                    ctx,
+                    &format!("{p}.self_attn.o_proj"),
+                    h,
+                    cfg.q_dim(),
+                    ab,
+                )?,
+                post_norm: Norm::load(ctx, &format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate: ColumnParallelLinear::load(
+                    ctx,
+                    &format!("{p}.mlp.gate_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    inter_rows.clone(),
+                    mb,
+                )?,
+                up: ColumnParallelLinear::load(
+                    ctx,
+                    &format!("{p}.mlp.up_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    inter_rows.clone(),
+                    mb,
+                )?,
+                down: RowParallelLinear::load(
+                    ctx,
+                    &format!("{p}.mlp.down_proj"),
+                    h,
+                    cfg.intermediate_size,
+                    mb,
+                )?,
+            });
+        }
+        let head_name = if cfg.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        Ok(Model {
+            cfg: cfg.clone(),
+            heads,
+            embed: Embedding::load(ctx, "model.embed_tokens.weight", cfg.vocab_size, h)?,
+            layers,
+            final_norm: Norm::load(ctx, "model.norm.weight", h)?,
+            head: VocabParallelHead::load(ctx, head_name, cfg.vocab_size, h)?,
+            rope: RopeTable::try_new(hd, max_pos, cfg.rope_theta, cfg.rope_scaling).map_err(
+                |e| ModelError::Config {
+                    path: "config.json".into(),
+                    msg: e.to_string(),
+                },
+            )?,
+        })
+    }
+
+    pub fn max_pos(&self) -> usize {
+        self.rope.max_pos
+    }
+
+    pub fn kv_spec(&self, slots: usize, max_len: usize) -> KvSpec {
+        KvSpec {
+            layers: self.cfg.num_layers,
+            slots,
+            max_len,
+            n_kv_heads: self.heads.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    fn head_spec(&self) -> HeadSpec {
+        HeadSpec {
+            n_heads: self.heads.n_heads,
+            n_kv_heads: self.heads.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+            scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// Per-head RMSNorm: view `[rows, n·hd]` as `[rows·n, hd]`.
+    fn head_norm(&self, b: &B, x: B::Act, n: usize, norm: &Norm<B>) -> BResult<B::Act> {
+        let (rows, cols) = b.shape(&x);
+        let hd = self.cfg.head_dim;
+        let x = b.reshape(x, rows * n, hd)?;
+        let y = b.rms_norm(&x, &norm.w, self.cfg.rms_norm_eps)?;
+        b.reshape(y, rows, cols)
+    }
+
+    /// Runs `ids` (the sequences' new tokens, concatenated as `seqs` says) through the
+    /// model, writing their K/V into `cache`; returns the full logits `[out_rows.len(),
+    /// vocab]` of the rows `out_rows`. With `trace`, pushes every layer's output.
+    pub fn forward(
+        &self,
+        b: &B,
+        cache: &mut B::KvCache,
+        ids: &[u32],
+        seqs: &[SeqRows],
+        out_rows: &[usize],
+        mut trace: Option<&mut Trace>,
+    ) -> BResult<Vec<f32>> {
+        let cfg = &self.cfg;
+        let hs = self.head_spec();
+        let mut x = self.embed.forward(b, ids)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let n = b.rms_norm(&x, &l.input_norm.w, cfg.rms_norm_eps)?;
+            let mut q = l.q.forward(b, &n)?;
+            let mut k = l.k.forward(b, &n)?;
+            let v = l.v.forward(b, &n)?;
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                q = self.head_norm(b, q, hs.n_heads, qn)?;
+                k = self.head_norm(b, k, hs.n_kv_heads, kn)?;
+            }
+            b.rope(&mut q, seqs, hs.n_heads, &self.rope)?;
+            b.rope(&mut k, seqs, hs.n_kv_heads, &self.rope)?;
+            // Keys go to the cache before attention reads them, so prefill and decode read
+            // the same bf16 keys.
+            b.kv_write(cache, li, &k, &v, seqs)?;
+            let a = b.attention(&q, cache, li, seqs, hs)?;
+            let o = l.o.forward(b, &a)?;
+            b.add_assign(&mut x, &o)?;
+            let n = b.rms_norm(&x, &l.post_norm.w, cfg.rms_norm_eps)?;
+            let g = l.gate.forward(b, &n)?;
+            let u = l.up.forward(b, &n)?;
+            let m = b.silu_mul(&g, &u)?;
+            let d = l.down.forward(b, &m)?;
+            b.add_assign(&mut x, &d)?;
+            if let Some(t) = trace.as_deref_mut() {
+                t.push(b.act_to_host(&x)?);
+            }
+        }
+        if out_rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let x = b.select_rows(&x, out_rows)?;
+        let x = b.rms_norm(&x, &self.final_norm.w, cfg.rms_norm_eps)?;
+        self.head.forward(b, &x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::in_memory_path;
+
+    fn cfg(heads: usize, kv: usize, head_dim: usize) -> ModelConfig {
+        let text = format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], "hidden_size": {h}, "intermediate_size": 64,
+                "num_hidden_layers": 1, "num_attention_heads": {heads}, "num_key_value_heads": {kv},
+                "head_dim": {head_dim}, "vocab_size": 10, "max_position_embeddings": 64}}"#,
+            h = heads * head_dim
+        );
+        ModelConfig::from_json_str(&text, &in_memory_path()).unwrap()
+    }
+
+    #[test]
+    fn kv_heads_are_split_or_replicated_like_vllm() {
+        let c = cfg(8, 4, 16);
+        let plans: Vec<HeadPlan> = (0..8).map(|r| HeadPlan::new(&c, r, 8).unwrap()).collect();
+        // Each rank has one query head; q head r belongs to KV group r / 2.
+        for (r, p) in plans.iter().enumerate() {
+            assert_eq!(
+                (p.n_heads, p.head0, p.n_kv_heads, p.kv_head0),
+                (1, r, 1, r / 2)
+            );
+        }
+        let p = HeadPlan::new(&c, 1, 2).unwrap();
+        assert_eq!((p.n_heads, p.head0, p.n_kv_heads, p.kv_head0), (4, 4, 2, 2));
+    }
+
+    #[test]
+    fn unsplittable_heads_are_refused() {
+        let e = HeadPlan::new(&cfg(6, 2, 16), 0, 4).unwrap_err().to_string();
+        assert!(
+            e.contains("num_attention_heads 6 is not divisible by TP 4"),
+            "{e}"
+        );
+        let e = HeadPlan::new(&cfg(8, 8, 16), 0, 3).unwrap_err().to_string();
+        assert!(e.contains("TP must be 1, 2, 4 or 8"), "{e}");
+        // 6 heads × 10 = 60 columns: segments of 8 do not fall on head boundaries at TP 2.
+        assert!(HeadPlan::new(&cfg(6, 6, 10), 0, 1).is_ok());
+        let e = HeadPlan::new(&cfg(6, 6, 10), 0, 2).unwrap_err().to_string();
+        assert!(e.contains("not a multiple of 8"), "{e}");
+    }
+}

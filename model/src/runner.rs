@@ -1,0 +1,561 @@
+//! The API the CLI drives: load a rank's shard, then `generate` / `score` static batches.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arbor_collective::Communicator;
+
+use crate::backend::cpu::{default_threads, CpuBackend};
+use crate::backend::{Backend, SeqRows};
+use crate::config::ModelConfig;
+use crate::error::{MResult, ModelError};
+use crate::forward::{Model, Trace};
+use crate::layers::LoadCtx;
+use crate::sampling::{self, Sampling, TokenLogprob};
+use crate::weights::WeightStore;
+
+/// Context length used when neither `--max-seq-len` nor a smaller
+/// `max_position_embeddings` bounds it (the RoPE table and KV cache scale with it).
+pub const DEFAULT_MAX_SEQ_LEN: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadOptions {
+    pub model_dir: PathBuf,
+    pub device: Device,
+    /// Context length; default `min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN)`.
+    pub max_seq_len: Option<usize>,
+    /// Also hold a TP=1 copy and compare every step bit for bit.
+    pub shadow_tp1: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenRequest {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Length,
+    Eos,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenOutput {
+    pub id: u64,
+    /// Generated tokens only.
+    pub tokens: Vec<u32>,
+    /// log_softmax(logits)[token] per generated token.
+    pub logprobs: Vec<f32>,
+    /// Top-`n_top` alternatives per generated position.
+    pub top: Vec<Vec<TokenLogprob>>,
+    /// Digest of the f32 bits of the full logits row per generated position.
+    pub logits_digest: Vec<u64>,
+    pub finish: FinishReason,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScoreRequest {
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    /// Tokens `[prompt_len..]` are scored, each given its prefix (1 ≤ prompt_len ≤ len).
+    pub prompt_len: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreOutput {
+    pub id: u64,
+    pub logprobs: Vec<f32>,
+    pub top: Vec<Vec<TokenLogprob>>,
+    pub logits_digest: Vec<u64>,
+}
+
+pub trait Runner {
+    fn tp(&self) -> usize;
+    fn rank(&self) -> usize;
+    fn config(&self) -> &ModelConfig;
+    /// None if the model directory has no tokenizer.json.
+    fn tokenizer(&self) -> Option<&tokenizers::Tokenizer>;
+    /// The context length requests must fit in.
+    fn max_seq_len(&self) -> usize;
+    /// All requests run as ONE static batch (ragged, no padding); sampling is keyed by
+    /// (seed, request id, position), so results depend on neither batch nor TP.
+    fn generate(
+        &mut self,
+        reqs: &[GenRequest],
+        s: &Sampling,
+        n_top: usize,
+    ) -> MResult<Vec<GenOutput>>;
+    /// Teacher-forced, prefill only (the trainer's path); one static batch.
+    fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>>;
+}
+
+/// Loads this rank's shard (TP = `comm.world_size()`).
+pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn Runner>> {
+    match opts.device {
+        Device::Cpu => {
+            // An explicit ARBOR_CPU_THREADS wins; otherwise share the cores among the
+            // ranks on this host.
+            if std::env::var_os(arbor_kernels::cpu::THREADS_ENV).is_none() {
+                arbor_kernels::cpu::set_num_threads(default_threads());
+            }
+            let mut engine = Engine::new(CpuBackend::new(comm), opts)?;
+            if opts.shadow_tp1 {
+                let shadow = Engine::new(
+                    CpuBackend::new(Arc::new(arbor_collective::SingleComm)),
+                    opts,
+                )?;
+                engine = engine.with_shadow(shadow);
+            }
+            Ok(Box::new(engine))
+        }
+        Device::Cuda => crate::backend::cuda::load_runner(opts, comm),
+    }
+}
+
+/// Reads `<dir>/tokenizer.json` if present.
+pub fn load_tokenizer(dir: &std::path::Path) -> MResult<Option<tokenizers::Tokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    tokenizers::Tokenizer::from_file(&path)
+        .map(Some)
+        .map_err(|e| ModelError::Tokenizer {
+            path,
+            msg: e.to_string(),
+        })
+}
+
+/// The model of one rank on backend `B`, optionally with a TP=1 shadow.
+pub struct Engine<B: Backend> {
+    backend: B,
+    model: Model<B>,
+    tokenizer: Option<tokenizers::Tokenizer>,
+    max_seq_len: usize,
+    shadow: Option<Box<Engine<B>>>,
+}
+
+/// A batch's KV caches: the model's and, with a shadow, the shadow's.
+struct Caches<B: Backend> {
+    main: B::KvCache,
+    shadow: Option<B::KvCache>,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Loads the model in `opts.model_dir` for `backend`'s rank and world size.
+    pub fn new(backend: B, opts: &LoadOptions) -> MResult<Self> {
+        let dir = &opts.model_dir;
+        let cfg = ModelConfig::from_dir(dir)?;
+        let max_seq_len = match opts.max_seq_len {
+            Some(0) => {
+                return Err(ModelError::Config {
+                    path: dir.join("config.json"),
+                    msg: "requested max_seq_len 0".into(),
+                })
+            }
+            Some(n) if n > cfg.max_position_embeddings => {
+                return Err(ModelError::Config {
+                    path: dir.join("config.json"),
+                    msg: format!(
+                        "requested max_seq_len {n} exceeds max_position_embeddings {}",
+                        cfg.max_position_embeddings
+                    ),
+                })
+            }
+            Some(n) => n,
+            None => cfg.max_position_embeddings.min(DEFAULT_MAX_SEQ_LEN),
+        };
+        let store = WeightStore::open(dir)?;
+        let ctx = LoadCtx {
+            backend: &backend,
+            store: &store,
+            rank: backend.rank(),
+            tp: backend.world_size(),
+        };
+        let model = Model::load(&ctx, &cfg, max_seq_len)?;
+        tracing::info!(
+            rank = ctx.rank,
+            tp = ctx.tp,
+            device = %backend.device_name(),
+            arch = %cfg.arch_name,
+            layers = cfg.num_layers,
+            "model loaded"
+        );
+        Ok(Engine {
+            tokenizer: load_tokenizer(dir)?,
+            backend,
+            model,
+            max_seq_len,
+            shadow: None,
+        })
+    }
+
+    /// Attaches a TP=1 copy (its backend of world size 1) that every step is compared with.
+    pub fn with_shadow(mut self, shadow: Engine<B>) -> Self {
+        self.shadow = Some(Box::new(shadow));
+        self
+    }
+
+    fn berr(&self, source: crate::backend::BackendError) -> ModelError {
+        ModelError::Backend {
+            rank: self.backend.rank(),
+            source,
+        }
+    }
+
+    fn caches(&self, slots: usize, max_len: usize) -> MResult<Caches<B>> {
+        let main = self
+            .backend
+            .kv_cache(self.model.kv_spec(slots, max_len))
+            .map_err(|e| self.berr(e))?;
+        let shadow = match &self.shadow {
+            Some(s) => Some(
+                s.backend
+                    .kv_cache(s.model.kv_spec(slots, max_len))
+                    .map_err(|e| s.berr(e))?,
+            ),
+            None => None,
+        };
+        Ok(Caches { main, shadow })
+    }
+
+    fn check_tokens(&self, id: u64, tokens: &[u32]) -> MResult<()> {
+        let vocab = self.model.cfg.vocab_size;
+        if let Some((index, &token)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(ModelError::TokenOutOfVocab {
+                id,
+                token,
+                index,
+                vocab,
+            });
+        }
+        Ok(())
+    }
+
+    /// One forward over a ragged batch; `ids_of[i]` is the request id of sequence i (for
+    /// error messages). With a shadow, compares every layer and the logits bit for bit.
+    fn step(
+        &mut self,
+        caches: &mut Caches<B>,
+        ids: &[u32],
+        seqs: &[SeqRows],
+        out_rows: &[usize],
+        ids_of: &[u64],
+    ) -> MResult<Vec<f32>> {
+        let mut trace = self.shadow.as_ref().map(|_| Trace::new());
+        let logits = self
+            .model
+            .forward(
+                &self.backend,
+                &mut caches.main,
+                ids,
+                seqs,
+                out_rows,
+                trace.as_mut(),
+            )
+            .map_err(|e| self.berr(e))?;
+        if let (Some(shadow), Some(scache), Some(trace)) =
+            (self.shadow.as_mut(), caches.shadow.as_mut(), trace)
+        {
+            let mut strace = Trace::new();
+            let slogits = shadow
+                .model
+                .forward(
+                    &shadow.backend,
+                    scache,
+                    ids,
+                    seqs,
+                    out_rows,
+                    Some(&mut strace),
+                )
+                .map_err(|e| shadow.berr(e))?;
+            let rank = self.backend.rank();
+            let hidden = self.model.cfg.hidden_size;
+            let position_of_row = |row: usize| -> (usize, u64) {
+                seqs.iter()
+                    .zip(ids_of)
+                    .find(|(s, _)| (s.row0..s.row0 + s.len).contains(&row))
+                    .map_or((0, 0), |(s, &id)| (s.pos0 + row - s.row0, id))
+            };
+            for (layer, (a, b)) in trace.iter().zip(&strace).enumerate() {
+                if let Some(row) = first_diff_row(a, b, hidden) {
+                    let (position, id) = position_of_row(row);
+                    return Err(ModelError::ShadowDivergence {
+                        rank,
+                        what: format!("hidden state after layer {layer}"),
+                        position,
+                        id,
+                        max_abs_diff: max_abs_diff(
+                            &a[row * hidden..(row + 1) * hidden],
+                            &b[row * hidden..(row + 1) * hidden],
+                        ),
+                    });
+                }
+            }
+            let vocab = self.model.cfg.vocab_size;
+            if let Some(i) = first_diff_row(&logits, &slogits, vocab) {
+                let (position, id) = position_of_row(out_rows[i]);
+                return Err(ModelError::ShadowDivergence {
+                    rank,
+                    what: "logits".into(),
+                    position,
+                    id,
+                    max_abs_diff: max_abs_diff(
+                        &logits[i * vocab..(i + 1) * vocab],
+                        &slogits[i * vocab..(i + 1) * vocab],
+                    ),
+                });
+            }
+        }
+        Ok(logits)
+    }
+}
+
+fn first_diff_row(a: &[f32], b: &[f32], cols: usize) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(0);
+    }
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
+        .map(|i| i / cols.max(1))
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m })
+}
+
+/// The per-position record both `generate` and `score` produce from a logits row.
+fn record(row: &[f32], token: u32, n_top: usize) -> (f32, Vec<TokenLogprob>, u64) {
+    let lse = sampling::log_sum_exp(row);
+    (
+        sampling::logprob(row, lse, token as usize),
+        sampling::top_n(row, lse, n_top),
+        sampling::digest(row),
+    )
+}
+
+impl<B: Backend> Runner for Engine<B> {
+    fn tp(&self) -> usize {
+        self.backend.world_size()
+    }
+    fn rank(&self) -> usize {
+        self.backend.rank()
+    }
+    fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+    fn tokenizer(&self) -> Option<&tokenizers::Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+    fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    fn generate(
+        &mut self,
+        reqs: &[GenRequest],
+        s: &Sampling,
+        n_top: usize,
+    ) -> MResult<Vec<GenOutput>> {
+        s.validate()?;
+        for r in reqs {
+            if r.prompt.is_empty() {
+                return Err(ModelError::BadRequest {
+                    id: r.id,
+                    msg: "empty prompt".into(),
+                });
+            }
+            self.check_tokens(r.id, &r.prompt)?;
+            let needed = r.prompt.len().saturating_add(r.max_new_tokens);
+            if needed > self.max_seq_len {
+                return Err(ModelError::ContextTooLong {
+                    id: r.id,
+                    needed,
+                    max: self.max_seq_len,
+                    prompt_len: r.prompt.len(),
+                });
+            }
+        }
+        let eos = self.model.cfg.eos_token_ids.clone();
+        let mut outs: Vec<GenOutput> = reqs
+            .iter()
+            .map(|r| GenOutput {
+                id: r.id,
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                top: Vec::new(),
+                logits_digest: Vec::new(),
+                finish: FinishReason::Length,
+            })
+            .collect();
+        // Requests that generate something; slot j of the cache is active[j].
+        let active: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].max_new_tokens > 0)
+            .collect();
+        if active.is_empty() {
+            return Ok(outs);
+        }
+        let max_len = active
+            .iter()
+            .map(|&i| reqs[i].prompt.len() + reqs[i].max_new_tokens)
+            .max()
+            .unwrap_or(1);
+        let mut caches = self.caches(active.len(), max_len)?;
+        let mut done = vec![false; active.len()];
+
+        // Prefill: every prompt at once, logits of each prompt's last row.
+        let mut ids = Vec::new();
+        let mut seqs = Vec::with_capacity(active.len());
+        let mut out_rows = Vec::with_capacity(active.len());
+        for (slot, &i) in active.iter().enumerate() {
+            let p = &reqs[i].prompt;
+            seqs.push(SeqRows {
+                slot,
+                row0: ids.len(),
+                len: p.len(),
+                pos0: 0,
+            });
+            ids.extend_from_slice(p);
+            out_rows.push(ids.len() - 1);
+        }
+        let mut live: Vec<usize> = (0..active.len()).collect();
+        loop {
+            let ids_of: Vec<u64> = live.iter().map(|&j| reqs[active[j]].id).collect();
+            let logits = self.step(&mut caches, &ids, &seqs, &out_rows, &ids_of)?;
+            let vocab = self.model.cfg.vocab_size;
+            for (n, &j) in live.iter().enumerate() {
+                let r = &reqs[active[j]];
+                let out = &mut outs[active[j]];
+                let row = &logits[n * vocab..(n + 1) * vocab];
+                let position = r.prompt.len() + out.tokens.len();
+                let token = sampling::choose(row, s, r.id, position);
+                let (lp, top, dg) = record(row, token, n_top);
+                out.tokens.push(token);
+                out.logprobs.push(lp);
+                out.top.push(top);
+                out.logits_digest.push(dg);
+                if eos.contains(&token) {
+                    out.finish = FinishReason::Eos;
+                    done[j] = true;
+                } else if out.tokens.len() >= r.max_new_tokens {
+                    done[j] = true;
+                }
+            }
+            live.retain(|&j| !done[j]);
+            if live.is_empty() {
+                break;
+            }
+            // Decode: one row per live sequence, its last token at its position.
+            ids.clear();
+            seqs.clear();
+            out_rows.clear();
+            for (n, &j) in live.iter().enumerate() {
+                let r = &reqs[active[j]];
+                let out = &outs[active[j]];
+                let last = *out.tokens.last().unwrap_or(&0);
+                seqs.push(SeqRows {
+                    slot: j,
+                    row0: n,
+                    len: 1,
+                    pos0: r.prompt.len() + out.tokens.len() - 1,
+                });
+                ids.push(last);
+                out_rows.push(n);
+            }
+        }
+        Ok(outs)
+    }
+
+    fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>> {
+        for r in reqs {
+            if r.prompt_len == 0 || r.prompt_len > r.tokens.len() {
+                return Err(ModelError::BadRequest {
+                    id: r.id,
+                    msg: format!(
+                        "prompt_len {} must be between 1 and the sequence length {}",
+                        r.prompt_len,
+                        r.tokens.len()
+                    ),
+                });
+            }
+            self.check_tokens(r.id, &r.tokens)?;
+            if r.tokens.len() > self.max_seq_len {
+                return Err(ModelError::ContextTooLong {
+                    id: r.id,
+                    needed: r.tokens.len(),
+                    max: self.max_seq_len,
+                    prompt_len: r.prompt_len,
+                });
+            }
+        }
+        let mut outs: Vec<ScoreOutput> = reqs
+            .iter()
+            .map(|r| ScoreOutput {
+                id: r.id,
+                logprobs: Vec::new(),
+                top: Vec::new(),
+                logits_digest: Vec::new(),
+            })
+            .collect();
+        let active: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].tokens.len() > reqs[i].prompt_len)
+            .collect();
+        if active.is_empty() {
+            return Ok(outs);
+        }
+        let max_len = active
+            .iter()
+            .map(|&i| reqs[i].tokens.len())
+            .max()
+            .unwrap_or(1);
+        let mut caches = self.caches(active.len(), max_len)?;
+        let mut ids = Vec::new();
+        let mut seqs = Vec::with_capacity(active.len());
+        let mut out_rows = Vec::new();
+        for (slot, &i) in active.iter().enumerate() {
+            let r = &reqs[i];
+            let row0 = ids.len();
+            seqs.push(SeqRows {
+                slot,
+                row0,
+                len: r.tokens.len(),
+                pos0: 0,
+            });
+            ids.extend_from_slice(&r.tokens);
+            // Token p is predicted by the row of position p - 1.
+            out_rows.extend((r.prompt_len..r.tokens.len()).map(|p| row0 + p - 1));
+        }
+        let ids_of: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
+        let logits = self.step(&mut caches, &ids, &seqs, &out_rows, &ids_of)?;
+        let vocab = self.model.cfg.vocab_size;
+        let mut n = 0;
+        for &i in &active {
+            let r = &reqs[i];
+            for p in r.prompt_len..r.tokens.len() {
+                let row = &logits[n * vocab..(n + 1) * vocab];
+                let (lp, top, dg) = record(row, r.tokens[p], n_top);
+                outs[i].logprobs.push(lp);
+                outs[i].top.push(top);
+                outs[i].logits_digest.push(dg);
+                n += 1;
+            }
+        }
+        Ok(outs)
+    }
+}

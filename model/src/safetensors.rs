@@ -1,0 +1,344 @@
+//! A memory-mapped safetensors file with a validated header.
+//!
+//! Layout: 8-byte little-endian header length N, N bytes of JSON
+//! (`name -> {dtype, shape, data_offsets: [begin, end]}`, offsets relative to the data
+//! section), then the data. Nothing is read from the data section until a tensor (or a
+//! slice of one) is asked for, so a rank touches only the pages of its own shard.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use serde_json::Value;
+
+use crate::error::{MResult, ModelError};
+
+/// Header sizes beyond this are refused before parsing (real headers are a few MB).
+const MAX_HEADER: u64 = 100 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    BF16,
+    F16,
+    F32,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::BF16 => "BF16",
+            DType::F16 => "F16",
+            DType::F32 => "F32",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "BF16" => Some(DType::BF16),
+            "F16" => Some(DType::F16),
+            "F32" => Some(DType::F32),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// Byte range inside the data section.
+    pub data: Range<usize>,
+}
+
+pub struct SafeFile {
+    pub path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+    pub tensors: HashMap<String, TensorInfo>,
+}
+
+fn st_err(path: &Path, msg: String) -> ModelError {
+    ModelError::Safetensors {
+        path: path.to_path_buf(),
+        msg,
+    }
+}
+
+impl SafeFile {
+    pub fn open(path: &Path) -> MResult<Self> {
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len < 8 {
+            return Err(st_err(
+                path,
+                format!("truncated: {len} bytes, shorter than the 8-byte header length"),
+            ));
+        }
+        // SAFETY: the map is read-only; a checkpoint modified while arbor runs is outside
+        // what we can defend against (as with every mmap-based loader).
+        let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let (data_start, tensors) = parse_header(&mmap, path)?;
+        Ok(SafeFile {
+            path: path.to_path_buf(),
+            mmap,
+            data_start,
+            tensors,
+        })
+    }
+
+    /// Raw bytes of `range` (relative to the tensor's data) of tensor `info`.
+    fn bytes(&self, info: &TensorInfo, range: Range<usize>) -> &[u8] {
+        let base = self.data_start + info.data.start;
+        &self.mmap[base + range.start..base + range.end]
+    }
+
+    /// Elements `[r0..r1) × [c0..c1)` of a 2-D tensor `[n, k]` (or of a 1-D tensor with
+    /// n = 1), converted to bf16, row-major. Only the bytes of those elements are read.
+    pub fn read_block(
+        &self,
+        info: &TensorInfo,
+        k: usize,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Vec<bf16> {
+        let es = info.dtype.size();
+        let width = cols.len();
+        let mut out = Vec::with_capacity(rows.len() * width);
+        for r in rows {
+            let b = self.bytes(info, (r * k + cols.start) * es..(r * k + cols.end) * es);
+            convert_into(b, info.dtype, &mut out);
+        }
+        out
+    }
+}
+
+fn convert_into(b: &[u8], dtype: DType, out: &mut Vec<bf16>) {
+    match dtype {
+        DType::BF16 => out.extend(
+            b.chunks_exact(2)
+                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))),
+        ),
+        DType::F16 => out
+            .extend(b.chunks_exact(2).map(|c| {
+                bf16::from_f32(f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            })),
+        DType::F32 => out.extend(
+            b.chunks_exact(4)
+                .map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        ),
+    }
+}
+
+/// Validates the header of a whole file image: length within the file, JSON well formed,
+/// every tensor's byte range inside the data section, consistent with shape × dtype, and
+/// no two tensors overlapping.
+pub fn parse_header(file: &[u8], path: &Path) -> MResult<(usize, HashMap<String, TensorInfo>)> {
+    let len = file.len() as u64;
+    if len < 8 {
+        return Err(st_err(
+            path,
+            format!("truncated: {len} bytes, shorter than the 8-byte header length"),
+        ));
+    }
+    let mut n8 = [0u8; 8];
+    n8.copy_from_slice(&file[..8]);
+    let n = u64::from_le_bytes(n8);
+    if n > MAX_HEADER || n > len - 8 {
+        return Err(st_err(
+            path,
+            format!(
+                "header length {n} does not fit in the file ({len} bytes) or exceeds {MAX_HEADER}"
+            ),
+        ));
+    }
+    let data_start = 8 + n as usize;
+    let data_len = file.len() - data_start;
+    let header: Value = serde_json::from_slice(&file[8..data_start])
+        .map_err(|e| st_err(path, format!("header is not valid JSON: {e}")))?;
+    let obj = header
+        .as_object()
+        .ok_or_else(|| st_err(path, "header is not a JSON object".into()))?;
+    let mut tensors = HashMap::with_capacity(obj.len());
+    for (name, v) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let bad = |msg: String| st_err(path, format!("tensor {name:?}: {msg}"));
+        let t = v
+            .as_object()
+            .ok_or_else(|| bad("entry is not an object".into()))?;
+        let dtype_s = t
+            .get("dtype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("missing \"dtype\"".into()))?;
+        let dtype = DType::parse(dtype_s).ok_or_else(|| ModelError::DtypeUnsupported {
+            path: path.to_path_buf(),
+            tensor: name.clone(),
+            dtype: dtype_s.to_string(),
+        })?;
+        let shape: Vec<usize> = t
+            .get("shape")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad("missing \"shape\"".into()))?
+            .iter()
+            .map(|d| d.as_u64().and_then(|x| usize::try_from(x).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("\"shape\" holds a non-integer".into()))?;
+        let offs: Vec<usize> = t
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .filter(|a| a.len() == 2)
+            .ok_or_else(|| bad("\"data_offsets\" is not a pair".into()))?
+            .iter()
+            .map(|d| d.as_u64().and_then(|x| usize::try_from(x).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("\"data_offsets\" holds a non-integer".into()))?;
+        let (b, e) = (offs[0], offs[1]);
+        if b > e || e > data_len {
+            return Err(bad(format!(
+                "data_offsets [{b}, {e}] outside the data section of {data_len} bytes (file truncated or header lying)"
+            )));
+        }
+        let want = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+        if e - b != want {
+            return Err(bad(format!(
+                "data_offsets [{b}, {e}] hold {} bytes but shape {shape:?} × {} needs {want}",
+                e - b,
+                dtype.name()
+            )));
+        }
+        tensors.insert(
+            name.clone(),
+            TensorInfo {
+                dtype,
+                shape,
+                data: b..e,
+            },
+        );
+    }
+    let mut spans: Vec<(&str, &Range<usize>)> = tensors
+        .iter()
+        .filter(|(_, t)| !t.data.is_empty())
+        .map(|(n, t)| (n.as_str(), &t.data))
+        .collect();
+    spans.sort_by_key(|(n, r)| (r.start, *n));
+    for w in spans.windows(2) {
+        if w[1].1.start < w[0].1.end {
+            return Err(st_err(
+                path,
+                format!(
+                    "tensors {:?} {:?} and {:?} {:?} overlap",
+                    w[0].0, w[0].1, w[1].0, w[1].1
+                ),
+            ));
+        }
+    }
+    Ok((data_start, tensors))
+}
+
+/// Serialises a safetensors header for `(name, dtype, shape)` entries laid out back to
+/// back in the given order; returns the header bytes (length prefix included, padded to
+/// 8 bytes) and the data size.
+pub fn build_header(entries: &[(String, DType, Vec<usize>)]) -> (Vec<u8>, usize) {
+    let mut map = serde_json::Map::new();
+    let mut off = 0usize;
+    for (name, dtype, shape) in entries {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        map.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [off, off + bytes]}),
+        );
+        off += bytes;
+    }
+    let mut json = Value::Object(map).to_string().into_bytes();
+    while !json.len().is_multiple_of(8) {
+        json.push(b' ');
+    }
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    (out, off)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_with(header: &str, data_len: usize) -> Vec<u8> {
+        let mut f = (header.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(header.as_bytes());
+        f.extend(std::iter::repeat_n(0u8, data_len));
+        f
+    }
+
+    fn p() -> PathBuf {
+        PathBuf::from("t.safetensors")
+    }
+
+    #[test]
+    fn roundtrip_header() {
+        let (h, n) = build_header(&[
+            ("a".into(), DType::BF16, vec![2, 3]),
+            ("b".into(), DType::F32, vec![4]),
+        ]);
+        let mut f = h;
+        f.extend(std::iter::repeat_n(0u8, n));
+        let (_, t) = parse_header(&f, &p()).unwrap();
+        assert_eq!(t["a"].data, 0..12);
+        assert_eq!(t["b"].data, 12..28);
+        assert_eq!(t["b"].dtype, DType::F32);
+    }
+
+    #[test]
+    fn rejects_bad_headers() {
+        let cases: &[(&str, usize, &str)] = &[
+            (
+                r#"{"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}"#,
+                3,
+                "outside the data section",
+            ),
+            (
+                r#"{"a":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]}}"#,
+                8,
+                "needs 6",
+            ),
+            (
+                r#"{"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#,
+                8,
+                "I64",
+            ),
+            (
+                r#"{"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[2,6]}}"#,
+                8,
+                "overlap",
+            ),
+            (r#"{"a":{"dtype":"BF16","shape":[2]}}"#, 8, "data_offsets"),
+            (r#"{"a": 3"#, 8, "not valid JSON"),
+        ];
+        for (h, n, want) in cases {
+            let e = parse_header(&file_with(h, *n), &p())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{h}: {e}");
+        }
+        let mut f = file_with("{}", 0);
+        f[..8].copy_from_slice(&1000u64.to_le_bytes());
+        let e = parse_header(&f, &p()).unwrap_err().to_string();
+        assert!(e.contains("header length 1000"), "{e}");
+        let e = parse_header(&[1, 2, 3], &p()).unwrap_err().to_string();
+        assert!(e.contains("truncated"), "{e}");
+    }
+}

@@ -1,0 +1,256 @@
+//! Token choice on the full f32 logits row, identical on every rank (all ranks hold the
+//! same logits) and independent of batch composition: the only randomness is a
+//! counter-based draw keyed by (seed, request id, position).
+
+use crate::error::{MResult, ModelError};
+
+/// How the next token is chosen. `temperature == 0` is greedy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest most-likely set whose probability reaches `top_p`; 1 = off.
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Sampling {
+    pub fn greedy() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+
+    pub fn validate(&self) -> MResult<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(ModelError::BadSampling(format!(
+                "temperature must be finite and >= 0, got {}",
+                self.temperature
+            )));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(ModelError::BadSampling(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+/// A token and its log-probability.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The uniform draw in [0, 1) for (seed, request id, position): a pure function of the
+/// triple, so it does not depend on the batch slot or how many steps ran before.
+pub fn uniform(seed: u64, id: u64, position: u64) -> f64 {
+    let h = splitmix64(splitmix64(splitmix64(seed) ^ id) ^ position);
+    (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// A 64-bit digest (FNV-1a) of the bits of a logits row.
+pub fn digest(logits: &[f32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in logits {
+        for b in x.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Index of the largest value, lowest index on ties; NaN never wins (index 0 if all NaN).
+pub fn argmax(row: &[f32]) -> usize {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if !found || v > best_v {
+            best = i;
+            best_v = v;
+            found = true;
+        }
+    }
+    best
+}
+
+/// log(sum(exp(row))) in f32, fixed order: max first, then the sum of exp(x - max) in index order.
+pub fn log_sum_exp(row: &[f32]) -> f32 {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY || m.is_nan() {
+        return m;
+    }
+    let mut s = 0.0f32;
+    for &x in row {
+        s += (x - m).exp();
+    }
+    m + s.ln()
+}
+
+/// log_softmax(row)[idx] given `lse = log_sum_exp(row)`.
+pub fn logprob(row: &[f32], lse: f32, idx: usize) -> f32 {
+    row[idx] - lse
+}
+
+/// The `n` most likely tokens, most likely first, lowest id first on ties.
+pub fn top_n(row: &[f32], lse: f32, n: usize) -> Vec<TokenLogprob> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let order = sorted_desc(row, n);
+    order
+        .into_iter()
+        .map(|i| TokenLogprob {
+            token: i as u32,
+            logprob: row[i] - lse,
+        })
+        .collect()
+}
+
+/// Indices of the `limit` largest values (NaN excluded), descending, lowest index on ties.
+fn sorted_desc(row: &[f32], limit: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).filter(|&i| !row[i].is_nan()).collect();
+    let cmp = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
+    if limit < idx.len() {
+        idx.select_nth_unstable_by(limit, cmp);
+        idx.truncate(limit);
+    }
+    idx.sort_unstable_by(cmp);
+    idx
+}
+
+/// Chooses the token at `position` of request `id` from its full logits row.
+pub fn choose(row: &[f32], s: &Sampling, id: u64, position: usize) -> u32 {
+    if s.temperature == 0.0 || row.len() <= 1 {
+        return argmax(row) as u32;
+    }
+    let limit = if s.top_k == 0 {
+        row.len()
+    } else {
+        s.top_k.min(row.len())
+    };
+    let cand = sorted_desc(row, limit);
+    if cand.is_empty() {
+        return 0;
+    }
+    // Probabilities of the candidates (scaled logits, relative to the max), in
+    // descending order: a fixed order, so the sums below are reproducible.
+    let inv_t = 1.0f32 / s.temperature;
+    let m = row[cand[0]] * inv_t;
+    let w: Vec<f32> = cand.iter().map(|&i| (row[i] * inv_t - m).exp()).collect();
+    let total: f32 = w.iter().sum();
+    let mut keep = w.len();
+    if s.top_p < 1.0 {
+        let target = s.top_p * total;
+        let mut acc = 0.0f32;
+        for (j, &x) in w.iter().enumerate() {
+            acc += x;
+            if acc >= target {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    let kept_total: f32 = w[..keep].iter().sum();
+    let u = uniform(s.seed, id, position as u64) as f32 * kept_total;
+    let mut acc = 0.0f32;
+    for (j, &x) in w[..keep].iter().enumerate() {
+        acc += x;
+        if u < acc {
+            return cand[j] as u32;
+        }
+    }
+    cand[keep - 1] as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_lowest_index_on_ties_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 0.5]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+    }
+
+    #[test]
+    fn logprobs_are_normalised() {
+        let row = [0.5f32, -1.0, 2.0, 0.0];
+        let lse = log_sum_exp(&row);
+        let total: f64 = (0..4).map(|i| (logprob(&row, lse, i) as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        let t = top_n(&row, lse, 2);
+        assert_eq!(t.iter().map(|x| x.token).collect::<Vec<_>>(), vec![2, 0]);
+    }
+
+    #[test]
+    fn draws_depend_on_the_key_only() {
+        let a = uniform(7, 3, 10);
+        assert_eq!(a.to_bits(), uniform(7, 3, 10).to_bits());
+        assert_ne!(a.to_bits(), uniform(7, 3, 11).to_bits());
+        assert_ne!(a.to_bits(), uniform(7, 4, 10).to_bits());
+        assert_ne!(a.to_bits(), uniform(8, 3, 10).to_bits());
+        assert!((0.0..1.0).contains(&a));
+    }
+
+    #[test]
+    fn sampling_respects_top_k_and_follows_probabilities() {
+        let row = [0.0f32, 1.0, 2.0, 3.0, -5.0];
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            seed: 1,
+        };
+        let mut counts = [0usize; 5];
+        for pos in 0..2000 {
+            counts[choose(&row, &s, 0, pos) as usize] += 1;
+        }
+        assert_eq!(counts[0] + counts[1] + counts[4], 0, "{counts:?}");
+        // p(3) = e/(1+e) ≈ 0.73
+        assert!((1300..1620).contains(&counts[3]), "{counts:?}");
+        // top_p small enough keeps only the argmax.
+        let s = Sampling {
+            top_k: 0,
+            top_p: 0.1,
+            ..s
+        };
+        assert!((0..200).all(|p| choose(&row, &s, 5, p) == 3));
+        // Greedy.
+        assert_eq!(choose(&row, &Sampling::greedy(), 0, 0), 3);
+    }
+
+    #[test]
+    fn digest_sees_every_bit() {
+        let a = [1.0f32, 2.0];
+        let b = [1.0f32, f32::from_bits(2.0f32.to_bits() ^ 1)];
+        assert_ne!(digest(&a), digest(&b));
+        assert_ne!(digest(&[0.0]), digest(&[-0.0]));
+    }
+}

@@ -1,0 +1,143 @@
+//! The checkpoint of a model directory: `model.safetensors`, or the shards listed in
+//! `model.safetensors.index.json`. Tensors are read slice by slice (a rank's rows or
+//! columns), converted to bf16; the checkpoint is never materialised whole.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use half::bf16;
+
+use crate::error::{MResult, ModelError};
+use crate::safetensors::{SafeFile, TensorInfo};
+
+pub struct WeightStore {
+    dir: PathBuf,
+    files: Vec<SafeFile>,
+    /// tensor name -> index into `files`.
+    index: HashMap<String, usize>,
+}
+
+impl WeightStore {
+    pub fn open(dir: &Path) -> MResult<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
+                path: index_path.clone(),
+                source,
+            })?;
+            let bad = |msg: String| ModelError::Safetensors {
+                path: index_path.clone(),
+                msg,
+            };
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| bad("missing object \"weight_map\"".into()))?;
+            let mut by_file: HashMap<String, usize> = HashMap::new();
+            let mut names: Vec<(&String, &serde_json::Value)> = map.iter().collect();
+            names.sort_by(|a, b| a.0.cmp(b.0));
+            for (tensor, file) in names {
+                let file = file
+                    .as_str()
+                    .ok_or_else(|| bad(format!("weight_map[{tensor:?}] is not a file name")))?;
+                if file.contains('/') || file.contains('\\') || file == ".." {
+                    return Err(bad(format!(
+                        "weight_map[{tensor:?}] = {file:?} is not a plain file name"
+                    )));
+                }
+                let fi = match by_file.get(file) {
+                    Some(&i) => i,
+                    None => {
+                        files.push(SafeFile::open(&dir.join(file))?);
+                        by_file.insert(file.to_string(), files.len() - 1);
+                        files.len() - 1
+                    }
+                };
+                if !files[fi].tensors.contains_key(tensor) {
+                    return Err(ModelError::MissingTensor {
+                        dir: files[fi].path.clone(),
+                        tensor: tensor.clone(),
+                    });
+                }
+                index.insert(tensor.clone(), fi);
+            }
+        } else if single.exists() {
+            let f = SafeFile::open(&single)?;
+            for name in f.tensors.keys() {
+                index.insert(name.clone(), 0);
+            }
+            files.push(f);
+        } else {
+            return Err(ModelError::Io {
+                path: single,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no model.safetensors nor model.safetensors.index.json in the model directory",
+                ),
+            });
+        }
+        Ok(WeightStore {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn get(&self, name: &str) -> MResult<(&SafeFile, &TensorInfo)> {
+        let fi = *self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                dir: self.dir.clone(),
+                tensor: name.to_string(),
+            })?;
+        let f = &self.files[fi];
+        Ok((f, &f.tensors[name]))
+    }
+
+    fn check_shape(&self, name: &str, expected: &[usize]) -> MResult<(&SafeFile, &TensorInfo)> {
+        let (f, t) = self.get(name)?;
+        if t.shape != expected {
+            return Err(ModelError::ShapeMismatch {
+                path: f.path.clone(),
+                tensor: name.to_string(),
+                expected: expected.to_vec(),
+                found: t.shape.clone(),
+            });
+        }
+        Ok((f, t))
+    }
+
+    /// Rows `rows` (all columns) of the `[n, k]` matrix `name`.
+    pub fn rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<Vec<bf16>> {
+        let (f, t) = self.check_shape(name, &[n, k])?;
+        debug_assert!(rows.end <= n);
+        Ok(f.read_block(t, k, rows, 0..k))
+    }
+
+    /// Columns `cols` of every row of the `[n, k]` matrix `name` (a strided read).
+    pub fn cols(&self, name: &str, n: usize, k: usize, cols: Range<usize>) -> MResult<Vec<bf16>> {
+        let (f, t) = self.check_shape(name, &[n, k])?;
+        debug_assert!(cols.end <= k);
+        Ok(f.read_block(t, k, 0..n, cols))
+    }
+
+    /// Elements `range` of the vector `name` of length `len`, as f32 (via bf16).
+    pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
+        let (f, t) = self.check_shape(name, &[len])?;
+        Ok(f.read_block(t, len, 0..1, range)
+            .into_iter()
+            .map(f32::from)
+            .collect())
+    }
+}

@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA backend, in one device call. Run ON the GPU machine from the repo
+# root, with binaries staged by scripts/build-device.sh (device tool: carry [".device"]):
+#
+#   scripts/gpu-check.sh [smoke|full]      (default: full)
+#
+# smoke: nvidia-smi, the GPU kernel tests (NVRTC compile of every kernel for the device's
+#        arch, bit-identity across batch / TP split / prefill-decode), the model tests (CPU vs
+#        GPU logits with the measured relative error), tiny-model generate at TP 1, 2, 4,
+#        then (time allowing) the llama3-8b-shape model: make it, one TP=4 generate, timed.
+# full:  the tests, then `arbor check --device cuda --tp $TPS --batch 1,8,32` on the tiny
+#        model (greedy and seeded sampling) and on the llama3-8b-shape model (random bf16
+#        weights made on the machine; greedy and seeded, >= 64 new tokens), each with
+#        score == generate, plus `generate --shadow-tp1` at the largest TP.
+#
+# Prints the unique-output / divergence tables LAST; full logs go to $OUT (default
+# ./gpu-check-out): summary.txt, tests.log, tiny.log, l8b.log, reports.tar.
+# Environment: TPS (default 1,2,4), L8B_PROMPTS (default 6), L8B_TOKENS (default 64),
+# L8B_DIR (default /tmp/arbor-l8b; reused if it holds a model), SKIP_L8B=1 (tiny only),
+# BUDGET_S (default 570: steps that would start after it are skipped and reported).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=${1:-full}
+OUT=${OUT:-./gpu-check-out}
+BIN=${ARBOR_DEVICE_DIR:-.device}
+TPS=${TPS:-1,2,4}
+L8B_PROMPTS=${L8B_PROMPTS:-6}
+L8B_TOKENS=${L8B_TOKENS:-64}
+L8B_DIR=${L8B_DIR:-/tmp/arbor-l8b}
+BUDGET_S=${BUDGET_S:-570}
+WORK=${WORK:-/tmp/arbor-gpu-check}
+T0=$(date +%s)
+mkdir -p "$OUT" "$WORK"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+for f in arbor arbor-launch tests/kernels-gpu tests/model-gpu; do
+    if [[ ! -x "$BIN/$f" ]]; then
+        echo "gpu-check: $BIN/$f is missing: run scripts/build-device.sh here first" >&2
+        exit 2
+    fi
+done
+ARBOR=$BIN/arbor
+LAUNCH=$BIN/arbor-launch
+
+# cuBLAS (GEMM baseline) lives outside the default loader path on the lent machines.
+export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# NVLink multicast stays off (GPU.md): never enabled by arbor, kept off here too.
+export NCCL_NVLS_ENABLE=0
+export RUST_LOG=${RUST_LOG:-warn}
+
+elapsed() { echo $(($(date +%s) - T0)); }
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# step NAME LOG TIMEOUT CMD... : runs CMD with a time limit, output appended to LOG.
+step() {
+    local name=$1 log=$2 limit=$3
+    shift 3
+    local left=$((BUDGET_S - $(elapsed)))
+    if ((left < 15)); then
+        note "SKIP  $name (time budget spent at $(elapsed) s)"
+        return 3
+    fi
+    ((limit > left)) && limit=$left
+    local t=$(date +%s)
+    echo "=== $name  ($(date -u +%T), limit ${limit}s): $*" >>"$log"
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    local rc=$?
+    local dt=$(($(date +%s) - t))
+    if ((rc == 0)); then
+        note "PASS  $name (${dt} s)"
+    elif ((rc == 124 || rc == 137)); then
+        note "TIME  $name (killed after ${dt} s)"
+    else
+        note "FAIL  $name (exit $rc, ${dt} s; see $(basename "$log"))"
+    fi
+    return $rc
+}
+
+# prompts FILE COUNT VOCAB: token-id prompts of varied lengths (4..~120), deterministic.
+prompts() {
+    local file=$1 count=$2 vocab=$3
+    awk -v n="$count" -v v="$vocab" 'BEGIN {
+        for (i = 0; i < n; i++) {
+            len = 4 + (i * 37) % 117; s = "";
+            for (j = 0; j < len; j++) s = s (j ? "," : "") ((i * 7919 + j * 104729 + 13) % (v - 1)) + 1;
+            printf "{\"id\":%d,\"tokens\":[%s]}\n", i, s;
+        }
+    }' >"$file"
+}
+
+TESTS_LOG=$OUT/tests.log
+TINY_LOG=$OUT/tiny.log
+L8B_LOG=$OUT/l8b.log
+REPORTS=$WORK/reports
+rm -rf "$REPORTS"
+mkdir -p "$REPORTS"
+
+{
+    echo "gpu-check $MODE on $(hostname) at $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
+} 2>&1 | tee -a "$SUMMARY"
+
+# The 8B model is written by the CPU while the GPU tests and the tiny checks run.
+# A model left by an earlier call on a still-warm machine is reused only if its make
+# finished (marker written after a successful make-model).
+MAKE_PID=
+L8B_OK=$L8B_DIR.complete
+if [[ ${SKIP_L8B:-0} != 1 && ! -f $L8B_OK ]]; then
+    rm -rf "$L8B_DIR"
+    (
+        t=$(date +%s)
+        "$ARBOR" make-model --preset llama3-8b --out "$L8B_DIR" >"$WORK/make-l8b.log" 2>&1
+        rc=$?
+        ((rc == 0)) && touch "$L8B_OK"
+        echo "exit $rc after $(($(date +%s) - t)) s" >>"$WORK/make-l8b.log"
+    ) &
+    MAKE_PID=$!
+elif [[ -f $L8B_OK ]]; then
+    note "reusing the llama3-8b model in $L8B_DIR"
+fi
+
+# --- tests: kernels (NVRTC + invariance on the GPU) and model (CPU vs GPU, prefill == decode)
+step "kernel tests (NVRTC sm_90a compile, bit-identity on GPU)" "$TESTS_LOG" 120 \
+    "$BIN/tests/kernels-gpu" --test-threads=1 --nocapture cuda::
+step "model tests (CPU vs GPU logits, prefill == decode, batch)" "$TESTS_LOG" 180 \
+    "$BIN/tests/model-gpu" --test-threads=1 --nocapture
+grep -h -o "CPU vs GPU logits (.*" "$TESTS_LOG" | tee -a "$SUMMARY"
+# On the GPU machine a skipped GPU test means the GPU was not used: that is a failure.
+if grep -q "skipped:" "$TESTS_LOG"; then
+    note "FAIL  GPU tests skipped: $(grep -h -o 'skipped: .*' "$TESTS_LOG" | sort -u | head -n 1)"
+fi
+
+# --- tiny model
+TINY=$WORK/tiny
+rm -rf "$TINY"
+step "make tiny model" "$TINY_LOG" 60 "$ARBOR" make-model --out "$TINY"
+prompts "$WORK/tiny-prompts.jsonl" 34 250
+for tp in ${TPS//,/ }; do
+    step "tiny generate TP=$tp" "$TINY_LOG" 90 \
+        "$LAUNCH" -n "$tp" -- "$ARBOR" generate --model "$TINY" --device cuda \
+        --prompt "hello world" --prompt "the quick brown fox" --max-tokens 16
+done
+
+run_check() { # run_check NAME LOG MODEL TIMEOUT EXTRA...
+    local name=$1 log=$2 model=$3 limit=$4
+    shift 4
+    step "check $name" "$log" "$limit" "$ARBOR" check --model "$model" --device cuda \
+        --tp "$TPS" --batch 1,8,32 --json "$REPORTS/$name.json" "$@"
+}
+
+if [[ $MODE == full ]]; then
+    run_check tiny-greedy "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32
+    run_check tiny-seeded "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32 \
+        --temperature 0.8 --top-p 0.9 --seed 1234
+    step "tiny generate --shadow-tp1 (TP=${TPS##*,})" "$TINY_LOG" 60 \
+        "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$TINY" --device cuda --shadow-tp1 \
+        --prompts "$WORK/tiny-prompts.jsonl" --batch 8 --max-tokens 16
+fi
+
+# --- llama3-8b-shape model
+if [[ -n $MAKE_PID ]]; then
+    left=$((BUDGET_S - $(elapsed)))
+    if ((left > 30)); then
+        (sleep "$left"; kill "$MAKE_PID" 2>/dev/null) &
+        waiter=$!
+        wait "$MAKE_PID"
+        kill "$waiter" 2>/dev/null
+    else
+        kill "$MAKE_PID" 2>/dev/null
+    fi
+    cat "$WORK/make-l8b.log" >>"$L8B_LOG" 2>/dev/null
+    note "make llama3-8b: $(tail -n 1 "$WORK/make-l8b.log" 2>/dev/null) (at $(elapsed) s)"
+fi
+if [[ ${SKIP_L8B:-0} == 1 ]]; then
+    note "SKIP  llama3-8b (SKIP_L8B=1)"
+elif [[ -f $L8B_OK ]]; then
+    vocab=$(grep -o '"vocab_size": *[0-9]*' "$L8B_DIR/config.json" | grep -o '[0-9]*$')
+    prompts "$WORK/l8b-prompts.jsonl" "$L8B_PROMPTS" "${vocab:-128256}"
+    if [[ $MODE == full ]]; then
+        run_check l8b-greedy "$L8B_LOG" "$L8B_DIR" 300 --prompts "$WORK/l8b-prompts.jsonl" \
+            --max-tokens "$L8B_TOKENS"
+        run_check l8b-seeded "$L8B_LOG" "$L8B_DIR" 300 --prompts "$WORK/l8b-prompts.jsonl" \
+            --max-tokens "$L8B_TOKENS" --temperature 0.8 --top-p 0.9 --seed 1234
+        step "l8b generate --shadow-tp1 (TP=${TPS##*,})" "$L8B_LOG" 120 \
+            "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda --shadow-tp1 \
+            --prompts "$WORK/l8b-prompts.jsonl" --batch 8 --max-tokens 16
+    else
+        step "l8b generate TP=${TPS##*,} ($L8B_TOKENS tokens, 1 prompt)" "$L8B_LOG" 200 \
+            "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda \
+            --prompt "hello world" --max-tokens "$L8B_TOKENS"
+    fi
+else
+    note "SKIP  llama3-8b checks: the model was not made (see l8b.log)"
+fi
+
+tar -C "$WORK" -cf "$OUT/reports.tar" reports 2>/dev/null
+
+# --- the tables, last
+echo
+echo "==================== gpu-check $MODE: results (TP $TPS; $(elapsed) s) ===================="
+cat "$SUMMARY"
+for log in "$TINY_LOG" "$L8B_LOG"; do
+    [[ -f $log ]] || continue
+    # Each check's table: from its "N prompts x M configurations" line through RESULT.
+    awk '/^=== check /{name=$3} /prompts x [0-9]+ configurations/{p=1; print "\n--- " name} p{print} /^RESULT:/{p=0}' "$log" |
+        grep -v '^unique outputs: \|^top-5 divergence: '
+done
+grep -q '^FAIL\|^TIME' "$SUMMARY" && exit 1
+exit 0

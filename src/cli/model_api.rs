@@ -1,0 +1,8 @@
+//! The model-core interface the CLI is written against: `arbor_model`'s runner API and
+//! synthetic-model writer, in one place so the subcommands name one module.
+
+pub use arbor_model::runner::{
+    load, Device, FinishReason, GenOutput, GenRequest, LoadOptions, Runner, ScoreRequest,
+};
+pub use arbor_model::synth::{make_model_with_progress, Preset, Progress, SynthOptions};
+pub use arbor_model::{Arch, Sampling};

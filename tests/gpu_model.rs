@@ -1,0 +1,174 @@
+//! The model on the CUDA backend (skipped with a printed reason where no GPU is usable;
+//! scripts/gpu-check.sh runs this test binary on the lent GPU machines):
+//! - GPU logits match the CPU backend's within bf16 tolerance (the measured relative
+//!   error is printed), for the Llama and Qwen3 tiny models;
+//! - on the GPU, prefill and decode give bit-identical logits, and so does a row's
+//!   position inside a batch.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arbor_collective::{Communicator, SingleComm};
+use arbor_model::backend::cpu::CpuBackend;
+use arbor_model::backend::cuda::CudaBackend;
+use arbor_model::backend::{Backend, SeqRows};
+use arbor_model::forward::Model;
+use arbor_model::layers::LoadCtx;
+use arbor_model::weights::WeightStore;
+use arbor_model::{make_model, Arch, ModelConfig, Preset, SynthOptions};
+
+fn gpu_usable() -> bool {
+    match arbor_kernels::cuda::probe::driver() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+fn tiny(arch: Arch, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("arbor-gpu-model-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    make_model(&SynthOptions::new(arch, Preset::Tiny, 11, &dir)).expect("making the tiny model");
+    dir
+}
+
+fn load<B: Backend>(b: &B, dir: &Path) -> Model<B> {
+    let cfg = ModelConfig::from_dir(dir).expect("config");
+    let store = WeightStore::open(dir).expect("weights");
+    let ctx = LoadCtx {
+        backend: b,
+        store: &store,
+        rank: 0,
+        tp: 1,
+    };
+    Model::load(&ctx, &cfg, 256).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
+}
+
+/// Logits of every position of every sequence, all sequences prefilled as one batch.
+fn prefill<B: Backend>(b: &B, m: &Model<B>, seqs_tokens: &[Vec<u32>]) -> Vec<f32> {
+    let mut cache = b
+        .kv_cache(m.kv_spec(seqs_tokens.len(), 256))
+        .expect("kv cache");
+    let mut ids = Vec::new();
+    let mut seqs = Vec::new();
+    for (slot, t) in seqs_tokens.iter().enumerate() {
+        seqs.push(SeqRows {
+            slot,
+            row0: ids.len(),
+            len: t.len(),
+            pos0: 0,
+        });
+        ids.extend_from_slice(t);
+    }
+    let rows: Vec<usize> = (0..ids.len()).collect();
+    m.forward(b, &mut cache, &ids, &seqs, &rows, None)
+        .expect("forward")
+}
+
+/// Logits of every position of one sequence, produced one token at a time.
+fn decode<B: Backend>(b: &B, m: &Model<B>, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = b.kv_cache(m.kv_spec(1, 256)).expect("kv cache");
+    let mut out = Vec::new();
+    for (p, &t) in tokens.iter().enumerate() {
+        let seqs = [SeqRows {
+            slot: 0,
+            row0: 0,
+            len: 1,
+            pos0: p,
+        }];
+        out.extend(
+            m.forward(b, &mut cache, &[t], &seqs, &[0], None)
+                .expect("decode step"),
+        );
+    }
+    out
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        (0..45).map(|i| (i * 37 + 5) % 250).collect(), // spans two attention blocks
+        vec![3, 1, 4, 1, 5, 9, 2, 6],
+        (0..20).map(|i| (i * 11 + 2) % 250).collect(),
+    ]
+}
+
+#[test]
+fn gpu_logits_match_cpu_within_bf16_tolerance() {
+    if !gpu_usable() {
+        return;
+    }
+    for (arch, tag) in [(Arch::Llama, "llama"), (Arch::Qwen3, "qwen3")] {
+        let dir = tiny(arch, tag);
+        let comm: Arc<dyn Communicator> = Arc::new(SingleComm);
+        let cpu = CpuBackend::new(comm.clone());
+        let gpu = CudaBackend::new(comm).unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+        let (mc, mg) = (load(&cpu, &dir), load(&gpu, &dir));
+        let p = prompts();
+        let (lc, lg) = (prefill(&cpu, &mc, &p), prefill(&gpu, &mg, &p));
+        assert_eq!(lc.len(), lg.len());
+        let max_ref = lc.iter().fold(0f64, |a, &v| a.max((v as f64).abs()));
+        let max_abs = lc
+            .iter()
+            .zip(&lg)
+            .fold(0f64, |a, (&c, &g)| a.max((c as f64 - g as f64).abs()));
+        let l2 = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+        let rel_l2 = l2(&mut lc.iter().zip(&lg).map(|(&c, &g)| c as f64 - g as f64))
+            / l2(&mut lc.iter().map(|&c| c as f64));
+        let rel_max = max_abs / max_ref;
+        let same = lc
+            .iter()
+            .zip(&lg)
+            .filter(|(c, g)| c.to_bits() == g.to_bits())
+            .count();
+        println!(
+            "CPU vs GPU logits ({tag} tiny, {} values): max |diff| {max_abs:.3e}, max |diff| / max |logit| {rel_max:.3e}, \
+             relative L2 {rel_l2:.3e}, bit-equal {same}",
+            lc.len()
+        );
+        assert!(
+            rel_max.is_finite() && rel_max < 2e-2,
+            "{tag}: CPU and GPU differ beyond bf16 tolerance: {rel_max}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn gpu_prefill_decode_and_batch_are_bit_identical() {
+    if !gpu_usable() {
+        return;
+    }
+    for (arch, tag) in [(Arch::Llama, "llama-inv"), (Arch::Qwen3, "qwen3-inv")] {
+        let dir = tiny(arch, tag);
+        let gpu = CudaBackend::new(Arc::new(SingleComm))
+            .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+        let m = load(&gpu, &dir);
+        let vocab = m.cfg.vocab_size;
+        let p = prompts();
+        let batch = prefill(&gpu, &m, &p);
+        let mut row0 = 0;
+        for (i, t) in p.iter().enumerate() {
+            let alone = prefill(&gpu, &m, std::slice::from_ref(t));
+            let in_batch = &batch[row0 * vocab..(row0 + t.len()) * vocab];
+            assert_eq!(
+                bits(&alone),
+                bits(in_batch),
+                "{tag}: prompt {i} alone ≠ in the batch"
+            );
+            let dec = decode(&gpu, &m, t);
+            assert_eq!(
+                bits(&dec),
+                bits(&alone),
+                "{tag}: prompt {i}: decode ≠ prefill"
+            );
+            row0 += t.len();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,340 @@
+//! End-to-end tests of the real `arbor-launch` binary: environment of the ranks, output
+//! prefixes, failure handling (a crashing rank stops the group quickly), signal
+//! forwarding and hostfile errors.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const LAUNCH: &str = env!("CARGO_BIN_EXE_arbor-launch");
+
+fn launch(args: &[&str]) -> (Output, Duration) {
+    let t0 = Instant::now();
+    let out = Command::new(LAUNCH)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("arbor-launch runs");
+    (out, t0.elapsed())
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A fresh scratch directory for this test.
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("arbor-launch-e2e-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn ranks_get_their_variables_and_prefixed_output() {
+    for n in [1usize, 2, 4, 8] {
+        let (out, _) = launch(&[
+            "-n",
+            &n.to_string(),
+            "--",
+            "sh",
+            "-c",
+            "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT\"; echo \"to stderr $RANK\" >&2",
+        ]);
+        assert!(out.status.success(), "n={n}: {}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        let mut lines: Vec<&str> = stdout.lines().collect();
+        lines.sort();
+        assert_eq!(lines.len(), n, "n={n}: {stdout}");
+        let mut ports = Vec::new();
+        for (r, line) in lines.iter().enumerate() {
+            let want = format!("[rank {r}] {r} {n} {r} {n} 127.0.0.1 ");
+            assert!(
+                line.starts_with(&want),
+                "n={n}: {line:?} should start with {want:?}"
+            );
+            let port: u16 = line[want.len()..].parse().expect("MASTER_PORT is a port");
+            assert_ne!(port, 0);
+            ports.push(port);
+        }
+        ports.dedup();
+        assert_eq!(ports.len(), 1, "all ranks share one MASTER_PORT");
+        let stderr = text(&out.stderr);
+        for r in 0..n {
+            assert!(
+                stderr.contains(&format!("[rank {r}] to stderr {r}\n")),
+                "{stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn environment_passes_through_and_options_apply() {
+    let out = Command::new(LAUNCH)
+        .args([
+            "-n",
+            "2",
+            "--master-port",
+            "23456",
+            "--master-addr",
+            "10.1.2.3",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "echo \"$NCCL_NVLS_ENABLE $ARBOR_E2E_MARK $MASTER_ADDR:$MASTER_PORT\"",
+        ])
+        .env("NCCL_NVLS_ENABLE", "0")
+        .env("ARBOR_E2E_MARK", "kept")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("[rank {r}] 0 kept 10.1.2.3:23456\n")),
+            "{stdout}"
+        );
+    }
+
+    // Rank 0 only, without prefixes.
+    let (out, _) = launch(&[
+        "-n",
+        "4",
+        "--output",
+        "rank0",
+        "--no-prefix",
+        "--",
+        "sh",
+        "-c",
+        "echo r$RANK",
+    ]);
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout), "r0\n");
+    let (out, _) = launch(&["-n", "3", "--rank0-only", "--", "sh", "-c", "echo r$RANK"]);
+    assert_eq!(text(&out.stdout), "[rank 0] r0\n");
+}
+
+#[test]
+fn a_crashing_rank_stops_everyone_quickly_and_is_named() {
+    // A 20 s SIGKILL grace: finishing within 10 s shows that SIGTERM stopped the others.
+    let (out, took) = launch(&[
+        "-n",
+        "4",
+        "--kill-grace",
+        "20",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 2 ]; then sleep 0.5; echo dying >&2; exit 3; fi; sleep 60",
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("rank 2 exited with code 3"), "{stderr}");
+    assert!(stderr.contains("[rank 2] dying"), "{stderr}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_is_named_and_stubborn_ranks_are_killed() {
+    // Rank 1 dies by SIGKILL; the others ignore SIGTERM and must be SIGKILLed after the
+    // grace period.
+    let (out, took) = launch(&[
+        "-n",
+        "3",
+        "--kill-grace",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "trap '' TERM; if [ \"$RANK\" = 1 ]; then sleep 0.5; kill -9 $$; fi; sleep 60",
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 9), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 was killed by signal 9 (SIGKILL)"),
+        "{stderr}"
+    );
+    assert!(
+        took >= Duration::from_millis(1400),
+        "SIGKILL came before the grace: {took:?}"
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
+#[test]
+fn a_failing_hidden_rank_shows_its_last_lines() {
+    let (out, _) = launch(&[
+        "-n",
+        "2",
+        "--rank0-only",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then echo 'why I failed' >&2; exit 5; fi; sleep 60",
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert!(stderr.contains("[rank 1] why I failed"), "{stderr}");
+}
+
+#[test]
+fn sigterm_is_forwarded_to_the_ranks() {
+    let child = Command::new(LAUNCH)
+        .args([
+            "-n",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "trap 'echo got TERM; exit 0' TERM; echo up; sleep 60 & wait",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    let t0 = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(out.status.code(), Some(128 + 15), "{stderr}");
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("[rank {r}] got TERM")),
+            "{stdout}\n{stderr}"
+        );
+    }
+    assert!(stderr.contains("SIGTERM"), "{stderr}");
+}
+
+#[test]
+fn hostfile_errors_name_file_and_line() {
+    let d = scratch("hostfile");
+    let bad = d.join("bad");
+    std::fs::write(
+        &bad,
+        "# two hosts\nlocalhost slots=2\nlocalhost slots=two\n",
+    )
+    .unwrap();
+    let (out, _) = launch(&["--hostfile", bad.to_str().unwrap(), "--", "true"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("line 3") && stderr.contains(bad.to_str().unwrap()),
+        "{stderr}"
+    );
+
+    let remote = d.join("remote");
+    std::fs::write(&remote, "localhost slots=1\nnode-b.invalid slots=4\n").unwrap();
+    let (out, _) = launch(&["--hostfile", remote.to_str().unwrap(), "--", "true"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr.contains("remote hosts are not supported yet") && stderr.contains("line 2"),
+        "{stderr}"
+    );
+
+    // The repository's hostfile: 8 local slots.
+    let local = concat!(env!("CARGO_MANIFEST_DIR"), "/hostfiles/localhost");
+    let (out, _) = launch(&[
+        "--hostfile",
+        local,
+        "--rank0-only",
+        "--",
+        "sh",
+        "-c",
+        "echo $WORLD_SIZE",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "[rank 0] 8\n");
+    let (out, _) = launch(&["-n", "9", "--hostfile", local, "--", "true"]);
+    assert!(text(&out.stderr).contains("more than the 8 slot(s)"));
+    let (out, _) = launch(&[
+        "-n",
+        "9",
+        "--oversubscribe",
+        "--hostfile",
+        local,
+        "--",
+        "true",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_command_that_cannot_start_is_an_error() {
+    let (out, took) = launch(&["-n", "2", "--", "/nonexistent/arbor-worker"]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("cannot start rank 0") && stderr.contains("/nonexistent/arbor-worker"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(10));
+}
+
+#[test]
+fn ranks_do_not_outlive_a_killed_launcher() {
+    let d = scratch("orphans");
+    let child = Command::new(LAUNCH)
+        .args(["-n", "2", "--", "sh", "-c"])
+        .arg(format!(
+            "echo $$ > {}/pid.$RANK; exec sleep 60",
+            d.display()
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let pids: Vec<String> = loop {
+        let p: Vec<String> = (0..2)
+            .filter_map(|r| std::fs::read_to_string(d.join(format!("pid.{r}"))).ok())
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        if p.len() == 2 {
+            break p;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "ranks never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut child = child;
+    child.kill().unwrap(); // SIGKILL: nothing can be forwarded
+    child.wait().unwrap();
+    let alive = |pid: &str| {
+        Command::new("kill")
+            .args(["-0", pid])
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success()
+    };
+    let t1 = Instant::now();
+    while pids.iter().any(|p| alive(p)) && t1.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in &pids {
+        assert!(!alive(p), "rank process {p} outlived arbor-launch");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -1,0 +1,312 @@
+//! `arbor generate` / `score` end to end on a tiny model made by `arbor make-model`:
+//! the terminal listing, the JSONL schema, score == generate bit for bit across TP sizes,
+//! and `--shadow-tp1`.
+
+mod cli_support;
+
+use std::sync::OnceLock;
+
+use cli_support::*;
+use serde_json::Value;
+
+/// One tiny Llama shared by the tests of this file.
+fn model() -> &'static str {
+    static DIR: OnceLock<Scratch> = OnceLock::new();
+    let s = DIR.get_or_init(|| {
+        let s = Scratch::new("model-cli-llama");
+        make_tiny("llama", &s.path().join("m"));
+        s
+    });
+    Box::leak(
+        s.path()
+            .join("m")
+            .to_string_lossy()
+            .into_owned()
+            .into_boxed_str(),
+    )
+}
+
+fn prompts_file(dir: &std::path::Path) -> String {
+    let p = dir.join("prompts.jsonl");
+    std::fs::write(
+        &p,
+        "{\"id\":3,\"prompt\":\"The quick brown fox\"}\n\
+         {\"id\":10,\"tokens\":[5,17,29,41,53,65,77,89,101]}\n\
+         {\"id\":4,\"prompt\":\"a\"}\n",
+    )
+    .expect("write prompts");
+    p.to_string_lossy().into_owned()
+}
+
+#[test]
+fn generate_prints_a_listing_from_rank_zero_only() {
+    let o = run_launched(
+        2,
+        &[
+            "generate",
+            "--model",
+            model(),
+            "--prompt",
+            "Hello there",
+            "--max-tokens",
+            "4",
+        ],
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert_eq!(
+        out.matches("[0]").count(),
+        1,
+        "one listing (rank 0 only):\n{out}"
+    );
+    assert!(out.contains("prompt: \"Hello there\""), "{out}");
+    assert!(out.contains("output: "), "{out}");
+    assert!(out.contains(" new ("), "{out}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn generate_jsonl_schema() {
+    let s = Scratch::new("model-cli-schema");
+    let prompts = prompts_file(s.path());
+    let out = s.path().join("gen.jsonl");
+    let o = run_launched(
+        2,
+        &[
+            "generate",
+            "--model",
+            model(),
+            "--prompts",
+            &prompts,
+            "--max-tokens",
+            "6",
+            "--logprobs",
+            "3",
+            "--batch",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let (stdout, err) = text(&o);
+    assert!(o.status.success(), "{stdout}\n{err}");
+    assert!(
+        stdout.trim().is_empty(),
+        "nothing on stdout with --out: {stdout}"
+    );
+    let recs = read_jsonl(&out);
+    assert_eq!(
+        recs.iter()
+            .map(|r| r["id"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![3, 10, 4]
+    );
+    for r in &recs {
+        let n = r["tokens"].as_array().unwrap().len();
+        let finish = r["finish"].as_str().unwrap();
+        assert!(
+            finish == "length" && n == 6 || finish == "eos" && (1..=6).contains(&n),
+            "{r}"
+        );
+        assert!(!r["prompt_tokens"].as_array().unwrap().is_empty());
+        assert!(r["text"].is_string(), "{r}");
+        let lps = r["logprobs"].as_array().unwrap();
+        assert_eq!(lps.len(), n);
+        assert!(
+            lps.iter().all(|l| l.as_f64().is_some_and(|v| v <= 0.0)),
+            "{r}"
+        );
+        let top = r["top"].as_array().unwrap();
+        assert_eq!(top.len(), n);
+        for (j, alts) in top.iter().enumerate() {
+            let alts = alts.as_array().unwrap();
+            assert_eq!(alts.len(), 3);
+            let lp: Vec<f64> = alts
+                .iter()
+                .map(|a| a["logprob"].as_f64().unwrap())
+                .collect();
+            assert!(lp.windows(2).all(|w| w[0] >= w[1]), "top sorted: {lp:?}");
+            assert!(lps[j].as_f64().unwrap() <= lp[0]);
+            assert!(alts.iter().all(|a| a["token"].is_u64()));
+        }
+        let dg = r["logits_digest"].as_array().unwrap();
+        assert_eq!(dg.len(), n);
+        assert!(dg.iter().all(|d| d
+            .as_str()
+            .is_some_and(|h| h.len() == 16 && h.chars().all(|c| c.is_ascii_hexdigit()))));
+    }
+    assert_eq!(
+        recs[1]["prompt_tokens"],
+        serde_json::json!([5, 17, 29, 41, 53, 65, 77, 89, 101])
+    );
+}
+
+/// Generate at one TP, score at another; log-probs and digests bit for bit (as text: the
+/// shortest decimal of an f32 is unique, so equal text is equal bits).
+fn score_equals_generate(gen_tp: usize, score_tp: usize) {
+    let s = Scratch::new("model-cli-score");
+    let prompts = prompts_file(s.path());
+    let gen = s.path().join("gen.jsonl");
+    let score = s.path().join("score.jsonl");
+    let o = run_launched(
+        gen_tp,
+        &[
+            "generate",
+            "--model",
+            model(),
+            "--prompts",
+            &prompts,
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0.9",
+            "--seed",
+            "11",
+            "--batch",
+            "3",
+            "--out",
+            gen.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = run_launched(
+        score_tp,
+        &[
+            "score",
+            "--model",
+            model(),
+            "--input",
+            gen.to_str().unwrap(),
+            "--batch",
+            "1",
+            "--out",
+            score.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (g, sc) = (read_jsonl(&gen), read_jsonl(&score));
+    assert_eq!(g.len(), sc.len());
+    for (a, b) in g.iter().zip(&sc) {
+        assert_eq!(a["id"], b["id"]);
+        let mut seq = a["prompt_tokens"].as_array().unwrap().clone();
+        seq.extend(a["tokens"].as_array().unwrap().iter().cloned());
+        assert_eq!(b["tokens"], Value::Array(seq));
+        assert_eq!(
+            b["prompt_len"].as_u64().unwrap() as usize,
+            a["prompt_tokens"].as_array().unwrap().len()
+        );
+        assert_eq!(
+            a["logprobs"].to_string(),
+            b["logprobs"].to_string(),
+            "request {}",
+            a["id"]
+        );
+        assert_eq!(
+            a["logits_digest"], b["logits_digest"],
+            "request {}",
+            a["id"]
+        );
+    }
+}
+
+#[test]
+fn score_equals_generate_tp2_to_tp1() {
+    score_equals_generate(2, 1);
+}
+
+#[test]
+fn score_equals_generate_tp1_to_tp4() {
+    score_equals_generate(1, 4);
+}
+
+#[test]
+fn shadow_tp1_passes_and_changes_nothing() {
+    let s = Scratch::new("model-cli-shadow");
+    let prompts = prompts_file(s.path());
+    let plain = s.path().join("plain.jsonl");
+    let shadow = s.path().join("shadow.jsonl");
+    let common = [
+        "generate",
+        "--model",
+        model(),
+        "--prompts",
+        &prompts,
+        "--max-tokens",
+        "4",
+        "--batch",
+        "3",
+    ];
+    let mut a: Vec<&str> = common.to_vec();
+    a.extend(["--out", plain.to_str().unwrap()]);
+    let o = run_launched(4, &a);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let mut b: Vec<&str> = common.to_vec();
+    b.extend(["--shadow-tp1", "--out", shadow.to_str().unwrap()]);
+    let o = run_launched(4, &b);
+    let (out, err) = text(&o);
+    assert!(
+        o.status.success(),
+        "--shadow-tp1 at TP=4 failed:\n{out}\n{err}"
+    );
+    assert_eq!(read_jsonl(&plain), read_jsonl(&shadow));
+}
+
+#[test]
+fn jsonl_to_stdout() {
+    let o = run_arbor(&[
+        "generate",
+        "--model",
+        model(),
+        "--prompt",
+        "x y z",
+        "--max-tokens",
+        "2",
+        "--jsonl",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["tokens"].as_array().unwrap().len(), 2);
+}
+
+/// `arbor demo` as after `cargo run -- demo` on a fresh clone: no arbor-launch binary
+/// next to arbor (the launcher library runs in-process), no model yet.
+#[test]
+fn demo_without_a_launcher_binary() {
+    let s = Scratch::new("model-cli-demo");
+    let bin = s.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("arbor");
+    // A hard link, not a copy: a freshly written executable can fail to start with
+    // ETXTBSY while other test threads fork.
+    std::fs::hard_link(arbor(), &exe).unwrap();
+    let dir = s.path().join("demo-model");
+    let o = std::process::Command::new(&exe)
+        .args(["demo", "--max-tokens", "4", "--dir", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("making the tiny Llama model"), "{err}");
+    assert!(dir.join("config.json").is_file());
+    assert!(
+        out.contains("unique outputs") && out.contains("top-5 divergence"),
+        "{out}"
+    );
+    assert!(
+        out.contains("RESULT: bit-identical across all 12 configurations"),
+        "{out}"
+    );
+    // A second run reuses the model.
+    let o = std::process::Command::new(&exe)
+        .args(["demo", "--max-tokens", "2", "--dir", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("using the tiny model"), "{err}");
+}

@@ -1,0 +1,289 @@
+//! Several hosts on one machine: network namespaces joined by veth pairs to a bridge, each
+//! "host" with its own address in 10.213.7.0/24, and arbor ranks in them talking real TCP.
+//!
+//! Only addresses this test creates are used, and only inside its own namespaces (the
+//! machine's own network namespace is not touched). Everything is removed on drop, also
+//! when a test fails. Without root or `ip`, the tests print why and skip; with
+//! ARBOR_REQUIRE_NETNS=1 (CI) they fail instead.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const ARBOR: &str = env!("CARGO_BIN_EXE_arbor");
+/// The test hosts' subnet: 10.213.7.1, 10.213.7.2, ...
+const SUBNET: &str = "10.213.7";
+
+/// Runs `ip ARGS`; the error names the command and what `ip` said.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run `ip {}`: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Test hosts: namespaces `<tag>-h0`, `<tag>-h1`, … (eth0 = 10.213.7.(i+1)/24) and a
+/// switch namespace `<tag>-sw` holding the bridge. Dropping it deletes the namespaces, and
+/// with them every interface and address the test made.
+struct Lab {
+    hosts: Vec<String>,
+    switch: Option<String>,
+}
+
+/// Why a lab could not be made: skip (no namespaces here) or fail (broken after creation).
+enum LabError {
+    Unsupported(String),
+    Broken(String),
+}
+
+impl Lab {
+    fn new(n_hosts: usize) -> Result<Lab, LabError> {
+        static RUN: AtomicUsize = AtomicUsize::new(0);
+        let tag = format!(
+            "arbor-mh{}-{}",
+            std::process::id(),
+            RUN.fetch_add(1, Ordering::SeqCst)
+        );
+        let mut lab = Lab {
+            hosts: Vec::new(),
+            switch: None,
+        };
+        let switch = format!("{tag}-sw");
+        ip(&["netns", "add", &switch]).map_err(LabError::Unsupported)?;
+        lab.switch = Some(switch.clone());
+        let broken = LabError::Broken;
+        let sw = |args: &[&str]| {
+            let mut all = vec!["-n", switch.as_str()];
+            all.extend_from_slice(args);
+            ip(&all)
+        };
+        sw(&["link", "add", "br0", "type", "bridge"]).map_err(broken)?;
+        sw(&["link", "set", "br0", "up"]).map_err(broken)?;
+        for i in 0..n_hosts {
+            let host = format!("{tag}-h{i}");
+            ip(&["netns", "add", &host]).map_err(broken)?;
+            lab.hosts.push(host.clone());
+            let port = format!("p{i}");
+            // Both ends are created inside the namespaces: nothing appears in this one.
+            ip(&[
+                "link", "add", "eth0", "netns", &host, "type", "veth", "peer", "name", &port,
+                "netns", &switch,
+            ])
+            .map_err(broken)?;
+            sw(&["link", "set", &port, "master", "br0"]).map_err(broken)?;
+            sw(&["link", "set", &port, "up"]).map_err(broken)?;
+            let addr = format!("{}/24", lab.addr(i));
+            for args in [
+                vec!["addr", "add", addr.as_str(), "dev", "eth0"],
+                vec!["link", "set", "eth0", "up"],
+                vec!["link", "set", "lo", "up"],
+            ] {
+                let mut all = vec!["-n", host.as_str()];
+                all.extend(args);
+                ip(&all).map_err(broken)?;
+            }
+        }
+        Ok(lab)
+    }
+
+    fn addr(&self, host: usize) -> String {
+        format!("{SUBNET}.{}", host + 1)
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for ns in self.hosts.iter().chain(self.switch.iter()) {
+            if let Err(e) = ip(&["netns", "del", ns]) {
+                eprintln!("cleanup: {e}");
+            }
+        }
+    }
+}
+
+/// The lab, or `None` after printing why the test is skipped.
+fn lab_or_skip(test: &str, n_hosts: usize) -> Option<Lab> {
+    match Lab::new(n_hosts) {
+        Ok(lab) => Some(lab),
+        Err(LabError::Broken(why)) => panic!("{test}: making the test hosts failed: {why}"),
+        Err(LabError::Unsupported(why)) => {
+            if std::env::var("ARBOR_REQUIRE_NETNS").is_ok_and(|v| v == "1") {
+                panic!("{test}: cannot create network namespaces and ARBOR_REQUIRE_NETNS=1: {why}");
+            }
+            eprintln!(
+                "SKIPPED {test}: cannot create network namespaces here (needs root and iproute2): {why}"
+            );
+            None
+        }
+    }
+}
+
+/// A scratch directory, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("multihost-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        if let Err(e) = std::fs::create_dir_all(&p) {
+            panic!("cannot create {}: {e}", p.display());
+        }
+        Scratch(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Waits for `child` up to `deadline`, then kills it; returns its output.
+fn finish(mut child: Child, deadline: Instant, what: &str) -> Output {
+    while matches!(child.try_wait(), Ok(None)) {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match child.wait_with_output() {
+        Ok(o) => o,
+        Err(e) => panic!("waiting for {what}: {e}"),
+    }
+}
+
+fn make_model(dir: &Path) -> PathBuf {
+    let model = dir.join("model");
+    let out = Command::new(ARBOR)
+        .args(["make-model", "--out"])
+        .arg(&model)
+        .output();
+    match out {
+        Ok(o) if o.status.success() => model,
+        Ok(o) => panic!("make-model failed: {}", String::from_utf8_lossy(&o.stderr)),
+        Err(e) => panic!("cannot run make-model: {e}"),
+    }
+}
+
+fn write_prompts(dir: &Path) -> PathBuf {
+    let p = dir.join("prompts.jsonl");
+    let lines = [
+        r#"{"id":0,"tokens":[1,2,3,4,5,6,7]}"#,
+        r#"{"id":1,"tokens":[200]}"#,
+        r#"{"id":2,"tokens":[17,99,3,250,8,8,8,12,40,41,42,43,44]}"#,
+    ];
+    if let Err(e) = std::fs::write(&p, lines.join("\n") + "\n") {
+        panic!("cannot write {}: {e}", p.display());
+    }
+    p
+}
+
+fn generate_args(model: &Path, prompts: &Path) -> Vec<String> {
+    [
+        "generate",
+        "--model",
+        &model.to_string_lossy(),
+        "--prompts",
+        &prompts.to_string_lossy(),
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--batch",
+        "2",
+        "--jsonl",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn tp1_reference(model: &Path, prompts: &Path) -> String {
+    let out = Command::new(ARBOR)
+        .args(generate_args(model, prompts))
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {
+            let text = String::from_utf8_lossy(&o.stdout).into_owned();
+            assert_eq!(text.lines().count(), 3, "one record per prompt:\n{text}");
+            text
+        }
+        Ok(o) => panic!(
+            "TP=1 generate failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => panic!("cannot run arbor: {e}"),
+    }
+}
+
+/// Four ranks started by hand, two per namespace, rank 0's rendezvous at host 0's address:
+/// the TCP transport across hosts, without any launcher.
+#[test]
+fn tp4_across_two_namespaces_by_hand_matches_tp1() {
+    let Some(lab) = lab_or_skip("tp4_across_two_namespaces_by_hand_matches_tp1", 2) else {
+        return;
+    };
+    let s = Scratch::new("byhand");
+    let model = make_model(&s.0);
+    let prompts = write_prompts(&s.0);
+    let reference = tp1_reference(&model, &prompts);
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut children = Vec::new();
+    for rank in 0..4usize {
+        let host = rank / 2;
+        let child = Command::new("ip")
+            .args(["netns", "exec", &lab.hosts[host], ARBOR])
+            .args(generate_args(&model, &prompts))
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "4")
+            .env("LOCAL_RANK", (rank % 2).to_string())
+            .env("LOCAL_WORLD_SIZE", "2")
+            .env("MASTER_ADDR", lab.addr(0))
+            .env("MASTER_PORT", "29500")
+            .env("ARBOR_TIMEOUT_SECS", "30")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => panic!("cannot start rank {rank} in {}: {e}", lab.hosts[host]),
+        }
+    }
+    let outs: Vec<Output> = children
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| finish(c, deadline, &format!("rank {r}")))
+        .collect();
+    for (rank, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "rank {rank} failed ({}):\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&outs[0].stdout),
+        reference,
+        "TP=4 across namespaces differs from TP=1"
+    );
+}
