@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Runs `arbor bench allreduce` on the lent H200s from prebuilt binaries in .device/
-# (build here: cargo build --release && mkdir -p .device &&
-#  cp target/release/arbor target/release/arbor-launch .device/), for world sizes 2
-# (CUDA_VISIBLE_DEVICES=0,1) and 4. JSON, SVG and logs go to $OUT; the tables print last.
+# Runs `arbor bench allreduce` on the lent H200s (nvidia-h200-x4) from prebuilt binaries in
+# .device/ (build here: cargo build --release && mkdir -p .device &&
+#  cp target/release/arbor target/release/arbor-launch .device/; call with carry [".device"]),
+# for world sizes 2 (CUDA_VISIBLE_DEVICES=0,1) and 4. A short smoke run per world size
+# first (a hang there costs 60 s, not the call). JSON, SVG, full tables and logs go to $OUT
+# (8 files); the per-size summaries print last. About 3 minutes.
 # Usage (device): bash scripts/bench-allreduce.sh [extra bench args...]
+# Env: ARBOR_BIN (binary folder), WORLDS ("2 4"), SIZES, ALGOS, TUNE=1 (grid sweep).
 set -u
 OUT=${OUT:-$(pwd)/bench-out}
 mkdir -p "$OUT"
@@ -17,7 +20,7 @@ SIZES=${SIZES:-8K,32K,128K,512K,1M,2M,8M,32M,128M,256M}
 ALGOS=${ALGOS:-nccl,allgather-tree,oneshot,twoshot,twoshot-copy,auto,nvls}
 WORLDS=${WORLDS:-"2 4"}
 
-GPUS=$(nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 || true)
+GPUS=$(nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null || true)
 SMOKE=$(mktemp -d)
 
 launch() { # world, timeout seconds, args...

@@ -15,7 +15,7 @@
 #
 # Prints the unique-output / divergence tables LAST; full logs go to $OUT (default
 # ./gpu-check-out): summary.txt, tests.log, tiny.log, l8b.log, reports.tar.
-# Environment: TPS (default 1,2,4), L8B_PROMPTS (default 6), L8B_TOKENS (default 64),
+# Environment: TPS (default 1,2,4), L8B_PROMPTS (default 8), L8B_TOKENS (default 64),
 # L8B_DIR (default /tmp/arbor-l8b; reused if it holds a model), SKIP_L8B=1 (tiny only),
 # BUDGET_S (default 570: steps that would start after it are skipped and reported).
 set -uo pipefail
@@ -25,7 +25,7 @@ MODE=${1:-full}
 OUT=${OUT:-./gpu-check-out}
 BIN=${ARBOR_DEVICE_DIR:-.device}
 TPS=${TPS:-1,2,4}
-L8B_PROMPTS=${L8B_PROMPTS:-6}
+L8B_PROMPTS=${L8B_PROMPTS:-8}
 L8B_TOKENS=${L8B_TOKENS:-64}
 L8B_DIR=${L8B_DIR:-/tmp/arbor-l8b}
 BUDGET_S=${BUDGET_S:-570}
@@ -100,7 +100,7 @@ mkdir -p "$REPORTS"
 {
     echo "gpu-check $MODE on $(hostname) at $(date -u +%FT%TZ)"
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE ARBOR_GPU_ALLREDUCE=${ARBOR_GPU_ALLREDUCE:-auto (default)}"
 } 2>&1 | tee -a "$SUMMARY"
 
 # The 8B model is written by the CPU while the GPU tests and the tiny checks run.

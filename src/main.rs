@@ -49,7 +49,39 @@ fn main() {
         Command::Bench(c) => cli::bench::run(c),
     };
     if let Err(e) = result {
-        eprintln!("arbor: error: {e:#}");
+        eprintln!("arbor: error: {}", error_chain(&e));
         std::process::exit(1);
+    }
+}
+
+/// The error and its causes, joined with ": ". Library errors often show their source in
+/// their own message already; a cause the message so far already ends with is not repeated.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut msg = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if msg.ends_with(&text) {
+            continue;
+        }
+        if !msg.is_empty() {
+            msg.push_str(": ");
+        }
+        msg.push_str(&text);
+    }
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[test]
+    fn error_chain_skips_causes_already_in_the_message() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::new(io).context("cannot read config.json: no such file");
+        assert_eq!(error_chain(&e), "cannot read config.json: no such file");
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::new(io).context("cannot read config.json");
+        assert_eq!(error_chain(&e), "cannot read config.json: no such file");
     }
 }

@@ -13,14 +13,8 @@ use cli_support::*;
 const LIMIT: Duration = Duration::from_secs(60);
 
 fn pristine() -> &'static Path {
-    static DIR: OnceLock<(Scratch, PathBuf)> = OnceLock::new();
-    let (_, p) = DIR.get_or_init(|| {
-        let s = Scratch::new("bad-input-model");
-        let p = s.path().join("m");
-        make_tiny("llama", &p);
-        (s, p)
-    });
-    p
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| shared_tiny("bad-input-llama", "llama"))
 }
 
 /// A private copy of the tiny model to break.
@@ -81,6 +75,23 @@ fn patch_header(file: &Path, after: &str, from: &str, to: &str) {
             .find(from)
             .unwrap_or_else(|| panic!("{from} not after {after}"));
     bytes[8 + at..8 + at + to.len()].copy_from_slice(to.as_bytes());
+    std::fs::write(file, bytes).unwrap();
+}
+
+/// Rewrites the safetensors JSON header through `f`, padded with spaces to its old length
+/// (the format allows trailing whitespace), so the data section stays where it was.
+fn rewrite_header(file: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    f(&mut header);
+    let mut text = header.to_string().into_bytes();
+    assert!(
+        text.len() <= n,
+        "rewritten header is longer than the original"
+    );
+    text.resize(n, b' ');
+    bytes[8..8 + n].copy_from_slice(&text);
     std::fs::write(file, bytes).unwrap();
 }
 
@@ -276,4 +287,33 @@ fn one_failing_rank_does_not_hang_the_others() {
     );
     assert!(!err.contains("panicked"), "{err}");
     assert!(took < LIMIT, "took {took:?}\n{err}");
+}
+
+#[test]
+fn header_lies_about_offsets() {
+    let s = Scratch::new("bad-offsets");
+    let m = copy_model(&s);
+    // model.norm.weight claims the first 256 bytes, which embed_tokens already holds.
+    rewrite_header(&m.join("model.safetensors"), |h| {
+        h["model.norm.weight"]["data_offsets"] = serde_json::json!([0, 256]);
+    });
+    expect_failure(2, &m, &[], &["model.safetensors", "model.norm.weight"]);
+}
+
+#[test]
+fn unsupported_dtype() {
+    let s = Scratch::new("bad-dtype");
+    let m = copy_model(&s);
+    rewrite_header(&m.join("model.safetensors"), |h| {
+        h["model.norm.weight"]["dtype"] = "I8".into();
+    });
+    expect_failure(2, &m, &[], &["model.norm.weight", "I8"]);
+}
+
+#[test]
+fn config_disagrees_with_the_tensor_shapes() {
+    let s = Scratch::new("bad-config-shape");
+    let m = copy_model(&s);
+    edit_config(&m, |v| v["intermediate_size"] = 352.into());
+    expect_failure(2, &m, &[], &["mlp", "344"]);
 }

@@ -240,11 +240,22 @@ fn hostfile_errors_name_file_and_line() {
 
     let remote = d.join("remote");
     std::fs::write(&remote, "localhost slots=1\nnode-b.invalid slots=4\n").unwrap();
-    let (out, _) = launch(&["--hostfile", remote.to_str().unwrap(), "--", "true"]);
+    // [issue 8] A remote host is checked through the remote-shell agent before anything
+    // starts; this agent fails as ssh does for a host it cannot reach.
+    let (out, _) = launch(&[
+        "--hostfile",
+        remote.to_str().unwrap(),
+        "--rsh",
+        "sh -c 'echo no route to host >&2; exit 255'",
+        "--",
+        "true",
+    ]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2));
     assert!(
-        stderr.contains("remote hosts are not supported yet") && stderr.contains("line 2"),
+        stderr.contains("\"node-b.invalid\" cannot be reached")
+            && stderr.contains("no route to host")
+            && stderr.contains("line 2"),
         "{stderr}"
     );
 

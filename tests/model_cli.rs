@@ -11,19 +11,12 @@ use serde_json::Value;
 
 /// One tiny Llama shared by the tests of this file.
 fn model() -> &'static str {
-    static DIR: OnceLock<Scratch> = OnceLock::new();
-    let s = DIR.get_or_init(|| {
-        let s = Scratch::new("model-cli-llama");
-        make_tiny("llama", &s.path().join("m"));
-        s
-    });
-    Box::leak(
-        s.path()
-            .join("m")
+    static DIR: OnceLock<String> = OnceLock::new();
+    DIR.get_or_init(|| {
+        shared_tiny("model-cli-llama", "llama")
             .to_string_lossy()
             .into_owned()
-            .into_boxed_str(),
-    )
+    })
 }
 
 fn prompts_file(dir: &std::path::Path) -> String {

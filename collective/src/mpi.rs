@@ -265,6 +265,7 @@ mod tests {
     use super::*;
     use crate::tree_all_reduce;
     use arbor_kernels::tree::{tree_sum, SegmentLayout, SEGMENTS};
+    use std::io::Write as _;
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
@@ -305,7 +306,11 @@ mod tests {
     /// there is no mpirun. Killed after 120 s so that a hang fails instead of blocking.
     fn run_four(worker: &str) -> Option<(std::process::Output, Duration)> {
         let Some(mpirun) = find_mpirun() else {
-            eprintln!("SKIPPED: no mpirun on PATH (install openmpi-bin)");
+            // Straight to stderr: the test harness would swallow eprintln! of a passing test.
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: no mpirun on PATH (install openmpi-bin)"
+            );
             return None;
         };
         let exe = match std::env::current_exe() {

@@ -73,7 +73,7 @@ struct Params {
     const u16* w;   // [N, ldw]
     float* outf;    // [M, N] f32 result, or null
     u16* outh;      // [M, N] bf16 result, or null
-    float* ws;      // split path: [n_seg, M, N] f32 segment sums
+    float* ws;      // split path: [n_seg, M, N] f32 segment sums, then tile counters
     int M, N, K, seg_len, n_seg, ldx, ldw;
 };
 
@@ -103,17 +103,18 @@ DEVI void split_finish(const Params& p, int m_tile, int n_tile) {
         const int r = row0 + i / BN, c = col0 + i % BN;
         if (r >= p.M || c >= p.N) continue;
         const long long e = (long long)r * p.N + c;
+        float x[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) x[q] = q < p.n_seg ? ld_cg(ws + q * mn + e) : 0.f;
         float v;
         if (p.n_seg == 1) {
-            v = ld_cg(ws + e);
+            v = x[0];
         } else if (p.n_seg == 2) {
-            v = ld_cg(ws + e) + ld_cg(ws + mn + e);
+            v = x[0] + x[1];
         } else if (p.n_seg == 4) {
-            v = (ld_cg(ws + e) + ld_cg(ws + mn + e)) + (ld_cg(ws + 2 * mn + e) + ld_cg(ws + 3 * mn + e));
+            v = (x[0] + x[1]) + (x[2] + x[3]);
         } else {
-            v = ((ld_cg(ws + e) + ld_cg(ws + mn + e)) + (ld_cg(ws + 2 * mn + e) + ld_cg(ws + 3 * mn + e))) +
-                ((ld_cg(ws + 4 * mn + e) + ld_cg(ws + 5 * mn + e)) +
-                 (ld_cg(ws + 6 * mn + e) + ld_cg(ws + 7 * mn + e)));
+            v = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
         }
         store_out(p.outf, p.outh, e, v);
     }
@@ -145,29 +146,74 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
     const int tiles_per_seg = (p.seg_len + BK - 1) / BK;
     const int total = seg_count * tiles_per_seg;
 
-    auto load_tile = [&](int t, int stage) {
-        const int s = seg_begin + t / tiles_per_seg;
-        const int k0 = s * p.seg_len + (t % tiles_per_seg) * BK;
-        const int khi = min((s + 1) * p.seg_len, p.K);
-        const u32 a_base = smem_addr(sA + stage * BM * BK);
-        const u32 b_base = smem_addr(sB + stage * BN * BK);
+    // Fixed per-thread load assignment (computed once, not per tile): 16-byte chunk
+    // column lc and rows tid/CH + j*THREADS/CH; slots past the tile's rows do nothing.
+    constexpr int A_PER = (BM * CH + THREADS - 1) / THREADS;
+    constexpr int B_PER = (BN * CH + THREADS - 1) / THREADS;
+    static_assert(THREADS % CH == 0, "a thread keeps one chunk column");
+    const int lc = tid % CH;
+    const u32 sa0 = smem_addr(sA), sb0 = smem_addr(sB);
+    const u16* a_src[A_PER];
+    u32 a_dst[A_PER];
+    bool a_row[A_PER], a_slot[A_PER];
 #pragma unroll
-        for (int i = tid; i < BM * CH; i += THREADS) {
-            const int r = i / CH, c = i % CH;
-            const int gr = row0 + r, gk = k0 + c * 8;
-            const bool ok = gr < p.M && gk < khi;
-            const u16* src = ok ? p.x + (long long)gr * p.ldx + gk : p.x;
-            cp_async16(a_base + (r * CH + (c ^ swz<CH>(r))) * 16, src, ok);
+    for (int j = 0; j < A_PER; ++j) {
+        const int r = tid / CH + j * (THREADS / CH);
+        a_slot[j] = r < BM;
+        a_row[j] = a_slot[j] && row0 + r < p.M;
+        a_src[j] = p.x + (long long)(a_row[j] ? row0 + r : 0) * p.ldx + lc * 8;
+        a_dst[j] = (r * CH + (lc ^ swz<CH>(r))) * 16;
+    }
+    const u16* b_src[B_PER];
+    u32 b_dst[B_PER];
+    bool b_row[B_PER], b_slot[B_PER];
+#pragma unroll
+    for (int j = 0; j < B_PER; ++j) {
+        const int r = tid / CH + j * (THREADS / CH);
+        b_slot[j] = r < BN;
+        b_row[j] = b_slot[j] && col0 + r < p.N;
+        b_src[j] = p.w + (long long)(b_row[j] ? col0 + r : 0) * p.ldw + lc * 8;
+        b_dst[j] = (r * CH + (lc ^ swz<CH>(r))) * 16;
+    }
+    // Load cursor: the next tile's segment and tile index within it.
+    int ls = seg_begin, lkt = 0;
+    auto load_next = [&](int stage) {
+        const int k0 = ls * p.seg_len + lkt * BK;
+        const int khi = min((ls + 1) * p.seg_len, p.K);
+        const bool kok = k0 + lc * 8 < khi;
+        const u32 sa = sa0 + stage * (BM * BK * 2), sb = sb0 + stage * (BN * BK * 2);
+#pragma unroll
+        for (int j = 0; j < A_PER; ++j) {
+            if ((BM * CH) % THREADS != 0 && !a_slot[j]) continue;
+            const bool ok = a_row[j] && kok;
+            cp_async16(sa + a_dst[j], ok ? (const void*)(a_src[j] + k0) : (const void*)p.x, ok);
         }
 #pragma unroll
-        for (int i = tid; i < BN * CH; i += THREADS) {
-            const int r = i / CH, c = i % CH;
-            const int gr = col0 + r, gk = k0 + c * 8;
-            const bool ok = gr < p.N && gk < khi;
-            const u16* src = ok ? p.w + (long long)gr * p.ldw + gk : p.w;
-            cp_async16(b_base + (r * CH + (c ^ swz<CH>(r))) * 16, src, ok);
+        for (int j = 0; j < B_PER; ++j) {
+            if ((BN * CH) % THREADS != 0 && !b_slot[j]) continue;
+            const bool ok = b_row[j] && kok;
+            cp_async16(sb + b_dst[j], ok ? (const void*)(b_src[j] + k0) : (const void*)p.w, ok);
         }
+        if (++lkt == tiles_per_seg) lkt = 0, ++ls;
     };
+
+    // ldmatrix byte offsets inside a stage, per fragment and k16 step.
+    u32 a_frag[MT][BK / 16], b_frag[NT / 2][BK / 16];
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int r = wm * WM + mt * 16 + (lane & 15);
+            const int ch = kk * 2 + (lane >> 4);
+            a_frag[mt][kk] = (r * CH + (ch ^ swz<CH>(r))) * 16;
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT / 2; ++nt) {
+            const int r = wn * WN + nt * 16 + ((lane >> 4) << 3) + (lane & 7);
+            const int ch = kk * 2 + ((lane >> 3) & 1);
+            b_frag[nt][kk] = (r * CH + (ch ^ swz<CH>(r))) * 16;
+        }
+    }
 
     float acc[MT][NT][4];
     float root[MT][NT][4];
@@ -176,56 +222,52 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f, root[i][j][c] = 0.f;
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f, root[i][j][e] = 0.f;
 
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {
-        if (t < total) load_tile(t, t);
+        if (t < total) load_next(t);
         cp_commit();
     }
 
-    for (int t = 0; t < total; ++t) {
-        cp_wait<STAGES - 2>();
-        __syncthreads();
-        {
-            const int tn = t + STAGES - 1;
-            if (tn < total) load_tile(tn, tn % STAGES);
-            cp_commit();
-        }
-        const int stage = t % STAGES;
-        const int sl = t / tiles_per_seg;  // local segment index
-        const int kt = t % tiles_per_seg;
+    int t = 0;
+    for (int sl = 0; sl < seg_count; ++sl) {
         const int s = seg_begin + sl;
-        const int k0 = s * p.seg_len + kt * BK;
         const int khi = min((s + 1) * p.seg_len, p.K);
-        const u32 a_base = smem_addr(sA + stage * BM * BK);
-        const u32 b_base = smem_addr(sB + stage * BN * BK);
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
+        for (int kt = 0; kt < tiles_per_seg; ++kt, ++t) {
+            cp_wait<STAGES - 2>();
+            __syncthreads();
+            {
+                const int tn = t + STAGES - 1;
+                if (tn < total) load_next(tn % STAGES);
+                cp_commit();
+            }
+            const int stage = t % STAGES;
+            const int k0 = s * p.seg_len + kt * BK;
             // The leaf has exactly ceil(len/16) chunks, whatever BK is.
-            if (k0 + kk * 16 >= khi) break;
-            u32 a[MT][4], b[NT][2];
+            const int nk = min(BK / 16, max(0, (khi - k0 + 15) / 16));
+            const u32 a_base = sa0 + stage * (BM * BK * 2);
+            const u32 b_base = sb0 + stage * (BN * BK * 2);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const int r = wm * WM + mt * 16 + (lane & 15);
-                const int c = kk * 2 + (lane >> 4);
-                ldsm_x4(a_base + (r * CH + (c ^ swz<CH>(r))) * 16, a[mt][0], a[mt][1], a[mt][2],
-                        a[mt][3]);
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                if (kk >= nk) break;
+                u32 a[MT][4], b[NT][2];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldsm_x4(a_base + a_frag[mt][kk], a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+                for (int nt = 0; nt < NT / 2; ++nt)
+                    ldsm_x4(b_base + b_frag[nt][kk], b[2 * nt][0], b[2 * nt][1], b[2 * nt + 1][0],
+                            b[2 * nt + 1][1]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) mma16816(acc[mt][nt], a[mt], b[nt]);
             }
-#pragma unroll
-            for (int nt = 0; nt < NT / 2; ++nt) {
-                const int r = wn * WN + nt * 16 + ((lane >> 4) << 3) + (lane & 7);
-                const int c = kk * 2 + ((lane >> 3) & 1);
-                ldsm_x4(b_base + (r * CH + (c ^ swz<CH>(r))) * 16, b[2 * nt][0], b[2 * nt][1],
-                        b[2 * nt + 1][0], b[2 * nt + 1][1]);
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mma16816(acc[mt][nt], a[mt], b[nt]);
         }
 
-        if (kt == tiles_per_seg - 1) {
+        // Segment end: the leaf is complete.
+        {
             if (SPLIT) {
                 // One segment per block: its leaf goes to ws[s] for split_finish.
                 float* dst = p.ws + (long long)s * p.M * p.N;
@@ -293,8 +335,9 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
     }
 }
 
-// Large M: 128x128 tiles, 8 warps of 64x32, 4-stage cp.async pipeline, the whole tree in
-// the block. 1-D grid in groups of 8 row tiles so that neighbouring blocks share W in L2.
+// Large M: 128x128 tiles, 8 warps of 64x32, BK 64, 3-stage cp.async pipeline, the whole
+// tree in the block. 1-D grid in groups of 8 row tiles so that neighbouring blocks share W
+// in L2.
 #define TREE_BM 128
 #define TREE_BN 128
 extern "C" __global__ void __launch_bounds__(256, 1) arbor_gemm_tree_128x128(Params p) {
@@ -307,15 +350,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) arbor_gemm_tree_128x128(Par
     const int gsize = min(num_m - first_m, group);
     const int m_tile = first_m + (pid % per_group) % gsize;
     const int n_tile = (pid % per_group) / gsize;
-    tree_gemm_block<TREE_BM, TREE_BN, 32, 64, 32, 4, false>(p, m_tile, n_tile, 0, p.n_seg);
+    tree_gemm_block<TREE_BM, TREE_BN, 64, 64, 32, 3, false>(p, m_tile, n_tile, 0, p.n_seg);
 }
 
 // Small M (decode): one block per (column tile, segment, row tile); the split over the
 // fixed segments is the tree's own leaf level, so no extra reduction order is introduced;
 // the last block of each tile combines the segment sums (split_finish).
 extern "C" __global__ void __launch_bounds__(128) arbor_gemm_split_16x64(Params p) {
-    tree_gemm_block<16, 64, 32, 16, 16, 8, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
+    tree_gemm_block<16, 64, 64, 16, 16, 6, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
 }
 extern "C" __global__ void __launch_bounds__(128) arbor_gemm_split_64x64(Params p) {
-    tree_gemm_block<64, 64, 32, 64, 16, 6, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
+    tree_gemm_block<64, 64, 64, 64, 16, 4, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
 }

@@ -173,8 +173,13 @@ pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
     let placement = remote::place_ranks(&hosts, world_size, hostfile::is_local);
     let remote = if placement.iter().any(|p| !p.local) {
         let agent = remote::RemoteAgent::parse(&args.rsh)?;
-        remote::check_hosts(&agent, &placement, remote::DEFAULT_REACH_TIMEOUT)?;
-        let env = remote::forwarded_env(std::env::vars(), &args.export)?;
+        remote::check_hosts(&agent, &placement, remote::DEFAULT_REACH_TIMEOUT)
+            .map_err(|e| with_hostfile_line(e, hostfile.as_ref()))?;
+        // vars() would panic on a variable that is not UTF-8; such a one cannot be quoted
+        // for the remote shell anyway.
+        let vars = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+        let env = remote::forwarded_env(vars, &args.export)?;
         Some(supervise::RemoteStart { agent, env })
     } else {
         None
@@ -197,6 +202,26 @@ pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
         prefix: !args.no_prefix,
         kill_grace: Duration::from_secs_f64(args.kill_grace),
     })
+}
+
+/// Puts "hostfile F, line N" before an error about one of its hosts.
+fn with_hostfile_line(e: remote::RemoteError, hostfile: Option<&Hostfile>) -> anyhow::Error {
+    let host = match &e {
+        remote::RemoteError::Unreachable { host, .. } | remote::RemoteError::Spawn { host, .. } => {
+            Some(host.as_str())
+        }
+        _ => None,
+    };
+    let at = hostfile.zip(host).and_then(|(h, name)| {
+        h.hosts
+            .iter()
+            .find(|x| x.name == name)
+            .map(|x| format!("hostfile {}, line {}", h.path.display(), x.line))
+    });
+    match at {
+        Some(at) => anyhow::Error::new(e).context(at),
+        None => e.into(),
+    }
 }
 
 /// A port nobody listens on right now (the OS picks it; rank 0 binds it moments later).
@@ -274,9 +299,9 @@ mod tests {
         ]))
         .unwrap_err();
         assert!(
-            e.to_string()
-                .contains("\"node7.invalid\" cannot be reached")
-                && e.to_string().contains("no route"),
+            format!("{e:#}").contains("\"node7.invalid\" cannot be reached")
+                && format!("{e:#}").contains("line 2")
+                && format!("{e:#}").contains("no route"),
             "{e}"
         );
         std::fs::remove_dir_all(&dir).unwrap();

@@ -86,6 +86,8 @@ struct Rank {
     child: Child,
     ending: Option<Ending>,
     stderr_tail: Option<Tail>,
+    /// Started on another host through the remote-shell agent.
+    remote: bool,
     /// The agent's stdin of a remote rank: the rank is stopped when this closes.
     agent_stdin: Option<ChildStdin>,
 }
@@ -128,14 +130,14 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
         if let Some(sig) = signals::take() {
             if matches!(stop, Some(Stop::Signalled(_))) {
                 // A second interrupt: no more patience.
-                signal_live(&ranks, libc::SIGKILL);
+                signal_live(&mut ranks, libc::SIGKILL);
                 killed = true;
             } else {
                 eprintln!(
                     "arbor-launch: got {}, forwarding it to the ranks",
                     signals::name(sig)
                 );
-                signal_live(&ranks, sig);
+                signal_live(&mut ranks, sig);
                 stop = Some(Stop::Signalled(sig));
                 kill_at = Some(Instant::now() + plan.kill_grace);
             }
@@ -144,7 +146,8 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
             match r.child.try_wait() {
                 Ok(Some(status)) => {
                     let mut ending = Ending::of(status);
-                    if r.agent_stdin.take().is_some() {
+                    r.agent_stdin = None;
+                    if r.remote {
                         // A remote rank's signal death arrives as 128+N (see `remote`).
                         if let Some(sig) = match ending {
                             Ending::Code(c) => remote::signal_of_remote_code(c),
@@ -168,7 +171,7 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
             }
         }
         if matches!(stop, Some(Stop::Failed { .. })) && !termed {
-            signal_live(&ranks, libc::SIGTERM);
+            signal_live(&mut ranks, libc::SIGTERM);
             termed = true;
         }
         if ranks.iter().all(|r| r.ending.is_some()) {
@@ -176,7 +179,7 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
         }
         if let Some(at) = kill_at {
             if !killed && Instant::now() >= at {
-                signal_live(&ranks, libc::SIGKILL);
+                signal_live(&mut ranks, libc::SIGKILL);
                 killed = true;
             }
         }
@@ -214,9 +217,15 @@ fn stop_all(ranks: &mut [Rank], grace: Duration) {
     }
 }
 
-fn signal_live(ranks: &[Rank], sig: i32) {
-    for r in ranks.iter().filter(|r| r.ending.is_none()) {
-        signals::signal_group(r.child.id(), sig);
+fn signal_live(ranks: &mut [Rank], sig: i32) {
+    for r in ranks.iter_mut().filter(|r| r.ending.is_none()) {
+        if r.remote && sig != libc::SIGKILL {
+            // [issue 8] A signal would reach the agent (ssh), not the rank; closing the
+            // agent's stdin makes the remote side stop the rank with SIGTERM (see `remote`).
+            r.agent_stdin = None;
+        } else {
+            signals::signal_group(r.child.id(), sig);
+        }
     }
 }
 
@@ -340,6 +349,7 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
             child,
             ending: None,
             stderr_tail,
+            remote: remote_host.is_some(),
             agent_stdin,
         },
         pumps,

@@ -357,7 +357,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
     let scores = read_records::<ScoreRecord>(&score_out)?;
 
     let report = metrics::compare(&runs, Some(&scores))?;
-    print_table(&report, args);
+    print_table(&report, args, &runs[0].records);
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "model": args.model,
@@ -395,7 +395,7 @@ fn fmt_div(d: f64) -> String {
     }
 }
 
-fn print_table(r: &Report, args: &Args) {
+fn print_table(r: &Report, args: &Args, reference: &[GenRecord]) {
     let tps: Vec<String> = args.tp.iter().map(|t| t.to_string()).collect();
     let bs: Vec<String> = args.batch.iter().map(|b| b.to_string()).collect();
     println!();
@@ -438,6 +438,14 @@ fn print_table(r: &Report, args: &Args) {
         fmt_div(r.max_top5_divergence),
         yes_no(r.score_equal)
     );
+    if reference.iter().any(|g| g.text.is_some()) {
+        println!();
+        println!("generated text ({}):", r.reference);
+        for g in reference {
+            let text: String = g.text.as_deref().unwrap_or("").chars().take(60).collect();
+            println!("{:>8}  {text:?}", g.id);
+        }
+    }
     println!();
     println!("unique outputs: distinct (tokens, log-prob bits, logits digests) across configurations (1 = invariant; total = max)");
     println!("top-5 divergence: max over configurations of mean over positions of max |p - p_ref| over the reference's top-5 tokens (total = max)");

@@ -1,5 +1,6 @@
 //! `arbor generate`: continuations of prompts, as one rank of a TP group.
 
+use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
@@ -233,7 +234,13 @@ pub fn run(args: Args) -> Result<()> {
         })
         .collect();
 
-    let mut records = Vec::with_capacity(reqs.len());
+    // Rank 0 writes each batch as it finishes (a failure later keeps what was done).
+    let rank0 = runner.rank() == 0;
+    let mut sink = match rank0 && (args.out.is_some() || args.jsonl) {
+        true => Some(JsonlSink::create(args.out.as_deref())?),
+        false => None,
+    };
+    let by_id: HashMap<u64, &Prompt> = prompts.iter().map(|p| (p.id, p)).collect();
     run_batches(&reqs, args.batch, |chunk| {
         let outs = runner.generate(chunk, &sampling, args.logprobs)?;
         if outs.len() != chunk.len() {
@@ -251,51 +258,45 @@ pub fn run(args: Args) -> Result<()> {
                     req.id
                 );
             }
-            records.push(to_record(runner.as_ref(), &req.prompt, out, args.logprobs));
+            if !rank0 {
+                continue;
+            }
+            let rec = to_record(runner.as_ref(), &req.prompt, out, args.logprobs);
+            match sink.as_mut() {
+                Some(sink) => sink.write(&rec)?,
+                None => print_record(runner.as_ref(), by_id.get(&rec.id).copied(), &rec),
+            }
         }
         Ok(())
     })?;
-
-    if runner.rank() != 0 {
-        return Ok(());
-    }
-    if args.out.is_some() || args.jsonl {
-        let mut sink = JsonlSink::create(args.out.as_deref())?;
-        for r in &records {
-            sink.write(r)?;
-        }
-        sink.finish()
-    } else {
-        print_listing(runner.as_ref(), &prompts, &records);
-        Ok(())
+    match sink {
+        Some(sink) => sink.finish(),
+        None => Ok(()),
     }
 }
 
-fn print_listing(runner: &dyn Runner, prompts: &[Prompt], records: &[GenRecord]) {
-    for (p, r) in prompts.iter().zip(records) {
-        let prompt_text = p
-            .text
-            .clone()
-            .or_else(|| decode(runner, &r.prompt_tokens))
-            .unwrap_or_default();
-        let sum: f64 = r.logprobs.iter().map(|&l| l as f64).sum();
-        println!(
-            "[{}] {} prompt tokens, {} new ({}), sum logprob {:.4}",
-            r.id,
-            r.prompt_tokens.len(),
-            r.tokens.len(),
-            match r.finish {
-                Finish::Length => "length",
-                Finish::Eos => "eos",
-            },
-            sum
-        );
-        // Quoted and escaped: a random-weight model emits control bytes.
-        println!("  prompt: {prompt_text:?}");
-        match &r.text {
-            Some(t) => println!("  output: {t:?}"),
-            None => println!("  output tokens: {:?}", r.tokens),
-        }
+fn print_record(runner: &dyn Runner, prompt: Option<&Prompt>, r: &GenRecord) {
+    let prompt_text = prompt
+        .and_then(|p| p.text.clone())
+        .or_else(|| decode(runner, &r.prompt_tokens))
+        .unwrap_or_default();
+    let sum: f64 = r.logprobs.iter().map(|&l| l as f64).sum();
+    println!(
+        "[{}] {} prompt tokens, {} new ({}), sum logprob {:.4}",
+        r.id,
+        r.prompt_tokens.len(),
+        r.tokens.len(),
+        match r.finish {
+            Finish::Length => "length",
+            Finish::Eos => "eos",
+        },
+        sum
+    );
+    // Quoted and escaped: a random-weight model emits control bytes.
+    println!("  prompt: {prompt_text:?}");
+    match &r.text {
+        Some(t) => println!("  output: {t:?}"),
+        None => println!("  output tokens: {:?}", r.tokens),
     }
 }
 

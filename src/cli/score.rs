@@ -60,7 +60,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     let reqs = read_requests(&args.input)?;
     let mut runner = common::load_runner(&args.model, args.device, args.max_seq_len, false)?;
-    let mut records = Vec::with_capacity(reqs.len());
+    // Rank 0 writes each batch as it finishes.
+    let mut sink = match runner.rank() {
+        0 => Some(JsonlSink::create(args.out.as_deref())?),
+        _ => None,
+    };
     run_batches(&reqs, args.batch, |chunk| {
         let outs = runner.score(chunk, args.logprobs)?;
         if outs.len() != chunk.len() {
@@ -78,7 +82,10 @@ pub fn run(args: Args) -> Result<()> {
                     req.id
                 );
             }
-            records.push(ScoreRecord {
+            let Some(sink) = sink.as_mut() else {
+                continue;
+            };
+            sink.write(&ScoreRecord {
                 id: out.id,
                 prompt_len: req.prompt_len,
                 tokens: req.tokens.clone(),
@@ -97,18 +104,14 @@ pub fn run(args: Args) -> Result<()> {
                         .collect()
                 }),
                 logits_digest: out.logits_digest,
-            });
+            })?;
         }
         Ok(())
     })?;
-    if runner.rank() != 0 {
-        return Ok(());
+    match sink {
+        Some(sink) => sink.finish(),
+        None => Ok(()),
     }
-    let mut sink = JsonlSink::create(args.out.as_deref())?;
-    for r in &records {
-        sink.write(r)?;
-    }
-    sink.finish()
 }
 
 #[cfg(test)]

@@ -87,6 +87,15 @@ pub fn make_tiny(arch: &str, dir: &Path) {
     assert!(dir.join("config.json").is_file());
 }
 
+/// A tiny model shared by the tests of one test binary, at a fixed path (a static is never
+/// dropped, so a per-process scratch dir would be left behind); remade on first use.
+pub fn shared_tiny(name: &str, arch: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("shared-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    make_tiny(arch, &dir);
+    dir
+}
+
 /// The JSON lines of a file.
 pub fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)

@@ -210,9 +210,9 @@ impl Path {
     fn smem_bytes(self) -> u32 {
         const SLOTS: u32 = 2 * 64 * 256 * 4;
         match self {
-            Path::Tree128 => 4 * (128 + 128) * 32 * 2 + SLOTS,
-            Path::Split16 => 8 * (16 + 64) * 32 * 2,
-            Path::Split64 => 6 * (64 + 64) * 32 * 2,
+            Path::Tree128 => 3 * (128 + 128) * 64 * 2 + SLOTS,
+            Path::Split16 => 6 * (16 + 64) * 64 * 2,
+            Path::Split64 => 4 * (64 + 64) * 64 * 2,
             Path::WgTree128 => 3 * (128 + 128) * 64 * 2 + SLOTS + 1024,
             Path::WgSplit64 => 4 * (64 + 128) * 64 * 2 + 1024,
         }
@@ -522,6 +522,15 @@ mod tests {
         assert!(e.contains("workspace"), "{e}");
         a.ldx = 4000;
         assert!(validate(&a, Path::Tree128).is_err());
+    }
+
+    #[test]
+    fn params_match_the_c_struct() {
+        // struct Params in gemm_tree.cu: five 8-byte pointers, then seven ints, padded to 8.
+        assert_eq!(std::mem::size_of::<Params>(), 72);
+        assert_eq!(std::mem::offset_of!(Params, ws), 32);
+        assert_eq!(std::mem::offset_of!(Params, m), 40);
+        assert_eq!(std::mem::offset_of!(Params, ldw), 64);
     }
 
     #[test]

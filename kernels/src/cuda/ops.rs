@@ -521,9 +521,11 @@ impl GpuDevice {
         check(K, 2 * half <= head_dim && half > 0, || {
             format!("rotary half {half} does not fit head_dim {head_dim}")
         })?;
-        check(K, cos.len() == sin.len() && cos.len().is_multiple_of(half), || {
-            "cos/sin tables of different shapes".into()
-        })?;
+        check(
+            K,
+            cos.len() == sin.len() && cos.len().is_multiple_of(half),
+            || "cos/sin tables of different shapes".into(),
+        )?;
         let max_pos = cos.len() / half;
         if let Some(p) = row_pos.iter().find(|&&p| p as usize >= max_pos) {
             return Err(CudaError::Launch {
@@ -575,9 +577,11 @@ impl GpuDevice {
         const K: &str = "attention_kernel";
         Self::check_rows(K, layout, layer, row_slot, row_pos)?;
         let rows = row_slot.len();
-        check(K, n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads), || {
-            format!("{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
-        })?;
+        check(
+            K,
+            n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
+            || format!("{n_heads} query heads are not a multiple of {n_kv_heads} KV heads"),
+        )?;
         check(K, head_dim > 0 && head_dim <= ATTN_MAX_HEAD_DIM, || {
             format!("head_dim {head_dim} is outside 1..={ATTN_MAX_HEAD_DIM}")
         })?;

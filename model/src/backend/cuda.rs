@@ -65,19 +65,55 @@ fn ordinal_for(rank: usize) -> Result<usize, String> {
     }
 }
 
-/// The all-reduce algorithm: the all-gather + tree by default (the algorithm);
-/// `ARBOR_GPU_ALLREDUCE=auto|oneshot|twoshot` picks the collective's faster paths, which
-/// keep the same bits. NVLS is never taken from here.
-fn allreduce_algo() -> Result<Algo, String> {
-    match std::env::var("ARBOR_GPU_ALLREDUCE") {
-        Err(_) => Ok(Algo::AllGatherTree),
-        Ok(s) => match s.parse::<Algo>()? {
+/// The all-reduce algorithm: `auto` by default (one-shot for small messages, two-shot for
+/// large ones, all-gather + tree where IPC is unavailable: every one gives the tree's bits);
+/// `ARBOR_GPU_ALLREDUCE=tree|oneshot|twoshot` forces one. NVLS is never taken from here.
+fn allreduce_algo(var: Option<&str>) -> Result<Algo, String> {
+    match var {
+        None => Ok(Algo::Auto),
+        Some(s) => match s.parse::<Algo>()? {
             Algo::Nvls => Err(
                 "ARBOR_GPU_ALLREDUCE=nvls: NVLink multicast is not used by the CUDA backend".into(),
             ),
             a => Ok(a),
         },
     }
+}
+
+/// Per-row (slot, position) of a ragged batch of `rows` rows; every row must belong to
+/// exactly one sequence.
+fn row_map(seqs: &[SeqRows], rows: usize) -> Result<(Vec<u32>, Vec<u32>), String> {
+    let mut slot = vec![u32::MAX; rows];
+    let mut pos = vec![u32::MAX; rows];
+    for s in seqs {
+        let end = s
+            .row0
+            .checked_add(s.len)
+            .filter(|&e| e <= rows)
+            .ok_or_else(|| {
+                format!(
+                    "sequence in slot {} covers rows {}..{}+{} of a batch of {rows} rows",
+                    s.slot, s.row0, s.row0, s.len
+                )
+            })?;
+        for (i, r) in (s.row0..end).enumerate() {
+            if slot[r] != u32::MAX {
+                return Err(format!("row {r} belongs to two sequences"));
+            }
+            let p = s.pos0 + i;
+            match (u32::try_from(s.slot), u32::try_from(p)) {
+                (Ok(a), Ok(b)) if a != u32::MAX => {
+                    slot[r] = a;
+                    pos[r] = b;
+                }
+                _ => return Err(format!("slot {} / position {p} out of range", s.slot)),
+            }
+        }
+    }
+    if let Some(r) = slot.iter().position(|&s| s == u32::MAX) {
+        return Err(format!("row {r} belongs to no sequence"));
+    }
+    Ok((slot, pos))
 }
 
 fn gpu_collective(
@@ -101,7 +137,8 @@ impl CudaBackend {
         let err = |msg: String| BackendError::Device { rank, msg };
         let ordinal = ordinal_for(rank).map_err(err)?;
         let dev = GpuDevice::open(ordinal).map_err(|e| err(e.to_string()))?;
-        let algo = allreduce_algo().map_err(err)?;
+        let algo =
+            allreduce_algo(std::env::var("ARBOR_GPU_ALLREDUCE").ok().as_deref()).map_err(err)?;
         let coll = if comm.world_size() > 1 {
             Some(gpu_collective(&comm, &dev, algo).map_err(err)?)
         } else {
@@ -146,44 +183,8 @@ impl CudaBackend {
         CudaAct { buf, rows, cols }
     }
 
-    /// Per-row (slot, position) of a ragged batch of `rows` rows; every row must belong to
-    /// exactly one sequence.
     fn row_map(&self, seqs: &[SeqRows], rows: usize) -> BResult<(Vec<u32>, Vec<u32>)> {
-        let mut slot = vec![u32::MAX; rows];
-        let mut pos = vec![u32::MAX; rows];
-        for s in seqs {
-            if s.row0 + s.len > rows {
-                return Err(self.shape_err(format!(
-                    "sequence in slot {} covers rows {}..{} of a batch of {rows} rows",
-                    s.slot,
-                    s.row0,
-                    s.row0 + s.len
-                )));
-            }
-            for i in 0..s.len {
-                let r = s.row0 + i;
-                if slot[r] != u32::MAX {
-                    return Err(self.shape_err(format!("row {r} belongs to two sequences")));
-                }
-                let p = s.pos0 + i;
-                let (s32, p32) = (u32::try_from(s.slot), u32::try_from(p));
-                match (s32, p32) {
-                    (Ok(a), Ok(b)) => {
-                        slot[r] = a;
-                        pos[r] = b;
-                    }
-                    _ => {
-                        return Err(
-                            self.shape_err(format!("slot {} / position {p} out of range", s.slot))
-                        )
-                    }
-                }
-            }
-        }
-        if let Some(r) = slot.iter().position(|&s| s == u32::MAX) {
-            return Err(self.shape_err(format!("row {r} belongs to no sequence")));
-        }
-        Ok((slot, pos))
+        row_map(seqs, rows).map_err(|msg| self.shape_err(msg))
     }
 
     fn rope_tables(
@@ -557,4 +558,50 @@ pub fn load_runner(
         engine = engine.with_shadow(shadow);
     }
     Ok(Box::new(engine))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(slot: usize, row0: usize, len: usize, pos0: usize) -> SeqRows {
+        SeqRows {
+            slot,
+            row0,
+            len,
+            pos0,
+        }
+    }
+
+    #[test]
+    fn row_map_maps_each_row_to_its_slot_and_position() {
+        let (slot, pos) = row_map(&[seq(2, 0, 3, 5), seq(0, 3, 1, 0)], 4).unwrap();
+        assert_eq!(slot, [2, 2, 2, 0]);
+        assert_eq!(pos, [5, 6, 7, 0]);
+    }
+
+    #[test]
+    fn row_map_rejects_bad_batches() {
+        let e = row_map(&[seq(0, 0, 2, 0), seq(1, 1, 2, 0)], 3).unwrap_err();
+        assert!(e.contains("row 1 belongs to two sequences"), "{e}");
+        let e = row_map(&[seq(0, 0, 2, 0)], 3).unwrap_err();
+        assert!(e.contains("row 2 belongs to no sequence"), "{e}");
+        let e = row_map(&[seq(0, 2, 2, 0)], 3).unwrap_err();
+        assert!(e.contains("of a batch of 3 rows"), "{e}");
+        let e = row_map(&[seq(0, usize::MAX, 2, 0)], 3).unwrap_err();
+        assert!(e.contains("of a batch of 3 rows"), "{e}");
+        let e = row_map(&[seq(0, 0, 1, u32::MAX as usize + 1)], 1).unwrap_err();
+        assert!(e.contains("out of range"), "{e}");
+    }
+
+    #[test]
+    fn allreduce_algo_defaults_to_auto_and_refuses_nvls() {
+        assert_eq!(allreduce_algo(None).unwrap(), Algo::Auto);
+        assert_eq!(allreduce_algo(Some("tree")).unwrap(), Algo::AllGatherTree);
+        assert_eq!(allreduce_algo(Some("oneshot")).unwrap(), Algo::OneShot);
+        assert!(allreduce_algo(Some("nvls"))
+            .unwrap_err()
+            .contains("NVLink multicast"));
+        assert!(allreduce_algo(Some("fastest")).is_err());
+    }
 }

@@ -396,7 +396,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         rank,
         world,
     };
-    coll_reserve(&bench, max_bytes)?;
+    // Sized before any graph capture: growing the scratch synchronises the stream.
+    bench.coll.reserve(max_bytes)?;
     let registered = args.register_input && bench.coll.register_buffer(bench.input.ptr())?;
     if rank == 0 {
         eprintln!("input buffer registered for in-place peer reads: {registered}");
@@ -519,11 +520,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", summary(&rows, world));
     }
     bench.host.barrier()?;
-    Ok(())
-}
-
-fn coll_reserve(b: &Bench, bytes: usize) -> anyhow::Result<()> {
-    b.coll.reserve(bytes)?;
     Ok(())
 }
 
