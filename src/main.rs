@@ -31,7 +31,7 @@ enum Command {
     Demo(cli::demo::Args),
     /// Exercise the collective stack: tree all-reduce of random data, checked bitwise.
     CollectiveCheck(cli::collective_check::Args),
-    /// Benchmarks (CPU matmul, GPU GEMM, all-reduce).
+    /// GPU benchmarks: tree GEMM vs cuBLAS, deterministic all-reduce vs NCCL (CPU matmul: `cargo bench`).
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
 }
