@@ -102,15 +102,18 @@ DEVI void wg_block(const Params& p, int m_tile, int n_tile, int seg_begin, int s
         const int khi = min((ls + 1) * p.seg_len, p.K);
         const bool kok = k0 + c * 8 < khi;
         const u32 sa = sA + stage * A_BYTES, sb = sB + stage * B_BYTES;
+        // Rows past M (columns past N) are left unwritten: an MMA output row depends only
+        // on its own A row (column on its own B row), and those outputs are never stored.
+        // At decode (M = 1) this skips 63 of the 64 A rows' zero-fills per tile.
 #pragma unroll
         for (int j = 0; j < A_PER; ++j) {
-            const bool ok = a_ok[j] && kok;
-            cp_async16(sa + a_dst[j], ok ? (const void*)(a_src[j] + k0) : (const void*)p.x, ok);
+            if (!a_ok[j]) continue;
+            cp_async16(sa + a_dst[j], kok ? (const void*)(a_src[j] + k0) : (const void*)p.x, kok);
         }
 #pragma unroll
         for (int j = 0; j < B_PER; ++j) {
-            const bool ok = b_ok[j] && kok;
-            cp_async16(sb + b_dst[j], ok ? (const void*)(b_src[j] + k0) : (const void*)p.w, ok);
+            if (!b_ok[j]) continue;
+            cp_async16(sb + b_dst[j], kok ? (const void*)(b_src[j] + k0) : (const void*)p.w, kok);
         }
         if (++lkt == tiles_per_seg) lkt = 0, ++ls;
     };

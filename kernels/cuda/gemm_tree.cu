@@ -73,7 +73,8 @@ struct Params {
     const u16* w;   // [N, ldw]
     float* outf;    // [M, N] f32 result, or null
     u16* outh;      // [M, N] bf16 result, or null
-    float* ws;      // split path: [n_seg, M, N] f32 segment sums, then tile counters
+    float* ws;      // split path: [n_seg, M, N] f32 segment sums of this call
+    u32* cnt;       // split path: one arrival counter per output tile, zero between calls
     int M, N, K, seg_len, n_seg, ldx, ldw;
 };
 
@@ -85,23 +86,34 @@ DEVI float ld_cg(const float* p) {
 
 // Split path, after a block stored its segment sum of tile (m_tile, n_tile) into ws: the
 // last of the tile's n_seg blocks to arrive combines the n_seg sums with the fixed tree
-// (the same additions whichever block is last) and resets the tile's arrival counter,
-// which lives after the sums in ws (zeroed once when ws is allocated).
+// (the same additions whichever block is last).
+//
+// The arrival counters live in their own buffer (p.cnt), never inside ws: the sums'
+// extent depends on the call's M, N and n_seg, so a counter placed after them moved with
+// the shape and landed on another shape's sums (issue 6: TP shards and column shards read
+// garbage counters, so no block combined and the output kept stale values). atomicInc
+// with limit n_seg - 1 wraps the last arrival's increment back to 0, so every call
+// leaves its counters at zero for the next call, whatever its shape.
 template <int BM, int BN, int THREADS>
 DEVI void split_finish(const Params& p, int m_tile, int n_tile) {
     const int n_tiles = (p.N + BN - 1) / BN;
     const long long mn = (long long)p.M * p.N;
-    u32* cnt = (u32*)(p.ws + p.n_seg * mn) + (m_tile * n_tiles + n_tile);
+    u32* cnt = p.cnt + (m_tile * n_tiles + n_tile);
+    // Every thread's sum stores must be visible device-wide before thread 0 announces the
+    // block's arrival: fence, then a barrier so that no warp is still storing.
     __threadfence();
+    __syncthreads();
     int prev = 0;
-    if (threadIdx.x == 0) prev = (int)atomicAdd(cnt, 1u);
+    if (threadIdx.x == 0) prev = (int)atomicInc(cnt, (u32)(p.n_seg - 1));
     if (!__syncthreads_or(threadIdx.x == 0 && prev == p.n_seg - 1)) return;
     __threadfence();
     const int row0 = m_tile * BM, col0 = n_tile * BN;
     const float* ws = p.ws;
-    for (int i = threadIdx.x; i < BM * BN; i += THREADS) {
+    // Only the tile's rows below M (one row of the 64 at decode M = 1).
+    const int rows = min(BM, p.M - row0);
+    for (int i = threadIdx.x; i < rows * BN; i += THREADS) {
         const int r = row0 + i / BN, c = col0 + i % BN;
-        if (r >= p.M || c >= p.N) continue;
+        if (c >= p.N) continue;
         const long long e = (long long)r * p.N + c;
         float x[8];
 #pragma unroll
@@ -118,7 +130,6 @@ DEVI void split_finish(const Params& p, int m_tile, int n_tile) {
         }
         store_out(p.outf, p.outh, e, v);
     }
-    if (threadIdx.x == 0) *cnt = 0u;
 }
 
 // One block: a BM x BN output tile over segments [seg_begin, seg_begin + seg_count).
@@ -182,17 +193,17 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
         const int khi = min((ls + 1) * p.seg_len, p.K);
         const bool kok = k0 + lc * 8 < khi;
         const u32 sa = sa0 + stage * (BM * BK * 2), sb = sb0 + stage * (BN * BK * 2);
+        // Rows past M (columns past N) are left unwritten: an MMA output row depends only
+        // on its own A row (column on its own B row), and those outputs are never stored.
 #pragma unroll
         for (int j = 0; j < A_PER; ++j) {
-            if ((BM * CH) % THREADS != 0 && !a_slot[j]) continue;
-            const bool ok = a_row[j] && kok;
-            cp_async16(sa + a_dst[j], ok ? (const void*)(a_src[j] + k0) : (const void*)p.x, ok);
+            if (!a_row[j]) continue;
+            cp_async16(sa + a_dst[j], kok ? (const void*)(a_src[j] + k0) : (const void*)p.x, kok);
         }
 #pragma unroll
         for (int j = 0; j < B_PER; ++j) {
-            if ((BN * CH) % THREADS != 0 && !b_slot[j]) continue;
-            const bool ok = b_row[j] && kok;
-            cp_async16(sb + b_dst[j], ok ? (const void*)(b_src[j] + k0) : (const void*)p.w, ok);
+            if (!b_row[j]) continue;
+            cp_async16(sb + b_dst[j], kok ? (const void*)(b_src[j] + k0) : (const void*)p.w, kok);
         }
         if (++lkt == tiles_per_seg) lkt = 0, ++ls;
     };

@@ -2,10 +2,12 @@
 //! reduction over K following the fixed 8-segment tree, the GPU twin of
 //! [`crate::cpu::matmul::tree_matmul`] (same [`TreeMatmul`] shape, same shard semantics).
 //!
-//! Three launch paths share one leaf (a chain of m16n8k16 MMAs over a segment's k16 chunks
-//! from +0) and one tree, so they give the same bits; the path is picked from M only for
-//! speed. Standalone: it compiles its own NVRTC program, so it does not wait on the rest
-//! of the CUDA backend.
+//! The launch paths of one leaf [`Family`] share one leaf (a chain of tensor-core MMAs
+//! over a segment's k16 chunks from +0) and one tree, so they give the same bits; the path
+//! is picked from M only for speed. The split paths keep segment sums in a scratch
+//! workspace and arrival counters in a separate, zero-between-calls buffer, so calls of any
+//! shape can share both (docs/gemm.md). Standalone: it compiles its own NVRTC program, so
+//! it does not wait on the rest of the CUDA backend.
 
 use std::sync::Arc;
 
@@ -191,13 +193,24 @@ impl Path {
         !matches!(self, Path::Tree128 | Path::WgTree128)
     }
 
-    /// f32-sized elements of workspace the path needs: the split paths keep each segment
-    /// sum, then one arrival counter per output tile. The workspace must be zeroed once
-    /// when allocated; every call leaves the counters at zero again.
+    /// f32 elements of workspace the path needs: the split paths keep each segment sum
+    /// (`n_seg·m·n`); 0 for the tree paths. Need not be initialised.
     pub fn workspace_len(self, m: usize, n: usize, n_seg: usize) -> usize {
         if self.is_split() {
-            let ((tiles_n, _, tiles_m), _) = self.launch_dims(m, n, n_seg);
-            n_seg * m * n + tiles_n * tiles_m
+            n_seg * m * n
+        } else {
+            0
+        }
+    }
+
+    /// u32 arrival counters the path needs: one per output tile for the split paths, 0 for
+    /// the tree paths. The counter buffer must be zeroed once when allocated; every call
+    /// leaves the counters it used at zero, so one buffer serves calls of any shape (it is
+    /// separate from the workspace because the sums' extent changes with the shape).
+    pub fn counters_len(self, m: usize, n: usize) -> usize {
+        if self.is_split() {
+            let ((tiles_n, _, tiles_m), _) = self.launch_dims(m, n, 1);
+            tiles_n * tiles_m
         } else {
             0
         }
@@ -248,6 +261,7 @@ struct Params {
     outf: CUdeviceptr,
     outh: CUdeviceptr,
     ws: CUdeviceptr,
+    cnt: CUdeviceptr,
     m: i32,
     n: i32,
     k: i32,
@@ -262,7 +276,9 @@ unsafe impl DeviceRepr for Params {}
 
 /// Raw device operands of one call. `x` is [m, ldx] and `w` [n, ldw] bf16 (only columns
 /// `[0, shape.k)` are read, so a TP shard of K is a pointer offset plus the full row
-/// stride); `out` is [m, n] of `out_dtype`; `ws` has `ws_len` f32 elements.
+/// stride); `out` is [m, n] of `out_dtype`; `ws` has `ws_len` f32 elements (scratch);
+/// `counters` has `counters_len` u32 elements, zeroed once at allocation and left at zero
+/// by every call (see [`Path::counters_len`]). Neither may be used by two streams at once.
 #[derive(Debug, Clone, Copy)]
 pub struct GemmArgs {
     pub shape: TreeMatmul,
@@ -274,6 +290,8 @@ pub struct GemmArgs {
     pub out_dtype: OutDtype,
     pub ws: CUdeviceptr,
     pub ws_len: usize,
+    pub counters: CUdeviceptr,
+    pub counters_len: usize,
 }
 
 /// Checks a shape against the kernel's requirements (see gemm_tree.cu).
@@ -318,6 +336,20 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
             "path {} needs {need} f32 of workspace, got {}",
             path.name(),
             a.ws_len
+        ));
+    }
+    let need = path.counters_len(s.m, s.n);
+    if a.counters_len < need {
+        return bad(format!(
+            "path {} needs {need} u32 tile counters, got {}",
+            path.name(),
+            a.counters_len
+        ));
+    }
+    if need > 0 && (a.counters == 0 || !a.counters.is_multiple_of(4)) {
+        return bad(format!(
+            "counters ({:#x}) must be a 4-byte aligned device pointer",
+            a.counters
         ));
     }
     Ok(())
@@ -428,6 +460,7 @@ impl TreeGemm {
             outf,
             outh,
             ws: a.ws,
+            cnt: a.counters,
             m: s.m as i32,
             n: s.n as i32,
             k: s.k as i32,
@@ -471,7 +504,9 @@ mod tests {
             out: 0x3000,
             out_dtype: OutDtype::F32,
             ws: 0x4000,
-            ws_len: 8 * shape.m * shape.n + 1024,
+            ws_len: 8 * shape.m * shape.n,
+            counters: 0x5000,
+            counters_len: 1024,
         }
     }
 
@@ -520,17 +555,26 @@ mod tests {
         a.ws_len = 10;
         let e = validate(&a, Path::Split64).unwrap_err().to_string();
         assert!(e.contains("workspace"), "{e}");
+        let mut c = args(good);
+        c.counters_len = 0;
+        let e = validate(&c, Path::WgSplit64).unwrap_err().to_string();
+        assert!(e.contains("tile counters"), "{e}");
+        assert!(
+            validate(&c, Path::WgTree128).is_ok(),
+            "tree paths need no counters"
+        );
         a.ldx = 4000;
         assert!(validate(&a, Path::Tree128).is_err());
     }
 
     #[test]
     fn params_match_the_c_struct() {
-        // struct Params in gemm_tree.cu: five 8-byte pointers, then seven ints, padded to 8.
-        assert_eq!(std::mem::size_of::<Params>(), 72);
+        // struct Params in gemm_tree.cu: six 8-byte pointers, then seven ints, padded to 8.
+        assert_eq!(std::mem::size_of::<Params>(), 80);
         assert_eq!(std::mem::offset_of!(Params, ws), 32);
-        assert_eq!(std::mem::offset_of!(Params, m), 40);
-        assert_eq!(std::mem::offset_of!(Params, ldw), 64);
+        assert_eq!(std::mem::offset_of!(Params, cnt), 40);
+        assert_eq!(std::mem::offset_of!(Params, m), 48);
+        assert_eq!(std::mem::offset_of!(Params, ldw), 72);
     }
 
     #[test]
@@ -576,3 +620,7 @@ mod tests {
         assert!(ptx80.contains(".entry arbor_gemm_tree_128x128("));
     }
 }
+
+#[cfg(test)]
+#[path = "gemm_gpu_test.rs"]
+mod gpu_test;

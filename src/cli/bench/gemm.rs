@@ -423,6 +423,9 @@ struct Operands {
     out2: CudaSlice<f32>,
     ws: CudaSlice<f32>,
     ws_len: usize,
+    /// Tile arrival counters of the split paths: zeroed once, left at zero by every call.
+    cnt: CudaSlice<u32>,
+    cnt_len: usize,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -453,16 +456,22 @@ fn bench_shape(
     let w_copies = (0..copies)
         .map(|_| stream.clone_htod(&w_host))
         .collect::<Result<Vec<_>, _>>()?;
-    // Workspace for the split paths (zeroed once, as they require), up to M = 1024
-    // (larger M reach the split paths through the row check).
+    // Workspace and tile counters for the split paths, up to M = 1024 (larger M reach the
+    // split paths through the row check). One of each serves every call of every shape,
+    // as in the model; the counters are zeroed once, as the kernels require.
+    let split_paths = || {
+        [Family::Mma, Family::Wgmma]
+            .into_iter()
+            .flat_map(|f| Path::all(f).iter().copied())
+    };
     let ws_len = ms
         .iter()
-        .flat_map(|&m| {
-            [Family::Mma, Family::Wgmma]
-                .iter()
-                .flat_map(move |f| Path::all(*f).iter())
-                .map(move |p| p.workspace_len(m.min(1024), n, SEGMENTS))
-        })
+        .flat_map(|&m| split_paths().map(move |p| p.workspace_len(m.min(1024), n, SEGMENTS)))
+        .max()
+        .unwrap_or(0);
+    let cnt_len = ms
+        .iter()
+        .flat_map(|&m| split_paths().map(move |p| p.counters_len(m.min(1024), n)))
         .max()
         .unwrap_or(0);
     let ops = Operands {
@@ -475,6 +484,8 @@ fn bench_shape(
         out2: zeros(stream, m_ref * n)?,
         ws: zeros(stream, ws_len)?,
         ws_len,
+        cnt: zeros(stream, cnt_len)?,
+        cnt_len,
     };
     let full = |m: usize| TreeMatmul {
         m,
@@ -493,6 +504,7 @@ fn bench_shape(
         let x_p = ptr(&ops.x, stream);
         let out_p = ptr(&ops.out, stream);
         let ws_p = ptr(&ops.ws, stream);
+        let cnt_p = ptr(&ops.cnt, stream);
         let wp: Vec<CUdeviceptr> = ops.w.iter().map(|w| ptr(w, stream)).collect();
         let arbor_ms = timer.median_ms(|i| {
             let a = GemmArgs {
@@ -505,6 +517,8 @@ fn bench_shape(
                 out_dtype,
                 ws: ws_p,
                 ws_len: ops.ws_len,
+                counters: cnt_p,
+                counters_len: ops.cnt_len,
             };
             // SAFETY: all pointers are live buffers sized for `full(m)`.
             unsafe { tg.launch(stream, &a, Some(path)) }?;
@@ -529,6 +543,10 @@ fn bench_shape(
             checks.push(check_paths(stream, tg, &ops, full(m), &y)?);
         }
         checks.push(check_bf16(stream, tg, &ops, full(m), &y)?);
+        // After calls of other shapes (TP shards, a column shard, other M) sharing the
+        // workspace and counters: the same call again, and the counters all back at zero.
+        checks.push(check_repeat(stream, tg, &ops, full(m), &y)?);
+        checks.push(check_counters(stream, &ops)?);
         let other = match family {
             Family::Mma => Family::Wgmma,
             Family::Wgmma => Family::Mma,
@@ -689,8 +707,18 @@ fn launch(
         out_dtype: c.out_dtype,
         ws: ptr(&ops.ws, stream),
         ws_len: ops.ws_len,
+        counters: ptr(&ops.cnt, stream),
+        counters_len: ops.cnt_len,
     };
     let path = c.path.unwrap_or(Path::for_m(s.m, ops.family));
+    // Poison the output and the segment-sum workspace (all bits set: NaN) so that a call
+    // that leaves an output element unwritten, or combines a segment sum it did not
+    // write, cannot pass by finding an earlier call's value there.
+    for (p, bytes) in [(a.out, out.len() * 4), (a.ws, ops.ws.len() * 4)] {
+        // SAFETY: `p` is the start of a live allocation of `bytes` bytes on this stream.
+        unsafe { cudarc::driver::result::memset_d8_async(p, 0xFF, bytes, stream.cu_stream()) }
+            .with_context(|| format!("cuMemsetD8Async of {bytes} bytes"))?;
+    }
     // SAFETY: checked above that every operand lies inside its buffer.
     unsafe { tg.launch(stream, &a, Some(path)) }?;
     Ok(())
@@ -895,5 +923,36 @@ fn check_bf16(
         "bf16_out".into(),
         bad,
         "bf16 output = RNE(f32 root)".into(),
+    ))
+}
+
+/// The full call again, after the other checks' calls of other shapes: state they left
+/// behind (workspace, counters) must not change its bits.
+fn check_repeat(
+    stream: &Arc<CudaStream>,
+    tg: &TreeGemm,
+    ops: &Operands,
+    shape: TreeMatmul,
+    y: &[f32],
+) -> Result<Check> {
+    let got = call_f32(stream, tg, ops, &Call::new(shape), &ops.out2)?;
+    Ok(verdict(
+        "repeat".into(),
+        first_mismatch(&got, y, ops.n).map(|d| format!("after other shapes' calls: {d}")),
+        "same bits after calls of other shapes".into(),
+    ))
+}
+
+/// Every split call must leave its tile counters at zero for the next call.
+fn check_counters(stream: &Arc<CudaStream>, ops: &Operands) -> Result<Check> {
+    let cnt = stream.clone_dtoh(&ops.cnt)?;
+    let bad = cnt
+        .iter()
+        .position(|&c| c != 0)
+        .map(|i| format!("counter {i} is {} after the calls (must be 0)", cnt[i]));
+    Ok(verdict(
+        "counters_zero".into(),
+        bad,
+        "every tile counter back at zero".into(),
     ))
 }
