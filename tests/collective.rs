@@ -3,22 +3,21 @@
 //! (a rank that never arrives, garbage or a wrong protocol version on the rendezvous port,
 //! no rank 0).
 
+mod cli_support;
+
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use cli_support::{free_port, LAUNCHER_VARS};
 
 const ARBOR: &str = env!("CARGO_BIN_EXE_arbor");
 const LAUNCH: &str = env!("CARGO_BIN_EXE_arbor-launch");
 
-/// Launcher variables the test process might have inherited (e.g. under Slurm or mpirun).
-const RANK_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+/// Variables of other launchers the test process might have inherited (e.g. under Slurm
+/// or mpirun), on top of `LAUNCHER_VARS`.
+const OTHER_RANK_VARS: &[&str] = &[
     "OMPI_COMM_WORLD_RANK",
     "OMPI_COMM_WORLD_SIZE",
     "PMI_RANK",
@@ -28,7 +27,7 @@ const RANK_VARS: &[&str] = &[
 ];
 
 fn clean(cmd: &mut Command) -> &mut Command {
-    for v in RANK_VARS {
+    for v in LAUNCHER_VARS.iter().chain(OTHER_RANK_VARS) {
         cmd.env_remove(v);
     }
     cmd.stdin(Stdio::null())
@@ -36,14 +35,6 @@ fn clean(cmd: &mut Command) -> &mut Command {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 const SIZES: &str = "1,7,1000,20000";

@@ -19,6 +19,13 @@ fn model() -> &'static str {
     })
 }
 
+/// `generate --model <the tiny model>` followed by `rest`.
+fn generate_args<'a>(rest: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["generate", "--model", model()];
+    args.extend_from_slice(rest);
+    args
+}
+
 fn prompts_file(dir: &std::path::Path) -> String {
     let p = dir.join("prompts.jsonl");
     std::fs::write(
@@ -35,15 +42,7 @@ fn prompts_file(dir: &std::path::Path) -> String {
 fn generate_prints_a_listing_from_rank_zero_only() {
     let o = run_launched(
         2,
-        &[
-            "generate",
-            "--model",
-            model(),
-            "--prompt",
-            "Hello there",
-            "--max-tokens",
-            "4",
-        ],
+        &generate_args(&["--prompt", "Hello there", "--max-tokens", "4"]),
     );
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
@@ -65,10 +64,7 @@ fn generate_jsonl_schema() {
     let out = s.path().join("gen.jsonl");
     let o = run_launched(
         2,
-        &[
-            "generate",
-            "--model",
-            model(),
+        &generate_args(&[
             "--prompts",
             &prompts,
             "--max-tokens",
@@ -79,7 +75,7 @@ fn generate_jsonl_schema() {
             "2",
             "--out",
             out.to_str().unwrap(),
-        ],
+        ]),
     );
     let (stdout, err) = text(&o);
     assert!(o.status.success(), "{stdout}\n{err}");
@@ -143,10 +139,7 @@ fn score_equals_generate(gen_tp: usize, score_tp: usize) {
     let score = s.path().join("score.jsonl");
     let o = run_launched(
         gen_tp,
-        &[
-            "generate",
-            "--model",
-            model(),
+        &generate_args(&[
             "--prompts",
             &prompts,
             "--max-tokens",
@@ -159,7 +152,7 @@ fn score_equals_generate(gen_tp: usize, score_tp: usize) {
             "3",
             "--out",
             gen.to_str().unwrap(),
-        ],
+        ]),
     );
     assert!(o.status.success(), "{:?}", text(&o));
     let o = run_launched(
@@ -218,17 +211,7 @@ fn shadow_tp1_passes_and_changes_nothing() {
     let prompts = prompts_file(s.path());
     let plain = s.path().join("plain.jsonl");
     let shadow = s.path().join("shadow.jsonl");
-    let common = [
-        "generate",
-        "--model",
-        model(),
-        "--prompts",
-        &prompts,
-        "--max-tokens",
-        "4",
-        "--batch",
-        "3",
-    ];
+    let common = generate_args(&["--prompts", &prompts, "--max-tokens", "4", "--batch", "3"]);
     let mut a: Vec<&str> = common.to_vec();
     a.extend(["--out", plain.to_str().unwrap()]);
     let o = run_launched(4, &a);
@@ -246,16 +229,13 @@ fn shadow_tp1_passes_and_changes_nothing() {
 
 #[test]
 fn jsonl_to_stdout() {
-    let o = run_arbor(&[
-        "generate",
-        "--model",
-        model(),
+    let o = run_arbor(&generate_args(&[
         "--prompt",
         "x y z",
         "--max-tokens",
         "2",
         "--jsonl",
-    ]);
+    ]));
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
     let lines: Vec<Value> = out

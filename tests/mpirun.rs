@@ -6,11 +6,17 @@
 //! and all-gather through MPI, and the test checks that they did. Skipped, with a message,
 //! where `mpirun` is not installed.
 
+mod cli_support;
+
 use std::io::Write as _;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use cli_support::{
+    check_command, free_port, sampled_generate_args, text, write_executable, write_token_prompts,
+    Scratch, LAUNCHER_VARS,
+};
 
 const ARBOR: &str = env!("CARGO_BIN_EXE_arbor");
 const MPI_FEATURE: bool = cfg!(feature = "mpi");
@@ -32,48 +38,13 @@ fn mpirun() -> Option<PathBuf> {
     found
 }
 
-/// A scratch directory, removed on drop (also when the test fails).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("mpirun-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        if let Err(e) = std::fs::create_dir_all(&p) {
-            panic!("cannot create {}: {e}", p.display());
-        }
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn free_port() -> u16 {
-    match TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
-        Ok(a) => a.port(),
-        Err(e) => panic!("no free local port: {e}"),
-    }
-}
-
 /// Runs `cmd` to completion, killed after `limit` (so a hang fails the test).
 fn run_limited(mut cmd: Command, limit: Duration) -> (Output, Duration) {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     // Variables of an enclosing launcher would change what the ranks think they are.
-    for name in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ] {
+    for name in LAUNCHER_VARS {
         cmd.env_remove(name);
     }
     let start = Instant::now();
@@ -118,13 +89,6 @@ fn run_limited(mut cmd: Command, limit: Duration) -> (Output, Duration) {
     (output, elapsed)
 }
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
 fn make_model(dir: &Path) -> PathBuf {
     let model = dir.join("model");
     let mut cmd = Command::new(ARBOR);
@@ -133,20 +97,6 @@ fn make_model(dir: &Path) -> PathBuf {
     let (out, err) = text(&o);
     assert!(o.status.success(), "make-model failed:\n{out}\n{err}");
     model
-}
-
-/// Prompts of different lengths as token ids (no tokenizer needed).
-fn write_prompts(dir: &Path) -> PathBuf {
-    let p = dir.join("prompts.jsonl");
-    let lines = [
-        r#"{"id":0,"tokens":[1,2,3,4,5,6,7]}"#,
-        r#"{"id":1,"tokens":[200]}"#,
-        r#"{"id":2,"tokens":[17,99,3,250,8,8,8,12,40,41,42,43,44]}"#,
-    ];
-    if let Err(e) = std::fs::write(&p, lines.join("\n") + "\n") {
-        panic!("cannot write {}: {e}", p.display());
-    }
-    p
 }
 
 fn mpirun_cmd(mpirun: &Path, np: usize, port: u16) -> Command {
@@ -163,36 +113,15 @@ fn mpirun_cmd(mpirun: &Path, np: usize, port: u16) -> Command {
     cmd
 }
 
-fn generate_args(model: &Path, prompts: &Path, batch: usize) -> Vec<String> {
-    [
-        "generate",
-        "--model",
-        &model.to_string_lossy(),
-        "--prompts",
-        &prompts.to_string_lossy(),
-        "--max-tokens",
-        "6",
-        "--temperature",
-        "0.8",
-        "--seed",
-        "7",
-        "--batch",
-        &batch.to_string(),
-        "--jsonl",
-    ]
-    .map(String::from)
-    .to_vec()
-}
-
 #[test]
 fn generate_at_tp4_under_mpirun_is_bit_identical_to_tp1() {
     let Some(mpirun) = mpirun() else { return };
-    let s = Scratch::new("generate");
+    let s = Scratch::new("mpirun-generate");
     let model = make_model(&s.0);
-    let prompts = write_prompts(&s.0);
+    let prompts = write_token_prompts(&s.0);
 
     let mut tp1 = Command::new(ARBOR);
-    tp1.args(generate_args(&model, &prompts, 1));
+    tp1.args(sampled_generate_args(&model, &prompts, 7, 1));
     let (o1, _) = run_limited(tp1, Duration::from_secs(120));
     let (ref_out, ref_err) = text(&o1);
     assert!(o1.status.success(), "TP=1 generate failed:\n{ref_err}");
@@ -205,7 +134,8 @@ fn generate_at_tp4_under_mpirun_is_bit_identical_to_tp1() {
     );
 
     let mut cmd = mpirun_cmd(&mpirun, 4, free_port());
-    cmd.arg(ARBOR).args(generate_args(&model, &prompts, 3));
+    cmd.arg(ARBOR)
+        .args(sampled_generate_args(&model, &prompts, 7, 3));
     let (o4, elapsed) = run_limited(cmd, Duration::from_secs(180));
     let (out, err) = text(&o4);
     assert!(
@@ -234,7 +164,7 @@ fn generate_at_tp4_under_mpirun_is_bit_identical_to_tp1() {
 #[test]
 fn check_with_mpirun_as_the_launcher() {
     let Some(mpirun) = mpirun() else { return };
-    let s = Scratch::new("check");
+    let s = Scratch::new("mpirun-check");
     let model = make_model(&s.0);
     let wrapper = s.0.join("mpilaunch");
     let script = format!(
@@ -246,29 +176,9 @@ fn check_with_mpirun_as_the_launcher() {
         mpirun.display(),
         free_port()
     );
-    if let Err(e) = std::fs::write(&wrapper, script) {
-        panic!("cannot write {}: {e}", wrapper.display());
-    }
-    {
-        use std::os::unix::fs::PermissionsExt as _;
-        let _ = std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755));
-    }
+    write_executable(&wrapper, &script);
     let json = s.0.join("report.json");
-    let mut cmd = Command::new(ARBOR);
-    cmd.args(["check", "--model"])
-        .arg(&model)
-        .args([
-            "--tp",
-            "1,2,4,8",
-            "--batch",
-            "1,3",
-            "--max-tokens",
-            "6",
-            "--launcher",
-        ])
-        .arg(&wrapper)
-        .arg("--json")
-        .arg(&json);
+    let cmd = check_command(&model, &wrapper, &json);
     let (o, elapsed) = run_limited(cmd, Duration::from_secs(300));
     let (out, err) = text(&o);
     assert!(
@@ -289,7 +199,7 @@ fn check_with_mpirun_as_the_launcher() {
 #[test]
 fn a_rank_that_fails_ends_the_mpirun_job() {
     let Some(mpirun) = mpirun() else { return };
-    let s = Scratch::new("fail");
+    let s = Scratch::new("mpirun-fail");
     let mut cmd = mpirun_cmd(&mpirun, 4, free_port());
     cmd.arg(ARBOR)
         .args(["generate", "--model"])

@@ -6,11 +6,17 @@
 //! when a test fails. Without root or `ip`, the tests print why and skip; with
 //! ARBOR_REQUIRE_NETNS=1 (CI) they fail instead.
 
+mod cli_support;
+
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+use cli_support::{
+    check_command, sampled_generate_args, write_executable, write_token_prompts, Scratch,
+};
 
 const ARBOR: &str = env!("CARGO_BIN_EXE_arbor");
 /// The test hosts' subnet: 10.213.7.1, 10.213.7.2, ...
@@ -133,27 +139,6 @@ fn lab_or_skip(test: &str, n_hosts: usize) -> Option<Lab> {
     }
 }
 
-/// A scratch directory, removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("multihost-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        if let Err(e) = std::fs::create_dir_all(&p) {
-            panic!("cannot create {}: {e}", p.display());
-        }
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Waits for `child` up to `deadline`, then kills it; returns its output.
 fn finish(mut child: Child, deadline: Instant, what: &str) -> Output {
     while matches!(child.try_wait(), Ok(None)) {
@@ -182,43 +167,9 @@ fn make_model(dir: &Path) -> PathBuf {
     }
 }
 
-fn write_prompts(dir: &Path) -> PathBuf {
-    let p = dir.join("prompts.jsonl");
-    let lines = [
-        r#"{"id":0,"tokens":[1,2,3,4,5,6,7]}"#,
-        r#"{"id":1,"tokens":[200]}"#,
-        r#"{"id":2,"tokens":[17,99,3,250,8,8,8,12,40,41,42,43,44]}"#,
-    ];
-    if let Err(e) = std::fs::write(&p, lines.join("\n") + "\n") {
-        panic!("cannot write {}: {e}", p.display());
-    }
-    p
-}
-
-fn generate_args(model: &Path, prompts: &Path) -> Vec<String> {
-    [
-        "generate",
-        "--model",
-        &model.to_string_lossy(),
-        "--prompts",
-        &prompts.to_string_lossy(),
-        "--max-tokens",
-        "6",
-        "--temperature",
-        "0.8",
-        "--seed",
-        "3",
-        "--batch",
-        "2",
-        "--jsonl",
-    ]
-    .map(String::from)
-    .to_vec()
-}
-
 fn tp1_reference(model: &Path, prompts: &Path) -> String {
     let out = Command::new(ARBOR)
-        .args(generate_args(model, prompts))
+        .args(sampled_generate_args(model, prompts, 3, 2))
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .output();
@@ -243,9 +194,9 @@ fn tp4_across_two_namespaces_by_hand_matches_tp1() {
     let Some(lab) = lab_or_skip("tp4_across_two_namespaces_by_hand_matches_tp1", 2) else {
         return;
     };
-    let s = Scratch::new("byhand");
+    let s = Scratch::new("multihost-byhand");
     let model = make_model(&s.0);
-    let prompts = write_prompts(&s.0);
+    let prompts = write_token_prompts(&s.0);
     let reference = tp1_reference(&model, &prompts);
 
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -254,7 +205,7 @@ fn tp4_across_two_namespaces_by_hand_matches_tp1() {
         let host = rank / 2;
         let child = Command::new("ip")
             .args(["netns", "exec", &lab.hosts[host], ARBOR])
-            .args(generate_args(&model, &prompts))
+            .args(sampled_generate_args(&model, &prompts, 3, 2))
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", "4")
             .env("LOCAL_RANK", (rank % 2).to_string())
@@ -355,7 +306,7 @@ fn arbor_check_across_namespaces_through_arbor_launch() {
     let Some(lab) = lab_or_skip("arbor_check_across_namespaces_through_arbor_launch", 2) else {
         return;
     };
-    let s = Scratch::new("check");
+    let s = Scratch::new("multihost-check");
     let model = make_model(&s.0);
     let hostfile = write_hostfile(&s.0, &lab, 4);
     // `arbor check` runs `LAUNCHER -n TP -- arbor …`; the wrapper adds the hosts.
@@ -365,29 +316,9 @@ fn arbor_check_across_namespaces_through_arbor_launch() {
         hostfile.display(),
         lab.addr(0)
     );
-    if let Err(e) = std::fs::write(&wrapper, script) {
-        panic!("cannot write {}: {e}", wrapper.display());
-    }
-    {
-        use std::os::unix::fs::PermissionsExt as _;
-        let _ = std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755));
-    }
+    write_executable(&wrapper, &script);
     let json = s.0.join("report.json");
-    let child = Command::new(ARBOR)
-        .args(["check", "--model"])
-        .arg(&model)
-        .args([
-            "--tp",
-            "1,2,4,8",
-            "--batch",
-            "1,3",
-            "--max-tokens",
-            "6",
-            "--launcher",
-        ])
-        .arg(&wrapper)
-        .arg("--json")
-        .arg(&json)
+    let child = check_command(&model, &wrapper, &json)
         .env("ARBOR_TIMEOUT_SECS", "30")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -445,7 +376,7 @@ fn remote_ranks_get_their_variables_and_output_is_prefixed() {
     else {
         return;
     };
-    let s = Scratch::new("env");
+    let s = Scratch::new("multihost-env");
     let child = launch_on_lab(
         &lab,
         &s.0,
@@ -482,7 +413,7 @@ fn a_failing_remote_rank_stops_every_rank() {
     let Some(lab) = lab_or_skip("a_failing_remote_rank_stops_every_rank", 2) else {
         return;
     };
-    let s = Scratch::new("fail");
+    let s = Scratch::new("multihost-fail");
     let start = Instant::now();
     let child = launch_on_lab(
         &lab,
@@ -516,7 +447,7 @@ fn sigterm_to_the_launcher_stops_remote_ranks() {
     let Some(lab) = lab_or_skip("sigterm_to_the_launcher_stops_remote_ranks", 2) else {
         return;
     };
-    let s = Scratch::new("sigterm");
+    let s = Scratch::new("multihost-sigterm");
     let child = launch_on_lab(&lab, &s.0, 4, &["sleep", "60"]);
     // Wait until all four ranks run.
     let until = Instant::now() + Duration::from_secs(20);
@@ -545,7 +476,7 @@ fn an_unreachable_host_is_named() {
     let Some(lab) = lab_or_skip("an_unreachable_host_is_named", 1) else {
         return;
     };
-    let s = Scratch::new("unreachable");
+    let s = Scratch::new("multihost-unreachable");
     let missing = format!("{}-missing", lab.hosts[0]);
     let hostfile = s.0.join("hostfile");
     let text = format!("{} slots=1\n{missing} slots=1\n", lab.hosts[0]);

@@ -45,6 +45,38 @@ pub(crate) enum Incoming {
     Failed(CommError),
 }
 
+/// `Communicator` for a transport struct whose `engine` field does all the work: the
+/// in-process and TCP transports differ only in their `Outbox` and their name.
+macro_rules! engine_communicator {
+    ($ty:ty, $transport:literal) => {
+        impl $crate::Communicator for $ty {
+            fn rank(&self) -> usize {
+                self.engine.rank()
+            }
+            fn world_size(&self) -> usize {
+                self.engine.world()
+            }
+            fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<u8>, $crate::CommError> {
+                self.engine.all_gather(data)
+            }
+            fn broadcast_bytes(
+                &self,
+                data: &mut Vec<u8>,
+                root: usize,
+            ) -> Result<(), $crate::CommError> {
+                self.engine.broadcast(data, root)
+            }
+            fn barrier(&self) -> Result<(), $crate::CommError> {
+                self.engine.barrier_within(self.engine.timeout())
+            }
+            fn transport(&self) -> &'static str {
+                $transport
+            }
+        }
+    };
+}
+pub(crate) use engine_communicator;
+
 /// Sends to one peer. Implementations must not block forever (a write timeout at most).
 pub(crate) trait Outbox: Send + Sync {
     fn send(&self, peer: usize, kind: OpKind, seq: u64, payload: &[u8]) -> Result<(), CommError>;

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
-use crate::engine::{Engine, Incoming, OpKind, Outbox};
-use crate::{CommError, Communicator};
+use crate::engine::{engine_communicator, Engine, Incoming, OpKind, Outbox};
+use crate::CommError;
 
 /// Builds the ranks of an in-process group.
 pub struct InProcGroup;
@@ -86,30 +86,12 @@ pub struct InProcComm {
     engine: Engine<InProcOutbox>,
 }
 
-impl Communicator for InProcComm {
-    fn rank(&self) -> usize {
-        self.engine.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.engine.world()
-    }
-    fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<u8>, CommError> {
-        self.engine.all_gather(data)
-    }
-    fn broadcast_bytes(&self, data: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
-        self.engine.broadcast(data, root)
-    }
-    fn barrier(&self) -> Result<(), CommError> {
-        self.engine.barrier_within(self.engine.timeout())
-    }
-    fn transport(&self) -> &'static str {
-        "inproc"
-    }
-}
+engine_communicator!(InProcComm, "inproc");
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Communicator;
     use std::thread;
 
     /// Runs `f` on every rank of an in-process group of `world`, returns results by rank.

@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
-use crate::engine::{Engine, Incoming, OpKind, Outbox};
+use crate::engine::{engine_communicator, Engine, Incoming, OpKind, Outbox};
 use crate::env::{RankInfo, Timeouts};
 use crate::wire::{self, Frame, Hello, Kind, MeshHello, ReadError, Welcome};
-use crate::{CommError, Communicator};
+use crate::CommError;
 
 /// How often a waiting accept loop looks for new connections.
 const POLL: Duration = Duration::from_millis(5);
@@ -460,26 +460,7 @@ impl Drop for TcpComm {
     }
 }
 
-impl Communicator for TcpComm {
-    fn rank(&self) -> usize {
-        self.engine.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.engine.world()
-    }
-    fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<u8>, CommError> {
-        self.engine.all_gather(data)
-    }
-    fn broadcast_bytes(&self, data: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
-        self.engine.broadcast(data, root)
-    }
-    fn barrier(&self) -> Result<(), CommError> {
-        self.engine.barrier_within(self.engine.timeout())
-    }
-    fn transport(&self) -> &'static str {
-        "tcp"
-    }
-}
+engine_communicator!(TcpComm, "tcp");
 
 struct TcpOutbox {
     rank: usize,
@@ -808,6 +789,7 @@ fn session_id() -> u64 {
 mod tests {
     use super::*;
     use crate::tree_allreduce::tree_all_reduce;
+    use crate::Communicator;
     use std::io::Write;
 
     fn timeouts(secs: f64) -> Timeouts {

@@ -240,10 +240,6 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    pub fn max_pos(&self) -> usize {
-        self.rope.max_pos
-    }
-
     pub fn kv_spec(&self, slots: usize, max_len: usize) -> KvSpec {
         KvSpec {
             layers: self.cfg.num_layers,

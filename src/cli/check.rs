@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use super::common::{self, DeviceArg};
+use super::common::{self, DeviceArg, SamplingArgs};
 use super::metrics::{self, ConfigRun, Report, TOP_N};
 use super::records::{GenRecord, ScoreRecord};
 
@@ -30,15 +30,9 @@ pub struct Args {
     /// New tokens per prompt.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
-    /// Sampling, as for `generate` (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Sampling, as for `generate`.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Backend of every configuration (invariance holds per backend).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
@@ -234,12 +228,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
     if let Some(&bad) = args.batch.iter().find(|&&b| b == 0) {
         bail!("--batch {bad}: a batch needs at least one request");
     }
-    super::generate::validate_sampling(&super::model_api::Sampling {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    })?;
+    super::generate::validate_sampling(&args.sampling.to_sampling())?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
@@ -259,12 +248,12 @@ pub fn run_check(args: &Args) -> Result<Report> {
             p
         }
     };
-    let sampling = if args.temperature == 0.0 {
+    let sampling = if args.sampling.temperature == 0.0 {
         "greedy".to_string()
     } else {
         format!(
             "temperature {} top-k {} top-p {} seed {}",
-            args.temperature, args.top_k, args.top_p, args.seed
+            args.sampling.temperature, args.sampling.top_k, args.sampling.top_p, args.sampling.seed
         )
     };
     let mut configs: Vec<(usize, usize)> = Vec::new();
@@ -289,11 +278,11 @@ pub fn run_check(args: &Args) -> Result<Report> {
         let seed = if args.perturb_seed_of == Some((tp, batch)) {
             eprintln!(
                 "  (test only: {name} runs with seed {})",
-                args.seed.wrapping_add(1)
+                args.sampling.seed.wrapping_add(1)
             );
-            args.seed.wrapping_add(1)
+            args.sampling.seed.wrapping_add(1)
         } else {
-            args.seed
+            args.sampling.seed
         };
         // OS strings: paths need not be UTF-8.
         let sub: Vec<OsString> = vec![
@@ -305,11 +294,11 @@ pub fn run_check(args: &Args) -> Result<Report> {
             "--max-tokens".into(),
             args.max_tokens.to_string().into(),
             "--temperature".into(),
-            args.temperature.to_string().into(),
+            args.sampling.temperature.to_string().into(),
             "--top-k".into(),
-            args.top_k.to_string().into(),
+            args.sampling.top_k.to_string().into(),
             "--top-p".into(),
-            args.top_p.to_string().into(),
+            args.sampling.top_p.to_string().into(),
             "--seed".into(),
             seed.to_string().into(),
             "--batch".into(),
@@ -364,10 +353,10 @@ pub fn run_check(args: &Args) -> Result<Report> {
             "tp": args.tp,
             "batch": args.batch,
             "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "top_k": args.top_k,
-            "top_p": args.top_p,
-            "seed": args.seed,
+            "temperature": args.sampling.temperature,
+            "top_k": args.sampling.top_k,
+            "top_p": args.sampling.top_p,
+            "seed": args.sampling.seed,
             "device": args.device.as_str(),
             "invariant": report.invariant(),
             "report": report,

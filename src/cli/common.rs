@@ -51,6 +51,46 @@ impl DeviceArg {
     }
 }
 
+/// The sampling flags `generate` and `check` share (`check` passes them on to `generate`).
+#[derive(clap::Args, Debug, Clone, Copy, PartialEq)]
+pub struct SamplingArgs {
+    /// 0 = greedy (argmax, lowest token id on ties).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed; tokens depend on (seed, request id, position) only.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl Default for SamplingArgs {
+    /// Greedy, as the flags' defaults.
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingArgs {
+    pub fn to_sampling(self) -> model_api::Sampling {
+        model_api::Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
+    }
+}
+
 /// This process's rank in its TP group, from the launcher's environment (a group of
 /// one when started directly).
 pub fn init_comm() -> Result<Arc<dyn Communicator>> {
@@ -158,6 +198,35 @@ pub fn check_unique_ids(ids: impl IntoIterator<Item = u64>, what: &str) -> Resul
     Ok(())
 }
 
+/// The runner's outputs for `reqs`, each with its request, in order. A count that differs
+/// is an error at once; an output for another id (`ids` gives the request's and the
+/// output's) is an error when reached, so the outputs before it are still handled.
+/// `what` names a request in the messages ("request", "sequence").
+pub fn paired<'a, R, O>(
+    reqs: &'a [R],
+    outs: Vec<O>,
+    ids: impl Fn(&R, &O) -> (u64, u64) + 'a,
+    what: &'a str,
+) -> Result<impl Iterator<Item = Result<(&'a R, O)>> + 'a>
+where
+    O: 'a,
+{
+    if outs.len() != reqs.len() {
+        bail!(
+            "the runner returned {} outputs for {} {what}s",
+            outs.len(),
+            reqs.len()
+        );
+    }
+    Ok(reqs.iter().zip(outs).map(move |(req, out)| {
+        let (want, got) = ids(req, &out);
+        if got != want {
+            bail!("the runner returned {what} {got} where {want} was expected");
+        }
+        Ok((req, out))
+    }))
+}
+
 /// The `arbor-launch` binary: `explicit`, else the one next to this executable.
 pub fn find_launcher(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = explicit {
@@ -210,5 +279,45 @@ mod tests {
         let v = read_jsonl::<serde_json::Value>(&p).unwrap();
         assert_eq!(v.iter().map(|(l, _)| *l).collect::<Vec<_>>(), vec![1, 3]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn outputs_are_paired_with_their_requests() {
+        let ids = |r: &u64, o: &u64| (*r, *o);
+        let got: Vec<(u64, u64)> = paired(&[3, 1], vec![3, 1], ids, "request")
+            .unwrap()
+            .map(|p| p.map(|(r, o)| (*r, o)).unwrap())
+            .collect();
+        assert_eq!(got, vec![(3, 3), (1, 1)]);
+        let e = paired(&[3, 1], vec![3], ids, "sequence").err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            "the runner returned 1 outputs for 2 sequences"
+        );
+        // A wrong id fails when reached, after the outputs before it.
+        let mut it = paired(&[3, 1], vec![3, 7], ids, "request").unwrap();
+        assert!(it.next().unwrap().is_ok());
+        let e = it.next().unwrap().err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            "the runner returned request 7 where 1 was expected"
+        );
+    }
+
+    #[derive(clap::Parser)]
+    struct SamplingCli {
+        #[command(flatten)]
+        sampling: SamplingArgs,
+    }
+
+    #[test]
+    fn sampling_default_is_the_flags_defaults() {
+        use clap::Parser as _;
+        let parsed = SamplingCli::try_parse_from(["arbor"]).unwrap().sampling;
+        assert_eq!(parsed, SamplingArgs::default());
+        let set = SamplingCli::try_parse_from(["arbor", "--top-k", "3", "--seed", "9"])
+            .unwrap()
+            .sampling;
+        assert_eq!((set.top_k, set.seed), (3, 9));
     }
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 
 use super::check;
-use super::common::DeviceArg;
+use super::common::{DeviceArg, SamplingArgs};
 use super::make_model::{self, ArchArg, PresetArg};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -56,10 +56,7 @@ pub fn run(args: Args) -> Result<()> {
         batch: vec![1, 3, 8],
         prompts: None,
         max_tokens: args.max_tokens,
-        temperature: 0.0,
-        top_k: 0,
-        top_p: 1.0,
-        seed: 0,
+        sampling: SamplingArgs::default(),
         device: args.device,
         launcher: args.launcher,
         json: None,

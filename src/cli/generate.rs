@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::common::{self, DeviceArg, JsonlSink};
+use super::common::{self, DeviceArg, JsonlSink, SamplingArgs};
 use super::model_api::{FinishReason, GenOutput, GenRequest, Runner, Sampling};
 use super::records::{Finish, GenRecord, PromptLine, TopEntry};
 
@@ -24,18 +24,8 @@ pub struct Args {
     /// New tokens per request (fewer if the model emits end-of-sequence).
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
-    /// 0 = greedy (argmax, lowest token id on ties).
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Keep the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Sampling seed; tokens depend on (seed, request id, position) only.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Requests per static batch, taken in input order.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
@@ -168,19 +158,7 @@ fn to_record(runner: &dyn Runner, prompt: &[u32], out: GenOutput, n_top: usize) 
         text: decode(runner, &out.tokens),
         tokens: out.tokens,
         logprobs: out.logprobs,
-        top: (n_top > 0).then(|| {
-            out.top
-                .into_iter()
-                .map(|alts| {
-                    alts.into_iter()
-                        .map(|a| TopEntry {
-                            token: a.token,
-                            logprob: a.logprob,
-                        })
-                        .collect()
-                })
-                .collect()
-        }),
+        top: TopEntry::table(n_top, out.top),
         logits_digest: out.logits_digest,
         finish: match out.finish {
             FinishReason::Length => Finish::Length,
@@ -213,12 +191,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let sampling = Sampling {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    };
+    let sampling = args.sampling.to_sampling();
     validate_sampling(&sampling)?;
     let prompts = collect_prompts(&args.prompt, args.prompts.as_deref())?;
     let mut runner =
@@ -243,21 +216,8 @@ pub fn run(args: Args) -> Result<()> {
     let by_id: HashMap<u64, &Prompt> = prompts.iter().map(|p| (p.id, p)).collect();
     run_batches(&reqs, args.batch, |chunk| {
         let outs = runner.generate(chunk, &sampling, args.logprobs)?;
-        if outs.len() != chunk.len() {
-            bail!(
-                "the runner returned {} outputs for {} requests",
-                outs.len(),
-                chunk.len()
-            );
-        }
-        for (req, out) in chunk.iter().zip(outs) {
-            if out.id != req.id {
-                bail!(
-                    "the runner returned request {} where {} was expected",
-                    out.id,
-                    req.id
-                );
-            }
+        for pair in common::paired(chunk, outs, |r, o| (r.id, o.id), "request")? {
+            let (req, out) = pair?;
             if !rank0 {
                 continue;
             }

@@ -7,6 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::model_api::TokenLogprob;
+
 /// One line of a `--prompts` file: text or token ids, with an optional id.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -22,6 +24,24 @@ pub struct TopEntry {
     pub token: u32,
     #[serde(with = "f32_json")]
     pub logprob: f32,
+}
+
+impl TopEntry {
+    /// A record's `top` field from the runner's alternatives: absent unless `n_top > 0`.
+    pub fn table(n_top: usize, top: Vec<Vec<TokenLogprob>>) -> Option<Vec<Vec<TopEntry>>> {
+        (n_top > 0).then(|| {
+            top.into_iter()
+                .map(|alts| {
+                    alts.into_iter()
+                        .map(|a| TopEntry {
+                            token: a.token,
+                            logprob: a.logprob,
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

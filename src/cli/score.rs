@@ -67,21 +67,8 @@ pub fn run(args: Args) -> Result<()> {
     };
     run_batches(&reqs, args.batch, |chunk| {
         let outs = runner.score(chunk, args.logprobs)?;
-        if outs.len() != chunk.len() {
-            bail!(
-                "the runner returned {} outputs for {} sequences",
-                outs.len(),
-                chunk.len()
-            );
-        }
-        for (req, out) in chunk.iter().zip(outs) {
-            if out.id != req.id {
-                bail!(
-                    "the runner returned sequence {} where {} was expected",
-                    out.id,
-                    req.id
-                );
-            }
+        for pair in common::paired(chunk, outs, |r, o| (r.id, o.id), "sequence")? {
+            let (req, out) = pair?;
             let Some(sink) = sink.as_mut() else {
                 continue;
             };
@@ -90,19 +77,7 @@ pub fn run(args: Args) -> Result<()> {
                 prompt_len: req.prompt_len,
                 tokens: req.tokens.clone(),
                 logprobs: out.logprobs,
-                top: (args.logprobs > 0).then(|| {
-                    out.top
-                        .into_iter()
-                        .map(|alts| {
-                            alts.into_iter()
-                                .map(|a| TopEntry {
-                                    token: a.token,
-                                    logprob: a.logprob,
-                                })
-                                .collect()
-                        })
-                        .collect()
-                }),
+                top: TopEntry::table(args.logprobs, out.top),
                 logits_digest: out.logits_digest,
             })?;
         }

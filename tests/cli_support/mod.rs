@@ -1,7 +1,9 @@
-//! Helpers the CLI integration tests share: the real binaries, scratch directories and
-//! tiny models made by `arbor make-model`.
+//! Helpers the CLI integration tests share: the real binaries, scratch directories, tiny
+//! models made by `arbor make-model`, token-id prompts, and what a started rank must not
+//! inherit from an enclosing launcher.
 #![allow(dead_code)]
 
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -104,4 +106,91 @@ pub fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).expect("valid JSON line"))
         .collect()
+}
+
+/// Launcher variables (torchrun style) the test process may have inherited: in a started
+/// rank they would change what it thinks its rank and group are.
+pub const LAUNCHER_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+];
+
+/// A local TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    match TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => panic!("no free local port: {e}"),
+    }
+}
+
+/// Writes `<dir>/prompts.jsonl`: three prompts of different lengths as token ids (no
+/// tokenizer needed).
+pub fn write_token_prompts(dir: &Path) -> PathBuf {
+    let p = dir.join("prompts.jsonl");
+    let lines = [
+        r#"{"id":0,"tokens":[1,2,3,4,5,6,7]}"#,
+        r#"{"id":1,"tokens":[200]}"#,
+        r#"{"id":2,"tokens":[17,99,3,250,8,8,8,12,40,41,42,43,44]}"#,
+    ];
+    if let Err(e) = std::fs::write(&p, lines.join("\n") + "\n") {
+        panic!("cannot write {}: {e}", p.display());
+    }
+    p
+}
+
+/// `arbor generate` arguments: 6 sampled tokens (temperature 0.8) per prompt of `prompts`,
+/// as JSONL on stdout.
+pub fn sampled_generate_args(model: &Path, prompts: &Path, seed: u64, batch: usize) -> Vec<String> {
+    [
+        "generate",
+        "--model",
+        &model.to_string_lossy(),
+        "--prompts",
+        &prompts.to_string_lossy(),
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        &seed.to_string(),
+        "--batch",
+        &batch.to_string(),
+        "--jsonl",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// Writes `script` to `path` and makes it executable (a launcher wrapper for `--launcher`).
+pub fn write_executable(path: &Path, script: &str) {
+    use std::os::unix::fs::PermissionsExt as _;
+    if let Err(e) = std::fs::write(path, script) {
+        panic!("cannot write {}: {e}", path.display());
+    }
+    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755));
+}
+
+/// `arbor check` over TP 1, 2, 4, 8 and batches 1, 3 (6 new tokens), every configuration
+/// started by `launcher`, the report written to `json`.
+pub fn check_command(model: &Path, launcher: &Path, json: &Path) -> Command {
+    let mut cmd = Command::new(arbor());
+    cmd.args(["check", "--model"])
+        .arg(model)
+        .args([
+            "--tp",
+            "1,2,4,8",
+            "--batch",
+            "1,3",
+            "--max-tokens",
+            "6",
+            "--launcher",
+        ])
+        .arg(launcher)
+        .arg("--json")
+        .arg(json);
+    cmd
 }

@@ -52,18 +52,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
             .backend
             .mat_from_host(data, data.len() / in_features.max(1), in_features)
             .map_err(|e| ctx.backend_err(e))?;
-        let bias = if bias {
-            let b = ctx
-                .store
-                .vector(&format!("{prefix}.bias"), out_features, rows.clone())?;
-            Some(
-                ctx.backend
-                    .act_from_host(&b, 1, b.len())
-                    .map_err(|e| ctx.backend_err(e))?,
-            )
-        } else {
-            None
-        };
+        let bias = ctx.bias(prefix, out_features, rows.clone(), bias)?;
         Ok(ColumnParallelLinear {
             w,
             bias,

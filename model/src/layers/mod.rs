@@ -9,8 +9,10 @@ pub use column::ColumnParallelLinear;
 pub use row::RowParallelLinear;
 pub use vocab::{Embedding, VocabParallelHead};
 
+use std::ops::Range;
+
 use crate::backend::{Backend, BackendError};
-use crate::error::ModelError;
+use crate::error::{MResult, ModelError};
 use crate::weights::WeightStore;
 
 /// What every layer's `load` needs: the backend to upload to, the checkpoint, and this
@@ -28,5 +30,26 @@ impl<B: Backend> LoadCtx<'_, B> {
             rank: self.rank,
             source,
         }
+    }
+
+    /// Elements `range` of `<prefix>.bias` (`[out_features]`) as a one-row activation,
+    /// or `None` when the layer has no bias.
+    pub fn bias(
+        &self,
+        prefix: &str,
+        out_features: usize,
+        range: Range<usize>,
+        present: bool,
+    ) -> MResult<Option<B::Act>> {
+        if !present {
+            return Ok(None);
+        }
+        let b = self
+            .store
+            .vector(&format!("{prefix}.bias"), out_features, range)?;
+        self.backend
+            .act_from_host(&b, 1, b.len())
+            .map(Some)
+            .map_err(|e| self.backend_err(e))
     }
 }

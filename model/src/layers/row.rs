@@ -44,18 +44,7 @@ impl<B: Backend> RowParallelLinear<B> {
             .backend
             .mat_from_host(&data, out_features, cols.len())
             .map_err(|e| ctx.backend_err(e))?;
-        let bias = if bias {
-            let b = ctx
-                .store
-                .vector(&format!("{prefix}.bias"), out_features, 0..out_features)?;
-            Some(
-                ctx.backend
-                    .act_from_host(&b, 1, b.len())
-                    .map_err(|e| ctx.backend_err(e))?,
-            )
-        } else {
-            None
-        };
+        let bias = ctx.bias(prefix, out_features, 0..out_features, bias)?;
         Ok(RowParallelLinear {
             w,
             bias,

@@ -71,7 +71,12 @@ impl<B: Backend> VocabParallelHead<B> {
     /// Full logits `[rows, vocab]` on the host, identical on every rank.
     pub fn forward(&self, b: &B, x: &B::Act) -> BResult<Vec<f32>> {
         let local = b.matmul(x, &self.w, self.tree)?;
-        let all = b.all_gather_cols(&local)?;
+        // A group of one holds every column already: the gather would only copy the logits.
+        let all = if b.world_size() == 1 {
+            local
+        } else {
+            b.all_gather_cols(&local)?
+        };
         let (rows, cols) = b.shape(&all);
         let host = b.act_to_host(&all)?;
         if cols == self.vocab {

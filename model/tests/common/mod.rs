@@ -9,7 +9,7 @@ use std::sync::Arc;
 use arbor_collective::InProcGroup;
 use arbor_model::{
     load, Arch, Device, GenOutput, LoadOptions, ModelError, Preset, Runner, ScoreOutput,
-    SynthOptions,
+    SynthOptions, TokenLogprob,
 };
 
 /// A directory removed on drop.
@@ -104,16 +104,20 @@ pub type GenKey = (
     String,
 );
 
+/// The alternatives per position as (token, log-prob bits).
+fn top_bits(top: &[Vec<TokenLogprob>]) -> Vec<Vec<(u32, u32)>> {
+    top.iter()
+        .map(|t| t.iter().map(|x| (x.token, x.logprob.to_bits())).collect())
+        .collect()
+}
+
 pub fn gen_key(o: &GenOutput) -> GenKey {
     (
         o.id,
         o.tokens.clone(),
         o.logprobs.iter().map(|x| x.to_bits()).collect(),
         o.logits_digest.clone(),
-        o.top
-            .iter()
-            .map(|t| t.iter().map(|x| (x.token, x.logprob.to_bits())).collect())
-            .collect(),
+        top_bits(&o.top),
         format!("{:?}", o.finish),
     )
 }
@@ -129,10 +133,7 @@ pub fn score_key(o: &ScoreOutput) -> ScoreKey {
         o.id,
         o.logprobs.iter().map(|x| x.to_bits()).collect(),
         o.logits_digest.clone(),
-        o.top
-            .iter()
-            .map(|t| t.iter().map(|x| (x.token, x.logprob.to_bits())).collect())
-            .collect(),
+        top_bits(&o.top),
     )
 }
 
