@@ -229,6 +229,28 @@ impl GpuDevice {
         Ok(out)
     }
 
+    /// `out[..x.len()]` = bf16(x), rounded to nearest even by the same kernel as
+    /// [`GpuDevice::tree_matmul`]'s input (so a GEMM fed from it sees the same bf16 X);
+    /// `out` may be longer (a reusable scratch buffer).
+    pub fn f32_to_bf16_into(&self, x: &DevF32, out: &mut DevBf16) -> Result<(), CudaError> {
+        const K: &str = "f32_to_bf16_kernel";
+        check(K, out.len() >= x.len(), || {
+            format!(
+                "bf16 output holds {} values, the input has {}",
+                out.len(),
+                x.len()
+            )
+        })?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let count = x.len() as i64;
+        let f = self.func(K)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(out).arg(&count);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(x.len())) })
+    }
+
     /// out\[i\] = the fixed tree over `parts[p·count + i]`, p < n_parts (1, 2, 4 or 8).
     pub fn tree_combine(
         &self,

@@ -6,6 +6,8 @@
 //! roundings independently of rows, TP and launch shape, so the contract's invariances hold
 //! on the GPU as on the CPU; the two backends agree within bf16 tolerance only.
 
+pub mod gemm;
+
 use std::sync::{Arc, Mutex};
 
 use arbor_collective::gpu::{Algo, GpuCollective, GpuOptions};
@@ -16,6 +18,7 @@ use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice, KvLayout};
 use super::{BResult, Backend, BackendError, HeadSpec, KvSpec, SeqRows, TreeSpec};
 use crate::error::ModelError;
 use crate::runner::{Engine, LoadOptions, Runner};
+use gemm::{tensor_eligible, GemmKind, TensorGemm};
 
 /// f32 activations `[rows, cols]` on the GPU.
 pub struct CudaAct {
@@ -52,6 +55,8 @@ pub struct CudaBackend {
     coll: Option<GpuCollective>,
     algo: Algo,
     rope: Mutex<Option<RopeDev>>,
+    /// The tensor-core GEMM when `ARBOR_GPU_GEMM=tensor` (None: the simple kernel only).
+    gemm: Option<TensorGemm>,
 }
 
 /// The GPU ordinal of this rank: `LOCAL_RANK`, else the rank.
@@ -135,10 +140,17 @@ impl CudaBackend {
     pub fn new(comm: Arc<dyn Communicator>) -> Result<Self, BackendError> {
         let rank = comm.rank();
         let err = |msg: String| BackendError::Device { rank, msg };
+        // Checked before the device is opened, so a bad value is reported on any machine.
+        let kind = GemmKind::from_env().map_err(err)?;
+        tracing::info!(rank, gemm = ?kind, "CUDA backend linear layers");
         let ordinal = ordinal_for(rank).map_err(err)?;
         let dev = GpuDevice::open(ordinal).map_err(|e| err(e.to_string()))?;
         let algo =
             allreduce_algo(std::env::var("ARBOR_GPU_ALLREDUCE").ok().as_deref()).map_err(err)?;
+        let gemm = match kind {
+            GemmKind::Simple => None,
+            GemmKind::Tensor => Some(TensorGemm::new(&dev).map_err(|e| err(e.to_string()))?),
+        };
         let coll = if comm.world_size() > 1 {
             Some(gpu_collective(&comm, &dev, algo).map_err(err)?)
         } else {
@@ -150,10 +162,11 @@ impl CudaBackend {
             coll,
             algo,
             rope: Mutex::new(None),
+            gemm,
         })
     }
 
-    /// A world-size-1 backend on an already opened device (the TP=1 shadow).
+    /// A world-size-1 backend on an already opened device, with the simple GEMM.
     pub fn solo(dev: Arc<GpuDevice>) -> Self {
         Self {
             comm: Arc::new(arbor_collective::SingleComm),
@@ -161,6 +174,24 @@ impl CudaBackend {
             coll: None,
             algo: Algo::AllGatherTree,
             rope: Mutex::new(None),
+            gemm: None,
+        }
+    }
+
+    /// The TP=1 shadow of this backend: world size 1 on the same device, the same GEMM
+    /// choice (sharing its compiled kernels, with scratch buffers of its own).
+    pub fn tp1_shadow(&self) -> Self {
+        Self {
+            gemm: self.gemm.as_ref().map(TensorGemm::sibling),
+            ..Self::solo(self.dev.clone())
+        }
+    }
+
+    /// Which GEMM kernel this backend's linear layers use where they can.
+    pub fn gemm_kind(&self) -> GemmKind {
+        match self.gemm {
+            Some(_) => GemmKind::Tensor,
+            None => GemmKind::Simple,
         }
     }
 
@@ -328,6 +359,18 @@ impl Backend for CudaBackend {
                 "matmul of x [{}, {}] with w [{}, {}]",
                 x.rows, x.cols, w.n, w.k
             )));
+        }
+        if let Some(g) = self.gemm.as_ref().filter(|_| tensor_eligible(tree)) {
+            let buf = g
+                .matmul(&self.dev, &x.buf, x.rows, x.cols, &w.buf, w.n, tree)
+                .map_err(|e| BackendError::Device {
+                    rank: self.comm.rank(),
+                    msg: format!(
+                        "matmul of x [{}, {}] with w [{}, {}]: {e}",
+                        x.rows, x.cols, w.n, w.k
+                    ),
+                })?;
+            return Ok(self.act(buf, x.rows, w.n));
         }
         let buf = self
             .dev
@@ -551,10 +594,10 @@ pub fn load_runner(
 ) -> Result<Box<dyn Runner>, ModelError> {
     let rank = comm.rank();
     let backend = CudaBackend::new(comm).map_err(|source| ModelError::Backend { rank, source })?;
-    let dev = backend.device().clone();
+    let shadow = opts.shadow_tp1.then(|| backend.tp1_shadow());
     let mut engine = Engine::new(backend, opts)?;
-    if opts.shadow_tp1 {
-        let shadow = Engine::new(CudaBackend::solo(dev), opts)?;
+    if let Some(shadow) = shadow {
+        let shadow = Engine::new(shadow, opts)?;
         engine = engine.with_shadow(shadow);
     }
     Ok(Box::new(engine))

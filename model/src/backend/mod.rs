@@ -52,6 +52,9 @@ pub struct KvSpec {
 pub struct TreeSpec {
     pub seg_len: usize,
     pub n_seg: usize,
+    /// The layer's full (global) K, whatever this rank holds: lets a backend choose a
+    /// kernel per weight from global properties only, so the choice is the same at every TP.
+    pub k: usize,
 }
 
 #[derive(Debug, thiserror::Error)]

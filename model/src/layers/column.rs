@@ -59,6 +59,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
             tree: TreeSpec {
                 seg_len: SegmentLayout::new(in_features).seg_len,
                 n_seg: SEGMENTS,
+                k: in_features,
             },
             rows,
         })

@@ -51,6 +51,7 @@ impl<B: Backend> RowParallelLinear<B> {
             tree: TreeSpec {
                 seg_len: SegmentLayout::new(in_features).seg_len,
                 n_seg: SEGMENTS / ctx.tp,
+                k: in_features,
             },
             cols,
         })

@@ -62,6 +62,7 @@ impl<B: Backend> VocabParallelHead<B> {
             tree: TreeSpec {
                 seg_len: SegmentLayout::new(hidden).seg_len,
                 n_seg: SEGMENTS,
+                k: hidden,
             },
             vocab,
             block,

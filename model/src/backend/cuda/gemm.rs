@@ -1,0 +1,359 @@
+//! The opt-in tensor-core tree GEMM ([`TreeGemm`]) behind the CUDA backend's `matmul`,
+//! chosen with `ARBOR_GPU_GEMM=simple|tensor` (docs/gemm.md, "Wired into the model").
+//!
+//! The two kernels' leaves round differently, so a segment must be summed by the same
+//! kernel at every TP size and batch size: the choice is made per weight from its global K
+//! and the tree's global `seg_len` only ([`tensor_eligible`]), never from M, TP or a
+//! rank's shard.
+
+use std::env::VarError;
+use std::sync::{Arc, Mutex};
+
+use arbor_kernels::cpu::TreeMatmul;
+use arbor_kernels::cuda::gemm::{GemmArgs, GemmError, OutDtype, TreeGemm};
+use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, DevU32, GpuDevice};
+use arbor_kernels::SegmentLayout;
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use crate::backend::TreeSpec;
+
+/// The environment variable that picks the GEMM kernel.
+pub const ENV: &str = "ARBOR_GPU_GEMM";
+
+/// Which kernel the CUDA backend's linear layers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmKind {
+    /// `GpuDevice::tree_matmul` for every layer (the default).
+    Simple,
+    /// [`TreeGemm`] for every layer it accepts ([`tensor_eligible`]), the simple kernel
+    /// for the others.
+    Tensor,
+}
+
+impl GemmKind {
+    /// The value of [`ENV`]: unset means `simple`; anything but `simple`/`tensor` is an error.
+    pub fn parse(var: Option<&str>) -> Result<Self, String> {
+        match var {
+            None | Some("simple") => Ok(Self::Simple),
+            Some("tensor") => Ok(Self::Tensor),
+            Some(other) => Err(format!(
+                "{ENV}={other:?} is not a GEMM kernel: expected \"simple\" (the default) or \"tensor\""
+            )),
+        }
+    }
+
+    pub fn from_env() -> Result<Self, String> {
+        match std::env::var(ENV) {
+            Ok(v) => Self::parse(Some(&v)),
+            Err(VarError::NotPresent) => Self::parse(None),
+            Err(VarError::NotUnicode(v)) => Err(format!("{ENV}={v:?} is not valid UTF-8")),
+        }
+    }
+}
+
+/// Whether a layer takes the tensor kernel. A function of the weight's global K and the
+/// global `seg_len` only: K and `seg_len` multiples of 8 make every segment boundary, hence
+/// every rank's K shard and row stride at every TP, a multiple of 8 (what the kernel needs);
+/// with `seg_len = ceil(K/8)` this means K is a multiple of 64 and every shard is full.
+pub fn tensor_eligible(tree: TreeSpec) -> bool {
+    tree.k > 0 && tree.k.is_multiple_of(8) && tree.seg_len > 0 && tree.seg_len.is_multiple_of(8)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TensorGemmError {
+    #[error(transparent)]
+    Gemm(#[from] GemmError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error("tensor GEMM: {0}")]
+    Shape(String),
+}
+
+/// Reusable device buffers of one backend (one stream): the bf16 copy of X, the split
+/// paths' segment sums and their tile counters. Each grows when a call needs more.
+#[derive(Default)]
+struct Scratch {
+    xb: Option<DevBf16>,
+    ws: Option<DevF32>,
+    /// Zero when allocated; every call leaves the counters it used at zero.
+    counters: Option<DevU32>,
+}
+
+/// `buf`, reallocated (zeroed) to `need` elements when it holds fewer. The old buffer's
+/// free is stream-ordered, so kernels already queued on it still run on live memory.
+fn grown<T>(
+    buf: &mut Option<T>,
+    len: impl Fn(&T) -> usize,
+    need: usize,
+    alloc: impl FnOnce(usize) -> Result<T, CudaError>,
+) -> Result<&mut T, CudaError> {
+    let b = match buf.take() {
+        Some(b) if len(&b) >= need => b,
+        _ => alloc(need.max(1))?,
+    };
+    Ok(buf.insert(b))
+}
+
+/// The compiled tensor-core kernels and this backend's scratch buffers.
+pub struct TensorGemm {
+    kernels: Arc<TreeGemm>,
+    scratch: Mutex<Scratch>,
+}
+
+impl TensorGemm {
+    /// NVRTC-compiles the GEMM for `dev`'s architecture (wgmma on Hopper, mma.sync on
+    /// other sm_80+ GPUs).
+    pub fn new(dev: &GpuDevice) -> Result<Self, GemmError> {
+        let kernels = TreeGemm::new(&dev.ctx)?;
+        tracing::info!(arch = %kernels.arch, family = ?kernels.family, "tensor-core tree GEMM ready");
+        Ok(Self {
+            kernels: Arc::new(kernels),
+            scratch: Mutex::new(Scratch::default()),
+        })
+    }
+
+    /// The same compiled kernels with scratch buffers of its own (for another backend on
+    /// the same device, e.g. the TP=1 shadow).
+    pub fn sibling(&self) -> Self {
+        Self {
+            kernels: self.kernels.clone(),
+            scratch: Mutex::new(Scratch::default()),
+        }
+    }
+
+    /// out `[m, n]` f32 = bf16(x) `[m, k]` · wᵀ (`w`: `[n, k]` bf16, this rank's K shard),
+    /// the subtree root over `tree.n_seg` segments, on `dev`'s stream by the device
+    /// family's default path for `m`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        dev: &GpuDevice,
+        x: &DevF32,
+        m: usize,
+        k: usize,
+        w: &DevBf16,
+        n: usize,
+        tree: TreeSpec,
+    ) -> Result<DevF32, TensorGemmError> {
+        let layout = SegmentLayout::new(tree.k);
+        if !tensor_eligible(tree) || layout.seg_len != tree.seg_len {
+            return Err(TensorGemmError::Shape(format!(
+                "layer with global K = {} and seg_len = {} is not one the tensor kernel takes \
+                 (both must be multiples of 8, seg_len = ceil(K/8) = {})",
+                tree.k, tree.seg_len, layout.seg_len
+            )));
+        }
+        if x.len() != m * k || w.len() != n * k {
+            return Err(TensorGemmError::Shape(format!(
+                "x has {} values for [{m}, {k}], w has {} for [{n}, {k}]",
+                x.len(),
+                w.len()
+            )));
+        }
+        let mut out = dev.zeros_f32(m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(out);
+        }
+        let path = self.kernels.default_path(m);
+        let shape = TreeMatmul {
+            m,
+            n,
+            k,
+            seg_len: tree.seg_len,
+            n_seg: tree.n_seg,
+        };
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { xb, ws, counters } = &mut *guard;
+        let xb = grown(xb, |b| b.len(), m * k, |l| dev.zeros_bf16(l))?;
+        dev.f32_to_bf16_into(x, xb)?;
+        let ws = grown(
+            ws,
+            |b| b.len(),
+            path.workspace_len(m, n, tree.n_seg),
+            |l| dev.zeros_f32(l),
+        )?;
+        let cnt = grown(
+            counters,
+            |b| b.len(),
+            path.counters_len(m, n),
+            |l| dev.upload_u32(&vec![0u32; l]),
+        )?;
+        let (ws_len, counters_len) = (ws.len(), cnt.len());
+        let stream = &dev.stream;
+        {
+            let (xp, _rx) = xb.device_ptr(stream);
+            let (wp, _rw) = w.device_ptr(stream);
+            let (wsp, _rws) = ws.device_ptr_mut(stream);
+            let (cp, _rc) = cnt.device_ptr_mut(stream);
+            let (op, _ro) = out.device_ptr_mut(stream);
+            for (name, p) in [
+                ("bf16 X", xp),
+                ("weight", wp),
+                ("output", op),
+                ("workspace", wsp),
+                ("tile counters", cp),
+            ] {
+                if !p.is_multiple_of(16) {
+                    return Err(TensorGemmError::Shape(format!(
+                        "{name} pointer {p:#x} is not 16-byte aligned (shape {shape:?})"
+                    )));
+                }
+            }
+            let a = GemmArgs {
+                shape,
+                x: xp,
+                ldx: k,
+                w: wp,
+                ldw: k,
+                out: op,
+                out_dtype: OutDtype::F32,
+                ws: wsp,
+                ws_len,
+                counters: cp,
+                counters_len,
+            };
+            // SAFETY: every pointer is a live allocation on `stream` of the size `a` states
+            // (checked above and by `launch`'s validation); the scratch buffers stay
+            // allocated until a later call replaces them, and that free is stream-ordered.
+            unsafe { self.kernels.launch(stream, &a, Some(path)) }?;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_kernels::cuda::gemm::{validate, Family, Path};
+    use arbor_kernels::SEGMENTS;
+
+    /// The TreeSpec each layer kind builds on `rank` of `tp` (see layers/{row,column}.rs),
+    /// with this rank's K shard.
+    fn specs(k: usize, rank: usize, tp: usize) -> [(TreeSpec, usize); 2] {
+        let l = SegmentLayout::new(k);
+        let column = TreeSpec {
+            seg_len: l.seg_len,
+            n_seg: SEGMENTS,
+            k,
+        };
+        let row = TreeSpec {
+            seg_len: l.seg_len,
+            n_seg: SEGMENTS / tp,
+            k,
+        };
+        [(column, k), (row, l.shard(rank, tp).len())]
+    }
+
+    #[test]
+    fn selection_is_the_same_at_every_tp_and_rank_and_the_kernel_accepts_every_m() {
+        let ks = (1..=700).chain([3584, 4090, 4096, 5120, 14336, 18944]);
+        let (mut tensor, mut simple) = (0, 0);
+        for k in ks {
+            let at_tp1 = tensor_eligible(specs(k, 0, 1)[0].0);
+            if at_tp1 {
+                tensor += 1;
+            } else {
+                simple += 1;
+            }
+            for tp in [1, 2, 4, 8] {
+                for rank in 0..tp {
+                    for (spec, k_local) in specs(k, rank, tp) {
+                        assert_eq!(tensor_eligible(spec), at_tp1, "K {k} TP {tp} rank {rank}");
+                        if !at_tp1 {
+                            continue;
+                        }
+                        for m in [1usize, 7, 16, 17, 64, 65, 256, 257, 1000] {
+                            for fam in [Family::Mma, Family::Wgmma] {
+                                let path = Path::for_m(m, fam);
+                                let a = GemmArgs {
+                                    shape: TreeMatmul {
+                                        m,
+                                        n: 200,
+                                        k: k_local,
+                                        seg_len: spec.seg_len,
+                                        n_seg: spec.n_seg,
+                                    },
+                                    x: 0x1000,
+                                    ldx: k_local,
+                                    w: 0x2000,
+                                    ldw: k_local,
+                                    out: 0x3000,
+                                    out_dtype: OutDtype::F32,
+                                    ws: 0x4000,
+                                    ws_len: path.workspace_len(m, 200, spec.n_seg),
+                                    counters: 0x5000,
+                                    counters_len: path.counters_len(m, 200),
+                                };
+                                if let Err(e) = validate(&a, path) {
+                                    panic!("K {k} TP {tp} rank {rank} M {m}: {e}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(tensor > 0 && simple > 0, "{tensor} tensor, {simple} simple");
+    }
+
+    #[test]
+    fn the_models_layers_take_the_expected_kernel() {
+        let full = |k: usize| TreeSpec {
+            seg_len: SegmentLayout::new(k).seg_len,
+            n_seg: SEGMENTS,
+            k,
+        };
+        // llama3-8b: hidden 4096, intermediate 14336; the tiny model: hidden 128 and
+        // q width 256 (tensor), intermediate 344 (segments of 43: the simple kernel).
+        for k in [4096, 14336, 128, 256] {
+            assert!(tensor_eligible(full(k)), "K {k}");
+        }
+        // 96: seg_len 12; 4090: seg_len 512 but K not a multiple of 8 (a short last segment
+        // that only the last rank would see); 60: seg_len 8, K not a multiple of 8.
+        for k in [344, 96, 4090, 60, 0] {
+            assert!(!tensor_eligible(full(k)), "K {k}");
+        }
+    }
+
+    #[test]
+    fn scratch_grows_only_when_a_call_needs_more() {
+        let mut allocs = Vec::new();
+        let mut buf: Option<Vec<u8>> = None;
+        let mut call = |buf: &mut Option<Vec<u8>>, need: usize| {
+            let b = grown(
+                buf,
+                |b| b.len(),
+                need,
+                |l| {
+                    allocs.push(l);
+                    Ok(vec![0u8; l])
+                },
+            )
+            .map(|b| b.len());
+            b.unwrap_or_else(|e| panic!("{e}"))
+        };
+        assert_eq!(
+            call(&mut buf, 0),
+            1,
+            "an empty need still gets a valid pointer"
+        );
+        assert_eq!(call(&mut buf, 100), 100);
+        assert_eq!(call(&mut buf, 40), 100, "a smaller call reuses the buffer");
+        assert_eq!(call(&mut buf, 101), 101);
+        assert_eq!(allocs, [1, 100, 101]);
+    }
+
+    #[test]
+    fn env_values_parse_or_name_the_bad_value() {
+        assert_eq!(GemmKind::parse(None).unwrap(), GemmKind::Simple);
+        assert_eq!(GemmKind::parse(Some("simple")).unwrap(), GemmKind::Simple);
+        assert_eq!(GemmKind::parse(Some("tensor")).unwrap(), GemmKind::Tensor);
+        for bad in ["", "Tensor", "cublas", " tensor"] {
+            let e = GemmKind::parse(Some(bad)).unwrap_err();
+            assert!(
+                e.contains("ARBOR_GPU_GEMM") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+    }
+}
