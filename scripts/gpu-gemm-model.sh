@@ -44,51 +44,9 @@ for f in arbor arbor-launch tests/model-gpu; do
 done
 ARBOR=$BIN/arbor
 
-export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
-export RUST_LOG=${RUST_LOG:-warn}
+STEP_MIN_LEFT=10 STEP_KILL_AFTER=5
+source scripts/device-lib.sh
 unset ARBOR_GPU_GEMM
-
-elapsed() { echo $(($(date +%s) - T0)); }
-note() { echo "$*" | tee -a "$SUMMARY"; }
-
-# step NAME LOG TIMEOUT CMD... : runs CMD with a time limit, output appended to LOG.
-step() {
-    local name=$1 log=$2 limit=$3
-    shift 3
-    local left=$((BUDGET_S - $(elapsed)))
-    if ((left < 10)); then
-        note "SKIP  $name (time budget spent at $(elapsed) s)"
-        return 3
-    fi
-    ((limit > left)) && limit=$left
-    local t=$(date +%s)
-    echo "=== $name  ($(date -u +%T), limit ${limit}s): $*" >>"$log"
-    timeout --signal=TERM --kill-after=5 "$limit" "$@" >>"$log" 2>&1
-    local rc=$?
-    local dt=$(($(date +%s) - t))
-    if ((rc == 0)); then
-        note "PASS  $name (${dt} s)"
-    elif ((rc == 124 || rc == 137)); then
-        note "TIME  $name (killed after ${dt} s)"
-    else
-        note "FAIL  $name (exit $rc, ${dt} s; see $(basename "$log"))"
-    fi
-    return $rc
-}
-
-# prompts FILE COUNT VOCAB: token-id prompts of varied lengths (4..~120), deterministic
-# (the same helper as gpu-check.sh).
-prompts() {
-    local file=$1 count=$2 vocab=$3
-    awk -v n="$count" -v v="$vocab" 'BEGIN {
-        for (i = 0; i < n; i++) {
-            len = 4 + (i * 37) % 117; s = "";
-            for (j = 0; j < len; j++) s = s (j ? "," : "") ((i * 7919 + j * 104729 + 13) % (v - 1)) + 1;
-            printf "{\"id\":%d,\"tokens\":[%s]}\n", i, s;
-        }
-    }' >"$file"
-}
 
 TESTS_LOG=$OUT/tests.log
 TINY_LOG=$OUT/tiny.log
