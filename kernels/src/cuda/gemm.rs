@@ -11,13 +11,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute_enum};
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUfunction_attribute_enum};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig,
     PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions};
 
+use super::gemm_tma;
 use crate::cpu::matmul::TreeMatmul;
 use crate::tree::SEGMENTS;
 
@@ -26,6 +27,10 @@ use crate::tree::SEGMENTS;
 pub const SOURCES: &[(&str, &str)] = &[
     ("gemm_tree.cu", include_str!("../../cuda/gemm_tree.cu")),
     ("gemm_sm90.cu", include_str!("../../cuda/gemm_sm90.cu")),
+    (
+        "gemm_sm90_tma.cu",
+        include_str!("../../cuda/gemm_sm90_tma.cu"),
+    ),
 ];
 
 /// The program: the sources concatenated, each under a `#line` so messages name the file.
@@ -134,8 +139,8 @@ pub enum Family {
     Wgmma,
 }
 
-/// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_m`] picks by
-/// speed.
+/// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
+/// by speed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
     /// mma.sync, 128×128 tiles, the whole tree inside the block.
@@ -151,15 +156,28 @@ pub enum Path {
     /// wgmma, one block per (128 columns, segment, 64 rows); the last block of a tile
     /// combines.
     WgSplit64,
+    /// wgmma fed by TMA, warp-specialised and persistent, 128×128 tiles, the whole tree in
+    /// the block. Needs `k == n_seg·seg_len`.
+    WgTma128,
+    /// wgmma fed by TMA, one block per (128 columns, segment, 64 rows); the tile's
+    /// `n_seg` blocks are a cluster and combine over distributed shared memory. Needs
+    /// `k == n_seg·seg_len`.
+    WgCluster64,
 }
 
 impl Path {
-    pub fn for_m(m: usize, family: Family) -> Path {
-        match (family, m) {
+    /// The fastest path of `family` for a shape: by M, and for the Wgmma family the TMA
+    /// kernels wherever the shape allows them (`k == n_seg·seg_len`, true of every model
+    /// layer the tensor GEMM takes).
+    pub fn for_shape(s: &TreeMatmul, family: Family) -> Path {
+        let tma = s.k == s.n_seg * s.seg_len;
+        match (family, s.m) {
             (Family::Mma, 0..=16) => Path::Split16,
             (Family::Mma, 17..=256) => Path::Split64,
             (Family::Mma, _) => Path::Tree128,
+            (Family::Wgmma, 0..=256) if tma => Path::WgCluster64,
             (Family::Wgmma, 0..=256) => Path::WgSplit64,
+            (Family::Wgmma, _) if tma => Path::WgTma128,
             (Family::Wgmma, _) => Path::WgTree128,
         }
     }
@@ -168,15 +186,25 @@ impl Path {
     pub fn all(family: Family) -> &'static [Path] {
         match family {
             Family::Mma => &[Path::Tree128, Path::Split16, Path::Split64],
-            Family::Wgmma => &[Path::WgTree128, Path::WgSplit64],
+            Family::Wgmma => &[
+                Path::WgTma128,
+                Path::WgCluster64,
+                Path::WgTree128,
+                Path::WgSplit64,
+            ],
         }
     }
 
     pub fn family(self) -> Family {
         match self {
             Path::Tree128 | Path::Split16 | Path::Split64 => Family::Mma,
-            Path::WgTree128 | Path::WgSplit64 => Family::Wgmma,
+            Path::WgTree128 | Path::WgSplit64 | Path::WgTma128 | Path::WgCluster64 => Family::Wgmma,
         }
+    }
+
+    /// Whether the path loads through TMA tensor maps (and so needs `k == n_seg·seg_len`).
+    pub fn is_tma(self) -> bool {
+        matches!(self, Path::WgTma128 | Path::WgCluster64)
     }
 
     pub fn name(self) -> &'static str {
@@ -186,11 +214,14 @@ impl Path {
             Path::Split64 => "split64",
             Path::WgTree128 => "wgtree128",
             Path::WgSplit64 => "wgsplit64",
+            Path::WgTma128 => "wgtma128",
+            Path::WgCluster64 => "wgcluster64",
         }
     }
 
+    /// Whether the path keeps segment sums in the workspace (and arrival counters).
     fn is_split(self) -> bool {
-        !matches!(self, Path::Tree128 | Path::WgTree128)
+        matches!(self, Path::Split16 | Path::Split64 | Path::WgSplit64)
     }
 
     /// f32 elements of workspace the path needs: the split paths keep each segment sum
@@ -228,6 +259,12 @@ impl Path {
             Path::Split64 => 4 * (64 + 64) * 64 * 2,
             Path::WgTree128 => 3 * (128 + 128) * 64 * 2 + SLOTS + 1024,
             Path::WgSplit64 => 4 * (64 + 128) * 64 * 2 + 1024,
+            // gemm_sm90_tma.cu: TMA_STAGES = 3 stages of (128 + 128) x 64 bf16, two f32
+            // tree slots (64 values x 256 consumer threads), 2 x 3 mbarriers, alignment.
+            Path::WgTma128 => 3 * (128 + 128) * 64 * 2 + 2 * 64 * 256 * 4 + 48 + 1024,
+            // CL_STAGES = 4 stages of (64 + 128) x 64 bf16, 2 x 4 mbarriers, alignment (two
+            // blocks fit on an SM).
+            Path::WgCluster64 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
         }
     }
 
@@ -238,6 +275,9 @@ impl Path {
             Path::Split16 => ((n.div_ceil(64), n_seg, m.div_ceil(16)), 128),
             Path::Split64 => ((n.div_ceil(64), n_seg, m.div_ceil(64)), 128),
             Path::WgSplit64 => ((n.div_ceil(128), n_seg, m.div_ceil(64)), 128),
+            // Persistent: the launch caps the grid at the number of SMs.
+            Path::WgTma128 => ((m.div_ceil(128) * n.div_ceil(128), 1, 1), 384),
+            Path::WgCluster64 => ((n.div_ceil(128) * n_seg, m.div_ceil(64), 1), 160),
         }
     }
 
@@ -248,6 +288,8 @@ impl Path {
             Path::Split64 => "arbor_gemm_split_64x64",
             Path::WgTree128 => "arbor_gemm_wg_tree_128x128",
             Path::WgSplit64 => "arbor_gemm_wg_split_64x128",
+            Path::WgTma128 => "arbor_gemm_wg_tma_128x128",
+            Path::WgCluster64 => "arbor_gemm_wg_cluster_64x128",
         }
     }
 }
@@ -326,6 +368,14 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
             a.x, a.w
         ));
     }
+    if path.is_tma() && s.k != s.n_seg * s.seg_len {
+        return bad(format!(
+            "path {} needs k == n_seg·seg_len = {} (full segments), got k = {}",
+            path.name(),
+            s.n_seg * s.seg_len,
+            s.k
+        ));
+    }
     let limit = i32::MAX as usize;
     if s.m > limit || s.n > limit || s.n_seg * s.seg_len > limit || a.ldx > limit || a.ldw > limit {
         return bad("a dimension exceeds i32".into());
@@ -362,6 +412,8 @@ pub struct TreeGemm {
     pub family: Family,
     _module: Arc<CudaModule>,
     kernels: Vec<(Path, CudaFunction)>,
+    /// Streaming multiprocessors: the persistent kernel's grid.
+    sms: usize,
 }
 
 impl TreeGemm {
@@ -408,17 +460,21 @@ impl TreeGemm {
                 kernels.push((path, f));
             }
         }
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("cuDeviceGetAttribute(multiprocessor count)"))?;
         Ok(Self {
             arch,
             family,
             _module: module,
             kernels,
+            sms: sms.max(1) as usize,
         })
     }
 
-    /// The path a call of `m` rows takes by default.
-    pub fn default_path(&self, m: usize) -> Path {
-        Path::for_m(m, self.family)
+    /// The path a call of this shape takes by default.
+    pub fn default_path(&self, shape: &TreeMatmul) -> Path {
+        Path::for_shape(shape, self.family)
     }
 
     /// Whether `path` was compiled for this device.
@@ -439,7 +495,7 @@ impl TreeGemm {
         path: Option<Path>,
     ) -> Result<(), GemmError> {
         let s = a.shape;
-        let path = path.unwrap_or_else(|| self.default_path(s.m));
+        let path = path.unwrap_or_else(|| self.default_path(&s));
         validate(a, path)?;
         let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
             return Err(GemmError::Shape {
@@ -454,6 +510,9 @@ impl TreeGemm {
             OutDtype::F32 => (a.out, 0),
             OutDtype::Bf16 => (0, a.out),
         };
+        if path.is_tma() {
+            return self.launch_tma(stream, f, path, a, outf, outh);
+        }
         let p = Params {
             x: a.x,
             w: a.w,
@@ -487,6 +546,53 @@ impl TreeGemm {
             .launch(cfg)
             .map_err(driver(&format!("launch {}", path.kernel())))?;
         Ok(())
+    }
+
+    /// The TMA paths: tensor maps for this call's X and W, then `cuLaunchKernelEx`.
+    unsafe fn launch_tma(
+        &self,
+        stream: &CudaStream,
+        f: &CudaFunction,
+        path: Path,
+        a: &GemmArgs,
+        outf: CUdeviceptr,
+        outh: CUdeviceptr,
+    ) -> Result<(), GemmError> {
+        let s = a.shape;
+        let x_rows = if path == Path::WgTma128 { 128 } else { 64 };
+        let p = gemm_tma::TmaParams {
+            tx: gemm_tma::encode("x", a.x, s.m, a.ldx, s.seg_len, s.n_seg, x_rows)?,
+            tw: gemm_tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, 128)?,
+            outf,
+            outh,
+            m: s.m as i32,
+            n: s.n as i32,
+            seg_len: s.seg_len as i32,
+            n_seg: s.n_seg as i32,
+        };
+        let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
+        let (gx, cluster) = match path {
+            Path::WgTma128 => (gx.min(self.sms), None),
+            _ => (gx, Some(s.n_seg as u32)),
+        };
+        if gx > i32::MAX as usize || gy > 65535 {
+            return Err(GemmError::Shape {
+                shape: s,
+                msg: format!("grid ({gx}, {gy}) is too large for path {}", path.name()),
+            });
+        }
+        gemm_tma::launch(
+            stream,
+            f,
+            path.kernel(),
+            gemm_tma::LaunchShape {
+                grid: (gx as u32, gy as u32, gz as u32),
+                block,
+                smem: path.smem_bytes(),
+                cluster_x: cluster,
+            },
+            &p,
+        )
     }
 }
 
@@ -578,15 +684,43 @@ mod tests {
     }
 
     #[test]
-    fn every_m_has_a_path_of_its_family() {
+    fn every_shape_has_a_valid_path_of_its_family() {
+        let full = TreeMatmul {
+            m: 1,
+            n: 64,
+            k: 4096,
+            seg_len: 512,
+            n_seg: 8,
+        };
+        // k < n_seg·seg_len: a short last segment, which the TMA view cannot describe.
+        let short = TreeMatmul { k: 4088, ..full };
         for fam in [Family::Mma, Family::Wgmma] {
             for m in [1usize, 16, 17, 64, 256, 257, 4096] {
-                let p = Path::for_m(m, fam);
-                assert_eq!(p.family(), fam);
-                assert!(Path::all(fam).contains(&p));
-                assert_eq!(p.is_split(), m <= 256, "m = {m}");
+                for base in [full, short] {
+                    let shape = TreeMatmul { m, ..base };
+                    let p = Path::for_shape(&shape, fam);
+                    assert_eq!(p.family(), fam);
+                    assert!(Path::all(fam).contains(&p));
+                    let small = m <= 256;
+                    assert_eq!(p.is_split() || p == Path::WgCluster64, small, "m = {m}");
+                    assert_eq!(
+                        p.is_tma(),
+                        fam == Family::Wgmma && base.k == 4096,
+                        "{shape:?}"
+                    );
+                    let mut a = args(shape);
+                    a.ws_len = p.workspace_len(m, shape.n, shape.n_seg);
+                    a.counters_len = p.counters_len(m, shape.n);
+                    assert!(validate(&a, p).is_ok(), "{shape:?} {p:?}");
+                }
             }
         }
+        let e = validate(&args(TreeMatmul { m: 4096, ..short }), Path::WgTma128)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("k == n_seg·seg_len = 4096"), "{e}");
+        assert_eq!(Path::WgTma128.workspace_len(4096, 4096, 8), 0);
+        assert_eq!(Path::WgCluster64.counters_len(64, 4096), 0);
     }
 
     /// The source compiles for Hopper with the local NVRTC, and the tensor-core MMA is in
@@ -614,6 +748,8 @@ mod tests {
         }
         assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
         assert!(ptx.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"));
+        assert!(ptx.contains("cp.async.bulk.tensor.3d"));
+        assert!(ptx.contains("ld.shared::cluster.f32"));
         // The Hopper kernels are left out of a non-Hopper build rather than failing it.
         let ptx80 = compile("sm_80").unwrap_or_else(|e| panic!("{e}"));
         assert!(!ptx80.contains("wgmma"));

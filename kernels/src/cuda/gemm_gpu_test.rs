@@ -1,4 +1,4 @@
-//! GPU test of the tree GEMM's split paths (issue 6): calls of different shapes — the full
+//! GPU test of every path of the tree GEMM (issue 6): calls of different shapes — the full
 //! reduction, TP shards (fewer segments), a column shard of W, another M — share one
 //! workspace and one counter buffer, as they do in the model, and must still give the full
 //! result's bits. Outputs are poisoned (NaN) before every call so that an element a call
@@ -39,6 +39,12 @@ impl Bufs {
         shape: TreeMatmul,
         (x_row, w_row, k_off): (usize, usize, usize),
     ) -> Vec<f32> {
+        // Named before the call: a kernel fault surfaces at the next synchronisation.
+        eprintln!(
+            "call {} {shape:?} at {:?}",
+            path.name(),
+            (x_row, w_row, k_off)
+        );
         let out = self.p(&self.out);
         // SAFETY: `out` is a live allocation of out.len() f32 on this stream.
         unsafe {
@@ -99,7 +105,7 @@ fn rng_bf16(len: usize, mut s: u64) -> Vec<u16> {
 }
 
 #[test]
-fn split_calls_of_any_shape_share_workspace_and_counters() {
+fn calls_of_any_shape_share_workspace_and_counters() {
     if let Err(e) = probe() {
         eprintln!("skipped: {e}");
         return;
@@ -109,8 +115,17 @@ fn split_calls_of_any_shape_share_workspace_and_counters() {
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().unwrap_or_else(|e| panic!("{e}"));
     let tg = TreeGemm::new(&ctx).unwrap_or_else(|e| panic!("{e}"));
-    // N = 200: partial column tiles of 64 and 128; K = 1024: seg_len 128, two BK tiles.
-    let (m, n, k) = (3usize, 200usize, 1024usize);
+    // K = 1024: seg_len 128, two 64-column tiles per segment; K = 320: seg_len 40, one
+    // tile whose last k16 chunk crosses the segment end (zero-filled) and whose last
+    // chunk is not issued; K = 128: seg_len 16 (the tiny model's q/k/v).
+    for k in [1024usize, 320, 128] {
+        check_all_paths(&tg, &stream, k);
+    }
+}
+
+fn check_all_paths(tg: &TreeGemm, stream: &Arc<CudaStream>, k: usize) {
+    // N = 200: partial column tiles of 64 and 128.
+    let (m, n) = (3usize, 200usize);
     let layout = SegmentLayout::new(k);
     let x_host = rng_bf16((m + 8) * k, 7);
     let w_host = rng_bf16(n * k, 11);
@@ -138,7 +153,8 @@ fn split_calls_of_any_shape_share_workspace_and_counters() {
                     .iter()
                     .map(|p| p.counters_len(m_big, n))
                     .max()
-                    .unwrap_or(0),
+                    .unwrap_or(0)
+                    .max(1),
             )
             .unwrap_or_else(|e| panic!("{e}")),
         stream: stream.clone(),
@@ -168,21 +184,24 @@ fn split_calls_of_any_shape_share_workspace_and_counters() {
             .copied()
             .filter(|p| p.family() == fam)
             .collect();
-        let Some(&tree) = fam_paths.iter().find(|p| !p.is_split()) else {
+        // The family's first path is the reference; every path (itself included) must
+        // give its bits for every shape below.
+        let Some(&reference) = fam_paths.first() else {
             continue;
         };
-        let y = b.call(&tg, tree, full(m), (0, 0, 0));
+        let y = b.call(tg, reference, full(m), (0, 0, 0));
         for (g, h) in y.iter().zip(&y_host) {
             assert!(
                 (g - h).abs() <= 1e-2 * scale,
-                "{fam:?}: {g} vs host {h} (scale {scale})"
+                "{fam:?} K {k}: {g} vs host {h} (scale {scale})"
             );
         }
-        for &path in fam_paths.iter().filter(|p| p.is_split()) {
-            let name = path.name();
-            same_bits(&b.call(&tg, path, full(m), (0, 0, 0)), &y, name);
+        for &path in &fam_paths {
+            let name = format!("{} K {k}", path.name());
+            same_bits(&b.call(tg, path, full(m), (0, 0, 0)), &y, &name);
             // Another M first (more row tiles, more counters), then TP shards.
-            b.call(&tg, path, full(m_big), (m + 8, 0, 0));
+            let big = b.call(tg, path, full(m_big), (m + 8, 0, 0));
+            assert!(big.iter().all(|v| v.is_finite()), "{name}: M = {m_big}");
             for world in [2usize, 4, 8] {
                 let roots: Vec<Vec<f32>> = (0..world)
                     .map(|rank| {
@@ -192,7 +211,7 @@ fn split_calls_of_any_shape_share_workspace_and_counters() {
                             n_seg: SEGMENTS / world,
                             ..full(m)
                         };
-                        b.call(&tg, path, shape, (0, 0, cols.start))
+                        b.call(tg, path, shape, (0, 0, cols.start))
                     })
                     .collect();
                 let slices: Vec<&[f32]> = roots.iter().map(|r| r.as_slice()).collect();
@@ -203,7 +222,7 @@ fn split_calls_of_any_shape_share_workspace_and_counters() {
             // A column shard of W starting inside a tile.
             let n0 = 72;
             let got = b.call(
-                &tg,
+                tg,
                 path,
                 TreeMatmul {
                     n: n - n0,
@@ -215,7 +234,7 @@ fn split_calls_of_any_shape_share_workspace_and_counters() {
                 .flat_map(|r| y[r * n + n0..(r + 1) * n].to_vec())
                 .collect();
             same_bits(&got, &want, &format!("{name}: columns {n0}..{n}"));
-            same_bits(&b.call(&tg, path, full(m), (0, 0, 0)), &y, name);
+            same_bits(&b.call(tg, path, full(m), (0, 0, 0)), &y, &name);
             let cnt = stream.clone_dtoh(&b.cnt).unwrap_or_else(|e| panic!("{e}"));
             assert!(
                 cnt.iter().all(|&c| c == 0),

@@ -14,6 +14,7 @@ pub mod compile;
 pub mod device;
 pub mod error;
 pub mod gemm;
+pub mod gemm_tma;
 pub mod ops;
 pub mod probe;
 pub mod source;

@@ -500,7 +500,7 @@ fn bench_shape(
 
     let mut rows = Vec::new();
     for &m in ms {
-        let path = Path::for_m(m, family);
+        let path = Path::for_shape(&full(m), family);
         let x_p = ptr(&ops.x, stream);
         let out_p = ptr(&ops.out, stream);
         let ws_p = ptr(&ops.ws, stream);
@@ -551,7 +551,7 @@ fn bench_shape(
             Family::Mma => Family::Wgmma,
             Family::Wgmma => Family::Mma,
         };
-        let other_path = Path::for_m(m, other);
+        let other_path = Path::for_shape(&full(m), other);
         let other_family_equal = if tg.has(other_path) {
             let c = Call {
                 path: Some(other_path),
@@ -710,7 +710,7 @@ fn launch(
         counters: ptr(&ops.cnt, stream),
         counters_len: ops.cnt_len,
     };
-    let path = c.path.unwrap_or(Path::for_m(s.m, ops.family));
+    let path = c.path.unwrap_or(Path::for_shape(&s, ops.family));
     // Poison the output and the segment-sum workspace (all bits set: NaN) so that a call
     // that leaves an output element unwritten, or combines a segment sum it did not
     // write, cannot pass by finding an earlier call's value there.

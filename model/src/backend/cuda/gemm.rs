@@ -154,7 +154,6 @@ impl TensorGemm {
         if m == 0 || n == 0 {
             return Ok(out);
         }
-        let path = self.kernels.default_path(m);
         let shape = TreeMatmul {
             m,
             n,
@@ -162,6 +161,7 @@ impl TensorGemm {
             seg_len: tree.seg_len,
             n_seg: tree.n_seg,
         };
+        let path = self.kernels.default_path(&shape);
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch { xb, ws, counters } = &mut *guard;
         let xb = grown(xb, |b| b.len(), m * k, |l| dev.zeros_bf16(l))?;
@@ -264,15 +264,20 @@ mod tests {
                         }
                         for m in [1usize, 7, 16, 17, 64, 65, 256, 257, 1000] {
                             for fam in [Family::Mma, Family::Wgmma] {
-                                let path = Path::for_m(m, fam);
+                                let shape = TreeMatmul {
+                                    m,
+                                    n: 200,
+                                    k: k_local,
+                                    seg_len: spec.seg_len,
+                                    n_seg: spec.n_seg,
+                                };
+                                let path = Path::for_shape(&shape, fam);
+                                if fam == Family::Wgmma {
+                                    // The model's tensor layers always get the TMA paths.
+                                    assert!(path.is_tma(), "K {k} TP {tp} rank {rank} M {m}");
+                                }
                                 let a = GemmArgs {
-                                    shape: TreeMatmul {
-                                        m,
-                                        n: 200,
-                                        k: k_local,
-                                        seg_len: spec.seg_len,
-                                        n_seg: spec.n_seg,
-                                    },
+                                    shape,
                                     x: 0x1000,
                                     ldx: k_local,
                                     w: 0x2000,

@@ -1,0 +1,388 @@
+// Hopper (sm_90a) tree GEMM with TMA loads and warp specialisation. Same leaf as
+// gemm_sm90.cu (a chain of wgmma m64n128k16 over the segment's k16 chunks, in order, from
+// +0; the chunk crossing the segment end zero-filled; no chunk issued past it), same tree,
+// so every path of the Wgmma family gives the same bits.
+//
+// The segment structure is in the TMA view itself: X [M, ldx] and W [N, ldw] are described
+// as 3-D tensors [rows][n_seg][seg_len] (strides ld and seg_len elements), so a box of
+// 64 columns at (k, s, row) never reads past the end of segment s: TMA zero-fills the
+// columns from seg_len on, exactly the zero-fill the leaf needs. This needs
+// k == n_seg * seg_len (checked on the host; the model's tensor layers always have it).
+//
+// Two kernels:
+// - arbor_gemm_wg_tma_128x128 (large M): persistent, one producer warp issuing TMA into a
+//   STAGES-deep ring guarded by mbarriers, two consumer warpgroups of 64x128 each running
+//   the whole tree of their tile: the running leaf and two tree partials in registers
+//   (setmaxnreg gives consumers 232 registers), the deepest partial (s6) in shared memory.
+// - arbor_gemm_wg_cluster_64x128 (small M): one block per (128 columns, segment, 64 rows),
+//   the n_seg blocks of a tile form a thread-block cluster; each leaves its segment sum in
+//   its own shared memory and the cluster combines them over distributed shared memory in
+//   tree order, every block finishing 1/n_seg of the tile. No workspace, no atomics.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+struct __align__(64) TmaParams {
+    TensorMap tx;  // X as [M][n_seg][seg_len], box {64, 1, BM}
+    TensorMap tw;  // W as [N][n_seg][seg_len], box {64, 1, 128}
+    float* outf;   // [M, N] f32 result, or null
+    u16* outh;     // [M, N] bf16 result, or null
+    int M, N, seg_len, n_seg;
+};
+
+DEVI void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+DEVI void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+DEVI void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+DEVI void mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// One 3-D box {64 columns, 1 segment, rows} of `map` at (k, seg, row) into shared memory,
+// completing `bytes` on `bar`.
+DEVI void tma_load_3d(u32 dst, const TensorMap* map, int k, int seg, int row, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"((u64)map), "r"(k), "r"(seg), "r"(row), "r"(bar)
+        : "memory");
+}
+DEVI void tma_prefetch_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)map) : "memory");
+}
+
+// The host sizes dynamic shared memory from its own copy of the layout (Path::smem_bytes);
+// a block given less than the layout needs stops here instead of corrupting memory.
+DEVI void require_smem(u32 bytes) {
+    u32 have;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
+    if (have < bytes) __trap();
+}
+
+DEVI void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+
+// The warpgroup index as a warp-uniform value, so that ptxas sees the role branches as
+// uniform per warpgroup (otherwise it serialises the wgmma in them).
+DEVI int warpgroup_uniform() { return __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0); }
+
+template <int N>
+DEVI void reg_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+DEVI void reg_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// k16 chunks of k-tile kt (64 columns) that start inside a segment of seg_len columns.
+DEVI int chunks_in_tile(int seg_len, int kt) { return min(4, (seg_len - kt * 64 + 15) / 16); }
+
+// The consumer side of the ring: runs the leaf of one segment (tiles_per_seg k-tiles) of
+// this warpgroup's 64 rows into acc, releasing each stage once its wgmma group is done.
+// `it` counts k-tiles consumed by this block (stage = it % STAGES, parity = its round).
+template <int STAGES, int STAGE_BYTES>
+DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_row_off,
+                       int seg_len, int tiles_per_seg, u32& it, bool releaser) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    int prev = -1;
+    for (int kt = 0; kt < tiles_per_seg; ++kt, ++it) {
+        const int stage = (int)(it % STAGES);
+        mbar_wait(full + 8 * stage, (it / STAGES) & 1);
+        const u64 da = smem_desc(sA + stage * STAGE_BYTES + a_row_off);
+        const u64 db = smem_desc(sB + stage * STAGE_BYTES);
+        const int nk = chunks_in_tile(seg_len, kt);
+        wgmma_fence();
+        if (nk == 4) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
+        } else {
+            for (int kk = 0; kk < nk; ++kk) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
+        }
+        wgmma_commit();
+        // Keep one group in flight: the previous tile's group is done, free its stage.
+        wgmma_wait1();
+        if (prev >= 0 && releaser) mbar_arrive(empty + 8 * prev);
+        prev = stage;
+    }
+    wgmma_wait0();
+    if (prev >= 0 && releaser) mbar_arrive(empty + 8 * prev);
+}
+
+// Accumulator element i of a thread of a 64x128 wgmma tile: row 16*(warp in group) +
+// lane/4 + 8*((i/2)&1), column 8*(i/4) + 2*(lane%4) + (i&1).
+DEVI int acc_row(int wl, int i) { return ((wl >> 5) << 4) + ((wl & 31) >> 2) + 8 * ((i >> 1) & 1); }
+DEVI int acc_col(int wl, int i) { return 8 * (i >> 2) + 2 * (wl & 3) + (i & 1); }
+
+// ---------------------------------------------------------------------------------------
+// Large M: persistent 128x128 tiles, warp-specialised.
+
+constexpr int TMA_STAGES = 3;
+constexpr int TMA_A_BYTES = 128 * 64 * 2;
+constexpr int TMA_B_BYTES = 128 * 64 * 2;
+// One stage: A then B, each 1024-aligned (swizzle atoms).
+constexpr int TMA_STAGE_BYTES = TMA_A_BYTES + TMA_B_BYTES;
+
+DEVI void tile_coords(int t, int num_m, int num_n, int& m_tile, int& n_tile) {
+    // Groups of 8 m-tiles walk along N together, so the blocks running at once share
+    // W tiles (and X tiles) in L2.
+    const int group = 8;
+    const int per_group = group * num_n;
+    const int first_m = (t / per_group) * group;
+    const int gsize = min(num_m - first_m, group);
+    m_tile = first_m + (t % per_group) % gsize;
+    n_tile = (t % per_group) / gsize;
+}
+
+// 384 threads: warpgroups 0 and 1 consume (rows 0-63 and 64-127 of the tile), warpgroup 2
+// produces (one thread issues every TMA). The consumers hold the leaf and two tree
+// partials (3 x 64 f32), more than the 168 registers a 384-thread block gets by default,
+// so the producer gives its registers back (setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K).
+extern "C" __global__ void __launch_bounds__(384, 1)
+    arbor_gemm_wg_tma_128x128(const __grid_constant__ TmaParams p) {
+    extern __shared__ unsigned char tma_smem[];
+    const u32 raw = smem_addr(tma_smem);
+    const u32 base = (raw + 1023u) & ~1023u;
+    // Layout: STAGES x [A 128x64 | B 128x64], the s6 spill slot (64 floats x 256
+    // consumer threads), then the full and empty barriers.
+    const u32 ring = base;
+    float* slot = (float*)(tma_smem + (base - raw) + TMA_STAGES * TMA_STAGE_BYTES);
+    const u32 full = base + TMA_STAGES * TMA_STAGE_BYTES + 2 * 64 * 256 * 4;
+    const u32 empty = full + 8 * TMA_STAGES;
+    require_smem(empty + 8 * TMA_STAGES - raw);
+
+    const int tid = threadIdx.x;
+    const int wg = warpgroup_uniform();
+    if (tid == 0) {
+        for (int s = 0; s < TMA_STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 2);  // one arrival per consumer warpgroup
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        tma_prefetch_map(&p.tx);
+        tma_prefetch_map(&p.tw);
+    }
+    __syncthreads();
+
+    const int num_m = (p.M + 127) / 128, num_n = (p.N + 127) / 128;
+    const int tiles = num_m * num_n;
+    const int tps = (p.seg_len + 63) / 64;
+
+    if (wg == 2) {
+        if (tid != 256) return;
+        u32 it = 0;
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+            int mt, nt;
+            tile_coords(t, num_m, num_n, mt, nt);
+            for (int s = 0; s < p.n_seg; ++s) {
+                for (int kt = 0; kt < tps; ++kt, ++it) {
+                    const int stage = (int)(it % TMA_STAGES);
+                    mbar_wait(empty + 8 * stage, ((it / TMA_STAGES) & 1) ^ 1);
+                    const u32 fb = full + 8 * stage;
+                    mbar_expect_tx(fb, TMA_STAGE_BYTES);
+                    const u32 dst = ring + stage * TMA_STAGE_BYTES;
+                    tma_load_3d(dst, &p.tx, kt * 64, s, mt * 128, fb);
+                    tma_load_3d(dst + TMA_A_BYTES, &p.tw, kt * 64, s, nt * 128, fb);
+                }
+            }
+        }
+        return;
+    }
+
+    const int g = wg;              // consumer warpgroup: rows 64g .. 64g + 63 of the tile
+    const int wl = tid & 127;
+    const int ct = tid;            // consumer thread 0..255 (spill slot index)
+    const bool releaser = wl == 0;
+    float acc[64], root[64];
+#define P1(i) slot[(i) * 256 + ct]
+#define P2(i) slot[64 * 256 + (i) * 256 + ct]
+    u32 it = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int mt, nt;
+        tile_coords(t, num_m, num_n, mt, nt);
+        for (int s = 0; s < p.n_seg; ++s) {
+            leaf_segment<TMA_STAGES, TMA_STAGE_BYTES>(acc, ring, ring + TMA_A_BYTES, full, empty,
+                                                      g * 64 * 128, p.seg_len, tps, it, releaser);
+            // The tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), evaluated as the segments
+            // arrive: root in registers, the pending partials p1 (s2, then s4+s5) and
+            // s6 in thread-private shared-memory slots ([value][thread], conflict-free).
+            switch (s) {
+                case 0:
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) root[i] = acc[i];
+                    break;
+                case 1:
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) root[i] = root[i] + acc[i];
+                    break;
+                case 3:
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) root[i] = root[i] + (P1(i) + acc[i]);
+                    break;
+                case 2:
+                case 4:
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) P1(i) = acc[i];
+                    break;
+                case 5:
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) P1(i) = P1(i) + acc[i];
+                    break;
+                case 6:
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) P2(i) = acc[i];
+                    break;
+                default:
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) root[i] = root[i] + (P1(i) + (P2(i) + acc[i]));
+            }
+        }
+        const int row0 = mt * 128 + g * 64, col0 = nt * 128;
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+            const int r = row0 + acc_row(wl, i);
+            const int c = col0 + acc_col(wl, i);
+            if (r >= p.M) continue;
+            const long long idx = (long long)r * p.N + c;
+            if (c + 1 < p.N && p.outf && (((u64)(p.outf + idx) & 7) == 0)) {
+                *(float2*)(p.outf + idx) = make_float2(root[i], root[i + 1]);
+            } else {
+                if (c < p.N) store_out(p.outf, p.outh, idx, root[i]);
+                if (c + 1 < p.N) store_out(p.outf, p.outh, idx + 1, root[i + 1]);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Small M: a cluster of the n_seg segment blocks of one 64x128 tile, combined over DSMEM.
+
+constexpr int CL_STAGES = 4;
+constexpr int CL_A_BYTES = 64 * 64 * 2;
+constexpr int CL_B_BYTES = 128 * 64 * 2;
+constexpr int CL_STAGE_BYTES = CL_A_BYTES + CL_B_BYTES;
+constexpr int CL_RED_STRIDE = 136;  // f32 row stride of the segment-sum buffer
+
+DEVI u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+DEVI void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+}
+DEVI u32 map_to_rank(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+DEVI float ld_cluster(u32 addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// Grid (n_tiles * n_seg, m_tiles), cluster (n_seg, 1, 1): block x = tile * n_seg + segment,
+// and the block's rank in its cluster is its segment. 160 threads: warps 0-3 are the
+// consumer warpgroup, warp 4 the producer.
+extern "C" __global__ void __launch_bounds__(160, 1)
+    arbor_gemm_wg_cluster_64x128(const __grid_constant__ TmaParams p) {
+    extern __shared__ unsigned char tma_smem[];
+    const u32 raw = smem_addr(tma_smem);
+    const u32 base = (raw + 1023u) & ~1023u;
+    const u32 ring = base;
+    const u32 full = base + CL_STAGES * CL_STAGE_BYTES;
+    const u32 empty = full + 8 * CL_STAGES;
+    require_smem(empty + 8 * CL_STAGES - raw);
+    // After the leaf, the ring is reused for the segment sum [64][CL_RED_STRIDE] f32.
+    float* red = (float*)(tma_smem + (base - raw));
+
+    const int tid = threadIdx.x;
+    const int ns = p.n_seg;
+    const int seg = (int)cluster_ctarank();
+    const int nt = blockIdx.x / ns, mt = blockIdx.y;
+    const int tps = (p.seg_len + 63) / 64;
+    if (tid == 0) {
+        for (int s = 0; s < CL_STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    float acc[64];
+    if (warpgroup_uniform() == 1) {
+        if (tid == 128) {
+            tma_prefetch_map(&p.tx);
+            tma_prefetch_map(&p.tw);
+            for (u32 it = 0; it < (u32)tps; ++it) {
+                const int stage = (int)(it % CL_STAGES);
+                mbar_wait(empty + 8 * stage, ((it / CL_STAGES) & 1) ^ 1);
+                const u32 fb = full + 8 * stage;
+                mbar_expect_tx(fb, CL_STAGE_BYTES);
+                const u32 dst = ring + stage * CL_STAGE_BYTES;
+                tma_load_3d(dst, &p.tx, (int)it * 64, seg, mt * 64, fb);
+                tma_load_3d(dst + CL_A_BYTES, &p.tw, (int)it * 64, seg, nt * 128, fb);
+            }
+        }
+    } else {
+        u32 it = 0;
+        leaf_segment<CL_STAGES, CL_STAGE_BYTES>(acc, ring, ring + CL_A_BYTES, full, empty, 0,
+                                                p.seg_len, tps, it, tid == 0);
+    }
+    // Every TMA of this block has landed (the consumer waited for each) and every wgmma
+    // has read its stage, so the ring can take the segment sum.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const int rows = min(64, p.M - mt * 64);
+    if (tid < 128) {
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+            const int r = acc_row(tid, i);
+            if (r < rows)
+                *(float2*)(red + r * CL_RED_STRIDE + acc_col(tid, i)) = make_float2(acc[i], acc[i + 1]);
+        }
+    }
+    cluster_sync();
+    // This block finishes elements [seg * per, (seg + 1) * per) of the tile's rows x 128.
+    const int total = rows * 128;
+    const int per = (total + ns - 1) / ns;
+    const int e_end = min(total, (seg + 1) * per);
+    const u32 red_addr = smem_addr(red);
+    for (int e = seg * per + tid; e < e_end; e += 160) {
+        const int r = e >> 7, c = e & 127;
+        const int col = nt * 128 + c;
+        const u32 a = red_addr + (u32)(r * CL_RED_STRIDE + c) * 4u;
+        float x[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) x[q] = q < ns ? ld_cluster(map_to_rank(a, (u32)q)) : 0.f;
+        float v;
+        if (ns == 1) v = x[0];
+        else if (ns == 2) v = x[0] + x[1];
+        else if (ns == 4) v = (x[0] + x[1]) + (x[2] + x[3]);
+        else v = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        if (col < p.N) store_out(p.outf, p.outh, (long long)(mt * 64 + r) * p.N + col, v);
+    }
+    // No block may leave while another still reads its shared memory.
+    cluster_sync();
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

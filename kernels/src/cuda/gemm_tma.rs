@@ -1,0 +1,177 @@
+//! Host side of the TMA kernels of `kernels/cuda/gemm_sm90_tma.cu`: the tensor maps that
+//! describe X and W as `[rows][n_seg][seg_len]` (so a TMA box never reads past a segment's
+//! end: the columns from `seg_len` on come back as zeros, the leaf's zero-fill), and the
+//! launch through `cuLaunchKernelEx` (the small-M kernel runs as thread-block clusters of
+//! the tile's `n_seg` segment blocks).
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{
+    self, CUdeviceptr, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue,
+    CUlaunchConfig, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cudarc::driver::{CudaFunction, CudaStream};
+
+use super::gemm::GemmError;
+
+/// Columns per TMA box: one 128-byte swizzled row of bf16.
+pub const BOX_K: u32 = 64;
+
+/// A `CUtensorMap` as the kernel's `struct TensorMap` (64-byte aligned, 128 bytes).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct TensorMapBytes([u64; 16]);
+
+/// `struct TmaParams` of gemm_sm90_tma.cu, passed as one `__grid_constant__` parameter.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct TmaParams {
+    pub tx: TensorMapBytes,
+    pub tw: TensorMapBytes,
+    pub outf: CUdeviceptr,
+    pub outh: CUdeviceptr,
+    pub m: i32,
+    pub n: i32,
+    pub seg_len: i32,
+    pub n_seg: i32,
+}
+
+/// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
+/// used) as the 3-D tensor `[rows][n_seg][seg_len]` with boxes of `{64, 1, box_rows}`,
+/// 128-byte swizzle (the layout the wgmma descriptors read), out-of-bounds elements zero.
+pub fn encode(
+    what: &str,
+    ptr: CUdeviceptr,
+    rows: usize,
+    ld: usize,
+    seg_len: usize,
+    n_seg: usize,
+    box_rows: u32,
+) -> Result<TensorMapBytes, GemmError> {
+    let dims: [u64; 3] = [seg_len as u64, n_seg as u64, rows as u64];
+    // Byte strides of dims 1 and 2 (dim 0 is contiguous).
+    let strides: [u64; 2] = [seg_len as u64 * 2, ld as u64 * 2];
+    let boxes: [u32; 3] = [BOX_K, 1, box_rows];
+    let elem: [u32; 3] = [1, 1, 1];
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::uninit();
+    // SAFETY: all arrays have the rank (3) the call is told; `map` is written by the call.
+    let res = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            3,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    res.result().map_err(|source| GemmError::Driver {
+        what: format!(
+            "cuTensorMapEncodeTiled({what}: {ptr:#x}, dims {dims:?}, byte strides {strides:?}, box {boxes:?})"
+        ),
+        source,
+    })?;
+    // SAFETY: initialised by the successful call above.
+    let map = unsafe { map.assume_init() };
+    Ok(TensorMapBytes(map.opaque))
+}
+
+/// Grid, block, dynamic shared memory and cluster width of one launch.
+#[derive(Debug, Clone, Copy)]
+pub struct LaunchShape {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem: u32,
+    /// Blocks per cluster along x, if the kernel runs as clusters.
+    pub cluster_x: Option<u32>,
+}
+
+/// Launches `f(params)` with `cuLaunchKernelEx`.
+///
+/// # Safety
+/// The tensor maps and output pointers in `params` must point at live allocations of the
+/// stream's context that stay alive until the kernel has run.
+pub unsafe fn launch(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    shape: LaunchShape,
+    params: &TmaParams,
+) -> Result<(), GemmError> {
+    let LaunchShape {
+        grid,
+        block,
+        smem,
+        cluster_x,
+    } = shape;
+    let driver = |what: String| {
+        move |source| GemmError::Driver {
+            what: what.clone(),
+            source,
+        }
+    };
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(driver("cuCtxSetCurrent".into()))?;
+    // SAFETY: the value is plain data; only the cluster dimension member is read.
+    let mut attrs: Vec<CUlaunchAttribute> = Vec::new();
+    if let Some(cx) = cluster_x {
+        let mut value: CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.clusterDim.x = cx;
+        value.clusterDim.y = 1;
+        value.clusterDim.z = 1;
+        attrs.push(CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value,
+        });
+    }
+    let cfg = CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
+    };
+    let mut p = *params;
+    let mut args = [&mut p as *mut TmaParams as *mut c_void];
+    sys::cuLaunchKernelEx(
+        &cfg,
+        f.cu_function(),
+        args.as_mut_ptr(),
+        std::ptr::null_mut(),
+    )
+    .result()
+    .map_err(driver(format!(
+        "cuLaunchKernelEx({name}, grid {grid:?}, block {block}, {smem} B shared, cluster {cluster_x:?})"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_match_the_c_struct() {
+        // struct TmaParams: two 128-byte maps, two pointers, four ints, padded to 64.
+        assert_eq!(std::mem::align_of::<TmaParams>(), 64);
+        assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
+        assert_eq!(std::mem::offset_of!(TmaParams, outf), 256);
+        assert_eq!(std::mem::offset_of!(TmaParams, m), 272);
+        assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 284);
+        assert_eq!(std::mem::size_of::<TmaParams>(), 320);
+    }
+}
