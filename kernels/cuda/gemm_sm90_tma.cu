@@ -10,10 +10,12 @@
 // k == n_seg * seg_len (checked on the host; the model's tensor layers always have it).
 //
 // Two kernels:
-// - arbor_gemm_wg_tma_128x128 (large M): persistent, one producer warp issuing TMA into a
-//   STAGES-deep ring guarded by mbarriers, two consumer warpgroups of 64x128 each running
-//   the whole tree of their tile: the running leaf and two tree partials in registers
-//   (setmaxnreg gives consumers 232 registers), the deepest partial (s6) in shared memory.
+// - arbor_gemm_wg_tma_128x128 (large M): persistent, one producer thread issuing TMA into
+//   a 5-deep ring guarded by mbarriers, two consumer warpgroups of 64x128 each running the
+//   whole tree of their tile. The tree needs up to three pending 64x128 partials besides
+//   the running leaf; a 384-thread block caps registers at 168 per thread (ptxas does not
+//   allocate past that for setmaxnreg regions without spilling), so the leaf and the root
+//   are in registers, p1 in shared memory and s6 in a global (L2-resident) workspace.
 // - arbor_gemm_wg_cluster_64x128 (small M): one block per (128 columns, segment, 64 rows),
 //   the n_seg blocks of a tile form a thread-block cluster; each leaves its segment sum in
 //   its own shared memory and the cluster combines them over distributed shared memory in
@@ -29,6 +31,7 @@ struct __align__(64) TmaParams {
     TensorMap tw;  // W as [N][n_seg][seg_len], box {64, 1, 128}
     float* outf;   // [M, N] f32 result, or null
     u16* outh;     // [M, N] bf16 result, or null
+    float* ws;     // large-M kernel: 64 x 256 f32 per block (the s6 partials)
     int M, N, seg_len, n_seg;
 };
 
@@ -81,14 +84,6 @@ DEVI void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: 
 // uniform per warpgroup (otherwise it serialises the wgmma in them).
 DEVI int warpgroup_uniform() { return __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0); }
 
-template <int N>
-DEVI void reg_dealloc() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-DEVI void reg_alloc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 
 // k16 chunks of k-tile kt (64 columns) that start inside a segment of seg_len columns.
 DEVI int chunks_in_tile(int seg_len, int kt) { return min(4, (seg_len - kt * 64 + 15) / 16); }
@@ -133,7 +128,7 @@ DEVI int acc_col(int wl, int i) { return 8 * (i >> 2) + 2 * (wl & 3) + (i & 1); 
 // ---------------------------------------------------------------------------------------
 // Large M: persistent 128x128 tiles, warp-specialised.
 
-constexpr int TMA_STAGES = 3;
+constexpr int TMA_STAGES = 5;
 constexpr int TMA_A_BYTES = 128 * 64 * 2;
 constexpr int TMA_B_BYTES = 128 * 64 * 2;
 // One stage: A then B, each 1024-aligned (swizzle atoms).
@@ -151,9 +146,7 @@ DEVI void tile_coords(int t, int num_m, int num_n, int& m_tile, int& n_tile) {
 }
 
 // 384 threads: warpgroups 0 and 1 consume (rows 0-63 and 64-127 of the tile), warpgroup 2
-// produces (one thread issues every TMA). The consumers hold the leaf and two tree
-// partials (3 x 64 f32), more than the 168 registers a 384-thread block gets by default,
-// so the producer gives its registers back (setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K).
+// produces (one thread issues every TMA).
 extern "C" __global__ void __launch_bounds__(384, 1)
     arbor_gemm_wg_tma_128x128(const __grid_constant__ TmaParams p) {
     extern __shared__ unsigned char tma_smem[];
@@ -163,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     // consumer threads), then the full and empty barriers.
     const u32 ring = base;
     float* slot = (float*)(tma_smem + (base - raw) + TMA_STAGES * TMA_STAGE_BYTES);
-    const u32 full = base + TMA_STAGES * TMA_STAGE_BYTES + 2 * 64 * 256 * 4;
+    const u32 full = base + TMA_STAGES * TMA_STAGE_BYTES + 64 * 256 * 4;
     const u32 empty = full + 8 * TMA_STAGES;
     require_smem(empty + 8 * TMA_STAGES - raw);
 
@@ -210,8 +203,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int ct = tid;            // consumer thread 0..255 (spill slot index)
     const bool releaser = wl == 0;
     float acc[64], root[64];
+    // s6 waits for one segment in this block's slice of the global workspace (L2), so
+    // that shared memory holds 5 stages: [block][value][thread], coalesced.
+    float* s6 = p.ws + (long long)blockIdx.x * 64 * 256;
 #define P1(i) slot[(i) * 256 + ct]
-#define P2(i) slot[64 * 256 + (i) * 256 + ct]
+#define P2(i) s6[(i) * 256 + ct]
     u32 it = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
@@ -220,8 +216,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             leaf_segment<TMA_STAGES, TMA_STAGE_BYTES>(acc, ring, ring + TMA_A_BYTES, full, empty,
                                                       g * 64 * 128, p.seg_len, tps, it, releaser);
             // The tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), evaluated as the segments
-            // arrive: root in registers, the pending partials p1 (s2, then s4+s5) and
-            // s6 in thread-private shared-memory slots ([value][thread], conflict-free).
+            // arrive: root in registers, the pending partial p1 (s2, then s4+s5) in a
+            // thread-private shared-memory slot ([value][thread], conflict-free), s6 in
+            // the block's workspace slice.
             switch (s) {
                 case 0:
 #pragma unroll

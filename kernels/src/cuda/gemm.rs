@@ -225,13 +225,24 @@ impl Path {
     }
 
     /// f32 elements of workspace the path needs: the split paths keep each segment sum
-    /// (`n_seg·m·n`); 0 for the tree paths. Need not be initialised.
+    /// (`n_seg·m·n`); `wgtma128` keeps the tree's s6 partials per block (only with all 8
+    /// segments); 0 for the others. Need not be initialised.
     pub fn workspace_len(self, m: usize, n: usize, n_seg: usize) -> usize {
-        if self.is_split() {
-            n_seg * m * n
-        } else {
-            0
+        match self {
+            _ if self.is_split() => n_seg * m * n,
+            Path::WgTma128 if n_seg == SEGMENTS => {
+                self.persistent_blocks(m, n, usize::MAX) * gemm_tma::S6_FLOATS_PER_BLOCK
+            }
+            _ => 0,
         }
+    }
+
+    /// Blocks of the persistent kernel: one per tile, at most one per SM and at most
+    /// [`gemm_tma::MAX_PERSISTENT_BLOCKS`].
+    fn persistent_blocks(self, m: usize, n: usize, sms: usize) -> usize {
+        (m.div_ceil(128) * n.div_ceil(128))
+            .min(sms)
+            .min(gemm_tma::MAX_PERSISTENT_BLOCKS)
     }
 
     /// u32 arrival counters the path needs: one per output tile for the split paths, 0 for
@@ -259,9 +270,9 @@ impl Path {
             Path::Split64 => 4 * (64 + 64) * 64 * 2,
             Path::WgTree128 => 3 * (128 + 128) * 64 * 2 + SLOTS + 1024,
             Path::WgSplit64 => 4 * (64 + 128) * 64 * 2 + 1024,
-            // gemm_sm90_tma.cu: TMA_STAGES = 3 stages of (128 + 128) x 64 bf16, two f32
-            // tree slots (64 values x 256 consumer threads), 2 x 3 mbarriers, alignment.
-            Path::WgTma128 => 3 * (128 + 128) * 64 * 2 + 2 * 64 * 256 * 4 + 48 + 1024,
+            // gemm_sm90_tma.cu: TMA_STAGES = 5 stages of (128 + 128) x 64 bf16, one f32
+            // tree slot (64 values x 256 consumer threads), 2 x 5 mbarriers, alignment.
+            Path::WgTma128 => 5 * (128 + 128) * 64 * 2 + 64 * 256 * 4 + 80 + 1024,
             // CL_STAGES = 4 stages of (64 + 128) x 64 bf16, 2 x 4 mbarriers, alignment (two
             // blocks fit on an SM).
             Path::WgCluster64 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
@@ -381,6 +392,13 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
         return bad("a dimension exceeds i32".into());
     }
     let need = path.workspace_len(s.m, s.n, s.n_seg);
+    if need > 0 && (a.ws == 0 || !a.ws.is_multiple_of(16)) {
+        return bad(format!(
+            "path {} needs a 16-byte aligned workspace, got {:#x}",
+            path.name(),
+            a.ws
+        ));
+    }
     if a.ws_len < need {
         return bad(format!(
             "path {} needs {need} f32 of workspace, got {}",
@@ -565,6 +583,7 @@ impl TreeGemm {
             tw: gemm_tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, 128)?,
             outf,
             outh,
+            ws: a.ws,
             m: s.m as i32,
             n: s.n as i32,
             seg_len: s.seg_len as i32,
@@ -572,7 +591,7 @@ impl TreeGemm {
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {
-            Path::WgTma128 => (gx.min(self.sms), None),
+            Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
             _ => (gx, Some(s.n_seg as u32)),
         };
         if gx > i32::MAX as usize || gy > 65535 {
@@ -719,7 +738,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("k == n_seg·seg_len = 4096"), "{e}");
-        assert_eq!(Path::WgTma128.workspace_len(4096, 4096, 8), 0);
+        // s6 partials: one 64 x 256 slice per persistent block, bounded whatever M and N.
+        assert_eq!(
+            Path::WgTma128.workspace_len(4096, 14336, 8),
+            gemm_tma::MAX_PERSISTENT_BLOCKS * 64 * 256
+        );
+        assert_eq!(Path::WgTma128.workspace_len(200, 200, 8), 4 * 64 * 256);
+        assert_eq!(Path::WgTma128.workspace_len(4096, 4096, 4), 0);
         assert_eq!(Path::WgCluster64.counters_len(64, 4096), 0);
     }
 
