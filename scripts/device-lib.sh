@@ -48,3 +48,38 @@ prompts() {
         }
     }' >"$file"
 }
+
+# Wall-clock timing of `generate` runs (decode cost = the N-token run minus the 1-token run,
+# which has the same load and prefill). WALL[KEY] seconds, TOKS[KEY] new tokens.
+declare -A WALL TOKS
+# timed_generate KEY LOG LIMIT OUTFILE CMD... : CMD must write its records to OUTFILE.
+timed_generate() {
+    local key=$1 log=$2 limit=$3 out=$4
+    shift 4
+    rm -f "$out"
+    local t t1 rc
+    t=$(date +%s.%N)
+    step "generate $key" "$log" "$limit" "$@"
+    rc=$?
+    t1=$(date +%s.%N)
+    if ((rc == 0)); then
+        WALL[$key]=$(awk -v a="$t" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
+        TOKS[$key]=$(grep -o '"tokens":\[[^]]*\]' "$out" |
+            awk -F, '{ n += ($0 ~ /\[\]/) ? 0 : NF } END { print n + 0 }')
+        echo "wall $key: ${WALL[$key]} s, ${TOKS[$key]} new tokens" >>"$log"
+    fi
+    return $rc
+}
+# decode_report A B N STEPS: notes the decode seconds (A-N minus A-1) of A and B and their
+# ratio, for runs recorded by timed_generate under the keys A-1, A-N, B-1, B-N.
+decode_report() {
+    local a=$1 b=$2 n=$3 steps=$4 kind
+    for kind in "$a" "$b"; do
+        if [[ -n ${WALL[$kind-1]:-} && -n ${WALL[$kind-$n]:-} ]]; then
+            note "WALL  $kind: ${WALL[$kind-$n]} s wall (${TOKS[$kind-$n]} new tokens), load+prefill ${WALL[$kind-1]} s, decode ($steps steps) $(awk -v a="${WALL[$kind-$n]}" -v b="${WALL[$kind-1]}" -v s="$steps" 'BEGIN { printf "%.2f s = %.1f ms/step", a - b, 1000 * (a - b) / s }')"
+        fi
+    done
+    if [[ -n ${WALL[$a-1]:-} && -n ${WALL[$a-$n]:-} && -n ${WALL[$b-1]:-} && -n ${WALL[$b-$n]:-} ]]; then
+        note "WALL  $b / $a decode: $(awk -v t1="${WALL[$b-1]}" -v t="${WALL[$b-$n]}" -v s1="${WALL[$a-1]}" -v s="${WALL[$a-$n]}" 'BEGIN { d = s - s1; if (d > 0) printf "%.3f", (t - t1) / d; else print "n/a" }') (below 1: $b faster)"
+    fi
+}

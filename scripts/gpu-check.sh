@@ -56,7 +56,7 @@ mkdir -p "$REPORTS"
 {
     echo "gpu-check $MODE on $(hostname) at $(date -u +%FT%TZ)"
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE ARBOR_GPU_ALLREDUCE=${ARBOR_GPU_ALLREDUCE:-auto (default)}"
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE ARBOR_GPU_ALLREDUCE=${ARBOR_GPU_ALLREDUCE:-auto (default)} ARBOR_GPU_GEMM=${ARBOR_GPU_GEMM:-auto (default)}"
 } 2>&1 | tee -a "$SUMMARY"
 
 # The 8B model is written by the CPU while the GPU tests and the tiny checks run.
@@ -143,6 +143,18 @@ elif [[ -f $L8B_OK ]]; then
         step "l8b generate --shadow-tp1 (TP=${TPS##*,})" "$L8B_LOG" 120 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda --shadow-tp1 \
             --prompts "$WORK/l8b-prompts.jsonl" --batch 8 --max-tokens 16
+        # Decode timing at the largest TP: the GEMM of this run vs the simple kernel (last:
+        # skipped when the time budget is spent).
+        tp=${TPS##*,}
+        for kind in "${ARBOR_GPU_GEMM:-auto}" simple; do
+            for n in 1 64; do
+                timed_generate "$kind-$n" "$L8B_LOG" 90 "$WORK/l8b-$kind-$n.jsonl" \
+                    env ARBOR_GPU_GEMM="$kind" "$LAUNCH" -n "$tp" --output rank0 -- "$ARBOR" generate \
+                    --model "$L8B_DIR" --device cuda --prompts "$WORK/l8b-prompts.jsonl" --batch 8 \
+                    --max-tokens "$n" --out "$WORK/l8b-$kind-$n.jsonl"
+            done
+        done
+        decode_report simple "${ARBOR_GPU_GEMM:-auto}" 64 63
     else
         step "l8b generate TP=${TPS##*,} ($L8B_TOKENS tokens, 1 prompt)" "$L8B_LOG" 200 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda \

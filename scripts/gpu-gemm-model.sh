@@ -152,34 +152,15 @@ if [[ -f $L8B_OK ]]; then
         --max-tokens 32 --json "$WORK/l8b-greedy.json"
 
     # --- c. timing: simple vs tensor, 8 prompts x 64 tokens at batch 8, and load-only runs
-    declare -A WALL TOKS
     for kind in simple tensor; do
         for n in 1 64; do
-            key=$kind-$n
-            jsonl=$WORK/l8b-$key.jsonl
-            rm -f "$jsonl"
-            t=$(date +%s.%N)
-            step "l8b generate $kind, 8 prompts x $n tokens, batch 8" "$TIMING_LOG" 60 \
+            timed_generate "$kind-$n" "$TIMING_LOG" 60 "$WORK/l8b-$kind-$n.jsonl" \
                 env ARBOR_GPU_GEMM=$kind "$ARBOR" generate --model "$L8B_DIR" --device cuda \
-                --prompts "$WORK/l8b-prompts-8.jsonl" --batch 8 --max-tokens "$n" --out "$jsonl"
-            rc=$?
-            t1=$(date +%s.%N)
-            if ((rc == 0)); then
-                WALL[$key]=$(awk -v a="$t" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
-                TOKS[$key]=$(grep -o '"tokens":\[[^]]*\]' "$jsonl" |
-                    awk -F, '{ n += ($0 ~ /\[\]/) ? 0 : NF } END { print n + 0 }')
-                echo "wall $key: ${WALL[$key]} s, ${TOKS[$key]} new tokens" >>"$TIMING_LOG"
-            fi
+                --prompts "$WORK/l8b-prompts-8.jsonl" --batch 8 --max-tokens "$n" \
+                --out "$WORK/l8b-$kind-$n.jsonl"
         done
     done
-    for kind in simple tensor; do
-        if [[ -n ${WALL[$kind-1]:-} && -n ${WALL[$kind-64]:-} ]]; then
-            note "WALL  $kind: 8x64 tokens ${WALL[$kind-64]} s wall (${TOKS[$kind-64]} new tokens), load+prefill (8x1) ${WALL[$kind-1]} s, decode (63 steps) $(awk -v a="${WALL[$kind-64]}" -v b="${WALL[$kind-1]}" 'BEGIN { printf "%.2f", a - b }') s"
-        fi
-    done
-    if [[ -n ${WALL[simple-1]:-} && -n ${WALL[simple-64]:-} && -n ${WALL[tensor-1]:-} && -n ${WALL[tensor-64]:-} ]]; then
-        note "WALL  tensor / simple: wall $(awk -v t="${WALL[tensor-64]}" -v s="${WALL[simple-64]}" 'BEGIN { printf "%.3f", t / s }'), decode $(awk -v t1="${WALL[tensor-1]}" -v t="${WALL[tensor-64]}" -v s1="${WALL[simple-1]}" -v s="${WALL[simple-64]}" 'BEGIN { d = s - s1; if (d > 0) printf "%.3f", (t - t1) / d; else print "n/a" }') (below 1: tensor faster)"
-    fi
+    decode_report simple tensor 64 63
 else
     note "SKIP  llama3-8b steps: the model was not made (see make-l8b.log)"
 fi

@@ -142,13 +142,18 @@ impl CudaBackend {
         let err = |msg: String| BackendError::Device { rank, msg };
         // Checked before the device is opened, so a bad value is reported on any machine.
         let kind = GemmKind::from_env().map_err(err)?;
-        tracing::info!(rank, gemm = ?kind, "CUDA backend linear layers");
         let ordinal = ordinal_for(rank).map_err(err)?;
         let dev = GpuDevice::open(ordinal).map_err(|e| err(e.to_string()))?;
+        let (major, _) = dev
+            .ctx
+            .compute_capability()
+            .map_err(|e| err(format!("cuDeviceGetAttribute(compute capability): {e}")))?;
+        let kind = kind.resolve(major);
+        tracing::info!(rank, gemm = ?kind, "CUDA backend linear layers");
         let algo =
             allreduce_algo(std::env::var("ARBOR_GPU_ALLREDUCE").ok().as_deref()).map_err(err)?;
         let gemm = match kind {
-            GemmKind::Simple => None,
+            GemmKind::Simple | GemmKind::Auto => None,
             GemmKind::Tensor => Some(TensorGemm::new(&dev).map_err(|e| err(e.to_string()))?),
         };
         let coll = if comm.world_size() > 1 {

@@ -1,5 +1,6 @@
-//! The opt-in tensor-core tree GEMM ([`TreeGemm`]) behind the CUDA backend's `matmul`,
-//! chosen with `ARBOR_GPU_GEMM=simple|tensor` (docs/gemm.md, "Wired into the model").
+//! The tensor-core tree GEMM ([`TreeGemm`]) behind the CUDA backend's `matmul`: the
+//! default on sm_80+ GPUs, overridden with `ARBOR_GPU_GEMM=auto|tensor|simple` (docs/gemm.md,
+//! "Wired into the model").
 //!
 //! The two kernels' leaves round differently, so a segment must be summed by the same
 //! kernel at every TP size and batch size: the choice is made per weight from its global K
@@ -23,22 +24,37 @@ pub const ENV: &str = "ARBOR_GPU_GEMM";
 /// Which kernel the CUDA backend's linear layers use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmKind {
-    /// `GpuDevice::tree_matmul` for every layer (the default).
+    /// `GpuDevice::tree_matmul` (one warp per output) for every layer.
     Simple,
     /// [`TreeGemm`] for every layer it accepts ([`tensor_eligible`]), the simple kernel
-    /// for the others.
+    /// for the others; an error on a GPU older than sm_80.
     Tensor,
+    /// The default: `Tensor` on sm_80 and newer, `Simple` on older GPUs. The choice
+    /// depends on the device only, so every rank of a job (and the TP=1 shadow) makes it
+    /// the same way.
+    Auto,
 }
 
 impl GemmKind {
-    /// The value of [`ENV`]: unset means `simple`; anything but `simple`/`tensor` is an error.
+    /// The value of [`ENV`]: unset means `auto`; anything but `auto`/`tensor`/`simple` is
+    /// an error.
     pub fn parse(var: Option<&str>) -> Result<Self, String> {
         match var {
-            None | Some("simple") => Ok(Self::Simple),
+            None | Some("auto") => Ok(Self::Auto),
+            Some("simple") => Ok(Self::Simple),
             Some("tensor") => Ok(Self::Tensor),
             Some(other) => Err(format!(
-                "{ENV}={other:?} is not a GEMM kernel: expected \"simple\" (the default) or \"tensor\""
+                "{ENV}={other:?} is not a GEMM kernel: expected \"auto\" (the default), \"tensor\" or \"simple\""
             )),
+        }
+    }
+
+    /// The kernel `self` means on a GPU of compute capability `major`.x.
+    pub fn resolve(self, major: i32) -> Self {
+        match self {
+            Self::Auto if major >= 8 => Self::Tensor,
+            Self::Auto => Self::Simple,
+            k => k,
         }
     }
 
@@ -350,8 +366,14 @@ mod tests {
 
     #[test]
     fn env_values_parse_or_name_the_bad_value() {
-        assert_eq!(GemmKind::parse(None).unwrap(), GemmKind::Simple);
+        assert_eq!(GemmKind::parse(None).unwrap(), GemmKind::Auto);
+        assert_eq!(GemmKind::parse(Some("auto")).unwrap(), GemmKind::Auto);
         assert_eq!(GemmKind::parse(Some("simple")).unwrap(), GemmKind::Simple);
+        assert_eq!(GemmKind::Auto.resolve(9), GemmKind::Tensor);
+        assert_eq!(GemmKind::Auto.resolve(8), GemmKind::Tensor);
+        assert_eq!(GemmKind::Auto.resolve(7), GemmKind::Simple);
+        assert_eq!(GemmKind::Tensor.resolve(7), GemmKind::Tensor);
+        assert_eq!(GemmKind::Simple.resolve(9), GemmKind::Simple);
         assert_eq!(GemmKind::parse(Some("tensor")).unwrap(), GemmKind::Tensor);
         for bad in ["", "Tensor", "cublas", " tensor"] {
             let e = GemmKind::parse(Some(bad)).unwrap_err();
