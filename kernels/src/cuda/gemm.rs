@@ -168,16 +168,18 @@ pub enum Path {
 impl Path {
     /// The fastest path of `family` for a shape: by M, and for the Wgmma family the TMA
     /// kernels wherever the shape allows them (`k == n_seg·seg_len`, true of every model
-    /// layer the tensor GEMM takes).
+    /// layer the tensor GEMM takes). The TMA crossover is at M = 64: on an H100 the
+    /// persistent kernel beat the cluster kernel at every M from 96 up
+    /// (docs/gemm.md, run 6).
     pub fn for_shape(s: &TreeMatmul, family: Family) -> Path {
         let tma = s.k == s.n_seg * s.seg_len;
         match (family, s.m) {
             (Family::Mma, 0..=16) => Path::Split16,
             (Family::Mma, 17..=256) => Path::Split64,
             (Family::Mma, _) => Path::Tree128,
-            (Family::Wgmma, 0..=256) if tma => Path::WgCluster64,
-            (Family::Wgmma, 0..=256) => Path::WgSplit64,
+            (Family::Wgmma, 0..=64) if tma => Path::WgCluster64,
             (Family::Wgmma, _) if tma => Path::WgTma128,
+            (Family::Wgmma, 0..=256) => Path::WgSplit64,
             (Family::Wgmma, _) => Path::WgTree128,
         }
     }
@@ -720,7 +722,7 @@ mod tests {
                     let p = Path::for_shape(&shape, fam);
                     assert_eq!(p.family(), fam);
                     assert!(Path::all(fam).contains(&p));
-                    let small = m <= 256;
+                    let small = if p.is_tma() { m <= 64 } else { m <= 256 };
                     assert_eq!(p.is_split() || p == Path::WgCluster64, small, "m = {m}");
                     assert_eq!(
                         p.is_tma(),

@@ -45,6 +45,10 @@ pub struct Args {
     /// Leaf family: auto (wgmma on Hopper, mma.sync elsewhere), mma or wgmma.
     #[arg(long, value_enum, default_value = "auto")]
     family: FamilyArg,
+    /// Time this launch path (by name, e.g. wgtma128) at every M instead of the default
+    /// path for M; the checks still compare it with every other path.
+    #[arg(long)]
+    path: Option<String>,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -160,6 +164,18 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(p) = Path::all(family).iter().find(|p| !tg.has(**p)) {
         bail!("path {} is not available on {}", p.name(), tg.arch);
     }
+    let forced = match &args.path {
+        None => None,
+        Some(name) => Some(
+            *Path::all(family)
+                .iter()
+                .find(|p| p.name() == name)
+                .with_context(|| {
+                    let names: Vec<&str> = Path::all(family).iter().map(|p| p.name()).collect();
+                    format!("--path {name:?} is not a path of the {family:?} family ({names:?})")
+                })?,
+        ),
+    };
     let copy_gbps = copy_ceiling(&stream, &timer)?;
     println!(
         "device: {device} ({}), L2 {} MiB, leaf family {family:?}",
@@ -185,7 +201,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut rows = Vec::new();
     for &(k, n) in &shapes {
         let shape_rows = bench_shape(
-            &stream, &tg, &blas, &timer, &args, &ms, k, n, l2, out_dtype, copy_gbps, family,
+            &stream, &tg, &blas, &timer, &args, &ms, k, n, l2, out_dtype, copy_gbps, family, forced,
         )
         .with_context(|| format!("shape K={k} N={n}"))?;
         rows.extend(shape_rows);
@@ -442,6 +458,7 @@ fn bench_shape(
     out_dtype: OutDtype,
     copy_gbps: f64,
     family: Family,
+    forced: Option<Path>,
 ) -> Result<Vec<Row>> {
     let layout = SegmentLayout::new(k);
     let m_ref = *ms.last().context("no M")?;
@@ -500,7 +517,7 @@ fn bench_shape(
 
     let mut rows = Vec::new();
     for &m in ms {
-        let path = Path::for_shape(&full(m), family);
+        let path = forced.unwrap_or_else(|| Path::for_shape(&full(m), family));
         let x_p = ptr(&ops.x, stream);
         let out_p = ptr(&ops.out, stream);
         let ws_p = ptr(&ops.ws, stream);
