@@ -20,6 +20,7 @@
 //   the n_seg blocks of a tile form a thread-block cluster; each leaves its segment sum in
 //   its own shared memory and the cluster combines them over distributed shared memory in
 //   tree order, every block finishing 1/n_seg of the tile. No workspace, no atomics.
+//   arbor_gemm_wg_cluster2_64x128: the same with two segments per block (half the blocks).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 struct __align__(64) TensorMap {
@@ -290,29 +291,44 @@ DEVI u32 map_to_rank(u32 addr, u32 rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
 }
-DEVI float ld_cluster(u32 addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+DEVI float4 ld_cluster4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
     return v;
 }
 
-// Grid (n_tiles * n_seg, m_tiles), cluster (n_seg, 1, 1): block x = tile * n_seg + segment,
-// and the block's rank in its cluster is its segment. 160 threads: warps 0-3 are the
-// consumer warpgroup, warp 4 the producer.
-extern "C" __global__ void __launch_bounds__(160, 1)
-    arbor_gemm_wg_cluster_64x128(const __grid_constant__ TmaParams p) {
-    extern __shared__ unsigned char tma_smem[];
-    const u32 raw = smem_addr(tma_smem);
+// The fixed tree over the first ns (1, 2, 4 or 8) segment sums.
+DEVI float tree_of(const float* x, int ns) {
+    if (ns == 1) return x[0];
+    if (ns == 2) return x[0] + x[1];
+    if (ns == 4) return (x[0] + x[1]) + (x[2] + x[3]);
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+// Each block sums SPC consecutive segments (SPC = 2: the pair's sum (s0+s1) in registers,
+// the tree's first level); the n_seg / SPC blocks of a tile form a cluster that combines
+// their sums over DSMEM with the rest of the tree. Grid (n_tiles * cl, m_tiles), cluster
+// (cl, 1, 1) with cl = n_seg / SPC: the block's rank r in its cluster covers segments
+// [r * SPC, (r + 1) * SPC). 160 threads: warps 0-3 are the consumer warpgroup, warp 4 the
+// producer. SPC = 2 halves the blocks, so a tile grid that needs more clusters than fit on
+// the device at once (30 clusters of 8 on an H100) still runs in one wave.
+template <int SPC>
+DEVI void cluster_body(const TmaParams& p) {
+    extern __shared__ unsigned char cl_smem[];
+    const u32 raw = smem_addr(cl_smem);
     const u32 base = (raw + 1023u) & ~1023u;
     const u32 ring = base;
     const u32 full = base + CL_STAGES * CL_STAGE_BYTES;
     const u32 empty = full + 8 * CL_STAGES;
     require_smem(empty + 8 * CL_STAGES - raw);
     // After the leaf, the ring is reused for the segment sum [64][CL_RED_STRIDE] f32.
-    float* red = (float*)(tma_smem + (base - raw));
+    float* red = (float*)(cl_smem + (base - raw));
 
     const int tid = threadIdx.x;
-    const int ns = p.n_seg;
+    const int ns = p.n_seg / SPC;  // blocks per cluster
     const int seg = (int)cluster_ctarank();
     const int nt = blockIdx.x / ns, mt = blockIdx.y;
     const int tps = (p.seg_len + 63) / 64;
@@ -325,25 +341,36 @@ extern "C" __global__ void __launch_bounds__(160, 1)
     }
     __syncthreads();
 
-    float acc[64];
+    float acc[64], part[64];
     if (warpgroup_uniform() == 1) {
         if (tid == 128) {
             tma_prefetch_map(&p.tx);
             tma_prefetch_map(&p.tw);
-            for (u32 it = 0; it < (u32)tps; ++it) {
-                const int stage = (int)(it % CL_STAGES);
-                mbar_wait(empty + 8 * stage, ((it / CL_STAGES) & 1) ^ 1);
-                const u32 fb = full + 8 * stage;
-                mbar_expect_tx(fb, CL_STAGE_BYTES);
-                const u32 dst = ring + stage * CL_STAGE_BYTES;
-                tma_load_3d(dst, &p.tx, (int)it * 64, seg, mt * 64, fb);
-                tma_load_3d(dst + CL_A_BYTES, &p.tw, (int)it * 64, seg, nt * 128, fb);
+            u32 it = 0;
+            for (int j = 0; j < SPC; ++j) {
+                for (int kt = 0; kt < tps; ++kt, ++it) {
+                    const int stage = (int)(it % CL_STAGES);
+                    mbar_wait(empty + 8 * stage, ((it / CL_STAGES) & 1) ^ 1);
+                    const u32 fb = full + 8 * stage;
+                    mbar_expect_tx(fb, CL_STAGE_BYTES);
+                    const u32 dst = ring + stage * CL_STAGE_BYTES;
+                    tma_load_3d(dst, &p.tx, kt * 64, seg * SPC + j, mt * 64, fb);
+                    tma_load_3d(dst + CL_A_BYTES, &p.tw, kt * 64, seg * SPC + j, nt * 128, fb);
+                }
             }
         }
     } else {
         u32 it = 0;
         leaf_segment<CL_STAGES, CL_STAGE_BYTES>(acc, ring, ring + CL_A_BYTES, full, empty, 0,
                                                 p.seg_len, tps, it, tid == 0);
+        if (SPC == 2) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) part[i] = acc[i];
+            leaf_segment<CL_STAGES, CL_STAGE_BYTES>(acc, ring, ring + CL_A_BYTES, full, empty, 0,
+                                                    p.seg_len, tps, it, tid == 0);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] = part[i] + acc[i];
+        }
     }
     // Every TMA of this block has landed (the consumer waited for each) and every wgmma
     // has read its stage, so the ring can take the segment sum.
@@ -359,27 +386,42 @@ extern "C" __global__ void __launch_bounds__(160, 1)
         }
     }
     cluster_sync();
-    // This block finishes elements [seg * per, (seg + 1) * per) of the tile's rows x 128.
-    const int total = rows * 128;
+    // This block finishes 4-column groups [seg * per, (seg + 1) * per) of the tile's
+    // rows x 128, reading each group's n_seg segment sums with one 16-byte DSMEM load each.
+    const int total = rows * 32;
     const int per = (total + ns - 1) / ns;
-    const int e_end = min(total, (seg + 1) * per);
+    const int g_end = min(total, (seg + 1) * per);
     const u32 red_addr = smem_addr(red);
-    for (int e = seg * per + tid; e < e_end; e += 160) {
-        const int r = e >> 7, c = e & 127;
-        const int col = nt * 128 + c;
+    for (int gi = seg * per + tid; gi < g_end; gi += 160) {
+        const int r = gi >> 5, c = (gi & 31) * 4;
         const u32 a = red_addr + (u32)(r * CL_RED_STRIDE + c) * 4u;
-        float x[8];
+        float x[4][8];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) x[q] = q < ns ? ld_cluster(map_to_rank(a, (u32)q)) : 0.f;
-        float v;
-        if (ns == 1) v = x[0];
-        else if (ns == 2) v = x[0] + x[1];
-        else if (ns == 4) v = (x[0] + x[1]) + (x[2] + x[3]);
-        else v = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
-        if (col < p.N) store_out(p.outf, p.outh, (long long)(mt * 64 + r) * p.N + col, v);
+        for (int q = 0; q < 8; ++q) {
+            if (q < ns) {
+                const float4 v = ld_cluster4(map_to_rank(a, (u32)q));
+                x[0][q] = v.x, x[1][q] = v.y, x[2][q] = v.z, x[3][q] = v.w;
+            }
+        }
+        const long long row = (long long)(mt * 64 + r) * p.N;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = nt * 128 + c + j;
+            if (col < p.N) store_out(p.outf, p.outh, row + col, tree_of(x[j], ns));
+        }
     }
     // No block may leave while another still reads its shared memory.
     cluster_sync();
+}
+
+extern "C" __global__ void __launch_bounds__(160, 1)
+    arbor_gemm_wg_cluster_64x128(const __grid_constant__ TmaParams p) {
+    cluster_body<1>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(160, 1)
+    arbor_gemm_wg_cluster2_64x128(const __grid_constant__ TmaParams p) {
+    cluster_body<2>(p);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

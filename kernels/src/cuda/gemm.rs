@@ -163,6 +163,9 @@ pub enum Path {
     /// `n_seg` blocks are a cluster and combine over distributed shared memory. Needs
     /// `k == n_seg·seg_len`.
     WgCluster64,
+    /// As `WgCluster64` with two segments per block (clusters of `n_seg / 2`), half the
+    /// blocks; with a single segment (`n_seg = 1`) it is `WgCluster64`.
+    WgCluster64x2,
 }
 
 impl Path {
@@ -191,6 +194,7 @@ impl Path {
             Family::Wgmma => &[
                 Path::WgTma128,
                 Path::WgCluster64,
+                Path::WgCluster64x2,
                 Path::WgTree128,
                 Path::WgSplit64,
             ],
@@ -200,13 +204,20 @@ impl Path {
     pub fn family(self) -> Family {
         match self {
             Path::Tree128 | Path::Split16 | Path::Split64 => Family::Mma,
-            Path::WgTree128 | Path::WgSplit64 | Path::WgTma128 | Path::WgCluster64 => Family::Wgmma,
+            Path::WgTree128
+            | Path::WgSplit64
+            | Path::WgTma128
+            | Path::WgCluster64
+            | Path::WgCluster64x2 => Family::Wgmma,
         }
     }
 
     /// Whether the path loads through TMA tensor maps (and so needs `k == n_seg·seg_len`).
     pub fn is_tma(self) -> bool {
-        matches!(self, Path::WgTma128 | Path::WgCluster64)
+        matches!(
+            self,
+            Path::WgTma128 | Path::WgCluster64 | Path::WgCluster64x2
+        )
     }
 
     pub fn name(self) -> &'static str {
@@ -218,6 +229,7 @@ impl Path {
             Path::WgSplit64 => "wgsplit64",
             Path::WgTma128 => "wgtma128",
             Path::WgCluster64 => "wgcluster64",
+            Path::WgCluster64x2 => "wgcluster64x2",
         }
     }
 
@@ -277,7 +289,7 @@ impl Path {
             Path::WgTma128 => 5 * (128 + 128) * 64 * 2 + 64 * 256 * 4 + 80 + 1024,
             // CL_STAGES = 4 stages of (64 + 128) x 64 bf16, 2 x 4 mbarriers, alignment (two
             // blocks fit on an SM).
-            Path::WgCluster64 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
+            Path::WgCluster64 | Path::WgCluster64x2 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
         }
     }
 
@@ -291,6 +303,10 @@ impl Path {
             // Persistent: the launch caps the grid at the number of SMs.
             Path::WgTma128 => ((m.div_ceil(128) * n.div_ceil(128), 1, 1), 384),
             Path::WgCluster64 => ((n.div_ceil(128) * n_seg, m.div_ceil(64), 1), 160),
+            Path::WgCluster64x2 => (
+                (n.div_ceil(128) * n_seg.div_ceil(2), m.div_ceil(64), 1),
+                160,
+            ),
         }
     }
 
@@ -303,6 +319,7 @@ impl Path {
             Path::WgSplit64 => "arbor_gemm_wg_split_64x128",
             Path::WgTma128 => "arbor_gemm_wg_tma_128x128",
             Path::WgCluster64 => "arbor_gemm_wg_cluster_64x128",
+            Path::WgCluster64x2 => "arbor_gemm_wg_cluster2_64x128",
         }
     }
 }
@@ -434,6 +451,9 @@ pub struct TreeGemm {
     kernels: Vec<(Path, CudaFunction)>,
     /// Streaming multiprocessors: the persistent kernel's grid.
     sms: usize,
+    /// Clusters of 1, 2, 4 and 8 `wgcluster64` blocks that fit on the device at once
+    /// (0 where that path is not compiled).
+    cluster_capacity: [u32; 4],
 }
 
 impl TreeGemm {
@@ -483,18 +503,52 @@ impl TreeGemm {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver("cuDeviceGetAttribute(multiprocessor count)"))?;
-        Ok(Self {
+        let mut tg = Self {
             arch,
             family,
             _module: module,
             kernels,
             sms: sms.max(1) as usize,
-        })
+            cluster_capacity: [0; 4],
+        };
+        for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
+            tg.cluster_capacity[i] = tg
+                .max_active_clusters(Path::WgCluster64, n_seg)?
+                .unwrap_or(0);
+        }
+        Ok(tg)
     }
 
-    /// The path a call of this shape takes by default.
+    /// The path a call of this shape takes by default: [`Path::for_shape`], except that a
+    /// `wgcluster64` grid with more clusters than the device holds at once (it would run
+    /// in two waves, the second nearly empty) takes `wgcluster64x2`, half the blocks. The
+    /// two give the same bits (same leaf, same tree), so this choice may depend on the
+    /// device.
     pub fn default_path(&self, shape: &TreeMatmul) -> Path {
-        Path::for_shape(shape, self.family)
+        let path = Path::for_shape(shape, self.family);
+        if path == Path::WgCluster64 && shape.n_seg >= 2 {
+            let cap = self.cluster_capacity[shape.n_seg.trailing_zeros().min(3) as usize];
+            let clusters = shape.n.div_ceil(128) * shape.m.div_ceil(64);
+            if clusters > cap as usize {
+                return Path::WgCluster64x2;
+            }
+        }
+        path
+    }
+
+    /// For the cluster path: how many clusters of `n_seg` blocks fit on the device at once
+    /// (what bounds its single-wave grid); `None` for other paths.
+    pub fn max_active_clusters(&self, path: Path, n_seg: usize) -> Result<Option<u32>, GemmError> {
+        let cluster = match path {
+            Path::WgCluster64 => n_seg,
+            Path::WgCluster64x2 => n_seg.div_ceil(2),
+            _ => return Ok(None),
+        };
+        let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
+            return Ok(None);
+        };
+        let (_, block) = path.launch_dims(1, 1, n_seg);
+        gemm_tma::max_active_clusters(f, block, path.smem_bytes(), cluster as u32).map(Some)
     }
 
     /// Whether `path` was compiled for this device.
@@ -531,6 +585,10 @@ impl TreeGemm {
             OutDtype::Bf16 => (0, a.out),
         };
         if path.is_tma() {
+            // One segment cannot be split in two: the one-segment kernel is the same sum.
+            if path == Path::WgCluster64x2 && s.n_seg == 1 {
+                return self.launch(stream, a, Some(Path::WgCluster64));
+            }
             return self.launch_tma(stream, f, path, a, outf, outh);
         }
         let p = Params {
@@ -594,6 +652,7 @@ impl TreeGemm {
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {
             Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
+            Path::WgCluster64x2 => (gx, Some((s.n_seg / 2) as u32)),
             _ => (gx, Some(s.n_seg as u32)),
         };
         if gx > i32::MAX as usize || gy > 65535 {
@@ -723,7 +782,9 @@ mod tests {
                     assert_eq!(p.family(), fam);
                     assert!(Path::all(fam).contains(&p));
                     let small = if p.is_tma() { m <= 64 } else { m <= 256 };
-                    assert_eq!(p.is_split() || p == Path::WgCluster64, small, "m = {m}");
+                    let split_k =
+                        p.is_split() || matches!(p, Path::WgCluster64 | Path::WgCluster64x2);
+                    assert_eq!(split_k, small, "m = {m}");
                     assert_eq!(
                         p.is_tma(),
                         fam == Family::Wgmma && base.k == 4096,
@@ -776,7 +837,7 @@ mod tests {
         assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
         assert!(ptx.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"));
         assert!(ptx.contains("cp.async.bulk.tensor.3d"));
-        assert!(ptx.contains("ld.shared::cluster.f32"));
+        assert!(ptx.contains("ld.shared::cluster.v4.f32"));
         // The Hopper kernels are left out of a non-Hopper build rather than failing it.
         let ptx80 = compile("sm_80").unwrap_or_else(|e| panic!("{e}"));
         assert!(!ptx80.contains("wgmma"));

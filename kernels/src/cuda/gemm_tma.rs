@@ -103,6 +103,47 @@ pub struct LaunchShape {
     pub cluster_x: Option<u32>,
 }
 
+/// How many clusters of `cluster_x` blocks of `f` (with `block` threads and `smem` bytes of
+/// shared memory each) the device can run at once.
+pub fn max_active_clusters(
+    f: &CudaFunction,
+    block: u32,
+    smem: u32,
+    cluster_x: u32,
+) -> Result<u32, GemmError> {
+    // SAFETY: plain data; only the cluster dimension member is read.
+    let mut value: CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.clusterDim.x = cluster_x;
+    value.clusterDim.y = 1;
+    value.clusterDim.z = 1;
+    let mut attrs = [CUlaunchAttribute {
+        id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value,
+    }];
+    let cfg = CUlaunchConfig {
+        gridDimX: cluster_x * 1024,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: std::ptr::null_mut(),
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: 1,
+    };
+    let mut n = 0i32;
+    // SAFETY: `cfg` and `attrs` outlive the call, `n` is written by it.
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }
+        .result()
+        .map_err(|source| GemmError::Driver {
+            what: format!("cuOccupancyMaxActiveClusters(cluster {cluster_x}, {smem} B shared)"),
+            source,
+        })?;
+    Ok(n.max(0) as u32)
+}
+
 /// Launches `f(params)` with `cuLaunchKernelEx`.
 ///
 /// # Safety

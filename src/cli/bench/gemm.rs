@@ -183,6 +183,18 @@ pub fn run(args: Args) -> Result<()> {
         l2 >> 20
     );
     println!("copy ceiling (device-to-device, read+write): {copy_gbps:.0} GB/s");
+    for (path, size) in [
+        (Path::WgCluster64, SEGMENTS),
+        (Path::WgCluster64x2, SEGMENTS / 2),
+    ] {
+        if let Ok(Some(c)) = tg.max_active_clusters(path, SEGMENTS) {
+            println!(
+                "{}: at most {c} clusters of {size} blocks resident ({} blocks)",
+                path.name(),
+                c as usize * size
+            );
+        }
+    }
     println!(
         "{:>6} {:>6} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7} {:>6} {:>8} checks",
         "K",
@@ -517,7 +529,13 @@ fn bench_shape(
 
     let mut rows = Vec::new();
     for &m in ms {
-        let path = forced.unwrap_or_else(|| Path::for_shape(&full(m), family));
+        let path = forced.unwrap_or_else(|| {
+            if family == tg.family {
+                tg.default_path(&full(m))
+            } else {
+                Path::for_shape(&full(m), family)
+            }
+        });
         let x_p = ptr(&ops.x, stream);
         let out_p = ptr(&ops.out, stream);
         let ws_p = ptr(&ops.ws, stream);
