@@ -63,6 +63,10 @@ timed_generate() {
     rc=$?
     t1=$(date +%s.%N)
     if ((rc == 0)); then
+        # generate's own timing line (rank 0, stderr): prefill and decode measured in-process.
+        local line
+        line=$(grep -h 'timing (rank 0' "$log" | tail -n 1 | sed 's/^\[rank 0\] //')
+        [[ -n $line ]] && note "TIME  $key: $line"
         WALL[$key]=$(awk -v a="$t" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
         TOKS[$key]=$(grep -o '"tokens":\[[^]]*\]' "$out" |
             awk -F, '{ n += ($0 ~ /\[\]/) ? 0 : NF } END { print n + 0 }')

@@ -2,7 +2,7 @@
 # The GPU check of the CUDA backend, in one device call. Run ON the GPU machine from the repo
 # root, with binaries staged by scripts/build-device.sh (device tool: carry [".device"]):
 #
-#   scripts/gpu-check.sh [smoke|full]      (default: full)
+#   scripts/gpu-check.sh [smoke|full|timing]      (default: full)
 #
 # smoke: nvidia-smi, the GPU kernel tests (NVRTC compile of every kernel for the device's
 #        arch, bit-identity across batch / TP split / prefill-decode), the model tests (CPU vs
@@ -11,7 +11,9 @@
 # full:  the tests, then `arbor check --device cuda --tp $TPS --batch 1,8,32` on the tiny
 #        model (greedy and seeded sampling) and on the llama3-8b-shape model (random bf16
 #        weights made on the machine; greedy and seeded, >= 64 new tokens), each with
-#        score == generate, plus `generate --shadow-tp1` at the largest TP.
+#        score == generate, plus `generate --shadow-tp1` at the largest TP, then decode
+#        timing at the largest TP (this run's GEMM vs the simple kernel).
+# timing: only the llama3-8b-shape decode timing, at every TP in $TPS.
 #
 # Prints the unique-output / divergence tables LAST; full logs go to $OUT (default
 # ./gpu-check-out): summary.txt, tests.log, tiny.log, l8b.log, reports.tar.
@@ -79,26 +81,28 @@ elif [[ -f $L8B_OK ]]; then
 fi
 
 # --- tests: kernels (NVRTC + invariance on the GPU) and model (CPU vs GPU, prefill == decode)
-step "kernel tests (NVRTC sm_90a compile, bit-identity on GPU)" "$TESTS_LOG" 120 \
+[[ $MODE == timing ]] || step "kernel tests (NVRTC sm_90a compile, bit-identity on GPU)" "$TESTS_LOG" 120 \
     "$BIN/tests/kernels-gpu" --test-threads=1 --nocapture cuda::
-step "model tests (CPU vs GPU logits, prefill == decode, batch)" "$TESTS_LOG" 180 \
+[[ $MODE == timing ]] || step "model tests (CPU vs GPU logits, prefill == decode, batch)" "$TESTS_LOG" 180 \
     "$BIN/tests/model-gpu" --test-threads=1 --nocapture
-grep -h -o "CPU vs GPU logits (.*" "$TESTS_LOG" | tee -a "$SUMMARY"
+grep -s -h -o "CPU vs GPU logits (.*" "$TESTS_LOG" | tee -a "$SUMMARY"
 # On the GPU machine a skipped GPU test means the GPU was not used: that is a failure.
-if grep -q "skipped:" "$TESTS_LOG"; then
+if grep -s -q "skipped:" "$TESTS_LOG"; then
     note "FAIL  GPU tests skipped: $(grep -h -o 'skipped: .*' "$TESTS_LOG" | sort -u | head -n 1)"
 fi
 
-# --- tiny model
-TINY=$WORK/tiny
-rm -rf "$TINY"
-step "make tiny model" "$TINY_LOG" 60 "$ARBOR" make-model --out "$TINY"
-prompts "$WORK/tiny-prompts.jsonl" 34 250
-for tp in ${TPS//,/ }; do
-    step "tiny generate TP=$tp" "$TINY_LOG" 90 \
-        "$LAUNCH" -n "$tp" -- "$ARBOR" generate --model "$TINY" --device cuda \
-        --prompt "hello world" --prompt "the quick brown fox" --max-tokens 16
-done
+# decode_timing TP: the llama3-8b shape, 8 prompts x $L8B_TOKENS tokens at batch 8 on TP
+# ranks, with this run's GEMM and with the simple kernel; generate reports its own prefill
+# and decode time (in-process, rank 0), noted as TIME lines.
+decode_timing() {
+    local tp=$1 kind
+    for kind in "${ARBOR_GPU_GEMM:-auto}" simple; do
+        timed_generate "tp$tp-$kind" "$L8B_LOG" 90 "$WORK/l8b-tp$tp-$kind.jsonl" \
+            env ARBOR_GPU_GEMM="$kind" "$LAUNCH" -n "$tp" --output rank0 -- "$ARBOR" generate \
+            --model "$L8B_DIR" --device cuda --prompts "$WORK/l8b-prompts.jsonl" --batch 8 \
+            --max-tokens "$L8B_TOKENS" --out "$WORK/l8b-tp$tp-$kind.jsonl"
+    done
+}
 
 run_check() { # run_check NAME LOG MODEL TIMEOUT EXTRA...
     local name=$1 log=$2 model=$3 limit=$4
@@ -107,13 +111,26 @@ run_check() { # run_check NAME LOG MODEL TIMEOUT EXTRA...
         --tp "$TPS" --batch 1,8,32 --json "$REPORTS/$name.json" "$@"
 }
 
-if [[ $MODE == full ]]; then
-    run_check tiny-greedy "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32
-    run_check tiny-seeded "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32 \
-        --temperature 0.8 --top-p 0.9 --seed 1234
-    step "tiny generate --shadow-tp1 (TP=${TPS##*,})" "$TINY_LOG" 60 \
-        "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$TINY" --device cuda --shadow-tp1 \
-        --prompts "$WORK/tiny-prompts.jsonl" --batch 8 --max-tokens 16
+# --- tiny model
+if [[ $MODE != timing ]]; then
+    TINY=$WORK/tiny
+    rm -rf "$TINY"
+    step "make tiny model" "$TINY_LOG" 60 "$ARBOR" make-model --out "$TINY"
+    prompts "$WORK/tiny-prompts.jsonl" 34 250
+    for tp in ${TPS//,/ }; do
+        step "tiny generate TP=$tp" "$TINY_LOG" 90 \
+            "$LAUNCH" -n "$tp" -- "$ARBOR" generate --model "$TINY" --device cuda \
+            --prompt "hello world" --prompt "the quick brown fox" --max-tokens 16
+    done
+
+    if [[ $MODE == full ]]; then
+        run_check tiny-greedy "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32
+        run_check tiny-seeded "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32 \
+            --temperature 0.8 --top-p 0.9 --seed 1234
+        step "tiny generate --shadow-tp1 (TP=${TPS##*,})" "$TINY_LOG" 60 \
+            "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$TINY" --device cuda --shadow-tp1 \
+            --prompts "$WORK/tiny-prompts.jsonl" --batch 8 --max-tokens 16
+    fi
 fi
 
 # --- llama3-8b-shape model
@@ -143,18 +160,12 @@ elif [[ -f $L8B_OK ]]; then
         step "l8b generate --shadow-tp1 (TP=${TPS##*,})" "$L8B_LOG" 120 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda --shadow-tp1 \
             --prompts "$WORK/l8b-prompts.jsonl" --batch 8 --max-tokens 16
-        # Decode timing at the largest TP: the GEMM of this run vs the simple kernel (last:
-        # skipped when the time budget is spent).
-        tp=${TPS##*,}
-        for kind in "${ARBOR_GPU_GEMM:-auto}" simple; do
-            for n in 1 64; do
-                timed_generate "$kind-$n" "$L8B_LOG" 90 "$WORK/l8b-$kind-$n.jsonl" \
-                    env ARBOR_GPU_GEMM="$kind" "$LAUNCH" -n "$tp" --output rank0 -- "$ARBOR" generate \
-                    --model "$L8B_DIR" --device cuda --prompts "$WORK/l8b-prompts.jsonl" --batch 8 \
-                    --max-tokens "$n" --out "$WORK/l8b-$kind-$n.jsonl"
-            done
+        # Decode timing at the largest TP (last: skipped when the time budget is spent).
+        decode_timing "${TPS##*,}"
+    elif [[ $MODE == timing ]]; then
+        for tp in ${TPS//,/ }; do
+            decode_timing "$tp"
         done
-        decode_report simple "${ARBOR_GPU_GEMM:-auto}" 64 63
     else
         step "l8b generate TP=${TPS##*,} ($L8B_TOKENS tokens, 1 prompt)" "$L8B_LOG" 200 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda \

@@ -77,6 +77,37 @@ pub struct ScoreOutput {
     pub logits_digest: Vec<u64>,
 }
 
+/// Wall-clock time spent in `generate` steps since the runner was loaded (each step ends
+/// with the logits on the host, so a step's time is its whole cost on this rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GenTiming {
+    /// Prefill steps (one per `generate` call) and the prompt tokens they processed.
+    pub prefill_s: f64,
+    pub prefill_tokens: usize,
+    /// Decode steps (one new token for every live sequence) and the tokens they made.
+    pub decode_s: f64,
+    pub decode_steps: usize,
+    pub decode_tokens: usize,
+}
+
+impl GenTiming {
+    /// One line for a person: prefill and decode cost, per step and per token.
+    pub fn summary(&self) -> String {
+        let per_step = |s: f64, n: usize| if n > 0 { 1e3 * s / n as f64 } else { 0.0 };
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        format!(
+            "prefill {:.1} ms for {} prompt tokens ({:.0} tok/s); decode {} steps in {:.3} s ({:.2} ms/step, {:.0} tok/s)",
+            1e3 * self.prefill_s,
+            self.prefill_tokens,
+            rate(self.prefill_tokens, self.prefill_s),
+            self.decode_steps,
+            self.decode_s,
+            per_step(self.decode_s, self.decode_steps),
+            rate(self.decode_tokens, self.decode_s),
+        )
+    }
+}
+
 pub trait Runner {
     fn tp(&self) -> usize;
     fn rank(&self) -> usize;
@@ -95,6 +126,8 @@ pub trait Runner {
     ) -> MResult<Vec<GenOutput>>;
     /// Teacher-forced, prefill only (the trainer's path); one static batch.
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>>;
+    /// Time spent in `generate` so far.
+    fn timing(&self) -> GenTiming;
 }
 
 /// Loads this rank's shard (TP = `comm.world_size()`).
@@ -141,6 +174,7 @@ pub struct Engine<B: Backend> {
     tokenizer: Option<tokenizers::Tokenizer>,
     max_seq_len: usize,
     shadow: Option<Box<Engine<B>>>,
+    timing: GenTiming,
 }
 
 /// A batch's KV caches: the model's and, with a shadow, the shadow's.
@@ -195,6 +229,7 @@ impl<B: Backend> Engine<B> {
             model,
             max_seq_len,
             shadow: None,
+            timing: GenTiming::default(),
         })
     }
 
@@ -435,9 +470,21 @@ impl<B: Backend> Runner for Engine<B> {
             out_rows.push(ids.len() - 1);
         }
         let mut live: Vec<usize> = (0..active.len()).collect();
+        let mut prefill = true;
         loop {
             let ids_of: Vec<u64> = live.iter().map(|&j| reqs[active[j]].id).collect();
+            let t0 = std::time::Instant::now();
             let logits = self.step(&mut caches, &ids, &seqs, &out_rows, &ids_of)?;
+            let dt = t0.elapsed().as_secs_f64();
+            if prefill {
+                self.timing.prefill_s += dt;
+                self.timing.prefill_tokens += ids.len();
+                prefill = false;
+            } else {
+                self.timing.decode_s += dt;
+                self.timing.decode_steps += 1;
+                self.timing.decode_tokens += ids.len();
+            }
             let vocab = self.model.cfg.vocab_size;
             for (n, &j) in live.iter().enumerate() {
                 let r = &reqs[active[j]];
@@ -480,6 +527,10 @@ impl<B: Backend> Runner for Engine<B> {
             }
         }
         Ok(outs)
+    }
+
+    fn timing(&self) -> GenTiming {
+        self.timing
     }
 
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>> {
@@ -557,5 +608,35 @@ impl<B: Backend> Runner for Engine<B> {
             }
         }
         Ok(outs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GenTiming;
+
+    #[test]
+    fn timing_summary_reports_per_step_and_per_token() {
+        let t = GenTiming {
+            prefill_s: 0.5,
+            prefill_tokens: 1000,
+            decode_s: 0.63,
+            decode_steps: 63,
+            decode_tokens: 504,
+        };
+        let s = t.summary();
+        assert!(
+            s.contains("prefill 500.0 ms for 1000 prompt tokens (2000 tok/s)"),
+            "{s}"
+        );
+        assert!(
+            s.contains("decode 63 steps in 0.630 s (10.00 ms/step, 800 tok/s)"),
+            "{s}"
+        );
+        let none = GenTiming::default().summary();
+        assert!(
+            none.contains("decode 0 steps in 0.000 s (0.00 ms/step, 0 tok/s)"),
+            "{none}"
+        );
     }
 }

@@ -229,6 +229,14 @@ pub fn run(args: Args) -> Result<()> {
         }
         Ok(())
     })?;
+    if rank0 {
+        // On stderr, so that --jsonl output stays machine-readable.
+        eprintln!(
+            "timing (rank 0, TP {}): {}",
+            runner.tp(),
+            runner.timing().summary()
+        );
+    }
     match sink {
         Some(sink) => sink.finish(),
         None => Ok(()),
