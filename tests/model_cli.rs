@@ -57,7 +57,11 @@ fn generate_prints_a_listing_from_rank_zero_only() {
     assert!(!err.contains("panicked"), "{err}");
     // One timing line, from rank 0: 4 new tokens = the prefill step and 3 decode steps.
     let all = format!("{out}{err}");
-    assert_eq!(all.matches("timing (rank 0, TP 2): prefill").count(), 1, "{all}");
+    assert_eq!(
+        all.matches("timing (rank 0, TP 2): prefill").count(),
+        1,
+        "{all}"
+    );
     assert!(all.contains("decode 3 steps in "), "{all}");
 }
 

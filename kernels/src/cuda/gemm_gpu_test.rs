@@ -39,12 +39,6 @@ impl Bufs {
         shape: TreeMatmul,
         (x_row, w_row, k_off): (usize, usize, usize),
     ) -> Vec<f32> {
-        // Named before the call: a kernel fault surfaces at the next synchronisation.
-        eprintln!(
-            "call {} {shape:?} at {:?}",
-            path.name(),
-            (x_row, w_row, k_off)
-        );
         let out = self.p(&self.out);
         // SAFETY: `out` is a live allocation of out.len() f32 on this stream.
         unsafe {
@@ -75,7 +69,11 @@ impl Bufs {
         let mut y = self
             .stream
             .clone_dtoh(&self.out)
-            .unwrap_or_else(|e| panic!("dtoh: {e}"));
+            // A kernel fault surfaces here, at the call's own synchronisation.
+            .unwrap_or_else(|e| {
+                let at = (x_row, w_row, k_off);
+                panic!("{} {shape:?} at {at:?}: {e}", path.name())
+            });
         y.truncate(shape.m * shape.n);
         y
     }
