@@ -86,6 +86,21 @@ DEVI void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: 
 DEVI int warpgroup_uniform() { return __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0); }
 
 
+// The producer side of the ring: waits until stage `it % STAGES` is free, then loads
+// k-tile kt of segment seg into it (X rows from x_row into the first A_BYTES, W rows from
+// w_row after them), completing on that stage's full barrier.
+template <int STAGES, int STAGE_BYTES, int A_BYTES>
+DEVI void produce_stage(const TmaParams& p, u32 ring, u32 full, u32 empty, u32 it, int kt,
+                        int seg, int x_row, int w_row) {
+    const int stage = (int)(it % STAGES);
+    mbar_wait(empty + 8 * stage, ((it / STAGES) & 1) ^ 1);
+    const u32 fb = full + 8 * stage;
+    mbar_expect_tx(fb, STAGE_BYTES);
+    const u32 dst = ring + stage * STAGE_BYTES;
+    tma_load_3d(dst, &p.tx, kt * 64, seg, x_row, fb);
+    tma_load_3d(dst + A_BYTES, &p.tw, kt * 64, seg, w_row, fb);
+}
+
 // k16 chunks of k-tile kt (64 columns) that start inside a segment of seg_len columns.
 DEVI int chunks_in_tile(int seg_len, int kt) { return min(4, (seg_len - kt * 64 + 15) / 16); }
 
@@ -185,15 +200,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             int mt, nt;
             tile_coords(t, num_m, num_n, mt, nt);
             for (int s = 0; s < p.n_seg; ++s) {
-                for (int kt = 0; kt < tps; ++kt, ++it) {
-                    const int stage = (int)(it % TMA_STAGES);
-                    mbar_wait(empty + 8 * stage, ((it / TMA_STAGES) & 1) ^ 1);
-                    const u32 fb = full + 8 * stage;
-                    mbar_expect_tx(fb, TMA_STAGE_BYTES);
-                    const u32 dst = ring + stage * TMA_STAGE_BYTES;
-                    tma_load_3d(dst, &p.tx, kt * 64, s, mt * 128, fb);
-                    tma_load_3d(dst + TMA_A_BYTES, &p.tw, kt * 64, s, nt * 128, fb);
-                }
+                for (int kt = 0; kt < tps; ++kt, ++it)
+                    produce_stage<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(
+                        p, ring, full, empty, it, kt, s, mt * 128, nt * 128);
             }
         }
         return;
@@ -348,15 +357,9 @@ DEVI void cluster_body(const TmaParams& p) {
             tma_prefetch_map(&p.tw);
             u32 it = 0;
             for (int j = 0; j < SPC; ++j) {
-                for (int kt = 0; kt < tps; ++kt, ++it) {
-                    const int stage = (int)(it % CL_STAGES);
-                    mbar_wait(empty + 8 * stage, ((it / CL_STAGES) & 1) ^ 1);
-                    const u32 fb = full + 8 * stage;
-                    mbar_expect_tx(fb, CL_STAGE_BYTES);
-                    const u32 dst = ring + stage * CL_STAGE_BYTES;
-                    tma_load_3d(dst, &p.tx, kt * 64, seg * SPC + j, mt * 64, fb);
-                    tma_load_3d(dst + CL_A_BYTES, &p.tw, kt * 64, seg * SPC + j, nt * 128, fb);
-                }
+                for (int kt = 0; kt < tps; ++kt, ++it)
+                    produce_stage<CL_STAGES, CL_STAGE_BYTES, CL_A_BYTES>(
+                        p, ring, full, empty, it, kt, seg * SPC + j, mt * 64, nt * 128);
             }
         }
     } else {
