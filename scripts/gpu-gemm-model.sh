@@ -16,8 +16,11 @@
 #   b. llama3-8b shape, ARBOR_GPU_GEMM=tensor: `arbor check --tp 1 --batch 1,8
 #      --max-tokens 32` on 4 token-id prompts of different lengths;
 #   c. timing, llama3-8b shape, TP=1: `arbor generate` of 8 prompts x 64 tokens at batch 8
-#      with simple and with tensor, plus a --max-tokens 1 run of each (load + prefill), so
-#      the 63 decode steps' time is the difference; wall seconds and ratios.
+#      with simple and with tensor, plus a --max-tokens 1 run of each; generate's own
+#      in-process timing line is noted (TIME), and the wall-clock difference (WALL, noisy:
+#      each run loads the model).
+# Since `tensor` became the default (auto on sm_80+), scripts/gpu-check.sh covers the
+# model at TP 1, 2, 4 with it; this script remains the single-GPU (H100) variant.
 # The 8B model is made by the CPU (~50 s) while steps 0, a and d run.
 #
 # Logs in $OUT (default ./gpu-gemm-model-out): summary.txt, tests.log, tiny.log, l8b.log,

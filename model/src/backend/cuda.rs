@@ -55,7 +55,8 @@ pub struct CudaBackend {
     coll: Option<GpuCollective>,
     algo: Algo,
     rope: Mutex<Option<RopeDev>>,
-    /// The tensor-core GEMM when `ARBOR_GPU_GEMM=tensor` (None: the simple kernel only).
+    /// The tensor-core GEMM when the choice resolves to `tensor` (the default on sm_80+;
+    /// None: the simple kernel only).
     gemm: Option<TensorGemm>,
 }
 
