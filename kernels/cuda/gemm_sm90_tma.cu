@@ -13,9 +13,10 @@
 // - arbor_gemm_wg_tma_128x128 (large M): persistent, one producer thread issuing TMA into
 //   a 5-deep ring guarded by mbarriers, two consumer warpgroups of 64x128 each running the
 //   whole tree of their tile. The tree needs up to three pending 64x128 partials besides
-//   the running leaf; a 384-thread block caps registers at 168 per thread (ptxas does not
-//   allocate past that for setmaxnreg regions without spilling), so the leaf and the root
-//   are in registers, p1 in shared memory and s6 in a global (L2-resident) workspace.
+//   the running leaf; a 384-thread block caps registers at 168 per thread (and with
+//   setmaxnreg 240 for the consumers ptxas still spilled leaf + root + p1), so the leaf
+//   and the root are in registers, p1 in shared memory and s6 in a global (L2-resident)
+//   workspace.
 // - arbor_gemm_wg_cluster_64x128 (small M): one block per (128 columns, segment, 64 rows),
 //   the n_seg blocks of a tile form a thread-block cluster; each leaves its segment sum in
 //   its own shared memory and the cluster combines them over distributed shared memory in
@@ -168,8 +169,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     extern __shared__ unsigned char tma_smem[];
     const u32 raw = smem_addr(tma_smem);
     const u32 base = (raw + 1023u) & ~1023u;
-    // Layout: STAGES x [A 128x64 | B 128x64], the s6 spill slot (64 floats x 256
-    // consumer threads), then the full and empty barriers.
+    // Layout: STAGES x [A 128x64 | B 128x64], the p1 slot (64 floats x 256 consumer
+    // threads), then the full and empty barriers.
     const u32 ring = base;
     float* slot = (float*)(tma_smem + (base - raw) + TMA_STAGES * TMA_STAGE_BYTES);
     const u32 full = base + TMA_STAGES * TMA_STAGE_BYTES + 64 * 256 * 4;
