@@ -107,7 +107,7 @@ impl TokenizerConfig {
         let model_max_length = obj
             .get("model_max_length")
             .and_then(Value::as_f64)
-            .filter(|&n| n >= 1.0 && n < 1e15)
+            .filter(|n| (1.0..1e15).contains(n))
             .map(|n| n as usize);
         Ok(TokenizerConfig {
             chat_template,

@@ -86,7 +86,10 @@ fn with_config(arch: Arch, format: ConfigFormat, edit: impl Fn(&mut Value)) -> T
     dir
 }
 
-fn run(dir: &Path, max_seq_len: usize) -> (Vec<GenKey>, Vec<ScoreKey>) {
+/// Greedy generation and scoring keys (tokens, log-prob bits, digests) of one model.
+type Keys = (Vec<GenKey>, Vec<ScoreKey>);
+
+fn run(dir: &Path, max_seq_len: usize) -> Keys {
     let mut o = opts(dir);
     o.max_seq_len = Some(max_seq_len);
     let reqs = vec![arbor_model::GenRequest {
@@ -147,7 +150,7 @@ fn twins_give_the_same_bits_and_every_rope_setting_counts() {
             json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
         ),
     ];
-    let mut seen: Vec<(Arch, (Vec<GenKey>, Vec<ScoreKey>))> = Vec::new();
+    let mut seen: Vec<(Arch, Keys)> = Vec::new();
     for (arch, theta, scaling) in settings {
         let (s4, s5) = (scaling.clone(), scaling.clone());
         let v4 = with_config(arch, ConfigFormat::Transformers4, move |v| {

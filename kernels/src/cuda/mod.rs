@@ -11,6 +11,7 @@
 //! checks first, so a machine without a GPU gets an error that says so.
 
 pub mod compile;
+pub mod cublas;
 pub mod device;
 pub mod error;
 pub mod gemm;

@@ -283,8 +283,7 @@ fn object_or_null<'a>(
 /// families uses it, so anything but 1 is refused.
 fn check_partial(v: Option<&Value>, key: &str, path: &Path) -> MResult<()> {
     match number(v, key, path)? {
-        None => Ok(()),
-        Some(f) if f == 1.0 => Ok(()),
+        None | Some(1.0) => Ok(()),
         Some(f) => Err(cfg_err(
             path,
             format!("\"{key}\" {f} is not supported (arbor rotates the whole head)"),

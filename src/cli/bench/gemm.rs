@@ -14,9 +14,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use arbor_kernels::cpu::matmul::TreeMatmul;
+use arbor_kernels::cuda::cublas::Blas;
 use arbor_kernels::cuda::gemm::{self, Family, GemmArgs, OutDtype, Path, TreeGemm};
 use arbor_kernels::tree::{combine_roots, SegmentLayout, SEGMENTS};
-use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use serde::Serialize;
@@ -149,7 +150,7 @@ pub fn run(args: Args) -> Result<()> {
         ms = t0.elapsed().as_millis() as u64,
         "compiled the tree GEMM"
     );
-    let blas = Blas::new(&stream)?;
+    let blas = Blas::new(&stream).map_err(anyhow::Error::msg)?;
     let timer = Timer::new(&ctx, &stream, args.warmup, args.iters)?;
     let out_dtype = match args.out {
         OutArg::F32 => OutDtype::F32,
@@ -373,73 +374,6 @@ fn copy_ceiling(stream: &Arc<CudaStream>, timer: &Timer) -> Result<f64> {
     Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
 }
 
-/// cuBLAS handle on the bench stream; the baseline Y = X·Wᵀ in row-major terms.
-struct Blas {
-    handle: blas_sys::cublasHandle_t,
-}
-
-impl Blas {
-    fn new(stream: &CudaStream) -> Result<Self> {
-        let handle = blas::create_handle().context("cublasCreate")?;
-        // SAFETY: a fresh handle and a live stream.
-        unsafe { blas::set_stream(handle, stream.cu_stream() as blas_sys::cudaStream_t) }
-            .context("cublasSetStream")?;
-        Ok(Self { handle })
-    }
-
-    /// Row-major Y[m,n] = X[m,k]·W[n,k]ᵀ is column-major Yᵀ = W·Xᵀ with W transposed.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        x: CUdeviceptr,
-        w: CUdeviceptr,
-        y: CUdeviceptr,
-        out: OutDtype,
-    ) -> Result<()> {
-        let alpha = 1.0f32;
-        let beta = 0.0f32;
-        let c_type = match out {
-            OutDtype::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-            OutDtype::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
-        };
-        // SAFETY: the pointers are live allocations of the sizes the shape describes.
-        unsafe {
-            blas::gemm_ex(
-                self.handle,
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const _,
-                w as *const _,
-                blas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
-                x as *const _,
-                blas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
-                &beta as *const f32 as *const _,
-                y as *mut _,
-                c_type,
-                n as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .with_context(|| format!("cublasGemmEx m={m} n={n} k={k}"))
-    }
-}
-
-impl Drop for Blas {
-    fn drop(&mut self) {
-        // SAFETY: the handle was created by `Blas::new` and is destroyed once.
-        let _ = unsafe { blas::destroy_handle(self.handle) };
-    }
-}
-
 /// Device operands of one (K, N); X and W rows have stride `k`.
 struct Operands {
     family: Family,
@@ -560,12 +494,17 @@ fn bench_shape(
             Ok(())
         })?;
         let out2_p = ptr(&ops.out2, stream);
-        let cublas_ms =
-            timer.median_ms(|i| blas.gemm(m, n, k, x_p, wp[i % wp.len()], out2_p, out_dtype))?;
+        let cublas_ms = timer.median_ms(|i| {
+            // SAFETY: the operands were allocated for this (m, n, k) on the bench stream.
+            unsafe { blas.gemm(m, n, k, x_p, wp[i % wp.len()], out2_p, out_dtype) }
+                .map_err(anyhow::Error::msg)
+        })?;
 
         // Checks (untimed).
         let y = call_f32(stream, tg, &ops, &Call::new(full(m)), &ops.out)?;
-        blas.gemm(m, n, k, x_p, wp[0], out2_p, OutDtype::F32)?;
+        // SAFETY: as above.
+        unsafe { blas.gemm(m, n, k, x_p, wp[0], out2_p, OutDtype::F32) }
+            .map_err(anyhow::Error::msg)?;
         let y_blas: Vec<f32> = stream.clone_dtoh(&ops.out2)?[..m * n].to_vec();
         let rel_err = rel_err(&y, &y_blas);
         let mut checks = Vec::new();
