@@ -107,6 +107,22 @@ pub enum CommError {
         detail: String,
     },
 
+    /// The peer turned this rank away in the job-token handshake (see `auth`).
+    #[error("rank {rank}: {peer} refused this rank: {reason}")]
+    Refused {
+        rank: usize,
+        peer: String,
+        reason: String,
+    },
+
+    /// The peer failed the job-token handshake on this rank's side.
+    #[error("rank {rank}: job token check with {peer} failed: {detail}")]
+    Auth {
+        rank: usize,
+        peer: String,
+        detail: String,
+    },
+
     /// Another rank gave up and told the group why.
     #[error("rank {rank}: rank {peer} aborted the group: {reason}")]
     PeerAborted {
