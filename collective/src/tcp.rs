@@ -660,6 +660,10 @@ fn read_error(rank: usize, peer: usize, name: &str, e: ReadError, context: &str)
     }
 }
 
+/// A connection that passed the token check, who it came from, and its first protocol
+/// frame (or why that could not be read).
+type Passed = (TcpStream, SocketAddr, Result<Frame, ReadError>);
+
 /// What became of one incoming connection's handshake.
 enum Handshake {
     /// It proved the token (or neither side has one); then its first protocol frame, or
@@ -705,7 +709,7 @@ impl Gate {
     }
 
     /// Accepts what is waiting, then waits up to [`POLL`] for a connection that passed.
-    fn poll(&mut self) -> io::Result<Option<(TcpStream, SocketAddr, Result<Frame, ReadError>)>> {
+    fn poll(&mut self) -> io::Result<Option<Passed>> {
         loop {
             match self.listener.accept() {
                 Ok((stream, addr)) => self.start(stream, addr),
