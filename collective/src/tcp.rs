@@ -227,7 +227,7 @@ impl TcpComm {
             &peer0,
             Purpose::Rendezvous,
             security.token.as_ref(),
-            handshake_deadline(deadline),
+            deadline,
         )?;
         let hello = Hello {
             world_size: world as u32,
@@ -325,7 +325,7 @@ impl TcpComm {
                 &name,
                 Purpose::Mesh,
                 security.token.as_ref(),
-                handshake_deadline(deadline),
+                deadline,
             )?;
             wire::write_msg(
                 &mut s,
@@ -883,7 +883,10 @@ fn auth_accept(
         .map_err(|e| format!("it left during the job-token handshake ({e})"))
 }
 
-/// The connector's half of the token handshake with `peer` (e.g. "rank 0 at host:port").
+/// The connector's half of the token handshake with `peer` (e.g. "rank 0 at host:port"),
+/// waiting until `until` at most: the peer is a known rank, which may be busy opening its
+/// own links before it gets to this one, so the short limit of incoming handshakes does
+/// not apply.
 fn auth_connect(
     s: &mut TcpStream,
     rank: usize,
@@ -916,10 +919,11 @@ fn auth_connect(
     let read = |s: &TcpStream, want: Kind| -> Result<Frame, CommError> {
         let f = wire::read_frame(&mut DeadlineReader { s, until }, wire::MAX_CONTROL_LEN).map_err(
             |e| match e {
-                ReadError::TimedOut => protocol(format!(
-                    "did not answer the job-token handshake within {}s",
-                    HANDSHAKE_TIMEOUT.as_secs_f64()
-                )),
+                ReadError::TimedOut => protocol(
+                    "did not answer the job-token handshake before the rendezvous deadline \
+                     (ARBOR_TIMEOUT_SECS)"
+                        .into(),
+                ),
                 e => read_error(rank, usize::MAX, peer, e, "during the job-token handshake"),
             },
         )?;
