@@ -198,7 +198,7 @@ pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
         None => free_port(&master_addr, args.bind_all)
             .context("finding a free port for the rendezvous (give --master-port)")?,
     };
-    let job_token = job_token(|k| std::env::var(k).ok())?;
+    let job_token = job_token(|k| std::env::var(k).ok())?.map(supervise::JobToken);
     Ok(supervise::Plan {
         command: args.command.clone(),
         world_size,
@@ -308,6 +308,8 @@ mod tests {
         assert_eq!(job_token(given).unwrap().as_deref(), Some("mine"));
         let file = |k: &str| (k == "ARBOR_JOB_TOKEN_FILE").then(|| "/t".to_string());
         assert_eq!(job_token(file).unwrap(), None);
+        let shown = format!("{:?}", supervise::JobToken(a.clone()));
+        assert!(!shown.contains(&a), "{shown}");
     }
 
     #[test]

@@ -34,9 +34,19 @@ pub struct Plan {
     pub kill_grace: Duration,
     /// The job's secret (ARBOR_JOB_TOKEN) for every rank; None where the ranks find it
     /// themselves (ARBOR_JOB_TOKEN_FILE inherited from arbor-launch's environment).
-    pub job_token: Option<String>,
+    pub job_token: Option<JobToken>,
     /// Ranks listen on every interface (ARBOR_BIND_ALL=1).
     pub bind_all: bool,
+}
+
+/// The job's secret; kept out of `Debug` output so that no log of a plan shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JobToken(pub String);
+
+impl std::fmt::Debug for JobToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JobToken(<{} bytes>)", self.0.len())
+    }
 }
 
 /// Ranks on other hosts: the agent and the variables of arbor-launch's environment they get
@@ -286,7 +296,7 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
             let mut cmd = Command::new(program);
             cmd.args(args).envs(rank_env.iter().map(|(k, v)| (k, v)));
             if let Some(t) = &plan.job_token {
-                cmd.env(remote::STDIN_SECRET_VAR, t);
+                cmd.env(remote::STDIN_SECRET_VAR, &t.0);
             }
             // Rank 0 may read our stdin (mpirun does the same), unless it is a terminal: a
             // background process group reading the terminal would be stopped (SIGTTIN).
@@ -341,7 +351,7 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
         use std::io::Write as _;
         // The remote script reads this line before it starts the rank (see `remote`); an
         // agent that already died shows up as the rank's failure.
-        if let Err(e) = writeln!(pipe, "{token}").and_then(|_| pipe.flush()) {
+        if let Err(e) = writeln!(pipe, "{}", token.0).and_then(|_| pipe.flush()) {
             tracing::warn!("rank {rank}: could not pass the job token to the agent: {e}");
         }
     }
