@@ -146,6 +146,7 @@ impl TcpComm {
                     addr: here.clone(),
                     timeout: timeouts.rendezvous,
                     missing,
+                    refused: gate.refusals(),
                 };
                 abort_all(&mut arrived, &err);
                 return Err(err);
@@ -421,6 +422,7 @@ impl TcpComm {
                     addr: here,
                     timeout: timeouts.rendezvous,
                     missing,
+                    refused: gate.refusals(),
                 });
             }
         }
@@ -684,6 +686,9 @@ struct Gate {
     tx: Sender<Handshake>,
     rx: Receiver<Handshake>,
     pending: usize,
+    /// How many connections were turned away, and the last one (address, why).
+    refused: usize,
+    last_refusal: Option<(SocketAddr, String)>,
 }
 
 impl Gate {
@@ -705,6 +710,8 @@ impl Gate {
             tx,
             rx,
             pending: 0,
+            refused: 0,
+            last_refusal: None,
         })
     }
 
@@ -729,9 +736,22 @@ impl Gate {
                     "rank {}: refused a connection from {addr}: {reason}",
                     self.rank
                 );
+                self.refused += 1;
+                self.last_refusal = Some((addr, reason));
                 Ok(None)
             }
             Err(_) => Ok(None),
+        }
+    }
+
+    /// For a timeout message: the connections turned away while waiting, if any.
+    fn refusals(&self) -> String {
+        match &self.last_refusal {
+            None => String::new(),
+            Some((addr, why)) => format!(
+                "; meanwhile {} connection(s) were refused, the last from {addr}: {why}",
+                self.refused
+            ),
         }
     }
 
@@ -1404,6 +1424,25 @@ mod tests {
             e.contains(&format!(
                 "rank 0 at {addr} refused this rank: job token mismatch"
             )) && e.contains("ARBOR_JOB_TOKEN"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_timeout_names_the_refused_connections() {
+        let (l, addr) = listener();
+        let t = timeouts(1.0);
+        let impostor =
+            thread::spawn(move || TcpComm::join(1, 2, &addr, t, &sec(Some("guess"))).is_err());
+        let e = TcpComm::serve(l, 2, t, &sec(Some("right")))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(impostor.join().unwrap());
+        assert!(
+            e.contains("rank(s) 1 never arrived")
+                && e.contains("1 connection(s) were refused, the last from 127.0.0.1:")
+                && e.contains("job token mismatch"),
             "{e}"
         );
     }
