@@ -34,7 +34,7 @@ pub enum CommError {
     /// Rendezvous did not complete in time; `missing` are the ranks that never arrived.
     #[error(
         "rank {rank}: rendezvous at {addr} timed out after {}s: rank(s) {} never arrived \
-         (raise ARBOR_TIMEOUT_SECS if they are just slow to start)",
+         (raise ARBOR_TIMEOUT_SECS if they are just slow to start){refused}",
         timeout.as_secs_f64(),
         fmt_ranks(missing)
     )]
@@ -43,6 +43,9 @@ pub enum CommError {
         addr: String,
         timeout: Duration,
         missing: Vec<usize>,
+        /// Connections turned away meanwhile ("; refused N connection(s), the last from
+        /// ADDR: why"), or empty: a rank with the wrong token shows up here.
+        refused: String,
     },
 
     /// Rank 0's rendezvous store could not be reached in time.
@@ -102,6 +105,22 @@ pub enum CommError {
     /// calling a different collective, a malformed message, a wrong rank or world size...).
     #[error("rank {rank}: protocol error with {peer}: {detail}")]
     Protocol {
+        rank: usize,
+        peer: String,
+        detail: String,
+    },
+
+    /// The peer turned this rank away in the job-token handshake (see `auth`).
+    #[error("rank {rank}: {peer} refused this rank: {reason}")]
+    Refused {
+        rank: usize,
+        peer: String,
+        reason: String,
+    },
+
+    /// The peer failed the job-token handshake on this rank's side.
+    #[error("rank {rank}: job token check with {peer} failed: {detail}")]
+    Auth {
         rank: usize,
         peer: String,
         detail: String,

@@ -9,6 +9,7 @@
 //! Entry point for a worker process: [`init_from_env`] reads its rank from the launcher's
 //! variables ([`env`]) and returns a connected communicator.
 
+pub mod auth;
 pub mod comm;
 mod engine;
 pub mod env;
@@ -25,6 +26,7 @@ pub mod wire;
 
 use std::sync::Arc;
 
+pub use auth::{JobToken, Security};
 pub use comm::Communicator;
 pub use env::{RankInfo, Timeouts};
 pub use error::CommError;
@@ -35,7 +37,8 @@ pub use tree_allreduce::tree_all_reduce;
 
 /// Connects this process to its group: rank and world size from the launcher's variables
 /// (RANK/WORLD_SIZE…, OpenMPI, PMI or Slurm; see [`env`]), rendezvous at
-/// MASTER_ADDR:MASTER_PORT, timeouts from ARBOR_TIMEOUT_SECS / ARBOR_OP_TIMEOUT_SECS.
+/// MASTER_ADDR:MASTER_PORT, timeouts from ARBOR_TIMEOUT_SECS / ARBOR_OP_TIMEOUT_SECS, the job
+/// token from ARBOR_JOB_TOKEN / ARBOR_JOB_TOKEN_FILE and ARBOR_BIND_ALL (see [`auth`]).
 /// World size 1 (nothing set) needs no network. Returns the communicator and where this
 /// process sits (local rank for the GPU choice).
 pub fn init_from_env() -> Result<(Arc<dyn Communicator>, RankInfo), CommError> {
@@ -46,12 +49,17 @@ pub fn init_from_env() -> Result<(Arc<dyn Communicator>, RankInfo), CommError> {
     }
     let info = RankInfo::from_env()?;
     let timeouts = Timeouts::from_env()?;
-    let comm = connect(&info, timeouts)?;
+    let security = Security::from_env()?;
+    let comm = connect(&info, timeouts, &security)?;
     Ok((comm, info))
 }
 
-/// Like [`init_from_env`] with the rank and timeouts given.
-pub fn connect(info: &RankInfo, timeouts: Timeouts) -> Result<Arc<dyn Communicator>, CommError> {
+/// Like [`init_from_env`] with the rank, timeouts and security settings given.
+pub fn connect(
+    info: &RankInfo,
+    timeouts: Timeouts,
+    security: &Security,
+) -> Result<Arc<dyn Communicator>, CommError> {
     tracing::debug!(
         rank = info.rank,
         world = info.world_size,
@@ -62,5 +70,5 @@ pub fn connect(info: &RankInfo, timeouts: Timeouts) -> Result<Arc<dyn Communicat
     if info.world_size == 1 {
         return Ok(Arc::new(SingleComm));
     }
-    Ok(Arc::new(TcpComm::connect(info, timeouts)?))
+    Ok(Arc::new(TcpComm::connect(info, timeouts, security)?))
 }

@@ -1,24 +1,31 @@
 //! The TCP transport: one process per rank, a full mesh of sockets (fine up to 8 ranks).
 //!
 //! Setup, in [`TcpComm::connect`]:
-//! 1. Rank 0 listens on MASTER_PORT on every interface (`0.0.0.0`, or `[::]` when
-//!    MASTER_ADDR is IPv6) and serves the rendezvous.
-//! 2. Every other rank opens a data listener on an ephemeral port, connects to
-//!    MASTER_ADDR:MASTER_PORT (retrying until rank 0 is up) and sends a `Hello` (rank,
-//!    world size, data port).
+//! 1. Rank 0 listens on MASTER_PORT at the address MASTER_ADDR resolves to (loopback for a
+//!    job on one host), or on every interface with ARBOR_BIND_ALL=1, and serves the
+//!    rendezvous.
+//! 2. Every other rank connects to MASTER_ADDR:MASTER_PORT (retrying until rank 0 is up),
+//!    opens a data listener on an ephemeral port of the local address that connection
+//!    uses, proves the job token (see [`crate::auth`]) and sends a `Hello` (rank, world
+//!    size, data port).
 //! 3. When all have arrived, rank 0 answers each with a `Welcome`: the session id and every
 //!    rank's data address, made of the IP rank 0 saw the rank connect from (an address
 //!    that demonstrably routes, never a guessed 127.0.0.1) and its data port. The
 //!    rendezvous connection itself stays as the link between rank 0 and that rank.
-//! 4. Rank j connects to every rank 0 < i < j and introduces itself with a `MeshHello`;
-//!    then a barrier over the whole mesh confirms every link.
+//! 4. Rank j connects to every rank 0 < i < j, proves the token again and introduces itself
+//!    with a `MeshHello`; then a barrier over the whole mesh confirms every link.
+//!
+//! Every incoming connection is handled on its own thread with a short deadline: a
+//! stranger that sends garbage, nothing, or a wrong token is turned away (and logged)
+//! while the listener keeps waiting for the real ranks. Only a peer that passed the token
+//! check can make the group fail (a wrong WORLD_SIZE, a rank claimed twice).
 //!
 //! Every wait has a deadline (ARBOR_TIMEOUT_SECS). On any failure rank 0 sends an `Abort`
 //! with the reason to every rank that arrived, so all of them fail with the same message.
 //! After setup each link has a reader thread that drains frames into a channel, so sends
 //! never deadlock; collective operations time out after ARBOR_OP_TIMEOUT_SECS.
 
-use std::io;
+use std::io::{self, Read};
 use std::net::{
     IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs,
 };
@@ -28,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
+use crate::auth::{self, AuthChallenge, AuthHello, AuthProof, JobToken, Purpose, Security};
 use crate::engine::{engine_communicator, Engine, Incoming, OpKind, Outbox};
 use crate::env::{RankInfo, Timeouts};
 use crate::wire::{self, Frame, Hello, Kind, MeshHello, ReadError, Welcome};
@@ -35,6 +43,12 @@ use crate::CommError;
 
 /// How often a waiting accept loop looks for new connections.
 const POLL: Duration = Duration::from_millis(5);
+/// How long one incoming connection may take to prove the token and introduce itself;
+/// real ranks do it at once, a stranger holding the connection open is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Incoming connections handled at once; more are closed unread (a flood of strangers
+/// cannot make a listener start unbounded threads).
+const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// One rank of a TCP group.
 pub struct TcpComm {
@@ -46,25 +60,20 @@ pub struct TcpComm {
 impl TcpComm {
     /// Joins (rank > 0) or serves (rank 0) the rendezvous at `info.master_addr:master_port`
     /// and opens the mesh.
-    pub fn connect(info: &RankInfo, timeouts: Timeouts) -> Result<TcpComm, CommError> {
+    pub fn connect(
+        info: &RankInfo,
+        timeouts: Timeouts,
+        security: &Security,
+    ) -> Result<TcpComm, CommError> {
         let target = format!("{}:{}", info.master_addr, info.master_port);
+        if info.rank == 0 && security.token.is_none() {
+            warn_unauthenticated(&target);
+        }
         if info.rank == 0 {
-            let master = resolve(0, &info.master_addr, info.master_port)?;
-            let any = match master.first().map(SocketAddr::ip) {
-                Some(IpAddr::V6(_)) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-                _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            };
-            let bind = SocketAddr::new(any, info.master_port);
-            let listener = TcpListener::bind(bind).map_err(|e| CommError::Io {
-                rank: 0,
-                context: format!(
-                    "binding the rendezvous port {bind} (MASTER_PORT; is another group using it?)"
-                ),
-                source: e,
-            })?;
-            Self::serve(listener, info.world_size, timeouts)
+            let listener = bind_rendezvous(info, security)?;
+            Self::serve(listener, info.world_size, timeouts, security)
         } else {
-            Self::join(info.rank, info.world_size, &target, timeouts)
+            Self::join(info.rank, info.world_size, &target, timeouts, security)
         }
     }
 
@@ -73,6 +82,7 @@ impl TcpComm {
         listener: TcpListener,
         world: usize,
         timeouts: Timeouts,
+        security: &Security,
     ) -> Result<TcpComm, CommError> {
         let deadline = Instant::now() + timeouts.rendezvous;
         let here = listener
@@ -84,35 +94,35 @@ impl TcpComm {
             context: format!("{context} on the rendezvous port {here}"),
             source: e,
         };
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| io_err("setting up", e))?;
-        let (tx, rx) = unbounded::<(TcpStream, SocketAddr, Result<Frame, ReadError>)>();
+        let mut gate = Gate::new(
+            listener,
+            0,
+            Purpose::Rendezvous,
+            security.token.clone(),
+            deadline,
+        )
+        .map_err(|e| io_err("setting up", e))?;
         let mut arrived: Vec<Option<(TcpStream, Hello, SocketAddr)>> =
             (0..world).map(|_| None).collect();
         let mut count = 1;
         tracing::debug!(%here, world, "rank 0: serving the rendezvous");
         while count < world {
-            loop {
-                match listener.accept() {
-                    Ok((stream, addr)) => spawn_handshake(stream, addr, deadline, tx.clone()),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        let err = io_err("accepting", e);
-                        abort_all(&mut arrived, &err);
-                        return Err(err);
-                    }
+            let next = match gate.poll() {
+                Ok(n) => n,
+                Err(e) => {
+                    let err = io_err("accepting", e);
+                    abort_all(&mut arrived, &err);
+                    return Err(err);
                 }
-            }
-            if let Ok((mut stream, addr, res)) = rx.recv_timeout(POLL) {
+            };
+            if let Some((mut stream, addr, res)) = next {
                 match check_hello(res, addr, world, &arrived) {
                     Ok(Some((r, hello))) => {
                         tracing::debug!(rank = r, %addr, host = %hello.host, "rank arrived");
                         arrived[r] = Some((stream, hello, addr));
                         count += 1;
                     }
-                    // A connection that said nothing before the deadline: the timeout below
+                    // Proved the token, then said nothing in time: the timeout below
                     // reports the ranks that are missing.
                     Ok(None) => {}
                     Err(err) => {
@@ -136,6 +146,7 @@ impl TcpComm {
                     addr: here.clone(),
                     timeout: timeouts.rendezvous,
                     missing,
+                    refused: gate.refusals(),
                 };
                 abort_all(&mut arrived, &err);
                 return Err(err);
@@ -176,6 +187,7 @@ impl TcpComm {
         world: usize,
         master: &str,
         timeouts: Timeouts,
+        security: &Security,
     ) -> Result<TcpComm, CommError> {
         if rank == 0 || rank >= world {
             return Err(CommError::InvalidArgument {
@@ -196,16 +208,28 @@ impl TcpComm {
             .local_addr()
             .map_err(|e| io_err(format!("reading the local address toward {master}"), e))?
             .ip();
-        let any = match local_ip {
-            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        // Peers reach this rank's data port at the address rank 0 sees it connect from,
+        // which is this local address: nothing needs to listen anywhere else.
+        let bind_ip = if security.bind_all {
+            unspecified_like(local_ip)
+        } else {
+            local_ip
         };
-        let listener = TcpListener::bind(SocketAddr::new(any, 0))
-            .map_err(|e| io_err("opening the data listener".into(), e))?;
+        let listener = TcpListener::bind(SocketAddr::new(bind_ip, 0))
+            .map_err(|e| io_err(format!("opening the data listener on {bind_ip}"), e))?;
         let data_port = listener
             .local_addr()
             .map_err(|e| io_err("reading the data listener's port".into(), e))?
             .port();
+        let peer0 = format!("rank 0 at {master}");
+        auth_connect(
+            &mut stream,
+            rank,
+            &peer0,
+            Purpose::Rendezvous,
+            security.token.as_ref(),
+            deadline,
+        )?;
         let hello = Hello {
             world_size: world as u32,
             data_port,
@@ -224,7 +248,6 @@ impl TcpComm {
         stream
             .set_read_timeout(Some(welcome_wait))
             .map_err(|e| io_err("setting a read timeout".into(), e))?;
-        let peer0 = format!("rank 0 at {master}");
         let frame = wire::read_frame(&mut stream, wire::MAX_CONTROL_LEN).map_err(|e| match e {
             ReadError::TimedOut => CommError::OpTimeout {
                 rank,
@@ -268,7 +291,7 @@ impl TcpComm {
         let mut links: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         links[0] = Some(stream);
         let mesh = Self::open_mesh(
-            rank, world, &welcome, &listener, &mut links, deadline, timeouts,
+            rank, world, &welcome, listener, &mut links, deadline, timeouts, security,
         );
         if let Err(err) = mesh {
             abort_links(&mut links, rank, &err);
@@ -278,14 +301,16 @@ impl TcpComm {
     }
 
     /// Connects to ranks 1..rank, accepts ranks rank+1..world.
+    #[allow(clippy::too_many_arguments)]
     fn open_mesh(
         rank: usize,
         world: usize,
         welcome: &Welcome,
-        listener: &TcpListener,
+        listener: TcpListener,
         links: &mut [Option<TcpStream>],
         deadline: Instant,
         timeouts: Timeouts,
+        security: &Security,
     ) -> Result<(), CommError> {
         for (i, addr) in welcome.peers.iter().enumerate().take(rank).skip(1) {
             let target: SocketAddr = addr.parse().map_err(|_| CommError::Protocol {
@@ -293,12 +318,15 @@ impl TcpComm {
                 peer: "rank 0".into(),
                 detail: format!("welcome gives rank {i} the address {addr:?}"),
             })?;
-            let mut s = connect_until(
+            let name = format!("rank {i} at {addr}");
+            let mut s = connect_until(rank, &[target], &name, deadline, timeouts.rendezvous)?;
+            auth_connect(
+                &mut s,
                 rank,
-                &[target],
-                &format!("rank {i} at {addr}"),
+                &name,
+                Purpose::Mesh,
+                security.token.as_ref(),
                 deadline,
-                timeouts.rendezvous,
             )?;
             wire::write_msg(
                 &mut s,
@@ -324,76 +352,78 @@ impl TcpComm {
             context: format!("accepting links on {here}"),
             source: e,
         };
-        listener.set_nonblocking(true).map_err(io_err)?;
         let mut waiting = world - rank - 1;
+        if waiting == 0 {
+            return Ok(());
+        }
+        let mut gate = Gate::new(
+            listener,
+            rank,
+            Purpose::Mesh,
+            security.token.clone(),
+            deadline,
+        )
+        .map_err(io_err)?;
         while waiting > 0 {
-            match listener.accept() {
-                Ok((mut s, addr)) => {
-                    let peer = format!("connection from {addr}");
-                    let remaining = deadline.saturating_duration_since(Instant::now()).max(POLL);
-                    s.set_nonblocking(false).map_err(io_err)?;
-                    s.set_read_timeout(Some(remaining)).map_err(io_err)?;
-                    let frame = match wire::read_frame(&mut s, wire::MAX_CONTROL_LEN) {
-                        Ok(f) => f,
-                        Err(ReadError::TimedOut) => continue,
-                        Err(e) => {
-                            return Err(read_error(
-                                rank,
-                                usize::MAX,
-                                &peer,
-                                e,
-                                "while opening the mesh",
-                            ))
-                        }
-                    };
-                    let j = frame.rank;
-                    let hello: MeshHello = if frame.kind == Kind::MeshHello {
-                        wire::decode_msg(&frame).map_err(|detail| CommError::Protocol {
+            if let Some((s, addr, res)) = gate.poll().map_err(io_err)? {
+                let peer = format!("connection from {addr}");
+                let frame = match res {
+                    Ok(f) => f,
+                    Err(ReadError::TimedOut) => continue,
+                    Err(e) => {
+                        return Err(read_error(
                             rank,
-                            peer: peer.clone(),
-                            detail,
-                        })?
-                    } else {
-                        return Err(CommError::Protocol {
-                            rank,
-                            peer,
-                            detail: format!("expected a mesh hello, got a {:?} frame", frame.kind),
-                        });
-                    };
-                    if hello.session != welcome.session {
-                        return Err(CommError::Protocol {
-                            rank,
-                            peer,
-                            detail: "belongs to another arbor group (session id differs)".into(),
-                        });
+                            usize::MAX,
+                            &peer,
+                            e,
+                            "while opening the mesh",
+                        ))
                     }
-                    if j <= rank || j >= world || links[j].is_some() {
-                        return Err(CommError::Protocol {
-                            rank,
-                            peer,
-                            detail: format!(
-                                "claims rank {j}, which may not connect here (world {world})"
-                            ),
-                        });
-                    }
-                    links[j] = Some(s);
-                    waiting -= 1;
+                };
+                let j = frame.rank;
+                let hello: MeshHello = if frame.kind == Kind::MeshHello {
+                    wire::decode_msg(&frame).map_err(|detail| CommError::Protocol {
+                        rank,
+                        peer: peer.clone(),
+                        detail,
+                    })?
+                } else {
+                    return Err(CommError::Protocol {
+                        rank,
+                        peer,
+                        detail: format!("expected a mesh hello, got a {:?} frame", frame.kind),
+                    });
+                };
+                if hello.session != welcome.session {
+                    // A rank of an earlier group with the same token and ports: not ours,
+                    // and no reason to fail this group.
+                    tracing::warn!(
+                        "rank {rank}: refused a link from {addr}: it belongs to another arbor \
+                         group (session id differs)"
+                    );
+                    continue;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing: Vec<usize> =
-                            (rank + 1..world).filter(|&j| links[j].is_none()).collect();
-                        return Err(CommError::RendezvousTimeout {
-                            rank,
-                            addr: here,
-                            timeout: timeouts.rendezvous,
-                            missing,
-                        });
-                    }
-                    thread::sleep(POLL);
+                if j <= rank || j >= world || links[j].is_some() {
+                    return Err(CommError::Protocol {
+                        rank,
+                        peer,
+                        detail: format!(
+                            "claims rank {j}, which may not connect here (world {world})"
+                        ),
+                    });
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_err(e)),
+                links[j] = Some(s);
+                waiting -= 1;
+            } else if Instant::now() >= deadline {
+                let missing: Vec<usize> =
+                    (rank + 1..world).filter(|&j| links[j].is_none()).collect();
+                return Err(CommError::RendezvousTimeout {
+                    rank,
+                    addr: here,
+                    timeout: timeouts.rendezvous,
+                    missing,
+                    refused: gate.refusals(),
+                });
             }
         }
         Ok(())
@@ -632,26 +662,413 @@ fn read_error(rank: usize, peer: usize, name: &str, e: ReadError, context: &str)
     }
 }
 
-/// Reads a newcomer's first frame on its own thread, so that a silent connection cannot
-/// hold up the others.
-fn spawn_handshake(
-    stream: TcpStream,
-    addr: SocketAddr,
+/// A connection that passed the token check, who it came from, and its first protocol
+/// frame (or why that could not be read).
+type Passed = (TcpStream, SocketAddr, Result<Frame, ReadError>);
+
+/// What became of one incoming connection's handshake.
+enum Handshake {
+    /// It proved the token (or neither side has one); then its first protocol frame, or
+    /// why that could not be read.
+    Passed(TcpStream, SocketAddr, Result<Frame, ReadError>),
+    /// Turned away, and why (the peer was told where it still listened).
+    Refused(SocketAddr, String),
+}
+
+/// A listener whose incoming connections must pass the token handshake. Each is handled
+/// on its own thread, so that a silent or slow connection cannot hold up the others.
+struct Gate {
+    listener: TcpListener,
+    rank: usize,
+    purpose: Purpose,
+    token: Option<JobToken>,
     deadline: Instant,
-    tx: Sender<(TcpStream, SocketAddr, Result<Frame, ReadError>)>,
-) {
-    let _ = thread::Builder::new()
-        .name("arbor-rendezvous".into())
-        .spawn(move || {
-            let mut s = stream;
-            let remaining = deadline.saturating_duration_since(Instant::now()).max(POLL);
-            let res = s
-                .set_nonblocking(false)
-                .and_then(|_| s.set_read_timeout(Some(remaining)))
-                .map_err(ReadError::Io)
-                .and_then(|_| wire::read_frame(&mut s, wire::MAX_CONTROL_LEN));
-            let _ = tx.send((s, addr, res));
+    tx: Sender<Handshake>,
+    rx: Receiver<Handshake>,
+    pending: usize,
+    /// How many connections were turned away, and the last one (address, why).
+    refused: usize,
+    last_refusal: Option<(SocketAddr, String)>,
+}
+
+impl Gate {
+    fn new(
+        listener: TcpListener,
+        rank: usize,
+        purpose: Purpose,
+        token: Option<JobToken>,
+        deadline: Instant,
+    ) -> io::Result<Gate> {
+        listener.set_nonblocking(true)?;
+        let (tx, rx) = unbounded();
+        Ok(Gate {
+            listener,
+            rank,
+            purpose,
+            token,
+            deadline,
+            tx,
+            rx,
+            pending: 0,
+            refused: 0,
+            last_refusal: None,
+        })
+    }
+
+    /// Accepts what is waiting, then waits up to [`POLL`] for a connection that passed.
+    fn poll(&mut self) -> io::Result<Option<Passed>> {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, addr)) => self.start(stream, addr),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        match self.rx.recv_timeout(POLL) {
+            Ok(Handshake::Passed(s, addr, res)) => {
+                self.pending -= 1;
+                Ok(Some((s, addr, res)))
+            }
+            Ok(Handshake::Refused(addr, reason)) => {
+                self.pending -= 1;
+                tracing::warn!(
+                    "rank {}: refused a connection from {addr}: {reason}",
+                    self.rank
+                );
+                self.refused += 1;
+                self.last_refusal = Some((addr, reason));
+                Ok(None)
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// For a timeout message: the connections turned away while waiting, if any.
+    fn refusals(&self) -> String {
+        match &self.last_refusal {
+            None => String::new(),
+            Some((addr, why)) => format!(
+                "; meanwhile {} connection(s) were refused, the last from {addr}: {why}",
+                self.refused
+            ),
+        }
+    }
+
+    fn start(&mut self, stream: TcpStream, addr: SocketAddr) {
+        if self.pending >= MAX_PENDING_HANDSHAKES {
+            tracing::warn!(
+                "rank {}: dropped a connection from {addr}: {MAX_PENDING_HANDSHAKES} \
+                 handshakes already in progress",
+                self.rank
+            );
+            return;
+        }
+        let (rank, purpose, token, tx) =
+            (self.rank, self.purpose, self.token.clone(), self.tx.clone());
+        let until = handshake_deadline(self.deadline);
+        let spawned = thread::Builder::new()
+            .name("arbor-handshake".into())
+            .spawn(move || {
+                let _ = tx.send(handshake(
+                    stream,
+                    addr,
+                    rank,
+                    purpose,
+                    token.as_ref(),
+                    until,
+                ));
+            });
+        match spawned {
+            Ok(_) => self.pending += 1,
+            Err(e) => tracing::warn!(
+                "rank {}: dropped a connection from {addr}: cannot start its thread: {e}",
+                self.rank
+            ),
+        }
+    }
+}
+
+/// The end of one connection's handshake: a short while from now, and never past the
+/// rendezvous deadline.
+fn handshake_deadline(deadline: Instant) -> Instant {
+    let now = Instant::now();
+    (now + HANDSHAKE_TIMEOUT).min(deadline).max(now + POLL)
+}
+
+/// Reads from a socket with one deadline for the whole exchange: a peer trickling one
+/// byte at a time cannot stretch it (a plain read timeout restarts on every byte).
+struct DeadlineReader<'a> {
+    s: &'a TcpStream,
+    until: Instant,
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.s.set_read_timeout(Some(left))?;
+        let mut s = self.s;
+        s.read(buf)
+    }
+}
+
+/// Acceptor side of one connection: the token check, then its first protocol frame.
+fn handshake(
+    mut s: TcpStream,
+    addr: SocketAddr,
+    rank: usize,
+    purpose: Purpose,
+    token: Option<&JobToken>,
+    until: Instant,
+) -> Handshake {
+    let setup = s
+        .set_nonblocking(false)
+        .and_then(|_| s.set_nodelay(true))
+        .and_then(|_| s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)));
+    if let Err(e) = setup {
+        return Handshake::Refused(addr, format!("cannot set up the connection: {e}"));
+    }
+    match auth_accept(&mut s, addr, rank, purpose, token, until) {
+        Ok(()) => {
+            let res = wire::read_frame(&mut DeadlineReader { s: &s, until }, wire::MAX_CONTROL_LEN);
+            Handshake::Passed(s, addr, res)
+        }
+        Err(reason) => {
+            let _ = wire::write_frame(&mut s, Kind::Abort, rank, 0, 0, reason.as_bytes());
+            let _ = s.shutdown(Shutdown::Both);
+            Handshake::Refused(addr, reason)
+        }
+    }
+}
+
+/// The acceptor's half of the token handshake (see [`crate::auth`]); Err: why the peer is
+/// turned away.
+fn auth_accept(
+    s: &mut TcpStream,
+    addr: SocketAddr,
+    rank: usize,
+    purpose: Purpose,
+    token: Option<&JobToken>,
+    until: Instant,
+) -> Result<(), String> {
+    let peer = format!("connection from {addr}");
+    let read = |s: &TcpStream, want: Kind| -> Result<Frame, String> {
+        let f = wire::read_frame(&mut DeadlineReader { s, until }, wire::MAX_CONTROL_LEN).map_err(
+            |e| match e {
+                ReadError::TimedOut => format!(
+                    "it did not complete the job-token handshake within {}s",
+                    HANDSHAKE_TIMEOUT.as_secs_f64()
+                ),
+                e => read_error(rank, usize::MAX, &peer, e, "during the job-token handshake")
+                    .to_string(),
+            },
+        )?;
+        if f.kind != want {
+            return Err(format!(
+                "expected {want:?} (the job-token handshake), got a {:?} frame                  (an arbor build without job tokens?)",
+                f.kind
+            ));
+        }
+        Ok(f)
+    };
+    let f = read(s, Kind::AuthHello)?;
+    let hello: AuthHello = wire::decode_msg(&f)?;
+    if let Some(reason) = auth::mismatch_reason(token.is_some(), hello.has_token) {
+        return Err(reason);
+    }
+    let ns = auth::nonce().map_err(|e| e.to_string())?;
+    let proof = token
+        .map(|t| auth::acceptor_proof(t, purpose, &hello.nonce, &ns))
+        .unwrap_or_default();
+    let challenge = AuthChallenge {
+        nonce: ns,
+        has_token: token.is_some(),
+        proof,
+    };
+    wire::write_msg(s, Kind::AuthChallenge, rank, &challenge)
+        .map_err(|e| format!("it left during the job-token handshake ({e})"))?;
+    let f = read(s, Kind::AuthProof)?;
+    let answer: AuthProof = wire::decode_msg(&f)?;
+    let ok = match token {
+        Some(t) => auth::verify_connector(t, purpose, &ns, &hello.nonce, &answer.proof),
+        None => answer.proof.is_empty(),
+    };
+    if !ok {
+        return Err(auth::wrong_token_reason());
+    }
+    wire::write_frame(s, Kind::AuthOk, rank, 0, 0, &[])
+        .map_err(|e| format!("it left during the job-token handshake ({e})"))
+}
+
+/// The connector's half of the token handshake with `peer` (e.g. "rank 0 at host:port"),
+/// waiting until `until` at most: the peer is a known rank, which may be busy opening its
+/// own links before it gets to this one, so the short limit of incoming handshakes does
+/// not apply.
+fn auth_connect(
+    s: &mut TcpStream,
+    rank: usize,
+    peer: &str,
+    purpose: Purpose,
+    token: Option<&JobToken>,
+    until: Instant,
+) -> Result<(), CommError> {
+    let protocol = |detail: String| CommError::Protocol {
+        rank,
+        peer: peer.to_string(),
+        detail,
+    };
+    let sent = |e: io::Error| {
+        protocol(format!(
+            "closed the connection during the job-token handshake ({e})"
+        ))
+    };
+    let nc = auth::nonce()?;
+    wire::write_msg(
+        s,
+        Kind::AuthHello,
+        rank,
+        &AuthHello {
+            nonce: nc,
+            has_token: token.is_some(),
+        },
+    )
+    .map_err(sent)?;
+    let read = |s: &TcpStream, want: Kind| -> Result<Frame, CommError> {
+        let f = wire::read_frame(&mut DeadlineReader { s, until }, wire::MAX_CONTROL_LEN).map_err(
+            |e| match e {
+                ReadError::TimedOut => protocol(
+                    "did not answer the job-token handshake before the rendezvous deadline \
+                     (ARBOR_TIMEOUT_SECS)"
+                        .into(),
+                ),
+                e => read_error(rank, usize::MAX, peer, e, "during the job-token handshake"),
+            },
+        )?;
+        match f.kind {
+            k if k == want => Ok(f),
+            Kind::Abort => Err(CommError::Refused {
+                rank,
+                peer: peer.to_string(),
+                reason: String::from_utf8_lossy(&f.payload).into_owned(),
+            }),
+            k => Err(protocol(format!(
+                "expected {want:?} (the job-token handshake), got a {k:?} frame"
+            ))),
+        }
+    };
+    let f = read(s, Kind::AuthChallenge)?;
+    let challenge: AuthChallenge = wire::decode_msg(&f).map_err(protocol)?;
+    let proof = token
+        .map(|t| auth::connector_proof(t, purpose, &challenge.nonce, &nc))
+        .unwrap_or_default();
+    wire::write_msg(s, Kind::AuthProof, rank, &AuthProof { proof }).map_err(sent)?;
+    read(s, Kind::AuthOk)?;
+    // Checked last: with a wrong token the acceptor's refusal, which names the token, is
+    // the clearer message; this catches a listener that accepts anything.
+    let genuine = match token {
+        Some(t) => auth::verify_acceptor(t, purpose, &nc, &challenge.nonce, &challenge.proof),
+        None => !challenge.has_token,
+    };
+    if !genuine {
+        return Err(CommError::Auth {
+            rank,
+            peer: peer.to_string(),
+            detail: format!(
+                "it accepted this rank without proving this job's token; it is not a rank \
+                 of this job ({})",
+                auth::wrong_token_reason()
+            ),
         });
+    }
+    Ok(())
+}
+
+/// The address(es) rank 0's rendezvous listens on: where MASTER_ADDR resolves, unless
+/// ARBOR_BIND_ALL=1.
+fn bind_rendezvous(info: &RankInfo, security: &Security) -> Result<TcpListener, CommError> {
+    let master = resolve(0, &info.master_addr, info.master_port)?;
+    let spans_hosts = info.local_world_size < info.world_size;
+    let name_is_ip = info
+        .master_addr
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+        .is_ok();
+    let candidates: Vec<SocketAddr> = if security.bind_all {
+        vec![SocketAddr::new(
+            unspecified_like(master[0].ip()),
+            info.master_port,
+        )]
+    } else if spans_hosts && !name_is_ip && master.iter().all(|a| a.ip().is_loopback()) {
+        // /etc/hosts often maps a machine's own name to 127.0.1.1, while the other hosts
+        // resolve it to a routable address: listening on loopback would shut them out.
+        tracing::warn!(
+            "rank 0: MASTER_ADDR {} resolves to loopback ({}) here but ranks run on other \
+             hosts: listening on every interface (the job token still guards the port)",
+            info.master_addr,
+            master[0].ip()
+        );
+        vec![SocketAddr::new(
+            unspecified_like(master[0].ip()),
+            info.master_port,
+        )]
+    } else {
+        master
+    };
+    let mut last = None;
+    for a in &candidates {
+        match TcpListener::bind(a) {
+            Ok(l) => {
+                tracing::debug!(addr = %a, "rank 0: rendezvous listener bound");
+                return Ok(l);
+            }
+            Err(e) => last = Some((*a, e)),
+        }
+    }
+    let (a, e) = last.unwrap_or_else(|| {
+        (
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), info.master_port),
+            io::Error::other("MASTER_ADDR resolves to no address"),
+        )
+    });
+    let hint = if e.kind() == io::ErrorKind::AddrNotAvailable {
+        format!(
+            "MASTER_ADDR {} is not an address of this host; set {}=1 to listen on every \
+             interface",
+            info.master_addr,
+            auth::BIND_ALL_VAR
+        )
+    } else {
+        "MASTER_PORT; is another group using it?".to_string()
+    };
+    Err(CommError::Io {
+        rank: 0,
+        context: format!("binding the rendezvous port {a} ({hint})"),
+        source: e,
+    })
+}
+
+fn unspecified_like(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+/// Warns, once per process, that anyone who reaches the ports can join.
+fn warn_unauthenticated(target: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!(
+            "this job is unauthenticated: no {} or {} is set, so any process that can reach \
+             the rendezvous at {target} can join it (arbor-launch sets a token for its ranks)",
+            auth::TOKEN_VAR,
+            auth::TOKEN_FILE_VAR
+        )
+    });
 }
 
 /// Validates a newcomer's hello; Ok(None) for a connection that timed out silently.
@@ -799,58 +1216,70 @@ mod tests {
         }
     }
 
+    fn sec(token: Option<&str>) -> Security {
+        Security {
+            token: token.map(|t| JobToken::new(t, "test").unwrap()),
+            bind_all: false,
+        }
+    }
+
     fn listener() -> (TcpListener, String) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
         (l, addr)
     }
 
-    /// Starts rank 0 and `ranks` (a subset of 1..world) as threads; returns their results.
+    /// Starts rank 0 and `ranks` (a subset of 1..world) as threads, every one with
+    /// `security`; returns their results.
     fn group<T: Send + 'static>(
         world: usize,
         ranks: Vec<usize>,
         t: Timeouts,
+        security: Security,
         f: impl Fn(Result<TcpComm, CommError>) -> T + Send + Sync + Clone + 'static,
     ) -> (T, Vec<T>, String) {
         let (l, addr) = listener();
         let joins: Vec<_> = ranks
             .into_iter()
             .map(|r| {
-                let (f, addr) = (f.clone(), addr.clone());
-                thread::spawn(move || f(TcpComm::join(r, world, &addr, t)))
+                let (f, addr, sec) = (f.clone(), addr.clone(), security.clone());
+                thread::spawn(move || f(TcpComm::join(r, world, &addr, t, &sec)))
             })
             .collect();
-        let zero = f(TcpComm::serve(l, world, t));
+        let zero = f(TcpComm::serve(l, world, t, &security));
         let rest = joins.into_iter().map(|h| h.join().unwrap()).collect();
         (zero, rest, addr)
     }
 
     #[test]
     fn mesh_of_four_gathers_broadcasts_and_reduces() {
-        let (zero, rest, _) = group(4, vec![1, 2, 3], timeouts(20.0), |c| {
-            let c = c.unwrap();
-            let r = c.rank();
-            let g = c.all_gather_bytes(&[r as u8; 3]).unwrap();
-            let mut b = if r == 2 { vec![42; 5] } else { vec![] };
-            c.broadcast_bytes(&mut b, 2).unwrap();
-            c.barrier().unwrap();
-            // Order-sensitive per-rank roots; every rank must get the tree's bits.
-            let roots = [1e8f32, -1e8, 1.0, 3.5e-3];
-            let sum = tree_all_reduce(&c, &[roots[r]]).unwrap();
-            (g, b, sum[0].to_bits(), c.transport())
-        });
-        let expect_sum = ((1e8f32 + -1e8) + (1.0 + 3.5e-3)).to_bits();
-        for (g, b, sum, t) in std::iter::once(zero).chain(rest) {
-            assert_eq!(g, vec![0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]);
-            assert_eq!(b, vec![42; 5]);
-            assert_eq!(sum, expect_sum);
-            assert_eq!(t, "tcp");
+        // With a job token: every rendezvous and mesh link passes the handshake.
+        for security in [sec(Some("s3cret")), sec(None)] {
+            let (zero, rest, _) = group(4, vec![1, 2, 3], timeouts(20.0), security, |c| {
+                let c = c.unwrap();
+                let r = c.rank();
+                let g = c.all_gather_bytes(&[r as u8; 3]).unwrap();
+                let mut b = if r == 2 { vec![42; 5] } else { vec![] };
+                c.broadcast_bytes(&mut b, 2).unwrap();
+                c.barrier().unwrap();
+                // Order-sensitive per-rank roots; every rank must get the tree's bits.
+                let roots = [1e8f32, -1e8, 1.0, 3.5e-3];
+                let sum = tree_all_reduce(&c, &[roots[r]]).unwrap();
+                (g, b, sum[0].to_bits(), c.transport())
+            });
+            let expect_sum = ((1e8f32 + -1e8) + (1.0 + 3.5e-3)).to_bits();
+            for (g, b, sum, t) in std::iter::once(zero).chain(rest) {
+                assert_eq!(g, vec![0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]);
+                assert_eq!(b, vec![42; 5]);
+                assert_eq!(sum, expect_sum);
+                assert_eq!(t, "tcp");
+            }
         }
     }
 
     #[test]
     fn missing_rank_is_named_on_every_rank() {
-        let (zero, rest, _) = group(3, vec![1], timeouts(0.5), |c| {
+        let (zero, rest, _) = group(3, vec![1], timeouts(0.5), sec(Some("t")), |c| {
             c.err().map(|e| e.to_string())
         });
         let zero = zero.unwrap();
@@ -866,7 +1295,7 @@ mod tests {
     fn unreachable_rank_zero_is_named() {
         let (l, addr) = listener();
         drop(l);
-        let e = TcpComm::join(1, 2, &addr, timeouts(0.3))
+        let e = TcpComm::join(1, 2, &addr, timeouts(0.3), &sec(None))
             .err()
             .unwrap()
             .to_string();
@@ -876,84 +1305,379 @@ mod tests {
         );
     }
 
-    /// Rank 0 with world 3, rank 1 joining properly, and a bad peer sending `bytes`.
-    fn bad_peer(bytes: Vec<u8>) -> (String, String) {
+    /// Connects to `addr`, sends `bytes`, and returns what came back until the peer
+    /// closed (or 5 s passed).
+    fn stranger(addr: &str, bytes: &[u8], keep_silent: bool) -> Vec<u8> {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(bytes).unwrap();
+        if !keep_silent {
+            let _ = s.shutdown(Shutdown::Write);
+        }
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut back = Vec::new();
+        let _ = s.read_to_end(&mut back);
+        back
+    }
+
+    /// The reason in the `Abort` frame a refused stranger was sent.
+    fn abort_reason(back: &[u8]) -> String {
+        match wire::read_frame(&mut &back[..], wire::MAX_CONTROL_LEN) {
+            Ok(f) if f.kind == Kind::Abort => String::from_utf8_lossy(&f.payload).into_owned(),
+            other => panic!("expected an abort frame, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn strangers_are_turned_away_without_disturbing_the_group() {
+        let (l, addr) = listener();
+        let t = timeouts(20.0);
+        let token = sec(Some("the-real-one"));
+        // A silent connection first: it must not hold up anyone.
+        let silent = {
+            let addr = addr.clone();
+            thread::spawn(move || stranger(&addr, b"", true))
+        };
+        let mut hello_only = Vec::new();
+        wire::write_msg(
+            &mut hello_only,
+            Kind::Hello,
+            2,
+            &Hello {
+                world_size: 3,
+                data_port: 1,
+                host: "h".into(),
+            },
+        )
+        .unwrap();
+        let mut wrong_version = wire::encode_header(Kind::AuthHello, 2, 0, 0, 0);
+        wrong_version[4..8].copy_from_slice(&7u32.to_le_bytes());
+        let half = wire::encode_header(Kind::AuthHello, 2, 0, 0, 9)[..20].to_vec();
+        let loud: Vec<(Vec<u8>, &str)> = vec![
+            (
+                b"GET / HTTP/1.1\r\n\r\n012345678901234567890123456789".to_vec(),
+                "not an arbor frame",
+            ),
+            (wrong_version, "protocol version 7"),
+            (half, "closed mid-frame"),
+            // An arbor peer of a build without job tokens.
+            (hello_only, "expected AuthHello"),
+        ];
+        let strangers = {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                loud.into_iter()
+                    .map(|(bytes, want)| (abort_reason(&stranger(&addr, &bytes, false)), want))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let ranks: Vec<_> = [1, 2]
+            .into_iter()
+            .map(|r| {
+                let (addr, token) = (addr.clone(), token.clone());
+                thread::spawn(move || {
+                    // Let the strangers go first.
+                    thread::sleep(Duration::from_millis(300));
+                    TcpComm::join(r, 3, &addr, t, &token).map(|c| c.barrier())
+                })
+            })
+            .collect();
+        let start = Instant::now();
+        let zero = TcpComm::serve(l, 3, t, &token).unwrap();
+        zero.barrier().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "rank 0 took {:?}: a silent stranger held it up",
+            start.elapsed()
+        );
+        for h in ranks {
+            h.join().unwrap().unwrap().unwrap();
+        }
+        for (reason, want) in strangers.join().unwrap() {
+            assert!(reason.contains(want), "{want}: {reason}");
+        }
+        drop(zero);
+        // The silent one is let go when its handshake time runs out.
+        let back = silent.join().unwrap();
+        assert!(abort_reason(&back).contains("did not complete the job-token handshake"));
+    }
+
+    #[test]
+    fn wrong_token_is_refused_and_the_right_rank_still_joins() {
+        let (l, addr) = listener();
+        let t = timeouts(20.0);
+        let impostor = {
+            let addr = addr.clone();
+            thread::spawn(move || TcpComm::join(1, 2, &addr, t, &sec(Some("guess"))))
+        };
+        let real = {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(300));
+                TcpComm::join(1, 2, &addr, t, &sec(Some("right"))).map(|c| c.barrier())
+            })
+        };
+        let zero = TcpComm::serve(l, 2, t, &sec(Some("right"))).unwrap();
+        zero.barrier().unwrap();
+        real.join().unwrap().unwrap().unwrap();
+        let e = impostor.join().unwrap().err().unwrap().to_string();
+        assert!(
+            e.contains(&format!(
+                "rank 0 at {addr} refused this rank: job token mismatch"
+            )) && e.contains("ARBOR_JOB_TOKEN"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_timeout_names_the_refused_connections() {
+        let (l, addr) = listener();
+        let t = timeouts(1.0);
+        let impostor =
+            thread::spawn(move || TcpComm::join(1, 2, &addr, t, &sec(Some("guess"))).is_err());
+        let e = TcpComm::serve(l, 2, t, &sec(Some("right")))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(impostor.join().unwrap());
+        assert!(
+            e.contains("rank(s) 1 never arrived")
+                && e.contains("1 connection(s) were refused, the last from 127.0.0.1:")
+                && e.contains("job token mismatch"),
+            "{e}"
+        );
+    }
+
+    /// Runs the acceptor's handshake on one connection to a fresh listener; returns the
+    /// listener's address and the outcome (Ok: passed, Err: the refusal).
+    fn acceptor(token: Option<&str>) -> (String, thread::JoinHandle<Result<(), String>>) {
+        let (l, addr) = listener();
+        let token = sec(token).token;
+        let h = thread::spawn(move || {
+            let (s, a) = l.accept().unwrap();
+            let until = Instant::now() + Duration::from_secs(5);
+            match handshake(s, a, 0, Purpose::Rendezvous, token.as_ref(), until) {
+                Handshake::Passed(..) => Ok(()),
+                Handshake::Refused(_, why) => Err(why),
+            }
+        });
+        (addr, h)
+    }
+
+    fn connector(addr: &str, token: Option<&str>) -> Result<(), CommError> {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let token = sec(token).token;
+        let until = Instant::now() + Duration::from_secs(5);
+        let r = auth_connect(
+            &mut s,
+            1,
+            "rank 0",
+            Purpose::Rendezvous,
+            token.as_ref(),
+            until,
+        );
+        if r.is_ok() {
+            // The acceptor reads one protocol frame after the handshake.
+            wire::write_frame(&mut s, Kind::Barrier, 1, 0, 0, &[]).unwrap();
+        }
+        r
+    }
+
+    #[test]
+    fn handshake_right_wrong_and_missing_tokens() {
+        let (addr, h) = acceptor(Some("k"));
+        connector(&addr, Some("k")).unwrap();
+        h.join().unwrap().unwrap();
+
+        let (addr, h) = acceptor(None);
+        connector(&addr, None).unwrap();
+        h.join().unwrap().unwrap();
+
+        let (addr, h) = acceptor(Some("k"));
+        let e = connector(&addr, Some("not-k")).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 0 refused this rank: job token mismatch"),
+            "{e}"
+        );
+        assert!(h
+            .join()
+            .unwrap()
+            .unwrap_err()
+            .contains("job token mismatch"));
+
+        let (addr, h) = acceptor(Some("k"));
+        let e = connector(&addr, None).unwrap_err().to_string();
+        assert!(
+            e.contains("refused this rank: this job requires a job token and the connecting process has none"),
+            "{e}"
+        );
+        assert!(h.join().unwrap().unwrap_err().contains("has none"));
+
+        let (addr, h) = acceptor(None);
+        let e = connector(&addr, Some("k")).unwrap_err().to_string();
+        assert!(
+            e.contains("refused this rank: the connecting process has a job token but this job runs without one"),
+            "{e}"
+        );
+        assert!(h.join().unwrap().unwrap_err().contains("runs without one"));
+    }
+
+    /// Reads one frame of `kind` off `s`.
+    fn expect(s: &mut TcpStream, kind: Kind) -> Frame {
+        let f = wire::read_frame(s, wire::MAX_CONTROL_LEN).unwrap();
+        assert_eq!(f.kind, kind, "{f:?}");
+        f
+    }
+
+    #[test]
+    fn replayed_proofs_are_refused() {
+        let token = sec(Some("k")).token.unwrap();
+        let nc = [7u8; auth::NONCE_LEN];
+        let hello = AuthHello {
+            nonce: nc,
+            has_token: true,
+        };
+        // A genuine exchange, recorded by an eavesdropper.
+        let (addr, h) = acceptor(Some("k"));
+        let mut s = TcpStream::connect(&addr).unwrap();
+        wire::write_msg(&mut s, Kind::AuthHello, 1, &hello).unwrap();
+        let recorded: AuthChallenge =
+            wire::decode_msg(&expect(&mut s, Kind::AuthChallenge)).unwrap();
+        let proof = auth::connector_proof(&token, Purpose::Rendezvous, &recorded.nonce, &nc);
+        wire::write_msg(
+            &mut s,
+            Kind::AuthProof,
+            1,
+            &AuthProof {
+                proof: proof.clone(),
+            },
+        )
+        .unwrap();
+        expect(&mut s, Kind::AuthOk);
+        wire::write_frame(&mut s, Kind::Barrier, 1, 0, 0, &[]).unwrap();
+        h.join().unwrap().unwrap();
+
+        // Replaying the connector's side: same nonce, same proof, a fresh acceptor nonce.
+        let (addr, h) = acceptor(Some("k"));
+        let mut s = TcpStream::connect(&addr).unwrap();
+        wire::write_msg(&mut s, Kind::AuthHello, 1, &hello).unwrap();
+        let fresh: AuthChallenge = wire::decode_msg(&expect(&mut s, Kind::AuthChallenge)).unwrap();
+        assert_ne!(fresh.nonce, recorded.nonce);
+        wire::write_msg(&mut s, Kind::AuthProof, 1, &AuthProof { proof }).unwrap();
+        let refusal = expect(&mut s, Kind::Abort);
+        assert!(String::from_utf8_lossy(&refusal.payload).contains("job token mismatch"));
+        assert!(h
+            .join()
+            .unwrap()
+            .unwrap_err()
+            .contains("job token mismatch"));
+
+        // Replaying the acceptor's side: a fake rank 0 answers with the recorded challenge;
+        // the connector's nonce is new, so the recorded proof does not hold.
+        let (l, addr) = listener();
+        let fake = thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            expect(&mut s, Kind::AuthHello);
+            wire::write_msg(&mut s, Kind::AuthChallenge, 0, &recorded).unwrap();
+            expect(&mut s, Kind::AuthProof);
+            wire::write_frame(&mut s, Kind::AuthOk, 0, 0, 0, &[]).unwrap();
+        });
+        let e = connector(&addr, Some("k")).unwrap_err().to_string();
+        assert!(e.contains("without proving this job's token"), "{e}");
+        fake.join().unwrap();
+    }
+
+    #[test]
+    fn wrong_world_size_from_a_real_rank_still_fails_the_group() {
         let (l, addr) = listener();
         let t = timeouts(10.0);
         let one = {
             let addr = addr.clone();
-            thread::spawn(move || TcpComm::join(1, 3, &addr, t).err().map(|e| e.to_string()))
+            thread::spawn(move || {
+                TcpComm::join(1, 3, &addr, t, &sec(Some("k")))
+                    .err()
+                    .map(|e| e.to_string())
+            })
         };
         let bad = {
             let addr = addr.clone();
             thread::spawn(move || {
-                // Let rank 1 arrive first, so that it must be told too.
                 thread::sleep(Duration::from_millis(200));
                 let mut s = TcpStream::connect(&addr).unwrap();
-                let _ = s.write_all(&bytes);
-                // Closing right away covers "disconnects mid-exchange".
+                let token = sec(Some("k")).token;
+                let until = Instant::now() + Duration::from_secs(5);
+                auth_connect(
+                    &mut s,
+                    2,
+                    "rank 0",
+                    Purpose::Rendezvous,
+                    token.as_ref(),
+                    until,
+                )
+                .unwrap();
+                let hello = Hello {
+                    world_size: 4,
+                    data_port: 1,
+                    host: "h".into(),
+                };
+                wire::write_msg(&mut s, Kind::Hello, 2, &hello).unwrap();
             })
         };
-        let start = Instant::now();
-        let zero = TcpComm::serve(l, 3, t).err().unwrap().to_string();
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "rank 0 took {:?}",
-            start.elapsed()
-        );
+        let zero = TcpComm::serve(l, 3, t, &sec(Some("k")))
+            .err()
+            .unwrap()
+            .to_string();
         bad.join().unwrap();
-        (zero, one.join().unwrap().unwrap())
-    }
-
-    #[test]
-    fn garbage_wrong_version_and_half_frames_fail_cleanly() {
-        let (zero, one) =
-            bad_peer(b"GET / HTTP/1.1\r\n\r\n012345678901234567890123456789".to_vec());
-        assert!(zero.contains("not an arbor frame"), "{zero}");
-        assert!(
-            one.contains("rank 0 aborted") && one.contains("not an arbor frame"),
-            "{one}"
-        );
-
-        let mut v = wire::encode_header(Kind::Hello, 2, 0, 0, 0);
-        v[4..8].copy_from_slice(&7u32.to_le_bytes());
-        let (zero, one) = bad_peer(v);
-        assert!(zero.contains("protocol version 7"), "{zero}");
-        assert!(one.contains("protocol version 7"), "{one}");
-
-        let mut half = Vec::new();
-        let hello = Hello {
-            world_size: 3,
-            data_port: 1,
-            host: "h".into(),
-        };
-        wire::write_msg(&mut half, Kind::Hello, 2, &hello).unwrap();
-        half.truncate(half.len() - 2);
-        let (zero, one) = bad_peer(half);
-        assert!(zero.contains("closed mid-frame"), "{zero}");
-        assert!(one.contains("closed mid-frame"), "{one}");
-
-        let mut wrong_world = Vec::new();
-        wire::write_msg(
-            &mut wrong_world,
-            Kind::Hello,
-            2,
-            &Hello {
-                world_size: 4,
-                ..hello
-            },
-        )
-        .unwrap();
-        let (zero, _) = bad_peer(wrong_world);
         assert!(
             zero.contains("rank 2 (host h) has WORLD_SIZE=4, rank 0 has 3"),
             "{zero}"
+        );
+        let one = one.join().unwrap().unwrap();
+        assert!(
+            one.contains("rank 0 aborted") && one.contains("WORLD_SIZE=4"),
+            "{one}"
+        );
+    }
+
+    #[test]
+    fn listeners_bind_the_master_address_only() {
+        let info = RankInfo {
+            rank: 0,
+            world_size: 2,
+            local_rank: 0,
+            local_world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            source: "test",
+        };
+        let l = bind_rendezvous(&info, &sec(None)).unwrap();
+        assert_eq!(
+            l.local_addr().unwrap().ip(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
+        let all = Security {
+            bind_all: true,
+            ..sec(None)
+        };
+        let l = bind_rendezvous(&info, &all).unwrap();
+        assert_eq!(
+            l.local_addr().unwrap().ip(),
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        );
+        // An address that is not this host's: a clear error naming the way out.
+        let far = RankInfo {
+            master_addr: "192.0.2.1".into(),
+            ..info
+        };
+        let e = bind_rendezvous(&far, &sec(None)).unwrap_err().to_string();
+        assert!(
+            e.contains("192.0.2.1") && e.contains("ARBOR_BIND_ALL=1"),
+            "{e}"
         );
     }
 
     #[test]
     fn a_dead_peer_fails_the_next_operation_naming_it() {
-        let (zero, rest, _) = group(3, vec![1, 2], timeouts(20.0), |c| {
+        let (zero, rest, _) = group(3, vec![1, 2], timeouts(20.0), sec(None), |c| {
             let c = c.unwrap();
             if c.rank() == 2 {
                 drop(c);

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"ARBR";
 /// Bumped whenever the header or a message changes shape.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Encoded size of [`Header`] (bincode, fixed-width integers).
 pub const HEADER_LEN: usize = 33;
 /// Largest payload of a rendezvous message (they are a few hundred bytes).
@@ -38,6 +38,14 @@ pub enum Kind {
     Broadcast = 6,
     /// A barrier's (empty) token.
     Barrier = 7,
+    /// Connector → acceptor: opens the job-token handshake (see `auth`).
+    AuthHello = 8,
+    /// Acceptor → connector: its nonce and proof.
+    AuthChallenge = 9,
+    /// Connector → acceptor: its proof.
+    AuthProof = 10,
+    /// Acceptor → connector: the proof holds; the protocol goes on.
+    AuthOk = 11,
 }
 
 impl Kind {
@@ -50,6 +58,10 @@ impl Kind {
             5 => Kind::Gather,
             6 => Kind::Broadcast,
             7 => Kind::Barrier,
+            8 => Kind::AuthHello,
+            9 => Kind::AuthChallenge,
+            10 => Kind::AuthProof,
+            11 => Kind::AuthOk,
             _ => return None,
         })
     }

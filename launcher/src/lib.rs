@@ -13,7 +13,7 @@ pub mod signals;
 pub mod supervise;
 
 use std::ffi::OsString;
-use std::net::TcpListener;
+use std::net::{TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -39,7 +39,9 @@ pub enum Output {
     long_about = "Start one process per rank of a tensor-parallel group (torchrun/mpirun style).\n\n\
         Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and \
         MASTER_PORT in its environment, on top of everything arbor-launch inherited \
-        (NCCL_*, CUDA_*, RUST_LOG ... pass through untouched). Output lines are prefixed \
+        (NCCL_*, CUDA_*, RUST_LOG ... pass through untouched), and ARBOR_JOB_TOKEN: a \
+        fresh random secret per job (unless ARBOR_JOB_TOKEN or ARBOR_JOB_TOKEN_FILE is \
+        already set), so that only this job's ranks can join its rendezvous. Output lines are prefixed \
         with the rank. If a rank exits non-zero or dies by a signal, the other ranks get \
         SIGTERM, then SIGKILL after --kill-grace seconds, and arbor-launch exits non-zero \
         naming the rank and how it ended. SIGINT, SIGTERM and SIGHUP are forwarded to the \
@@ -80,6 +82,12 @@ pub struct Args {
     /// runs here, else rank 0's host name].
     #[arg(long, value_name = "ADDR")]
     pub master_addr: Option<String>,
+
+    /// Let the ranks listen on every network interface instead of only the one MASTER_ADDR
+    /// resolves to (sets ARBOR_BIND_ALL=1 for them). For hosts whose ranks reach rank 0
+    /// through an address it does not own (NAT); the job token still guards the ports.
+    #[arg(long)]
+    pub bind_all: bool,
 
     /// Port of rank 0's rendezvous [default: a free port].
     #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
@@ -187,10 +195,10 @@ pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
     let master_addr = remote::choose_master_addr(args.master_addr.as_deref(), &placement)?;
     let master_port = match args.master_port {
         Some(p) => p,
-        None => {
-            free_port().context("finding a free port for the rendezvous (give --master-port)")?
-        }
+        None => free_port(&master_addr, args.bind_all)
+            .context("finding a free port for the rendezvous (give --master-port)")?,
     };
+    let job_token = job_token(|k| std::env::var(k).ok())?.map(supervise::JobToken);
     Ok(supervise::Plan {
         command: args.command.clone(),
         world_size,
@@ -201,6 +209,8 @@ pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
         rank0_only: args.rank0_only || args.output == Output::Rank0,
         prefix: !args.no_prefix,
         kill_grace: Duration::from_secs_f64(args.kill_grace),
+        job_token,
+        bind_all: args.bind_all,
     })
 }
 
@@ -224,9 +234,38 @@ fn with_hostfile_line(e: remote::RemoteError, hostfile: Option<&Hostfile>) -> an
     }
 }
 
-/// A port nobody listens on right now (the OS picks it; rank 0 binds it moments later).
-fn free_port() -> std::io::Result<u16> {
+/// A port nobody listens on right now at the address rank 0 will bind (the OS picks it;
+/// rank 0 binds it moments later). Where rank 0 runs on another host, or with
+/// `--bind-all`, this host's wildcard address is the best guess there is.
+fn free_port(master_addr: &str, bind_all: bool) -> std::io::Result<u16> {
+    if !bind_all {
+        let host = master_addr.trim_start_matches('[').trim_end_matches(']');
+        if let Ok(addrs) = (host, 0).to_socket_addrs() {
+            for a in addrs {
+                if let Ok(l) = TcpListener::bind(a) {
+                    return Ok(l.local_addr()?.port());
+                }
+            }
+        }
+    }
     Ok(TcpListener::bind("0.0.0.0:0")?.local_addr()?.port())
+}
+
+/// The job token to hand the ranks: the user's ARBOR_JOB_TOKEN when set; none when they
+/// name a file with ARBOR_JOB_TOKEN_FILE (inherited by the ranks, which read it); else 32
+/// fresh bytes from the OS's random source, hex-encoded.
+pub fn job_token(get: impl Fn(&str) -> Option<String>) -> anyhow::Result<Option<String>> {
+    let set = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+    if let Some(t) = set("ARBOR_JOB_TOKEN") {
+        return Ok(Some(t));
+    }
+    if set("ARBOR_JOB_TOKEN_FILE").is_some() {
+        return Ok(None);
+    }
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| anyhow::anyhow!("cannot draw a job token from the OS random source: {e}"))?;
+    Ok(Some(bytes.iter().map(|b| format!("{b:02x}")).collect()))
 }
 
 #[cfg(test)]
@@ -255,6 +294,30 @@ mod tests {
         assert_eq!(p.world_size, 4);
         assert_ne!(p.master_port, 0);
         assert!(Args::try_parse_from(["arbor-launch", "-n", "2"]).is_err());
+    }
+
+    #[test]
+    fn job_tokens_are_fresh_unless_the_user_gives_one() {
+        let none = |_: &str| None;
+        let a = job_token(none).unwrap().unwrap();
+        let b = job_token(none).unwrap().unwrap();
+        assert_eq!(a.len(), 64);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()), "{a}");
+        assert_ne!(a, b);
+        let given = |k: &str| (k == "ARBOR_JOB_TOKEN").then(|| "mine".to_string());
+        assert_eq!(job_token(given).unwrap().as_deref(), Some("mine"));
+        let file = |k: &str| (k == "ARBOR_JOB_TOKEN_FILE").then(|| "/t".to_string());
+        assert_eq!(job_token(file).unwrap(), None);
+        let shown = format!("{:?}", supervise::JobToken(a.clone()));
+        assert!(!shown.contains(&a), "{shown}");
+    }
+
+    #[test]
+    fn free_port_is_probed_on_the_master_address() {
+        let p = free_port("127.0.0.1", false).unwrap();
+        // Free on loopback: rank 0 can bind it there.
+        TcpListener::bind(("127.0.0.1", p)).unwrap();
+        assert_ne!(free_port("192.0.2.1", false).unwrap(), 0);
     }
 
     #[test]

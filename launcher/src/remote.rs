@@ -350,14 +350,23 @@ pub fn forwarded_env(
     Ok(vars)
 }
 
+/// The variable a remote rank reads from the first line of the agent's standard input
+/// instead of its command line (see [`remote_script`]).
+pub const STDIN_SECRET_VAR: &str = "ARBOR_JOB_TOKEN";
+
 /// The shell command line that runs one rank on a remote host: `argv` with the variables
 /// `env` set (later entries win), from directory `cwd` where that exists on the host, under
 /// the supervision described in the module docs. Exit status: the rank's; 128+N for a rank
 /// killed by signal N.
+///
+/// With `secret_on_stdin`, the first line of the agent's standard input becomes
+/// [`STDIN_SECRET_VAR`]: a command line is visible to every user of both hosts (`ps`),
+/// a process's environment only to its owner.
 pub fn remote_script(
     env: &[(String, String)],
     argv: &[String],
     cwd: Option<&Path>,
+    secret_on_stdin: bool,
 ) -> Result<String, RemoteError> {
     let mut line = String::new();
     if let Some(dir) = cwd {
@@ -371,7 +380,16 @@ pub fn remote_script(
     // Background lists of a non-interactive shell read /dev/null, so keep the agent's stdin
     // on fd 3 for the watchdog; the rank's stderr is kept on fd 4 and the shell's own
     // ("Terminated" when it reaps a stopped rank) goes nowhere.
-    line.push_str("exec 3<&0 4>&2 2>/dev/null; env");
+    line.push_str("exec 3<&0 4>&2 2>/dev/null; ");
+    if secret_on_stdin {
+        // The shell's `read` takes a pipe one byte at a time, so the watchdog below still
+        // sees everything after this line.
+        let _ = write!(
+            line,
+            "IFS= read -r {STDIN_SECRET_VAR} <&3 || exit 1; export {STDIN_SECRET_VAR}; "
+        );
+    }
+    line.push_str("env");
     for (name, value) in env {
         check_env_name(name)?;
         let _ = write!(line, " {}", shell_quote(&format!("{name}={value}")));
@@ -560,6 +578,7 @@ pub fn remote_command(
     host: &str,
     env: &[(String, String)],
     argv: &[std::ffi::OsString],
+    secret_on_stdin: bool,
 ) -> Result<Command, RemoteError> {
     let words: Vec<String> = argv
         .iter()
@@ -573,7 +592,7 @@ pub fn remote_command(
         })
         .collect::<Result<_, _>>()?;
     let cwd = std::env::current_dir().ok();
-    let script = remote_script(env, &words, cwd.as_deref())?;
+    let script = remote_script(env, &words, cwd.as_deref(), secret_on_stdin)?;
     Ok(agent.command(host, &script))
 }
 
@@ -674,7 +693,17 @@ mod tests {
     }
 
     fn run_rank(env: &[(String, String)], argv: &[&str]) -> std::process::Output {
-        let script = match remote_script(env, &words(argv), Some(Path::new("/"))) {
+        run_rank_with(env, argv, None)
+    }
+
+    /// Like `run_rank`; `secret` is written to the agent's stdin as the launcher does.
+    fn run_rank_with(
+        env: &[(String, String)],
+        argv: &[&str],
+        secret: Option<&str>,
+    ) -> std::process::Output {
+        let script = match remote_script(env, &words(argv), Some(Path::new("/")), secret.is_some())
+        {
             Ok(s) => s,
             Err(e) => panic!("{e}"),
         };
@@ -690,7 +719,13 @@ mod tests {
             Err(e) => panic!("starting the agent: {e}"),
         };
         // `wait_with_output` would close stdin first, which stops the rank by design.
-        let held_stdin = child.stdin.take();
+        let mut held_stdin = child.stdin.take();
+        if let (Some(secret), Some(pipe)) = (secret, held_stdin.as_mut()) {
+            use std::io::Write as _;
+            if let Err(e) = writeln!(pipe, "{secret}") {
+                panic!("writing the secret: {e}");
+            }
+        }
         let out = child.wait_with_output();
         drop(held_stdin);
         match out {
@@ -724,6 +759,26 @@ mod tests {
     }
 
     #[test]
+    fn the_job_token_travels_on_stdin_not_on_the_command_line() {
+        let secret = "s3cr3t token";
+        let script = match remote_script(&[], &words(&["true"]), None, true) {
+            Ok(s) => s,
+            Err(e) => panic!("{e}"),
+        };
+        assert!(!script.contains(secret));
+        let out = run_rank_with(
+            &[("RANK".to_string(), "1".to_string())],
+            &["sh", "-c", "echo \"[$ARBOR_JOB_TOKEN] $RANK\"; exit 3"],
+            Some(secret),
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("[{secret}] 1\n")
+        );
+        assert_eq!(out.status.code(), Some(3));
+    }
+
+    #[test]
     fn rank_killed_by_signal_is_reported_as_128_plus_n() {
         let out = run_rank(&[], &["sh", "-c", "kill -USR1 $$"]);
         let code = out.status.code();
@@ -736,7 +791,7 @@ mod tests {
     #[test]
     fn closing_stdin_or_sigterm_stops_the_rank() {
         for how in ["close stdin", "sigterm"] {
-            let script = match remote_script(&[], &words(&["sleep", "30"]), None) {
+            let script = match remote_script(&[], &words(&["sleep", "30"]), None, false) {
                 Ok(s) => s,
                 Err(e) => panic!("{e}"),
             };
@@ -913,7 +968,7 @@ mod tests {
             .map(Into::into)
             .collect();
         let env = [("RANK".to_string(), "5".to_string())];
-        let cmd = remote_command(&local_agent(), "h", &env, &argv);
+        let cmd = remote_command(&local_agent(), "h", &env, &argv, false);
         let mut child =
             match cmd.map(|mut c| c.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()) {
                 Ok(Ok(c)) => c,
@@ -932,6 +987,6 @@ mod tests {
         );
         use std::os::unix::ffi::OsStringExt as _;
         let bad = vec![std::ffi::OsString::from_vec(vec![0xff, 0xfe])];
-        assert!(remote_command(&local_agent(), "h", &[], &bad).is_err());
+        assert!(remote_command(&local_agent(), "h", &[], &bad, false).is_err());
     }
 }

@@ -32,6 +32,21 @@ pub struct Plan {
     pub prefix: bool,
     /// Time between SIGTERM and SIGKILL when stopping ranks.
     pub kill_grace: Duration,
+    /// The job's secret (ARBOR_JOB_TOKEN) for every rank; None where the ranks find it
+    /// themselves (ARBOR_JOB_TOKEN_FILE inherited from arbor-launch's environment).
+    pub job_token: Option<JobToken>,
+    /// Ranks listen on every interface (ARBOR_BIND_ALL=1).
+    pub bind_all: bool,
+}
+
+/// The job's secret; kept out of `Debug` output so that no log of a plan shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JobToken(pub String);
+
+impl std::fmt::Debug for JobToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JobToken(<{} bytes>)", self.0.len())
+    }
 }
 
 /// Ranks on other hosts: the agent and the variables of arbor-launch's environment they get
@@ -237,7 +252,7 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
         Some(p) => (p.local_rank, p.local_world_size),
         None => (rank, plan.world_size),
     };
-    let rank_env = [
+    let mut rank_env = vec![
         ("RANK", rank.to_string()),
         ("WORLD_SIZE", plan.world_size.to_string()),
         ("LOCAL_RANK", local_rank.to_string()),
@@ -245,6 +260,9 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
         ("MASTER_ADDR", plan.master_addr.clone()),
         ("MASTER_PORT", plan.master_port.to_string()),
     ];
+    if plan.bind_all {
+        rank_env.push(("ARBOR_BIND_ALL", "1".to_string()));
+    }
     // [issue 8] A rank on another host: the agent runs it there, its variables on the
     // command line; the agent's stdin is a pipe held until the rank ends.
     let remote_host = plan
@@ -254,9 +272,20 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
         .map(|p| p.host.as_str());
     let mut cmd = match (remote_host, &plan.remote) {
         (Some(host), Some(start)) => {
-            let mut env = start.env.clone();
+            let mut env: Vec<(String, String)> = start
+                .env
+                .iter()
+                .filter(|(k, _)| k != remote::STDIN_SECRET_VAR)
+                .cloned()
+                .collect();
             env.extend(rank_env.iter().map(|(k, v)| (k.to_string(), v.clone())));
-            let mut cmd = remote::remote_command(&start.agent, host, &env, &plan.command)?;
+            let mut cmd = remote::remote_command(
+                &start.agent,
+                host,
+                &env,
+                &plan.command,
+                plan.job_token.is_some(),
+            )?;
             cmd.stdin(Stdio::piped());
             cmd
         }
@@ -266,6 +295,9 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
         (None, _) => {
             let mut cmd = Command::new(program);
             cmd.args(args).envs(rank_env.iter().map(|(k, v)| (k, v)));
+            if let Some(t) = &plan.job_token {
+                cmd.env(remote::STDIN_SECRET_VAR, &t.0);
+            }
             // Rank 0 may read our stdin (mpirun does the same), unless it is a terminal: a
             // background process group reading the terminal would be stopped (SIGTTIN).
             // SAFETY: isatty has no memory-safety preconditions.
@@ -314,7 +346,15 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
             program.to_string_lossy()
         ),
     })?;
-    let agent_stdin = child.stdin.take().filter(|_| remote_host.is_some());
+    let mut agent_stdin = child.stdin.take().filter(|_| remote_host.is_some());
+    if let (Some(pipe), Some(token)) = (agent_stdin.as_mut(), &plan.job_token) {
+        use std::io::Write as _;
+        // The remote script reads this line before it starts the rank (see `remote`); an
+        // agent that already died shows up as the rank's failure.
+        if let Err(e) = writeln!(pipe, "{}", token.0).and_then(|_| pipe.flush()) {
+            tracing::warn!("rank {rank}: could not pass the job token to the agent: {e}");
+        }
+    }
     let show = !plan.rank0_only || rank == 0;
     let prefix = if plan.prefix {
         format!("[rank {rank}] ").into_bytes()
