@@ -70,19 +70,42 @@ pub trait Body: serde::de::DeserializeOwned {
 }
 
 const COMMON_FIELDS: &[&str] = &[
-    "model", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options",
-    "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "ignore_eos",
-    "sample_id", "prompt_logprobs",
+    "model",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "top_k",
+    "ignore_eos",
+    "sample_id",
+    "prompt_logprobs",
 ];
 
 impl Body for CompletionRequest {
-    const FIELDS: &'static [&'static str] =
-        &["prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix"];
+    const FIELDS: &'static [&'static str] = &[
+        "prompt",
+        "max_tokens",
+        "logprobs",
+        "echo",
+        "best_of",
+        "suffix",
+    ];
 }
 
 impl Body for ChatRequest {
     const FIELDS: &'static [&'static str] = &[
-        "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
         "add_generation_prompt",
     ];
 }
@@ -90,12 +113,13 @@ impl Body for ChatRequest {
 /// Parses a JSON body: malformed JSON is 400; a body of the wrong shape (not an object,
 /// unknown field, wrong type, missing field) is 422, naming what was wrong.
 pub fn parse_body<T: Body>(bytes: &[u8]) -> Result<T, ApiError> {
-    let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}"))
-    })?;
+    let v: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))?;
     let unprocessable = |m: String| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, m);
     let Some(obj) = v.as_object() else {
-        return Err(unprocessable("the request body must be a JSON object".into()));
+        return Err(unprocessable(
+            "the request body must be a JSON object".into(),
+        ));
     };
     if let Some(k) = obj
         .keys()
@@ -216,29 +240,49 @@ impl Common {
     ) -> Result<Params, ApiError> {
         let temperature = self.temperature.unwrap_or(1.0);
         if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
-            return Err(ApiError::bad("temperature", format!("temperature must be in [0, 2], got {temperature}")));
+            return Err(ApiError::bad(
+                "temperature",
+                format!("temperature must be in [0, 2], got {temperature}"),
+            ));
         }
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::bad("top_p", format!("top_p must be in (0, 1], got {top_p}")));
+            return Err(ApiError::bad(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
         }
         let top_k = match self.top_k.unwrap_or(0) {
             -1 | 0 => 0,
             k if k > 0 => k as usize,
-            k => return Err(ApiError::bad("top_k", format!("top_k must be -1, 0 or positive, got {k}"))),
+            k => {
+                return Err(ApiError::bad(
+                    "top_k",
+                    format!("top_k must be -1, 0 or positive, got {k}"),
+                ))
+            }
         };
         let n = self.n.unwrap_or(1);
         if n == 0 || n > max_n {
-            return Err(ApiError::bad("n", format!("n must be in 1..={max_n}, got {n}")));
+            return Err(ApiError::bad(
+                "n",
+                format!("n must be in 1..={max_n}, got {n}"),
+            ));
         }
         let seed = match self.seed {
             None => 0,
             Some(s) if s >= 0 => s as u64,
             Some(s) => return Err(ApiError::bad("seed", format!("seed must be >= 0, got {s}"))),
         };
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
             if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::bad(name, format!("{name} is not supported (only 0)")));
+                return Err(ApiError::bad(
+                    name,
+                    format!("{name} is not supported (only 0)"),
+                ));
             }
         }
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
@@ -250,10 +294,16 @@ impl Common {
             Some(StopInput::Many(v)) => v.clone(),
         };
         if stop.len() > 4 || stop.iter().any(|s| s.is_empty()) {
-            return Err(ApiError::bad("stop", "stop takes at most 4 non-empty strings"));
+            return Err(ApiError::bad(
+                "stop",
+                "stop takes at most 4 non-empty strings",
+            ));
         }
         if logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
-            return Err(ApiError::bad("logprobs", format!("at most {MAX_TOP_LOGPROBS} top log-probs")));
+            return Err(ApiError::bad(
+                "logprobs",
+                format!("at most {MAX_TOP_LOGPROBS} top log-probs"),
+            ));
         }
         Ok(Params {
             max_tokens,
@@ -268,7 +318,10 @@ impl Common {
             logprobs,
             echo: false,
             stream: self.stream,
-            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
             ignore_eos: self.ignore_eos,
             sample_id: self.sample_id.unwrap_or(0),
             prompt_logprobs: self.prompt_logprobs,
@@ -287,20 +340,35 @@ mod tests {
         let e = parse_body::<CompletionRequest>(br#"{"prompt": "x", "max_tokns": 3}"#).unwrap_err();
         assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(e.message.contains("max_tokns"), "{}", e.message);
-        let e = parse_body::<CompletionRequest>(br#"{"prompt": "x", "max_tokens": -1}"#).unwrap_err();
+        let e =
+            parse_body::<CompletionRequest>(br#"{"prompt": "x", "max_tokens": -1}"#).unwrap_err();
         assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
-        let r = parse_body::<CompletionRequest>(br#"{"prompt": [1, 2], "temperature": 0.5, "top_k": 3, "stop": "x"}"#).unwrap();
+        let r = parse_body::<CompletionRequest>(
+            br#"{"prompt": [1, 2], "temperature": 0.5, "top_k": 3, "stop": "x"}"#,
+        )
+        .unwrap();
         assert!(matches!(r.prompt, PromptInput::Tokens(ref t) if t == &[1, 2]));
         let p = r.common.params(16, None, 4).unwrap();
-        assert_eq!((p.sampling.top_k, p.stop.clone()), (3, vec!["x".to_string()]));
+        assert_eq!(
+            (p.sampling.top_k, p.stop.clone()),
+            (3, vec!["x".to_string()])
+        );
     }
 
     #[test]
     fn bad_sampling_values_name_the_parameter() {
-        let c = |json: &str| parse_body::<CompletionRequest>(json.as_bytes()).unwrap().common;
-        let e = c(r#"{"prompt":"x","temperature":-1}"#).params(1, None, 4).unwrap_err();
+        let c = |json: &str| {
+            parse_body::<CompletionRequest>(json.as_bytes())
+                .unwrap()
+                .common
+        };
+        let e = c(r#"{"prompt":"x","temperature":-1}"#)
+            .params(1, None, 4)
+            .unwrap_err();
         assert_eq!(e.param, Some("temperature"));
-        let e = c(r#"{"prompt":"x","top_p":0}"#).params(1, None, 4).unwrap_err();
+        let e = c(r#"{"prompt":"x","top_p":0}"#)
+            .params(1, None, 4)
+            .unwrap_err();
         assert_eq!(e.param, Some("top_p"));
         let e = c(r#"{"prompt":"x","n":5}"#).params(1, None, 4).unwrap_err();
         assert_eq!(e.param, Some("n"));

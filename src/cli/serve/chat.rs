@@ -53,7 +53,9 @@ impl Message {
                     match (p.kind.as_str(), &p.text) {
                         ("text", Some(t)) => s.push_str(t),
                         (kind, _) => {
-                            return Err(format!("content part of type {kind:?} is not supported (text only)"))
+                            return Err(format!(
+                                "content part of type {kind:?} is not supported (text only)"
+                            ))
                         }
                     }
                 }
@@ -123,9 +125,13 @@ impl ChatTemplate {
             }
             _ => return Ok(None),
         };
-        Self::new(&source, token_text(cfg.bos_token), token_text(cfg.eos_token))
-            .map(Some)
-            .with_context(|| format!("{}: chat_template", path.display()))
+        Self::new(
+            &source,
+            token_text(cfg.bos_token),
+            token_text(cfg.eos_token),
+        )
+        .map(Some)
+        .with_context(|| format!("{}: chat_template", path.display()))
     }
 
     pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self> {
@@ -151,7 +157,11 @@ impl ChatTemplate {
     }
 
     /// The prompt text for `messages`; errors are the template's own (a bad conversation).
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, String> {
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let mut msgs = Vec::with_capacity(messages.len());
         for m in messages {
             msgs.push(TemplateMessage {
@@ -208,7 +218,11 @@ mod tests {
         .unwrap();
         let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "<B>D<E>");
-        std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": "{% if %}"}"#).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"chat_template": "{% if %}"}"#,
+        )
+        .unwrap();
         let e = format!("{:#}", ChatTemplate::from_dir(&dir).err().unwrap());
         assert!(e.contains("chat_template"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();

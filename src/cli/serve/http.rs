@@ -91,13 +91,19 @@ impl AppState {
         if given == Some(key.as_str()) {
             return Ok(());
         }
-        Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing or wrong API key (Authorization: Bearer KEY)")
-            .with_code("invalid_api_key"))
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong API key (Authorization: Bearer KEY)",
+        )
+        .with_code("invalid_api_key"))
     }
 
     fn accepting(&self) -> Result<(), ApiError> {
         if self.draining.load(Ordering::SeqCst) {
-            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"));
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            ));
         }
         Ok(())
     }
@@ -106,7 +112,13 @@ impl AppState {
         match model {
             Some(m) if m != self.model_name => Err(ApiError {
                 param: Some("model"),
-                ..ApiError::new(StatusCode::NOT_FOUND, format!("model {m:?} does not exist (this server serves {:?})", self.model_name))
+                ..ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "model {m:?} does not exist (this server serves {:?})",
+                        self.model_name
+                    ),
+                )
             }
             .with_code("model_not_found")),
             _ => Ok(()),
@@ -115,7 +127,10 @@ impl AppState {
 
     fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
         let tok = self.tokenizer.as_ref().ok_or_else(|| {
-            ApiError::bad("prompt", "this model has no tokenizer.json: give the prompt as token ids")
+            ApiError::bad(
+                "prompt",
+                "this model has no tokenizer.json: give the prompt as token ids",
+            )
         })?;
         tok.encode(text, special)
             .map(|e| e.get_ids().to_vec())
@@ -138,13 +153,32 @@ impl AppState {
 
     fn check_prompt(&self, prompt: &[u32], max_tokens: usize) -> Result<(), ApiError> {
         if prompt.is_empty() {
-            return Err(ApiError::bad("prompt", "the prompt is empty (it needs at least one token)"));
+            return Err(ApiError::bad(
+                "prompt",
+                "the prompt is empty (it needs at least one token)",
+            ));
         }
-        if let Some((i, t)) = prompt.iter().enumerate().find(|(_, &t)| t as usize >= self.vocab) {
-            return Err(ApiError::bad("prompt", format!("token id {t} at index {i} is outside the vocabulary (size {})", self.vocab)));
+        if let Some((i, t)) = prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= self.vocab)
+        {
+            return Err(ApiError::bad(
+                "prompt",
+                format!(
+                    "token id {t} at index {i} is outside the vocabulary (size {})",
+                    self.vocab
+                ),
+            ));
         }
         if max_tokens > self.max_len {
-            return Err(ApiError::bad("max_tokens", format!("max_tokens {max_tokens} exceeds the context length {}", self.max_len)));
+            return Err(ApiError::bad(
+                "max_tokens",
+                format!(
+                    "max_tokens {max_tokens} exceeds the context length {}",
+                    self.max_len
+                ),
+            ));
         }
         if prompt.len() + max_tokens > self.max_len {
             return Err(ApiError::bad("prompt", format!(
@@ -158,15 +192,26 @@ impl AppState {
     }
 
     /// Hands every (prompt, choice) to the engine as one sequence.
-    fn submit(self: &Arc<Self>, prompts: Vec<Vec<u32>>, p: Params, chat: bool) -> Result<Job, ApiError> {
+    fn submit(
+        self: &Arc<Self>,
+        prompts: Vec<Vec<u32>>,
+        p: Params,
+        chat: bool,
+    ) -> Result<Job, ApiError> {
         let total = prompts.len() * p.n;
         let before = self.inflight.fetch_add(total, Ordering::SeqCst);
-        let guard = InflightGuard { st: self.clone(), n: total };
+        let guard = InflightGuard {
+            st: self.clone(),
+            n: total,
+        };
         if before + total > self.max_queue {
-            return Err(ApiError::new(StatusCode::TOO_MANY_REQUESTS, format!(
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
                 "the queue is full ({before} sequences waiting or running, limit {}); retry later",
                 self.max_queue
-            )));
+            ),
+            ));
         }
         let (tx, rx) = unbounded_channel();
         let mut choices = Vec::with_capacity(total);
@@ -185,8 +230,15 @@ impl AppState {
                     n_top: p.logprobs.unwrap_or(0),
                     ignore_eos: p.ignore_eos,
                 };
-                let cmd = Cmd::Submit { spec, tag: index, events: tx.clone(), cancel: cancel.clone() };
-                self.tx.send(cmd).map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"))?;
+                let cmd = Cmd::Submit {
+                    spec,
+                    tag: index,
+                    events: tx.clone(),
+                    cancel: cancel.clone(),
+                };
+                self.tx.send(cmd).map_err(|_| {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
+                })?;
                 choices.push(ChoiceState::new(index, prompt.clone(), cancel));
             }
         }
@@ -238,7 +290,16 @@ struct ChoiceState {
 
 impl ChoiceState {
     fn new(index: usize, prompt: Arc<Vec<u32>>, cancel: Arc<AtomicBool>) -> Self {
-        ChoiceState { index, prompt, cancel, records: Vec::new(), prompt_records: Vec::new(), text: String::new(), sent: 0, finish: None }
+        ChoiceState {
+            index,
+            prompt,
+            cancel,
+            records: Vec::new(),
+            prompt_records: Vec::new(),
+            text: String::new(),
+            sent: 0,
+            finish: None,
+        }
     }
 
     fn tokens(&self) -> Vec<u32> {
@@ -248,7 +309,11 @@ impl ChoiceState {
     /// Text that can be streamed now: with stop strings, the last few bytes wait until no
     /// stop string can start in them.
     fn take_delta(&mut self, holdback: usize) -> String {
-        let mut end = if self.finish.is_some() { self.text.len() } else { self.text.len().saturating_sub(holdback) };
+        let mut end = if self.finish.is_some() {
+            self.text.len()
+        } else {
+            self.text.len().saturating_sub(holdback)
+        };
         while end > self.sent && !self.text.is_char_boundary(end) {
             end -= 1;
         }
@@ -289,7 +354,10 @@ impl Job {
 
     async fn next(&mut self) -> Result<Update, ApiError> {
         let Some((i, ev)) = self.rx.recv().await else {
-            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"));
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine has stopped",
+            ));
         };
         let Some(c) = self.choices.get_mut(i) else {
             return Ok(Update::Nothing);
@@ -305,7 +373,12 @@ impl Job {
             SeqEvent::Token(rec) => {
                 c.records.push(rec.clone());
                 c.text = self.st.decode(&c.tokens());
-                let hit = self.p.stop.iter().filter_map(|s| c.text.find(s.as_str())).min();
+                let hit = self
+                    .p
+                    .stop
+                    .iter()
+                    .filter_map(|s| c.text.find(s.as_str()))
+                    .min();
                 if let Some(at) = hit {
                     c.text.truncate(at);
                     c.finish = Some("stop");
@@ -335,13 +408,23 @@ impl Job {
 
     fn usage(&self) -> Value {
         let mut seen = std::collections::HashSet::new();
-        let prompt: usize = self.choices.iter().filter(|c| seen.insert(Arc::as_ptr(&c.prompt))).map(|c| c.prompt.len()).sum();
+        let prompt: usize = self
+            .choices
+            .iter()
+            .filter(|c| seen.insert(Arc::as_ptr(&c.prompt)))
+            .map(|c| c.prompt.len())
+            .sum();
         let completion: usize = self.choices.iter().map(|c| c.records.len()).sum();
         json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
     }
 
     /// Log-probs of `recs` in the endpoint's format.
-    fn logprobs_json(&self, recs: &[Record], echo_prompt: Option<&ChoiceState>, text_offset0: usize) -> Value {
+    fn logprobs_json(
+        &self,
+        recs: &[Record],
+        echo_prompt: Option<&ChoiceState>,
+        text_offset0: usize,
+    ) -> Value {
         let st = &self.st;
         if self.chat {
             let entry = |id: u32, lp: f32| {
@@ -372,7 +455,11 @@ impl Job {
             tops.push(top);
         };
         let top_map = |r: &Record| {
-            let m: serde_json::Map<String, Value> = r.top.iter().map(|t| (st.token_str(t.token), json!(t.logprob))).collect();
+            let m: serde_json::Map<String, Value> = r
+                .top
+                .iter()
+                .map(|t| (st.token_str(t.token), json!(t.logprob)))
+                .collect();
             Value::Object(m)
         };
         if let Some(c) = echo_prompt {
@@ -397,8 +484,16 @@ impl Job {
             v["prompt_token_ids"] = json!(c.prompt.as_slice());
         }
         if self.p.prompt_logprobs && with_prompt {
-            v["prompt_logprobs"] = json!(c.prompt_records.iter().map(|r| r.logprob).collect::<Vec<_>>());
-            v["prompt_logits_digest"] = json!(c.prompt_records.iter().map(|r| hex(r.digest)).collect::<Vec<_>>());
+            v["prompt_logprobs"] = json!(c
+                .prompt_records
+                .iter()
+                .map(|r| r.logprob)
+                .collect::<Vec<_>>());
+            v["prompt_logits_digest"] = json!(c
+                .prompt_records
+                .iter()
+                .map(|r| hex(r.digest))
+                .collect::<Vec<_>>());
         }
     }
 
@@ -479,7 +574,11 @@ fn body_error(e: BytesRejection) -> ApiError {
     ApiError::new(status, msg)
 }
 
-async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         st.authorize(&headers)?;
         st.accepting()?;
@@ -491,7 +590,10 @@ async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: 
         }
         let prompts = match req.prompt {
             PromptInput::Text(t) => vec![st.encode(&t, true)?],
-            PromptInput::Texts(v) => v.iter().map(|t| st.encode(t, true)).collect::<Result<_, _>>()?,
+            PromptInput::Texts(v) => v
+                .iter()
+                .map(|t| st.encode(t, true))
+                .collect::<Result<_, _>>()?,
             PromptInput::Tokens(t) => vec![t],
             PromptInput::TokenLists(v) => v,
         };
@@ -501,7 +603,10 @@ async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: 
         let max_tokens = req.max_tokens.unwrap_or(16);
         let mut p = req.common.params(max_tokens, req.logprobs, st.max_n)?;
         if req.best_of.is_some_and(|b| b != p.n) {
-            return Err(ApiError::bad("best_of", "best_of is not supported (other than equal to n)"));
+            return Err(ApiError::bad(
+                "best_of",
+                "best_of is not supported (other than equal to n)",
+            ));
         }
         p.echo = req.echo;
         for prompt in &prompts {
@@ -513,7 +618,11 @@ async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: 
     finish_response(&st, r)
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         st.authorize(&headers)?;
         st.accepting()?;
@@ -521,7 +630,10 @@ async fn chat_completions(State(st): State<Arc<AppState>>, headers: HeaderMap, b
         let req: ChatRequest = parse_body(&bytes)?;
         st.check_model(req.common.model.as_deref())?;
         let tmpl = st.chat.as_ref().ok_or_else(|| {
-            ApiError::bad("messages", "this model has no chat template (tokenizer_config.json chat_template)")
+            ApiError::bad(
+                "messages",
+                "this model has no chat template (tokenizer_config.json chat_template)",
+            )
         })?;
         if req.messages.is_empty() {
             return Err(ApiError::bad("messages", "messages is empty"));
@@ -538,7 +650,12 @@ async fn chat_completions(State(st): State<Arc<AppState>>, headers: HeaderMap, b
         let logprobs = match (req.logprobs, req.top_logprobs) {
             (true, k) => Some(k.unwrap_or(0)),
             (false, None) => None,
-            (false, Some(_)) => return Err(ApiError::bad("top_logprobs", "top_logprobs needs logprobs: true")),
+            (false, Some(_)) => {
+                return Err(ApiError::bad(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ))
+            }
         };
         let p = req.common.params(max_tokens, logprobs, st.max_n)?;
         st.check_prompt(&prompt, max_tokens)?;
@@ -576,7 +693,12 @@ fn stream_job(job: Job) -> Sse<impl futures_util::Stream<Item = Result<Event, In
         started: bool,
         ended: bool,
     }
-    let s = S { job, pending: VecDeque::new(), started: false, ended: false };
+    let s = S {
+        job,
+        pending: VecDeque::new(),
+        started: false,
+        ended: false,
+    };
     let stream = futures_util::stream::unfold(s, |mut s| async move {
         loop {
             if let Some(e) = s.pending.pop_front() {
@@ -656,7 +778,10 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
         st.stats.render(),
     )
         .into_response()
@@ -697,7 +822,11 @@ async fn terminated() {
 
 /// Runs the HTTP server until the leader says stop; reports the bound address (or the
 /// bind error) on `ready` first.
-pub fn serve(state: AppState, addr: SocketAddr, ready: std::sync::mpsc::Sender<Result<SocketAddr>>) -> Result<()> {
+pub fn serve(
+    state: AppState,
+    addr: SocketAddr,
+    ready: std::sync::mpsc::Sender<Result<SocketAddr>>,
+) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -711,7 +840,9 @@ pub fn serve(state: AppState, addr: SocketAddr, ready: std::sync::mpsc::Sender<R
                 return Ok(());
             }
         };
-        let bound = listener.local_addr().with_context(|| format!("bound {addr}"))?;
+        let bound = listener
+            .local_addr()
+            .with_context(|| format!("bound {addr}"))?;
         let _ = ready.send(Ok(bound));
         let st = Arc::new(state);
         let sig = st.clone();
@@ -724,10 +855,9 @@ pub fn serve(state: AppState, addr: SocketAddr, ready: std::sync::mpsc::Sender<R
         });
         let mut stop = st.stop.subscribe();
         let mut stop2 = st.stop.subscribe();
-        let server = axum::serve(listener, router(st))
-            .with_graceful_shutdown(async move {
-                let _ = stop.wait_for(|v| *v).await;
-            });
+        let server = axum::serve(listener, router(st)).with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|v| *v).await;
+        });
         // Connections that outlive the drain (idle keep-alives, stuck clients) get 5 s.
         tokio::select! {
             r = server => r.context("HTTP server")?,

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use arbor_collective::Communicator;
-use arbor_model::engine::{Event, PlanMsg, Record, Scheduler, SchedulerConfig, SeqId, SeqSpec, StepPlan};
+use arbor_model::engine::{
+    Event, PlanMsg, Record, Scheduler, SchedulerConfig, SeqId, SeqSpec, StepPlan,
+};
 use arbor_model::FinishReason;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -44,7 +46,10 @@ pub enum SeqEvent {
     Token(Record),
     Finished(FinishReason),
     /// Not run (or stopped): the message says why.
-    Refused { shutting_down: bool, msg: String },
+    Refused {
+        shutting_down: bool,
+        msg: String,
+    },
 }
 
 pub fn lead(
@@ -162,21 +167,34 @@ fn engine_loop(
                     cancel,
                 } => {
                     if drain_deadline.is_some() {
-                        let _ = events.send((tag, SeqEvent::Refused {
-                            shutting_down: true,
-                            msg: "the server is shutting down".into(),
-                        }));
+                        let _ = events.send((
+                            tag,
+                            SeqEvent::Refused {
+                                shutting_down: true,
+                                msg: "the server is shutting down".into(),
+                            },
+                        ));
                         continue;
                     }
                     match sched.submit(spec) {
                         Ok(seq) => {
-                            live.insert(seq, Live { tag, events, cancel });
+                            live.insert(
+                                seq,
+                                Live {
+                                    tag,
+                                    events,
+                                    cancel,
+                                },
+                            );
                         }
                         Err(e) => {
-                            let _ = events.send((tag, SeqEvent::Refused {
-                                shutting_down: false,
-                                msg: e.to_string(),
-                            }));
+                            let _ = events.send((
+                                tag,
+                                SeqEvent::Refused {
+                                    shutting_down: false,
+                                    msg: e.to_string(),
+                                },
+                            ));
                         }
                     }
                 }
@@ -205,10 +223,13 @@ fn engine_loop(
             for (seq, l) in live.drain() {
                 sched.cancel(seq);
                 stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                let _ = l.events.send((l.tag, SeqEvent::Refused {
-                    shutting_down: true,
-                    msg: "cancelled: the server is shutting down".into(),
-                }));
+                let _ = l.events.send((
+                    l.tag,
+                    SeqEvent::Refused {
+                        shutting_down: true,
+                        msg: "cancelled: the server is shutting down".into(),
+                    },
+                ));
             }
         }
         let plan = sched.plan();

@@ -96,11 +96,23 @@ pub fn run(args: Args) -> Result<()> {
         .start_session(args.max_num_seqs, max_len)
         .with_context(|| format!("allocating the KV cache on rank {rank}"))?;
     if rank != 0 {
+        // The launcher forwards SIGTERM/SIGINT to every rank; only rank 0 drains, and the
+        // others stop when it says so (or when it is gone).
+        // SAFETY: signal(2) with SIG_IGN installs no handler code.
+        unsafe {
+            libc::signal(libc::SIGTERM, libc::SIG_IGN);
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+        }
         return follow(runner.as_mut(), comm.as_ref());
     }
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
-        .with_context(|| format!("--host {} --port {} is not an address", args.host, args.port))?;
+        .with_context(|| {
+            format!(
+                "--host {} --port {} is not an address",
+                args.host, args.port
+            )
+        })?;
     leader::lead(&args, addr, runner, comm)
 }
 

@@ -48,7 +48,10 @@ impl Stats {
         if let Ok(mut q) = self.recent.lock() {
             let now = Instant::now();
             q.push_back((now, sampled as u64));
-            while q.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
+            while q
+                .front()
+                .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+            {
                 q.pop_front();
             }
         }
@@ -81,24 +84,106 @@ impl Stats {
         let total = g(&self.kv_blocks_total);
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
         };
-        metric("arbor_queue_depth", "gauge", "Sequences waiting for admission.", g(&self.waiting).to_string());
-        metric("arbor_running_sequences", "gauge", "Sequences holding a KV slot.", g(&self.running).to_string());
-        metric("arbor_kv_blocks_used", "gauge", "KV blocks reserved by running sequences.", used.to_string());
-        metric("arbor_kv_blocks_total", "gauge", "KV blocks in the cache.", total.to_string());
-        let ratio = if total > 0 { used as f64 / total as f64 } else { 0.0 };
-        metric("arbor_kv_usage_ratio", "gauge", "Fraction of KV blocks in use.", format!("{ratio:.6}"));
-        metric("arbor_generation_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.", format!("{:.3}", self.tokens_per_second()));
-        metric("arbor_last_step_seconds", "gauge", "Duration of the last engine step.", format!("{:.6}", f64::from_bits(g(&self.last_step_seconds_bits))));
-        metric("arbor_step_seconds_total", "counter", "Time spent in engine steps.", format!("{:.6}", f64::from_bits(g(&self.step_seconds_bits))));
-        metric("arbor_steps_total", "counter", "Engine steps run.", g(&self.steps).to_string());
-        metric("arbor_step_rows_total", "counter", "New tokens (rows) run through the model.", g(&self.step_rows).to_string());
-        metric("arbor_prompt_tokens_total", "counter", "Prompt tokens prefilled.", g(&self.prompt_tokens).to_string());
-        metric("arbor_generation_tokens_total", "counter", "Tokens generated.", g(&self.generated_tokens).to_string());
-        metric("arbor_requests_total", "counter", "Requests accepted.", g(&self.requests).to_string());
-        metric("arbor_requests_rejected_total", "counter", "Requests refused (4xx/5xx before running).", g(&self.rejected).to_string());
-        metric("arbor_sequences_cancelled_total", "counter", "Sequences cancelled (client gone, stop string, shutdown).", g(&self.cancelled).to_string());
+        metric(
+            "arbor_queue_depth",
+            "gauge",
+            "Sequences waiting for admission.",
+            g(&self.waiting).to_string(),
+        );
+        metric(
+            "arbor_running_sequences",
+            "gauge",
+            "Sequences holding a KV slot.",
+            g(&self.running).to_string(),
+        );
+        metric(
+            "arbor_kv_blocks_used",
+            "gauge",
+            "KV blocks reserved by running sequences.",
+            used.to_string(),
+        );
+        metric(
+            "arbor_kv_blocks_total",
+            "gauge",
+            "KV blocks in the cache.",
+            total.to_string(),
+        );
+        let ratio = if total > 0 {
+            used as f64 / total as f64
+        } else {
+            0.0
+        };
+        metric(
+            "arbor_kv_usage_ratio",
+            "gauge",
+            "Fraction of KV blocks in use.",
+            format!("{ratio:.6}"),
+        );
+        metric(
+            "arbor_generation_tokens_per_second",
+            "gauge",
+            "Generated tokens per second over the last 10 s.",
+            format!("{:.3}", self.tokens_per_second()),
+        );
+        metric(
+            "arbor_last_step_seconds",
+            "gauge",
+            "Duration of the last engine step.",
+            format!("{:.6}", f64::from_bits(g(&self.last_step_seconds_bits))),
+        );
+        metric(
+            "arbor_step_seconds_total",
+            "counter",
+            "Time spent in engine steps.",
+            format!("{:.6}", f64::from_bits(g(&self.step_seconds_bits))),
+        );
+        metric(
+            "arbor_steps_total",
+            "counter",
+            "Engine steps run.",
+            g(&self.steps).to_string(),
+        );
+        metric(
+            "arbor_step_rows_total",
+            "counter",
+            "New tokens (rows) run through the model.",
+            g(&self.step_rows).to_string(),
+        );
+        metric(
+            "arbor_prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled.",
+            g(&self.prompt_tokens).to_string(),
+        );
+        metric(
+            "arbor_generation_tokens_total",
+            "counter",
+            "Tokens generated.",
+            g(&self.generated_tokens).to_string(),
+        );
+        metric(
+            "arbor_requests_total",
+            "counter",
+            "Requests accepted.",
+            g(&self.requests).to_string(),
+        );
+        metric(
+            "arbor_requests_rejected_total",
+            "counter",
+            "Requests refused (4xx/5xx before running).",
+            g(&self.rejected).to_string(),
+        );
+        metric(
+            "arbor_sequences_cancelled_total",
+            "counter",
+            "Sequences cancelled (client gone, stop string, shutdown).",
+            g(&self.cancelled).to_string(),
+        );
         out
     }
 }
@@ -113,10 +198,16 @@ mod tests {
         s.set_gauges(3, 2, (5, 20));
         s.record_step(0.5, 10, 8, 2);
         let t = s.render();
-        assert!(t.contains("# TYPE arbor_queue_depth gauge\narbor_queue_depth 3\n"), "{t}");
+        assert!(
+            t.contains("# TYPE arbor_queue_depth gauge\narbor_queue_depth 3\n"),
+            "{t}"
+        );
         assert!(t.contains("arbor_kv_usage_ratio 0.250000"), "{t}");
         assert!(t.contains("arbor_generation_tokens_total 2\n"), "{t}");
         assert!(t.contains("arbor_step_seconds_total 0.500000"), "{t}");
-        assert!(t.contains("arbor_generation_tokens_per_second 0.200"), "{t}");
+        assert!(
+            t.contains("arbor_generation_tokens_per_second 0.200"),
+            "{t}"
+        );
     }
 }
