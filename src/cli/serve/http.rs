@@ -283,8 +283,9 @@ struct ChoiceState {
     records: Vec<Record>,
     prompt_records: Vec<Record>,
     text: String,
-    /// Bytes of `text` already streamed.
+    /// Bytes of `text` already streamed, and that text.
     sent: usize,
+    emitted: String,
     finish: Option<&'static str>,
 }
 
@@ -298,6 +299,7 @@ impl ChoiceState {
             prompt_records: Vec::new(),
             text: String::new(),
             sent: 0,
+            emitted: String::new(),
             finish: None,
         }
     }
@@ -306,22 +308,27 @@ impl ChoiceState {
         self.records.iter().map(|r| r.token).collect()
     }
 
-    /// Text that can be streamed now: with stop strings, the last few bytes wait until no
-    /// stop string can start in them.
+    /// Text that can be streamed now. Held back: a trailing U+FFFD (the bytes of a
+    /// character may still be arriving; decoding them later changes that text) and, with
+    /// stop strings, the last bytes a stop string could start in.
     fn take_delta(&mut self, holdback: usize) -> String {
-        let mut end = if self.finish.is_some() {
-            self.text.len()
-        } else {
-            self.text.len().saturating_sub(holdback)
+        let settled = match self.finish {
+            Some(_) => self.text.len(),
+            None => self
+                .text
+                .trim_end_matches('\u{FFFD}')
+                .len()
+                .saturating_sub(holdback),
         };
+        let mut end = settled;
         while end > self.sent && !self.text.is_char_boundary(end) {
             end -= 1;
         }
-        // The decoded prefix can change (bytes completing a character): then wait for the end.
-        if end <= self.sent || !self.text.is_char_boundary(self.sent) {
+        if end <= self.sent || !self.text.starts_with(self.emitted.as_str()) {
             return String::new();
         }
         let d = self.text[self.sent..end].to_string();
+        self.emitted.push_str(&d);
         self.sent = end;
         d
     }
