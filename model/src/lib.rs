@@ -6,19 +6,25 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod forward;
+pub mod generation_config;
 pub mod layers;
 pub mod runner;
 pub mod safetensors;
 pub mod sampling;
 pub mod synth;
+pub mod tokenizer_config;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};
 pub use error::ModelError;
+pub use generation_config::GenerationConfig;
 pub use runner::{
     load, Device, Engine, FinishReason, GenOutput, GenRequest, LoadOptions, Runner, ScoreOutput,
     ScoreRequest, DEFAULT_MAX_SEQ_LEN,
 };
 pub use safetensors::DType;
 pub use sampling::{Sampling, TokenLogprob};
-pub use synth::{make_model, make_model_with_progress, Preset, Progress, Shape, SynthOptions};
+pub use synth::{
+    make_model, make_model_with_progress, ConfigFormat, Preset, Progress, Shape, SynthOptions,
+};
+pub use tokenizer_config::{PromptEncoder, TokenizerConfig};

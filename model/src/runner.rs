@@ -11,8 +11,10 @@ use crate::config::ModelConfig;
 use crate::engine::{Event, Record, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan};
 use crate::error::{MResult, ModelError};
 use crate::forward::{Model, Trace};
+use crate::generation_config::GenerationConfig;
 use crate::layers::LoadCtx;
 use crate::sampling::{self, Sampling, TokenLogprob};
+use crate::tokenizer_config::TokenizerConfig;
 use crate::weights::WeightStore;
 
 /// Context length used when neither `--max-seq-len` nor a smaller
@@ -29,7 +31,8 @@ pub enum Device {
 pub struct LoadOptions {
     pub model_dir: PathBuf,
     pub device: Device,
-    /// Context length; default `min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN)`.
+    /// Context length; default `min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN)`, and no
+    /// longer than the model's exact context (`ModelConfig::exact_context_limit`).
     pub max_seq_len: Option<usize>,
     /// Also hold a TP=1 copy and compare every step bit for bit.
     pub shadow_tp1: bool,
@@ -115,6 +118,12 @@ pub trait Runner {
     fn config(&self) -> &ModelConfig;
     /// None if the model directory has no tokenizer.json.
     fn tokenizer(&self) -> Option<&tokenizers::Tokenizer>;
+    /// tokenizer_config.json (and chat_template.jinja), if present.
+    fn tokenizer_config(&self) -> Option<&TokenizerConfig>;
+    /// generation_config.json, if present.
+    fn generation_config(&self) -> Option<&GenerationConfig>;
+    /// The ids that end a sequence: config.json's and generation_config.json's together.
+    fn eos_token_ids(&self) -> &[u32];
     /// The context length requests must fit in.
     fn max_seq_len(&self) -> usize;
     /// All requests run as ONE static batch (ragged, no padding); sampling is keyed by
@@ -179,6 +188,9 @@ pub struct Engine<B: Backend> {
     backend: B,
     model: Model<B>,
     tokenizer: Option<tokenizers::Tokenizer>,
+    tokenizer_config: Option<TokenizerConfig>,
+    generation_config: Option<GenerationConfig>,
+    eos_token_ids: Vec<u32>,
     max_seq_len: usize,
     shadow: Option<Box<Engine<B>>>,
     timing: GenTiming,
@@ -214,8 +226,14 @@ impl<B: Backend> Engine<B> {
                 })
             }
             Some(n) => n,
-            None => cfg.max_position_embeddings.min(DEFAULT_MAX_SEQ_LEN),
+            // By default also stay where the model's math is exact (a sliding window, say).
+            None => cfg
+                .exact_context_limit()
+                .map_or(usize::MAX, |(n, _)| n)
+                .min(cfg.max_position_embeddings)
+                .min(DEFAULT_MAX_SEQ_LEN),
         };
+        cfg.check_context(max_seq_len, &dir.join("config.json"))?;
         let store = WeightStore::open(dir)?;
         let ctx = LoadCtx {
             backend: &backend,
@@ -232,8 +250,18 @@ impl<B: Backend> Engine<B> {
             layers = cfg.num_layers,
             "model loaded"
         );
+        let generation_config = GenerationConfig::from_dir(dir)?;
+        let mut eos_token_ids = cfg.eos_token_ids.clone();
+        for id in generation_config.iter().flat_map(|g| &g.eos_token_ids) {
+            if !eos_token_ids.contains(id) {
+                eos_token_ids.push(*id);
+            }
+        }
         Ok(Engine {
             tokenizer: load_tokenizer(dir)?,
+            tokenizer_config: TokenizerConfig::from_dir(dir)?,
+            generation_config,
+            eos_token_ids,
             backend,
             model,
             max_seq_len,
@@ -538,6 +566,15 @@ impl<B: Backend> Runner for Engine<B> {
     fn tokenizer(&self) -> Option<&tokenizers::Tokenizer> {
         self.tokenizer.as_ref()
     }
+    fn tokenizer_config(&self) -> Option<&TokenizerConfig> {
+        self.tokenizer_config.as_ref()
+    }
+    fn generation_config(&self) -> Option<&GenerationConfig> {
+        self.generation_config.as_ref()
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
     fn max_seq_len(&self) -> usize {
         self.max_seq_len
     }
@@ -591,8 +628,7 @@ impl<B: Backend> Runner for Engine<B> {
             .max()
             .unwrap_or(1);
         let mut caches = self.caches(active.len(), max_len)?;
-        let cfg =
-            SchedulerConfig::offline(active.len(), max_len, self.model.cfg.eos_token_ids.clone());
+        let cfg = SchedulerConfig::offline(active.len(), max_len, self.eos_token_ids.clone());
         let mut sched = Scheduler::new(cfg)?;
         let mut out_of = std::collections::HashMap::new();
         for &i in &active {

@@ -139,6 +139,17 @@ pub struct SynthOptions {
     pub shape: Option<Shape>,
     /// Largest shard file; above it the checkpoint is split with an index.
     pub shard_bytes: Option<usize>,
+    /// Which transformers generation's config.json to write.
+    pub config_format: ConfigFormat,
+}
+
+/// The two config.json generations: transformers 4 (`rope_theta` + `rope_scaling`,
+/// `torch_dtype`) and 5 (`rope_parameters`, `dtype`, Qwen3's `layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConfigFormat {
+    #[default]
+    Transformers4,
+    Transformers5,
 }
 
 impl SynthOptions {
@@ -151,6 +162,7 @@ impl SynthOptions {
             dtype: None,
             shape: None,
             shard_bytes: None,
+            config_format: ConfigFormat::default(),
         }
     }
 }
@@ -350,7 +362,7 @@ pub fn make_model_with_progress(
 
     write_json(
         &dir.join("config.json"),
-        &config_json(opts.arch, &shape, dtype),
+        &config_json(opts.arch, &shape, dtype, opts.config_format),
     )?;
     write_json(&dir.join("tokenizer.json"), &tokenizer_json())?;
     write_json(
@@ -438,7 +450,7 @@ fn write_json(path: &Path, v: &serde_json::Value) -> MResult<()> {
     })
 }
 
-fn config_json(arch: Arch, s: &Shape, dtype: DType) -> serde_json::Value {
+fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> serde_json::Value {
     let torch_dtype = match dtype {
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
@@ -487,7 +499,31 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType) -> serde_json::Value {
             c["max_window_layers"] = json!(s.layers);
         }
     }
+    if format == ConfigFormat::Transformers5 {
+        to_transformers5(&mut c, arch, s.layers);
+    }
     c
+}
+
+/// Rewrites a transformers-4 config the way transformers 5's `save_pretrained` writes it.
+fn to_transformers5(c: &mut serde_json::Value, arch: Arch, layers: usize) {
+    let Some(obj) = c.as_object_mut() else {
+        return;
+    };
+    let theta = obj.remove("rope_theta").unwrap_or(json!(10000.0));
+    let mut rope = match obj.remove("rope_scaling") {
+        Some(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::from_iter([("rope_type".to_string(), json!("default"))]),
+    };
+    rope.insert("rope_theta".into(), theta);
+    obj.insert("rope_parameters".into(), serde_json::Value::Object(rope));
+    if let Some(d) = obj.remove("torch_dtype") {
+        obj.insert("dtype".into(), d);
+    }
+    obj.insert("pad_token_id".into(), serde_json::Value::Null);
+    if arch == Arch::Qwen3 {
+        obj.insert("layer_types".into(), json!(vec!["full_attention"; layers]));
+    }
 }
 
 /// GPT-2's byte-to-character map: every byte gets a printable character.

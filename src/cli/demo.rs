@@ -48,7 +48,14 @@ pub fn run(args: Args) -> Result<()> {
         eprintln!("making the tiny Llama model in {}", dir.display());
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create {}", dir.display()))?;
-        make_model::make(ArchArg::Llama, PresetArg::Tiny, 0, &dir, true)?;
+        make_model::make(
+            ArchArg::Llama,
+            PresetArg::Tiny,
+            0,
+            &dir,
+            true,
+            make_model::HfConfigArg::V4,
+        )?;
     }
     check::run(check::Args {
         model: dir,

@@ -125,10 +125,13 @@ fn tokenize(runner: &dyn Runner, prompts: &[Prompt], model: &Path) -> Result<Vec
                             model.display()
                         )
                     })?;
-                    tok.encode(text.as_str(), true)
+                    let encoder = arbor_model::PromptEncoder {
+                        tokenizer: tok,
+                        config: runner.tokenizer_config(),
+                    };
+                    encoder
+                        .encode(text.as_str(), true)
                         .map_err(|e| anyhow::anyhow!("cannot tokenise prompt {}: {e}", p.id))?
-                        .get_ids()
-                        .to_vec()
                 }
                 (None, None) => bail!("prompt {} has neither text nor tokens", p.id),
             };

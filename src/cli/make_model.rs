@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::model_api::{make_model_with_progress, Arch, Preset, Progress, SynthOptions};
+use super::model_api::{
+    make_model_with_progress, Arch, ConfigFormat, Preset, Progress, SynthOptions,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ArchArg {
@@ -41,6 +43,18 @@ pub struct Args {
     /// Write into a non-empty directory, replacing the model files there.
     #[arg(long)]
     pub force: bool,
+    /// Which transformers generation's config.json to write: 4 (rope_theta + rope_scaling,
+    /// torch_dtype) or 5 (rope_parameters, dtype); arbor reads both to the same bits.
+    #[arg(long, value_enum, default_value_t = HfConfigArg::V4)]
+    pub hf_config: HfConfigArg,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HfConfigArg {
+    #[value(name = "4")]
+    V4,
+    #[value(name = "5")]
+    V5,
 }
 
 /// Fails when `dir` exists and holds anything (unless `force`).
@@ -61,7 +75,14 @@ pub fn check_out_dir(dir: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-pub fn make(arch: ArchArg, preset: PresetArg, seed: u64, out: &Path, force: bool) -> Result<()> {
+pub fn make(
+    arch: ArchArg,
+    preset: PresetArg,
+    seed: u64,
+    out: &Path,
+    force: bool,
+    hf_config: HfConfigArg,
+) -> Result<()> {
     check_out_dir(out, force)?;
     let arch = match arch {
         ArchArg::Llama => Arch::Llama,
@@ -87,7 +108,14 @@ pub fn make(arch: ArchArg, preset: PresetArg, seed: u64, out: &Path, force: bool
             );
         }
     };
-    make_model_with_progress(&SynthOptions::new(arch, preset, seed, out), &mut report)
+    let opts = SynthOptions {
+        config_format: match hf_config {
+            HfConfigArg::V4 => ConfigFormat::Transformers4,
+            HfConfigArg::V5 => ConfigFormat::Transformers5,
+        },
+        ..SynthOptions::new(arch, preset, seed, out)
+    };
+    make_model_with_progress(&opts, &mut report)
         .with_context(|| format!("writing the model to {}", out.display()))
 }
 
@@ -103,7 +131,14 @@ pub fn run(args: Args) -> Result<()> {
             args.preset
         );
     }
-    make(arch, args.preset, args.seed, &args.out, args.force)?;
+    make(
+        arch,
+        args.preset,
+        args.seed,
+        &args.out,
+        args.force,
+        args.hf_config,
+    )?;
     eprintln!("wrote {}", args.out.display());
     Ok(())
 }

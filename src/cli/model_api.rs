@@ -4,5 +4,7 @@
 pub use arbor_model::runner::{
     load, Device, FinishReason, GenOutput, GenRequest, LoadOptions, Runner, ScoreRequest,
 };
-pub use arbor_model::synth::{make_model_with_progress, Preset, Progress, SynthOptions};
+pub use arbor_model::synth::{
+    make_model_with_progress, ConfigFormat, Preset, Progress, SynthOptions,
+};
 pub use arbor_model::{Arch, Sampling, TokenLogprob};

@@ -22,6 +22,6 @@ pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
 pub use leaf::{bf16_to_f32, LANES};
 pub use matmul::{plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, TreeMatmul};
 pub use norm::rms_norm;
-pub use rope::{RopeError, RopeScaling, RopeTable};
+pub use rope::{yarn_mscale, Llama3Scaling, RopeError, RopeScaling, RopeTable, YarnScaling};
 pub use softmax::{argmax, log_softmax_at, softmax};
 pub use threads::{num_threads, set_num_threads, THREADS_ENV};

@@ -1,12 +1,48 @@
-//! Rotary position embedding (HF "rotate_half" convention), default and Llama-3 scaling.
+//! Rotary position embedding (HF "rotate_half" convention) with the frequency schedules the
+//! supported families ship: default, linear, dynamic (within its original context), Llama-3
+//! and YaRN. Every schedule is folded into one cos/sin table computed on the host, so every
+//! backend rotates with the same numbers.
 
-/// Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`).
+/// Llama-3 style frequency scaling (`rope_type == "llama3"`).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RopeScaling {
+pub struct Llama3Scaling {
     pub factor: f64,
     pub low_freq_factor: f64,
     pub high_freq_factor: f64,
     pub original_max_position_embeddings: usize,
+}
+
+/// YaRN (`rope_type == "yarn"`, Qwen3's long-context setting), with every optional value
+/// already resolved the way HF resolves it (`attention_factor` from `factor`/`mscale`,
+/// `beta_fast` 32, `beta_slow` 1, `truncate` true).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct YarnScaling {
+    pub factor: f64,
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub truncate: bool,
+    /// Multiplies cos and sin (HF's `attention_scaling`).
+    pub attention_factor: f64,
+}
+
+/// A non-default RoPE frequency schedule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// `rope_type == "linear"`: every frequency divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// `rope_type == "dynamic"`: HF rescales only once a sequence passes
+    /// `original_max_position_embeddings`, which would make a row's numbers depend on the
+    /// length of the call it is in; the table is therefore limited to that context, where
+    /// dynamic equals default.
+    Dynamic {
+        factor: f64,
+        original_max_position_embeddings: usize,
+    },
+    Llama3(Llama3Scaling),
+    Yarn(YarnScaling),
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -15,8 +51,19 @@ pub enum RopeError {
     HeadDim(usize),
     #[error("rope: rope_theta must be finite and > 1, got {0}")]
     Theta(f64),
-    #[error("rope: llama3 scaling parameter {name} is invalid: {value}")]
-    Scaling { name: &'static str, value: f64 },
+    #[error("rope: {kind} scaling parameter {name} is invalid: {value}")]
+    Scaling {
+        kind: &'static str,
+        name: &'static str,
+        value: f64,
+    },
+    #[error(
+        "rope: \"dynamic\" scaling changes the frequencies once a sequence passes \
+         {original} positions, which would make results depend on the call's length; \
+         arbor runs it only within that context, and {max_pos} positions were asked for \
+         (pass a context of at most {original})"
+    )]
+    DynamicBeyondOriginal { max_pos: usize, original: usize },
     #[error("rope: {max_pos} positions × {half} frequencies do not fit in memory")]
     TooLarge { max_pos: usize, half: usize },
 }
@@ -42,8 +89,8 @@ impl RopeTable {
         }
     }
 
-    /// The table for `head_dim` (all of it rotated), `rope_theta` and optional Llama-3
-    /// scaling; parameters from a model config are checked, not trusted.
+    /// The table for `head_dim` (all of it rotated), `rope_theta` and an optional
+    /// schedule; parameters from a model config are checked, not trusted.
     pub fn try_new(
         head_dim: usize,
         max_pos: usize,
@@ -64,10 +111,30 @@ impl RopeTable {
             return Err(RopeError::TooLarge { max_pos, half });
         }
         let mut inv_freq = default_inv_freq(head_dim, theta);
-        if let Some(s) = scaling {
-            check_scaling(&s)?;
-            for f in inv_freq.iter_mut() {
-                *f = llama3_scale(*f, &s);
+        let mut attention_factor = 1.0;
+        match scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => {
+                check_factor("linear", factor)?;
+                inv_freq.iter_mut().for_each(|f| *f /= factor);
+            }
+            Some(RopeScaling::Dynamic {
+                factor,
+                original_max_position_embeddings: original,
+            }) => {
+                check_factor("dynamic", factor)?;
+                if max_pos > original {
+                    return Err(RopeError::DynamicBeyondOriginal { max_pos, original });
+                }
+            }
+            Some(RopeScaling::Llama3(s)) => {
+                check_llama3(&s)?;
+                inv_freq.iter_mut().for_each(|f| *f = llama3_scale(*f, &s));
+            }
+            Some(RopeScaling::Yarn(s)) => {
+                check_yarn(&s)?;
+                inv_freq = yarn_inv_freq(head_dim, theta, &s);
+                attention_factor = s.attention_factor;
             }
         }
         let mut cos = Vec::with_capacity(max_pos * half);
@@ -75,8 +142,8 @@ impl RopeTable {
         for pos in 0..max_pos {
             for &f in &inv_freq {
                 let angle = pos as f64 * f;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
+                cos.push((angle.cos() * attention_factor) as f32);
+                sin.push((angle.sin() * attention_factor) as f32);
             }
         }
         Ok(Self {
@@ -133,8 +200,26 @@ fn default_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
         .collect()
 }
 
-fn check_scaling(s: &RopeScaling) -> Result<(), RopeError> {
-    let bad = |name, value: f64| Err(RopeError::Scaling { name, value });
+fn check_factor(kind: &'static str, factor: f64) -> Result<(), RopeError> {
+    if factor.is_finite() && factor >= 1.0 {
+        Ok(())
+    } else {
+        Err(RopeError::Scaling {
+            kind,
+            name: "factor",
+            value: factor,
+        })
+    }
+}
+
+fn check_llama3(s: &Llama3Scaling) -> Result<(), RopeError> {
+    let bad = |name, value: f64| {
+        Err(RopeError::Scaling {
+            kind: "llama3",
+            name,
+            value,
+        })
+    };
     if !(s.factor.is_finite() && s.factor > 0.0) {
         return bad("factor", s.factor);
     }
@@ -150,9 +235,73 @@ fn check_scaling(s: &RopeScaling) -> Result<(), RopeError> {
     Ok(())
 }
 
+fn check_yarn(s: &YarnScaling) -> Result<(), RopeError> {
+    let bad = |name, value: f64| {
+        Err(RopeError::Scaling {
+            kind: "yarn",
+            name,
+            value,
+        })
+    };
+    if !(s.factor.is_finite() && s.factor > 0.0) {
+        return bad("factor", s.factor);
+    }
+    if s.original_max_position_embeddings == 0 {
+        return bad("original_max_position_embeddings", 0.0);
+    }
+    if !(s.beta_fast.is_finite() && s.beta_fast > 0.0) {
+        return bad("beta_fast", s.beta_fast);
+    }
+    if !(s.beta_slow.is_finite() && s.beta_slow > 0.0) {
+        return bad("beta_slow", s.beta_slow);
+    }
+    if !(s.attention_factor.is_finite() && s.attention_factor > 0.0) {
+        return bad("attention_factor", s.attention_factor);
+    }
+    Ok(())
+}
+
+/// HF `_compute_yarn_parameters`: each frequency blends its interpolated (`/ factor`) and
+/// extrapolated value by a linear ramp over the dimensions between the rotation counts
+/// `beta_fast` and `beta_slow` at the original context.
+fn yarn_inv_freq(head_dim: usize, theta: f64, s: &YarnScaling) -> Vec<f64> {
+    let dim = head_dim as f64;
+    let original = s.original_max_position_embeddings as f64;
+    let correction_dim = |rotations: f64| {
+        dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+    };
+    let (mut low, mut high) = (correction_dim(s.beta_fast), correction_dim(s.beta_slow));
+    if s.truncate {
+        low = low.floor();
+        high = high.ceil();
+    }
+    let low = low.max(0.0);
+    let high = high.min(dim - 1.0);
+    // HF nudges an empty ramp to avoid dividing by zero.
+    let span = if low == high { 0.001 } else { high - low };
+    default_inv_freq(head_dim, theta)
+        .into_iter()
+        .enumerate()
+        .map(|(i, extrapolated)| {
+            let ramp = ((i as f64 - low) / span).clamp(0.0, 1.0);
+            let keep = 1.0 - ramp;
+            (extrapolated / s.factor) * (1.0 - keep) + extrapolated * keep
+        })
+        .collect()
+}
+
+/// HF's YaRN `get_mscale`: the default attention factor for a context stretched by `scale`.
+pub fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
 /// HF `_compute_llama3_parameters` for one frequency: long wavelengths are divided by
 /// `factor`, short ones kept, and the band between interpolated smoothly.
-fn llama3_scale(inv_freq: f64, s: &RopeScaling) -> f64 {
+fn llama3_scale(inv_freq: f64, s: &Llama3Scaling) -> f64 {
     let old_ctx = s.original_max_position_embeddings as f64;
     let low_freq_wavelen = old_ctx / s.low_freq_factor;
     let high_freq_wavelen = old_ctx / s.high_freq_factor;
@@ -178,7 +327,7 @@ mod tests {
     use super::*;
     use crate::cpu::testutil::Rng;
 
-    const LLAMA31: RopeScaling = RopeScaling {
+    const LLAMA31: Llama3Scaling = Llama3Scaling {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
@@ -212,7 +361,7 @@ mod tests {
             assert!(rel(got, after) < 1e-13, "i={i}: {got} vs {after}");
         }
         // The table holds cos/sin of pos·inv_freq.
-        let t = RopeTable::new(128, 3000, 500000.0, Some(LLAMA31));
+        let t = RopeTable::new(128, 3000, 500000.0, Some(RopeScaling::Llama3(LLAMA31)));
         let (pos, i) = (2999usize, 30usize);
         let want = (pos as f64 * 0.0013718935677611381).cos();
         assert!(
@@ -220,6 +369,78 @@ mod tests {
             "{} vs {want}",
             t.cos[pos * 64 + i]
         );
+    }
+
+    #[test]
+    fn yarn_inv_freq_matches_known_values() {
+        // Qwen3 long context (theta 1e6, head_dim 128, factor 4 over 32768), computed
+        // separately in Python (float64) from HF's `_compute_yarn_parameters`: the ramp
+        // runs over dimensions 23..40; (i, inv_freq after).
+        let s = YarnScaling {
+            factor: 4.0,
+            original_max_position_embeddings: 32768,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: yarn_mscale(4.0, 1.0),
+        };
+        let known = [
+            (0usize, 1.0f64),
+            (22, 0.008659643233600653),
+            (23, 0.006978305848598663),
+            (24, 0.005375321490790102),
+            (31, 0.0008029597275452302),
+            (39, 6.490394320837028e-05),
+            (40, 4.445698525097307e-05),
+            (63, 3.102344401879299e-07),
+        ];
+        let got = yarn_inv_freq(128, 1e6, &s);
+        for (i, want) in known {
+            assert!(
+                (got[i] - want).abs() / want < 1e-12,
+                "i={i}: {} vs {want}",
+                got[i]
+            );
+        }
+        assert!((s.attention_factor - 1.138629436111989).abs() < 1e-15);
+        // The attention factor scales both cos and sin.
+        let t = RopeTable::new(128, 100, 1e6, Some(RopeScaling::Yarn(s)));
+        let (pos, i) = (99usize, 31usize);
+        let angle = pos as f64 * 0.0008029597275452302;
+        assert!((t.cos[pos * 64 + i] as f64 - angle.cos() * s.attention_factor).abs() < 1e-6);
+        assert!((t.sin[pos * 64 + i] as f64 - angle.sin() * s.attention_factor).abs() < 1e-6);
+    }
+
+    #[test]
+    fn linear_and_dynamic_tables() {
+        // Linear factor 2 halves every frequency: position 2p has position p's angle, and
+        // halving is exact in binary, so the bits agree.
+        let plain = RopeTable::new(16, 40, 1e4, None);
+        let linear = RopeTable::new(16, 80, 1e4, Some(RopeScaling::Linear { factor: 2.0 }));
+        for p in 0..40 {
+            for i in 0..8 {
+                assert_eq!(
+                    plain.cos[p * 8 + i].to_bits(),
+                    linear.cos[2 * p * 8 + i].to_bits()
+                );
+                assert_eq!(
+                    plain.sin[p * 8 + i].to_bits(),
+                    linear.sin[2 * p * 8 + i].to_bits()
+                );
+            }
+        }
+        // Within its original context, dynamic is the default schedule, bit for bit.
+        let dynamic = RopeTable::new(
+            16,
+            40,
+            1e4,
+            Some(RopeScaling::Dynamic {
+                factor: 4.0,
+                original_max_position_embeddings: 40,
+            }),
+        );
+        assert_eq!(plain.cos, dynamic.cos);
+        assert_eq!(plain.sin, dynamic.sin);
     }
 
     #[test]
@@ -266,16 +487,32 @@ mod tests {
             RopeTable::try_new(8, 4, f64::NAN, None),
             Err(RopeError::Theta(_))
         ));
-        let bad = RopeScaling {
+        let bad = Llama3Scaling {
             high_freq_factor: 1.0,
             ..LLAMA31
         };
         assert!(matches!(
-            RopeTable::try_new(8, 4, 1e4, Some(bad)),
+            RopeTable::try_new(8, 4, 1e4, Some(RopeScaling::Llama3(bad))),
             Err(RopeError::Scaling {
                 name: "high_freq_factor",
                 ..
             })
+        ));
+        let dynamic = RopeScaling::Dynamic {
+            factor: 2.0,
+            original_max_position_embeddings: 16,
+        };
+        assert!(RopeTable::try_new(8, 16, 1e4, Some(dynamic)).is_ok());
+        assert_eq!(
+            RopeTable::try_new(8, 17, 1e4, Some(dynamic)).err(),
+            Some(RopeError::DynamicBeyondOriginal {
+                max_pos: 17,
+                original: 16
+            })
+        );
+        assert!(matches!(
+            RopeTable::try_new(8, 4, 1e4, Some(RopeScaling::Linear { factor: 0.5 })),
+            Err(RopeError::Scaling { name: "factor", .. })
         ));
         assert!(matches!(
             RopeTable::try_new(8, usize::MAX, 1e4, None),

@@ -1,9 +1,8 @@
 //! Chat prompts: the model's own template (tokenizer_config.json `chat_template`), rendered
 //! with minijinja and Python-compatible string methods, as transformers does.
 
-use std::path::Path;
-
 use anyhow::{Context, Result};
+use arbor_model::TokenizerConfig;
 use serde::{Deserialize, Serialize};
 
 /// One chat message; `content` may be a string or a list of `{"type":"text","text":..}` parts.
@@ -71,67 +70,22 @@ pub struct ChatTemplate {
     eos_token: String,
 }
 
-/// The fields of tokenizer_config.json a chat prompt needs.
-// TODO(merge): use arbor_model::tokenizer_config::TokenizerConfig once main has it.
-#[derive(Deserialize)]
-struct TokenizerConfigFile {
-    #[serde(default)]
-    chat_template: Option<serde_json::Value>,
-    #[serde(default)]
-    bos_token: Option<serde_json::Value>,
-    #[serde(default)]
-    eos_token: Option<serde_json::Value>,
-}
-
-/// A special token is a string or an AddedToken object `{"content": ...}`.
-fn token_text(v: Option<serde_json::Value>) -> String {
-    match v {
-        Some(serde_json::Value::String(s)) => s,
-        Some(serde_json::Value::Object(o)) => o
-            .get("content")
-            .and_then(|c| c.as_str())
-            .unwrap_or_default()
-            .to_string(),
-        _ => String::new(),
-    }
-}
-
 impl ChatTemplate {
-    /// The template of `<dir>/tokenizer_config.json`; None if the file or its template is absent.
-    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
-        let path = dir.join("tokenizer_config.json");
-        if !path.exists() {
+    /// The template of the model's tokenizer_config.json; None if it has none.
+    pub fn from_config(cfg: Option<&TokenizerConfig>) -> Result<Option<Self>> {
+        let Some(cfg) = cfg else {
             return Ok(None);
-        }
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let cfg: TokenizerConfigFile = serde_json::from_str(&text)
-            .with_context(|| format!("{}: malformed tokenizer config", path.display()))?;
-        // A string, or a list of named templates (the "default" one is used).
-        let source = match cfg.chat_template {
-            Some(serde_json::Value::String(s)) => s,
-            Some(serde_json::Value::Array(list)) => {
-                let named = |want: Option<&str>| {
-                    list.iter().find_map(|t| {
-                        let name = t.get("name")?.as_str()?;
-                        (want.is_none_or(|w| w == name))
-                            .then(|| t.get("template")?.as_str().map(String::from))?
-                    })
-                };
-                match named(Some("default")).or_else(|| named(None)) {
-                    Some(s) => s,
-                    None => return Ok(None),
-                }
-            }
-            _ => return Ok(None),
+        };
+        let Some(source) = &cfg.chat_template else {
+            return Ok(None);
         };
         Self::new(
-            &source,
-            token_text(cfg.bos_token),
-            token_text(cfg.eos_token),
+            source,
+            cfg.bos_token.clone().unwrap_or_default(),
+            cfg.eos_token.clone().unwrap_or_default(),
         )
         .map(Some)
-        .with_context(|| format!("{}: chat_template", path.display()))
+        .context("tokenizer_config.json: chat_template")
     }
 
     pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self> {
@@ -206,25 +160,18 @@ mod tests {
     }
 
     #[test]
-    fn reads_tokenizer_config_forms() {
-        let dir = std::env::temp_dir().join(format!("arbor-chat-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        assert!(ChatTemplate::from_dir(&dir).unwrap().is_none());
-        std::fs::write(
-            dir.join("tokenizer_config.json"),
-            r#"{"bos_token": {"content": "<B>"}, "eos_token": "<E>",
-                "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ bos_token }}D{{ eos_token }}"}]}"#,
+    fn template_from_the_tokenizer_config() {
+        let path = std::path::Path::new("tokenizer_config.json");
+        let cfg = TokenizerConfig::from_json_str(
+            r#"{"bos_token": {"content": "<B>"}, "eos_token": "<E>", "chat_template": "{{ bos_token }}D{{ eos_token }}"}"#,
+            path,
         )
         .unwrap();
-        let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+        let t = ChatTemplate::from_config(Some(&cfg)).unwrap().unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "<B>D<E>");
-        std::fs::write(
-            dir.join("tokenizer_config.json"),
-            r#"{"chat_template": "{% if %}"}"#,
-        )
-        .unwrap();
-        let e = format!("{:#}", ChatTemplate::from_dir(&dir).err().unwrap());
+        assert!(ChatTemplate::from_config(None).unwrap().is_none());
+        let cfg = TokenizerConfig::from_json_str(r#"{"chat_template": "{% if %}"}"#, path).unwrap();
+        let e = format!("{:#}", ChatTemplate::from_config(Some(&cfg)).err().unwrap());
         assert!(e.contains("chat_template"), "{e}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

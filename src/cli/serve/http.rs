@@ -32,6 +32,7 @@ use crate::cli::model_api::Runner;
 pub struct AppState {
     tx: std::sync::mpsc::Sender<Cmd>,
     tokenizer: Option<tokenizers::Tokenizer>,
+    tokenizer_config: Option<arbor_model::TokenizerConfig>,
     chat: Option<ChatTemplate>,
     model_name: String,
     max_len: usize,
@@ -64,7 +65,8 @@ impl AppState {
         Ok(AppState {
             tx,
             tokenizer: runner.tokenizer().cloned(),
-            chat: ChatTemplate::from_dir(&args.model)?,
+            chat: ChatTemplate::from_config(runner.tokenizer_config())?,
+            tokenizer_config: runner.tokenizer_config().cloned(),
             model_name,
             max_len: runner.max_seq_len(),
             vocab: runner.config().vocab_size,
@@ -132,8 +134,13 @@ impl AppState {
                 "this model has no tokenizer.json: give the prompt as token ids",
             )
         })?;
-        tok.encode(text, special)
-            .map(|e| e.get_ids().to_vec())
+        // As `arbor generate` encodes a prompt (tokenizer_config.json's add_bos_token too).
+        let encoder = arbor_model::PromptEncoder {
+            tokenizer: tok,
+            config: self.tokenizer_config.as_ref(),
+        };
+        encoder
+            .encode(text, special)
             .map_err(|e| ApiError::bad("prompt", format!("cannot tokenise the prompt: {e}")))
     }
 

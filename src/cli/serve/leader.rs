@@ -69,7 +69,7 @@ pub fn lead(
         step_tokens: args.max_num_batched_tokens,
         block_size: args.kv_block_size,
         kv_blocks,
-        eos: runner.config().eos_token_ids.clone(),
+        eos: runner.eos_token_ids().to_vec(),
     };
     let sched = Scheduler::new(sched_cfg)?;
     let stats = Arc::new(Stats::default());

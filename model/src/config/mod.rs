@@ -1,0 +1,668 @@
+//! Hugging Face `config.json` for the decoder architectures arbor runs:
+//! LlamaForCausalLM (Llama 2/3.x), MistralForCausalLM (Llama-shaped; a sliding window only
+//! where it covers the whole context) and dense Qwen3ForCausalLM (per-head q/k RMSNorm,
+//! `head_dim` independent of hidden/heads), as transformers 4 and 5 write them.
+//!
+//! Strict by design: every key either is read (and implemented, or refused value by
+//! value), or is known not to change inference; any other key is an error naming it,
+//! because a silently ignored key is a silently wrong model.
+
+mod keys;
+mod rope;
+
+use std::path::{Path, PathBuf};
+
+use arbor_kernels::cpu::RopeScaling;
+use serde_json::{Map, Value};
+
+use crate::error::{MResult, ModelError};
+
+pub use keys::ALLOW_ENV;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen3,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    /// The architecture string as written in config.json.
+    pub arch_name: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// The attention window of the layers that slide (None: every layer sees every key).
+    /// arbor computes full attention, so it runs such a model only in a context the window
+    /// covers ([`ModelConfig::check_context`]).
+    pub sliding_window: Option<usize>,
+    /// `dtype` / `torch_dtype` as written (arbor computes with bf16 weights whatever it says).
+    pub dtype: Option<String>,
+}
+
+impl ModelConfig {
+    /// Reads `<dir>/config.json`; keys named in `ARBOR_ALLOW_CONFIG_KEYS` are ignored.
+    pub fn from_dir(dir: &Path) -> MResult<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        Self::from_json_str_allowing(&text, &path, &keys::allowed_from_env())
+    }
+
+    /// Parses config.json text; `path` only names the file in errors.
+    pub fn from_json_str(text: &str, path: &Path) -> MResult<Self> {
+        Self::from_json_str_allowing(text, path, &[])
+    }
+
+    /// As [`ModelConfig::from_json_str`], ignoring the unknown keys in `allowed` (with a
+    /// warning) instead of refusing them.
+    pub fn from_json_str_allowing(text: &str, path: &Path, allowed: &[String]) -> MResult<Self> {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| cfg_err(path, format!("not valid JSON: {e}")))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| cfg_err(path, "top level is not a JSON object".into()))?;
+        let r = Reader { obj, path };
+        let unknown = keys::unknown(obj, allowed);
+        if !unknown.is_empty() {
+            return Err(cfg_err(
+                path,
+                format!(
+                    "unknown key{} {}: arbor does not know what {} to the model's math, so it refuses to guess (if you know {} harmless, list {} in {}=key,...)",
+                    if unknown.len() > 1 { "s" } else { "" },
+                    unknown.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", "),
+                    if unknown.len() > 1 { "they do" } else { "it does" },
+                    if unknown.len() > 1 { "they are" } else { "it is" },
+                    if unknown.len() > 1 { "them" } else { "it" },
+                    keys::ALLOW_ENV,
+                ),
+            ));
+        }
+        for k in obj.keys().filter(|k| allowed.contains(k)) {
+            if !keys::MATH.contains(&k.as_str()) && !keys::INERT.contains(&k.as_str()) {
+                tracing::warn!(config = %path.display(), key = %k, "ignoring config key (allowed by {})", keys::ALLOW_ENV);
+            }
+        }
+
+        let arch_name = match obj.get("architectures") {
+            Some(Value::Array(a)) if a.len() == 1 => a[0]
+                .as_str()
+                .ok_or_else(|| cfg_err(path, "\"architectures\"[0] is not a string".into()))?
+                .to_string(),
+            Some(other) => {
+                return Err(cfg_err(
+                    path,
+                    format!("\"architectures\" must be a list of one name, got {other}"),
+                ))
+            }
+            None => return Err(cfg_err(path, "missing field \"architectures\"".into())),
+        };
+        let (arch, model_types): (Arch, &[&str]) = match arch_name.as_str() {
+            "LlamaForCausalLM" => (Arch::Llama, &["llama"]),
+            "MistralForCausalLM" => (Arch::Llama, &["mistral"]),
+            "Qwen3ForCausalLM" => (Arch::Qwen3, &["qwen3"]),
+            _ => {
+                return Err(ModelError::UnknownArch {
+                    path: path.to_path_buf(),
+                    arch: arch_name,
+                })
+            }
+        };
+        match obj.get("model_type") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(t)) if model_types.contains(&t.as_str()) => {}
+            Some(t) => {
+                return Err(cfg_err(
+                    path,
+                    format!("model_type {t} does not match the architecture {arch_name} (expected {model_types:?})"),
+                ))
+            }
+        }
+        r.refuse_set(
+            "quantization_config",
+            "quantized checkpoints are not supported",
+        )?;
+        r.refuse_set("pruned_heads", "pruned attention heads are not supported")?;
+        r.refuse_true("is_encoder_decoder")?;
+        r.refuse_true("add_cross_attention")?;
+        let num_layers = r.usize_req("num_hidden_layers")?;
+        let max_position_embeddings = r.usize_req("max_position_embeddings")?;
+        let layer_types = layer_types(&r, arch, num_layers)?;
+        let rope = rope::parse(obj, path, &layer_types, max_position_embeddings)?;
+        let sliding_window =
+            if layer_types.iter().any(|t| t == "sliding_attention") {
+                match r.usize_opt("sliding_window")? {
+                    Some(w) if w > 0 => Some(w),
+                    _ => return Err(cfg_err(
+                        path,
+                        "layers of type \"sliding_attention\" but no positive \"sliding_window\""
+                            .into(),
+                    )),
+                }
+            } else {
+                None
+            };
+        let dtype = dtype(&r)?;
+
+        let hidden_size = r.usize_req("hidden_size")?;
+        let num_heads = r.usize_req("num_attention_heads")?;
+        let num_kv_heads = r.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = match r.usize_opt("head_dim")? {
+            Some(h) => h,
+            None => {
+                if num_heads == 0 || hidden_size % num_heads != 0 {
+                    return Err(cfg_err(
+                        path,
+                        format!("no \"head_dim\" and hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads}"),
+                    ));
+                }
+                hidden_size / num_heads
+            }
+        };
+        let cfg = ModelConfig {
+            arch,
+            arch_name,
+            hidden_size,
+            intermediate_size: r.usize_req("intermediate_size")?,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: r.usize_req("vocab_size")?,
+            rms_norm_eps: r.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
+            max_position_embeddings,
+            tie_word_embeddings: r.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias: r.bool_opt("attention_bias")?.unwrap_or(false),
+            mlp_bias: r.bool_opt("mlp_bias")?.unwrap_or(false),
+            bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id", path)?
+                .first()
+                .copied(),
+            eos_token_ids: token_ids(obj.get("eos_token_id"), "eos_token_id", path)?,
+            sliding_window,
+            dtype,
+        };
+        cfg.validate(&r)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, r: &Reader) -> MResult<()> {
+        let path = r.path;
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(cfg_err(path, format!("\"{name}\" must be positive, got 0")));
+            }
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(cfg_err(
+                path,
+                format!(
+                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                    self.num_heads, self.num_kv_heads
+                ),
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(cfg_err(
+                path,
+                format!("head_dim {} must be even for RoPE", self.head_dim),
+            ));
+        }
+        if self.vocab_size > u32::MAX as usize {
+            return Err(cfg_err(
+                path,
+                format!("vocab_size {} exceeds u32", self.vocab_size),
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(cfg_err(
+                path,
+                format!(
+                    "rms_norm_eps {} is not a finite non-negative number",
+                    self.rms_norm_eps
+                ),
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(cfg_err(
+                path,
+                format!("rope_theta {} must be positive", self.rope_theta),
+            ));
+        }
+        if let Some(act) = r.obj.get("hidden_act") {
+            if act.as_str() != Some("silu") {
+                return Err(cfg_err(
+                    path,
+                    format!("hidden_act {act} is not supported (only \"silu\")"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The longest context in which arbor's math is the model's, and why it is bounded: a
+    /// sliding window (arbor attends to every key) or "dynamic" RoPE (which HF rescales
+    /// past its original context, making a row depend on its call's length).
+    pub fn exact_context_limit(&self) -> Option<(usize, String)> {
+        let window = self
+            .sliding_window
+            .map(|w| (w, format!("sliding_window {w}")));
+        let dynamic = match self.rope_scaling {
+            Some(RopeScaling::Dynamic {
+                original_max_position_embeddings: o,
+                ..
+            }) => Some((
+                o,
+                format!("\"dynamic\" RoPE beyond its original {o} positions"),
+            )),
+            _ => None,
+        };
+        [window, dynamic]
+            .into_iter()
+            .flatten()
+            .min_by_key(|(n, _)| *n)
+    }
+
+    /// Refuses a context in which the model's math differs from what arbor computes
+    /// ([`ModelConfig::exact_context_limit`]).
+    pub fn check_context(&self, max_seq_len: usize, path: &Path) -> MResult<()> {
+        match self.exact_context_limit() {
+            Some((limit, why)) if max_seq_len > limit => Err(cfg_err(
+                path,
+                format!(
+                    "a context of {max_seq_len} positions needs {why}, which arbor does not implement; it computes this model exactly up to {limit} positions (run with --max-seq-len {limit} or less)"
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Total query width `num_heads · head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Total key/value width `num_kv_heads · head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+fn cfg_err(path: &Path, msg: String) -> ModelError {
+    ModelError::Config {
+        path: path.to_path_buf(),
+        msg,
+    }
+}
+
+struct Reader<'a> {
+    obj: &'a Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    fn usize_opt(&self, key: &str) -> MResult<Option<usize>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    cfg_err(
+                        self.path,
+                        format!("\"{key}\" must be a non-negative integer, got {v}"),
+                    )
+                }),
+        }
+    }
+    fn usize_req(&self, key: &str) -> MResult<usize> {
+        self.usize_opt(key)?
+            .ok_or_else(|| cfg_err(self.path, format!("missing field \"{key}\"")))
+    }
+    fn f64_opt(&self, key: &str) -> MResult<Option<f64>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| cfg_err(self.path, format!("\"{key}\" must be a number, got {v}"))),
+        }
+    }
+    /// Refuses `key` unless it is absent, null or empty.
+    fn refuse_set(&self, key: &str, why: &str) -> MResult<()> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::Object(o)) if o.is_empty() => Ok(()),
+            Some(v) => Err(cfg_err(self.path, format!("\"{key}\" is set ({v}): {why}"))),
+        }
+    }
+    fn refuse_true(&self, key: &str) -> MResult<()> {
+        match self.bool_opt(key)? {
+            Some(true) => Err(cfg_err(
+                self.path,
+                format!("\"{key}\" is true: arbor runs decoder-only models"),
+            )),
+            _ => Ok(()),
+        }
+    }
+    fn bool_opt(&self, key: &str) -> MResult<Option<bool>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| {
+                cfg_err(
+                    self.path,
+                    format!("\"{key}\" must be true or false, got {v}"),
+                )
+            }),
+        }
+    }
+}
+
+/// bos/eos ids may be absent, null, an integer or a list of integers.
+pub(crate) fn token_ids(v: Option<&Value>, key: &str, path: &Path) -> MResult<Vec<u32>> {
+    let one = |x: &Value| -> MResult<u32> {
+        x.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| {
+                cfg_err(
+                    path,
+                    format!("\"{key}\" must hold token ids (integers), got {x}"),
+                )
+            })
+    };
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().map(one).collect(),
+        Some(x) => Ok(vec![one(x)?]),
+    }
+}
+
+/// The type of each layer ("full_attention" or "sliding_attention"): `layer_types` where
+/// written (transformers 5, and Qwen3 in late 4.x), else derived as transformers derives
+/// it: Qwen3 slides layers from `max_window_layers` on when `use_sliding_window`; Llama and
+/// Mistral slide every layer when `sliding_window` is set.
+fn layer_types(r: &Reader, arch: Arch, num_layers: usize) -> MResult<Vec<String>> {
+    let path = r.path;
+    if let Some(v) = r.obj.get("layer_types").filter(|v| !v.is_null()) {
+        let list = v
+            .as_array()
+            .ok_or_else(|| cfg_err(path, format!("\"layer_types\" must be a list, got {v}")))?;
+        if list.len() != num_layers {
+            return Err(cfg_err(
+                path,
+                format!(
+                    "\"layer_types\" has {} entries for {num_layers} layers",
+                    list.len()
+                ),
+            ));
+        }
+        return list
+            .iter()
+            .map(|t| match t.as_str() {
+                Some(s @ ("full_attention" | "sliding_attention")) => Ok(s.to_string()),
+                _ => Err(cfg_err(
+                    path,
+                    format!("layer type {t} is not supported (\"full_attention\" and \"sliding_attention\" are)"),
+                )),
+            })
+            .collect();
+    }
+    let window_set = !matches!(r.obj.get("sliding_window"), None | Some(Value::Null));
+    let slides = |i: usize| -> MResult<bool> {
+        Ok(match arch {
+            Arch::Qwen3 => {
+                window_set
+                    && r.bool_opt("use_sliding_window")?.unwrap_or(false)
+                    && i >= r.usize_opt("max_window_layers")?.unwrap_or(28)
+            }
+            Arch::Llama => window_set,
+        })
+    };
+    (0..num_layers)
+        .map(|i| {
+            Ok(if slides(i)? {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+            .to_string())
+        })
+        .collect()
+}
+
+/// `dtype` (transformers 5) or `torch_dtype` (4): the precision the weights were saved in.
+fn dtype(r: &Reader) -> MResult<Option<String>> {
+    let read = |key: &str| -> MResult<Option<String>> {
+        match r.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if matches!(s.as_str(), "bfloat16" | "float16" | "float32") => {
+                Ok(Some(s.clone()))
+            }
+            Some(v) => Err(cfg_err(
+                r.path,
+                format!("\"{key}\" {v} is not supported (bfloat16, float16 and float32 are)"),
+            )),
+        }
+    };
+    match (read("dtype")?, read("torch_dtype")?) {
+        (Some(a), Some(b)) if a != b => Err(cfg_err(
+            r.path,
+            format!("\"dtype\" {a:?} and \"torch_dtype\" {b:?} disagree"),
+        )),
+        (a, b) => Ok(a.or(b)),
+    }
+}
+
+/// A config path for error messages when no file is involved.
+pub fn in_memory_path() -> PathBuf {
+    PathBuf::from("<config.json>")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LLAMA3: &str = r#"{
+      "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+      "max_position_embeddings": 131072, "tie_word_embeddings": false, "hidden_act": "silu",
+      "attention_bias": false, "mlp_bias": false, "bos_token_id": 128000,
+      "eos_token_id": [128001, 128008, 128009],
+      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    }"#;
+
+    const QWEN3: &str = r#"{
+      "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+      "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
+      "max_position_embeddings": 40960, "tie_word_embeddings": false, "attention_bias": false,
+      "bos_token_id": 151643, "eos_token_id": 151645, "rope_scaling": null,
+      "sliding_window": null, "use_sliding_window": false
+    }"#;
+
+    fn parse(s: &str) -> MResult<ModelConfig> {
+        ModelConfig::from_json_str(s, &in_memory_path())
+    }
+
+    #[test]
+    fn llama3_with_rope_scaling_and_eos_list() {
+        let c = parse(LLAMA3).unwrap();
+        assert_eq!(c.arch, Arch::Llama);
+        assert_eq!(c.head_dim, 128);
+        assert_eq!(c.num_kv_heads, 8);
+        assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
+        assert_eq!(c.bos_token_id, Some(128000));
+        let Some(RopeScaling::Llama3(s)) = c.rope_scaling else {
+            panic!("llama3 scaling expected, got {:?}", c.rope_scaling)
+        };
+        assert_eq!(s.factor, 8.0);
+        assert_eq!(s.original_max_position_embeddings, 8192);
+    }
+
+    #[test]
+    fn qwen3_head_dim_and_scalar_eos() {
+        let c = parse(QWEN3).unwrap();
+        assert_eq!(c.arch, Arch::Qwen3);
+        assert_eq!(c.head_dim, 128);
+        assert_eq!(c.eos_token_ids, vec![151645]);
+        assert!(c.rope_scaling.is_none());
+        assert_eq!(c.rope_theta, 1e6);
+    }
+
+    #[test]
+    fn mistral_is_llama_shaped() {
+        let s = LLAMA3.replace("LlamaForCausalLM", "MistralForCausalLM");
+        assert_eq!(parse(&s).unwrap().arch, Arch::Llama);
+        let s = s.replace(
+            "\"mlp_bias\": false",
+            "\"mlp_bias\": false, \"sliding_window\": 4096",
+        );
+        let c = parse(&s).unwrap();
+        assert_eq!(c.sliding_window, Some(4096));
+        c.check_context(4096, &in_memory_path()).unwrap();
+        let e = c
+            .check_context(4097, &in_memory_path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("needs sliding_window 4096") && e.contains("--max-seq-len 4096"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name_unless_allowed() {
+        let s = LLAMA3.replace(
+            "\"mlp_bias\": false",
+            "\"mlp_bias\": false, \"logit_scale\": 0.5",
+        );
+        let e = parse(&s).unwrap_err().to_string();
+        assert!(e.contains("unknown key \"logit_scale\""), "{e}");
+        assert!(e.contains(ALLOW_ENV), "{e}");
+        let c = ModelConfig::from_json_str_allowing(&s, &in_memory_path(), &["logit_scale".into()])
+            .unwrap();
+        assert_eq!(c, parse(LLAMA3).unwrap());
+        // Keys that change the math are refused value by value, allowed or not.
+        for (key, value) in [
+            ("quantization_config", r#"{"quant_method": "awq"}"#),
+            ("partial_rotary_factor", "0.5"),
+            ("hidden_act", "\"gelu\""),
+            ("dtype", "\"float8_e4m3fn\""),
+            ("model_type", "\"qwen2\""),
+            ("is_encoder_decoder", "true"),
+        ] {
+            let s = LLAMA3.replace(
+                "\"mlp_bias\": false",
+                &format!("\"mlp_bias\": false, \"{key}\": {value}"),
+            );
+            let e = parse(&s).unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn rope_parameters_equal_their_legacy_twin() {
+        let v5 = LLAMA3
+            .replace("\"rope_theta\": 500000.0,", "")
+            .replace("\"rope_scaling\"", "\"rope_parameters\"")
+            .replace(
+                "\"rope_type\": \"llama3\"",
+                "\"rope_type\": \"llama3\", \"rope_theta\": 500000.0",
+            );
+        assert_eq!(parse(&v5).unwrap(), parse(LLAMA3).unwrap());
+        // Both forms present and disagreeing: refused, naming both.
+        let both = LLAMA3.replace(
+            "\"mlp_bias\": false",
+            "\"mlp_bias\": false, \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 500000.0}",
+        );
+        let e = parse(&both).unwrap_err().to_string();
+        assert!(
+            e.contains("rope_parameters") && e.contains("rope_scaling"),
+            "{e}"
+        );
+        // A rope key arbor does not know, inside a known type.
+        let e = parse(&LLAMA3.replace("\"low_freq_factor\"", "\"low_frequency_factor\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("low_frequency_factor"), "{e}");
+    }
+
+    #[test]
+    fn per_layer_type_rope_parameters() {
+        let nested = QWEN3
+            .replace("\"rope_theta\": 1000000,", "")
+            .replace(
+                "\"rope_scaling\": null",
+                "\"layer_types\": [FULL], \"rope_parameters\": {\"full_attention\": {\"rope_type\": \"default\", \"rope_theta\": 1000000.0}}",
+            )
+            .replace("FULL", &vec!["\"full_attention\""; 36].join(","));
+        assert_eq!(parse(&nested).unwrap(), parse(QWEN3).unwrap());
+        let e = parse(&nested.replace("\"full_attention\": {", "\"sliding_attention\": {"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no entry for layer type \"full_attention\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let e = parse(&LLAMA3.replace("LlamaForCausalLM", "GPT2LMHeadModel")).unwrap_err();
+        assert!(matches!(e, ModelError::UnknownArch { ref arch, .. } if arch == "GPT2LMHeadModel"));
+        let e = parse(&LLAMA3.replace("\"hidden_size\": 4096,", ""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing field \"hidden_size\""), "{e}");
+        let e = parse(&LLAMA3.replace("\"hidden_size\": 4096", "\"hidden_size\": \"big\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hidden_size"), "{e}");
+        let e = parse("{ not json").unwrap_err().to_string();
+        assert!(e.contains("not valid JSON"), "{e}");
+        let e = parse(&LLAMA3.replace("\"llama3\"", "\"longrope\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("longrope"), "{e}");
+        let e = parse(&LLAMA3.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("num_key_value_heads 5"), "{e}");
+        let e = parse(&LLAMA3.replace(
+            "\"eos_token_id\": [128001, 128008, 128009]",
+            "\"eos_token_id\": [-1]",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("eos_token_id"), "{e}");
+    }
+}
