@@ -588,6 +588,36 @@ fn streaming_errors_cancellation_and_drain() {
     let last: Value = serde_json::from_str(&ev[ev.len() - 2]).expect("chunk");
     assert!(last["choices"][0]["finish_reason"].is_string(), "{last}");
 
+    // A stop string ends the text before it, with finish_reason "stop".
+    let base =
+        json!({"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let (_, full) = srv.call("POST", "/v1/completions", Some(&base.to_string()), &auth);
+    let full_text = full["choices"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_string();
+    let (at, stop) = full_text
+        .char_indices()
+        .skip(1)
+        .find(|(_, c)| *c != '\u{FFFD}')
+        .expect("a generated character to stop at");
+    let mut with_stop = base.clone();
+    with_stop["stop"] = json!([stop.to_string()]);
+    let (st, v) = srv.call(
+        "POST",
+        "/v1/completions",
+        Some(&with_stop.to_string()),
+        &auth,
+    );
+    assert_eq!(st, 200, "{v}");
+    let first = full_text.find(stop).unwrap_or(at);
+    assert_eq!(
+        v["choices"][0]["text"],
+        json!(&full_text[..first]),
+        "{full_text:?} stop {stop:?}: {v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+
     // Errors: OpenAI bodies with the right status, and the server keeps serving.
     let ok = json!({"prompt": [1, 2, 3], "max_tokens": 2}).to_string();
     assert_eq!(error_of(&srv, &ok, &[]).0, 401);
@@ -661,6 +691,14 @@ fn streaming_errors_cancellation_and_drain() {
     assert_eq!(models["data"][0]["id"], "shared-serve-llama", "{models}");
 
     // A client that hangs up mid-stream: its sequence is cancelled and its KV freed.
+    let metric = |name: &str| -> u64 {
+        let (_, m) = srv.call("GET", "/metrics", None, &[]);
+        let m = m.as_str().unwrap_or_default().to_string();
+        m.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+    };
+    let cancelled_before = metric("arbor_sequences_cancelled_total ");
     let long = json!({"prompt": [7, 8, 9], "max_tokens": 100, "ignore_eos": true, "stream": true});
     let mut got = 0;
     let r = client::post_sse(
@@ -677,16 +715,13 @@ fn streaming_errors_cancellation_and_drain() {
     assert_eq!(r.status, 200);
     let t0 = Instant::now();
     loop {
-        let (_, m) = srv.call("GET", "/metrics", None, &[]);
-        let m = m.as_str().unwrap_or_default().to_string();
-        if m.contains("arbor_sequences_cancelled_total 1\n")
-            && m.contains("arbor_kv_blocks_used 0\n")
-        {
+        let cancelled = metric("arbor_sequences_cancelled_total ");
+        if cancelled == cancelled_before + 1 && metric("arbor_kv_blocks_used ") == 0 {
             break;
         }
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "no cancellation seen:\n{m}"
+            "no cancellation seen ({cancelled_before} -> {cancelled})"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -775,5 +810,47 @@ fn official_openai_python_client() {
         serde_json::from_str::<Value>(line).expect("JSON"),
         direct["choices"][0]["token_ids"],
         "{out}"
+    );
+}
+
+/// A rank that dies ends the whole group, and the launcher names it.
+#[test]
+fn a_dead_rank_ends_the_group() {
+    let s = Scratch::new("serve-rank-death");
+    let srv = Server::start(2, &[], s.path().join("server.log"));
+    let launcher_pid = srv.child.id().to_string();
+    let out = Command::new("pgrep")
+        .args(["-P", &launcher_pid])
+        .output()
+        .expect("pgrep");
+    let pids = String::from_utf8_lossy(&out.stdout).to_string();
+    let rank1 = pids
+        .split_whitespace()
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .map(|env| env.split(|&b| b == 0).any(|kv| kv == b"RANK=1"))
+                .unwrap_or(false)
+        })
+        .unwrap_or_else(|| panic!("no rank 1 among the launcher's children {pids:?}"))
+        .to_string();
+    let _ = Command::new("kill").args(["-KILL", &rank1]).status();
+    let mut srv = srv;
+    let t0 = Instant::now();
+    let status = loop {
+        if let Ok(Some(st)) = srv.child.try_wait() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the group did not end:\n{}",
+            srv.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = srv.log_text();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("rank 1"),
+        "the launcher names the dead rank:\n{log}"
     );
 }
