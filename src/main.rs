@@ -25,6 +25,8 @@ enum Command {
     Score(cli::score::Args),
     /// Run every (TP, batch) configuration and compare outputs bit for bit.
     Check(cli::check::Args),
+    /// OpenAI-compatible HTTP server (rank 0) over continuous batching; outputs do not depend on load.
+    Serve(cli::serve::Args),
     /// Write a random-weight model in Hugging Face format.
     MakeModel(cli::make_model::Args),
     /// Make the tiny model if absent and run the invariance check over TP 1/2/4/8.
@@ -43,6 +45,7 @@ fn main() {
         Command::Generate(a) => cli::generate::run(a),
         Command::Score(a) => cli::score::run(a),
         Command::Check(a) => cli::check::run(a),
+        Command::Serve(a) => cli::serve::run(a),
         Command::MakeModel(a) => cli::make_model::run(a),
         Command::Demo(a) => cli::demo::run(a),
         Command::CollectiveCheck(a) => cli::collective_check::run(a),

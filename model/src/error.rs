@@ -74,6 +74,8 @@ pub enum ModelError {
     },
     #[error("{0}")]
     Unavailable(String),
+    #[error("step plan: {0}")]
+    Plan(String),
     #[error("synthetic model: {0}")]
     Synth(String),
 }

@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod forward;
 pub mod generation_config;

@@ -8,6 +8,7 @@ use arbor_collective::Communicator;
 use crate::backend::cpu::{default_threads, CpuBackend};
 use crate::backend::{Backend, SeqRows};
 use crate::config::ModelConfig;
+use crate::engine::{Event, Record, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan};
 use crate::error::{MResult, ModelError};
 use crate::forward::{Model, Trace};
 use crate::generation_config::GenerationConfig;
@@ -137,6 +138,12 @@ pub trait Runner {
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>>;
     /// Time spent in `generate` so far.
     fn timing(&self) -> GenTiming;
+    /// Allocates the persistent KV cache (`slots` sequences of `max_len` positions) that
+    /// `execute` runs on; replaces any earlier one.
+    fn start_session(&mut self, slots: usize, max_len: usize) -> MResult<()>;
+    /// Runs one step of the continuous-batching engine on the session's cache. Every rank
+    /// of the group must execute the same plans in the same order.
+    fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>>;
 }
 
 /// Loads this rank's shard (TP = `comm.world_size()`).
@@ -187,6 +194,8 @@ pub struct Engine<B: Backend> {
     max_seq_len: usize,
     shadow: Option<Box<Engine<B>>>,
     timing: GenTiming,
+    /// The persistent cache of `start_session`, with its slots and positions per slot.
+    session: Option<(Caches<B>, usize, usize)>,
 }
 
 /// A batch's KV caches: the model's and, with a shadow, the shadow's.
@@ -258,6 +267,7 @@ impl<B: Backend> Engine<B> {
             max_seq_len,
             shadow: None,
             timing: GenTiming::default(),
+            session: None,
         })
     }
 
@@ -386,6 +396,136 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+impl<B: Backend> Engine<B> {
+    /// Plans, executes and applies steps until the scheduler is idle.
+    fn drive(
+        &mut self,
+        caches: &mut Caches<B>,
+        sched: &mut Scheduler,
+        mut on_event: impl FnMut(Event),
+    ) -> MResult<()> {
+        loop {
+            let plan = sched.plan();
+            if plan.is_empty() {
+                return Ok(());
+            }
+            let results = self.execute_on(caches, &plan)?;
+            for ev in sched.apply(&plan, &results)? {
+                on_event(ev);
+            }
+        }
+    }
+
+    /// A plan from another rank is checked before it touches the cache.
+    fn check_plan(&self, plan: &StepPlan, slots: usize, max_len: usize) -> MResult<()> {
+        let mut used = std::collections::HashSet::new();
+        for r in &plan.rows {
+            let bad = |msg: String| ModelError::BadRequest {
+                id: r.sample_key,
+                msg: format!("step plan row of sequence {}: {msg}", r.seq),
+            };
+            if r.slot >= slots || !used.insert(r.slot) {
+                return Err(bad(format!(
+                    "slot {} is out of range (0..{slots}) or used twice",
+                    r.slot
+                )));
+            }
+            if r.tokens.is_empty() || r.pos0 + r.tokens.len() > max_len {
+                return Err(bad(format!(
+                    "{} tokens at position {} do not fit {max_len} positions",
+                    r.tokens.len(),
+                    r.pos0
+                )));
+            }
+            self.check_tokens(r.sample_key, &r.tokens)?;
+            r.sampling.validate()?;
+        }
+        Ok(())
+    }
+
+    /// One step: the plan's rows as one ragged batch; records of the rows that need them.
+    fn execute_on(&mut self, caches: &mut Caches<B>, plan: &StepPlan) -> MResult<Vec<RowResult>> {
+        let mut ids = Vec::with_capacity(plan.n_tokens());
+        let mut seqs = Vec::with_capacity(plan.rows.len());
+        let mut out_rows = Vec::new();
+        for r in &plan.rows {
+            let row0 = ids.len();
+            seqs.push(SeqRows {
+                slot: r.slot,
+                row0,
+                len: r.tokens.len(),
+                pos0: r.pos0,
+            });
+            ids.extend_from_slice(&r.tokens);
+            for &(off, _) in &r.targets {
+                if off as usize >= r.tokens.len()
+                    || (r.sample && off as usize + 1 == r.tokens.len())
+                {
+                    return Err(ModelError::Plan(format!(
+                        "sequence {}: target row {off} is outside its {} rows or is its sampled row",
+                        r.seq,
+                        r.tokens.len()
+                    )));
+                }
+                out_rows.push(row0 + off as usize);
+            }
+            if r.sample {
+                out_rows.push(row0 + r.tokens.len() - 1);
+            }
+        }
+        let ids_of: Vec<u64> = plan.rows.iter().map(|r| r.sample_key).collect();
+        let t0 = std::time::Instant::now();
+        let logits = self.step(caches, &ids, &seqs, &out_rows, &ids_of)?;
+        let dt = t0.elapsed().as_secs_f64();
+        if plan.rows.iter().any(|r| r.prefill) {
+            self.timing.prefill_s += dt;
+            self.timing.prefill_tokens += ids.len();
+        } else {
+            self.timing.decode_s += dt;
+            self.timing.decode_steps += 1;
+            self.timing.decode_tokens += ids.len();
+        }
+        let vocab = self.model.cfg.vocab_size;
+        let mut rows = logits.chunks_exact(vocab.max(1));
+        let mut next_row = || {
+            rows.next()
+                .ok_or_else(|| ModelError::Plan("the forward returned too few logits rows".into()))
+        };
+        let mut results = Vec::with_capacity(plan.rows.len());
+        for r in &plan.rows {
+            let mut scored = Vec::with_capacity(r.targets.len());
+            for &(_, target) in &r.targets {
+                scored.push(make_record(next_row()?, target, r.n_top));
+            }
+            let sampled = match r.sample {
+                true => {
+                    let row = next_row()?;
+                    let position = r.pos0 + r.tokens.len();
+                    let token = sampling::choose(row, &r.sampling, r.sample_key, position);
+                    Some(make_record(row, token, r.n_top))
+                }
+                false => None,
+            };
+            results.push(RowResult {
+                seq: r.seq,
+                scored,
+                sampled,
+            });
+        }
+        Ok(results)
+    }
+}
+
+fn make_record(row: &[f32], token: u32, n_top: usize) -> Record {
+    let (logprob, top, digest) = record(row, token, n_top);
+    Record {
+        token,
+        logprob,
+        top,
+        digest,
+    }
+}
+
 fn first_diff_row(a: &[f32], b: &[f32], cols: usize) -> Option<usize> {
     if a.len() != b.len() {
         return Some(0);
@@ -464,7 +604,6 @@ impl<B: Backend> Runner for Engine<B> {
                 });
             }
         }
-        let eos = self.eos_token_ids.clone();
         let mut outs: Vec<GenOutput> = reqs
             .iter()
             .map(|r| GenOutput {
@@ -476,7 +615,7 @@ impl<B: Backend> Runner for Engine<B> {
                 finish: FinishReason::Length,
             })
             .collect();
-        // Requests that generate something; slot j of the cache is active[j].
+        // Requests that generate something; sequence j of the scheduler is active[j].
         let active: Vec<usize> = (0..reqs.len())
             .filter(|&i| reqs[i].max_new_tokens > 0)
             .collect();
@@ -489,80 +628,38 @@ impl<B: Backend> Runner for Engine<B> {
             .max()
             .unwrap_or(1);
         let mut caches = self.caches(active.len(), max_len)?;
-        let mut done = vec![false; active.len()];
-
-        // Prefill: every prompt at once, logits of each prompt's last row.
-        let mut ids = Vec::new();
-        let mut seqs = Vec::with_capacity(active.len());
-        let mut out_rows = Vec::with_capacity(active.len());
-        for (slot, &i) in active.iter().enumerate() {
-            let p = &reqs[i].prompt;
-            seqs.push(SeqRows {
-                slot,
-                row0: ids.len(),
-                len: p.len(),
-                pos0: 0,
-            });
-            ids.extend_from_slice(p);
-            out_rows.push(ids.len() - 1);
+        let cfg = SchedulerConfig::offline(active.len(), max_len, self.eos_token_ids.clone());
+        let mut sched = Scheduler::new(cfg)?;
+        let mut out_of = std::collections::HashMap::new();
+        for &i in &active {
+            let r = &reqs[i];
+            let seq = sched.submit(SeqSpec {
+                sample_key: r.id,
+                tokens: r.prompt.clone(),
+                score_from: None,
+                max_new: r.max_new_tokens,
+                sampling: *s,
+                n_top,
+                ignore_eos: false,
+            })?;
+            out_of.insert(seq, i);
         }
-        let mut live: Vec<usize> = (0..active.len()).collect();
-        let mut prefill = true;
-        loop {
-            let ids_of: Vec<u64> = live.iter().map(|&j| reqs[active[j]].id).collect();
-            let t0 = std::time::Instant::now();
-            let logits = self.step(&mut caches, &ids, &seqs, &out_rows, &ids_of)?;
-            let dt = t0.elapsed().as_secs_f64();
-            if prefill {
-                self.timing.prefill_s += dt;
-                self.timing.prefill_tokens += ids.len();
-                prefill = false;
-            } else {
-                self.timing.decode_s += dt;
-                self.timing.decode_steps += 1;
-                self.timing.decode_tokens += ids.len();
-            }
-            let vocab = self.model.cfg.vocab_size;
-            for (n, &j) in live.iter().enumerate() {
-                let r = &reqs[active[j]];
-                let out = &mut outs[active[j]];
-                let row = &logits[n * vocab..(n + 1) * vocab];
-                let position = r.prompt.len() + out.tokens.len();
-                let token = sampling::choose(row, s, r.id, position);
-                let (lp, top, dg) = record(row, token, n_top);
-                out.tokens.push(token);
-                out.logprobs.push(lp);
-                out.top.push(top);
-                out.logits_digest.push(dg);
-                if eos.contains(&token) {
-                    out.finish = FinishReason::Eos;
-                    done[j] = true;
-                } else if out.tokens.len() >= r.max_new_tokens {
-                    done[j] = true;
+        self.drive(&mut caches, &mut sched, |ev| match ev {
+            Event::Token { seq, record } => {
+                if let Some(o) = out_of.get(&seq).map(|&i| &mut outs[i]) {
+                    o.tokens.push(record.token);
+                    o.logprobs.push(record.logprob);
+                    o.top.push(record.top);
+                    o.logits_digest.push(record.digest);
                 }
             }
-            live.retain(|&j| !done[j]);
-            if live.is_empty() {
-                break;
+            Event::Finished { seq, reason } => {
+                if let Some(o) = out_of.get(&seq).map(|&i| &mut outs[i]) {
+                    o.finish = reason;
+                }
             }
-            // Decode: one row per live sequence, its last token at its position.
-            ids.clear();
-            seqs.clear();
-            out_rows.clear();
-            for (n, &j) in live.iter().enumerate() {
-                let r = &reqs[active[j]];
-                let out = &outs[active[j]];
-                let last = *out.tokens.last().unwrap_or(&0);
-                seqs.push(SeqRows {
-                    slot: j,
-                    row0: n,
-                    len: 1,
-                    pos0: r.prompt.len() + out.tokens.len() - 1,
-                });
-                ids.push(last);
-                out_rows.push(n);
-            }
-        }
+            Event::Scored { .. } => {}
+        })?;
         Ok(outs)
     }
 
@@ -613,38 +710,60 @@ impl<B: Backend> Runner for Engine<B> {
             .max()
             .unwrap_or(1);
         let mut caches = self.caches(active.len(), max_len)?;
-        let mut ids = Vec::new();
-        let mut seqs = Vec::with_capacity(active.len());
-        let mut out_rows = Vec::new();
-        for (slot, &i) in active.iter().enumerate() {
-            let r = &reqs[i];
-            let row0 = ids.len();
-            seqs.push(SeqRows {
-                slot,
-                row0,
-                len: r.tokens.len(),
-                pos0: 0,
-            });
-            ids.extend_from_slice(&r.tokens);
-            // Token p is predicted by the row of position p - 1.
-            out_rows.extend((r.prompt_len..r.tokens.len()).map(|p| row0 + p - 1));
-        }
-        let ids_of: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
-        let logits = self.step(&mut caches, &ids, &seqs, &out_rows, &ids_of)?;
-        let vocab = self.model.cfg.vocab_size;
-        let mut n = 0;
+        let cfg = SchedulerConfig::offline(active.len(), max_len, Vec::new());
+        let mut sched = Scheduler::new(cfg)?;
+        let mut out_of = std::collections::HashMap::new();
         for &i in &active {
             let r = &reqs[i];
-            for p in r.prompt_len..r.tokens.len() {
-                let row = &logits[n * vocab..(n + 1) * vocab];
-                let (lp, top, dg) = record(row, r.tokens[p], n_top);
-                outs[i].logprobs.push(lp);
-                outs[i].top.push(top);
-                outs[i].logits_digest.push(dg);
-                n += 1;
-            }
+            let seq = sched.submit(SeqSpec {
+                sample_key: r.id,
+                tokens: r.tokens.clone(),
+                score_from: Some(r.prompt_len),
+                max_new: 0,
+                sampling: Sampling::greedy(),
+                n_top,
+                ignore_eos: true,
+            })?;
+            out_of.insert(seq, i);
         }
+        self.drive(&mut caches, &mut sched, |ev| {
+            if let Event::Scored { seq, records } = ev {
+                if let Some(o) = out_of.get(&seq).map(|&i| &mut outs[i]) {
+                    for rec in records {
+                        o.logprobs.push(rec.logprob);
+                        o.top.push(rec.top);
+                        o.logits_digest.push(rec.digest);
+                    }
+                }
+            }
+        })?;
         Ok(outs)
+    }
+
+    fn start_session(&mut self, slots: usize, max_len: usize) -> MResult<()> {
+        if max_len > self.max_seq_len {
+            return Err(ModelError::Plan(format!(
+                "a session of {max_len} positions per slot exceeds the context length {}",
+                self.max_seq_len
+            )));
+        }
+        self.session = None;
+        let caches = self.caches(slots, max_len)?;
+        self.session = Some((caches, slots, max_len));
+        Ok(())
+    }
+
+    fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>> {
+        let Some((mut caches, slots, max_len)) = self.session.take() else {
+            return Err(ModelError::Plan(
+                "execute called before start_session".into(),
+            ));
+        };
+        let res = self
+            .check_plan(plan, slots, max_len)
+            .and_then(|()| self.execute_on(&mut caches, plan));
+        self.session = Some((caches, slots, max_len));
+        res
     }
 }
 

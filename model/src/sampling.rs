@@ -5,7 +5,7 @@
 use crate::error::{MResult, ModelError};
 
 /// How the next token is chosen. `temperature == 0` is greedy.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
     pub temperature: f32,
     /// Keep the `top_k` most likely tokens; 0 = off.
@@ -49,7 +49,7 @@ impl Default for Sampling {
 }
 
 /// A token and its log-probability.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,

@@ -9,3 +9,4 @@ pub mod metrics;
 pub mod model_api;
 pub mod records;
 pub mod score;
+pub mod serve;

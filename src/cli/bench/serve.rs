@@ -1,0 +1,419 @@
+//! `arbor bench serve`: a bounded, self-stopping load generator against a loopback
+//! `arbor serve` (started here with --model, or given with --addr). Prints throughput,
+//! TTFT and inter-token latency percentiles, and how many distinct outputs each repeated
+//! prompt got (1 = outputs do not depend on load).
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::cli::common::{self, DeviceArg};
+use crate::cli::serve::client;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// Start `arbor serve` on this model (under arbor-launch at --tp ranks) for the run.
+    #[arg(long, conflicts_with = "addr")]
+    pub model: Option<PathBuf>,
+    /// Or: a running server on a loopback address (host:port).
+    #[arg(long)]
+    pub addr: Option<String>,
+    /// Ranks of the started server.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// arbor-launch binary (default: next to this executable).
+    #[arg(long)]
+    pub launcher: Option<PathBuf>,
+    /// Requests in all.
+    #[arg(long, default_value_t = 200)]
+    pub requests: usize,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Mean arrival rate in requests/s (exponential gaps); 0 = as fast as the clients go.
+    #[arg(long, default_value_t = 0.0)]
+    pub rate: f64,
+    /// Prompt length range in tokens, MIN:MAX (uniform).
+    #[arg(long, default_value = "4:64")]
+    pub prompt_len: String,
+    /// Output length range in tokens, MIN:MAX (uniform).
+    #[arg(long, default_value = "4:32")]
+    pub output_len: String,
+    /// Each distinct prompt is sent this many times (at different moments, so under
+    /// different loads); their outputs must be identical.
+    #[arg(long, default_value_t = 4)]
+    pub repeat: usize,
+    /// Sampling temperature of every request (seeded, so repeats must agree).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Server flags passed through when --model starts one (e.g. "--max-num-seqs 32").
+    #[arg(long, allow_hyphen_values = true)]
+    pub server_args: Option<String>,
+}
+
+fn range(s: &str, what: &str) -> Result<(usize, usize)> {
+    let (a, b) = s
+        .split_once(':')
+        .with_context(|| format!("--{what} {s:?}: expected MIN:MAX"))?;
+    let (a, b): (usize, usize) = (
+        a.trim()
+            .parse()
+            .with_context(|| format!("--{what} {s:?}: MIN"))?,
+        b.trim()
+            .parse()
+            .with_context(|| format!("--{what} {s:?}: MAX"))?,
+    );
+    if a == 0 || b < a {
+        bail!("--{what} {s:?}: need 1 <= MIN <= MAX");
+    }
+    Ok((a, b))
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// One request of the run.
+struct Planned {
+    prompt_idx: usize,
+    at: Duration,
+    body: String,
+}
+
+#[derive(Default)]
+struct Outcome {
+    prompt_idx: usize,
+    ok: bool,
+    error: Option<String>,
+    ttft: Option<f64>,
+    itl: Vec<f64>,
+    e2e: f64,
+    tokens: usize,
+    /// Token ids, log-prob bits and logits digests: what must not depend on load.
+    key: String,
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+fn loopback(addr: &str) -> Result<()> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .with_context(|| format!("--addr {addr} is not host:port"))?
+        .collect();
+    if addrs.is_empty() || addrs.iter().any(|a| !a.ip().is_loopback()) {
+        bail!("--addr {addr}: the load generator only targets loopback addresses");
+    }
+    Ok(())
+}
+
+struct Started {
+    child: Child,
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        // SIGTERM lets the server drain; kill if it does not go.
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(20) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_server(args: &Args, model: &PathBuf) -> Result<(Started, String)> {
+    let launcher = common::find_launcher(args.launcher.as_deref())?;
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .context("no free loopback port")?
+        .port();
+    let mut cmd = Command::new(launcher);
+    cmd.args(["-n", &args.tp.to_string(), "--"])
+        .arg(exe)
+        .args(["serve", "--model"])
+        .arg(model)
+        .args([
+            "--port",
+            &port.to_string(),
+            "--device",
+            args.device.as_str(),
+        ]);
+    if let Some(extra) = &args.server_args {
+        cmd.args(extra.split_whitespace());
+    }
+    cmd.stdout(Stdio::null()).stderr(Stdio::inherit());
+    let child = cmd
+        .spawn()
+        .context("starting arbor-launch ... arbor serve")?;
+    let mut started = Started { child };
+    let addr = format!("127.0.0.1:{port}");
+    let t0 = Instant::now();
+    loop {
+        if let Ok(r) = client::get(&addr, "/health") {
+            if r.status == 200 {
+                return Ok((started, addr));
+            }
+        }
+        if let Ok(Some(st)) = started.child.try_wait() {
+            bail!("the server exited before it was ready ({st})");
+        }
+        if t0.elapsed() > Duration::from_secs(120) {
+            bail!("the server at {addr} was not ready after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn run_one(addr: &str, body: &str, prompt_idx: usize) -> Outcome {
+    let t0 = Instant::now();
+    let mut out = Outcome {
+        prompt_idx,
+        ..Default::default()
+    };
+    let mut last = t0;
+    let mut key = String::new();
+    let mut error = None;
+    let r = client::post_sse(addr, "/v1/completions", body, &[], |data| {
+        if data == "[DONE]" {
+            return true;
+        }
+        let v: Value = match serde_json::from_str(data) {
+            Ok(v) => v,
+            Err(e) => {
+                error = Some(format!("bad event {data:?}: {e}"));
+                return false;
+            }
+        };
+        if let Some(e) = v.get("error") {
+            error = Some(e.to_string());
+            return false;
+        }
+        for c in v["choices"].as_array().into_iter().flatten() {
+            let ids = c["token_ids"].as_array().map_or(0, |a| a.len());
+            if ids == 0 {
+                continue;
+            }
+            let now = Instant::now();
+            match out.ttft {
+                None => out.ttft = Some((now - t0).as_secs_f64()),
+                Some(_) => out.itl.push((now - last).as_secs_f64()),
+            }
+            last = now;
+            out.tokens += ids;
+            let lps: Vec<String> = c["logprobs"]["token_logprobs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|l| format!("{:08x}", (l.as_f64().unwrap_or(f64::NAN) as f32).to_bits()))
+                .collect();
+            key.push_str(&format!(
+                "{}|{}|{};",
+                c["token_ids"],
+                lps.join(","),
+                c["logits_digest"]
+            ));
+        }
+        true
+    });
+    out.e2e = t0.elapsed().as_secs_f64();
+    match r {
+        Ok(resp) if resp.status == 200 && error.is_none() => out.ok = true,
+        Ok(resp) => {
+            out.error =
+                Some(error.unwrap_or_else(|| format!("HTTP {}: {}", resp.status, resp.body)))
+        }
+        Err(e) => out.error = Some(e.to_string()),
+    }
+    out.key = key;
+    out
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let (plo, phi) = range(&args.prompt_len, "prompt-len")?;
+    let (olo, ohi) = range(&args.output_len, "output-len")?;
+    if args.requests == 0 || args.concurrency == 0 || args.repeat == 0 {
+        bail!("--requests, --concurrency and --repeat must be at least 1");
+    }
+    if !(args.rate.is_finite() && args.rate >= 0.0) {
+        bail!("--rate {} must be >= 0", args.rate);
+    }
+    let (_server, addr) = match (&args.model, &args.addr) {
+        (Some(m), _) => {
+            let (s, a) = start_server(&args, m)?;
+            (Some(s), a)
+        }
+        (None, Some(a)) => {
+            loopback(a)?;
+            (None, a.clone())
+        }
+        (None, None) => bail!("give --model DIR (start a server) or --addr HOST:PORT"),
+    };
+    // Distinct prompts, each sent `repeat` times at random moments of the run.
+    let mut rng = Rng(args.seed ^ 0x5EED);
+    let distinct = args.requests.div_ceil(args.repeat);
+    let prompts: Vec<(Vec<u32>, usize)> = (0..distinct)
+        .map(|_| {
+            let len = rng.uniform(plo, phi);
+            let toks = (0..len).map(|_| 3 + (rng.next() % 250) as u32).collect();
+            (toks, rng.uniform(olo, ohi))
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..args.requests).map(|i| i % distinct).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let mut at = Duration::ZERO;
+    let planned: Vec<Planned> = order
+        .into_iter()
+        .map(|pi| {
+            if args.rate > 0.0 {
+                at += Duration::from_secs_f64(-(1.0 - rng.unit()).ln() / args.rate);
+            }
+            let (toks, max_tokens) = &prompts[pi];
+            let body = json!({
+                "prompt": toks, "max_tokens": max_tokens, "temperature": args.temperature,
+                "seed": args.seed, "sample_id": pi, "logprobs": 0, "stream": true, "ignore_eos": true,
+            });
+            Planned { prompt_idx: pi, at, body: body.to_string() }
+        })
+        .collect();
+    eprintln!(
+        "arbor bench serve: {} requests ({} distinct prompts x {}), {} clients, rate {}, prompt {plo}-{phi} tokens, output {olo}-{ohi} tokens, against {addr}",
+        args.requests,
+        distinct,
+        args.repeat,
+        args.concurrency,
+        if args.rate > 0.0 { format!("{} req/s", args.rate) } else { "unlimited".into() }
+    );
+    let planned = Arc::new(planned);
+    let next = Arc::new(AtomicUsize::new(0));
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..args.concurrency.min(args.requests) {
+            let (planned, next, outcomes, addr) = (
+                planned.clone(),
+                next.clone(),
+                outcomes.clone(),
+                addr.clone(),
+            );
+            s.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let Some(p) = planned.get(i) else {
+                    return;
+                };
+                if let Some(wait) = p.at.checked_sub(t0.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+                let o = run_one(&addr, &p.body, p.prompt_idx);
+                if let Ok(mut v) = outcomes.lock() {
+                    v.push(o);
+                }
+            });
+        }
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let outcomes = match Arc::try_unwrap(outcomes).map(|m| m.into_inner()) {
+        Ok(Ok(v)) => v,
+        _ => bail!("a client thread failed"),
+    };
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok).collect();
+    let tokens: usize = outcomes.iter().map(|o| o.tokens).sum();
+    let mut ttft: Vec<f64> = outcomes.iter().filter_map(|o| o.ttft).collect();
+    let mut itl: Vec<f64> = outcomes
+        .iter()
+        .flat_map(|o| o.itl.iter().copied())
+        .collect();
+    let mut e2e: Vec<f64> = outcomes.iter().map(|o| o.e2e).collect();
+    let mut by_prompt: HashMap<usize, std::collections::HashSet<&str>> = HashMap::new();
+    for o in outcomes.iter().filter(|o| o.ok) {
+        by_prompt
+            .entry(o.prompt_idx)
+            .or_default()
+            .insert(o.key.as_str());
+    }
+    let max_distinct = by_prompt.values().map(|s| s.len()).max().unwrap_or(0);
+    let ms = |v: f64| v * 1e3;
+    println!(
+        "requests           {} ok, {} failed, in {wall:.2} s",
+        outcomes.len() - failed.len(),
+        failed.len()
+    );
+    println!(
+        "throughput         {:.2} req/s, {:.1} output tok/s",
+        outcomes.len() as f64 / wall,
+        tokens as f64 / wall
+    );
+    println!(
+        "TTFT (ms)          p50 {:.1}  p90 {:.1}  p99 {:.1}",
+        ms(percentile(&mut ttft, 50.0)),
+        ms(percentile(&mut ttft, 90.0)),
+        ms(percentile(&mut ttft, 99.0))
+    );
+    println!(
+        "inter-token (ms)   p50 {:.1}  p90 {:.1}  p99 {:.1}",
+        ms(percentile(&mut itl, 50.0)),
+        ms(percentile(&mut itl, 90.0)),
+        ms(percentile(&mut itl, 99.0))
+    );
+    println!(
+        "end-to-end (ms)    p50 {:.1}  p99 {:.1}",
+        ms(percentile(&mut e2e, 50.0)),
+        ms(percentile(&mut e2e, 99.0))
+    );
+    println!(
+        "distinct outputs per repeated prompt: {max_distinct} (max over {} prompts sent {} times each)",
+        by_prompt.len(),
+        args.repeat
+    );
+    if let Some(f) = failed.first() {
+        bail!(
+            "{} requests failed; first: {}",
+            failed.len(),
+            f.error.as_deref().unwrap_or("?")
+        );
+    }
+    if max_distinct > 1 {
+        bail!("a repeated prompt got {max_distinct} different outputs: outputs depend on load");
+    }
+    Ok(())
+}

@@ -1,0 +1,379 @@
+//! The OpenAI request bodies arbor accepts, their validation, and the error body.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+use super::chat::Message;
+
+/// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn bad(param: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            param: Some(param),
+            ..Self::new(StatusCode::BAD_REQUEST, message)
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 => "authentication_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            500..=599 => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// A request body type and the fields it accepts (serde's `deny_unknown_fields` does not
+/// work with `flatten`).
+pub trait Body: serde::de::DeserializeOwned {
+    const FIELDS: &'static [&'static str];
+}
+
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "top_k",
+    "ignore_eos",
+    "sample_id",
+    "prompt_logprobs",
+];
+
+impl Body for CompletionRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "prompt",
+        "max_tokens",
+        "logprobs",
+        "echo",
+        "best_of",
+        "suffix",
+    ];
+}
+
+impl Body for ChatRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "add_generation_prompt",
+    ];
+}
+
+/// Parses a JSON body: malformed JSON is 400; a body of the wrong shape (not an object,
+/// unknown field, wrong type, missing field) is 422, naming what was wrong.
+pub fn parse_body<T: Body>(bytes: &[u8]) -> Result<T, ApiError> {
+    let v: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))?;
+    let unprocessable = |m: String| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, m);
+    let Some(obj) = v.as_object() else {
+        return Err(unprocessable(
+            "the request body must be a JSON object".into(),
+        ));
+    };
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !T::FIELDS.contains(&k.as_str()) && !COMMON_FIELDS.contains(&k.as_str()))
+    {
+        return Err(unprocessable(format!("unknown field {k:?}")));
+    }
+    serde_json::from_value(v).map_err(|e| unprocessable(format!("invalid request: {e}")))
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling and output fields both endpoints share (OpenAI's, then arbor's extensions).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub n: Option<usize>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopInput>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Accepted for OpenAI compatibility; not used.
+    #[allow(dead_code)]
+    pub user: Option<String>,
+    /// Extension: keep the K most likely tokens (0 or -1 = off).
+    pub top_k: Option<i64>,
+    /// Extension: keep generating past end-of-sequence.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Extension: the id sampling is keyed by; choice i uses `sample_id + i` (default 0,
+    /// which makes choice 0 equal to `arbor generate` of a prompt with id 0).
+    pub sample_id: Option<u64>,
+    /// Extension: teacher-forced log-probs of the prompt (= `arbor score`).
+    #[serde(default)]
+    pub prompt_logprobs: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptInput,
+    pub max_tokens: Option<usize>,
+    /// Top-N alternatives per token (0..=20); token log-probs whenever present.
+    pub logprobs: Option<usize>,
+    #[serde(default)]
+    pub echo: bool,
+    pub best_of: Option<usize>,
+    pub suffix: Option<String>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<usize>,
+    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// The validated parameters of one request.
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub max_tokens: usize,
+    pub sampling: arbor_model::Sampling,
+    pub n: usize,
+    pub stop: Vec<String>,
+    /// Token log-probs with this many alternatives (None: no log-probs).
+    pub logprobs: Option<usize>,
+    pub echo: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+    pub sample_id: u64,
+    pub prompt_logprobs: bool,
+}
+
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+impl Common {
+    /// Validates everything but the token limits; `max_n` bounds `n`.
+    pub fn params(
+        &self,
+        max_tokens: usize,
+        logprobs: Option<usize>,
+        max_n: usize,
+    ) -> Result<Params, ApiError> {
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+            return Err(ApiError::bad(
+                "temperature",
+                format!("temperature must be in [0, 2], got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::bad(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
+        }
+        let top_k = match self.top_k.unwrap_or(0) {
+            -1 | 0 => 0,
+            k if k > 0 => k as usize,
+            k => {
+                return Err(ApiError::bad(
+                    "top_k",
+                    format!("top_k must be -1, 0 or positive, got {k}"),
+                ))
+            }
+        };
+        let n = self.n.unwrap_or(1);
+        if n == 0 || n > max_n {
+            return Err(ApiError::bad(
+                "n",
+                format!("n must be in 1..={max_n}, got {n}"),
+            ));
+        }
+        let seed = match self.seed {
+            None => 0,
+            Some(s) if s >= 0 => s as u64,
+            Some(s) => return Err(ApiError::bad("seed", format!("seed must be >= 0, got {s}"))),
+        };
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::bad(
+                    name,
+                    format!("{name} is not supported (only 0)"),
+                ));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(ApiError::bad("logit_bias", "logit_bias is not supported"));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopInput::One(s)) => vec![s.clone()],
+            Some(StopInput::Many(v)) => v.clone(),
+        };
+        if stop.len() > 4 || stop.iter().any(|s| s.is_empty()) {
+            return Err(ApiError::bad(
+                "stop",
+                "stop takes at most 4 non-empty strings",
+            ));
+        }
+        if logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::bad(
+                "logprobs",
+                format!("at most {MAX_TOP_LOGPROBS} top log-probs"),
+            ));
+        }
+        Ok(Params {
+            max_tokens,
+            sampling: arbor_model::Sampling {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            },
+            n,
+            stop,
+            logprobs,
+            echo: false,
+            stream: self.stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+            ignore_eos: self.ignore_eos,
+            sample_id: self.sample_id.unwrap_or(0),
+            prompt_logprobs: self.prompt_logprobs,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_and_misshapen_bodies() {
+        let e = parse_body::<CompletionRequest>(b"{\"prompt\": ").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let e = parse_body::<CompletionRequest>(br#"{"prompt": "x", "max_tokns": 3}"#).unwrap_err();
+        assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(e.message.contains("max_tokns"), "{}", e.message);
+        let e =
+            parse_body::<CompletionRequest>(br#"{"prompt": "x", "max_tokens": -1}"#).unwrap_err();
+        assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
+        let r = parse_body::<CompletionRequest>(
+            br#"{"prompt": [1, 2], "temperature": 0.5, "top_k": 3, "stop": "x"}"#,
+        )
+        .unwrap();
+        assert!(matches!(r.prompt, PromptInput::Tokens(ref t) if t == &[1, 2]));
+        let p = r.common.params(16, None, 4).unwrap();
+        assert_eq!(
+            (p.sampling.top_k, p.stop.clone()),
+            (3, vec!["x".to_string()])
+        );
+    }
+
+    #[test]
+    fn bad_sampling_values_name_the_parameter() {
+        let c = |json: &str| {
+            parse_body::<CompletionRequest>(json.as_bytes())
+                .unwrap()
+                .common
+        };
+        let e = c(r#"{"prompt":"x","temperature":-1}"#)
+            .params(1, None, 4)
+            .unwrap_err();
+        assert_eq!(e.param, Some("temperature"));
+        let e = c(r#"{"prompt":"x","top_p":0}"#)
+            .params(1, None, 4)
+            .unwrap_err();
+        assert_eq!(e.param, Some("top_p"));
+        let e = c(r#"{"prompt":"x","n":5}"#).params(1, None, 4).unwrap_err();
+        assert_eq!(e.param, Some("n"));
+        let e = c(r#"{"prompt":"x"}"#).params(1, Some(21), 4).unwrap_err();
+        assert_eq!(e.param, Some("logprobs"));
+        assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+    }
+}

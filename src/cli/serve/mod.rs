@@ -1,0 +1,141 @@
+//! `arbor serve`: an OpenAI-compatible HTTP server on rank 0 over the continuous-batching
+//! engine. Every rank executes the step plans rank 0's scheduler broadcasts, so a request's
+//! tokens and log-probs do not depend on what else the server is doing.
+
+pub mod api;
+pub mod chat;
+pub mod client;
+pub mod http;
+pub mod leader;
+pub mod stats;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use arbor_collective::Communicator;
+use arbor_model::engine::PlanMsg;
+
+use super::common::{self, DeviceArg};
+use super::model_api::{self, LoadOptions, Runner};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// Model directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// Address to bind (loopback unless told otherwise).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to bind (0 picks a free one; the address is logged).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on every /v1 request.
+    #[arg(long, env = "ARBOR_API_KEY")]
+    pub api_key: Option<String>,
+    /// The model name /v1/models reports and requests may give (default: the directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Context length per sequence (default: the model's, at most 4096).
+    #[arg(long)]
+    pub max_seq_len: Option<usize>,
+    /// Sequences that run at once (KV-cache slots).
+    #[arg(long, default_value_t = 16)]
+    pub max_num_seqs: usize,
+    /// New tokens (rows) per engine step; decode rows are served first.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_batched_tokens: usize,
+    /// Largest prompt chunk one sequence prefills per step.
+    #[arg(long, default_value_t = 64)]
+    pub prefill_chunk: usize,
+    /// Positions per KV block (the unit of KV accounting).
+    #[arg(long, default_value_t = 16)]
+    pub kv_block_size: usize,
+    /// KV blocks in all (default: enough for every slot at full context).
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// Sequences waiting or running before new requests get 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// Largest request body in bytes (413 above it).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Largest `n` (choices per request).
+    #[arg(long, default_value_t = 16)]
+    pub max_n: usize,
+    /// On SIGTERM: seconds to let in-flight requests finish before cancelling them.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout_s: f64,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 || args.prefill_chunk == 0 {
+        bail!("--max-num-seqs, --max-num-batched-tokens and --prefill-chunk must be at least 1");
+    }
+    if args.kv_block_size == 0 || args.max_queue == 0 || args.max_n == 0 {
+        bail!("--kv-block-size, --max-queue and --max-n must be at least 1");
+    }
+    if !(args.drain_timeout_s.is_finite() && args.drain_timeout_s >= 0.0) {
+        bail!("--drain-timeout-s {} must be >= 0", args.drain_timeout_s);
+    }
+    let comm = common::init_comm()?;
+    let rank = comm.rank();
+    let opts = LoadOptions {
+        model_dir: args.model.clone(),
+        device: args.device.resolve(),
+        max_seq_len: args.max_seq_len,
+        shadow_tp1: false,
+    };
+    tracing::info!(rank, world = comm.world_size(), model = %args.model.display(), "loading");
+    let mut runner = model_api::load(&opts, comm.clone())
+        .with_context(|| format!("loading model {} on rank {rank}", args.model.display()))?;
+    let max_len = runner.max_seq_len();
+    runner
+        .start_session(args.max_num_seqs, max_len)
+        .with_context(|| format!("allocating the KV cache on rank {rank}"))?;
+    if rank != 0 {
+        // The launcher forwards SIGTERM/SIGINT to every rank; only rank 0 drains, and the
+        // others stop when it says so (or when it is gone).
+        // SAFETY: signal(2) with SIG_IGN installs no handler code.
+        unsafe {
+            libc::signal(libc::SIGTERM, libc::SIG_IGN);
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+        }
+        return follow(runner.as_mut(), comm.as_ref());
+    }
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .with_context(|| {
+            format!(
+                "--host {} --port {} is not an address",
+                args.host, args.port
+            )
+        })?;
+    leader::lead(&args, addr, runner, comm)
+}
+
+/// Ranks other than 0: execute every plan rank 0 broadcasts, until it says stop.
+fn follow(runner: &mut dyn Runner, comm: &dyn Communicator) -> Result<()> {
+    let rank = comm.rank();
+    let mut steps = 0u64;
+    loop {
+        let mut buf = Vec::new();
+        comm.broadcast_bytes(&mut buf, 0)
+            .with_context(|| format!("rank {rank}: receiving step plan {steps} from rank 0"))?;
+        match PlanMsg::decode(&buf)? {
+            PlanMsg::Step(plan) => {
+                runner
+                    .execute(&plan)
+                    .with_context(|| format!("rank {rank}: executing step {steps}"))?;
+                steps += 1;
+            }
+            PlanMsg::Idle => {}
+            PlanMsg::Shutdown => {
+                tracing::info!(rank, steps, "shutdown from rank 0");
+                return Ok(());
+            }
+        }
+    }
+}

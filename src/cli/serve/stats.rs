@@ -1,0 +1,213 @@
+//! Server metrics the engine loop updates and /metrics renders as Prometheus text.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Gauges and counters; each is written by one side (engine loop or HTTP) only.
+#[derive(Default)]
+pub struct Stats {
+    pub waiting: AtomicU64,
+    pub running: AtomicU64,
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    pub steps: AtomicU64,
+    step_seconds_bits: AtomicU64,
+    last_step_seconds_bits: AtomicU64,
+    pub step_rows: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub requests: AtomicU64,
+    pub rejected: AtomicU64,
+    pub cancelled: AtomicU64,
+    recent: Mutex<VecDeque<(Instant, u64)>>,
+}
+
+/// Generated tokens per second are measured over this window.
+const RATE_WINDOW: Duration = Duration::from_secs(10);
+
+fn add_f64(a: &AtomicU64, v: f64) {
+    let _ = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+        Some((f64::from_bits(b) + v).to_bits())
+    });
+}
+
+impl Stats {
+    pub fn record_step(&self, seconds: f64, rows: usize, prompt_rows: usize, sampled: usize) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        add_f64(&self.step_seconds_bits, seconds);
+        self.last_step_seconds_bits
+            .store(seconds.to_bits(), Ordering::Relaxed);
+        self.step_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.prompt_tokens
+            .fetch_add(prompt_rows as u64, Ordering::Relaxed);
+        self.generated_tokens
+            .fetch_add(sampled as u64, Ordering::Relaxed);
+        if let Ok(mut q) = self.recent.lock() {
+            let now = Instant::now();
+            q.push_back((now, sampled as u64));
+            while q
+                .front()
+                .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+            {
+                q.pop_front();
+            }
+        }
+    }
+
+    pub fn set_gauges(&self, waiting: usize, running: usize, kv: (usize, usize)) {
+        self.waiting.store(waiting as u64, Ordering::Relaxed);
+        self.running.store(running as u64, Ordering::Relaxed);
+        self.kv_blocks_used.store(kv.0 as u64, Ordering::Relaxed);
+        self.kv_blocks_total.store(kv.1 as u64, Ordering::Relaxed);
+    }
+
+    fn tokens_per_second(&self) -> f64 {
+        let Ok(q) = self.recent.lock() else {
+            return 0.0;
+        };
+        let now = Instant::now();
+        let n: u64 = q
+            .iter()
+            .filter(|(t, _)| now.duration_since(*t) <= RATE_WINDOW)
+            .map(|(_, n)| n)
+            .sum();
+        n as f64 / RATE_WINDOW.as_secs_f64()
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let used = g(&self.kv_blocks_used);
+        let total = g(&self.kv_blocks_total);
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        };
+        metric(
+            "arbor_queue_depth",
+            "gauge",
+            "Sequences waiting for admission.",
+            g(&self.waiting).to_string(),
+        );
+        metric(
+            "arbor_running_sequences",
+            "gauge",
+            "Sequences holding a KV slot.",
+            g(&self.running).to_string(),
+        );
+        metric(
+            "arbor_kv_blocks_used",
+            "gauge",
+            "KV blocks reserved by running sequences.",
+            used.to_string(),
+        );
+        metric(
+            "arbor_kv_blocks_total",
+            "gauge",
+            "KV blocks in the cache.",
+            total.to_string(),
+        );
+        let ratio = if total > 0 {
+            used as f64 / total as f64
+        } else {
+            0.0
+        };
+        metric(
+            "arbor_kv_usage_ratio",
+            "gauge",
+            "Fraction of KV blocks in use.",
+            format!("{ratio:.6}"),
+        );
+        metric(
+            "arbor_generation_tokens_per_second",
+            "gauge",
+            "Generated tokens per second over the last 10 s.",
+            format!("{:.3}", self.tokens_per_second()),
+        );
+        metric(
+            "arbor_last_step_seconds",
+            "gauge",
+            "Duration of the last engine step.",
+            format!("{:.6}", f64::from_bits(g(&self.last_step_seconds_bits))),
+        );
+        metric(
+            "arbor_step_seconds_total",
+            "counter",
+            "Time spent in engine steps.",
+            format!("{:.6}", f64::from_bits(g(&self.step_seconds_bits))),
+        );
+        metric(
+            "arbor_steps_total",
+            "counter",
+            "Engine steps run.",
+            g(&self.steps).to_string(),
+        );
+        metric(
+            "arbor_step_rows_total",
+            "counter",
+            "New tokens (rows) run through the model.",
+            g(&self.step_rows).to_string(),
+        );
+        metric(
+            "arbor_prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled.",
+            g(&self.prompt_tokens).to_string(),
+        );
+        metric(
+            "arbor_generation_tokens_total",
+            "counter",
+            "Tokens generated.",
+            g(&self.generated_tokens).to_string(),
+        );
+        metric(
+            "arbor_requests_total",
+            "counter",
+            "Requests accepted.",
+            g(&self.requests).to_string(),
+        );
+        metric(
+            "arbor_requests_rejected_total",
+            "counter",
+            "Requests refused (4xx/5xx before running).",
+            g(&self.rejected).to_string(),
+        );
+        metric(
+            "arbor_sequences_cancelled_total",
+            "counter",
+            "Sequences cancelled (client gone, stop string, shutdown).",
+            g(&self.cancelled).to_string(),
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let s = Stats::default();
+        s.set_gauges(3, 2, (5, 20));
+        s.record_step(0.5, 10, 8, 2);
+        let t = s.render();
+        assert!(
+            t.contains("# TYPE arbor_queue_depth gauge\narbor_queue_depth 3\n"),
+            "{t}"
+        );
+        assert!(t.contains("arbor_kv_usage_ratio 0.250000"), "{t}");
+        assert!(t.contains("arbor_generation_tokens_total 2\n"), "{t}");
+        assert!(t.contains("arbor_step_seconds_total 0.500000"), "{t}");
+        assert!(
+            t.contains("arbor_generation_tokens_per_second 0.200"),
+            "{t}"
+        );
+    }
+}
