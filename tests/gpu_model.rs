@@ -1,7 +1,8 @@
 //! The model on the CUDA backend (skipped with a printed reason where no GPU is usable;
 //! scripts/gpu-check.sh runs this test binary on the lent GPU machines):
 //! - GPU logits match the CPU backend's within bf16 tolerance (the measured relative
-//!   error is printed), for the Llama and Qwen3 tiny models;
+//!   error is printed), for the Llama and Qwen3 tiny models, with invariant and with fast
+//!   (cuBLAS) numerics;
 //! - on the GPU, prefill and decode give bit-identical logits, and so does a row's
 //!   position inside a batch.
 
@@ -15,7 +16,7 @@ use arbor_model::backend::{Backend, SeqRows};
 use arbor_model::forward::Model;
 use arbor_model::layers::LoadCtx;
 use arbor_model::weights::WeightStore;
-use arbor_model::{make_model, Arch, ModelConfig, Preset, SynthOptions};
+use arbor_model::{make_model, Arch, ModelConfig, Numerics, Preset, SynthOptions};
 
 fn gpu_usable() -> bool {
     match arbor_kernels::cuda::probe::driver() {
@@ -103,11 +104,17 @@ fn gpu_logits_match_cpu_within_bf16_tolerance() {
     if !gpu_usable() {
         return;
     }
-    for (arch, tag) in [(Arch::Llama, "llama"), (Arch::Qwen3, "qwen3")] {
+    for (arch, tag, numerics) in [
+        (Arch::Llama, "llama", Numerics::Invariant),
+        (Arch::Qwen3, "qwen3", Numerics::Invariant),
+        (Arch::Llama, "llama-fast", Numerics::Fast),
+        (Arch::Qwen3, "qwen3-fast", Numerics::Fast),
+    ] {
         let dir = tiny(arch, tag);
         let comm: Arc<dyn Communicator> = Arc::new(SingleComm);
         let cpu = CpuBackend::new(comm.clone());
-        let gpu = CudaBackend::new(comm).unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+        let gpu =
+            CudaBackend::new(comm, numerics).unwrap_or_else(|e| panic!("opening the GPU: {e}"));
         let (mc, mg) = (load(&cpu, &dir), load(&gpu, &dir));
         let p = prompts();
         let (lc, lg) = (prefill(&cpu, &mc, &p), prefill(&gpu, &mg, &p));
@@ -146,7 +153,7 @@ fn gpu_prefill_decode_and_batch_are_bit_identical() {
     }
     for (arch, tag) in [(Arch::Llama, "llama-inv"), (Arch::Qwen3, "qwen3-inv")] {
         let dir = tiny(arch, tag);
-        let gpu = CudaBackend::new(Arc::new(SingleComm))
+        let gpu = CudaBackend::new(Arc::new(SingleComm), Numerics::Invariant)
             .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
         let m = load(&gpu, &dir);
         let vocab = m.cfg.vocab_size;

@@ -8,6 +8,27 @@ extern "C" __global__ void silu_mul_kernel(const float* __restrict__ gate, const
     out[i] = (g / (1.0f + expf(-g))) * up[i];
 }
 
+// The fused gate/up projection's output: gu = [rows, 2·inter], gate columns then up columns;
+// out = silu(gate)·up with silu_mul_kernel's expression, so the bits equal the unfused pair.
+extern "C" __global__ void silu_mul_halves_kernel(const float* __restrict__ gu, float* __restrict__ out,
+                                                  long long rows, int inter) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * inter) return;
+    const long long r = i / inter;
+    const long long c = i - r * inter;
+    const float g = gu[r * 2 * inter + c];
+    out[i] = (g / (1.0f + expf(-g))) * gu[r * 2 * inter + inter + c];
+}
+
+// Columns [col0, col0 + cols) of src [rows, src_cols] into dst [rows, cols].
+extern "C" __global__ void copy_cols_kernel(const float* __restrict__ src, float* __restrict__ dst,
+                                            long long rows, int src_cols, int col0, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * cols) return;
+    const long long r = i / cols;
+    dst[i] = src[r * src_cols + col0 + (i - r * cols)];
+}
+
 extern "C" __global__ void add_row_bias_kernel(float* __restrict__ x, const float* __restrict__ bias,
                                                long long count, int cols) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -14,7 +14,7 @@ use crate::backend::{BResult, Backend, HeadSpec, KvSpec, SeqRows};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{MResult, ModelError};
 use crate::layers::{
-    ColumnParallelLinear, Embedding, LoadCtx, RowParallelLinear, VocabParallelHead,
+    ColumnParallelLinear, ColumnPart, Embedding, LoadCtx, RowParallelLinear, VocabParallelHead,
 };
 
 /// How the attention heads are split over the TP ranks.
@@ -80,6 +80,14 @@ impl HeadPlan {
     }
 }
 
+fn part(prefix: &str, out_features: usize, rows: &std::ops::Range<usize>) -> ColumnPart {
+    ColumnPart {
+        prefix: prefix.to_string(),
+        out_features,
+        rows: rows.clone(),
+    }
+}
+
 struct Norm<B: Backend> {
     w: B::Act,
 }
@@ -98,15 +106,14 @@ impl<B: Backend> Norm<B> {
 
 struct Layer<B: Backend> {
     input_norm: Norm<B>,
-    q: ColumnParallelLinear<B>,
-    k: ColumnParallelLinear<B>,
-    v: ColumnParallelLinear<B>,
+    /// q, k and v stacked: one GEMM.
+    qkv: ColumnParallelLinear<B>,
     q_norm: Option<Norm<B>>,
     k_norm: Option<Norm<B>>,
     o: RowParallelLinear<B>,
     post_norm: Norm<B>,
-    gate: ColumnParallelLinear<B>,
-    up: ColumnParallelLinear<B>,
+    /// gate and up stacked: one GEMM, then SiLU·mul over its halves.
+    gate_up: ColumnParallelLinear<B>,
     down: RowParallelLinear<B>,
 }
 
@@ -144,28 +151,14 @@ impl<B: Backend> Model<B> {
             let qk_norm = cfg.arch == Arch::Qwen3;
             layers.push(Layer {
                 input_norm: Norm::load(ctx, &format!("{p}.input_layernorm.weight"), h)?,
-                q: ColumnParallelLinear::load(
+                qkv: ColumnParallelLinear::load(
                     ctx,
-                    &format!("{p}.self_attn.q_proj"),
-                    cfg.q_dim(),
+                    &[
+                        part(&format!("{p}.self_attn.q_proj"), cfg.q_dim(), &q_rows),
+                        part(&format!("{p}.self_attn.k_proj"), cfg.kv_dim(), &kv_rows),
+                        part(&format!("{p}.self_attn.v_proj"), cfg.kv_dim(), &kv_rows),
+                    ],
                     h,
-                    q_rows.clone(),
-                    ab,
-                )?,
-                k: ColumnParallelLinear::load(
-                    ctx,
-                    &format!("{p}.self_attn.k_proj"),
-                    cfg.kv_dim(),
-                    h,
-                    kv_rows.clone(),
-                    ab,
-                )?,
-                v: ColumnParallelLinear::load(
-                    ctx,
-                    &format!("{p}.self_attn.v_proj"),
-                    cfg.kv_dim(),
-                    h,
-                    kv_rows.clone(),
                     ab,
                 )?,
                 q_norm: if qk_norm {
@@ -194,20 +187,21 @@ impl<B: Backend> Model<B> {
                     ab,
                 )?,
                 post_norm: Norm::load(ctx, &format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate: ColumnParallelLinear::load(
+                gate_up: ColumnParallelLinear::load(
                     ctx,
-                    &format!("{p}.mlp.gate_proj"),
-                    cfg.intermediate_size,
+                    &[
+                        part(
+                            &format!("{p}.mlp.gate_proj"),
+                            cfg.intermediate_size,
+                            &inter_rows,
+                        ),
+                        part(
+                            &format!("{p}.mlp.up_proj"),
+                            cfg.intermediate_size,
+                            &inter_rows,
+                        ),
+                    ],
                     h,
-                    inter_rows.clone(),
-                    mb,
-                )?,
-                up: ColumnParallelLinear::load(
-                    ctx,
-                    &format!("{p}.mlp.up_proj"),
-                    cfg.intermediate_size,
-                    h,
-                    inter_rows.clone(),
                     mb,
                 )?,
                 down: RowParallelLinear::load(
@@ -285,9 +279,12 @@ impl<B: Backend> Model<B> {
         let mut x = self.embed.forward(b, ids)?;
         for (li, l) in self.layers.iter().enumerate() {
             let n = b.rms_norm(&x, &l.input_norm.w, cfg.rms_norm_eps)?;
-            let mut q = l.q.forward(b, &n)?;
-            let mut k = l.k.forward(b, &n)?;
-            let v = l.v.forward(b, &n)?;
+            let [mut q, mut k, v]: [B::Act; 3] =
+                l.qkv.forward_parts(b, &n)?.try_into().map_err(|_| {
+                    crate::backend::BackendError::Shape(
+                        "q/k/v split into other than 3 parts".into(),
+                    )
+                })?;
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
                 q = self.head_norm(b, q, hs.n_heads, qn)?;
                 k = self.head_norm(b, k, hs.n_kv_heads, kn)?;
@@ -301,9 +298,8 @@ impl<B: Backend> Model<B> {
             let o = l.o.forward(b, &a)?;
             b.add_assign(&mut x, &o)?;
             let n = b.rms_norm(&x, &l.post_norm.w, cfg.rms_norm_eps)?;
-            let g = l.gate.forward(b, &n)?;
-            let u = l.up.forward(b, &n)?;
-            let m = b.silu_mul(&g, &u)?;
+            let gu = l.gate_up.forward(b, &n)?;
+            let m = b.silu_mul_halves(&gu)?;
             let d = l.down.forward(b, &m)?;
             b.add_assign(&mut x, &d)?;
             if let Some(t) = trace.as_deref_mut() {

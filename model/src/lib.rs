@@ -15,6 +15,7 @@ pub mod synth;
 pub mod tokenizer_config;
 pub mod weights;
 
+pub use backend::Numerics;
 pub use config::{Arch, ModelConfig};
 pub use error::ModelError;
 pub use generation_config::GenerationConfig;

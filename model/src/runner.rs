@@ -6,7 +6,7 @@ use std::sync::Arc;
 use arbor_collective::Communicator;
 
 use crate::backend::cpu::{default_threads, CpuBackend};
-use crate::backend::{Backend, SeqRows};
+use crate::backend::{Backend, Numerics, SeqRows};
 use crate::config::ModelConfig;
 use crate::engine::{Event, Record, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan};
 use crate::error::{MResult, ModelError};
@@ -36,6 +36,8 @@ pub struct LoadOptions {
     pub max_seq_len: Option<usize>,
     /// Also hold a TP=1 copy and compare every step bit for bit.
     pub shadow_tp1: bool,
+    /// Invariant (the default) or the vendor's fast, batch- and TP-dependent kernels.
+    pub numerics: Numerics,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,8 +83,9 @@ pub struct ScoreOutput {
     pub logits_digest: Vec<u64>,
 }
 
-/// Wall-clock time spent in `generate` steps since the runner was loaded (each step ends
-/// with the logits on the host, so a step's time is its whole cost on this rank).
+/// Wall-clock time spent in steps since the runner was loaded: a step runs from its plan
+/// to its rows' records (tokens chosen, log-probs, digests), so its time is its whole cost
+/// on this rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct GenTiming {
     /// Prefill steps (one per `generate` call) and the prompt tokens they processed.
@@ -92,6 +95,9 @@ pub struct GenTiming {
     pub decode_s: f64,
     pub decode_steps: usize,
     pub decode_tokens: usize,
+    /// The part of the decode time spent on the host after the logits arrived: choosing
+    /// tokens, log-probs, top-N, digests.
+    pub decode_records_s: f64,
 }
 
 impl GenTiming {
@@ -100,7 +106,7 @@ impl GenTiming {
         let per_step = |s: f64, n: usize| if n > 0 { 1e3 * s / n as f64 } else { 0.0 };
         let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         format!(
-            "prefill {:.1} ms for {} prompt tokens ({:.0} tok/s); decode {} steps in {:.3} s ({:.2} ms/step, {:.0} tok/s)",
+            "prefill {:.1} ms for {} prompt tokens ({:.0} tok/s); decode {} steps in {:.3} s ({:.2} ms/step, {:.0} tok/s; host records {:.2} ms/step)",
             1e3 * self.prefill_s,
             self.prefill_tokens,
             rate(self.prefill_tokens, self.prefill_s),
@@ -108,6 +114,7 @@ impl GenTiming {
             self.decode_s,
             per_step(self.decode_s, self.decode_steps),
             rate(self.decode_tokens, self.decode_s),
+            per_step(self.decode_records_s, self.decode_steps),
         )
     }
 }
@@ -149,6 +156,9 @@ pub trait Runner {
 /// Loads this rank's shard (TP = `comm.world_size()`).
 pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn Runner>> {
     match opts.device {
+        Device::Cpu if opts.numerics == Numerics::Fast => Err(ModelError::Unavailable(
+            "--numerics fast needs --device cuda (cuBLAS and NCCL); the CPU backend has only the invariant kernels".into(),
+        )),
         Device::Cpu => {
             // An explicit ARBOR_CPU_THREADS wins; otherwise share the cores among the
             // ranks on this host.
@@ -164,6 +174,12 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
                 engine = engine.with_shadow(shadow);
             }
             Ok(Box::new(engine))
+        }
+        Device::Cuda if opts.numerics == Numerics::Fast && opts.shadow_tp1 => {
+            Err(ModelError::Unavailable(
+                "--shadow-tp1 asserts bit-equality with TP 1, which --numerics fast does not promise"
+                    .into(),
+            ))
         }
         Device::Cuda => crate::backend::cuda::load_runner(opts, comm),
     }
@@ -476,6 +492,35 @@ impl<B: Backend> Engine<B> {
         let ids_of: Vec<u64> = plan.rows.iter().map(|r| r.sample_key).collect();
         let t0 = std::time::Instant::now();
         let logits = self.step(caches, &ids, &seqs, &out_rows, &ids_of)?;
+        let vocab = self.model.cfg.vocab_size.max(1);
+        if logits.len() != out_rows.len() * vocab {
+            return Err(ModelError::Plan(format!(
+                "the forward returned {} logits for {} rows of {vocab}",
+                logits.len(),
+                out_rows.len()
+            )));
+        }
+        // One task per logits row, in the order the rows were asked for.
+        let mut tasks = Vec::with_capacity(out_rows.len());
+        for r in &plan.rows {
+            for &(_, target) in &r.targets {
+                tasks.push(RowTask::Score {
+                    token: target,
+                    n_top: r.n_top,
+                });
+            }
+            if r.sample {
+                tasks.push(RowTask::Sample {
+                    sampling: r.sampling,
+                    key: r.sample_key,
+                    position: r.pos0 + r.tokens.len(),
+                    n_top: r.n_top,
+                });
+            }
+        }
+        let t_rec = std::time::Instant::now();
+        let mut records = records_parallel(&logits, vocab, &tasks).into_iter();
+        let dt_rec = t_rec.elapsed().as_secs_f64();
         let dt = t0.elapsed().as_secs_f64();
         if plan.rows.iter().any(|r| r.prefill) {
             self.timing.prefill_s += dt;
@@ -484,28 +529,12 @@ impl<B: Backend> Engine<B> {
             self.timing.decode_s += dt;
             self.timing.decode_steps += 1;
             self.timing.decode_tokens += ids.len();
+            self.timing.decode_records_s += dt_rec;
         }
-        let vocab = self.model.cfg.vocab_size;
-        let mut rows = logits.chunks_exact(vocab.max(1));
-        let mut next_row = || {
-            rows.next()
-                .ok_or_else(|| ModelError::Plan("the forward returned too few logits rows".into()))
-        };
         let mut results = Vec::with_capacity(plan.rows.len());
         for r in &plan.rows {
-            let mut scored = Vec::with_capacity(r.targets.len());
-            for &(_, target) in &r.targets {
-                scored.push(make_record(next_row()?, target, r.n_top));
-            }
-            let sampled = match r.sample {
-                true => {
-                    let row = next_row()?;
-                    let position = r.pos0 + r.tokens.len();
-                    let token = sampling::choose(row, &r.sampling, r.sample_key, position);
-                    Some(make_record(row, token, r.n_top))
-                }
-                false => None,
-            };
+            let scored: Vec<Record> = records.by_ref().take(r.targets.len()).collect();
+            let sampled = if r.sample { records.next() } else { None };
             results.push(RowResult {
                 seq: r.seq,
                 scored,
@@ -516,8 +545,84 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-fn make_record(row: &[f32], token: u32, n_top: usize) -> Record {
-    let (logprob, top, digest) = record(row, token, n_top);
+/// What to read off one logits row.
+enum RowTask {
+    /// The log-prob of a given token (scoring, prompt log-probs).
+    Score { token: u32, n_top: usize },
+    /// Choose the next token, then record it.
+    Sample {
+        sampling: Sampling,
+        key: u64,
+        position: usize,
+        n_top: usize,
+    },
+}
+
+impl RowTask {
+    /// `threads`: host threads this row may use (see `sampling::lse_and_digest`).
+    fn run(&self, row: &[f32], threads: usize) -> Record {
+        match *self {
+            RowTask::Score { token, n_top } => make_record(row, token, n_top, threads),
+            RowTask::Sample {
+                ref sampling,
+                key,
+                position,
+                n_top,
+            } => make_record(
+                row,
+                sampling::choose(row, sampling, key, position),
+                n_top,
+                threads,
+            ),
+        }
+    }
+}
+
+/// Below this many logits a step's records are made on the calling thread.
+const PARALLEL_RECORDS_MIN: usize = 1 << 18;
+
+/// The records of every task, rows spread over the host's cores: each row is computed
+/// exactly as alone (one thread per row's work), so the split changes no bits, only the
+/// time a large batch spends between its logits and its next step.
+fn records_parallel(logits: &[f32], vocab: usize, tasks: &[RowTask]) -> Vec<Record> {
+    let rows = || logits.chunks_exact(vocab).zip(tasks);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(tasks.len());
+    if threads <= 1 || logits.len() < PARALLEL_RECORDS_MIN {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        return rows().map(|(row, t)| t.run(row, cores)).collect();
+    }
+    // Rows spread over the cores; rows of a small batch also split their own work.
+    let per_row =
+        (std::thread::available_parallelism().map_or(1, |n| n.get()) / tasks.len()).max(1);
+    let per = tasks.len().div_ceil(threads);
+    let mut out: Vec<Record> = Vec::with_capacity(tasks.len());
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = logits
+            .chunks(per * vocab)
+            .zip(tasks.chunks(per))
+            .map(|(l, t)| {
+                scope.spawn(move || {
+                    l.chunks_exact(vocab)
+                        .zip(t)
+                        .map(|(row, t)| t.run(row, per_row))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(recs) => out.extend(recs),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    out
+}
+
+fn make_record(row: &[f32], token: u32, n_top: usize, threads: usize) -> Record {
+    let (logprob, top, digest) = record(row, token, n_top, threads);
     Record {
         token,
         logprob,
@@ -544,12 +649,12 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The per-position record both `generate` and `score` produce from a logits row.
-fn record(row: &[f32], token: u32, n_top: usize) -> (f32, Vec<TokenLogprob>, u64) {
-    let lse = sampling::log_sum_exp(row);
+fn record(row: &[f32], token: u32, n_top: usize, threads: usize) -> (f32, Vec<TokenLogprob>, u64) {
+    let (lse, digest) = sampling::lse_and_digest(row, threads);
     (
         sampling::logprob(row, lse, token as usize),
         sampling::top_n(row, lse, n_top),
-        sampling::digest(row),
+        digest,
     )
 }
 
@@ -779,6 +884,7 @@ mod tests {
             decode_s: 0.63,
             decode_steps: 63,
             decode_tokens: 504,
+            decode_records_s: 0.126,
         };
         let s = t.summary();
         assert!(
@@ -786,12 +892,16 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.contains("decode 63 steps in 0.630 s (10.00 ms/step, 800 tok/s)"),
+            s.contains(
+                "decode 63 steps in 0.630 s (10.00 ms/step, 800 tok/s; host records 2.00 ms/step)"
+            ),
             "{s}"
         );
         let none = GenTiming::default().summary();
         assert!(
-            none.contains("decode 0 steps in 0.000 s (0.00 ms/step, 0 tok/s)"),
+            none.contains(
+                "decode 0 steps in 0.000 s (0.00 ms/step, 0 tok/s; host records 0.00 ms/step)"
+            ),
             "{none}"
         );
     }

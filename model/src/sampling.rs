@@ -112,6 +112,43 @@ pub fn log_sum_exp(row: &[f32]) -> f32 {
     m + s.ln()
 }
 
+/// [`log_sum_exp`] and [`digest`] of one row on up to `threads` threads, with their bits:
+/// the exponentials are computed in parallel and summed in index order, and the digest
+/// runs alongside. For the rows of small batches, where the host's other cores are idle.
+pub fn lse_and_digest(row: &[f32], threads: usize) -> (f32, u64) {
+    const MIN_PER_THREAD: usize = 8192;
+    let threads = threads.min(row.len() / MIN_PER_THREAD);
+    if threads < 2 {
+        return (log_sum_exp(row), digest(row));
+    }
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY || m.is_nan() {
+        return (m, digest(row));
+    }
+    let mut e = vec![0.0f32; row.len()];
+    let chunk = row.len().div_ceil(threads - 1);
+    let h = std::thread::scope(|scope| {
+        let h = scope.spawn(|| digest(row));
+        for (src, dst) in row.chunks(chunk).zip(e.chunks_mut(chunk)) {
+            scope.spawn(move || {
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = (x - m).exp();
+                }
+            });
+        }
+        h.join()
+    });
+    let h = match h {
+        Ok(h) => h,
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
+    let mut sum = 0.0f32;
+    for &x in &e {
+        sum += x;
+    }
+    (m + sum.ln(), h)
+}
+
 /// log_softmax(row)[idx] given `lse = log_sum_exp(row)`.
 pub fn logprob(row: &[f32], lse: f32, idx: usize) -> f32 {
     row[idx] - lse
@@ -244,6 +281,20 @@ mod tests {
         assert!((0..200).all(|p| choose(&row, &s, 5, p) == 3));
         // Greedy.
         assert_eq!(choose(&row, &Sampling::greedy(), 0, 0), 3);
+    }
+
+    #[test]
+    fn parallel_lse_and_digest_have_the_sequential_bits() {
+        let row: Vec<f32> = (0..100_003)
+            .map(|i| ((i as f32) * 0.37).sin() * 9.0 + (i % 7) as f32)
+            .collect();
+        let want = (log_sum_exp(&row).to_bits(), digest(&row));
+        for threads in [1, 2, 3, 8, 16] {
+            let (lse, h) = lse_and_digest(&row, threads);
+            assert_eq!((lse.to_bits(), h), want, "{threads} threads");
+        }
+        let inf = vec![f32::NEG_INFINITY; 40_000];
+        assert_eq!(lse_and_digest(&inf, 4).0, f32::NEG_INFINITY);
     }
 
     #[test]

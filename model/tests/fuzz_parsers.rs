@@ -154,10 +154,14 @@ fn json() -> impl Strategy<Value = Value> {
 
 /// A config.json of the shape Hugging Face writes for a tiny Llama or Qwen3.
 fn base_config(arch: usize) -> Value {
-    let arch = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"][arch];
+    let (arch, model_type) = [
+        ("LlamaForCausalLM", "llama"),
+        ("MistralForCausalLM", "mistral"),
+        ("Qwen3ForCausalLM", "qwen3"),
+    ][arch];
     serde_json::json!({
         "architectures": [arch],
-        "model_type": "llama",
+        "model_type": model_type,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 8,

@@ -42,11 +42,38 @@ impl DeviceArg {
         }
     }
 
+    /// The device this resolves to on this machine.
+    pub fn resolve_name(self) -> &'static str {
+        match self.resolve() {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             DeviceArg::Cpu => "cpu",
             DeviceArg::Cuda => "cuda",
             DeviceArg::Auto => "auto",
+        }
+    }
+}
+
+/// `--numerics invariant|fast`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum NumericsArg {
+    /// The fixed reduction tree: the same bits at every TP size and batch.
+    #[default]
+    Invariant,
+    /// cuBLAS + NCCL all-reduce (CUDA only): fastest, bits depend on batch and TP.
+    Fast,
+}
+
+impl NumericsArg {
+    pub fn resolve(self) -> model_api::Numerics {
+        match self {
+            NumericsArg::Invariant => model_api::Numerics::Invariant,
+            NumericsArg::Fast => model_api::Numerics::Fast,
         }
     }
 }
@@ -111,6 +138,7 @@ pub fn load_runner(
     device: DeviceArg,
     max_seq_len: Option<usize>,
     shadow_tp1: bool,
+    numerics: NumericsArg,
 ) -> Result<Box<dyn Runner>> {
     let comm = init_comm()?;
     let opts = LoadOptions {
@@ -118,6 +146,7 @@ pub fn load_runner(
         device: device.resolve(),
         max_seq_len,
         shadow_tp1,
+        numerics: numerics.resolve(),
     };
     let rank = comm.rank();
     tracing::info!(rank, world = comm.world_size(), model = %model_dir.display(), "loading");

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::common::{self, DeviceArg, JsonlSink, SamplingArgs};
+use super::common::{self, DeviceArg, JsonlSink, NumericsArg, SamplingArgs};
 use super::model_api::{FinishReason, GenOutput, GenRequest, Runner, Sampling};
 use super::records::{Finish, GenRecord, PromptLine, TopEntry};
 
@@ -46,6 +46,10 @@ pub struct Args {
     pub max_seq_len: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// `fast`: cuBLAS and NCCL's all-reduce (CUDA only), no invariance promise; for
+    /// measuring the price of determinism.
+    #[arg(long, value_enum, default_value_t = NumericsArg::Invariant)]
+    pub numerics: NumericsArg,
 }
 
 /// A prompt before tokenisation.
@@ -197,8 +201,13 @@ pub fn run(args: Args) -> Result<()> {
     let sampling = args.sampling.to_sampling();
     validate_sampling(&sampling)?;
     let prompts = collect_prompts(&args.prompt, args.prompts.as_deref())?;
-    let mut runner =
-        common::load_runner(&args.model, args.device, args.max_seq_len, args.shadow_tp1)?;
+    let mut runner = common::load_runner(
+        &args.model,
+        args.device,
+        args.max_seq_len,
+        args.shadow_tp1,
+        args.numerics,
+    )?;
     let ids = tokenize(runner.as_ref(), &prompts, &args.model)?;
     let reqs: Vec<GenRequest> = prompts
         .iter()

@@ -7,4 +7,4 @@ pub use arbor_model::runner::{
 pub use arbor_model::synth::{
     make_model_with_progress, ConfigFormat, Preset, Progress, SynthOptions,
 };
-pub use arbor_model::{Arch, Sampling, TokenLogprob};
+pub use arbor_model::{Arch, Numerics, Sampling, TokenLogprob};

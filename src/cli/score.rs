@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
-use super::common::{self, DeviceArg, JsonlSink};
+use super::common::{self, DeviceArg, JsonlSink, NumericsArg};
 use super::generate::run_batches;
 use super::model_api::ScoreRequest;
 use super::records::{ScoreLine, ScoreRecord, TopEntry};
@@ -32,6 +32,10 @@ pub struct Args {
     pub max_seq_len: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// `fast`: cuBLAS and NCCL's all-reduce (CUDA only), no invariance promise; for
+    /// measuring the price of determinism.
+    #[arg(long, value_enum, default_value_t = NumericsArg::Invariant)]
+    pub numerics: NumericsArg,
 }
 
 /// The scoring requests of an input file, ids defaulting to the record's index.
@@ -59,7 +63,13 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--batch must be at least 1");
     }
     let reqs = read_requests(&args.input)?;
-    let mut runner = common::load_runner(&args.model, args.device, args.max_seq_len, false)?;
+    let mut runner = common::load_runner(
+        &args.model,
+        args.device,
+        args.max_seq_len,
+        false,
+        args.numerics,
+    )?;
     // Rank 0 writes each batch as it finishes.
     let mut sink = match runner.rank() {
         0 => Some(JsonlSink::create(args.out.as_deref())?),

@@ -211,7 +211,8 @@ fn rope_matches_the_host_table_bitwise() {
         dev.upload_f32(&table.sin).unwrap(),
     );
     let pos32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-    dev.rope(&mut dx, &cos, &sin, hd / 2, &pos32, n_heads, hd)
+    let meta = dev.row_meta(&vec![0; pos32.len()], &pos32).unwrap();
+    dev.rope(&mut dx, &cos, &sin, hd / 2, &meta, n_heads, hd)
         .unwrap();
     // Same formula, no fused operations on either side: the same bits.
     assert_eq!(bits(&dev.download_f32(&dx).unwrap()), bits(&host));
@@ -341,8 +342,7 @@ fn attention_prefill_equals_decode_and_batch() {
         layer,
         &dev.upload_f32(&k).unwrap(),
         &dev.upload_f32(&v).unwrap(),
-        &slots,
-        &pos,
+        &dev.row_meta(&slots, &pos).unwrap(),
     )
     .unwrap();
 
@@ -350,7 +350,16 @@ fn attention_prefill_equals_decode_and_batch() {
     let prefill = dev
         .download_f32(
             &dev.attention(
-                &dq, &kc, &vc, layout, layer, &slots, &pos, n_heads, n_kv, hd, scale,
+                &dq,
+                &kc,
+                &vc,
+                layout,
+                layer,
+                &dev.row_meta(&slots, &pos).unwrap(),
+                n_heads,
+                n_kv,
+                hd,
+                scale,
             )
             .unwrap(),
         )
@@ -368,8 +377,7 @@ fn attention_prefill_equals_decode_and_batch() {
                     &vc,
                     layout,
                     layer,
-                    &[slot],
-                    &[p as u32],
+                    &dev.row_meta(&[slot], &[p as u32]).unwrap(),
                     n_heads,
                     n_kv,
                     hd,
@@ -390,8 +398,16 @@ fn attention_prefill_equals_decode_and_batch() {
     let oslots = vec![0u32; 10];
     let opos: Vec<u32> = (0..10).collect();
     let od = dev.upload_f32(&other).unwrap();
-    dev.kv_write(&mut kc, &mut vc, layout, layer, &od, &od, &oslots, &opos)
-        .unwrap();
+    dev.kv_write(
+        &mut kc,
+        &mut vc,
+        layout,
+        layer,
+        &od,
+        &od,
+        &dev.row_meta(&oslots, &opos).unwrap(),
+    )
+    .unwrap();
     let oq = rng.vec(10 * row, 1.0);
     let mixed_q: Vec<f32> = oq[..5 * row]
         .iter()
@@ -413,8 +429,7 @@ fn attention_prefill_equals_decode_and_batch() {
                 &vc,
                 layout,
                 layer,
-                &ms,
-                &mp,
+                &dev.row_meta(&ms, &mp).unwrap(),
                 n_heads,
                 n_kv,
                 hd,

@@ -30,6 +30,58 @@ impl KvLayout {
     }
 }
 
+/// Where each row of a ragged batch goes: its KV slot and position, on the device.
+///
+/// Built once per step (one upload) and read by RoPE, the KV write and attention of every
+/// layer; the bounds are checked on the host when it is built.
+pub struct RowMeta {
+    /// `[slot; rows]` then `[pos; rows]`.
+    buf: DevU32,
+    rows: usize,
+    /// One past the largest slot and position (0 when there are no rows).
+    slot_end: usize,
+    pos_end: usize,
+}
+
+impl RowMeta {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn slots(&self) -> CudaView<'_, u32> {
+        self.buf.slice(0..self.rows)
+    }
+
+    fn positions(&self) -> CudaView<'_, u32> {
+        self.buf.slice(self.rows..2 * self.rows)
+    }
+
+    fn check_cache(
+        &self,
+        kernel: &'static str,
+        layout: KvLayout,
+        layer: usize,
+    ) -> Result<(), CudaError> {
+        check(kernel, layer < layout.layers, || {
+            format!("layer {layer} of a cache with {} layers", layout.layers)
+        })?;
+        check(kernel, self.slot_end <= layout.slots, || {
+            format!(
+                "slot {} of a cache with {} slots",
+                self.slot_end - 1,
+                layout.slots
+            )
+        })?;
+        check(kernel, self.pos_end <= layout.max_len, || {
+            format!(
+                "position {} beyond the cache length {}",
+                self.pos_end - 1,
+                layout.max_len
+            )
+        })
+    }
+}
+
 /// Rows of a matmul handled per launch: bounds the segment-partials buffer
 /// (`n_seg × rows × n` f32) whatever M is. Each row's arithmetic does not depend on it.
 const MM_ROW_CHUNK: usize = 256;
@@ -122,6 +174,16 @@ impl GpuDevice {
         Ok(bits.into_iter().map(half::bf16::from_bits).collect())
     }
 
+    /// An f32 buffer with undefined contents, for an output that a kernel writes in full:
+    /// saves the memset a zeroed buffer costs on every op.
+    pub fn empty_f32(&self, len: usize) -> Result<DevF32, CudaError> {
+        // SAFETY: f32 has no invalid bit patterns; callers overwrite every element before
+        // anything reads it.
+        self.drv("allocating f32 buffer", unsafe {
+            self.stream.alloc::<f32>(len)
+        })
+    }
+
     pub fn zeros_f32(&self, len: usize) -> Result<DevF32, CudaError> {
         self.drv("allocating f32 buffer", self.stream.alloc_zeros::<f32>(len))
     }
@@ -164,7 +226,7 @@ impl GpuDevice {
         check(K, seg_len >= 1 && n_seg * seg_len >= k, || {
             format!("seg_len = {seg_len} × n_seg = {n_seg} does not cover k = {k}")
         })?;
-        let mut out = self.zeros_f32(m * n)?;
+        let mut out = self.empty_f32(m * n)?;
         if m == 0 || n == 0 {
             return Ok(out);
         }
@@ -174,7 +236,10 @@ impl GpuDevice {
             i32_of(K, "seg_len", seg_len)?,
         );
         let vec = i32::from(k.is_multiple_of(8) && seg_len.is_multiple_of(8));
-        let mut xb = self.zeros_bf16(m * k)?;
+        // SAFETY: u16 bits; f32_to_bf16 writes all m·k values.
+        let mut xb = self.drv("allocating bf16 buffer", unsafe {
+            self.stream.alloc::<u16>(m * k)
+        })?;
         {
             let count = (m * k) as i64;
             let f = self.func("f32_to_bf16_kernel")?;
@@ -268,7 +333,7 @@ impl GpuDevice {
                 parts.len()
             )
         })?;
-        let mut out = self.zeros_f32(count)?;
+        let mut out = self.empty_f32(count)?;
         if count == 0 {
             return Ok(out);
         }
@@ -294,7 +359,7 @@ impl GpuDevice {
         check(K, weight.len() == cols, || {
             format!("weight has {} values, expected {cols}", weight.len())
         })?;
-        let mut out = self.zeros_f32(rows * cols)?;
+        let mut out = self.empty_f32(rows * cols)?;
         if rows == 0 || cols == 0 {
             return Ok(out);
         }
@@ -316,7 +381,7 @@ impl GpuDevice {
             format!("gate has {} values, up {}", gate.len(), up.len())
         })?;
         let count = gate.len();
-        let mut out = self.zeros_f32(count)?;
+        let mut out = self.empty_f32(count)?;
         if count == 0 {
             return Ok(out);
         }
@@ -324,6 +389,65 @@ impl GpuDevice {
         let mut b = self.stream.launch_builder(self.func(K)?);
         b.arg(gate).arg(up).arg(&mut out).arg(&c);
         self.launched(K, unsafe { b.launch(elementwise_cfg(count)) })?;
+        Ok(out)
+    }
+
+    /// silu(gate)·up of a fused gate/up output `[rows, 2·inter]` (gate columns first).
+    pub fn silu_mul_halves(
+        &self,
+        gu: &DevF32,
+        rows: usize,
+        inter: usize,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "silu_mul_halves_kernel";
+        check(K, gu.len() == rows * 2 * inter, || {
+            format!("gate/up has {} values, expected {rows}×2×{inter}", gu.len())
+        })?;
+        let mut out = self.empty_f32(rows * inter)?;
+        if rows == 0 || inter == 0 {
+            return Ok(out);
+        }
+        let (r, ii) = (rows as i64, i32_of(K, "inter", inter)?);
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(gu).arg(&mut out).arg(&r).arg(&ii);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(rows * inter)) })?;
+        Ok(out)
+    }
+
+    /// Columns `col0..col0 + cols` of `src` (`[rows, src_cols]`) as a `[rows, cols]` matrix.
+    pub fn copy_cols(
+        &self,
+        src: &DevF32,
+        rows: usize,
+        src_cols: usize,
+        col0: usize,
+        cols: usize,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "copy_cols_kernel";
+        check(
+            K,
+            src.len() == rows * src_cols && col0 + cols <= src_cols,
+            || {
+                format!(
+                    "columns {col0}..{} of a [{rows}, {src_cols}] matrix of {} values",
+                    col0 + cols,
+                    src.len()
+                )
+            },
+        )?;
+        let mut out = self.empty_f32(rows * cols)?;
+        if rows == 0 || cols == 0 {
+            return Ok(out);
+        }
+        let r = rows as i64;
+        let (sc, c0, c) = (
+            i32_of(K, "src_cols", src_cols)?,
+            i32_of(K, "col0", col0)?,
+            i32_of(K, "cols", cols)?,
+        );
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(src).arg(&mut out).arg(&r).arg(&sc).arg(&c0).arg(&c);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(rows * cols)) })?;
         Ok(out)
     }
 
@@ -379,7 +503,7 @@ impl GpuDevice {
                 msg: format!("token id {bad} is out of range for a vocabulary of {vocab}"),
             });
         }
-        let mut out = self.zeros_f32(ids.len() * cols)?;
+        let mut out = self.empty_f32(ids.len() * cols)?;
         if ids.is_empty() {
             return Ok(out);
         }
@@ -405,7 +529,7 @@ impl GpuDevice {
             })?;
             idx32.push(i as u32);
         }
-        let mut out = self.zeros_f32(idx.len() * cols)?;
+        let mut out = self.empty_f32(idx.len() * cols)?;
         if idx.is_empty() {
             return Ok(out);
         }
@@ -432,7 +556,7 @@ impl GpuDevice {
                 gathered.len()
             )
         })?;
-        let mut out = self.zeros_f32(gathered.len())?;
+        let mut out = self.empty_f32(gathered.len())?;
         if gathered.is_empty() {
             return Ok(out);
         }
@@ -447,28 +571,22 @@ impl GpuDevice {
         Ok(out)
     }
 
-    fn check_rows(
-        kernel: &'static str,
-        layout: KvLayout,
-        layer: usize,
-        row_slot: &[u32],
-        row_pos: &[u32],
-    ) -> Result<(), CudaError> {
-        check(kernel, layer < layout.layers, || {
-            format!("layer {layer} of a cache with {} layers", layout.layers)
+    /// Uploads the per-row (slot, position) of a batch in one copy.
+    pub fn row_meta(&self, row_slot: &[u32], row_pos: &[u32]) -> Result<RowMeta, CudaError> {
+        check("row_meta", row_slot.len() == row_pos.len(), || {
+            format!("{} slots for {} positions", row_slot.len(), row_pos.len())
         })?;
-        check(kernel, row_slot.len() == row_pos.len(), || {
-            "row_slot and row_pos differ in length".into()
-        })?;
-        for (&s, &p) in row_slot.iter().zip(row_pos) {
-            check(kernel, (s as usize) < layout.slots, || {
-                format!("slot {s} of a cache with {} slots", layout.slots)
-            })?;
-            check(kernel, (p as usize) < layout.max_len, || {
-                format!("position {p} beyond the cache length {}", layout.max_len)
-            })?;
-        }
-        Ok(())
+        let rows = row_slot.len();
+        let end = |v: &[u32]| v.iter().map(|&x| x as usize + 1).max().unwrap_or(0);
+        let mut both = Vec::with_capacity(2 * rows);
+        both.extend_from_slice(row_slot);
+        both.extend_from_slice(row_pos);
+        Ok(RowMeta {
+            buf: self.upload_u32(&both)?,
+            rows,
+            slot_end: end(row_slot),
+            pos_end: end(row_pos),
+        })
     }
 
     /// Writes K and V rows (`[rows, width]`, rounded to bf16) at (slot, position) per row.
@@ -481,12 +599,11 @@ impl GpuDevice {
         layer: usize,
         k: &DevF32,
         v: &DevF32,
-        row_slot: &[u32],
-        row_pos: &[u32],
+        meta: &RowMeta,
     ) -> Result<(), CudaError> {
         const K: &str = "kv_write_kernel";
-        Self::check_rows(K, layout, layer, row_slot, row_pos)?;
-        let rows = row_slot.len();
+        meta.check_cache(K, layout, layer)?;
+        let rows = meta.rows;
         check(
             K,
             kc.len() == layout.len() && vc.len() == layout.len(),
@@ -507,7 +624,7 @@ impl GpuDevice {
         if rows == 0 || layout.width == 0 {
             return Ok(());
         }
-        let (ds, dp) = (self.upload_u32(row_slot)?, self.upload_u32(row_pos)?);
+        let (ds, dp) = (meta.slots(), meta.positions());
         let ri = rows as i32;
         let wi = i32_of(K, "width", layout.width)?;
         let li = layer as i32;
@@ -528,12 +645,12 @@ impl GpuDevice {
         cos: &DevF32,
         sin: &DevF32,
         half: usize,
-        row_pos: &[u32],
+        meta: &RowMeta,
         n_heads: usize,
         head_dim: usize,
     ) -> Result<(), CudaError> {
         const K: &str = "rope_kernel";
-        let rows = row_pos.len();
+        let rows = meta.rows;
         check(K, x.len() == rows * n_heads * head_dim, || {
             format!(
                 "x has {} values, expected {rows}×{n_heads}×{head_dim}",
@@ -549,16 +666,16 @@ impl GpuDevice {
             || "cos/sin tables of different shapes".into(),
         )?;
         let max_pos = cos.len() / half;
-        if let Some(p) = row_pos.iter().find(|&&p| p as usize >= max_pos) {
-            return Err(CudaError::Launch {
-                kernel: K,
-                msg: format!("position {p} beyond the RoPE table ({max_pos} positions)"),
-            });
-        }
+        check(K, meta.pos_end <= max_pos, || {
+            format!(
+                "position {} beyond the RoPE table ({max_pos} positions)",
+                meta.pos_end - 1
+            )
+        })?;
         if rows == 0 || n_heads == 0 {
             return Ok(());
         }
-        let dp = self.upload_u32(row_pos)?;
+        let dp = meta.positions();
         let (ri, hi, di, hf) = (
             rows as i32,
             i32_of(K, "n_heads", n_heads)?,
@@ -589,16 +706,15 @@ impl GpuDevice {
         vc: &DevBf16,
         layout: KvLayout,
         layer: usize,
-        row_slot: &[u32],
-        row_pos: &[u32],
+        meta: &RowMeta,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
         scale: f32,
     ) -> Result<DevF32, CudaError> {
         const K: &str = "attention_kernel";
-        Self::check_rows(K, layout, layer, row_slot, row_pos)?;
-        let rows = row_slot.len();
+        meta.check_cache(K, layout, layer)?;
+        let rows = meta.rows;
         check(
             K,
             n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
@@ -624,11 +740,11 @@ impl GpuDevice {
             kc.len() == layout.len() && vc.len() == layout.len(),
             || "cache buffers do not match their layout".into(),
         )?;
-        let mut out = self.zeros_f32(q.len())?;
+        let mut out = self.empty_f32(q.len())?;
         if rows == 0 || n_heads == 0 {
             return Ok(out);
         }
-        let (ds, dp) = (self.upload_u32(row_slot)?, self.upload_u32(row_pos)?);
+        let (ds, dp) = (meta.slots(), meta.positions());
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, n_heads.div_ceil(ATTN_WARPS) as u32, 1),
             block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),

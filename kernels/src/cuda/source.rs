@@ -17,6 +17,8 @@ pub const KERNELS: &[&str] = &[
     "tree_combine",
     "rms_norm_kernel",
     "silu_mul_kernel",
+    "silu_mul_halves_kernel",
+    "copy_cols_kernel",
     "add_row_bias_kernel",
     "add_assign_kernel",
     "embedding_kernel",

@@ -241,6 +241,45 @@ impl Backend for CpuBackend {
         k::silu_mul(&gate.data, &up.data, &mut out);
         Ok(CpuAct { data: out, ..*gate })
     }
+    fn silu_mul_halves(&self, gu: &CpuAct) -> BResult<CpuAct> {
+        if !gu.cols.is_multiple_of(2) {
+            return Err(self.shape_err(format!(
+                "silu_mul_halves of [{}, {}]: odd column count",
+                gu.rows, gu.cols
+            )));
+        }
+        let mut parts = self.split_cols(gu, &[gu.cols / 2, gu.cols / 2])?;
+        let up = parts.pop();
+        let gate = parts.pop();
+        match (gate, up) {
+            (Some(g), Some(u)) => self.silu_mul(&g, &u),
+            _ => Err(self.shape_err("silu_mul_halves: split lost a half".into())),
+        }
+    }
+    fn split_cols(&self, x: &CpuAct, widths: &[usize]) -> BResult<Vec<CpuAct>> {
+        if widths.iter().sum::<usize>() != x.cols || x.data.len() != x.rows * x.cols {
+            return Err(self.shape_err(format!(
+                "split of [{}, {}] into columns {widths:?}",
+                x.rows, x.cols
+            )));
+        }
+        let mut out: Vec<CpuAct> = widths
+            .iter()
+            .map(|&w| CpuAct {
+                data: Vec::with_capacity(x.rows * w),
+                rows: x.rows,
+                cols: w,
+            })
+            .collect();
+        for row in x.data.chunks_exact(x.cols.max(1)) {
+            let mut c0 = 0;
+            for (o, &w) in out.iter_mut().zip(widths) {
+                o.data.extend_from_slice(&row[c0..c0 + w]);
+                c0 += w;
+            }
+        }
+        Ok(out)
+    }
     fn rope(
         &self,
         x: &mut CpuAct,

@@ -7,18 +7,23 @@
 //! on the GPU as on the CPU; the two backends agree within bf16 tolerance only.
 
 pub mod gemm;
+mod profile;
 
 use std::sync::{Arc, Mutex};
 
 use arbor_collective::gpu::{Algo, GpuCollective, GpuOptions};
 use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
-use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice, KvLayout};
+use arbor_kernels::cuda::cublas::Blas;
+use arbor_kernels::cuda::gemm::OutDtype;
+use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice, KvLayout, RowMeta};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::{BResult, Backend, BackendError, HeadSpec, KvSpec, SeqRows, TreeSpec};
+use super::{BResult, Backend, BackendError, HeadSpec, KvSpec, Numerics, SeqRows, TreeSpec};
 use crate::error::ModelError;
 use crate::runner::{Engine, LoadOptions, Runner};
 use gemm::{tensor_eligible, GemmKind, TensorGemm};
+use profile::Profiler;
 
 /// f32 activations `[rows, cols]` on the GPU.
 pub struct CudaAct {
@@ -41,6 +46,14 @@ pub struct CudaKv {
     layout: KvLayout,
 }
 
+/// A step's row map on the device, keyed by the batch it describes: the forward asks for
+/// it in every layer's RoPE, KV write and attention, and it is uploaded once per step.
+struct StepMeta {
+    seqs: Vec<SeqRows>,
+    rows: usize,
+    meta: RowMeta,
+}
+
 /// The RoPE table's copy on the device, keyed by the host table it came from.
 struct RopeDev {
     key: (usize, usize, usize, usize),
@@ -58,6 +71,11 @@ pub struct CudaBackend {
     /// The tensor-core GEMM when the choice resolves to `tensor` (the default on sm_80+;
     /// None: the simple kernel only).
     gemm: Option<TensorGemm>,
+    /// `--numerics fast`: cuBLAS for every matmul and NCCL's all-reduce.
+    blas: Option<Blas>,
+    meta: Mutex<Option<StepMeta>>,
+    /// `ARBOR_PROFILE=1`: per-op device time (synchronising around every op).
+    prof: Option<Profiler>,
 }
 
 /// The GPU ordinal of this rank: `LOCAL_RANK`, else the rank.
@@ -138,7 +156,7 @@ fn gpu_collective(
 impl CudaBackend {
     /// Opens this rank's GPU and, at TP > 1, joins the NCCL group (collective: every rank
     /// of `comm` must call it).
-    pub fn new(comm: Arc<dyn Communicator>) -> Result<Self, BackendError> {
+    pub fn new(comm: Arc<dyn Communicator>, numerics: Numerics) -> Result<Self, BackendError> {
         let rank = comm.rank();
         let err = |msg: String| BackendError::Device { rank, msg };
         // Checked before the device is opened, so a bad value is reported on any machine.
@@ -162,6 +180,11 @@ impl CudaBackend {
         } else {
             None
         };
+        let blas = match numerics {
+            Numerics::Invariant => None,
+            Numerics::Fast => Some(Blas::new(&dev.stream).map_err(err)?),
+        };
+        tracing::info!(rank, numerics = numerics.as_str(), "CUDA backend numerics");
         Ok(Self {
             comm,
             dev: Arc::new(dev),
@@ -169,6 +192,9 @@ impl CudaBackend {
             algo,
             rope: Mutex::new(None),
             gemm,
+            blas,
+            meta: Mutex::new(None),
+            prof: Profiler::from_env(rank),
         })
     }
 
@@ -181,6 +207,9 @@ impl CudaBackend {
             algo: Algo::AllGatherTree,
             rope: Mutex::new(None),
             gemm: None,
+            blas: None,
+            meta: Mutex::new(None),
+            prof: None,
         }
     }
 
@@ -220,8 +249,78 @@ impl CudaBackend {
         CudaAct { buf, rows, cols }
     }
 
-    fn row_map(&self, seqs: &[SeqRows], rows: usize) -> BResult<(Vec<u32>, Vec<u32>)> {
-        row_map(seqs, rows).map_err(|msg| self.shape_err(msg))
+    /// Runs one op, timed by the profiler when there is one.
+    fn timed<T>(&self, op: &str, rows: usize, f: impl FnOnce() -> BResult<T>) -> BResult<T> {
+        match &self.prof {
+            None => f(),
+            Some(p) => {
+                let sync = || self.dev.synchronize().map_err(|e| self.dev_err(e));
+                sync()?;
+                let t0 = std::time::Instant::now();
+                let r = f()?;
+                sync()?;
+                // Keyed by rows too: a decode step's ops and a prefill's differ by orders
+                // of magnitude and must not share an average.
+                p.add(&format!("{op} m={rows}"), t0.elapsed());
+                Ok(r)
+            }
+        }
+    }
+
+    /// The device row map of this batch, uploaded when the batch differs from the last.
+    fn step_meta(
+        &self,
+        seqs: &[SeqRows],
+        rows: usize,
+    ) -> BResult<std::sync::MutexGuard<'_, Option<StepMeta>>> {
+        let mut guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = matches!(guard.as_ref(), Some(m) if m.rows == rows && m.seqs == seqs);
+        if !fresh {
+            let (slot, pos) = row_map(seqs, rows).map_err(|msg| self.shape_err(msg))?;
+            let meta = self.timed("upload row map", rows, || {
+                self.dev.row_meta(&slot, &pos).map_err(|e| self.dev_err(e))
+            })?;
+            *guard = Some(StepMeta {
+                seqs: seqs.to_vec(),
+                rows,
+                meta,
+            });
+        }
+        Ok(guard)
+    }
+
+    fn meta_of<'a>(&self, guard: &'a Option<StepMeta>) -> BResult<&'a RowMeta> {
+        guard
+            .as_ref()
+            .map(|m| &m.meta)
+            .ok_or_else(|| self.shape_err("row map missing after upload".into()))
+    }
+
+    /// `--numerics fast`: Y = bf16(X)·Wᵀ by cuBLAS, f32 out.
+    fn blas_matmul(&self, blas: &Blas, x: &CudaAct, w: &CudaMat) -> BResult<CudaAct> {
+        let d = &self.dev;
+        let mut y = d.empty_f32(x.rows * w.n).map_err(|e| self.dev_err(e))?;
+        if x.rows == 0 || w.n == 0 {
+            return Ok(self.act(y, x.rows, w.n));
+        }
+        let mut xb = d.zeros_bf16(x.rows * x.cols).map_err(|e| self.dev_err(e))?;
+        d.f32_to_bf16_into(&x.buf, &mut xb)
+            .map_err(|e| self.dev_err(e))?;
+        let s = &d.stream;
+        {
+            let (xp, _gx) = xb.device_ptr(s);
+            let (wp, _gw) = w.buf.device_ptr(s);
+            let (yp, _gy) = y.device_ptr_mut(s);
+            // SAFETY: xb is [rows, cols] bf16, w [n, k] bf16 with k == cols (checked by the
+            // caller), y [rows, n] f32, all live on this stream.
+            unsafe { blas.gemm(x.rows, w.n, x.cols, xp, wp, yp, OutDtype::F32) }.map_err(
+                |msg| BackendError::Device {
+                    rank: self.comm.rank(),
+                    msg,
+                },
+            )?;
+        }
+        Ok(self.act(y, x.rows, w.n))
     }
 
     fn rope_tables(
@@ -311,7 +410,9 @@ impl Backend for CudaBackend {
     }
 
     fn act_to_host(&self, a: &CudaAct) -> BResult<Vec<f32>> {
-        self.dev.download_f32(&a.buf).map_err(|e| self.dev_err(e))
+        self.timed("download", a.rows, || {
+            self.dev.download_f32(&a.buf).map_err(|e| self.dev_err(e))
+        })
     }
 
     fn shape(&self, a: &CudaAct) -> (usize, usize) {
@@ -336,26 +437,29 @@ impl Backend for CudaBackend {
                 0,
             ));
         }
-        let buf = self
-            .dev
-            .select_rows(&a.buf, a.cols, rows)
-            .map_err(|e| self.dev_err(e))?;
+        let buf = self.timed("select_rows", rows.len(), || {
+            self.dev
+                .select_rows(&a.buf, a.cols, rows)
+                .map_err(|e| self.dev_err(e))
+        })?;
         Ok(self.act(buf, rows.len(), a.cols))
     }
 
     fn embedding(&self, table: &CudaMat, ids: &[u32]) -> BResult<CudaAct> {
-        let buf = self
-            .dev
-            .embedding(&table.buf, table.k, ids)
-            .map_err(|e| self.dev_err(e))?;
+        let buf = self.timed("embedding", ids.len(), || {
+            self.dev
+                .embedding(&table.buf, table.k, ids)
+                .map_err(|e| self.dev_err(e))
+        })?;
         Ok(self.act(buf, ids.len(), table.k))
     }
 
     fn rms_norm(&self, x: &CudaAct, weight: &CudaAct, eps: f32) -> BResult<CudaAct> {
-        let buf = self
-            .dev
-            .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps)
-            .map_err(|e| self.dev_err(e))?;
+        let buf = self.timed("rms_norm", x.rows, || {
+            self.dev
+                .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps)
+                .map_err(|e| self.dev_err(e))
+        })?;
         Ok(self.act(buf, x.rows, x.cols))
     }
 
@@ -365,6 +469,135 @@ impl Backend for CudaBackend {
                 "matmul of x [{}, {}] with w [{}, {}]",
                 x.rows, x.cols, w.n, w.k
             )));
+        }
+        let label = self
+            .prof
+            .as_ref()
+            .map(|_| format!("matmul n={} k={}", w.n, w.k))
+            .unwrap_or_default();
+        self.timed(&label, x.rows, || self.matmul_untimed(x, w, tree))
+    }
+
+    fn add_row_bias(&self, x: &mut CudaAct, bias: &CudaAct) -> BResult<()> {
+        self.timed("add_row_bias", x.rows, || {
+            self.add_row_bias_untimed(x, bias)
+        })
+    }
+
+    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> BResult<()> {
+        self.timed("add_assign", x.rows, || self.add_assign_untimed(x, y))
+    }
+
+    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> BResult<CudaAct> {
+        self.timed("silu_mul", gate.rows, || self.silu_mul_untimed(gate, up))
+    }
+
+    fn silu_mul_halves(&self, gu: &CudaAct) -> BResult<CudaAct> {
+        if !gu.cols.is_multiple_of(2) {
+            return Err(self.shape_err(format!(
+                "silu_mul_halves of [{}, {}]: odd column count",
+                gu.rows, gu.cols
+            )));
+        }
+        let inter = gu.cols / 2;
+        let buf = self.timed("silu_mul_halves", gu.rows, || {
+            self.dev
+                .silu_mul_halves(&gu.buf, gu.rows, inter)
+                .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(self.act(buf, gu.rows, inter))
+    }
+
+    fn split_cols(&self, x: &CudaAct, widths: &[usize]) -> BResult<Vec<CudaAct>> {
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(self.shape_err(format!(
+                "split of [{}, {}] into columns {widths:?}",
+                x.rows, x.cols
+            )));
+        }
+        self.timed("split_cols", x.rows, || {
+            let mut c0 = 0;
+            let mut out = Vec::with_capacity(widths.len());
+            for &w in widths {
+                let buf = self
+                    .dev
+                    .copy_cols(&x.buf, x.rows, x.cols, c0, w)
+                    .map_err(|e| self.dev_err(e))?;
+                out.push(self.act(buf, x.rows, w));
+                c0 += w;
+            }
+            Ok(out)
+        })
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaAct,
+        seqs: &[SeqRows],
+        n_heads: usize,
+        table: &RopeTable,
+    ) -> BResult<()> {
+        let meta = self.step_meta(seqs, x.rows)?;
+        let meta = self.meta_of(&meta)?;
+        self.timed("rope", x.rows, || {
+            self.rope_untimed(x, meta, n_heads, table)
+        })
+    }
+
+    fn kv_cache(&self, spec: KvSpec) -> BResult<CudaKv> {
+        self.kv_cache_untimed(spec)
+    }
+
+    fn kv_write(
+        &self,
+        cache: &mut CudaKv,
+        layer: usize,
+        k: &CudaAct,
+        v: &CudaAct,
+        seqs: &[SeqRows],
+    ) -> BResult<()> {
+        let meta = self.step_meta(seqs, k.rows)?;
+        let meta = self.meta_of(&meta)?;
+        self.timed("kv_write", k.rows, || {
+            self.kv_write_untimed(cache, layer, k, v, meta)
+        })
+    }
+
+    fn attention(
+        &self,
+        q: &CudaAct,
+        cache: &CudaKv,
+        layer: usize,
+        seqs: &[SeqRows],
+        heads: HeadSpec,
+    ) -> BResult<CudaAct> {
+        let meta = self.step_meta(seqs, q.rows)?;
+        let meta = self.meta_of(&meta)?;
+        self.timed("attention", q.rows, || {
+            self.attention_untimed(q, cache, layer, meta, heads)
+        })
+    }
+
+    fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {
+        let op = match self.blas {
+            Some(_) => "all_reduce (nccl)",
+            None => "all_reduce (tree)",
+        };
+        self.timed(op, partial.rows, || self.all_reduce_untimed(partial))
+    }
+
+    fn all_gather_cols(&self, x: &CudaAct) -> BResult<CudaAct> {
+        self.timed("all_gather_cols", x.rows, || {
+            self.all_gather_cols_untimed(x)
+        })
+    }
+}
+
+/// The ops themselves; `Backend`'s methods wrap them in the profiler.
+impl CudaBackend {
+    fn matmul_untimed(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
+        if let Some(blas) = &self.blas {
+            return self.blas_matmul(blas, x, w);
         }
         if let Some(g) = self.gemm.as_ref().filter(|_| tensor_eligible(tree)) {
             let buf = g
@@ -393,7 +626,7 @@ impl Backend for CudaBackend {
         Ok(self.act(buf, x.rows, w.n))
     }
 
-    fn add_row_bias(&self, x: &mut CudaAct, bias: &CudaAct) -> BResult<()> {
+    fn add_row_bias_untimed(&self, x: &mut CudaAct, bias: &CudaAct) -> BResult<()> {
         if bias.rows * bias.cols != x.cols {
             return Err(self.shape_err(format!(
                 "bias of {} values for {} columns",
@@ -408,7 +641,7 @@ impl Backend for CudaBackend {
         d.add_row_bias(&mut x.buf, b).map_err(|e| self.dev_err(e))
     }
 
-    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> BResult<()> {
+    fn add_assign_untimed(&self, x: &mut CudaAct, y: &CudaAct) -> BResult<()> {
         if (x.rows, x.cols) != (y.rows, y.cols) {
             return Err(self.shape_err(format!(
                 "add of [{}, {}] and [{}, {}]",
@@ -420,7 +653,7 @@ impl Backend for CudaBackend {
             .map_err(|e| self.dev_err(e))
     }
 
-    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> BResult<CudaAct> {
+    fn silu_mul_untimed(&self, gate: &CudaAct, up: &CudaAct) -> BResult<CudaAct> {
         if (gate.rows, gate.cols) != (up.rows, up.cols) {
             return Err(self.shape_err(format!(
                 "silu_mul of gate [{}, {}] and up [{}, {}]",
@@ -434,10 +667,10 @@ impl Backend for CudaBackend {
         Ok(self.act(buf, gate.rows, gate.cols))
     }
 
-    fn rope(
+    fn rope_untimed(
         &self,
         x: &mut CudaAct,
-        seqs: &[SeqRows],
+        meta: &RowMeta,
         n_heads: usize,
         table: &RopeTable,
     ) -> BResult<()> {
@@ -447,7 +680,6 @@ impl Backend for CudaBackend {
                 x.cols, table.head_dim
             )));
         }
-        let (_, pos) = self.row_map(seqs, x.rows)?;
         let tables = self.rope_tables(table)?;
         let Some(t) = tables.as_ref() else {
             return Err(self.shape_err("RoPE table missing after upload".into()));
@@ -462,14 +694,14 @@ impl Backend for CudaBackend {
                 &t.cos,
                 &t.sin,
                 half,
-                &pos,
+                meta,
                 n_heads,
                 table.head_dim,
             )
             .map_err(|e| self.dev_err(e))
     }
 
-    fn kv_cache(&self, spec: KvSpec) -> BResult<CudaKv> {
+    fn kv_cache_untimed(&self, spec: KvSpec) -> BResult<CudaKv> {
         let layout = KvLayout {
             layers: spec.layers,
             slots: spec.slots,
@@ -487,13 +719,13 @@ impl Backend for CudaBackend {
         Ok(CudaKv { k, v, layout })
     }
 
-    fn kv_write(
+    fn kv_write_untimed(
         &self,
         cache: &mut CudaKv,
         layer: usize,
         k: &CudaAct,
         v: &CudaAct,
-        seqs: &[SeqRows],
+        meta: &RowMeta,
     ) -> BResult<()> {
         let w = cache.layout.width;
         if k.cols != w || v.cols != w || k.rows != v.rows {
@@ -502,7 +734,6 @@ impl Backend for CudaBackend {
                 k.rows, k.cols, v.rows, v.cols
             )));
         }
-        let (slot, pos) = self.row_map(seqs, k.rows)?;
         let layout = cache.layout;
         self.dev
             .kv_write(
@@ -512,18 +743,17 @@ impl Backend for CudaBackend {
                 layer,
                 &k.buf,
                 &v.buf,
-                &slot,
-                &pos,
+                meta,
             )
             .map_err(|e| self.dev_err(e))
     }
 
-    fn attention(
+    fn attention_untimed(
         &self,
         q: &CudaAct,
         cache: &CudaKv,
         layer: usize,
-        seqs: &[SeqRows],
+        meta: &RowMeta,
         heads: HeadSpec,
     ) -> BResult<CudaAct> {
         if q.cols != heads.n_heads * heads.head_dim {
@@ -532,7 +762,6 @@ impl Backend for CudaBackend {
                 q.cols, heads.n_heads, heads.head_dim
             )));
         }
-        let (slot, pos) = self.row_map(seqs, q.rows)?;
         let buf = self
             .dev
             .attention(
@@ -541,8 +770,7 @@ impl Backend for CudaBackend {
                 &cache.v,
                 cache.layout,
                 layer,
-                &slot,
-                &pos,
+                meta,
                 heads.n_heads,
                 heads.n_kv_heads,
                 heads.head_dim,
@@ -552,7 +780,7 @@ impl Backend for CudaBackend {
         Ok(self.act(buf, q.rows, q.cols))
     }
 
-    fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {
+    fn all_reduce_untimed(&self, partial: CudaAct) -> BResult<CudaAct> {
         let world = self.comm.world_size();
         if world == 1 {
             return Ok(partial);
@@ -560,14 +788,20 @@ impl Backend for CudaBackend {
         if partial.buf.is_empty() {
             return Ok(partial);
         }
-        let buf = self
-            .coll()?
-            .tree_all_reduce_with(self.algo, &partial.buf)
-            .map_err(|e| self.coll_err("tree all-reduce", e))?;
+        let coll = self.coll()?;
+        let buf = match self.blas {
+            Some(_) => coll
+                .nccl()
+                .nccl_all_reduce_f32(&partial.buf)
+                .map_err(|e| self.coll_err("NCCL all-reduce (--numerics fast)", e))?,
+            None => coll
+                .tree_all_reduce_with(self.algo, &partial.buf)
+                .map_err(|e| self.coll_err("tree all-reduce", e))?,
+        };
         Ok(self.act(buf, partial.rows, partial.cols))
     }
 
-    fn all_gather_cols(&self, x: &CudaAct) -> BResult<CudaAct> {
+    fn all_gather_cols_untimed(&self, x: &CudaAct) -> BResult<CudaAct> {
         let world = self.comm.world_size();
         if world == 1 {
             let buf = self.dev.copy_f32(&x.buf).map_err(|e| self.dev_err(e))?;
@@ -599,7 +833,8 @@ pub fn load_runner(
     comm: Arc<dyn Communicator>,
 ) -> Result<Box<dyn Runner>, ModelError> {
     let rank = comm.rank();
-    let backend = CudaBackend::new(comm).map_err(|source| ModelError::Backend { rank, source })?;
+    let backend = CudaBackend::new(comm, opts.numerics)
+        .map_err(|source| ModelError::Backend { rank, source })?;
     let shadow = opts.shadow_tp1.then(|| backend.tp1_shadow());
     let mut engine = Engine::new(backend, opts)?;
     if let Some(shadow) = shadow {

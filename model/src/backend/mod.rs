@@ -14,6 +14,41 @@ pub mod cuda;
 
 use arbor_kernels::cpu::RopeTable;
 
+/// How a backend does its arithmetic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Numerics {
+    /// Every reduction follows the fixed tree: the same bits at every TP size, batch size
+    /// and step shape (`shared/design/INVARIANCE.md`).
+    #[default]
+    Invariant,
+    /// cuBLAS for the linear layers and NCCL's all-reduce (CUDA only): the vendor's
+    /// fastest kernels, whose bits depend on the batch and the TP size. For measuring the
+    /// price of determinism, and for users who do not need it.
+    Fast,
+}
+
+impl Numerics {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Numerics::Invariant => "invariant",
+            Numerics::Fast => "fast",
+        }
+    }
+}
+
+impl std::str::FromStr for Numerics {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "invariant" => Ok(Numerics::Invariant),
+            "fast" => Ok(Numerics::Fast),
+            other => Err(format!(
+                "numerics {other:?} is neither \"invariant\" nor \"fast\""
+            )),
+        }
+    }
+}
+
 /// The rows of one sequence inside a ragged batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqRows {
@@ -102,6 +137,11 @@ pub trait Backend {
     fn add_row_bias(&self, x: &mut Self::Act, bias: &Self::Act) -> BResult<()>;
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> BResult<()>;
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> BResult<Self::Act>;
+    /// `silu_mul` of a fused gate/up output `[rows, 2·inter]` (gate columns first): the
+    /// same bits as `silu_mul` of the two halves.
+    fn silu_mul_halves(&self, gu: &Self::Act) -> BResult<Self::Act>;
+    /// Consecutive column blocks of `x` of the given widths (which sum to its columns).
+    fn split_cols(&self, x: &Self::Act, widths: &[usize]) -> BResult<Vec<Self::Act>>;
     /// Rotate `x` (`[rows, n_heads*head_dim]`) in place at the positions `seqs` give.
     fn rope(
         &self,

@@ -142,6 +142,13 @@ impl ModelConfig {
         r.refuse_true("is_encoder_decoder")?;
         r.refuse_true("add_cross_attention")?;
         let num_layers = r.usize_req("num_hidden_layers")?;
+        // Checked before anything is sized by it (the per-layer types below).
+        if num_layers > MAX_LAYERS {
+            return Err(cfg_err(
+                path,
+                format!("num_hidden_layers {num_layers} is beyond the {MAX_LAYERS} layers arbor accepts"),
+            ));
+        }
         let max_position_embeddings = r.usize_req("max_position_embeddings")?;
         let layer_types = layer_types(&r, arch, num_layers)?;
         let rope = rope::parse(obj, path, &layer_types, max_position_embeddings)?;
@@ -403,6 +410,10 @@ pub(crate) fn token_ids(v: Option<&Value>, key: &str, path: &Path) -> MResult<Ve
         Some(x) => Ok(vec![one(x)?]),
     }
 }
+
+/// More layers than any checkpoint of the supported families has (≤ 128), so a corrupt
+/// count is refused before it sizes anything.
+const MAX_LAYERS: usize = 4096;
 
 /// The type of each layer ("full_attention" or "sliding_attention"): `layer_types` where
 /// written (transformers 5, and Qwen3 in late 4.x), else derived as transformers derives

@@ -5,7 +5,7 @@ mod column;
 mod row;
 mod vocab;
 
-pub use column::ColumnParallelLinear;
+pub use column::{ColumnParallelLinear, ColumnPart};
 pub use row::RowParallelLinear;
 pub use vocab::{Embedding, VocabParallelHead};
 

@@ -58,6 +58,7 @@ pub fn opts(dir: &Path) -> LoadOptions {
         device: Device::Cpu,
         max_seq_len: Some(256),
         shadow_tp1: false,
+        numerics: Default::default(),
     }
 }
 

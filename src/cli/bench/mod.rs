@@ -1,6 +1,7 @@
 //! `arbor bench …`: each benchmark prints measured ratios side by side in one run.
 
 pub mod allreduce;
+pub mod decode;
 pub mod gemm;
 pub mod serve;
 
@@ -8,6 +9,10 @@ pub mod serve;
 pub enum BenchCommand {
     /// Tree GEMM vs cuBLAS on the GPU (TFLOP/s, ratio, invariance bits).
     Gemm(gemm::Args),
+    /// The engine's decode step and prefill per batch size (ms/step, tok/s), model loaded
+    /// once; run under arbor-launch for TP > 1. scripts/bench-decode.sh puts it next to
+    /// the PyTorch reference loop and the weights roofline.
+    Decode(decode::Args),
     /// Deterministic all-reduce algorithms vs NCCL (run under arbor-launch).
     Allreduce(allreduce::Args),
     /// Load generator against a loopback `arbor serve`: throughput, TTFT and inter-token
@@ -19,6 +24,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Gemm(a) => gemm::run(a),
         BenchCommand::Allreduce(a) => allreduce::run(a),
+        BenchCommand::Decode(a) => decode::run(a),
         BenchCommand::Serve(a) => serve::run(a),
     }
 }

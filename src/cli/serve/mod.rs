@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use arbor_collective::Communicator;
 use arbor_model::engine::PlanMsg;
 
-use super::common::{self, DeviceArg};
+use super::common::{self, DeviceArg, NumericsArg};
 use super::model_api::{self, LoadOptions, Runner};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -26,6 +26,10 @@ pub struct Args {
     pub model: PathBuf,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// `fast`: cuBLAS and NCCL's all-reduce (CUDA only), no invariance promise; for
+    /// measuring the price of determinism.
+    #[arg(long, value_enum, default_value_t = NumericsArg::Invariant)]
+    pub numerics: NumericsArg,
     /// Address to bind (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -87,6 +91,7 @@ pub fn run(args: Args) -> Result<()> {
         device: args.device.resolve(),
         max_seq_len: args.max_seq_len,
         shadow_tp1: false,
+        numerics: args.numerics.resolve(),
     };
     tracing::info!(rank, world = comm.world_size(), model = %args.model.display(), "loading");
     let mut runner = model_api::load(&opts, comm.clone())

@@ -166,7 +166,7 @@ impl TensorGemm {
                 w.len()
             )));
         }
-        let mut out = dev.zeros_f32(m * n)?;
+        let mut out = dev.empty_f32(m * n)?;
         if m == 0 || n == 0 {
             return Ok(out);
         }

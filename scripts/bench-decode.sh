@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One device call (carry [".device"]): the price of determinism in the decode step.
+# Run from the repo root after `bash scripts/build-device.sh` and
+# `cp ../shared/anchors/decode_baseline.py .device/`:
+#   bash scripts/bench-decode.sh              # writes $OUT/decode-*.json|txt|svg
+# Per TP (TPS, default: 1 and the GPU count) and batch (BATCHES, default 1,8,32,64), on a
+# llama3-8b-shape random model: `arbor bench decode` with --numerics invariant and fast,
+# the PyTorch reference loop (decode_baseline.py --compile: torch.compile + CUDA graph,
+# cuBLAS, NCCL) and the weights roofline (bf16 weight bytes per rank / device copy
+# bandwidth measured in this run); scripts/decode-report.py prints the ratios side by side.
+# PROFILE=1 adds ARBOR_PROFILE=1 runs (per-op device time) at TP 1, batch 1 and 64;
+# REFERENCE=0 skips the reference loop (its compile takes ~2 minutes per TP).
+set -uo pipefail
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-580}
+export OUT=${OUT:-/tmp/arbor-out}
+mkdir -p "$OUT"
+SUMMARY=$OUT/decode-summary.txt
+: >"$SUMMARY"
+source scripts/device-lib.sh
+BIN=${ARBOR_DEVICE_DIR:-.device}
+ARBOR=$BIN/arbor
+WORK=/tmp/arbor-bench-decode
+mkdir -p "$WORK"
+GPUS=$(nvidia-smi -L | wc -l)
+TPS=${TPS:-$( ((GPUS > 1)) && echo "1 $GPUS" || echo 1)}
+BATCHES=${BATCHES:-1,8,32,64}
+NUMERICS=${NUMERICS:-invariant fast}
+STEPS=${STEPS:-64}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | head -n 1 | tee -a "$SUMMARY"
+note "GPUs $GPUS; TPs $TPS; batches $BATCHES; numerics $NUMERICS; $STEPS new tokens per sequence after 128 prompt tokens"
+
+# Device copy bandwidth (read + write bytes per second of a 1 GiB copy): the roofline's unit.
+step "copy bandwidth" "$OUT/decode-copy.log" 60 python3 - <<'PY'
+import json, os, torch
+x = torch.empty(1 << 28, dtype=torch.float32, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.cuda.synchronize(); s.record()
+for _ in range(20): y.copy_(x)
+e.record(); torch.cuda.synchronize()
+gbps = 2 * x.numel() * 4 * 20 / (s.elapsed_time(e) * 1e-3) / 1e9
+print(f"copy bandwidth {gbps:.0f} GB/s (read + write, 1 GiB)")
+json.dump({"copy_gbps": gbps}, open(os.path.join(os.environ.get("OUT", "/tmp/arbor-out"), "decode-copy.json"), "w"))
+PY
+tail -n 1 "$OUT/decode-copy.log" | tee -a "$SUMMARY"
+
+# A model left by gpu-check.sh on a still-warm machine is reused (its marker says the make
+# finished).
+L8B=${L8B_DIR:-/tmp/arbor-l8b}
+if [[ -f $L8B.complete ]]; then
+    note "reusing the llama3-8b model in $L8B"
+else
+    rm -rf "$L8B"
+    step "make llama3-8b" "$WORK/make.log" 150 "$ARBOR" make-model --preset llama3-8b --out "$L8B" --force &&
+        touch "$L8B.complete"
+fi
+for tp in $TPS; do
+    for num in $NUMERICS; do
+        launch=("$BIN/arbor-launch" -n "$tp" --)
+        ((tp == 1)) && launch=()
+        step "arbor TP $tp $num" "$OUT/decode-arbor.log" 150 "${launch[@]}" "$ARBOR" bench decode \
+            --model "$L8B" --device cuda --numerics "$num" --batch "$BATCHES" --steps "$STEPS" \
+            --out "$OUT/decode-arbor-tp$tp-$num.json"
+        grep -E "TP $tp $num" "$OUT/decode-arbor.log" | sed 's/^\[rank 0\] //' | tail -n 4 | tee -a "$SUMMARY"
+    done
+done
+if [[ ${PROFILE:-0} == 1 ]]; then
+    for num in $NUMERICS; do
+        step "profile TP 1 $num" "$OUT/decode-profile-$num.log" 90 env ARBOR_PROFILE=1 "$ARBOR" bench decode \
+            --model "$L8B" --device cuda --numerics "$num" --batch 1,64 --steps 16
+        grep -A 14 '^profile' "$OUT/decode-profile-$num.log" | tee -a "$SUMMARY"
+    done
+fi
+if [[ ${REFERENCE:-1} != 1 ]]; then
+    note "SKIP  reference loop (REFERENCE=0)"
+elif [[ -f $BIN/decode_baseline.py ]]; then
+    for tp in $TPS; do
+        if ((tp == 1)); then
+            step "reference TP 1" "$OUT/decode-reference.log" 220 python3 "$BIN/decode_baseline.py" \
+                --compile --batch "$BATCHES" --steps "$STEPS" --out "$OUT/decode-reference-tp1.json"
+        else
+            step "reference TP $tp" "$OUT/decode-reference.log" 240 torchrun --standalone \
+                --nproc_per_node="$tp" "$BIN/decode_baseline.py" --compile --batch "$BATCHES" \
+                --steps "$STEPS" --out "$OUT/decode-reference-tp$tp.json"
+        fi
+        grep "^baseline+compile TP=$tp " "$OUT/decode-reference.log" | tee -a "$SUMMARY"
+    done
+else
+    note "SKIP  reference loop (.device/decode_baseline.py missing: copy ../shared/anchors/decode_baseline.py there)"
+fi
+python3 scripts/decode-report.py "$OUT" | tee -a "$SUMMARY"
+echo "==== bench-decode ($(elapsed) s)"

@@ -1,0 +1,190 @@
+//! `arbor bench decode`: ms per decode step and prefill time of the real engine, per batch
+//! size, with the model loaded once (run under `arbor-launch -n TP` for TP > 1).
+//!
+//! Each batch size runs `--prompt-len`-token prompts (fixed pseudo-random ids) through
+//! `generate` for `--steps` new tokens, greedy; a warm-up generate first takes the one-time
+//! costs (kernel compilation, first collectives, allocator growth) out of the figures. A
+//! step is timed from its plan to its rows' records (tokens chosen, log-probs), so host
+//! sampling is part of it. Rank 0 prints one line per batch and writes JSON;
+//! `scripts/bench-decode.sh` runs this for both numerics and every TP next to the PyTorch
+//! reference loop and the weights roofline.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use crate::cli::common::{self, DeviceArg, NumericsArg};
+use crate::cli::model_api::{GenRequest, Runner, Sampling};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model directory (config.json + safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    #[arg(long, value_enum, default_value_t = NumericsArg::Invariant)]
+    numerics: NumericsArg,
+    /// Batch sizes (sequences decoding together).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    batch: Vec<usize>,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// New tokens per sequence (decode steps = steps - 1: the first token comes from the
+    /// prefill).
+    #[arg(long, default_value_t = 64)]
+    steps: usize,
+    /// JSON output (rank 0).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Row {
+    tp: usize,
+    numerics: &'static str,
+    device: &'static str,
+    batch: usize,
+    prompt_len: usize,
+    decode_steps: usize,
+    decode_ms_per_step: f64,
+    decode_tok_s: f64,
+    /// Host time per step after the logits arrived (token choice, log-probs, digests).
+    decode_records_ms_per_step: f64,
+    prefill_ms: f64,
+    prefill_tokens: usize,
+    /// bf16 weight bytes each rank streams per decode step (layers + LM head shard).
+    weight_bytes_per_rank: u64,
+}
+
+/// Bytes of the weights one rank reads in a decode step (the embedding is a gather).
+fn weight_bytes_per_rank(runner: &dyn Runner) -> u64 {
+    let c = runner.config();
+    let (h, q, kv, i) = (
+        c.hidden_size as u64,
+        c.q_dim() as u64,
+        c.kv_dim() as u64,
+        c.intermediate_size as u64,
+    );
+    let per_layer = h * (q + 2 * kv) + q * h + 3 * h * i;
+    let params = c.num_layers as u64 * per_layer + c.vocab_size as u64 * h;
+    2 * params / runner.tp() as u64
+}
+
+/// Prompt ids that are the same on every rank and in every run.
+fn prompts(batch: usize, len: usize, vocab: usize, id0: u64) -> Vec<GenRequest> {
+    (0..batch)
+        .map(|b| GenRequest {
+            id: id0 + b as u64,
+            prompt: (0..len)
+                .map(|j| ((b * 7919 + j * 104_729 + 13) % (vocab - 1)) as u32 + 1)
+                .collect(),
+            max_new_tokens: 0,
+        })
+        .collect()
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.batch.is_empty() || a.batch.contains(&0) {
+        bail!("--batch needs batch sizes of at least 1");
+    }
+    if a.prompt_len == 0 || a.steps < 2 {
+        bail!("--prompt-len must be at least 1 and --steps at least 2 (one decode step)");
+    }
+    let max_seq_len = a.prompt_len + a.steps;
+    let mut runner = common::load_runner(&a.model, a.device, Some(max_seq_len), false, a.numerics)?;
+    let rank = runner.rank();
+    let vocab = runner.config().vocab_size;
+    if vocab < 2 {
+        bail!("model {} has a vocabulary of {vocab}", a.model.display());
+    }
+    let greedy = Sampling::greedy();
+    let device = a.device.resolve_name();
+    let numerics = a.numerics.resolve().as_str();
+    let bytes = weight_bytes_per_rank(runner.as_ref());
+
+    let t = Instant::now();
+    let mut warm = prompts(1, a.prompt_len.min(16), vocab, 1 << 40);
+    warm[0].max_new_tokens = 4;
+    runner
+        .generate(&warm, &greedy, 0)
+        .context("warm-up generate")?;
+    if rank == 0 {
+        eprintln!(
+            "bench decode: TP {} {device} {numerics}, warm-up {:.2} s, {:.2} GB of weights per rank",
+            runner.tp(),
+            t.elapsed().as_secs_f64(),
+            bytes as f64 / 1e9
+        );
+    }
+    let mut rows = Vec::new();
+    for (i, &b) in a.batch.iter().enumerate() {
+        let mut reqs = prompts(b, a.prompt_len, vocab, (i as u64) << 20);
+        for r in &mut reqs {
+            r.max_new_tokens = a.steps;
+        }
+        let before = runner.timing();
+        runner
+            .generate(&reqs, &greedy, 0)
+            .with_context(|| format!("generate at batch {b}"))?;
+        let after = runner.timing();
+        let steps = after.decode_steps - before.decode_steps;
+        let decode_s = after.decode_s - before.decode_s;
+        let tokens = after.decode_tokens - before.decode_tokens;
+        let row = Row {
+            tp: runner.tp(),
+            numerics,
+            device,
+            batch: b,
+            prompt_len: a.prompt_len,
+            decode_steps: steps,
+            decode_ms_per_step: 1e3 * decode_s / steps.max(1) as f64,
+            decode_tok_s: tokens as f64 / decode_s.max(1e-12),
+            decode_records_ms_per_step: 1e3 * (after.decode_records_s - before.decode_records_s)
+                / steps.max(1) as f64,
+            prefill_ms: 1e3 * (after.prefill_s - before.prefill_s),
+            prefill_tokens: after.prefill_tokens - before.prefill_tokens,
+            weight_bytes_per_rank: bytes,
+        };
+        if rank == 0 {
+            println!(
+                "TP {} {:<9} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step); prefill {:>9.1} ms for {} tokens",
+                row.tp,
+                numerics,
+                b,
+                row.decode_ms_per_step,
+                row.decode_tok_s,
+                steps,
+                row.decode_records_ms_per_step,
+                row.prefill_ms,
+                row.prefill_tokens
+            );
+        }
+        rows.push(row);
+    }
+    if let (0, Some(out)) = (rank, &a.out) {
+        let text = serde_json::to_string_pretty(&rows)?;
+        std::fs::write(out, text + "\n")
+            .with_context(|| format!("cannot write {}", out.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_are_in_vocabulary_and_distinct_per_row() {
+        let p = prompts(3, 5, 10, 7);
+        assert_eq!(p.iter().map(|r| r.id).collect::<Vec<_>>(), [7, 8, 9]);
+        for r in &p {
+            assert_eq!(r.prompt.len(), 5);
+            assert!(r.prompt.iter().all(|&t| (1..10).contains(&t)));
+        }
+        assert_ne!(p[0].prompt, p[1].prompt);
+    }
+}
