@@ -264,7 +264,7 @@ impl<B: Backend> Model<B> {
 
     /// Runs `ids` (the sequences' new tokens, concatenated as `seqs` says) through the
     /// model, writing their K/V into `cache`; returns the full logits `[out_rows.len(),
-    /// vocab]` of the rows `out_rows`. With `trace`, pushes every layer's output.
+    /// vocab]` of the rows `out_rows` on the host. With `trace`, pushes every layer's output.
     pub fn forward(
         &self,
         b: &B,
@@ -272,8 +272,25 @@ impl<B: Backend> Model<B> {
         ids: &[u32],
         seqs: &[SeqRows],
         out_rows: &[usize],
-        mut trace: Option<&mut Trace>,
+        trace: Option<&mut Trace>,
     ) -> BResult<Vec<f32>> {
+        match self.forward_logits(b, cache, ids, seqs, out_rows, trace)? {
+            Some(l) => self.head.to_host(b, &l),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The logits of `forward` where the backend holds them (`[out_rows.len(), cols]`,
+    /// cols ≥ vocab); None when no row was asked for.
+    pub fn forward_logits(
+        &self,
+        b: &B,
+        cache: &mut B::KvCache,
+        ids: &[u32],
+        seqs: &[SeqRows],
+        out_rows: &[usize],
+        mut trace: Option<&mut Trace>,
+    ) -> BResult<Option<B::Act>> {
         let cfg = &self.cfg;
         let hs = self.head_spec();
         let mut x = self.embed.forward(b, ids)?;
@@ -307,11 +324,26 @@ impl<B: Backend> Model<B> {
             }
         }
         if out_rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let x = b.select_rows(&x, out_rows)?;
         let x = b.rms_norm(&x, &self.final_norm.w, cfg.rms_norm_eps)?;
-        self.head.forward(b, &x)
+        self.head.forward(b, &x).map(Some)
+    }
+
+    /// `forward_logits`' rows on the host, `[rows, vocab]`.
+    pub fn logits_to_host(&self, b: &B, logits: &B::Act) -> BResult<Vec<f32>> {
+        self.head.to_host(b, logits)
+    }
+
+    /// `Backend::row_stats` of `forward_logits`' rows.
+    pub fn row_stats(
+        &self,
+        b: &B,
+        logits: &B::Act,
+        pick: &[u32],
+    ) -> BResult<Vec<crate::sampling::RowStats>> {
+        b.row_stats(logits, self.head.vocab(), pick)
     }
 }
 

@@ -13,7 +13,7 @@ use crate::error::{MResult, ModelError};
 use crate::forward::{Model, Trace};
 use crate::generation_config::GenerationConfig;
 use crate::layers::LoadCtx;
-use crate::sampling::{self, Sampling, TokenLogprob};
+use crate::sampling::{self, RowStats, Sampling, TokenLogprob};
 use crate::tokenizer_config::TokenizerConfig;
 use crate::weights::WeightStore;
 
@@ -334,7 +334,11 @@ impl<B: Backend> Engine<B> {
     }
 
     /// One forward over a ragged batch; `ids_of[i]` is the request id of sequence i (for
-    /// error messages). With a shadow, compares every layer and the logits bit for bit.
+    /// error messages). Returns each output row's `RowStats` (`pick[i]`: the index whose
+    /// value row i reports), and the rows' logits on the host when `need_host` (or a
+    /// shadow is comparing them). With a shadow, compares every layer and the logits bit
+    /// for bit.
+    #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
         caches: &mut Caches<B>,
@@ -342,11 +346,13 @@ impl<B: Backend> Engine<B> {
         seqs: &[SeqRows],
         out_rows: &[usize],
         ids_of: &[u64],
-    ) -> MResult<Vec<f32>> {
+        pick: &[u32],
+        need_host: bool,
+    ) -> MResult<(Vec<RowStats>, Option<Vec<f32>>)> {
         let mut trace = self.shadow.as_ref().map(|_| Trace::new());
-        let logits = self
+        let dev_logits = self
             .model
-            .forward(
+            .forward_logits(
                 &self.backend,
                 &mut caches.main,
                 ids,
@@ -354,6 +360,20 @@ impl<B: Backend> Engine<B> {
                 out_rows,
                 trace.as_mut(),
             )
+            .map_err(|e| self.berr(e))?;
+        let Some(dev_logits) = dev_logits else {
+            return Ok((Vec::new(), None));
+        };
+        let stats = self
+            .model
+            .row_stats(&self.backend, &dev_logits, pick)
+            .map_err(|e| self.berr(e))?;
+        if !need_host && self.shadow.is_none() {
+            return Ok((stats, None));
+        }
+        let logits = self
+            .model
+            .logits_to_host(&self.backend, &dev_logits)
             .map_err(|e| self.berr(e))?;
         if let (Some(shadow), Some(scache), Some(trace)) =
             (self.shadow.as_mut(), caches.shadow.as_mut(), trace)
@@ -408,7 +428,7 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
-        Ok(logits)
+        Ok((stats, Some(logits)))
     }
 }
 
@@ -490,16 +510,6 @@ impl<B: Backend> Engine<B> {
             }
         }
         let ids_of: Vec<u64> = plan.rows.iter().map(|r| r.sample_key).collect();
-        let t0 = std::time::Instant::now();
-        let logits = self.step(caches, &ids, &seqs, &out_rows, &ids_of)?;
-        let vocab = self.model.cfg.vocab_size.max(1);
-        if logits.len() != out_rows.len() * vocab {
-            return Err(ModelError::Plan(format!(
-                "the forward returned {} logits for {} rows of {vocab}",
-                logits.len(),
-                out_rows.len()
-            )));
-        }
         // One task per logits row, in the order the rows were asked for.
         let mut tasks = Vec::with_capacity(out_rows.len());
         for r in &plan.rows {
@@ -518,8 +528,24 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
+        let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
+        let need_host = tasks.iter().any(RowTask::needs_row);
+        let t0 = std::time::Instant::now();
+        let (stats, logits) =
+            self.step(caches, &ids, &seqs, &out_rows, &ids_of, &pick, need_host)?;
+        let vocab = self.model.cfg.vocab_size.max(1);
+        let host_ok = logits
+            .as_ref()
+            .is_none_or(|l| l.len() == out_rows.len() * vocab);
+        if stats.len() != out_rows.len() || !host_ok {
+            return Err(ModelError::Plan(format!(
+                "the forward returned {} row records for {} rows",
+                stats.len(),
+                out_rows.len()
+            )));
+        }
         let t_rec = std::time::Instant::now();
-        let mut records = records_parallel(&logits, vocab, &tasks).into_iter();
+        let mut records = records_parallel(logits.as_deref(), vocab, &stats, &tasks)?.into_iter();
         let dt_rec = t_rec.elapsed().as_secs_f64();
         let dt = t0.elapsed().as_secs_f64();
         if plan.rows.iter().any(|r| r.prefill) {
@@ -559,54 +585,100 @@ enum RowTask {
 }
 
 impl RowTask {
-    /// `threads`: host threads this row may use (see `sampling::lse_and_digest`).
-    fn run(&self, row: &[f32], threads: usize) -> Record {
+    /// The index whose value the row's stats report: the scored token.
+    fn pick(&self) -> u32 {
         match *self {
-            RowTask::Score { token, n_top } => make_record(row, token, n_top, threads),
+            RowTask::Score { token, .. } => token,
+            RowTask::Sample { .. } => u32::MAX,
+        }
+    }
+
+    /// Whether the record needs the whole row on the host: top-N, or a sampled (not
+    /// greedy) token.
+    fn needs_row(&self) -> bool {
+        match *self {
+            RowTask::Score { n_top, .. } => n_top > 0,
+            RowTask::Sample {
+                ref sampling,
+                n_top,
+                ..
+            } => n_top > 0 || sampling.temperature != 0.0,
+        }
+    }
+
+    /// The record from the row's stats and, where `needs_row`, the row itself.
+    fn run(&self, stats: &RowStats, row: Option<&[f32]>) -> Record {
+        let (token, value, n_top) = match *self {
+            RowTask::Score { token, n_top } => (token, stats.picked, n_top),
             RowTask::Sample {
                 ref sampling,
                 key,
                 position,
                 n_top,
-            } => make_record(
-                row,
-                sampling::choose(row, sampling, key, position),
-                n_top,
-                threads,
-            ),
+            } => match row {
+                Some(row) if sampling.temperature != 0.0 && row.len() > 1 => {
+                    let t = sampling::choose(row, sampling, key, position);
+                    (t, row[t as usize], n_top)
+                }
+                _ => (stats.argmax, stats.max, n_top),
+            },
+        };
+        Record {
+            token,
+            logprob: value - stats.lse,
+            top: match row {
+                Some(row) => sampling::top_n(row, stats.lse, n_top),
+                None => Vec::new(),
+            },
+            digest: stats.digest,
         }
     }
 }
 
-/// Below this many logits a step's records are made on the calling thread.
+/// Below this many logits a step's host records are made on the calling thread.
 const PARALLEL_RECORDS_MIN: usize = 1 << 18;
 
-/// The records of every task, rows spread over the host's cores: each row is computed
-/// exactly as alone (one thread per row's work), so the split changes no bits, only the
-/// time a large batch spends between its logits and its next step.
-fn records_parallel(logits: &[f32], vocab: usize, tasks: &[RowTask]) -> Vec<Record> {
-    let rows = || logits.chunks_exact(vocab).zip(tasks);
+/// The records of every task. Rows that need their logits on the host (top-N, sampled
+/// tokens: a sort over the vocabulary) are spread over the host's cores; each row is
+/// computed exactly as alone, so the split changes no bits.
+fn records_parallel(
+    logits: Option<&[f32]>,
+    vocab: usize,
+    stats: &[RowStats],
+    tasks: &[RowTask],
+) -> MResult<Vec<Record>> {
+    let Some(logits) = logits else {
+        if let Some(t) = tasks.iter().position(RowTask::needs_row) {
+            return Err(ModelError::Plan(format!(
+                "row {t} needs its logits on the host but the step did not download them"
+            )));
+        }
+        return Ok(stats
+            .iter()
+            .zip(tasks)
+            .map(|(s, t)| t.run(s, None))
+            .collect());
+    };
+    let rows = || logits.chunks_exact(vocab).zip(stats).zip(tasks);
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(tasks.len());
     if threads <= 1 || logits.len() < PARALLEL_RECORDS_MIN {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        return rows().map(|(row, t)| t.run(row, cores)).collect();
+        return Ok(rows().map(|((row, s), t)| t.run(s, Some(row))).collect());
     }
-    // Rows spread over the cores; rows of a small batch also split their own work.
-    let per_row =
-        (std::thread::available_parallelism().map_or(1, |n| n.get()) / tasks.len()).max(1);
     let per = tasks.len().div_ceil(threads);
     let mut out: Vec<Record> = Vec::with_capacity(tasks.len());
     std::thread::scope(|scope| {
         let handles: Vec<_> = logits
             .chunks(per * vocab)
+            .zip(stats.chunks(per))
             .zip(tasks.chunks(per))
-            .map(|(l, t)| {
+            .map(|((l, s), t)| {
                 scope.spawn(move || {
                     l.chunks_exact(vocab)
+                        .zip(s)
                         .zip(t)
-                        .map(|(row, t)| t.run(row, per_row))
+                        .map(|((row, s), t)| t.run(s, Some(row)))
                         .collect::<Vec<_>>()
                 })
             })
@@ -618,17 +690,7 @@ fn records_parallel(logits: &[f32], vocab: usize, tasks: &[RowTask]) -> Vec<Reco
             }
         }
     });
-    out
-}
-
-fn make_record(row: &[f32], token: u32, n_top: usize, threads: usize) -> Record {
-    let (logprob, top, digest) = record(row, token, n_top, threads);
-    Record {
-        token,
-        logprob,
-        top,
-        digest,
-    }
+    Ok(out)
 }
 
 fn first_diff_row(a: &[f32], b: &[f32], cols: usize) -> Option<usize> {
@@ -646,16 +708,6 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0f32, |m, d| if d.is_nan() || d > m { d } else { m })
-}
-
-/// The per-position record both `generate` and `score` produce from a logits row.
-fn record(row: &[f32], token: u32, n_top: usize, threads: usize) -> (f32, Vec<TokenLogprob>, u64) {
-    let (lse, digest) = sampling::lse_and_digest(row, threads);
-    (
-        sampling::logprob(row, lse, token as usize),
-        sampling::top_n(row, lse, n_top),
-        digest,
-    )
 }
 
 impl<B: Backend> Runner for Engine<B> {

@@ -69,16 +69,69 @@ pub fn uniform(seed: u64, id: u64, position: u64) -> f64 {
     (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-/// A 64-bit digest (FNV-1a) of the bits of a logits row.
-pub fn digest(logits: &[f32]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for x in logits {
-        for b in x.to_bits().to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+pub use arbor_kernels::cpu::digest::{digest, DIGEST_CHUNK};
+
+/// What a step's record needs from one logits row, computed where the logits are (on
+/// the GPU for the CUDA backend), so that only these bytes come back per row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowStats {
+    /// [`argmax`]: the greedy token.
+    pub argmax: u32,
+    /// The row's value at `argmax`.
+    pub max: f32,
+    /// log Σ exp over the row (the backend's fixed order).
+    pub lse: f32,
+    /// The row's value at the requested index (NaN when none was requested).
+    pub picked: f32,
+    /// [`digest`] of the row.
+    pub digest: u64,
+}
+
+/// [`RowStats`] of `rows` rows of `vocab` values (row stride `cols`), on the host: the
+/// sequential log-sum-exp, so the CPU backend's log-probs keep their bits. `pick[r]` is
+/// the index whose value is returned in `picked` (`u32::MAX`: none).
+pub fn host_row_stats(logits: &[f32], cols: usize, vocab: usize, pick: &[u32]) -> Vec<RowStats> {
+    let rows = pick.len();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let one = |r: usize, threads: usize| {
+        let row = &logits[r * cols..r * cols + vocab];
+        let (lse, digest) = lse_and_digest(row, threads);
+        let a = argmax(row);
+        RowStats {
+            argmax: a as u32,
+            max: row.get(a).copied().unwrap_or(f32::NAN),
+            lse,
+            picked: row.get(pick[r] as usize).copied().unwrap_or(f32::NAN),
+            digest,
         }
+    };
+    if rows <= 1 || cores <= 1 || rows * vocab < 1 << 18 {
+        return (0..rows).map(|r| one(r, cores)).collect();
     }
-    h
+    // Rows over the cores; the rows of a small batch also split their own work.
+    let per_row = (cores / rows).max(1);
+    let per = rows.div_ceil(cores.min(rows));
+    let mut out = Vec::with_capacity(rows);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..rows)
+            .step_by(per)
+            .map(|r0| {
+                let one = &one;
+                scope.spawn(move || {
+                    (r0..(r0 + per).min(rows))
+                        .map(|r| one(r, per_row))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(v) => out.extend(v),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    out
 }
 
 /// Index of the largest value, lowest index on ties; NaN never wins (index 0 if all NaN).
@@ -298,10 +351,23 @@ mod tests {
     }
 
     #[test]
-    fn digest_sees_every_bit() {
-        let a = [1.0f32, 2.0];
-        let b = [1.0f32, f32::from_bits(2.0f32.to_bits() ^ 1)];
-        assert_ne!(digest(&a), digest(&b));
-        assert_ne!(digest(&[0.0]), digest(&[-0.0]));
+    fn host_row_stats_match_the_row_functions() {
+        let (rows, vocab, cols) = (5usize, 70_000usize, 70_003usize);
+        let logits: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i as f32) * 0.013).sin() * 7.0)
+            .collect();
+        let pick = [0u32, 69_999, 5, u32::MAX, 123];
+        let stats = host_row_stats(&logits, cols, vocab, &pick);
+        for (r, s) in stats.iter().enumerate() {
+            let row = &logits[r * cols..r * cols + vocab];
+            assert_eq!(s.argmax as usize, argmax(row));
+            assert_eq!(s.max.to_bits(), row[argmax(row)].to_bits());
+            assert_eq!(s.lse.to_bits(), log_sum_exp(row).to_bits());
+            assert_eq!(s.digest, digest(row));
+            match pick[r] {
+                u32::MAX => assert!(s.picked.is_nan()),
+                p => assert_eq!(s.picked.to_bits(), row[p as usize].to_bits()),
+            }
+        }
     }
 }

@@ -6,6 +6,7 @@
 //! a message naming the sizes; data values never panic.
 
 pub mod attention;
+pub mod digest;
 pub mod elementwise;
 pub mod leaf;
 pub mod matmul;
@@ -18,6 +19,7 @@ pub mod threads;
 mod testutil;
 
 pub use attention::{attention, attention_on, AttnShape, ATTN_BLOCK};
+pub use digest::{digest, DIGEST_CHUNK};
 pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
 pub use leaf::{bf16_to_f32, LANES};
 pub use matmul::{plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, TreeMatmul};

@@ -464,3 +464,50 @@ fn attention_prefill_equals_decode_and_batch() {
         }
     }
 }
+
+#[test]
+fn row_stats_match_the_host_definitions_and_not_the_batch() {
+    let Some(dev) = device() else { return };
+    let (vocab, cols) = (128_256usize, 128_260usize);
+    let mut rng = Rng(9);
+    let mut rows = [rng.vec(cols, 6.0), rng.vec(cols, 6.0), rng.vec(cols, 6.0)];
+    // Ties resolve to the lowest index; NaN never wins; padding past the vocab is ignored.
+    rows[1][77] = 50.0;
+    rows[1][9_000] = 50.0;
+    rows[1][5] = f32::NAN;
+    rows[2][vocab + 1] = 1e9;
+    let flat: Vec<f32> = rows.concat();
+    let pick = [3u32, 127_999, u32::MAX];
+    let x = dev.upload_f32(&flat).unwrap();
+    let got = dev.row_stats(&x, 3, cols, vocab, &pick).unwrap();
+    for (r, s) in got.iter().enumerate() {
+        let row = &rows[r][..vocab];
+        let am = crate::cpu::argmax(row);
+        assert_eq!(s.argmax as usize, am, "row {r}");
+        assert_eq!(s.max.to_bits(), row[am].to_bits());
+        assert_eq!(
+            s.digest,
+            crate::cpu::digest(row),
+            "row {r}: digest ≠ host definition"
+        );
+        match pick[r] {
+            u32::MAX => assert!(s.picked.is_nan()),
+            p => assert_eq!(s.picked.to_bits(), row[p as usize].to_bits()),
+        }
+        if r != 1 {
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+            assert!(
+                (s.lse as f64 - lse).abs() < 1e-4,
+                "row {r}: lse {} vs {lse}",
+                s.lse
+            );
+        }
+    }
+    assert_eq!(got[1].argmax, 77);
+    // A row alone gives the bits it gives in the batch.
+    let one = dev.upload_f32(&rows[2]).unwrap();
+    let alone = dev.row_stats(&one, 1, cols, vocab, &[u32::MAX]).unwrap();
+    assert_eq!(alone[0].lse.to_bits(), got[2].lse.to_bits());
+    assert_eq!(alone[0].digest, got[2].digest);
+}

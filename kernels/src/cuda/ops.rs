@@ -82,6 +82,21 @@ impl RowMeta {
     }
 }
 
+/// One logits row's record inputs (see `rowstats.cu`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DevRowStats {
+    pub argmax: u32,
+    pub max: f32,
+    pub lse: f32,
+    pub picked: f32,
+    pub digest: u64,
+}
+
+const RS_THREADS: u32 = 512;
+const RS_CHUNK: usize = 256;
+/// Chunk digests live in dynamic shared memory next to the kernel's 6 KiB of static.
+const RS_MAX_CHUNKS: usize = (48 * 1024 - 12 * RS_THREADS as usize) / 8;
+
 /// Rows of a matmul handled per launch: bounds the segment-partials buffer
 /// (`n_seg × rows × n` f32) whatever M is. Each row's arithmetic does not depend on it.
 const MM_ROW_CHUNK: usize = 256;
@@ -390,6 +405,69 @@ impl GpuDevice {
         b.arg(gate).arg(up).arg(&mut out).arg(&c);
         self.launched(K, unsafe { b.launch(elementwise_cfg(count)) })?;
         Ok(out)
+    }
+
+    /// Argmax, max, log-sum-exp, the value at `pick[r]` (`u32::MAX`: none) and the digest
+    /// of the first `vocab` values of each row of `x` (`[rows, cols]`); a few bytes per row
+    /// come back instead of the row.
+    pub fn row_stats(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        pick: &[u32],
+    ) -> Result<Vec<DevRowStats>, CudaError> {
+        const K: &str = "row_stats_kernel";
+        check(
+            K,
+            x.len() == rows * cols && vocab <= cols && pick.len() == rows,
+            || {
+                format!(
+                    "{} values as [{rows}, {cols}] with vocab {vocab} and {} picks",
+                    x.len(),
+                    pick.len()
+                )
+            },
+        )?;
+        let n_chunks = vocab.div_ceil(RS_CHUNK);
+        check(K, n_chunks <= RS_MAX_CHUNKS, || {
+            format!("vocab {vocab} needs {n_chunks} digest chunks, more than {RS_MAX_CHUNKS}")
+        })?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let dpick = self.upload_u32(pick)?;
+        let mut of = self.empty_f32(rows * 3)?;
+        // SAFETY: u64 has no invalid bit patterns; the kernel writes every element.
+        let mut ou = self.drv("allocating u64 buffer", unsafe {
+            self.stream.alloc::<u64>(rows * 2)
+        })?;
+        let (ci, vi) = (i32_of(K, "cols", cols)?, i32_of(K, "vocab", vocab)?);
+        let cfg = LaunchConfig {
+            grid_dim: (i32_of(K, "rows", rows)? as u32, 1, 1),
+            block_dim: (RS_THREADS, 1, 1),
+            shared_mem_bytes: (n_chunks * 8) as u32,
+        };
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(x)
+            .arg(&ci)
+            .arg(&vi)
+            .arg(&dpick)
+            .arg(&mut of)
+            .arg(&mut ou);
+        self.launched(K, unsafe { b.launch(cfg) })?;
+        let f = self.drv("downloading row stats", self.stream.clone_dtoh(&of))?;
+        let u = self.drv("downloading row stats", self.stream.clone_dtoh(&ou))?;
+        Ok((0..rows)
+            .map(|r| DevRowStats {
+                argmax: u[2 * r] as u32,
+                max: f[3 * r],
+                lse: f[3 * r + 1],
+                picked: f[3 * r + 2],
+                digest: u[2 * r + 1],
+            })
+            .collect())
     }
 
     /// silu(gate)·up of a fused gate/up output `[rows, 2·inter]` (gate columns first).

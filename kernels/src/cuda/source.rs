@@ -8,6 +8,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
     ("rope.cu", include_str!("../../cuda/rope.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
+    ("rowstats.cu", include_str!("../../cuda/rowstats.cu")),
 ];
 
 /// Every kernel entry point the module must export (checked when it is loaded).
@@ -18,6 +19,7 @@ pub const KERNELS: &[&str] = &[
     "rms_norm_kernel",
     "silu_mul_kernel",
     "silu_mul_halves_kernel",
+    "row_stats_kernel",
     "copy_cols_kernel",
     "add_row_bias_kernel",
     "add_assign_kernel",

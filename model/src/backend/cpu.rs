@@ -241,6 +241,27 @@ impl Backend for CpuBackend {
         k::silu_mul(&gate.data, &up.data, &mut out);
         Ok(CpuAct { data: out, ..*gate })
     }
+    fn row_stats(
+        &self,
+        logits: &CpuAct,
+        vocab: usize,
+        pick: &[u32],
+    ) -> BResult<Vec<crate::sampling::RowStats>> {
+        if vocab > logits.cols || pick.len() != logits.rows {
+            return Err(self.shape_err(format!(
+                "row_stats of [{}, {}] with vocab {vocab} and {} picks",
+                logits.rows,
+                logits.cols,
+                pick.len()
+            )));
+        }
+        Ok(crate::sampling::host_row_stats(
+            &logits.data,
+            logits.cols,
+            vocab,
+            pick,
+        ))
+    }
     fn silu_mul_halves(&self, gu: &CpuAct) -> BResult<CpuAct> {
         if !gu.cols.is_multiple_of(2) {
             return Err(self.shape_err(format!(

@@ -492,6 +492,29 @@ impl Backend for CudaBackend {
         self.timed("silu_mul", gate.rows, || self.silu_mul_untimed(gate, up))
     }
 
+    fn row_stats(
+        &self,
+        logits: &CudaAct,
+        vocab: usize,
+        pick: &[u32],
+    ) -> BResult<Vec<crate::sampling::RowStats>> {
+        let stats = self.timed("row_stats", logits.rows, || {
+            self.dev
+                .row_stats(&logits.buf, logits.rows, logits.cols, vocab, pick)
+                .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(stats
+            .into_iter()
+            .map(|s| crate::sampling::RowStats {
+                argmax: s.argmax,
+                max: s.max,
+                lse: s.lse,
+                picked: s.picked,
+                digest: s.digest,
+            })
+            .collect())
+    }
+
     fn silu_mul_halves(&self, gu: &CudaAct) -> BResult<CudaAct> {
         if !gu.cols.is_multiple_of(2) {
             return Err(self.shape_err(format!(

@@ -174,6 +174,15 @@ pub trait Backend {
     /// The row-parallel all-reduce: every rank passes the subtree root of its segments;
     /// every rank gets the full tree's root (same bits on all ranks and at every TP).
     fn tree_all_reduce(&self, partial: Self::Act) -> BResult<Self::Act>;
+    /// Per row of `logits` (its first `vocab` columns): argmax, the max, log Σ exp, the
+    /// value at `pick[r]` (`u32::MAX`: none) and the digest (`sampling::RowStats`), computed
+    /// where the logits are, so that a step need not download them.
+    fn row_stats(
+        &self,
+        logits: &Self::Act,
+        vocab: usize,
+        pick: &[u32],
+    ) -> BResult<Vec<crate::sampling::RowStats>>;
     /// Concatenate the ranks' column blocks (equal widths): `[rows, cols]` → `[rows, world·cols]`.
     fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;
 }

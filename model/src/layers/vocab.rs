@@ -69,17 +69,26 @@ impl<B: Backend> VocabParallelHead<B> {
         })
     }
 
-    /// Full logits `[rows, vocab]` on the host, identical on every rank.
-    pub fn forward(&self, b: &B, x: &B::Act) -> BResult<Vec<f32>> {
+    /// Logits `[rows, cols ≥ vocab]` on the device, identical on every rank (columns past
+    /// the vocabulary are the padding of the last rank's block).
+    pub fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
         let local = b.matmul(x, &self.w, self.tree)?;
         // A group of one holds every column already: the gather would only copy the logits.
-        let all = if b.world_size() == 1 {
-            local
+        if b.world_size() == 1 {
+            Ok(local)
         } else {
-            b.all_gather_cols(&local)?
-        };
-        let (rows, cols) = b.shape(&all);
-        let host = b.act_to_host(&all)?;
+            b.all_gather_cols(&local)
+        }
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The logits `[rows, vocab]` on the host.
+    pub fn to_host(&self, b: &B, all: &B::Act) -> BResult<Vec<f32>> {
+        let (rows, cols) = b.shape(all);
+        let host = b.act_to_host(all)?;
         if cols == self.vocab {
             return Ok(host);
         }

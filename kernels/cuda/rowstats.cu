@@ -1,0 +1,99 @@
+// What a step's record needs from each logits row, so that only a few bytes per row leave
+// the GPU: argmax (lowest index on ties, NaN never wins, index 0 if every value is NaN),
+// the value there, log Σ exp, the value at a requested index, and the chunked FNV digest
+// of model/src/sampling.rs::digest. One block of RS_THREADS per row; every reduction has
+// a fixed order (thread t takes elements t, t + RS_THREADS, ... in order, then a fixed
+// shared-memory tree), so a row's results depend only on the row: not on the batch, the
+// TP size (the logits are all-gathered first) or the launch.
+
+#define RS_THREADS 512
+#define RS_CHUNK 256
+#define FNV_BASIS 0xcbf29ce484222325ULL
+#define FNV_PRIME 0x00000100000001b3ULL
+
+__device__ __forceinline__ unsigned long long fnv_u32(unsigned long long h, unsigned int v) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        h ^= (unsigned long long)((v >> (8 * k)) & 0xffu);
+        h *= FNV_PRIME;
+    }
+    return h;
+}
+
+// grid: rows; block: RS_THREADS; dynamic shared memory: n_chunks * 8 bytes.
+// out_f: [rows, 3] = (max, lse, picked); out_u: [rows, 2] = (argmax, digest).
+extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int cols, int vocab,
+                                            const unsigned int* __restrict__ pick,
+                                            float* __restrict__ out_f,
+                                            unsigned long long* __restrict__ out_u) {
+    extern __shared__ unsigned long long chunk_digest[];
+    __shared__ float sv[RS_THREADS];
+    __shared__ int si[RS_THREADS];
+    __shared__ float ss[RS_THREADS];
+    const int t = threadIdx.x;
+    const float* row = x + (size_t)blockIdx.x * cols;
+
+    // argmax: per thread in index order (first of equals kept), then the tree.
+    float bv = 0.0f;
+    int bi = -1;
+    for (int i = t; i < vocab; i += RS_THREADS) {
+        const float v = row[i];
+        if (v != v) continue;
+        if (bi < 0 || v > bv) { bv = v; bi = i; }
+    }
+    sv[t] = bv;
+    si[t] = bi;
+    __syncthreads();
+    for (int s = RS_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            const float ov = sv[t + s];
+            const int oi = si[t + s];
+            const int mi = si[t];
+            if (oi >= 0 && (mi < 0 || ov > sv[t] || (ov == sv[t] && oi < mi))) {
+                sv[t] = ov;
+                si[t] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    const int am = si[0] < 0 ? 0 : si[0];
+    const float m = si[0] < 0 ? NEG_INF : sv[0];
+
+    // log Σ exp(x - m): per thread in index order, then the tree.
+    float acc = 0.0f;
+    if (m != NEG_INF) {
+        for (int i = t; i < vocab; i += RS_THREADS) acc += expf(row[i] - m);
+    }
+    ss[t] = acc;
+    __syncthreads();
+    for (int s = RS_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s) ss[t] = ss[t] + ss[t + s];
+        __syncthreads();
+    }
+
+    // Digest: each chunk's FNV, then thread 0 folds the chunk digests in order.
+    const int n_chunks = (vocab + RS_CHUNK - 1) / RS_CHUNK;
+    for (int c = t; c < n_chunks; c += RS_THREADS) {
+        unsigned long long h = FNV_BASIS;
+        const int end = min(vocab, (c + 1) * RS_CHUNK);
+        for (int i = c * RS_CHUNK; i < end; ++i) h = fnv_u32(h, __float_as_uint(row[i]));
+        chunk_digest[c] = h;
+    }
+    __syncthreads();
+    if (t == 0) {
+        unsigned long long h = FNV_BASIS;
+        for (int c = 0; c < n_chunks; ++c) {
+            const unsigned long long d = chunk_digest[c];
+            h = fnv_u32(h, (unsigned int)(d & 0xffffffffu));
+            h = fnv_u32(h, (unsigned int)(d >> 32));
+        }
+        const unsigned int p = pick[blockIdx.x];
+        float* of = out_f + (size_t)blockIdx.x * 3;
+        of[0] = vocab > 0 ? row[am] : __int_as_float(0x7fc00000);
+        of[1] = (m == NEG_INF) ? m : m + logf(ss[0]);
+        of[2] = (p < (unsigned int)vocab) ? row[p] : __int_as_float(0x7fc00000);
+        unsigned long long* ou = out_u + (size_t)blockIdx.x * 2;
+        ou[0] = (unsigned long long)am;
+        ou[1] = h;
+    }
+}
