@@ -291,3 +291,63 @@ fn demo_without_a_launcher_binary() {
     assert!(o.status.success(), "{out}\n{err}");
     assert!(err.contains("using the tiny model"), "{err}");
 }
+
+#[test]
+fn bench_decode_reports_every_batch_at_tp2() {
+    let dir = Scratch::new("bench-decode");
+    let json = dir.path().join("decode.json");
+    let json_s = json.to_string_lossy().into_owned();
+    let out = run_launched(
+        2,
+        &[
+            "bench",
+            "decode",
+            "--model",
+            model(),
+            "--batch",
+            "1,3",
+            "--prompt-len",
+            "6",
+            "--steps",
+            "5",
+            "--out",
+            &json_s,
+        ],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("TP 2 invariant batch   3: decode"),
+        "{stdout}"
+    );
+    let rows: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, batch) in rows.iter().zip([1u64, 3]) {
+        assert_eq!(row["tp"], 2);
+        assert_eq!(row["batch"], batch);
+        assert_eq!(row["numerics"], "invariant");
+        // 5 new tokens: one from the prefill, 4 decode steps of `batch` tokens each.
+        assert_eq!(row["decode_steps"], 4);
+        assert_eq!(row["prefill_tokens"], 6 * batch);
+        assert!(row["decode_ms_per_step"].as_f64().unwrap() > 0.0);
+        assert!(row["weight_bytes_per_rank"].as_u64().unwrap() > 0);
+    }
+}
+
+#[test]
+fn fast_numerics_are_refused_on_the_cpu_with_a_reason() {
+    let out = run_arbor(&generate_args(&["--prompt", "hi", "--numerics", "fast"]));
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--numerics fast needs --device cuda"),
+        "{stderr}"
+    );
+    let out = run_arbor(&generate_args(&["--prompt", "hi", "--numerics", "fastest"]));
+    assert!(!out.status.success());
+    assert!(
+        text(&out).1.contains("invalid value 'fastest'"),
+        "{}",
+        text(&out).1
+    );
+}

@@ -540,6 +540,20 @@ mod tests {
     }
 
     #[test]
+    fn an_absurd_layer_count_is_refused_before_it_sizes_anything() {
+        // Found by fuzz_parsers: a derived per-layer list of 10^15 entries ran out of memory.
+        let s = QWEN3.replace(
+            "\"num_hidden_layers\": 36",
+            "\"num_hidden_layers\": 1000000000000000",
+        );
+        let e = parse(&s).unwrap_err().to_string();
+        assert!(
+            e.contains("num_hidden_layers 1000000000000000 is beyond"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn qwen3_head_dim_and_scalar_eos() {
         let c = parse(QWEN3).unwrap();
         assert_eq!(c.arch, Arch::Qwen3);
