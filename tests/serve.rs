@@ -334,6 +334,78 @@ fn generate_probes(dir: &Path, probes: &[&Value], flags: &[&str]) -> Vec<Value> 
         .collect()
 }
 
+/// Reads a counter or gauge from /metrics text.
+fn metric(m: &str, name: &str) -> u64 {
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {m}"))
+}
+
+#[test]
+fn preempted_requests_keep_their_bits() {
+    let s = Scratch::new("serve-preempt");
+    // 12 blocks of 4 positions; four requests that each grow to 32 positions (8 blocks):
+    // any two running together outgrow the cache, so the newest is preempted and
+    // recomputed.
+    let flags = [
+        "--max-num-seqs",
+        "4",
+        "--kv-blocks",
+        "12",
+        "--kv-block-size",
+        "4",
+        "--prefill-chunk",
+        "4",
+    ];
+    let srv = Server::start(1, &flags, s.path().join("preempt.log"));
+    let reqs: Vec<Value> = (0..4u64)
+        .map(|k| {
+            let mut v = json!({"prompt": [5 + k as u32, 9, 11, 13], "max_tokens": 28,
+                               "ignore_eos": true, "logprobs": 1, "sample_id": 50 + k});
+            if k % 2 == 1 {
+                v["temperature"] = json!(0.9);
+                v["seed"] = json!(3);
+            } else {
+                v["temperature"] = json!(0.0);
+            }
+            v
+        })
+        .collect();
+    let alone: Vec<Vec<String>> = reqs.iter().map(|r| key(&srv.completion(r))).collect();
+    let (_, m) = srv.call("GET", "/metrics", None, &[]);
+    assert_eq!(metric(m.as_str().unwrap(), "arbor_preemptions_total"), 0);
+    let together: Vec<Vec<String>> = std::thread::scope(|scope| {
+        let hs: Vec<_> = reqs
+            .iter()
+            .map(|r| scope.spawn(|| key(&srv.completion(r))))
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("client")).collect()
+    });
+    let (_, m) = srv.call("GET", "/metrics", None, &[]);
+    let m = m.as_str().unwrap().to_string();
+    assert!(
+        metric(&m, "arbor_preemptions_total") > 0,
+        "nothing was preempted: {m}"
+    );
+    // The gauges are updated after the step that finished the last request.
+    let freed = (0..100).any(|_| {
+        let (_, m) = srv.call("GET", "/metrics", None, &[]);
+        let done = metric(m.as_str().unwrap(), "arbor_kv_blocks_used") == 0;
+        if !done {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        done
+    });
+    assert!(freed, "KV blocks still in use after every request finished");
+    assert_eq!(
+        alone, together,
+        "preemption changed tokens, log-prob bits or digests"
+    );
+    let (st, log) = srv.terminate();
+    assert!(st.success(), "{st}\n{log}");
+}
+
 #[test]
 fn outputs_do_not_depend_on_load_tp_or_path() {
     let s = Scratch::new("serve-load");

@@ -1,10 +1,16 @@
 //! Rank 0's scheduler: requests join and leave at every step, prompts are prefilled in
 //! chunks mixed with decode rows under a per-step token budget, and KV capacity is
-//! reserved in blocks at admission (requests wait in a FIFO queue while it is full).
+//! accounted in blocks (requests wait in a FIFO queue while it is full).
 //!
-//! Admission reserves blocks for the prompt and every token the request may generate, so
-//! a running sequence never runs out and nothing is ever preempted. (Preemption by
-//! recompute would also keep the bits, since prefill equals decode bit for bit.)
+//! Two admission policies (`SchedulerConfig::preempt`):
+//! - reserve (offline `generate` / `score`): admission reserves blocks for the prompt and
+//!   every token the request may generate, so nothing is ever preempted;
+//! - preempt (`arbor serve`): admission reserves the known tokens only and a sequence takes
+//!   a block when its next position needs one; when none is free the most recently
+//!   admitted sequence is preempted: its KV is dropped, it goes back to the head of the
+//!   queue with the tokens it has generated, and on readmission it recomputes them as a
+//!   prefill. Prefill equals decode bit for bit and sampling is keyed by position, so a
+//!   preempted request's tokens and log-probs are the ones it would have had anyway.
 
 use std::collections::VecDeque;
 
@@ -30,6 +36,9 @@ pub struct SchedulerConfig {
     pub kv_blocks: usize,
     /// Generation ends when one of these is sampled.
     pub eos: Vec<u32>,
+    /// Grow KV per token and preempt by recompute when it runs out, instead of reserving
+    /// every position a request may use at admission (see the module doc).
+    pub preempt: bool,
 }
 
 impl SchedulerConfig {
@@ -45,6 +54,7 @@ impl SchedulerConfig {
             block_size,
             kv_blocks: slots * max_seq_len.div_ceil(block_size),
             eos,
+            preempt: false,
         }
     }
 }
@@ -93,6 +103,27 @@ struct Running {
     /// Tokens already in the cache.
     fed: usize,
     generated: Vec<u32>,
+    /// Positions below this are fed as prefill chunks: the prompt, and after a preemption
+    /// the tokens generated before it.
+    prefill_to: usize,
+    /// Prompt positions whose scoring target was already reported (a recompute after a
+    /// preemption does not report them again).
+    scored_below: usize,
+}
+
+/// A request in the queue: new, or preempted with what it had generated.
+#[derive(Debug)]
+struct Waiting {
+    id: SeqId,
+    spec: SeqSpec,
+    generated: Vec<u32>,
+    scored_below: usize,
+}
+
+impl Waiting {
+    fn known_len(&self) -> usize {
+        self.spec.tokens.len() + self.generated.len()
+    }
 }
 
 impl Running {
@@ -113,7 +144,8 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     slots: SlotPool,
     blocks: BlockPool,
-    waiting: VecDeque<(SeqId, SeqSpec)>,
+    waiting: VecDeque<Waiting>,
+    preemptions: u64,
     running: Vec<Running>,
     next_id: SeqId,
 }
@@ -131,6 +163,7 @@ impl Scheduler {
             blocks: BlockPool::new(cfg.block_size, cfg.kv_blocks),
             cfg,
             waiting: VecDeque::new(),
+            preemptions: 0,
             running: Vec::new(),
             next_id: 0,
         })
@@ -182,14 +215,19 @@ impl Scheduler {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back((id, spec));
+        self.waiting.push_back(Waiting {
+            id,
+            spec,
+            generated: Vec::new(),
+            scored_below: 0,
+        });
         Ok(id)
     }
 
     /// Drops a waiting or running sequence and frees its KV; false if it is unknown
     /// (already finished).
     pub fn cancel(&mut self, id: SeqId) -> bool {
-        if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
+        if let Some(i) = self.waiting.iter().position(|w| w.id == id) {
             self.waiting.remove(i);
             return true;
         }
@@ -223,14 +261,36 @@ impl Scheduler {
         (self.blocks.used(), self.blocks.total())
     }
 
+    /// Sequences preempted so far (each recomputed on readmission).
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Blocks a waiting request takes at admission.
+    fn admission_blocks(&self, w: &Waiting) -> usize {
+        let positions = if self.cfg.preempt {
+            w.known_len()
+        } else {
+            w.spec.tokens.len().saturating_add(w.spec.max_new)
+        };
+        self.blocks.blocks_for(positions)
+    }
+
     /// Admits waiting requests in arrival order while a slot and their blocks are free
-    /// (FIFO: a large request at the head is not overtaken).
+    /// (FIFO: a large request at the head is not overtaken). Under `preempt`, one spare
+    /// block per running sequence stays free for their growth, so that a request admitted
+    /// now is not preempted again at once.
     fn admit(&mut self) {
-        while let Some((_, spec)) = self.waiting.front() {
-            let need = self
-                .blocks
-                .blocks_for(spec.tokens.len().saturating_add(spec.max_new));
-            if self.slots.in_use() == self.slots.total() {
+        while let Some(w) = self.waiting.front() {
+            let need = self.admission_blocks(w);
+            let spare = if self.cfg.preempt {
+                self.running.len()
+            } else {
+                0
+            };
+            if self.slots.in_use() == self.slots.total()
+                || self.blocks.total() - self.blocks.used() < need + spare
+            {
                 break;
             }
             let Some(blocks) = self.blocks.take(need) else {
@@ -240,31 +300,81 @@ impl Scheduler {
                 self.blocks.give_back(blocks);
                 break;
             };
-            let Some((id, spec)) = self.waiting.pop_front() else {
+            let Some(w) = self.waiting.pop_front() else {
                 break;
             };
+            let prefill_to = w.known_len();
             self.running.push(Running {
-                id,
-                spec,
+                id: w.id,
+                spec: w.spec,
                 slot,
                 blocks,
                 fed: 0,
-                generated: Vec::new(),
+                generated: w.generated,
+                prefill_to,
+                scored_below: w.scored_below,
             });
         }
+    }
+
+    /// Under `preempt`: gives every sequence about to decode the block its next position
+    /// needs, preempting the most recently admitted sequences while none is free.
+    fn grow(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            let need = if r.fed >= r.prefill_to && r.fed < r.known_len() {
+                self.blocks.blocks_for(r.fed + 1)
+            } else {
+                0
+            };
+            let mut preempted_self = false;
+            while self.running[i].blocks.len() < need {
+                if let Some(mut b) = self.blocks.take(1) {
+                    self.running[i].blocks.append(&mut b);
+                    continue;
+                }
+                let victim = self.running.len() - 1;
+                self.preempt(victim);
+                if victim == i {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if !preempted_self {
+                i += 1;
+            }
+        }
+    }
+
+    /// Drops running sequence `i`'s KV and queues it first, to be recomputed.
+    fn preempt(&mut self, i: usize) {
+        let r = self.running.remove(i);
+        self.slots.give_back(r.slot);
+        self.blocks.give_back(r.blocks);
+        self.preemptions += 1;
+        self.waiting.push_front(Waiting {
+            id: r.id,
+            spec: r.spec,
+            generated: r.generated,
+            scored_below: r.scored_below,
+        });
     }
 
     /// The next step: decode rows of every sequence that has one, then prefill chunks in
     /// admission order, within the token budget. Empty when there is nothing to do.
     pub fn plan(&mut self) -> StepPlan {
         self.admit();
+        if self.cfg.preempt {
+            self.grow();
+        }
         let mut budget = self.cfg.step_tokens;
         let mut rows = Vec::new();
         for r in &self.running {
             if budget == 0 {
                 break;
             }
-            if r.fed >= r.spec.tokens.len() && r.fed < r.known_len() {
+            if r.fed >= r.prefill_to && r.fed < r.known_len() {
                 rows.push(self.row(r, r.fed, r.fed + 1));
                 budget -= 1;
             }
@@ -273,9 +383,10 @@ impl Scheduler {
             if budget == 0 {
                 break;
             }
-            let prompt = r.spec.tokens.len();
-            if r.fed < prompt {
-                let end = prompt.min(r.fed.saturating_add(self.cfg.chunk.min(budget)));
+            if r.fed < r.prefill_to {
+                let end = r
+                    .prefill_to
+                    .min(r.fed.saturating_add(self.cfg.chunk.min(budget)));
                 rows.push(self.row(r, r.fed, end));
                 budget -= end - r.fed;
             }
@@ -288,7 +399,7 @@ impl Scheduler {
         let prompt = r.spec.tokens.len();
         let targets = match r.spec.score_from {
             Some(from) => (start..end)
-                .filter(|&p| p + 1 >= from && p + 1 < prompt)
+                .filter(|&p| p + 1 >= from && p + 1 < prompt && p >= r.scored_below)
                 .map(|p| ((p - start) as u32, r.spec.tokens[p + 1]))
                 .collect(),
             None => Vec::new(),
@@ -301,7 +412,7 @@ impl Scheduler {
             tokens: (start..end).map(|i| r.known(i)).collect(),
             targets,
             sample: end == r.known_len() && r.generated.len() < r.spec.max_new,
-            prefill: start < prompt,
+            prefill: start < r.prefill_to,
             sampling: r.spec.sampling,
             n_top: r.spec.n_top,
         }
@@ -332,6 +443,7 @@ impl Scheduler {
             let eos = &self.cfg.eos;
             let r = &mut self.running[i];
             r.fed = row.pos0 + row.tokens.len();
+            r.scored_below = r.scored_below.max(r.fed);
             if !res.scored.is_empty() {
                 events.push(Event::Scored {
                     seq: r.id,
@@ -409,6 +521,7 @@ mod tests {
             block_size: 4,
             kv_blocks: blocks,
             eos: vec![2],
+            preempt: false,
         }
     }
 
@@ -510,5 +623,123 @@ mod tests {
                 reason: FinishReason::Eos
             })
         );
+    }
+
+    /// Runs to idle with a fake model whose token at a position depends only on the
+    /// request and the position (as the real engine's does); returns each sequence's
+    /// tokens as reported by Token events, and every plan row's (seq, pos0, tokens).
+    #[allow(clippy::type_complexity)]
+    fn drive(
+        s: &mut Scheduler,
+    ) -> (
+        std::collections::BTreeMap<SeqId, Vec<u32>>,
+        Vec<(SeqId, usize, Vec<u32>)>,
+    ) {
+        let mut out = std::collections::BTreeMap::new();
+        let mut rows = Vec::new();
+        for _ in 0..1000 {
+            let p = s.plan();
+            if p.is_empty() {
+                break;
+            }
+            let res: Vec<RowResult> = p
+                .rows
+                .iter()
+                .map(|r| {
+                    rows.push((r.seq, r.pos0, r.tokens.clone()));
+                    let pos = (r.pos0 + r.tokens.len()) as u32;
+                    RowResult {
+                        seq: r.seq,
+                        scored: r.targets.iter().map(|&(_, t)| rec(t)).collect(),
+                        sampled: r
+                            .sample
+                            .then(|| rec(3 + (r.sample_key as u32 * 31 + pos) % 50)),
+                    }
+                })
+                .collect();
+            for ev in s.apply(&p, &res).unwrap() {
+                if let Event::Token { seq, record } = ev {
+                    out.entry(seq).or_insert_with(Vec::new).push(record.token);
+                }
+            }
+        }
+        assert!(s.is_idle());
+        (out, rows)
+    }
+
+    #[test]
+    fn preempted_sequences_recompute_and_end_with_the_same_tokens() {
+        let specs = [spec(0, 5, 12), spec(1, 6, 12), spec(2, 3, 12)];
+        // Alone with room: the reference tokens.
+        let mut roomy = Scheduler::new(cfg(3, 64, 64, 64)).unwrap();
+        let ids: Vec<SeqId> = specs
+            .iter()
+            .map(|sp| roomy.submit(sp.clone()).unwrap())
+            .collect();
+        let (want, _) = drive(&mut roomy);
+        assert_eq!(roomy.preemptions(), 0);
+
+        // 12 blocks of 4 positions for three sequences of up to 17–18 positions.
+        let mut tight_cfg = cfg(3, 64, 64, 12);
+        tight_cfg.preempt = true;
+        let mut tight = Scheduler::new(tight_cfg).unwrap();
+        for (sp, &id) in specs.iter().zip(&ids) {
+            assert_eq!(tight.submit(sp.clone()).unwrap(), id);
+        }
+        let (got, rows) = drive(&mut tight);
+        assert!(tight.preemptions() > 0, "the cache was never short");
+        assert_eq!(got, want, "preemption changed the tokens");
+        for (id, toks) in &got {
+            assert_eq!(toks.len(), 12, "sequence {id}: every token reported once");
+        }
+        // A recompute feeds the known tokens again from position 0, in one chunk.
+        let recomputed = rows
+            .iter()
+            .filter(|(_, pos0, t)| *pos0 == 0 && t.len() > 6)
+            .count();
+        assert!(recomputed > 0, "{rows:?}");
+        for (seq, pos0, t) in &rows {
+            let sp = &specs[*seq as usize];
+            let known: Vec<u32> = sp.tokens.iter().chain(&want[seq]).copied().collect();
+            assert_eq!(
+                &known[*pos0..*pos0 + t.len()],
+                &t[..],
+                "sequence {seq} at {pos0}"
+            );
+        }
+        assert_eq!(tight.kv_blocks().0, 0);
+    }
+
+    #[test]
+    fn a_preempted_scoring_request_reports_each_target_once() {
+        // Prefill one position per step, so the generating sequence outgrows the cache
+        // while the scoring one is half way.
+        let mut c = cfg(2, 1, 64, 6);
+        c.preempt = true;
+        let mut s = Scheduler::new(c).unwrap();
+        let g = s.submit(spec(0, 4, 12)).unwrap();
+        let mut sc = spec(1, 16, 0);
+        sc.score_from = Some(1);
+        let sid = s.submit(sc).unwrap();
+        let mut targets = Vec::new();
+        for _ in 0..1000 {
+            let p = s.plan();
+            if p.is_empty() {
+                break;
+            }
+            let res = run(&p);
+            for ev in s.apply(&p, &res).unwrap() {
+                if let Event::Scored { seq, records } = ev {
+                    assert_eq!(seq, sid);
+                    targets.extend(records.iter().map(|r| r.token));
+                }
+            }
+        }
+        assert!(s.is_idle(), "{g}");
+        assert!(
+            s.preemptions() > 0,
+            "the scoring request was never preempted"
+        );
+        assert_eq!(targets, (2..=16).collect::<Vec<u32>>());
     }
 }

@@ -70,6 +70,7 @@ pub fn lead(
         block_size: args.kv_block_size,
         kv_blocks,
         eos: runner.eos_token_ids().to_vec(),
+        preempt: !args.no_preempt,
     };
     let sched = Scheduler::new(sched_cfg)?;
     let stats = Arc::new(Stats::default());
@@ -235,6 +236,9 @@ fn engine_loop(
         let plan = sched.plan();
         if plan.is_empty() {
             stats.set_gauges(sched.waiting(), sched.running(), sched.kv_blocks());
+            stats
+                .preemptions
+                .store(sched.preemptions(), std::sync::atomic::Ordering::Relaxed);
             continue;
         }
         let t0 = Instant::now();
@@ -262,6 +266,9 @@ fn engine_loop(
             }
         }
         stats.set_gauges(sched.waiting(), sched.running(), sched.kv_blocks());
+        stats
+            .preemptions
+            .store(sched.preemptions(), std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -60,6 +60,11 @@ pub struct Args {
     /// KV blocks in all (default: enough for every slot at full context).
     #[arg(long)]
     pub kv_blocks: Option<usize>,
+    /// Reserve KV for every position a request may use when it is admitted, instead of
+    /// growing it per token and preempting (then recomputing, with the same bits) the
+    /// newest sequence when it runs out.
+    #[arg(long)]
+    pub no_preempt: bool,
     /// Sequences waiting or running before new requests get 429.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,

@@ -22,6 +22,7 @@ pub struct Stats {
     pub requests: AtomicU64,
     pub rejected: AtomicU64,
     pub cancelled: AtomicU64,
+    pub preemptions: AtomicU64,
     recent: Mutex<VecDeque<(Instant, u64)>>,
 }
 
@@ -118,6 +119,12 @@ impl Stats {
         } else {
             0.0
         };
+        metric(
+            "arbor_preemptions_total",
+            "counter",
+            "Sequences preempted for KV and recomputed.",
+            g(&self.preemptions).to_string(),
+        );
         metric(
             "arbor_kv_usage_ratio",
             "gauge",
