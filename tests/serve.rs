@@ -926,3 +926,45 @@ fn a_dead_rank_ends_the_group() {
         "the launcher names the dead rank:\n{log}"
     );
 }
+
+#[test]
+fn bench_serve_reports_one_output_per_repeated_prompt() {
+    let s = Scratch::new("bench-serve");
+    let json_path = s.path().join("bench.json");
+    let model = model().to_string_lossy().into_owned();
+    let json_s = json_path.to_string_lossy().into_owned();
+    let out = run_arbor(&[
+        "bench",
+        "serve",
+        "--model",
+        &model,
+        "--tp",
+        "2",
+        "--requests",
+        "24",
+        "--concurrency",
+        "4",
+        "--prompt-len",
+        "2:8",
+        "--output-len",
+        "2:6",
+        "--repeat",
+        "3",
+        "--json",
+        &json_s,
+        "--server-args",
+        "--max-num-seqs 4 --kv-blocks 8 --kv-block-size 4",
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("distinct outputs per repeated prompt: 1"),
+        "{stdout}"
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    assert_eq!(v["requests_ok"], 24);
+    assert_eq!(v["requests_failed"], 0);
+    assert_eq!(v["distinct_prompts"], 8);
+    assert_eq!(v["max_distinct_outputs_per_prompt"], 1);
+    assert!(v["ttft_ms_p50"].as_f64().unwrap() > 0.0);
+}

@@ -60,6 +60,30 @@ pub struct Args {
     /// Server flags passed through when --model starts one (e.g. "--max-num-seqs 32").
     #[arg(long, allow_hyphen_values = true)]
     pub server_args: Option<String>,
+    /// Also write the summary as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// `--json`: the printed summary, machine-readable (times in ms).
+#[derive(serde::Serialize)]
+struct Summary {
+    requests_ok: usize,
+    requests_failed: usize,
+    wall_s: f64,
+    requests_per_s: f64,
+    output_tokens_per_s: f64,
+    ttft_ms_p50: f64,
+    ttft_ms_p90: f64,
+    ttft_ms_p99: f64,
+    itl_ms_p50: f64,
+    itl_ms_p90: f64,
+    itl_ms_p99: f64,
+    e2e_ms_p50: f64,
+    e2e_ms_p99: f64,
+    distinct_prompts: usize,
+    repeat: usize,
+    max_distinct_outputs_per_prompt: usize,
 }
 
 fn range(s: &str, what: &str) -> Result<(usize, usize)> {
@@ -373,38 +397,53 @@ pub fn run(args: Args) -> Result<()> {
     }
     let max_distinct = by_prompt.values().map(|s| s.len()).max().unwrap_or(0);
     let ms = |v: f64| v * 1e3;
+    let sum = Summary {
+        requests_ok: outcomes.len() - failed.len(),
+        requests_failed: failed.len(),
+        wall_s: wall,
+        requests_per_s: outcomes.len() as f64 / wall,
+        output_tokens_per_s: tokens as f64 / wall,
+        ttft_ms_p50: ms(percentile(&mut ttft, 50.0)),
+        ttft_ms_p90: ms(percentile(&mut ttft, 90.0)),
+        ttft_ms_p99: ms(percentile(&mut ttft, 99.0)),
+        itl_ms_p50: ms(percentile(&mut itl, 50.0)),
+        itl_ms_p90: ms(percentile(&mut itl, 90.0)),
+        itl_ms_p99: ms(percentile(&mut itl, 99.0)),
+        e2e_ms_p50: ms(percentile(&mut e2e, 50.0)),
+        e2e_ms_p99: ms(percentile(&mut e2e, 99.0)),
+        distinct_prompts: by_prompt.len(),
+        repeat: args.repeat,
+        max_distinct_outputs_per_prompt: max_distinct,
+    };
     println!(
         "requests           {} ok, {} failed, in {wall:.2} s",
-        outcomes.len() - failed.len(),
-        failed.len()
+        sum.requests_ok, sum.requests_failed
     );
     println!(
         "throughput         {:.2} req/s, {:.1} output tok/s",
-        outcomes.len() as f64 / wall,
-        tokens as f64 / wall
+        sum.requests_per_s, sum.output_tokens_per_s
     );
     println!(
         "TTFT (ms)          p50 {:.1}  p90 {:.1}  p99 {:.1}",
-        ms(percentile(&mut ttft, 50.0)),
-        ms(percentile(&mut ttft, 90.0)),
-        ms(percentile(&mut ttft, 99.0))
+        sum.ttft_ms_p50, sum.ttft_ms_p90, sum.ttft_ms_p99
     );
     println!(
         "inter-token (ms)   p50 {:.1}  p90 {:.1}  p99 {:.1}",
-        ms(percentile(&mut itl, 50.0)),
-        ms(percentile(&mut itl, 90.0)),
-        ms(percentile(&mut itl, 99.0))
+        sum.itl_ms_p50, sum.itl_ms_p90, sum.itl_ms_p99
     );
     println!(
         "end-to-end (ms)    p50 {:.1}  p99 {:.1}",
-        ms(percentile(&mut e2e, 50.0)),
-        ms(percentile(&mut e2e, 99.0))
+        sum.e2e_ms_p50, sum.e2e_ms_p99
     );
     println!(
         "distinct outputs per repeated prompt: {max_distinct} (max over {} prompts sent {} times each)",
         by_prompt.len(),
         args.repeat
     );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&sum)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     if let Some(f) = failed.first() {
         bail!(
             "{} requests failed; first: {}",
