@@ -9,7 +9,8 @@
 # cuBLAS, NCCL) and the weights roofline (bf16 weight bytes per rank / device copy
 # bandwidth measured in this run); scripts/decode-report.py prints the ratios side by side.
 # PROFILE=1 adds ARBOR_PROFILE=1 runs (per-op device time) at TP 1, batch 1 and 64;
-# REFERENCE=0 skips the reference loop (its compile takes ~2 minutes per TP).
+# REFERENCE=0 skips the reference loop (its compile takes ~2 minutes per TP); PREFILL=0
+# skips the 8 × 1024-token prefill runs.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-580}
@@ -65,6 +66,20 @@ for tp in $TPS; do
         grep -E "TP $tp $num" "$OUT/decode-arbor.log" | sed 's/^\[rank 0\] //' | tail -n 4 | tee -a "$SUMMARY"
     done
 done
+# Prefill at the issue's shape (8 × 1024 tokens), both numerics, every TP: `bench decode`
+# with one decode step; its prefill figure is the number.
+if [[ ${PREFILL:-1} == 1 ]]; then
+    for tp in $TPS; do
+        for num in $NUMERICS; do
+            launch=("$BIN/arbor-launch" -n "$tp" --)
+            ((tp == 1)) && launch=()
+            step "prefill 8x1024 TP $tp $num" "$OUT/decode-prefill.log" 120 "${launch[@]}" "$ARBOR" \
+                bench decode --model "$L8B" --device cuda --numerics "$num" --batch 8 \
+                --prompt-len 1024 --steps 2 --out "$OUT/prefill-tp$tp-$num.json"
+            grep -E "TP $tp $num" "$OUT/decode-prefill.log" | sed 's/^\[rank 0\] //' | tail -n 1 | tee -a "$SUMMARY"
+        done
+    done
+fi
 if [[ ${PROFILE:-0} == 1 ]]; then
     for num in $NUMERICS; do
         step "profile TP 1 $num" "$OUT/decode-profile-$num.log" 90 env ARBOR_PROFILE=1 "$ARBOR" bench decode \
