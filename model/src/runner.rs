@@ -635,12 +635,8 @@ impl RowTask {
     }
 }
 
-/// Below this many logits a step's host records are made on the calling thread.
-const PARALLEL_RECORDS_MIN: usize = 1 << 18;
-
 /// The records of every task. Rows that need their logits on the host (top-N, sampled
-/// tokens: a sort over the vocabulary) are spread over the host's cores; each row is
-/// computed exactly as alone, so the split changes no bits.
+/// tokens: a sort over the vocabulary) are spread over the host's cores.
 fn records_parallel(
     logits: Option<&[f32]>,
     vocab: usize,
@@ -659,38 +655,9 @@ fn records_parallel(
             .map(|(s, t)| t.run(s, None))
             .collect());
     };
-    let rows = || logits.chunks_exact(vocab).zip(stats).zip(tasks);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(tasks.len());
-    if threads <= 1 || logits.len() < PARALLEL_RECORDS_MIN {
-        return Ok(rows().map(|((row, s), t)| t.run(s, Some(row))).collect());
-    }
-    let per = tasks.len().div_ceil(threads);
-    let mut out: Vec<Record> = Vec::with_capacity(tasks.len());
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = logits
-            .chunks(per * vocab)
-            .zip(stats.chunks(per))
-            .zip(tasks.chunks(per))
-            .map(|((l, s), t)| {
-                scope.spawn(move || {
-                    l.chunks_exact(vocab)
-                        .zip(s)
-                        .zip(t)
-                        .map(|((row, s), t)| t.run(s, Some(row)))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        for h in handles {
-            match h.join() {
-                Ok(recs) => out.extend(recs),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-    });
-    Ok(out)
+    Ok(sampling::map_rows(tasks.len(), logits.len(), |r, _| {
+        tasks[r].run(&stats[r], Some(&logits[r * vocab..(r + 1) * vocab]))
+    }))
 }
 
 fn first_diff_row(a: &[f32], b: &[f32], cols: usize) -> Option<usize> {

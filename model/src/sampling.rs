@@ -71,44 +71,31 @@ pub fn uniform(seed: u64, id: u64, position: u64) -> f64 {
 
 pub use arbor_kernels::cpu::digest::{digest, DIGEST_CHUNK};
 
-/// What a step's record needs from one logits row, computed where the logits are (on
-/// the GPU for the CUDA backend), so that only these bytes come back per row.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RowStats {
-    /// [`argmax`]: the greedy token.
-    pub argmax: u32,
-    /// The row's value at `argmax`.
-    pub max: f32,
-    /// log Σ exp over the row (the backend's fixed order).
-    pub lse: f32,
-    /// The row's value at the requested index (NaN when none was requested).
-    pub picked: f32,
-    /// [`digest`] of the row.
-    pub digest: u64,
+pub use arbor_kernels::cpu::RowStats;
+
+/// The host's cores, read once (std reads cgroup files on every call, and the records of
+/// every step ask).
+pub fn host_cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
-/// [`RowStats`] of `rows` rows of `vocab` values (row stride `cols`), on the host: the
-/// sequential log-sum-exp, so the CPU backend's log-probs keep their bits. `pick[r]` is
-/// the index whose value is returned in `picked` (`u32::MAX`: none).
-pub fn host_row_stats(logits: &[f32], cols: usize, vocab: usize, pick: &[u32]) -> Vec<RowStats> {
-    let rows = pick.len();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let one = |r: usize, threads: usize| {
-        let row = &logits[r * cols..r * cols + vocab];
-        let (lse, digest) = lse_and_digest(row, threads);
-        let a = argmax(row);
-        RowStats {
-            argmax: a as u32,
-            max: row.get(a).copied().unwrap_or(f32::NAN),
-            lse,
-            picked: row.get(pick[r] as usize).copied().unwrap_or(f32::NAN),
-            digest,
-        }
-    };
-    if rows <= 1 || cores <= 1 || rows * vocab < 1 << 18 {
-        return (0..rows).map(|r| one(r, cores)).collect();
+/// Below this many logits a step's rows are handled on the calling thread.
+const PARALLEL_MIN_VALUES: usize = 1 << 18;
+
+/// `f(r, threads)` for every row `r < rows`, in row order. Rows are spread over the host's
+/// cores when they hold at least `PARALLEL_MIN_VALUES` values in all (`values`);
+/// `threads` is how many a row may use itself (all of them for one row, a share when rows
+/// are fewer than cores). Each row is computed as alone, so the split changes no bits.
+pub fn map_rows<T: Send>(
+    rows: usize,
+    values: usize,
+    f: impl Fn(usize, usize) -> T + Sync,
+) -> Vec<T> {
+    let cores = host_cores();
+    if rows <= 1 || cores <= 1 || values < PARALLEL_MIN_VALUES {
+        return (0..rows).map(|r| f(r, cores)).collect();
     }
-    // Rows over the cores; the rows of a small batch also split their own work.
     let per_row = (cores / rows).max(1);
     let per = rows.div_ceil(cores.min(rows));
     let mut out = Vec::with_capacity(rows);
@@ -116,10 +103,10 @@ pub fn host_row_stats(logits: &[f32], cols: usize, vocab: usize, pick: &[u32]) -
         let handles: Vec<_> = (0..rows)
             .step_by(per)
             .map(|r0| {
-                let one = &one;
+                let f = &f;
                 scope.spawn(move || {
                     (r0..(r0 + per).min(rows))
-                        .map(|r| one(r, per_row))
+                        .map(|r| f(r, per_row))
                         .collect::<Vec<_>>()
                 })
             })
@@ -134,23 +121,27 @@ pub fn host_row_stats(logits: &[f32], cols: usize, vocab: usize, pick: &[u32]) -
     out
 }
 
-/// Index of the largest value, lowest index on ties; NaN never wins (index 0 if all NaN).
-pub fn argmax(row: &[f32]) -> usize {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    let mut found = false;
-    for (i, &v) in row.iter().enumerate() {
-        if v.is_nan() {
-            continue;
+/// [`RowStats`] of `rows` rows of `vocab` values (row stride `cols`), on the host: the
+/// sequential log-sum-exp, so the CPU backend's log-probs keep their bits. `pick[r]` is
+/// the index whose value is returned in `picked` (`u32::MAX`: none).
+pub fn host_row_stats(logits: &[f32], cols: usize, vocab: usize, pick: &[u32]) -> Vec<RowStats> {
+    map_rows(pick.len(), pick.len() * vocab, |r, threads| {
+        let row = &logits[r * cols..r * cols + vocab];
+        let (lse, digest) = lse_and_digest(row, threads);
+        let a = argmax(row);
+        RowStats {
+            argmax: a as u32,
+            max: row.get(a).copied().unwrap_or(f32::NAN),
+            lse,
+            picked: row.get(pick[r] as usize).copied().unwrap_or(f32::NAN),
+            digest,
         }
-        if !found || v > best_v {
-            best = i;
-            best_v = v;
-            found = true;
-        }
-    }
-    best
+    })
 }
+
+/// Index of the largest value, lowest index on ties; NaN never wins (index 0 if all NaN):
+/// the kernels' host definition, which the GPU's row statistics are tested against.
+pub use arbor_kernels::cpu::argmax;
 
 /// log(sum(exp(row))) in f32, fixed order: max first, then the sum of exp(x - max) in index order.
 pub fn log_sum_exp(row: &[f32]) -> f32 {

@@ -25,5 +25,5 @@ pub use leaf::{bf16_to_f32, LANES};
 pub use matmul::{plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, TreeMatmul};
 pub use norm::rms_norm;
 pub use rope::{yarn_mscale, Llama3Scaling, RopeError, RopeScaling, RopeTable, YarnScaling};
-pub use softmax::{argmax, log_softmax_at, softmax};
+pub use softmax::{argmax, log_softmax_at, softmax, RowStats};
 pub use threads::{num_threads, set_num_threads, THREADS_ENV};

@@ -29,6 +29,23 @@ pub fn log_softmax_at(row: &[f32], idx: usize) -> f32 {
     (row[idx] - max) - sum.ln()
 }
 
+/// What a step's record needs from one logits row, computed where the logits are (on the
+/// GPU by `row_stats_kernel`, on the host by the model's sampling code), so that only these
+/// bytes leave the device per row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowStats {
+    /// [`argmax`]: the greedy token.
+    pub argmax: u32,
+    /// The row's value at `argmax`.
+    pub max: f32,
+    /// log Σ exp over the row (the backend's fixed order).
+    pub lse: f32,
+    /// The row's value at the requested index (NaN when none was requested).
+    pub picked: f32,
+    /// [`crate::cpu::digest`] of the row.
+    pub digest: u64,
+}
+
 /// Index of the largest value; the lowest index wins ties. NaN never wins; a row of
 /// only NaN (or an empty row) gives 0.
 pub fn argmax(row: &[f32]) -> usize {

@@ -23,7 +23,7 @@ pub mod source;
 pub use compile::{arch_for, compile_ptx};
 pub use device::GpuDevice;
 pub use error::CudaError;
-pub use ops::{DevBf16, DevF32, DevRowStats, DevU32, KvLayout, RowMeta};
+pub use ops::{DevBf16, DevF32, DevU32, KvLayout, RowMeta};
 
 #[cfg(test)]
 mod gpu_tests;

@@ -4,6 +4,7 @@
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 use super::{CudaError, GpuDevice};
+use crate::cpu::RowStats;
 
 /// f32 device buffer (activations).
 pub type DevF32 = CudaSlice<f32>;
@@ -80,16 +81,6 @@ impl RowMeta {
             )
         })
     }
-}
-
-/// One logits row's record inputs (see `rowstats.cu`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DevRowStats {
-    pub argmax: u32,
-    pub max: f32,
-    pub lse: f32,
-    pub picked: f32,
-    pub digest: u64,
 }
 
 const RS_THREADS: u32 = 512;
@@ -417,7 +408,7 @@ impl GpuDevice {
         cols: usize,
         vocab: usize,
         pick: &[u32],
-    ) -> Result<Vec<DevRowStats>, CudaError> {
+    ) -> Result<Vec<RowStats>, CudaError> {
         const K: &str = "row_stats_kernel";
         check(
             K,
@@ -460,7 +451,7 @@ impl GpuDevice {
         let f = self.drv("downloading row stats", self.stream.clone_dtoh(&of))?;
         let u = self.drv("downloading row stats", self.stream.clone_dtoh(&ou))?;
         Ok((0..rows)
-            .map(|r| DevRowStats {
+            .map(|r| RowStats {
                 argmax: u[2 * r] as u32,
                 max: f[3 * r],
                 lse: f[3 * r + 1],

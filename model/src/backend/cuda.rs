@@ -498,21 +498,11 @@ impl Backend for CudaBackend {
         vocab: usize,
         pick: &[u32],
     ) -> BResult<Vec<crate::sampling::RowStats>> {
-        let stats = self.timed("row_stats", logits.rows, || {
+        self.timed("row_stats", logits.rows, || {
             self.dev
                 .row_stats(&logits.buf, logits.rows, logits.cols, vocab, pick)
                 .map_err(|e| self.dev_err(e))
-        })?;
-        Ok(stats
-            .into_iter()
-            .map(|s| crate::sampling::RowStats {
-                argmax: s.argmax,
-                max: s.max,
-                lse: s.lse,
-                picked: s.picked,
-                digest: s.digest,
-            })
-            .collect())
+        })
     }
 
     fn silu_mul_halves(&self, gu: &CudaAct) -> BResult<CudaAct> {

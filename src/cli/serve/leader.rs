@@ -74,7 +74,7 @@ pub fn lead(
     };
     let sched = Scheduler::new(sched_cfg)?;
     let stats = Arc::new(Stats::default());
-    stats.set_gauges(0, 0, sched.kv_blocks());
+    stats.set_from(&sched);
     let (tx, rx) = std::sync::mpsc::channel::<Cmd>();
     let state = AppState::new(args, runner.as_ref(), tx, stats.clone())?;
     let stop_http = state.stop.clone();
@@ -235,10 +235,7 @@ fn engine_loop(
         }
         let plan = sched.plan();
         if plan.is_empty() {
-            stats.set_gauges(sched.waiting(), sched.running(), sched.kv_blocks());
-            stats
-                .preemptions
-                .store(sched.preemptions(), std::sync::atomic::Ordering::Relaxed);
+            stats.set_from(&sched);
             continue;
         }
         let t0 = Instant::now();
@@ -265,10 +262,7 @@ fn engine_loop(
                 live.remove(&seq);
             }
         }
-        stats.set_gauges(sched.waiting(), sched.running(), sched.kv_blocks());
-        stats
-            .preemptions
-            .store(sched.preemptions(), std::sync::atomic::Ordering::Relaxed);
+        stats.set_from(&sched);
     }
 }
 

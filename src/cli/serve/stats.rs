@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use arbor_model::engine::Scheduler;
+
 /// Gauges and counters; each is written by one side (engine loop or HTTP) only.
 #[derive(Default)]
 pub struct Stats {
@@ -63,6 +65,13 @@ impl Stats {
         self.running.store(running as u64, Ordering::Relaxed);
         self.kv_blocks_used.store(kv.0 as u64, Ordering::Relaxed);
         self.kv_blocks_total.store(kv.1 as u64, Ordering::Relaxed);
+    }
+
+    /// The gauges and the preemption count, as the scheduler has them now.
+    pub fn set_from(&self, sched: &Scheduler) {
+        self.set_gauges(sched.waiting(), sched.running(), sched.kv_blocks());
+        self.preemptions
+            .store(sched.preemptions(), Ordering::Relaxed);
     }
 
     fn tokens_per_second(&self) -> f64 {
