@@ -10,14 +10,17 @@ extern "C" __global__ void silu_mul_kernel(const float* __restrict__ gate, const
 
 // The fused gate/up projection's output: gu = [rows, 2·inter], gate columns then up columns;
 // out = silu(gate)·up with silu_mul_kernel's expression, so the bits equal the unfused pair.
+// outb (may be null): the output rounded to bf16 as well (for the down GEMM).
 extern "C" __global__ void silu_mul_halves_kernel(const float* __restrict__ gu, float* __restrict__ out,
-                                                  long long rows, int inter) {
+                                                  bf16_t* __restrict__ outb, long long rows, int inter) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * inter) return;
     const long long r = i / inter;
     const long long c = i - r * inter;
     const float g = gu[r * 2 * inter + c];
-    out[i] = (g / (1.0f + expf(-g))) * gu[r * 2 * inter + inter + c];
+    const float v = (g / (1.0f + expf(-g))) * gu[r * 2 * inter + inter + c];
+    out[i] = v;
+    if (outb) outb[i] = f32_to_bf16(v);
 }
 
 // Columns [col0, col0 + cols) of src [rows, src_cols] into dst [rows, cols].

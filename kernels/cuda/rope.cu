@@ -19,3 +19,49 @@ extern "C" __global__ void rope_kernel(float* __restrict__ x, const float* __res
     xh[j] = x1 * c - x2 * s;
     xh[j + half] = x2 * c + x1 * s;
 }
+
+// The fused q/k/v output [rows, (n_heads + 2·n_kv)·head_dim] (q, k, v column blocks) →
+// q rotated into q_out [rows, n_heads·head_dim], k rotated and v as they are into the
+// bf16 cache at the row's (slot, position). Each value goes through rope_kernel's and
+// kv_write_kernel's arithmetic (the split is a copy), so the bits are theirs; one launch
+// instead of four. Needs 2·half == head_dim. One thread per (row, head, i < half).
+extern "C" __global__ void qkv_rope_kv_kernel(const float* __restrict__ qkv, float* __restrict__ q_out,
+                                              bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+                                              const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                              const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos,
+                                              int rows, int n_heads, int n_kv, int head_dim, int half,
+                                              int layer, int slots, int max_len) {
+    const int heads = n_heads + 2 * n_kv;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * heads * half) return;
+    const int j = (int)(i % half);
+    const long long rh = i / half;
+    const int h = (int)(rh % heads);
+    const int r = (int)(rh / heads);
+    const float* src = qkv + ((size_t)r * heads + h) * head_dim;
+    const float x1 = src[j];
+    const float x2 = src[j + half];
+    const int width = n_kv * head_dim;
+    const size_t cache_row =
+        (((size_t)layer * slots + row_slot[r]) * max_len + row_pos[r]) * width;
+    if (h >= n_heads + n_kv) {
+        bf16_t* dst = vc + cache_row + (size_t)(h - n_heads - n_kv) * head_dim;
+        dst[j] = f32_to_bf16(x1);
+        dst[j + half] = f32_to_bf16(x2);
+        return;
+    }
+    const size_t t = (size_t)row_pos[r] * half + j;
+    const float c = cos_t[t];
+    const float s = sin_t[t];
+    const float y1 = x1 * c - x2 * s;
+    const float y2 = x2 * c + x1 * s;
+    if (h < n_heads) {
+        float* dst = q_out + ((size_t)r * n_heads + h) * head_dim;
+        dst[j] = y1;
+        dst[j + half] = y2;
+    } else {
+        bf16_t* dst = kc + cache_row + (size_t)(h - n_heads) * head_dim;
+        dst[j] = f32_to_bf16(y1);
+        dst[j + half] = f32_to_bf16(y2);
+    }
+}

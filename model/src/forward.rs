@@ -293,32 +293,44 @@ impl<B: Backend> Model<B> {
     ) -> BResult<Option<B::Act>> {
         let cfg = &self.cfg;
         let hs = self.head_spec();
+        let eps = cfg.rms_norm_eps;
         let mut x = self.embed.forward(b, ids)?;
+        // The previous layer's last residual add computes this layer's input norm too.
+        let mut normed: Option<B::Act> = None;
         for (li, l) in self.layers.iter().enumerate() {
-            let n = b.rms_norm(&x, &l.input_norm.w, cfg.rms_norm_eps)?;
-            let [mut q, mut k, v]: [B::Act; 3] =
-                l.qkv.forward_parts(b, &n)?.try_into().map_err(|_| {
-                    crate::backend::BackendError::Shape(
-                        "q/k/v split into other than 3 parts".into(),
-                    )
-                })?;
-            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                q = self.head_norm(b, q, hs.n_heads, qn)?;
-                k = self.head_norm(b, k, hs.n_kv_heads, kn)?;
-            }
-            b.rope(&mut q, seqs, hs.n_heads, &self.rope)?;
-            b.rope(&mut k, seqs, hs.n_kv_heads, &self.rope)?;
+            let n = match normed.take() {
+                Some(n) => n,
+                None => b.rms_norm(&x, &l.input_norm.w, eps)?,
+            };
             // Keys go to the cache before attention reads them, so prefill and decode read
             // the same bf16 keys.
-            b.kv_write(cache, li, &k, &v, seqs)?;
+            let q = if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                let [q, k, v]: [B::Act; 3] =
+                    l.qkv.forward_parts(b, &n)?.try_into().map_err(|_| {
+                        crate::backend::BackendError::Shape(
+                            "q/k/v split into other than 3 parts".into(),
+                        )
+                    })?;
+                let mut q = self.head_norm(b, q, hs.n_heads, qn)?;
+                let mut k = self.head_norm(b, k, hs.n_kv_heads, kn)?;
+                b.rope(&mut q, seqs, hs.n_heads, &self.rope)?;
+                b.rope(&mut k, seqs, hs.n_kv_heads, &self.rope)?;
+                b.kv_write(cache, li, &k, &v, seqs)?;
+                q
+            } else {
+                let qkv = l.qkv.forward(b, &n)?;
+                b.qkv_rope_kv(&qkv, cache, li, seqs, hs, &self.rope)?
+            };
             let a = b.attention(&q, cache, li, seqs, hs)?;
             let o = l.o.forward(b, &a)?;
-            b.add_assign(&mut x, &o)?;
-            let n = b.rms_norm(&x, &l.post_norm.w, cfg.rms_norm_eps)?;
+            let n = b.add_rms_norm(&mut x, &o, &l.post_norm.w, eps)?;
             let gu = l.gate_up.forward(b, &n)?;
             let m = b.silu_mul_halves(&gu)?;
             let d = l.down.forward(b, &m)?;
-            b.add_assign(&mut x, &d)?;
+            match self.layers.get(li + 1) {
+                Some(next) => normed = Some(b.add_rms_norm(&mut x, &d, &next.input_norm.w, eps)?),
+                None => b.add_assign(&mut x, &d)?,
+            }
             if let Some(t) = trace.as_deref_mut() {
                 t.push(b.act_to_host(&x)?);
             }

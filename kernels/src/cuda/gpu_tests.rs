@@ -170,7 +170,7 @@ fn rms_norm_rows_are_independent() {
     let dw = dev.upload_f32(&w).unwrap();
     let all = dev
         .download_f32(
-            &dev.rms_norm(&dev.upload_f32(&x).unwrap(), rows, cols, &dw, 1e-5)
+            &dev.rms_norm(&dev.upload_f32(&x).unwrap(), rows, cols, &dw, 1e-5, None)
                 .unwrap(),
         )
         .unwrap();
@@ -178,7 +178,7 @@ fn rms_norm_rows_are_independent() {
         let row = &x[r * cols..(r + 1) * cols];
         let got = dev
             .download_f32(
-                &dev.rms_norm(&dev.upload_f32(row).unwrap(), 1, cols, &dw, 1e-5)
+                &dev.rms_norm(&dev.upload_f32(row).unwrap(), 1, cols, &dw, 1e-5, None)
                     .unwrap(),
             )
             .unwrap();
@@ -216,6 +216,108 @@ fn rope_matches_the_host_table_bitwise() {
         .unwrap();
     // Same formula, no fused operations on either side: the same bits.
     assert_eq!(bits(&dev.download_f32(&dx).unwrap()), bits(&host));
+}
+
+#[test]
+fn add_rms_norm_is_add_then_norm_bitwise() {
+    let Some(dev) = device() else { return };
+    let (rows, cols) = (5, 700);
+    let mut rng = Rng(11);
+    let (x, y, w) = (
+        rng.vec(rows * cols, 3.0),
+        rng.vec(rows * cols, 3.0),
+        rng.vec(cols, 1.0),
+    );
+    let dw = dev.upload_f32(&w).unwrap();
+    let dy = dev.upload_f32(&y).unwrap();
+    let mut sep = dev.upload_f32(&x).unwrap();
+    dev.add_assign(&mut sep, &dy).unwrap();
+    let want = dev.rms_norm(&sep, rows, cols, &dw, 1e-5, None).unwrap();
+    let mut fused = dev.upload_f32(&x).unwrap();
+    let mut gotb = dev.zeros_bf16(rows * cols).unwrap();
+    let got = dev
+        .add_rms_norm(&mut fused, &dy, rows, cols, &dw, 1e-5, Some(&mut gotb))
+        .unwrap();
+    // The companion bf16 output is the GEMM's own conversion of the f32 output.
+    let mut conv = dev.zeros_bf16(rows * cols).unwrap();
+    dev.f32_to_bf16_into(&got, &mut conv).unwrap();
+    assert_eq!(
+        dev.download_bf16(&gotb).unwrap(),
+        dev.download_bf16(&conv).unwrap(),
+        "bf16 companion"
+    );
+    assert_eq!(
+        bits(&dev.download_f32(&fused).unwrap()),
+        bits(&dev.download_f32(&sep).unwrap()),
+        "the residual sum"
+    );
+    assert_eq!(
+        bits(&dev.download_f32(&got).unwrap()),
+        bits(&dev.download_f32(&want).unwrap()),
+        "the norm"
+    );
+}
+
+#[test]
+fn qkv_rope_kv_is_split_rope_and_kv_write_bitwise() {
+    let Some(dev) = device() else { return };
+    let (n_heads, n_kv, hd, max_pos) = (6usize, 2usize, 64usize, 40usize);
+    let table = crate::cpu::RopeTable::new(hd, max_pos, 10000.0, None);
+    let (cos, sin) = (
+        dev.upload_f32(&table.cos).unwrap(),
+        dev.upload_f32(&table.sin).unwrap(),
+    );
+    let layout = KvLayout {
+        layers: 2,
+        slots: 3,
+        max_len: max_pos,
+        width: n_kv * hd,
+    };
+    let (slots, pos) = ([2u32, 2, 0, 1], [5u32, 6, 0, 39]);
+    let meta = dev.row_meta(&slots, &pos).unwrap();
+    let rows = slots.len();
+    let (qd, kd) = (n_heads * hd, n_kv * hd);
+    let cols = qd + 2 * kd;
+    let qkv = dev.upload_f32(&Rng(12).vec(rows * cols, 2.0)).unwrap();
+
+    let mut q = dev.copy_cols(&qkv, rows, cols, 0, qd).unwrap();
+    let mut k = dev.copy_cols(&qkv, rows, cols, qd, kd).unwrap();
+    let v = dev.copy_cols(&qkv, rows, cols, qd + kd, kd).unwrap();
+    dev.rope(&mut q, &cos, &sin, hd / 2, &meta, n_heads, hd)
+        .unwrap();
+    dev.rope(&mut k, &cos, &sin, hd / 2, &meta, n_kv, hd)
+        .unwrap();
+    let (mut kc, mut vc) = (
+        dev.zeros_bf16(layout.len()).unwrap(),
+        dev.zeros_bf16(layout.len()).unwrap(),
+    );
+    dev.kv_write(&mut kc, &mut vc, layout, 1, &k, &v, &meta)
+        .unwrap();
+
+    let (mut kf, mut vf) = (
+        dev.zeros_bf16(layout.len()).unwrap(),
+        dev.zeros_bf16(layout.len()).unwrap(),
+    );
+    let qf = dev
+        .qkv_rope_kv(
+            &qkv, &mut kf, &mut vf, layout, 1, &cos, &sin, &meta, n_heads, n_kv, hd,
+        )
+        .unwrap();
+    assert_eq!(
+        bits(&dev.download_f32(&qf).unwrap()),
+        bits(&dev.download_f32(&q).unwrap()),
+        "q"
+    );
+    assert_eq!(
+        dev.download_bf16(&kf).unwrap(),
+        dev.download_bf16(&kc).unwrap(),
+        "k cache"
+    );
+    assert_eq!(
+        dev.download_bf16(&vf).unwrap(),
+        dev.download_bf16(&vc).unwrap(),
+        "v cache"
+    );
 }
 
 #[test]
@@ -317,17 +419,26 @@ fn attn_reference(q: &[f32], keys: &[Vec<f32>], vals: &[Vec<f32>], scale: f64) -
 #[test]
 fn attention_prefill_equals_decode_and_batch() {
     let Some(dev) = device() else { return };
-    let (n_heads, n_kv, hd) = (4usize, 2usize, 64usize);
+    // 70 keys: chunks of 32, 32, 6 on three warps.
+    check_attention(&dev, 4, 2, 64, 70, 7);
+    // 300 keys: ten chunks, so warps 0 and 1 walk two each; a GQA group of 6 heads is
+    // two blocks, the second holding 2 heads.
+    check_attention(&dev, 12, 2, 128, 300, 8);
+    // head_dim 20: the scalar key loads (not a multiple of 8).
+    check_attention(&dev, 6, 3, 20, 75, 9);
+}
+
+fn check_attention(dev: &GpuDevice, n_heads: usize, n_kv: usize, hd: usize, len: usize, seed: u64) {
     let width = n_kv * hd;
     let layout = KvLayout {
         layers: 2,
         slots: 3,
-        max_len: 96,
+        max_len: len + 26,
         width,
     };
-    let (layer, slot, len) = (1usize, 2u32, 70usize); // 70 keys: blocks of 32, 32, 6
+    let (layer, slot) = (1usize, 2u32);
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut rng = Rng(7);
+    let mut rng = Rng(seed);
     let q = rng.vec(len * n_heads * hd, 1.0);
     let k = rng.vec(len * width, 1.0);
     let v = rng.vec(len * width, 1.0);
@@ -360,6 +471,7 @@ fn attention_prefill_equals_decode_and_batch() {
                 n_kv,
                 hd,
                 scale,
+                None,
             )
             .unwrap(),
         )
@@ -367,7 +479,8 @@ fn attention_prefill_equals_decode_and_batch() {
     let row = n_heads * hd;
 
     // Decode: each position alone (later keys also in the cache: they must be ignored).
-    for p in [0usize, 31, 32, 33, 63, 64, 69] {
+    let probes = [0usize, 31, 32, 33, 63, 64, 255, 256, 257, len - 1];
+    for p in probes.into_iter().filter(|&p| p < len) {
         let one = dev.upload_f32(&q[p * row..(p + 1) * row]).unwrap();
         let got = dev
             .download_f32(
@@ -382,6 +495,7 @@ fn attention_prefill_equals_decode_and_batch() {
                     n_kv,
                     hd,
                     scale,
+                    None,
                 )
                 .unwrap(),
             )
@@ -411,7 +525,7 @@ fn attention_prefill_equals_decode_and_batch() {
     let oq = rng.vec(10 * row, 1.0);
     let mixed_q: Vec<f32> = oq[..5 * row]
         .iter()
-        .chain(&q[60 * row..70 * row])
+        .chain(&q[(len - 10) * row..len * row])
         .chain(&oq[5 * row..])
         .copied()
         .collect();
@@ -419,7 +533,7 @@ fn attention_prefill_equals_decode_and_batch() {
     ms.extend(vec![slot; 10]);
     ms.extend(vec![0u32; 5]);
     let mut mp: Vec<u32> = (0..5).collect();
-    mp.extend(60..70);
+    mp.extend(len as u32 - 10..len as u32);
     mp.extend(5..10);
     let mixed = dev
         .download_f32(
@@ -434,20 +548,21 @@ fn attention_prefill_equals_decode_and_batch() {
                 n_kv,
                 hd,
                 scale,
+                None,
             )
             .unwrap(),
         )
         .unwrap();
     assert_eq!(
         bits(&mixed[5 * row..15 * row]),
-        bits(&prefill[60 * row..70 * row]),
+        bits(&prefill[(len - 10) * row..len * row]),
         "batch changed rows"
     );
 
     // Tolerance against the f64 reference (keys/values rounded to bf16 as stored).
     let kb: Vec<f32> = k.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
     let vb: Vec<f32> = v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
-    for p in [0usize, 40, 69] {
+    for p in [0usize, 40, len - 1] {
         for h in 0..n_heads {
             let kvh = h / (n_heads / n_kv);
             let keys: Vec<Vec<f32>> = (0..=p)

@@ -95,7 +95,9 @@ const MM_ROWS_PER_WARP_TILE: usize = 8;
 const MM_WARPS_PER_BLOCK: usize = 8;
 const EW_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
-const ATTN_WARPS: usize = 4;
+/// attention.cu's ATTN_WARPS, ATTN_GROUP and ATTN_MAX_HEAD_DIM.
+const ATTN_WARPS: usize = 8;
+const ATTN_GROUP: usize = 4;
 const ATTN_MAX_HEAD_DIM: usize = 256;
 
 fn i32_of(kernel: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
@@ -121,6 +123,23 @@ fn elementwise_cfg(count: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// Checks an optional bf16 companion output (see `rms_norm`) against its f32 output's length.
+fn check_bf16_out(
+    kernel: &'static str,
+    outb: &Option<&mut DevBf16>,
+    len: usize,
+) -> Result<(), CudaError> {
+    match outb {
+        Some(o) => check(kernel, o.len() == len, || {
+            format!("bf16 output has {} values, expected {len}", o.len())
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The null device pointer a kernel reads as "no bf16 output".
+const NO_OUTPUT: u64 = 0;
 
 impl GpuDevice {
     fn drv<T>(
@@ -192,6 +211,14 @@ impl GpuDevice {
 
     pub fn zeros_f32(&self, len: usize) -> Result<DevF32, CudaError> {
         self.drv("allocating f32 buffer", self.stream.alloc_zeros::<f32>(len))
+    }
+
+    /// A bf16 buffer with undefined contents (see `empty_f32`).
+    pub fn empty_bf16(&self, len: usize) -> Result<DevBf16, CudaError> {
+        // SAFETY: as in `empty_f32`: raw bits, overwritten in full before they are read.
+        self.drv("allocating bf16 buffer", unsafe {
+            self.stream.alloc::<u16>(len)
+        })
     }
 
     pub fn zeros_bf16(&self, len: usize) -> Result<DevBf16, CudaError> {
@@ -350,6 +377,9 @@ impl GpuDevice {
         Ok(out)
     }
 
+    /// Per-row RMSNorm. `outb`: also write the output rounded to bf16 there (what a GEMM
+    /// reading it would compute itself), saving the GEMM its conversion pass.
+    #[allow(clippy::too_many_arguments)]
     pub fn rms_norm(
         &self,
         x: &DevF32,
@@ -357,8 +387,10 @@ impl GpuDevice {
         cols: usize,
         weight: &DevF32,
         eps: f32,
+        outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
         const K: &str = "rms_norm_kernel";
+        check_bf16_out(K, &outb, rows * cols)?;
         check(K, x.len() == rows * cols, || {
             format!("x has {} values, expected {rows}×{cols}", x.len())
         })?;
@@ -376,7 +408,58 @@ impl GpuDevice {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(self.func(K)?);
-        b.arg(x).arg(weight).arg(&mut out).arg(&ci).arg(&eps);
+        b.arg(x).arg(weight).arg(&mut out);
+        match outb {
+            Some(o) => b.arg(o),
+            None => b.arg(&NO_OUTPUT),
+        };
+        b.arg(&ci).arg(&eps);
+        self.launched(K, unsafe { b.launch(cfg) })?;
+        Ok(out)
+    }
+
+    /// `x += y` then RMSNorm of the sum (`x`, `y`: `[rows, cols]`): the bits of
+    /// `add_assign` followed by `rms_norm`, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        x: &mut DevF32,
+        y: &DevF32,
+        rows: usize,
+        cols: usize,
+        weight: &DevF32,
+        eps: f32,
+        outb: Option<&mut DevBf16>,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "add_rms_norm_kernel";
+        check_bf16_out(K, &outb, rows * cols)?;
+        check(K, x.len() == rows * cols && y.len() == rows * cols, || {
+            format!(
+                "x has {} values, y {}, expected {rows}×{cols}",
+                x.len(),
+                y.len()
+            )
+        })?;
+        check(K, weight.len() == cols, || {
+            format!("weight has {} values, expected {cols}", weight.len())
+        })?;
+        let mut out = self.empty_f32(rows * cols)?;
+        if rows == 0 || cols == 0 {
+            return Ok(out);
+        }
+        let ci = i32_of(K, "cols", cols)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(x).arg(y).arg(weight).arg(&mut out);
+        match outb {
+            Some(o) => b.arg(o),
+            None => b.arg(&NO_OUTPUT),
+        };
+        b.arg(&ci).arg(&eps);
         self.launched(K, unsafe { b.launch(cfg) })?;
         Ok(out)
     }
@@ -467,8 +550,10 @@ impl GpuDevice {
         gu: &DevF32,
         rows: usize,
         inter: usize,
+        outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
         const K: &str = "silu_mul_halves_kernel";
+        check_bf16_out(K, &outb, rows * inter)?;
         check(K, gu.len() == rows * 2 * inter, || {
             format!("gate/up has {} values, expected {rows}×2×{inter}", gu.len())
         })?;
@@ -478,7 +563,12 @@ impl GpuDevice {
         }
         let (r, ii) = (rows as i64, i32_of(K, "inter", inter)?);
         let mut b = self.stream.launch_builder(self.func(K)?);
-        b.arg(gu).arg(&mut out).arg(&r).arg(&ii);
+        b.arg(gu).arg(&mut out);
+        match outb {
+            Some(o) => b.arg(o),
+            None => b.arg(&NO_OUTPUT),
+        };
+        b.arg(&r).arg(&ii);
         self.launched(K, unsafe { b.launch(elementwise_cfg(rows * inter)) })?;
         Ok(out)
     }
@@ -765,6 +855,96 @@ impl GpuDevice {
         })
     }
 
+    /// The fused q/k/v output `qkv` (`[rows, (n_heads + 2·n_kv)·head_dim]`): returns q
+    /// rotated; writes k rotated and v into the cache at each row's (slot, position). The
+    /// bits of `copy_cols`, `rope` and `kv_write`, in one launch. `cos`/`sin`:
+    /// `[max_pos, head_dim / 2]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_rope_kv(
+        &self,
+        qkv: &DevF32,
+        kc: &mut DevBf16,
+        vc: &mut DevBf16,
+        layout: KvLayout,
+        layer: usize,
+        cos: &DevF32,
+        sin: &DevF32,
+        meta: &RowMeta,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "qkv_rope_kv_kernel";
+        meta.check_cache(K, layout, layer)?;
+        let rows = meta.rows;
+        let half = head_dim / 2;
+        check(K, half > 0 && 2 * half == head_dim, || {
+            format!("head_dim {head_dim} is not even")
+        })?;
+        check(K, layout.width == n_kv * head_dim, || {
+            format!(
+                "cache width {} ≠ {n_kv} KV heads × {head_dim}",
+                layout.width
+            )
+        })?;
+        check(
+            K,
+            qkv.len() == rows * (n_heads + 2 * n_kv) * head_dim,
+            || {
+                format!(
+                    "qkv has {} values, expected {rows}×({n_heads} + 2·{n_kv})×{head_dim}",
+                    qkv.len()
+                )
+            },
+        )?;
+        check(
+            K,
+            kc.len() == layout.len() && vc.len() == layout.len(),
+            || "cache buffers do not match their layout".into(),
+        )?;
+        check(
+            K,
+            cos.len() == sin.len() && cos.len() >= meta.pos_end * half,
+            || {
+                format!(
+                    "position {} beyond the RoPE table ({} positions)",
+                    meta.pos_end.saturating_sub(1),
+                    cos.len() / half
+                )
+            },
+        )?;
+        let mut q = self.empty_f32(rows * n_heads * head_dim)?;
+        if rows == 0 {
+            return Ok(q);
+        }
+        let (ds, dp) = (meta.slots(), meta.positions());
+        let (ri, hi, kvi, di, hf) = (
+            rows as i32,
+            i32_of(K, "n_heads", n_heads)?,
+            i32_of(K, "n_kv_heads", n_kv)?,
+            i32_of(K, "head_dim", head_dim)?,
+            half as i32,
+        );
+        let (li, si, mi) = (
+            layer as i32,
+            i32_of(K, "slots", layout.slots)?,
+            i32_of(K, "max_len", layout.max_len)?,
+        );
+        let mut b = self.stream.launch_builder(self.func(K)?);
+        b.arg(qkv).arg(&mut q).arg(kc).arg(vc).arg(cos).arg(sin);
+        b.arg(&ds)
+            .arg(&dp)
+            .arg(&ri)
+            .arg(&hi)
+            .arg(&kvi)
+            .arg(&di)
+            .arg(&hf);
+        b.arg(&li).arg(&si).arg(&mi);
+        let units = rows * (n_heads + 2 * n_kv) * half;
+        self.launched(K, unsafe { b.launch(elementwise_cfg(units)) })?;
+        Ok(q)
+    }
+
     /// Causal GQA attention of `q` (`[rows, n_heads·head_dim]`) against the cache; row r
     /// is at `row_pos[r]` of slot `row_slot[r]` and sees keys `0..=row_pos[r]`.
     #[allow(clippy::too_many_arguments)]
@@ -780,8 +960,17 @@ impl GpuDevice {
         n_kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
         const K: &str = "attention_kernel";
+        check_bf16_out(K, &outb, q.len())?;
+        // Specialised per common head_dim (vector loads, unrolled); the same arithmetic.
+        let kernel = match head_dim {
+            64 => "attention_hd64_kernel",
+            128 => "attention_hd128_kernel",
+            256 => "attention_hd256_kernel",
+            _ => K,
+        };
         meta.check_cache(K, layout, layer)?;
         let rows = meta.rows;
         check(
@@ -814,10 +1003,11 @@ impl GpuDevice {
             return Ok(out);
         }
         let (ds, dp) = (meta.slots(), meta.positions());
+        let subs = (n_heads / n_kv_heads).div_ceil(ATTN_GROUP);
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, n_heads.div_ceil(ATTN_WARPS) as u32, 1),
+            grid_dim: (rows as u32, (n_kv_heads * subs) as u32, 1),
             block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: (ATTN_WARPS * ATTN_GROUP * (head_dim + 2) * 4) as u32,
         };
         let (hi, kvi, di) = (n_heads as i32, n_kv_heads as i32, head_dim as i32);
         let (li, si, mi) = (
@@ -825,8 +1015,13 @@ impl GpuDevice {
             i32_of(K, "slots", layout.slots)?,
             i32_of(K, "max_len", layout.max_len)?,
         );
-        let mut b = self.stream.launch_builder(self.func(K)?);
-        b.arg(q).arg(kc).arg(vc).arg(&mut out).arg(&ds).arg(&dp);
+        let mut b = self.stream.launch_builder(self.func(kernel)?);
+        b.arg(q).arg(kc).arg(vc).arg(&mut out);
+        match outb {
+            Some(o) => b.arg(o),
+            None => b.arg(&NO_OUTPUT),
+        };
+        b.arg(&ds).arg(&dp);
         b.arg(&hi)
             .arg(&kvi)
             .arg(&di)

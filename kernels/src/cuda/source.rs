@@ -17,6 +17,7 @@ pub const KERNELS: &[&str] = &[
     "tree_matmul_leaf",
     "tree_combine",
     "rms_norm_kernel",
+    "add_rms_norm_kernel",
     "silu_mul_kernel",
     "silu_mul_halves_kernel",
     "row_stats_kernel",
@@ -28,7 +29,11 @@ pub const KERNELS: &[&str] = &[
     "interleave_cols_kernel",
     "kv_write_kernel",
     "rope_kernel",
+    "qkv_rope_kv_kernel",
     "attention_kernel",
+    "attention_hd64_kernel",
+    "attention_hd128_kernel",
+    "attention_hd256_kernel",
 ];
 
 /// The whole program: the sources concatenated, each preceded by a `#line` directive so

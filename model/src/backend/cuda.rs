@@ -30,6 +30,10 @@ pub struct CudaAct {
     buf: DevF32,
     rows: usize,
     cols: usize,
+    /// The same values rounded to bf16, written by the kernel that produced `buf` when a
+    /// GEMM will read them (norms, SiLU·mul, attention): the GEMM then skips its own
+    /// conversion pass. Always exactly `bf16(buf)`.
+    bf16: Option<DevBf16>,
 }
 
 /// bf16 weight `[n, k]` on the GPU.
@@ -246,7 +250,24 @@ impl CudaBackend {
     }
 
     fn act(&self, buf: DevF32, rows: usize, cols: usize) -> CudaAct {
-        CudaAct { buf, rows, cols }
+        CudaAct {
+            buf,
+            rows,
+            cols,
+            bf16: None,
+        }
+    }
+
+    /// A bf16 companion buffer of `len` values for an op whose output feeds a GEMM, when
+    /// the GEMMs read bf16 (the tensor-core kernels and cuBLAS; the simple kernel reads f32).
+    fn bf16_out(&self, len: usize) -> BResult<Option<DevBf16>> {
+        if self.gemm.is_none() && self.blas.is_none() {
+            return Ok(None);
+        }
+        self.dev
+            .empty_bf16(len)
+            .map(Some)
+            .map_err(|e| self.dev_err(e))
     }
 
     /// Runs one op, timed by the profiler when there is one.
@@ -303,9 +324,17 @@ impl CudaBackend {
         if x.rows == 0 || w.n == 0 {
             return Ok(self.act(y, x.rows, w.n));
         }
-        let mut xb = d.zeros_bf16(x.rows * x.cols).map_err(|e| self.dev_err(e))?;
-        d.f32_to_bf16_into(&x.buf, &mut xb)
-            .map_err(|e| self.dev_err(e))?;
+        let converted;
+        let xb = match &x.bf16 {
+            Some(b) => b,
+            None => {
+                let mut b = d.empty_bf16(x.rows * x.cols).map_err(|e| self.dev_err(e))?;
+                d.f32_to_bf16_into(&x.buf, &mut b)
+                    .map_err(|e| self.dev_err(e))?;
+                converted = b;
+                &converted
+            }
+        };
         let s = &d.stream;
         {
             let (xp, _gx) = xb.device_ptr(s);
@@ -426,7 +455,12 @@ impl Backend for CudaBackend {
                 a.rows, a.cols
             )));
         }
-        Ok(self.act(a.buf, rows, cols))
+        Ok(CudaAct {
+            buf: a.buf,
+            rows,
+            cols,
+            bf16: a.bf16,
+        })
     }
 
     fn select_rows(&self, a: &CudaAct, rows: &[usize]) -> BResult<CudaAct> {
@@ -455,12 +489,16 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaAct, weight: &CudaAct, eps: f32) -> BResult<CudaAct> {
+        let mut bf16 = self.bf16_out(x.rows * x.cols)?;
         let buf = self.timed("rms_norm", x.rows, || {
             self.dev
-                .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps)
+                .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps, bf16.as_mut())
                 .map_err(|e| self.dev_err(e))
         })?;
-        Ok(self.act(buf, x.rows, x.cols))
+        Ok(CudaAct {
+            bf16,
+            ..self.act(buf, x.rows, x.cols)
+        })
     }
 
     fn matmul(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
@@ -513,12 +551,16 @@ impl Backend for CudaBackend {
             )));
         }
         let inter = gu.cols / 2;
+        let mut bf16 = self.bf16_out(gu.rows * inter)?;
         let buf = self.timed("silu_mul_halves", gu.rows, || {
             self.dev
-                .silu_mul_halves(&gu.buf, gu.rows, inter)
+                .silu_mul_halves(&gu.buf, gu.rows, inter, bf16.as_mut())
                 .map_err(|e| self.dev_err(e))
         })?;
-        Ok(self.act(buf, gu.rows, inter))
+        Ok(CudaAct {
+            bf16,
+            ..self.act(buf, gu.rows, inter)
+        })
     }
 
     fn split_cols(&self, x: &CudaAct, widths: &[usize]) -> BResult<Vec<CudaAct>> {
@@ -554,6 +596,86 @@ impl Backend for CudaBackend {
         let meta = self.meta_of(&meta)?;
         self.timed("rope", x.rows, || {
             self.rope_untimed(x, meta, n_heads, table)
+        })
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaAct,
+        y: &CudaAct,
+        weight: &CudaAct,
+        eps: f32,
+    ) -> BResult<CudaAct> {
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(self.shape_err(format!(
+                "add of [{}, {}] and [{}, {}]",
+                x.rows, x.cols, y.rows, y.cols
+            )));
+        }
+        let (rows, cols) = (x.rows, x.cols);
+        let mut bf16 = self.bf16_out(rows * cols)?;
+        // x changes: a bf16 copy of its old values would be stale.
+        x.bf16 = None;
+        let buf = self.timed("add_rms_norm", rows, || {
+            self.dev
+                .add_rms_norm(
+                    &mut x.buf,
+                    &y.buf,
+                    rows,
+                    cols,
+                    &weight.buf,
+                    eps,
+                    bf16.as_mut(),
+                )
+                .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(CudaAct {
+            bf16,
+            ..self.act(buf, rows, cols)
+        })
+    }
+
+    fn qkv_rope_kv(
+        &self,
+        qkv: &CudaAct,
+        cache: &mut CudaKv,
+        layer: usize,
+        seqs: &[SeqRows],
+        heads: HeadSpec,
+        table: &RopeTable,
+    ) -> BResult<CudaAct> {
+        let hd = heads.head_dim;
+        if table.head_dim != hd || !hd.is_multiple_of(2) {
+            // The fused kernel rotates whole heads; anything else takes the four ops.
+            return crate::backend::qkv_rope_kv_unfused(
+                self, qkv, cache, layer, seqs, heads, table,
+            );
+        }
+        let meta = self.step_meta(seqs, qkv.rows)?;
+        let meta = self.meta_of(&meta)?;
+        let tables = self.rope_tables(table)?;
+        let Some(t) = tables.as_ref() else {
+            return Err(self.shape_err("RoPE table missing after upload".into()));
+        };
+        let layout = cache.layout;
+        self.timed("qkv_rope_kv", qkv.rows, || {
+            let buf = self
+                .dev
+                .qkv_rope_kv(
+                    &qkv.buf,
+                    &mut cache.k,
+                    &mut cache.v,
+                    layout,
+                    layer,
+                    &t.cos,
+                    &t.sin,
+                    meta,
+                    heads.n_heads,
+                    heads.n_kv_heads,
+                    hd,
+                )
+                .map_err(|e| self.dev_err(e))?;
+            Ok(self.act(buf, qkv.rows, heads.n_heads * hd))
         })
     }
 
@@ -614,7 +736,16 @@ impl CudaBackend {
         }
         if let Some(g) = self.gemm.as_ref().filter(|_| tensor_eligible(tree)) {
             let buf = g
-                .matmul(&self.dev, &x.buf, x.rows, x.cols, &w.buf, w.n, tree)
+                .matmul(
+                    &self.dev,
+                    &x.buf,
+                    x.bf16.as_ref(),
+                    x.rows,
+                    x.cols,
+                    &w.buf,
+                    w.n,
+                    tree,
+                )
                 .map_err(|e| BackendError::Device {
                     rank: self.comm.rank(),
                     msg: format!(
@@ -651,6 +782,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (d, b) = (&self.dev, &bias.buf);
+        x.bf16 = None;
         d.add_row_bias(&mut x.buf, b).map_err(|e| self.dev_err(e))
     }
 
@@ -662,6 +794,7 @@ impl CudaBackend {
             )));
         }
         let d = &self.dev;
+        x.bf16 = None;
         d.add_assign(&mut x.buf, &y.buf)
             .map_err(|e| self.dev_err(e))
     }
@@ -701,6 +834,7 @@ impl CudaBackend {
         if half == 0 {
             return Ok(());
         }
+        x.bf16 = None;
         self.dev
             .rope(
                 &mut x.buf,
@@ -775,6 +909,7 @@ impl CudaBackend {
                 q.cols, heads.n_heads, heads.head_dim
             )));
         }
+        let mut bf16 = self.bf16_out(q.rows * q.cols)?;
         let buf = self
             .dev
             .attention(
@@ -788,9 +923,13 @@ impl CudaBackend {
                 heads.n_kv_heads,
                 heads.head_dim,
                 heads.scale,
+                bf16.as_mut(),
             )
             .map_err(|e| self.dev_err(e))?;
-        Ok(self.act(buf, q.rows, q.cols))
+        Ok(CudaAct {
+            bf16,
+            ..self.act(buf, q.rows, q.cols)
+        })
     }
 
     fn all_reduce_untimed(&self, partial: CudaAct) -> BResult<CudaAct> {

@@ -151,6 +151,35 @@ pub trait Backend {
         table: &RopeTable,
     ) -> BResult<()>;
 
+    /// `x += y`, then `rms_norm` of the sum: the residual add and the next norm. The
+    /// bits are those of the two ops; a backend may run them as one pass.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        weight: &Self::Act,
+        eps: f32,
+    ) -> BResult<Self::Act> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, weight, eps)
+    }
+
+    /// The fused q/k/v output (`[rows, (n_heads + 2·n_kv_heads)·head_dim]`, q, k and v
+    /// column blocks): rotates q and k, writes k and v into the cache at the positions
+    /// `seqs` give, and returns q. The bits of `split_cols`, `rope` (q, k) and `kv_write`;
+    /// a backend may run them as one pass.
+    fn qkv_rope_kv(
+        &self,
+        qkv: &Self::Act,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        seqs: &[SeqRows],
+        heads: HeadSpec,
+        table: &RopeTable,
+    ) -> BResult<Self::Act> {
+        qkv_rope_kv_unfused(self, qkv, cache, layer, seqs, heads, table)
+    }
+
     fn kv_cache(&self, spec: KvSpec) -> BResult<Self::KvCache>;
     /// Write K and V (`[rows, n_kv_heads*head_dim]`, rounded to bf16) at the positions `seqs` give.
     fn kv_write(
@@ -185,4 +214,28 @@ pub trait Backend {
     ) -> BResult<Vec<crate::sampling::RowStats>>;
     /// Concatenate the ranks' column blocks (equal widths): `[rows, cols]` → `[rows, world·cols]`.
     fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;
+}
+
+/// `Backend::qkv_rope_kv` as its four ops (the definition of its bits).
+pub fn qkv_rope_kv_unfused<B: Backend + ?Sized>(
+    b: &B,
+    qkv: &B::Act,
+    cache: &mut B::KvCache,
+    layer: usize,
+    seqs: &[SeqRows],
+    heads: HeadSpec,
+    table: &RopeTable,
+) -> BResult<B::Act> {
+    let (q_dim, kv_dim) = (
+        heads.n_heads * heads.head_dim,
+        heads.n_kv_heads * heads.head_dim,
+    );
+    let [mut q, mut k, v]: [B::Act; 3] = b
+        .split_cols(qkv, &[q_dim, kv_dim, kv_dim])?
+        .try_into()
+        .map_err(|_| BackendError::Shape("q/k/v split into other than 3 parts".into()))?;
+    b.rope(&mut q, seqs, heads.n_heads, table)?;
+    b.rope(&mut k, seqs, heads.n_kv_heads, table)?;
+    b.kv_write(cache, layer, &k, &v, seqs)?;
+    Ok(q)
 }

@@ -139,12 +139,14 @@ impl TensorGemm {
 
     /// out `[m, n]` f32 = bf16(x) `[m, k]` · wᵀ (`w`: `[n, k]` bf16, this rank's K shard),
     /// the subtree root over `tree.n_seg` segments, on `dev`'s stream by the device
-    /// family's default path for `m`.
+    /// family's default path for `m`. `xb`: bf16(x) when the producer of x wrote it (then
+    /// no conversion pass runs).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
         dev: &GpuDevice,
         x: &DevF32,
+        xb: Option<&DevBf16>,
         m: usize,
         k: usize,
         w: &DevBf16,
@@ -159,7 +161,7 @@ impl TensorGemm {
                 tree.k, tree.seg_len, layout.seg_len
             )));
         }
-        if x.len() != m * k || w.len() != n * k {
+        if x.len() != m * k || w.len() != n * k || xb.is_some_and(|b| b.len() != m * k) {
             return Err(TensorGemmError::Shape(format!(
                 "x has {} values for [{m}, {k}], w has {} for [{n}, {k}]",
                 x.len(),
@@ -179,9 +181,19 @@ impl TensorGemm {
         };
         let path = self.kernels.default_path(&shape);
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Scratch { xb, ws, counters } = &mut *guard;
-        let xb = grown(xb, |b| b.len(), m * k, |l| dev.zeros_bf16(l))?;
-        dev.f32_to_bf16_into(x, xb)?;
+        let Scratch {
+            xb: scratch_xb,
+            ws,
+            counters,
+        } = &mut *guard;
+        let xb: &DevBf16 = match xb {
+            Some(b) => b,
+            None => {
+                let b = grown(scratch_xb, |b| b.len(), m * k, |l| dev.zeros_bf16(l))?;
+                dev.f32_to_bf16_into(x, b)?;
+                b
+            }
+        };
         let ws = grown(
             ws,
             |b| b.len(),
