@@ -104,6 +104,26 @@ __device__ __forceinline__ void attention_body(
     for (int c = wid; c < n_chunks; c += ATTN_WARPS) {
         const int k0 = c * ATTN_CHUNK;
         const int nvalid = min(ATTN_CHUNK, pos + 1 - k0);
+        // Values of keys j0 .. j0+VB−1 of this chunk (zeros past the valid keys).
+        auto load_values = [&](int j0, float (&vf)[VB][DPL]) {
+#pragma unroll
+            for (int jj = 0; jj < VB; ++jj) {
+                const bf16_t* vr = vbase + (size_t)(k0 + j0 + jj) * width;
+                if (j0 + jj >= nvalid) {
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i) vf[jj][i] = 0.0f;
+                } else if (HD > 0) {
+                    load_bf16s<DPL>(vr + lane * DPL, vf[jj]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i)
+                        vf[jj][i] = dim(i) < head_dim ? bf16_to_f32(vr[dim(i)]) : 0.0f;
+                }
+            }
+        };
+        // The first values do not depend on the scores: their loads overlap the dots.
+        float vf[VB][DPL];
+        load_values(0, vf);
         float dot[ATTN_GROUP];
 #pragma unroll
         for (int g = 0; g < ATTN_GROUP; ++g) dot[g] = 0.0f;
@@ -144,22 +164,10 @@ __device__ __forceinline__ void attention_body(
             for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * corr;
             m[g] = m_new;
         }
-        for (int j0 = 0; j0 < nvalid; j0 += VB) {
-            float vf[VB][DPL];
 #pragma unroll
-            for (int jj = 0; jj < VB; ++jj) {
-                const bf16_t* vr = vbase + (size_t)(k0 + j0 + jj) * width;
-                if (j0 + jj >= nvalid) {
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i) vf[jj][i] = 0.0f;
-                } else if (HD > 0) {
-                    load_bf16s<DPL>(vr + lane * DPL, vf[jj]);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i)
-                        vf[jj][i] = dim(i) < head_dim ? bf16_to_f32(vr[dim(i)]) : 0.0f;
-                }
-            }
+        for (int j0 = 0; j0 < ATTN_CHUNK; j0 += VB) {
+            if (j0 >= nvalid) break;
+            if (j0 > 0) load_values(j0, vf);
 #pragma unroll
             for (int jj = 0; jj < VB; ++jj) {
                 if (j0 + jj >= nvalid) break;

@@ -73,10 +73,31 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
 
     // Digest: each chunk's FNV, then thread 0 folds the chunk digests in order.
     const int n_chunks = (vocab + RS_CHUNK - 1) / RS_CHUNK;
+    // A thread's chunk is 1 KiB of consecutive values, a cache line per 32: read as
+    // 16-byte vectors, eight in flight (scalar loads stalled on each line in turn).
+    const bool vec = (reinterpret_cast<size_t>(row) & 15) == 0;
     for (int c = t; c < n_chunks; c += RS_THREADS) {
         unsigned long long h = FNV_BASIS;
-        const int end = min(vocab, (c + 1) * RS_CHUNK);
-        for (int i = c * RS_CHUNK; i < end; ++i) h = fnv_u32(h, __float_as_uint(row[i]));
+        const int begin = c * RS_CHUNK;
+        const int end = min(vocab, begin + RS_CHUNK);
+        int i = begin;
+        if (vec && end - begin == RS_CHUNK) {
+            const float4* p = reinterpret_cast<const float4*>(row + begin);
+            for (int q0 = 0; q0 < RS_CHUNK / 4; q0 += 8) {
+                float4 v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) v[u] = p[q0 + u];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    h = fnv_u32(h, __float_as_uint(v[u].x));
+                    h = fnv_u32(h, __float_as_uint(v[u].y));
+                    h = fnv_u32(h, __float_as_uint(v[u].z));
+                    h = fnv_u32(h, __float_as_uint(v[u].w));
+                }
+            }
+            i = end;
+        }
+        for (; i < end; ++i) h = fnv_u32(h, __float_as_uint(row[i]));
         chunk_digest[c] = h;
     }
     __syncthreads();

@@ -189,7 +189,7 @@ impl CudaBackend {
             Numerics::Fast => Some(Blas::new(&dev.stream).map_err(err)?),
         };
         tracing::info!(rank, numerics = numerics.as_str(), "CUDA backend numerics");
-        Ok(Self {
+        let backend = Self {
             comm,
             dev: Arc::new(dev),
             coll,
@@ -199,7 +199,35 @@ impl CudaBackend {
             blas,
             meta: Mutex::new(None),
             prof: Profiler::from_env(rank),
-        })
+        };
+        backend.warm_up_collectives()?;
+        Ok(backend)
+    }
+
+    /// At TP > 1, runs each collective a step uses once (the all-reduce of this
+    /// numerics, the all-gather) on a small buffer, so that their one-time costs (NCCL's
+    /// connection setup, kernel loads, first scratch buffers) are paid at load time and
+    /// not by the first request's prefill. Collective: every rank runs it inside `new`.
+    fn warm_up_collectives(&self) -> Result<(), BackendError> {
+        if self.comm.world_size() == 1 {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        let x = self.act(
+            self.dev.zeros_f32(4096).map_err(|e| self.dev_err(e))?,
+            1,
+            4096,
+        );
+        let gathered = self.all_gather_cols_untimed(&x)?;
+        let reduced = self.all_reduce_untimed(x)?;
+        self.dev.synchronize().map_err(|e| self.dev_err(e))?;
+        drop((gathered, reduced));
+        tracing::info!(
+            rank = self.comm.rank(),
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "collectives warmed up"
+        );
+        Ok(())
     }
 
     /// A world-size-1 backend on an already opened device, with the simple GEMM.
