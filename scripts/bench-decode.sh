@@ -10,7 +10,7 @@
 # bandwidth measured in this run); scripts/decode-report.py prints the ratios side by side.
 # PROFILE=1 adds ARBOR_PROFILE=1 runs (per-op device time) at TP 1, batch 1 and 64;
 # REFERENCE=0 skips the reference loop (its compile takes ~2 minutes per TP); PREFILL=0
-# skips the 8 × 1024-token prefill runs.
+# skips the 8 × 1024-token prefill runs; SAMPLED=0 skips the sampled-decode runs.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-580}
@@ -66,6 +66,22 @@ for tp in $TPS; do
         grep -E "TP $tp $num" "$OUT/decode-arbor.log" | sed 's/^\[rank 0\] //' | tail -n 4 | tee -a "$SUMMARY"
     done
 done
+# Sampled decode (invariant numerics): a pure temperature draws on the GPU (Gumbel max in
+# the row-stats kernel); top-k 50 takes each row to the host for its sort. SAMPLED=0 skips.
+if [[ ${SAMPLED:-1} == 1 ]]; then
+    for tp in $TPS; do
+        launch=("$BIN/arbor-launch" -n "$tp" --)
+        ((tp == 1)) && launch=()
+        for extra in "--temperature 1" "--temperature 1 --top-k 50"; do
+            tag=$(echo "$extra" | tr -d ' -')
+            # shellcheck disable=SC2086 # $extra is two or four words on purpose
+            step "sampled TP $tp $extra" "$OUT/decode-sampled.log" 150 "${launch[@]}" "$ARBOR" bench decode \
+                --model "$L8B" --device cuda --numerics invariant --batch "$BATCHES" --steps "$STEPS" \
+                $extra --out "$OUT/decode-sampled-tp$tp-$tag.json"
+            grep -E "TP $tp invariant" "$OUT/decode-sampled.log" | sed 's/^\[rank 0\] //' | tail -n 4 | tee -a "$SUMMARY"
+        done
+    done
+fi
 # Prefill at the issue's shape (8 × 1024 tokens), both numerics, every TP: `bench decode`
 # with one decode step; its prefill figure is the number.
 if [[ ${PREFILL:-1} == 1 ]]; then

@@ -1,7 +1,8 @@
 // What a step's record needs from each logits row, so that only a few bytes per row leave
 // the GPU: argmax (lowest index on ties, NaN never wins, index 0 if every value is NaN),
-// the value there, log Σ exp, the value at a requested index, and the chunked FNV digest
-// of model/src/sampling.rs::digest. One block of RS_THREADS per row; every reduction has
+// the value there, log Σ exp, the value at a requested index, the chunked FNV digest
+// of model/src/sampling.rs::digest, and on request a temperature draw by the Gumbel-max
+// trick (kernels/src/cpu/gumbel.rs: argmax of x·inv_t + g(key, i), exact like the argmax). One block of RS_THREADS per row; every reduction has
 // a fixed order (thread t takes elements t, t + RS_THREADS, ... in order, then a fixed
 // shared-memory tree), so a row's results depend only on the row: not on the batch, the
 // TP size (the logits are all-gathered first) or the launch.
@@ -10,6 +11,37 @@
 #define RS_CHUNK 256
 #define FNV_BASIS 0xcbf29ce484222325ULL
 #define FNV_PRIME 0x00000100000001b3ULL
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+// gumbel.rs::gumbel: u from the top 24 bits (exact in f32), g = −ln(−ln u).
+__device__ __forceinline__ float gumbel_noise(unsigned long long key, unsigned int i) {
+    const unsigned long long h = splitmix64(key ^ (unsigned long long)i);
+    const float u = ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    return -logf(-logf(u));
+}
+
+// The block's best (value, index) of per-thread candidates: larger value, then lower
+// index; index < 0 is "none". A fixed tree, so the winner is exact.
+__device__ __forceinline__ void block_argmax(float* sv, int* si, int t) {
+    for (int s = RS_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            const float ov = sv[t + s];
+            const int oi = si[t + s];
+            const int mi = si[t];
+            if (oi >= 0 && (mi < 0 || ov > sv[t] || (ov == sv[t] && oi < mi))) {
+                sv[t] = ov;
+                si[t] = oi;
+            }
+        }
+        __syncthreads();
+    }
+}
 
 __device__ __forceinline__ unsigned long long fnv_u32(unsigned long long h, unsigned int v) {
 #pragma unroll
@@ -21,9 +53,11 @@ __device__ __forceinline__ unsigned long long fnv_u32(unsigned long long h, unsi
 }
 
 // grid: rows; block: RS_THREADS; dynamic shared memory: n_chunks * 8 bytes.
-// out_f: [rows, 3] = (max, lse, picked); out_u: [rows, 2] = (argmax, digest).
+// params: [rows, 3] = (pick index or ≥ vocab for none, draw key, draw flag << 32 | inv_t
+// bits: flag 0 = no draw). out_f: [rows, 4] = (max, lse, picked, value at the draw);
+// out_u: [rows, 3] = (argmax, digest, drawn index or u32::MAX).
 extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int cols, int vocab,
-                                            const unsigned int* __restrict__ pick,
+                                            const unsigned long long* __restrict__ params,
                                             float* __restrict__ out_f,
                                             unsigned long long* __restrict__ out_u) {
     extern __shared__ unsigned long long chunk_digest[];
@@ -44,20 +78,32 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
     sv[t] = bv;
     si[t] = bi;
     __syncthreads();
-    for (int s = RS_THREADS / 2; s > 0; s >>= 1) {
-        if (t < s) {
-            const float ov = sv[t + s];
-            const int oi = si[t + s];
-            const int mi = si[t];
-            if (oi >= 0 && (mi < 0 || ov > sv[t] || (ov == sv[t] && oi < mi))) {
-                sv[t] = ov;
-                si[t] = oi;
-            }
-        }
-        __syncthreads();
-    }
+    block_argmax(sv, si, t);
     const int am = si[0] < 0 ? 0 : si[0];
     const float m = si[0] < 0 ? NEG_INF : sv[0];
+    __syncthreads();
+
+    // The draw: the same exact argmax over the perturbed values.
+    const unsigned long long* pr = params + (size_t)blockIdx.x * 3;
+    const bool draw = (pr[2] >> 32) != 0;
+    int drawn = -1;
+    if (draw) {
+        const unsigned long long key = pr[1];
+        const float inv_t = __uint_as_float((unsigned int)(pr[2] & 0xffffffffu));
+        float gv = 0.0f;
+        int gi = -1;
+        for (int i = t; i < vocab; i += RS_THREADS) {
+            const float v = row[i];
+            if (v != v) continue;
+            const float k = v * inv_t + gumbel_noise(key, (unsigned int)i);
+            if (gi < 0 || k > gv) { gv = k; gi = i; }
+        }
+        sv[t] = gv;
+        si[t] = gi;
+        __syncthreads();
+        block_argmax(sv, si, t);
+        drawn = si[0] < 0 ? 0 : si[0];
+    }
 
     // log Σ exp(x - m): per thread in index order, then the tree.
     float acc = 0.0f;
@@ -108,13 +154,16 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
             h = fnv_u32(h, (unsigned int)(d & 0xffffffffu));
             h = fnv_u32(h, (unsigned int)(d >> 32));
         }
-        const unsigned int p = pick[blockIdx.x];
-        float* of = out_f + (size_t)blockIdx.x * 3;
-        of[0] = vocab > 0 ? row[am] : __int_as_float(0x7fc00000);
+        const unsigned long long p = pr[0];
+        const float nan = __int_as_float(0x7fc00000);
+        float* of = out_f + (size_t)blockIdx.x * 4;
+        of[0] = vocab > 0 ? row[am] : nan;
         of[1] = (m == NEG_INF) ? m : m + logf(ss[0]);
-        of[2] = (p < (unsigned int)vocab) ? row[p] : __int_as_float(0x7fc00000);
-        unsigned long long* ou = out_u + (size_t)blockIdx.x * 2;
+        of[2] = (p < (unsigned long long)vocab) ? row[p] : nan;
+        of[3] = (drawn >= 0 && vocab > 0) ? row[drawn] : nan;
+        unsigned long long* ou = out_u + (size_t)blockIdx.x * 3;
         ou[0] = (unsigned long long)am;
         ou[1] = h;
+        ou[2] = drawn >= 0 ? (unsigned long long)drawn : 0xffffffffULL;
     }
 }

@@ -354,8 +354,9 @@ impl<B: Backend> Model<B> {
         b: &B,
         logits: &B::Act,
         pick: &[u32],
+        draws: &[Option<crate::sampling::GumbelDraw>],
     ) -> BResult<Vec<crate::sampling::RowStats>> {
-        b.row_stats(logits, self.head.vocab(), pick)
+        b.row_stats(logits, self.head.vocab(), pick, draws)
     }
 }
 

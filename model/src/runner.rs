@@ -13,7 +13,7 @@ use crate::error::{MResult, ModelError};
 use crate::forward::{Model, Trace};
 use crate::generation_config::GenerationConfig;
 use crate::layers::LoadCtx;
-use crate::sampling::{self, RowStats, Sampling, TokenLogprob};
+use crate::sampling::{self, GumbelDraw, RowStats, Sampling, TokenLogprob};
 use crate::tokenizer_config::TokenizerConfig;
 use crate::weights::WeightStore;
 
@@ -347,6 +347,7 @@ impl<B: Backend> Engine<B> {
         out_rows: &[usize],
         ids_of: &[u64],
         pick: &[u32],
+        draws: &[Option<GumbelDraw>],
         need_host: bool,
     ) -> MResult<(Vec<RowStats>, Option<Vec<f32>>)> {
         let mut trace = self.shadow.as_ref().map(|_| Trace::new());
@@ -366,7 +367,7 @@ impl<B: Backend> Engine<B> {
         };
         let stats = self
             .model
-            .row_stats(&self.backend, &dev_logits, pick)
+            .row_stats(&self.backend, &dev_logits, pick, draws)
             .map_err(|e| self.berr(e))?;
         if !need_host && self.shadow.is_none() {
             return Ok((stats, None));
@@ -529,10 +530,12 @@ impl<B: Backend> Engine<B> {
             }
         }
         let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
+        let draws: Vec<Option<GumbelDraw>> = tasks.iter().map(RowTask::draw).collect();
         let need_host = tasks.iter().any(RowTask::needs_row);
         let t0 = std::time::Instant::now();
-        let (stats, logits) =
-            self.step(caches, &ids, &seqs, &out_rows, &ids_of, &pick, need_host)?;
+        let (stats, logits) = self.step(
+            caches, &ids, &seqs, &out_rows, &ids_of, &pick, &draws, need_host,
+        )?;
         let vocab = self.model.cfg.vocab_size.max(1);
         let host_ok = logits
             .as_ref()
@@ -593,8 +596,21 @@ impl RowTask {
         }
     }
 
-    /// Whether the record needs the whole row on the host: top-N, or a sampled (not
-    /// greedy) token.
+    /// The draw the backend makes where the logits are: pure temperature sampling.
+    fn draw(&self) -> Option<GumbelDraw> {
+        match *self {
+            RowTask::Score { .. } => None,
+            RowTask::Sample {
+                ref sampling,
+                key,
+                position,
+                ..
+            } => sampling::gumbel_draw(sampling, key, position),
+        }
+    }
+
+    /// Whether the record needs the whole row on the host: top-N, or a token sampled
+    /// with a top-k / top-p cut (a sort over the vocabulary).
     fn needs_row(&self) -> bool {
         match *self {
             RowTask::Score { n_top, .. } => n_top > 0,
@@ -602,7 +618,7 @@ impl RowTask {
                 ref sampling,
                 n_top,
                 ..
-            } => n_top > 0 || sampling.temperature != 0.0,
+            } => n_top > 0 || (sampling.temperature != 0.0 && self.draw().is_none()),
         }
     }
 
@@ -616,6 +632,9 @@ impl RowTask {
                 position,
                 n_top,
             } => match row {
+                // The backend's draw, also when the row came to the host for top-N: a
+                // request's tokens do not depend on whether it asked for log-probs.
+                _ if stats.sampled != u32::MAX => (stats.sampled, stats.sampled_value, n_top),
                 Some(row) if sampling.temperature != 0.0 && row.len() > 1 => {
                     let t = sampling::choose(row, sampling, key, position);
                     (t, row[t as usize], n_top)

@@ -55,18 +55,28 @@ pub struct TokenLogprob {
     pub logprob: f32,
 }
 
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+use arbor_kernels::cpu::gumbel::splitmix64;
+pub use arbor_kernels::cpu::{gumbel_argmax, GumbelDraw};
+
+/// The 64-bit key of (seed, request id, position): a pure function of the triple, so it
+/// does not depend on the batch slot or how many steps ran before.
+pub fn draw_key(seed: u64, id: u64, position: u64) -> u64 {
+    splitmix64(splitmix64(splitmix64(seed) ^ id) ^ position)
 }
 
-/// The uniform draw in [0, 1) for (seed, request id, position): a pure function of the
-/// triple, so it does not depend on the batch slot or how many steps ran before.
+/// The uniform draw in [0, 1) for (seed, request id, position).
 pub fn uniform(seed: u64, id: u64, position: u64) -> f64 {
-    let h = splitmix64(splitmix64(splitmix64(seed) ^ id) ^ position);
-    (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    (draw_key(seed, id, position) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// The Gumbel-max draw of a pure temperature sampling (no top-k, no top-p cut), which a
+/// backend runs where the logits are; None for greedy rows and for top-k / top-p, whose
+/// sort stays on the host ([`choose`]).
+pub fn gumbel_draw(s: &Sampling, id: u64, position: usize) -> Option<GumbelDraw> {
+    (s.temperature != 0.0 && s.top_k == 0 && s.top_p >= 1.0).then(|| GumbelDraw {
+        inv_t: 1.0 / s.temperature,
+        key: draw_key(s.seed, id, position as u64),
+    })
 }
 
 pub use arbor_kernels::cpu::digest::{digest, DIGEST_CHUNK};
@@ -124,17 +134,31 @@ pub fn map_rows<T: Send>(
 /// [`RowStats`] of `rows` rows of `vocab` values (row stride `cols`), on the host: the
 /// sequential log-sum-exp, so the CPU backend's log-probs keep their bits. `pick[r]` is
 /// the index whose value is returned in `picked` (`u32::MAX`: none).
-pub fn host_row_stats(logits: &[f32], cols: usize, vocab: usize, pick: &[u32]) -> Vec<RowStats> {
+/// `draws[r]`: the Gumbel-max draw to make on row r.
+pub fn host_row_stats(
+    logits: &[f32],
+    cols: usize,
+    vocab: usize,
+    pick: &[u32],
+    draws: &[Option<GumbelDraw>],
+) -> Vec<RowStats> {
     map_rows(pick.len(), pick.len() * vocab, |r, threads| {
         let row = &logits[r * cols..r * cols + vocab];
         let (lse, digest) = lse_and_digest(row, threads);
         let a = argmax(row);
+        let sampled = draws
+            .get(r)
+            .copied()
+            .flatten()
+            .map_or(u32::MAX, |d| gumbel_argmax(row, d) as u32);
         RowStats {
             argmax: a as u32,
             max: row.get(a).copied().unwrap_or(f32::NAN),
             lse,
             picked: row.get(pick[r] as usize).copied().unwrap_or(f32::NAN),
             digest,
+            sampled,
+            sampled_value: row.get(sampled as usize).copied().unwrap_or(f32::NAN),
         }
     })
 }
@@ -229,6 +253,9 @@ fn sorted_desc(row: &[f32], limit: usize) -> Vec<usize> {
 pub fn choose(row: &[f32], s: &Sampling, id: u64, position: usize) -> u32 {
     if s.temperature == 0.0 || row.len() <= 1 {
         return argmax(row) as u32;
+    }
+    if let Some(d) = gumbel_draw(s, id, position) {
+        return gumbel_argmax(row, d) as u32;
     }
     let limit = if s.top_k == 0 {
         row.len()
@@ -328,6 +355,25 @@ mod tests {
     }
 
     #[test]
+    fn pure_temperature_draws_by_gumbel_max_and_cuts_sort() {
+        let row = [0.0f32, 1.0, 2.0, 3.0, -5.0];
+        let t = Sampling {
+            temperature: 0.9,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 4,
+        };
+        for pos in 0..50 {
+            let d = gumbel_draw(&t, 6, pos).expect("pure temperature draws");
+            assert_eq!(d.key, draw_key(4, 6, pos as u64));
+            assert_eq!(choose(&row, &t, 6, pos), gumbel_argmax(&row, d) as u32);
+        }
+        assert_eq!(gumbel_draw(&Sampling::greedy(), 6, 0), None);
+        assert_eq!(gumbel_draw(&Sampling { top_k: 2, ..t }, 6, 0), None);
+        assert_eq!(gumbel_draw(&Sampling { top_p: 0.9, ..t }, 6, 0), None);
+    }
+
+    #[test]
     fn parallel_lse_and_digest_have_the_sequential_bits() {
         let row: Vec<f32> = (0..100_003)
             .map(|i| ((i as f32) * 0.37).sin() * 9.0 + (i % 7) as f32)
@@ -348,8 +394,23 @@ mod tests {
             .map(|i| ((i as f32) * 0.013).sin() * 7.0)
             .collect();
         let pick = [0u32, 69_999, 5, u32::MAX, 123];
-        let stats = host_row_stats(&logits, cols, vocab, &pick);
+        let d = |t: f32, key: u64| {
+            Some(GumbelDraw {
+                inv_t: 1.0 / t,
+                key,
+            })
+        };
+        let draws = [None, d(0.7, 1), None, d(1.0, 2), d(1.3, 3)];
+        let stats = host_row_stats(&logits, cols, vocab, &pick, &draws);
         for (r, s) in stats.iter().enumerate() {
+            match draws[r] {
+                None => assert!(s.sampled == u32::MAX && s.sampled_value.is_nan()),
+                Some(d) => {
+                    let t = gumbel_argmax(&logits[r * cols..r * cols + vocab], d);
+                    assert_eq!(s.sampled as usize, t);
+                    assert_eq!(s.sampled_value.to_bits(), logits[r * cols + t].to_bits());
+                }
+            }
             let row = &logits[r * cols..r * cols + vocab];
             assert_eq!(s.argmax as usize, argmax(row));
             assert_eq!(s.max.to_bits(), row[argmax(row)].to_bits());

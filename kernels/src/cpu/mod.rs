@@ -8,6 +8,7 @@
 pub mod attention;
 pub mod digest;
 pub mod elementwise;
+pub mod gumbel;
 pub mod leaf;
 pub mod matmul;
 pub mod norm;
@@ -21,6 +22,7 @@ mod testutil;
 pub use attention::{attention, attention_on, AttnShape, ATTN_BLOCK};
 pub use digest::{digest, DIGEST_CHUNK};
 pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
+pub use gumbel::{gumbel_argmax, GumbelDraw};
 pub use leaf::{bf16_to_f32, LANES};
 pub use matmul::{plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, TreeMatmul};
 pub use norm::rms_norm;

@@ -44,6 +44,10 @@ pub struct RowStats {
     pub picked: f32,
     /// [`crate::cpu::digest`] of the row.
     pub digest: u64,
+    /// [`crate::cpu::gumbel_argmax`] when a draw was requested (`u32::MAX`: none).
+    pub sampled: u32,
+    /// The row's value at `sampled` (NaN when none was drawn).
+    pub sampled_value: f32,
 }
 
 /// Index of the largest value; the lowest index wins ties. NaN never wins; a row of

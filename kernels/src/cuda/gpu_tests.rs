@@ -594,7 +594,14 @@ fn row_stats_match_the_host_definitions_and_not_the_batch() {
     let flat: Vec<f32> = rows.concat();
     let pick = [3u32, 127_999, u32::MAX];
     let x = dev.upload_f32(&flat).unwrap();
-    let got = dev.row_stats(&x, 3, cols, vocab, &pick).unwrap();
+    let draw = |t: f32, key: u64| {
+        Some(crate::cpu::GumbelDraw {
+            inv_t: 1.0 / t,
+            key,
+        })
+    };
+    let draws = [draw(0.8, 11), None, draw(1.5, 12)];
+    let got = dev.row_stats(&x, 3, cols, vocab, &pick, &draws).unwrap();
     for (r, s) in got.iter().enumerate() {
         let row = &rows[r][..vocab];
         let am = crate::cpu::argmax(row);
@@ -609,6 +616,23 @@ fn row_stats_match_the_host_definitions_and_not_the_batch() {
             u32::MAX => assert!(s.picked.is_nan()),
             p => assert_eq!(s.picked.to_bits(), row[p as usize].to_bits()),
         }
+        match draws[r] {
+            None => assert_eq!(s.sampled, u32::MAX, "row {r}"),
+            Some(d) => {
+                // The device's logf may differ from the host's ln in the last bit: the
+                // draw is the host's, or a perturbed value within rounding of the host's.
+                let want = crate::cpu::gumbel_argmax(row, d);
+                let key = |i: usize| crate::cpu::gumbel::gumbel_key(row[i], i, d);
+                let got = s.sampled as usize;
+                assert!(
+                    got == want || (key(got) - key(want)).abs() <= 1e-5 * key(want).abs(),
+                    "row {r}: drew {got} (key {}), host {want} (key {})",
+                    key(got),
+                    key(want)
+                );
+                assert_eq!(s.sampled_value.to_bits(), row[got].to_bits());
+            }
+        }
         if r != 1 {
             let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
             let lse = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
@@ -622,7 +646,13 @@ fn row_stats_match_the_host_definitions_and_not_the_batch() {
     assert_eq!(got[1].argmax, 77);
     // A row alone gives the bits it gives in the batch.
     let one = dev.upload_f32(&rows[2]).unwrap();
-    let alone = dev.row_stats(&one, 1, cols, vocab, &[u32::MAX]).unwrap();
+    let alone = dev
+        .row_stats(&one, 1, cols, vocab, &[u32::MAX], &[draws[2]])
+        .unwrap();
+    assert_eq!(
+        alone[0].sampled, got[2].sampled,
+        "draw alone ≠ in the batch"
+    );
     assert_eq!(alone[0].lse.to_bits(), got[2].lse.to_bits());
     assert_eq!(alone[0].digest, got[2].digest);
 }

@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 use super::{CudaError, GpuDevice};
-use crate::cpu::RowStats;
+use crate::cpu::{GumbelDraw, RowStats};
 
 /// f32 device buffer (activations).
 pub type DevF32 = CudaSlice<f32>;
@@ -491,16 +491,18 @@ impl GpuDevice {
         cols: usize,
         vocab: usize,
         pick: &[u32],
+        draws: &[Option<GumbelDraw>],
     ) -> Result<Vec<RowStats>, CudaError> {
         const K: &str = "row_stats_kernel";
         check(
             K,
-            x.len() == rows * cols && vocab <= cols && pick.len() == rows,
+            x.len() == rows * cols && vocab <= cols && pick.len() == rows && draws.len() == rows,
             || {
                 format!(
-                    "{} values as [{rows}, {cols}] with vocab {vocab} and {} picks",
+                    "{} values as [{rows}, {cols}] with vocab {vocab}, {} picks and {} draws",
                     x.len(),
-                    pick.len()
+                    pick.len(),
+                    draws.len()
                 )
             },
         )?;
@@ -511,11 +513,20 @@ impl GpuDevice {
         if rows == 0 {
             return Ok(Vec::new());
         }
-        let dpick = self.upload_u32(pick)?;
-        let mut of = self.empty_f32(rows * 3)?;
+        // Per row: the pick, the draw's key, and its flag and inverse temperature.
+        let params: Vec<u64> = pick
+            .iter()
+            .zip(draws)
+            .flat_map(|(&p, d)| match d {
+                Some(d) => [p as u64, d.key, 1 << 32 | d.inv_t.to_bits() as u64],
+                None => [p as u64, 0, 0],
+            })
+            .collect();
+        let dparams = self.drv("uploading row params", self.stream.clone_htod(&params))?;
+        let mut of = self.empty_f32(rows * 4)?;
         // SAFETY: u64 has no invalid bit patterns; the kernel writes every element.
         let mut ou = self.drv("allocating u64 buffer", unsafe {
-            self.stream.alloc::<u64>(rows * 2)
+            self.stream.alloc::<u64>(rows * 3)
         })?;
         let (ci, vi) = (i32_of(K, "cols", cols)?, i32_of(K, "vocab", vocab)?);
         let cfg = LaunchConfig {
@@ -527,7 +538,7 @@ impl GpuDevice {
         b.arg(x)
             .arg(&ci)
             .arg(&vi)
-            .arg(&dpick)
+            .arg(&dparams)
             .arg(&mut of)
             .arg(&mut ou);
         self.launched(K, unsafe { b.launch(cfg) })?;
@@ -535,11 +546,13 @@ impl GpuDevice {
         let u = self.drv("downloading row stats", self.stream.clone_dtoh(&ou))?;
         Ok((0..rows)
             .map(|r| RowStats {
-                argmax: u[2 * r] as u32,
-                max: f[3 * r],
-                lse: f[3 * r + 1],
-                picked: f[3 * r + 2],
-                digest: u[2 * r + 1],
+                argmax: u[3 * r] as u32,
+                max: f[4 * r],
+                lse: f[4 * r + 1],
+                picked: f[4 * r + 2],
+                digest: u[3 * r + 1],
+                sampled: u[3 * r + 2] as u32,
+                sampled_value: f[4 * r + 3],
             })
             .collect())
     }

@@ -246,13 +246,15 @@ impl Backend for CpuBackend {
         logits: &CpuAct,
         vocab: usize,
         pick: &[u32],
+        draws: &[Option<crate::sampling::GumbelDraw>],
     ) -> BResult<Vec<crate::sampling::RowStats>> {
-        if vocab > logits.cols || pick.len() != logits.rows {
+        if vocab > logits.cols || pick.len() != logits.rows || draws.len() != logits.rows {
             return Err(self.shape_err(format!(
-                "row_stats of [{}, {}] with vocab {vocab} and {} picks",
+                "row_stats of [{}, {}] with vocab {vocab}, {} picks and {} draws",
                 logits.rows,
                 logits.cols,
-                pick.len()
+                pick.len(),
+                draws.len()
             )));
         }
         Ok(crate::sampling::host_row_stats(
@@ -260,6 +262,7 @@ impl Backend for CpuBackend {
             logits.cols,
             vocab,
             pick,
+            draws,
         ))
     }
     fn silu_mul_halves(&self, gu: &CpuAct) -> BResult<CpuAct> {

@@ -563,10 +563,11 @@ impl Backend for CudaBackend {
         logits: &CudaAct,
         vocab: usize,
         pick: &[u32],
+        draws: &[Option<crate::sampling::GumbelDraw>],
     ) -> BResult<Vec<crate::sampling::RowStats>> {
         self.timed("row_stats", logits.rows, || {
             self.dev
-                .row_stats(&logits.buf, logits.rows, logits.cols, vocab, pick)
+                .row_stats(&logits.buf, logits.rows, logits.cols, vocab, pick, draws)
                 .map_err(|e| self.dev_err(e))
         })
     }

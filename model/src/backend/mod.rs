@@ -204,13 +204,15 @@ pub trait Backend {
     /// every rank gets the full tree's root (same bits on all ranks and at every TP).
     fn tree_all_reduce(&self, partial: Self::Act) -> BResult<Self::Act>;
     /// Per row of `logits` (its first `vocab` columns): argmax, the max, log Σ exp, the
-    /// value at `pick[r]` (`u32::MAX`: none) and the digest (`sampling::RowStats`), computed
-    /// where the logits are, so that a step need not download them.
+    /// value at `pick[r]` (`u32::MAX`: none), the digest and, where `draws[r]` asks, the
+    /// Gumbel-max draw (`sampling::RowStats`), computed where the logits are, so that a
+    /// step need not download them.
     fn row_stats(
         &self,
         logits: &Self::Act,
         vocab: usize,
         pick: &[u32],
+        draws: &[Option<crate::sampling::GumbelDraw>],
     ) -> BResult<Vec<crate::sampling::RowStats>>;
     /// Concatenate the ranks' column blocks (equal widths): `[rows, cols]` → `[rows, world·cols]`.
     fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;

@@ -2,7 +2,8 @@
 //! size, with the model loaded once (run under `arbor-launch -n TP` for TP > 1).
 //!
 //! Each batch size runs `--prompt-len`-token prompts (fixed pseudo-random ids) through
-//! `generate` for `--steps` new tokens, greedy; a warm-up generate first takes the one-time
+//! `generate` for `--steps` new tokens, greedy (or sampled: `--temperature`, `--top-k`);
+//! a warm-up generate first takes the one-time
 //! costs (kernel compilation, first collectives, allocator growth) out of the figures. A
 //! step is timed from its plan to its rows' records (tokens chosen, log-probs), so host
 //! sampling is part of it. Rank 0 prints one line per batch and writes JSON;
@@ -37,6 +38,13 @@ pub struct Args {
     /// prefill).
     #[arg(long, default_value_t = 64)]
     steps: usize,
+    /// Sampling temperature (0: greedy). A pure temperature draws on the device (Gumbel
+    /// max); with `--top-k` the logits go to the host for the sort.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens when sampling (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
     /// JSON output (rank 0).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -47,6 +55,8 @@ struct Row {
     tp: usize,
     numerics: &'static str,
     device: &'static str,
+    temperature: f32,
+    top_k: usize,
     batch: usize,
     prompt_len: usize,
     decode_steps: usize,
@@ -101,7 +111,13 @@ pub fn run(a: Args) -> Result<()> {
     if vocab < 2 {
         bail!("model {} has a vocabulary of {vocab}", a.model.display());
     }
-    let greedy = Sampling::greedy();
+    let sampling = Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: 1.0,
+        seed: 1,
+    };
+    sampling.validate().context("--temperature / --top-k")?;
     let device = a.device.resolve_name();
     let numerics = a.numerics.resolve().as_str();
     let bytes = weight_bytes_per_rank(runner.as_ref());
@@ -110,7 +126,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut warm = prompts(1, a.prompt_len.min(16), vocab, 1 << 40);
     warm[0].max_new_tokens = 4;
     runner
-        .generate(&warm, &greedy, 0)
+        .generate(&warm, &sampling, 0)
         .context("warm-up generate")?;
     if rank == 0 {
         eprintln!(
@@ -128,7 +144,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         let before = runner.timing();
         runner
-            .generate(&reqs, &greedy, 0)
+            .generate(&reqs, &sampling, 0)
             .with_context(|| format!("generate at batch {b}"))?;
         let after = runner.timing();
         let steps = after.decode_steps - before.decode_steps;
@@ -138,6 +154,8 @@ pub fn run(a: Args) -> Result<()> {
             tp: runner.tp(),
             numerics,
             device,
+            temperature: a.temperature,
+            top_k: a.top_k,
             batch: b,
             prompt_len: a.prompt_len,
             decode_steps: steps,
@@ -151,9 +169,14 @@ pub fn run(a: Args) -> Result<()> {
         };
         if rank == 0 {
             println!(
-                "TP {} {:<9} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step); prefill {:>9.1} ms for {} tokens",
+                "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step); prefill {:>9.1} ms for {} tokens",
                 row.tp,
                 numerics,
+                match (a.temperature, a.top_k) {
+                    (t, _) if t == 0.0 => String::new(),
+                    (t, 0) => format!(" T={t}"),
+                    (t, k) => format!(" T={t} top-k {k}"),
+                },
                 b,
                 row.decode_ms_per_step,
                 row.decode_tok_s,
