@@ -173,7 +173,7 @@ pub fn run(a: Args) -> Result<()> {
                 row.tp,
                 numerics,
                 match (a.temperature, a.top_k) {
-                    (t, _) if t == 0.0 => String::new(),
+                    (0.0, _) => String::new(),
                     (t, 0) => format!(" T={t}"),
                     (t, k) => format!(" T={t} top-k {k}"),
                 },
