@@ -335,6 +335,49 @@ fn bench_decode_reports_every_batch_at_tp2() {
 }
 
 #[test]
+fn bench_decode_samples_with_temperature_and_top_k() {
+    let dir = Scratch::new("bench-decode-sampled");
+    let json = dir.path().join("decode.json");
+    let json_s = json.to_string_lossy().into_owned();
+    for extra in [
+        &["--temperature", "0.7"][..],
+        &["--temperature", "0.7", "--top-k", "5"],
+    ] {
+        let mut args = vec![
+            "bench",
+            "decode",
+            "--model",
+            model(),
+            "--batch",
+            "2",
+            "--prompt-len",
+            "4",
+            "--steps",
+            "4",
+            "--out",
+            &json_s,
+        ];
+        args.extend_from_slice(extra);
+        let out = run_arbor(&args);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(stdout.contains("TP 1 invariant T=0.7"), "{stdout}");
+        let rows: Vec<Value> =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let t = rows[0]["temperature"].as_f64().unwrap();
+        assert!((t - 0.7).abs() < 1e-6, "{t}");
+        assert_eq!(rows[0]["top_k"], if extra.len() == 4 { 5 } else { 0 });
+    }
+    let out = run_arbor(&["bench", "decode", "--model", model(), "--temperature=-1"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("temperature must be finite and >= 0"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn fast_numerics_are_refused_on_the_cpu_with_a_reason() {
     let out = run_arbor(&generate_args(&["--prompt", "hi", "--numerics", "fast"]));
     let (_, stderr) = text(&out);

@@ -104,13 +104,6 @@ pub fn run(a: Args) -> Result<()> {
     if a.prompt_len == 0 || a.steps < 2 {
         bail!("--prompt-len must be at least 1 and --steps at least 2 (one decode step)");
     }
-    let max_seq_len = a.prompt_len + a.steps;
-    let mut runner = common::load_runner(&a.model, a.device, Some(max_seq_len), false, a.numerics)?;
-    let rank = runner.rank();
-    let vocab = runner.config().vocab_size;
-    if vocab < 2 {
-        bail!("model {} has a vocabulary of {vocab}", a.model.display());
-    }
     let sampling = Sampling {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -118,6 +111,13 @@ pub fn run(a: Args) -> Result<()> {
         seed: 1,
     };
     sampling.validate().context("--temperature / --top-k")?;
+    let max_seq_len = a.prompt_len + a.steps;
+    let mut runner = common::load_runner(&a.model, a.device, Some(max_seq_len), false, a.numerics)?;
+    let rank = runner.rank();
+    let vocab = runner.config().vocab_size;
+    if vocab < 2 {
+        bail!("model {} has a vocabulary of {vocab}", a.model.display());
+    }
     let device = a.device.resolve_name();
     let numerics = a.numerics.resolve().as_str();
     let bytes = weight_bytes_per_rank(runner.as_ref());
