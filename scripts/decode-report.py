@@ -2,6 +2,7 @@
 """Side-by-side table of scripts/bench-decode.sh's results (no dependencies beyond Python).
 
 Reads DIR/decode-arbor-tp*-{invariant,fast}.json (arbor bench decode),
+DIR/decode-sampled-tp*-*.json (bench decode --temperature [--top-k]),
 DIR/decode-reference-tp*.json (decode_baseline.py) and DIR/decode-copy.json; prints ms/step
 and the ratios the engine issue's targets are stated in, and writes DIR/decode-report.json
 and DIR/decode-report.svg (ms/step vs batch, one line per TP and engine).
@@ -56,7 +57,22 @@ print("prefill ms (batch × 128 tokens), invariant / fast:")
 for r in rows:
     if r["prefill_ms_invariant"] is not None or r["prefill_ms_fast"] is not None:
         print(f"  TP {r['tp']} batch {r['batch']:>3}: {fmt(r['prefill_ms_invariant'], 1)} / {fmt(r['prefill_ms_fast'], 1)}")
-json.dump({"copy_gbps": copy_gbps, "rows": rows}, open(os.path.join(d, "decode-report.json"), "w"), indent=1)
+# Sampled decode (invariant): DIR/decode-sampled-tp*-*.json, next to greedy.
+sampled = {}  # (tp, label, batch) -> ms
+for f in glob.glob(os.path.join(d, "decode-sampled-tp*-*.json")):
+    for r in json.load(open(f)):
+        label = f"T={r['temperature']:g}" + (f" top-k {r['top_k']}" if r.get("top_k") else "")
+        sampled[(r["tp"], label, r["batch"])] = r["decode_ms_per_step"]
+sampled_rows = []
+if sampled:
+    print("sampled decode ms/step (invariant; a pure temperature draws on the device, top-k sorts on the host):")
+    for tp, label, b in sorted(sampled):
+        g = ms(tp, "invariant", b)
+        sampled_rows.append(dict(tp=tp, sampling=label, batch=b, ms=sampled[(tp, label, b)], greedy_ms=g))
+        print(f"  TP {tp} {label:<14} batch {b:>3}: {fmt(sampled[(tp, label, b)])} (greedy {fmt(g)}, "
+              f"ratio {fmt(ratio(sampled[(tp, label, b)], g), 2)})")
+json.dump({"copy_gbps": copy_gbps, "rows": rows, "sampled": sampled_rows},
+          open(os.path.join(d, "decode-report.json"), "w"), indent=1)
 
 # SVG: ms/step vs batch (log2 x), one polyline per (TP, engine).
 W, H, L, B = 720, 420, 60, 50
