@@ -10,8 +10,8 @@
 //   Per chunk: m' = max(m, chunk max), corr = exp(m − m'), l = l·corr + Σ_j p_j (butterfly),
 //   acc[d] = acc[d]·corr, then acc[d] = fma(p_j, v_j[d], acc[d]) for j in key order.
 // - Then the warps' states are combined in warp order w = 0 .. nw−1 (nw = the warps that
-//   own at least one chunk): M = max m_w; L = Σ l_w·e_w and O[d] = Σ acc_w[d]·e_w with
-//   e_w = exp(m_w − M), summed sequentially from w = 0; the output is O / L.
+//   own at least one chunk): M = max m_w, e_w = exp(m_w − M); L = l_0·e_0, then
+//   L = fma(l_w, e_w, L) for w = 1, 2, ...; O[d] likewise from acc_w[d]; the output is O / L.
 //
 // The query heads of a group share each key and value load (GQA); a head's arithmetic
 // does not depend on which other heads share its block. ATTN_CHUNK and ATTN_WARPS are
