@@ -2,6 +2,12 @@
 // stored f32): for i < half, (x1, x2) = (x[i], x[i+half]) →
 // (x1·cos − x2·sin, x2·cos + x1·sin). Dimensions past 2·half are left unrotated.
 
+// The rotation of one pair; both kernels use it, so their bits are the same.
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, float* y1, float* y2) {
+    *y1 = x1 * c - x2 * s;
+    *y2 = x2 * c + x1 * s;
+}
+
 extern "C" __global__ void rope_kernel(float* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                        const unsigned int* __restrict__ row_pos, int rows, int n_heads, int head_dim, int half) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -16,8 +22,7 @@ extern "C" __global__ void rope_kernel(float* __restrict__ x, const float* __res
     float* xh = x + ((size_t)r * n_heads + h) * head_dim;
     const float x1 = xh[j];
     const float x2 = xh[j + half];
-    xh[j] = x1 * c - x2 * s;
-    xh[j + half] = x2 * c + x1 * s;
+    rope_rotate(x1, x2, c, s, &xh[j], &xh[j + half]);
 }
 
 // The fused q/k/v output [rows, (n_heads + 2·n_kv)·head_dim] (q, k, v column blocks) →
@@ -53,8 +58,8 @@ extern "C" __global__ void qkv_rope_kv_kernel(const float* __restrict__ qkv, flo
     const size_t t = (size_t)row_pos[r] * half + j;
     const float c = cos_t[t];
     const float s = sin_t[t];
-    const float y1 = x1 * c - x2 * s;
-    const float y2 = x2 * c + x1 * s;
+    float y1, y2;
+    rope_rotate(x1, x2, c, s, &y1, &y2);
     if (h < n_heads) {
         float* dst = q_out + ((size_t)r * n_heads + h) * head_dim;
         dst[j] = y1;

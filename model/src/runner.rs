@@ -618,7 +618,7 @@ impl RowTask {
                 ref sampling,
                 n_top,
                 ..
-            } => n_top > 0 || (sampling.temperature != 0.0 && self.draw().is_none()),
+            } => n_top > 0 || (sampling.temperature != 0.0 && !sampling.draws_on_device()),
         }
     }
 

@@ -25,6 +25,12 @@ impl Sampling {
         }
     }
 
+    /// A pure temperature (no top-k, no top-p cut): drawn by Gumbel max where the logits
+    /// are ([`gumbel_draw`]); other non-greedy settings sort on the host ([`choose`]).
+    pub fn draws_on_device(&self) -> bool {
+        self.temperature != 0.0 && self.top_k == 0 && self.top_p >= 1.0
+    }
+
     pub fn validate(&self) -> MResult<()> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(ModelError::BadSampling(format!(
@@ -73,7 +79,7 @@ pub fn uniform(seed: u64, id: u64, position: u64) -> f64 {
 /// backend runs where the logits are; None for greedy rows and for top-k / top-p, whose
 /// sort stays on the host ([`choose`]).
 pub fn gumbel_draw(s: &Sampling, id: u64, position: usize) -> Option<GumbelDraw> {
-    (s.temperature != 0.0 && s.top_k == 0 && s.top_p >= 1.0).then(|| GumbelDraw {
+    s.draws_on_device().then(|| GumbelDraw {
         inv_t: 1.0 / s.temperature,
         key: draw_key(s.seed, id, position as u64),
     })

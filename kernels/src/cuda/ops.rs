@@ -1,7 +1,7 @@
 //! Typed launch wrappers: shapes are checked here, on the host, before any launch, so a
 //! kernel never reads or writes out of bounds because of a caller's mistake.
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::{CudaError, GpuDevice};
 use crate::cpu::{GumbelDraw, RowStats};
@@ -138,8 +138,35 @@ fn check_bf16_out(
     }
 }
 
-/// The null device pointer a kernel reads as "no bf16 output".
-const NO_OUTPUT: u64 = 0;
+/// Pushes an optional bf16 companion output: the buffer, or the null pointer the kernel
+/// reads as "none".
+fn arg_bf16_out<'a>(b: &mut LaunchArgs<'a>, outb: Option<&'a mut DevBf16>) {
+    const NO_OUTPUT: u64 = 0;
+    match outb {
+        Some(o) => b.arg(o),
+        None => b.arg(&NO_OUTPUT),
+    };
+}
+
+/// The norm kernels' shared checks (weight and companion output against `[rows, cols]`)
+/// and launch shape: one block of NORM_THREADS per row.
+fn norm_launch(
+    kernel: &'static str,
+    rows: usize,
+    cols: usize,
+    weight: &DevF32,
+    outb: &Option<&mut DevBf16>,
+) -> Result<LaunchConfig, CudaError> {
+    check_bf16_out(kernel, outb, rows * cols)?;
+    check(kernel, weight.len() == cols, || {
+        format!("weight has {} values, expected {cols}", weight.len())
+    })?;
+    Ok(LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
 
 impl GpuDevice {
     fn drv<T>(
@@ -390,29 +417,18 @@ impl GpuDevice {
         outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
         const K: &str = "rms_norm_kernel";
-        check_bf16_out(K, &outb, rows * cols)?;
         check(K, x.len() == rows * cols, || {
             format!("x has {} values, expected {rows}×{cols}", x.len())
         })?;
-        check(K, weight.len() == cols, || {
-            format!("weight has {} values, expected {cols}", weight.len())
-        })?;
+        let cfg = norm_launch(K, rows, cols, weight, &outb)?;
         let mut out = self.empty_f32(rows * cols)?;
         if rows == 0 || cols == 0 {
             return Ok(out);
         }
         let ci = i32_of(K, "cols", cols)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (NORM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let mut b = self.stream.launch_builder(self.func(K)?);
         b.arg(x).arg(weight).arg(&mut out);
-        match outb {
-            Some(o) => b.arg(o),
-            None => b.arg(&NO_OUTPUT),
-        };
+        arg_bf16_out(&mut b, outb);
         b.arg(&ci).arg(&eps);
         self.launched(K, unsafe { b.launch(cfg) })?;
         Ok(out)
@@ -432,7 +448,6 @@ impl GpuDevice {
         outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
         const K: &str = "add_rms_norm_kernel";
-        check_bf16_out(K, &outb, rows * cols)?;
         check(K, x.len() == rows * cols && y.len() == rows * cols, || {
             format!(
                 "x has {} values, y {}, expected {rows}×{cols}",
@@ -440,25 +455,15 @@ impl GpuDevice {
                 y.len()
             )
         })?;
-        check(K, weight.len() == cols, || {
-            format!("weight has {} values, expected {cols}", weight.len())
-        })?;
+        let cfg = norm_launch(K, rows, cols, weight, &outb)?;
         let mut out = self.empty_f32(rows * cols)?;
         if rows == 0 || cols == 0 {
             return Ok(out);
         }
         let ci = i32_of(K, "cols", cols)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (NORM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let mut b = self.stream.launch_builder(self.func(K)?);
         b.arg(x).arg(y).arg(weight).arg(&mut out);
-        match outb {
-            Some(o) => b.arg(o),
-            None => b.arg(&NO_OUTPUT),
-        };
+        arg_bf16_out(&mut b, outb);
         b.arg(&ci).arg(&eps);
         self.launched(K, unsafe { b.launch(cfg) })?;
         Ok(out)
@@ -577,10 +582,7 @@ impl GpuDevice {
         let (r, ii) = (rows as i64, i32_of(K, "inter", inter)?);
         let mut b = self.stream.launch_builder(self.func(K)?);
         b.arg(gu).arg(&mut out);
-        match outb {
-            Some(o) => b.arg(o),
-            None => b.arg(&NO_OUTPUT),
-        };
+        arg_bf16_out(&mut b, outb);
         b.arg(&r).arg(&ii);
         self.launched(K, unsafe { b.launch(elementwise_cfg(rows * inter)) })?;
         Ok(out)
@@ -1030,10 +1032,7 @@ impl GpuDevice {
         );
         let mut b = self.stream.launch_builder(self.func(kernel)?);
         b.arg(q).arg(kc).arg(vc).arg(&mut out);
-        match outb {
-            Some(o) => b.arg(o),
-            None => b.arg(&NO_OUTPUT),
-        };
+        arg_bf16_out(&mut b, outb);
         b.arg(&ds).arg(&dp);
         b.arg(&hi)
             .arg(&kvi)

@@ -286,6 +286,19 @@ impl CudaBackend {
         }
     }
 
+    fn act_with_bf16(
+        &self,
+        buf: DevF32,
+        rows: usize,
+        cols: usize,
+        bf16: Option<DevBf16>,
+    ) -> CudaAct {
+        CudaAct {
+            bf16,
+            ..self.act(buf, rows, cols)
+        }
+    }
+
     /// A bf16 companion buffer of `len` values for an op whose output feeds a GEMM, when
     /// the GEMMs read bf16 (the tensor-core kernels and cuBLAS; the simple kernel reads f32).
     fn bf16_out(&self, len: usize) -> BResult<Option<DevBf16>> {
@@ -523,10 +536,7 @@ impl Backend for CudaBackend {
                 .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps, bf16.as_mut())
                 .map_err(|e| self.dev_err(e))
         })?;
-        Ok(CudaAct {
-            bf16,
-            ..self.act(buf, x.rows, x.cols)
-        })
+        Ok(self.act_with_bf16(buf, x.rows, x.cols, bf16))
     }
 
     fn matmul(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
@@ -586,10 +596,7 @@ impl Backend for CudaBackend {
                 .silu_mul_halves(&gu.buf, gu.rows, inter, bf16.as_mut())
                 .map_err(|e| self.dev_err(e))
         })?;
-        Ok(CudaAct {
-            bf16,
-            ..self.act(buf, gu.rows, inter)
-        })
+        Ok(self.act_with_bf16(buf, gu.rows, inter, bf16))
     }
 
     fn split_cols(&self, x: &CudaAct, widths: &[usize]) -> BResult<Vec<CudaAct>> {
@@ -658,10 +665,7 @@ impl Backend for CudaBackend {
                 )
                 .map_err(|e| self.dev_err(e))
         })?;
-        Ok(CudaAct {
-            bf16,
-            ..self.act(buf, rows, cols)
-        })
+        Ok(self.act_with_bf16(buf, rows, cols, bf16))
     }
 
     fn qkv_rope_kv(
@@ -955,10 +959,7 @@ impl CudaBackend {
                 bf16.as_mut(),
             )
             .map_err(|e| self.dev_err(e))?;
-        Ok(CudaAct {
-            bf16,
-            ..self.act(buf, q.rows, q.cols)
-        })
+        Ok(self.act_with_bf16(buf, q.rows, q.cols, bf16))
     }
 
     fn all_reduce_untimed(&self, partial: CudaAct) -> BResult<CudaAct> {
