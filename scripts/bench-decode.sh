@@ -14,13 +14,8 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-580}
-export OUT=${OUT:-/tmp/arbor-out}
-mkdir -p "$OUT"
-SUMMARY=$OUT/decode-summary.txt
-: >"$SUMMARY"
 source scripts/device-lib.sh
-BIN=${ARBOR_DEVICE_DIR:-.device}
-ARBOR=$BIN/arbor
+script_start decode-summary.txt
 WORK=/tmp/arbor-bench-decode
 mkdir -p "$WORK"
 GPUS=$(nvidia-smi -L | wc -l)
@@ -46,16 +41,7 @@ json.dump({"copy_gbps": gbps}, open(os.path.join(os.environ.get("OUT", "/tmp/arb
 PY
 tail -n 1 "$OUT/decode-copy.log" | tee -a "$SUMMARY"
 
-# A model left by gpu-check.sh on a still-warm machine is reused (its marker says the make
-# finished).
-L8B=${L8B_DIR:-/tmp/arbor-l8b}
-if [[ -f $L8B.complete ]]; then
-    note "reusing the llama3-8b model in $L8B"
-else
-    rm -rf "$L8B"
-    step "make llama3-8b" "$WORK/make.log" 150 "$ARBOR" make-model --preset llama3-8b --out "$L8B" --force &&
-        touch "$L8B.complete"
-fi
+l8b_model "$WORK/make.log"
 for tp in $TPS; do
     for num in $NUMERICS; do
         launch=("$BIN/arbor-launch" -n "$tp" --)

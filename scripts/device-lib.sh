@@ -66,7 +66,8 @@ timed_generate() {
         # generate's own timing line (rank 0, stderr): prefill and decode measured in-process.
         local line
         line=$(grep -h 'timing (rank 0' "$log" | tail -n 1 | sed 's/^\[rank 0\] //')
-        [[ -n $line ]] && note "TIME  $key: $line"
+        # "TIMING", not "TIME": the callers fail a run whose summary has a "TIME" (timeout) line.
+        [[ -n $line ]] && note "TIMING $key: $line"
         WALL[$key]=$(awk -v a="$t" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
         TOKS[$key]=$(grep -o '"tokens":\[[^]]*\]' "$out" |
             awk -F, '{ n += ($0 ~ /\[\]/) ? 0 : NF } END { print n + 0 }')
@@ -85,5 +86,30 @@ decode_report() {
     done
     if [[ -n ${WALL[$a-1]:-} && -n ${WALL[$a-$n]:-} && -n ${WALL[$b-1]:-} && -n ${WALL[$b-$n]:-} ]]; then
         note "WALL  $b / $a decode: $(awk -v t1="${WALL[$b-1]}" -v t="${WALL[$b-$n]}" -v s1="${WALL[$a-1]}" -v s="${WALL[$a-$n]}" 'BEGIN { d = s - s1; if (d > 0) printf "%.3f", (t - t1) / d; else print "n/a" }') (below 1: $b faster)"
+    fi
+}
+
+# script_start SUMMARY_NAME: the shared start of the decode scripts. OUT (exported, default
+# /tmp/arbor-out), SUMMARY=$OUT/SUMMARY_NAME (emptied), BIN (.device) and ARBOR.
+script_start() {
+    export OUT=${OUT:-/tmp/arbor-out}
+    mkdir -p "$OUT"
+    SUMMARY=$OUT/$1
+    : >"$SUMMARY"
+    BIN=${ARBOR_DEVICE_DIR:-.device}
+    ARBOR=$BIN/arbor
+}
+
+# l8b_model LOG: sets L8B to the llama3-8b-shape model, made once per machine: a model
+# left by another script on a still-warm machine is reused (its marker says the make
+# finished).
+l8b_model() {
+    L8B=${L8B_DIR:-/tmp/arbor-l8b}
+    if [[ -f $L8B.complete ]]; then
+        note "reusing the llama3-8b model in $L8B"
+    else
+        rm -rf "$L8B"
+        step "make llama3-8b" "$1" 150 "$ARBOR" make-model --preset llama3-8b --out "$L8B" --force &&
+            touch "$L8B.complete"
     fi
 }

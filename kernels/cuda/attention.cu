@@ -1,5 +1,8 @@
 // Causal GQA attention over the bf16 KV cache. One block per (query row, KV head, group of
-// up to ATTN_GROUP of that KV head's query heads), ATTN_WARPS warps.
+// up to `gsz` ≤ ATTN_GROUP of that KV head's query heads), ATTN_WARPS warps. The host picks
+// gsz: ATTN_GROUP (heads share each key and value load) when there are rows enough to fill
+// the GPU, 1 for a few rows (four times the blocks, a quarter of the work on each block's
+// latency chain). A head's arithmetic is the same either way.
 //
 // The order of every reduction is a function of the query's position alone, never of the
 // batch, the TP size or whether later keys exist (prefill and decode run this one path):
@@ -58,7 +61,7 @@ __device__ __forceinline__ void attention_body(
     const float* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
     float* __restrict__ out, bf16_t* __restrict__ outb, const unsigned int* __restrict__ row_slot,
     const unsigned int* __restrict__ row_pos, int n_heads, int n_kv_heads, int head_dim_rt, float scale,
-    int layer, int slots, int max_len)
+    int layer, int slots, int max_len, int gsz)
 {
     constexpr int DPL = HD > 0 ? HD / WARP : ATTN_MAX_HEAD_DIM / WARP;
     // Value rows loaded before their fmas: enough in flight to hide the latency, few
@@ -71,22 +74,23 @@ __device__ __forceinline__ void attention_body(
     const int wid = threadIdx.x >> 5;
     const int row = blockIdx.x;
     const int group = n_heads / n_kv_heads;
-    const int subs = (group + ATTN_GROUP - 1) / ATTN_GROUP;
+    const int subs = (group + gsz - 1) / gsz;
     const int kvh = blockIdx.y / subs;
-    const int h0 = kvh * group + (blockIdx.y % subs) * ATTN_GROUP;
-    const int nh = min(ATTN_GROUP, kvh * group + group - h0);
+    const int h0 = kvh * group + (blockIdx.y % subs) * gsz;
+    const int nh = min(gsz, kvh * group + group - h0);
     const int width = n_kv_heads * head_dim;
     // The dimension of this lane's i-th accumulator.
     auto dim = [&](int i) { return HD > 0 ? lane * DPL + i : lane + i * WARP; };
 
+    // The row's metadata before the barrier: its loads overlap the query's.
+    const int pos = (int)row_pos[row];
+    const size_t base = ((size_t)layer * slots + row_slot[row]) * max_len;
     for (int t = threadIdx.x; t < nh * head_dim; t += blockDim.x) {
         const int g = t / head_dim, d = t % head_dim;
         sq[g][d] = q[((size_t)row * n_heads + h0 + g) * head_dim + d];
     }
     __syncthreads();
 
-    const int pos = (int)row_pos[row];
-    const size_t base = ((size_t)layer * slots + row_slot[row]) * max_len;
     const bf16_t* kbase = kc + base * width + (size_t)kvh * head_dim;
     const bf16_t* vbase = vc + base * width + (size_t)kvh * head_dim;
     const int n_chunks = pos / ATTN_CHUNK + 1;
@@ -155,6 +159,7 @@ __device__ __forceinline__ void attention_body(
         float p[ATTN_GROUP];
 #pragma unroll
         for (int g = 0; g < ATTN_GROUP; ++g) {
+            if (g >= nh) break;
             const float s = (lane < nvalid) ? dot[g] * scale : NEG_INF;
             const float m_new = fmaxf(m[g], warp_max(s));
             const float corr = expf(m[g] - m_new);
@@ -173,6 +178,7 @@ __device__ __forceinline__ void attention_body(
                 if (j0 + jj >= nvalid) break;
 #pragma unroll
                 for (int g = 0; g < ATTN_GROUP; ++g) {
+                    if (g >= nh) break;
                     const float pj = __shfl_sync(FULL_MASK, p[g], j0 + jj);
 #pragma unroll
                     for (int i = 0; i < DPL; ++i)
@@ -219,25 +225,29 @@ __device__ __forceinline__ void attention_body(
     }
 }
 
-// grid: (rows, n_kv_heads * ceil(group / ATTN_GROUP)); block: ATTN_WARPS * 32;
+// grid: (rows, n_kv_heads * ceil(group / gsz)); block: ATTN_WARPS * 32; gsz in 1..=ATTN_GROUP;
 // dynamic shared memory: ATTN_WARPS * ATTN_GROUP * (head_dim + 2) floats. outb (may be
 // null): the output rounded to bf16 as well (for the o GEMM).
 #define ATTN_ARGS                                                                                  \
     const float* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,     \
         float* __restrict__ out, bf16_t* __restrict__ outb, const unsigned int* __restrict__ row_slot, \
         const unsigned int* __restrict__ row_pos, int n_heads, int n_kv_heads, int head_dim,       \
-        float scale, int layer, int slots, int max_len
-#define ATTN_PASS q, kc, vc, out, outb, row_slot, row_pos, n_heads, n_kv_heads, head_dim, scale, layer, slots, max_len
+        float scale, int layer, int slots, int max_len, int gsz
+#define ATTN_PASS q, kc, vc, out, outb, row_slot, row_pos, n_heads, n_kv_heads, head_dim, scale, layer, slots, max_len, gsz
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP) attention_kernel(ATTN_ARGS) {
+    pdl_enter();
     attention_body<0>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP) attention_hd64_kernel(ATTN_ARGS) {
+    pdl_enter();
     attention_body<64>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP) attention_hd128_kernel(ATTN_ARGS) {
+    pdl_enter();
     attention_body<128>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP) attention_hd256_kernel(ATTN_ARGS) {
+    pdl_enter();
     attention_body<256>(ATTN_PASS);
 }

@@ -2,6 +2,7 @@
 
 extern "C" __global__ void silu_mul_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                                            float* __restrict__ out, long long count) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     const float g = gate[i];
@@ -13,9 +14,17 @@ extern "C" __global__ void silu_mul_kernel(const float* __restrict__ gate, const
 // outb (may be null): the output rounded to bf16 as well (for the down GEMM).
 extern "C" __global__ void silu_mul_halves_kernel(const float* __restrict__ gu, float* __restrict__ out,
                                                   bf16_t* __restrict__ outb, long long rows, int inter) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * inter) return;
-    const long long r = i / inter;
+    // The row by 32-bit division where the index fits: a 64-bit division is a long
+    // subroutine per element (this kernel took 7.4 µs at batch 64 on an H200 with it).
+    long long r;
+    if (rows * inter <= 0x7fffffffLL) {
+        r = (long long)((unsigned int)i / (unsigned int)inter);
+    } else {
+        r = i / inter;
+    }
     const long long c = i - r * inter;
     const float g = gu[r * 2 * inter + c];
     const float v = (g / (1.0f + expf(-g))) * gu[r * 2 * inter + inter + c];
@@ -26,6 +35,7 @@ extern "C" __global__ void silu_mul_halves_kernel(const float* __restrict__ gu, 
 // Columns [col0, col0 + cols) of src [rows, src_cols] into dst [rows, cols].
 extern "C" __global__ void copy_cols_kernel(const float* __restrict__ src, float* __restrict__ dst,
                                             long long rows, int src_cols, int col0, int cols) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * cols) return;
     const long long r = i / cols;
@@ -34,11 +44,13 @@ extern "C" __global__ void copy_cols_kernel(const float* __restrict__ src, float
 
 extern "C" __global__ void add_row_bias_kernel(float* __restrict__ x, const float* __restrict__ bias,
                                                long long count, int cols) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) x[i] = x[i] + bias[i % cols];
 }
 
 extern "C" __global__ void add_assign_kernel(float* __restrict__ x, const float* __restrict__ y, long long count) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) x[i] = x[i] + y[i];
 }
@@ -46,6 +58,7 @@ extern "C" __global__ void add_assign_kernel(float* __restrict__ x, const float*
 // out[r, c] = table[ids[r], c] as f32. ids are checked on the host.
 extern "C" __global__ void embedding_kernel(const bf16_t* __restrict__ table, const unsigned int* __restrict__ ids,
                                             float* __restrict__ out, int rows, int cols) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     const int r = (int)(i / cols);
@@ -56,6 +69,7 @@ extern "C" __global__ void embedding_kernel(const bf16_t* __restrict__ table, co
 // out[r, :] = x[idx[r], :]
 extern "C" __global__ void select_rows_kernel(const float* __restrict__ x, const unsigned int* __restrict__ idx,
                                               float* __restrict__ out, int rows, int cols) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     const int r = (int)(i / cols);
@@ -66,6 +80,7 @@ extern "C" __global__ void select_rows_kernel(const float* __restrict__ x, const
 // gathered [world, rows, cols] (an all-gather's rank-major output) → out [rows, world*cols].
 extern "C" __global__ void interleave_cols_kernel(const float* __restrict__ gathered, float* __restrict__ out,
                                                   int world, int rows, int cols) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long total = (long long)world * rows * cols;
     if (i >= total) return;
@@ -82,6 +97,7 @@ extern "C" __global__ void kv_write_kernel(bf16_t* __restrict__ kc, bf16_t* __re
                                            const float* __restrict__ k, const float* __restrict__ v,
                                            const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos,
                                            int rows, int width, int layer, int slots, int max_len) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * width) return;
     const int r = (int)(i / width);

@@ -35,6 +35,9 @@ struct __align__(64) TmaParams {
     u16* outh;     // [M, N] bf16 result, or null
     float* ws;     // large-M kernel: 64 x 256 f32 per block (the s6 partials)
     int M, N, seg_len, n_seg;
+    // 1: W is constant while the previous kernels run (model weights), so a kernel launched
+    // with PDL may load its first W tiles before pdl_wait().
+    int w_early;
 };
 
 DEVI void mbar_init(u32 bar, u32 count) {
@@ -90,7 +93,8 @@ DEVI int warpgroup_uniform() { return __shfl_sync(0xffffffffu, (int)threadIdx.x 
 // The producer side of the ring: waits until stage `it % STAGES` is free, then loads
 // k-tile kt of segment seg into it (X rows from x_row into the first A_BYTES, W rows from
 // w_row after them), completing on that stage's full barrier.
-template <int STAGES, int STAGE_BYTES, int A_BYTES>
+// NW: W boxes of 128 rows per stage (w_row, w_row + 128, ...), one after another.
+template <int STAGES, int STAGE_BYTES, int A_BYTES, int NW = 1>
 DEVI void produce_stage(const TmaParams& p, u32 ring, u32 full, u32 empty, u32 it, int kt,
                         int seg, int x_row, int w_row) {
     const int stage = (int)(it % STAGES);
@@ -99,7 +103,9 @@ DEVI void produce_stage(const TmaParams& p, u32 ring, u32 full, u32 empty, u32 i
     mbar_expect_tx(fb, STAGE_BYTES);
     const u32 dst = ring + stage * STAGE_BYTES;
     tma_load_3d(dst, &p.tx, kt * 64, seg, x_row, fb);
-    tma_load_3d(dst + A_BYTES, &p.tw, kt * 64, seg, w_row, fb);
+#pragma unroll
+    for (int i = 0; i < NW; ++i)
+        tma_load_3d(dst + A_BYTES + i * 128 * 64 * 2, &p.tw, kt * 64, seg, w_row + 128 * i, fb);
 }
 
 // k16 chunks of k-tile kt (64 columns) that start inside a segment of seg_len columns.
@@ -179,6 +185,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
     const int tid = threadIdx.x;
     const int wg = warpgroup_uniform();
+    pdl_wait();
+    pdl_trigger();
     if (tid == 0) {
         for (int s = 0; s < TMA_STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
@@ -279,13 +287,22 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 }
 
 // ---------------------------------------------------------------------------------------
-// Small M: a cluster of the n_seg segment blocks of one 64x128 tile, combined over DSMEM.
+// Small M: a cluster of the n_seg segment blocks of one 64-row tile, combined over DSMEM.
 
-constexpr int CL_STAGES = 4;
 constexpr int CL_A_BYTES = 64 * 64 * 2;
-constexpr int CL_B_BYTES = 128 * 64 * 2;
-constexpr int CL_STAGE_BYTES = CL_A_BYTES + CL_B_BYTES;
-constexpr int CL_RED_STRIDE = 136;  // f32 row stride of the segment-sum buffer
+constexpr int CL_W_BYTES = 128 * 64 * 2;  // one consumer warpgroup's 128 W rows per stage
+
+// Shared-memory layout of a cluster kernel with NW consumer warpgroups (a 64 x 128·NW tile):
+// STAGES x [X 64x64 | W (128·NW)x64], then the full and empty barriers. NW = 1: 4 stages
+// (two blocks fit on an SM); NW = 2: 5 stages (one block per SM, X loaded once for both
+// warpgroups: at M = 64 the X tiles were a third of the bytes a block streamed).
+template <int NW>
+struct ClusterLayout {
+    static constexpr int STAGES = NW == 1 ? 4 : 5;
+    static constexpr int STAGE_BYTES = CL_A_BYTES + NW * CL_W_BYTES;
+    static constexpr int RED_STRIDE = 128 * NW + 8;  // f32 row stride of the segment sums
+    static constexpr int THREADS = 128 * NW + 32;
+};
 
 DEVI u32 cluster_ctarank() {
     u32 r;
@@ -319,22 +336,26 @@ DEVI float tree_of(const float* x, int ns) {
 }
 
 // Each block sums SPC consecutive segments (SPC = 2: the pair's sum (s0+s1) in registers,
-// the tree's first level); the n_seg / SPC blocks of a tile form a cluster that combines
-// their sums over DSMEM with the rest of the tree. Grid (n_tiles * cl, m_tiles), cluster
-// (cl, 1, 1) with cl = n_seg / SPC: the block's rank r in its cluster covers segments
-// [r * SPC, (r + 1) * SPC). 160 threads: warps 0-3 are the consumer warpgroup, warp 4 the
-// producer. SPC = 2 halves the blocks, so a tile grid that needs more clusters than fit on
-// the device at once (30 clusters of 8 on an H100) still runs in one wave.
-template <int SPC>
+// the tree's first level) of a 64 x 128·NW tile; the n_seg / SPC blocks of a tile form a
+// cluster that combines their sums over DSMEM with the rest of the tree. Grid
+// (n_tiles * cl, m_tiles), cluster (cl, 1, 1) with cl = n_seg / SPC: the block's rank r in
+// its cluster covers segments [r * SPC, (r + 1) * SPC). Warpgroups 0 .. NW-1 consume (W
+// rows 128·g .. 128·g + 127 of the tile, each the 64x128 leaf of the narrow kernel, so
+// every NW gives the same bits), the warp after them produces. SPC = 2 halves the blocks,
+// so a tile grid that needs more clusters than fit on the device at once (30 clusters of 8
+// on an H100) still runs in one wave.
+template <int SPC, int NW>
 DEVI void cluster_body(const TmaParams& p) {
+    using L = ClusterLayout<NW>;
+    constexpr int STAGES = L::STAGES, STAGE_BYTES = L::STAGE_BYTES, BN = 128 * NW;
     extern __shared__ unsigned char cl_smem[];
     const u32 raw = smem_addr(cl_smem);
     const u32 base = (raw + 1023u) & ~1023u;
     const u32 ring = base;
-    const u32 full = base + CL_STAGES * CL_STAGE_BYTES;
-    const u32 empty = full + 8 * CL_STAGES;
-    require_smem(empty + 8 * CL_STAGES - raw);
-    // After the leaf, the ring is reused for the segment sum [64][CL_RED_STRIDE] f32.
+    const u32 full = base + STAGES * STAGE_BYTES;
+    const u32 empty = full + 8 * STAGES;
+    require_smem(empty + 8 * STAGES - raw);
+    // After the leaf, the ring is reused for the segment sum [64][RED_STRIDE] f32.
     float* red = (float*)(cl_smem + (base - raw));
 
     const int tid = threadIdx.x;
@@ -343,62 +364,90 @@ DEVI void cluster_body(const TmaParams& p) {
     const int nt = blockIdx.x / ns, mt = blockIdx.y;
     const int tps = (p.seg_len + 63) / 64;
     if (tid == 0) {
-        for (int s = 0; s < CL_STAGES; ++s) {
+        for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 1);
+            mbar_init(empty + 8 * s, NW);  // one arrival per consumer warpgroup
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
     float acc[64], part[64];
-    if (warpgroup_uniform() == 1) {
-        if (tid == 128) {
+    const int wg = warpgroup_uniform();
+    if (wg == NW) {
+        if (tid == 128 * NW) {
             tma_prefetch_map(&p.tx);
             tma_prefetch_map(&p.tw);
+            // The first stages' W tiles (constant data) go out before the wait, so under
+            // PDL they stream while the previous kernel finishes; their X tiles follow
+            // the wait. Each stage's full barrier expects both, as in produce_stage.
+            const int early = p.w_early ? min(STAGES, SPC * tps) : 0;
+            for (int it = 0; it < early; ++it) {
+                const u32 fb = full + 8 * it;
+                mbar_expect_tx(fb, STAGE_BYTES);
+#pragma unroll
+                for (int i = 0; i < NW; ++i)
+                    tma_load_3d(ring + it * STAGE_BYTES + CL_A_BYTES + i * CL_W_BYTES, &p.tw,
+                                (it % tps) * 64, seg * SPC + it / tps, nt * BN + 128 * i, fb);
+            }
+            pdl_wait();
+            pdl_trigger();
+            for (int it = 0; it < early; ++it)
+                tma_load_3d(ring + it * STAGE_BYTES, &p.tx, (it % tps) * 64, seg * SPC + it / tps,
+                            mt * 64, full + 8 * it);
             u32 it = 0;
             for (int j = 0; j < SPC; ++j) {
-                for (int kt = 0; kt < tps; ++kt, ++it)
-                    produce_stage<CL_STAGES, CL_STAGE_BYTES, CL_A_BYTES>(
-                        p, ring, full, empty, it, kt, seg * SPC + j, mt * 64, nt * 128);
+                for (int kt = 0; kt < tps; ++kt, ++it) {
+                    if ((int)it < early) continue;
+                    produce_stage<STAGES, STAGE_BYTES, CL_A_BYTES, NW>(
+                        p, ring, full, empty, it, kt, seg * SPC + j, mt * 64, nt * BN);
+                }
             }
+        } else {
+            pdl_wait();
+            pdl_trigger();
         }
     } else {
+        pdl_wait();
+        pdl_trigger();
+        const u32 sw = ring + CL_A_BYTES + wg * CL_W_BYTES;
+        const bool releaser = (tid & 127) == 0;
         u32 it = 0;
-        leaf_segment<CL_STAGES, CL_STAGE_BYTES>(acc, ring, ring + CL_A_BYTES, full, empty, 0,
-                                                p.seg_len, tps, it, tid == 0);
+        leaf_segment<STAGES, STAGE_BYTES>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it, releaser);
         if (SPC == 2) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) part[i] = acc[i];
-            leaf_segment<CL_STAGES, CL_STAGE_BYTES>(acc, ring, ring + CL_A_BYTES, full, empty, 0,
-                                                    p.seg_len, tps, it, tid == 0);
+            leaf_segment<STAGES, STAGE_BYTES>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it, releaser);
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[i] = part[i] + acc[i];
         }
     }
-    // Every TMA of this block has landed (the consumer waited for each) and every wgmma
+    // Every TMA of this block has landed (the consumers waited for each) and every wgmma
     // has read its stage, so the ring can take the segment sum.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
     const int rows = min(64, p.M - mt * 64);
-    if (tid < 128) {
+    if (wg < NW) {
+        const int wl = tid & 127;
 #pragma unroll
         for (int i = 0; i < 64; i += 2) {
-            const int r = acc_row(tid, i);
+            const int r = acc_row(wl, i);
             if (r < rows)
-                *(float2*)(red + r * CL_RED_STRIDE + acc_col(tid, i)) = make_float2(acc[i], acc[i + 1]);
+                *(float2*)(red + r * L::RED_STRIDE + wg * 128 + acc_col(wl, i)) =
+                    make_float2(acc[i], acc[i + 1]);
         }
     }
     cluster_sync();
     // This block finishes 4-column groups [seg * per, (seg + 1) * per) of the tile's
-    // rows x 128, reading each group's n_seg segment sums with one 16-byte DSMEM load each.
-    const int total = rows * 32;
+    // rows x BN, reading each group's n_seg segment sums with one 16-byte DSMEM load each.
+    constexpr int GROUPS = BN / 4;  // 4-column groups per row
+    const int total = rows * GROUPS;
     const int per = (total + ns - 1) / ns;
     const int g_end = min(total, (seg + 1) * per);
     const u32 red_addr = smem_addr(red);
-    for (int gi = seg * per + tid; gi < g_end; gi += 160) {
-        const int r = gi >> 5, c = (gi & 31) * 4;
-        const u32 a = red_addr + (u32)(r * CL_RED_STRIDE + c) * 4u;
+    for (int gi = seg * per + tid; gi < g_end; gi += L::THREADS) {
+        const int r = gi / GROUPS, c = (gi % GROUPS) * 4;
+        const u32 a = red_addr + (u32)(r * L::RED_STRIDE + c) * 4u;
         float x[4][8];
 #pragma unroll
         for (int q = 0; q < 8; ++q) {
@@ -410,7 +459,7 @@ DEVI void cluster_body(const TmaParams& p) {
         const long long row = (long long)(mt * 64 + r) * p.N;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int col = nt * 128 + c + j;
+            const int col = nt * BN + c + j;
             if (col < p.N) store_out(p.outf, p.outh, row + col, tree_of(x[j], ns));
         }
     }
@@ -420,12 +469,18 @@ DEVI void cluster_body(const TmaParams& p) {
 
 extern "C" __global__ void __launch_bounds__(160, 1)
     arbor_gemm_wg_cluster_64x128(const __grid_constant__ TmaParams p) {
-    cluster_body<1>(p);
+    cluster_body<1, 1>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(160, 1)
     arbor_gemm_wg_cluster2_64x128(const __grid_constant__ TmaParams p) {
-    cluster_body<2>(p);
+    cluster_body<2, 1>(p);
+}
+
+// Two consumer warpgroups sharing each X tile: 64 x 256 tiles, two segments per block.
+extern "C" __global__ void __launch_bounds__(288, 1)
+    arbor_gemm_wg_cluster2_64x256(const __grid_constant__ TmaParams p) {
+    cluster_body<2, 2>(p);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -12,6 +12,7 @@
 #define MM_CHUNK 8
 
 extern "C" __global__ void f32_to_bf16_kernel(const float* __restrict__ x, bf16_t* __restrict__ y, long long count) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) y[i] = f32_to_bf16(x[i]);
 }
@@ -22,6 +23,7 @@ extern "C" __global__ void tree_matmul_leaf(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ part,
     int m, int n, int k, int seg_len, int vec)
 {
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int seg = blockIdx.y;
@@ -80,6 +82,7 @@ extern "C" __global__ void tree_matmul_leaf(
 // out[i] = tree over parts[p][i], p < n_parts (1, 2, 4 or 8). Used for a matmul's segments
 // and for the ranks' subtree roots after an all-gather.
 extern "C" __global__ void tree_combine(const float* __restrict__ parts, float* __restrict__ out, long long count, int n_parts) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float v[8];

@@ -1,60 +1,111 @@
 // RMSNorm, one block of NORM_THREADS per row: thread t sums x[c]² over c = t, t+256, ...
-// in order, then a fixed shared-memory tree. The block size is a constant, so a row's
-// bits never depend on the number of rows.
+// in order, then a fixed tree over the 256 partials (sh[t] + sh[t + s] for s = 128, 64,
+// ..., 1). The block size is a constant, so a row's bits never depend on the number of
+// rows. kernels/src/cuda/gpu_tests.rs (rms_norm_is_the_block_order_on_the_host) holds
+// the host definition of these bits.
 
 #define NORM_THREADS 256
+// Columns per thread held in registers between the sum and the scaling: rows up to 8192
+// wide are read once, with every load (row and weights) issued before the first fma (a
+// batch-1 row is one block on one SM, so its time is load latency, not bandwidth). Wider
+// rows loop.
+#define NORM_REGS 32
 
-// The part both norm kernels share: thread t's partial sum of squares `acc` (over columns
-// t, t+256, ... of the block's row xr) through the fixed tree, then the scaled output.
-// outb (may be null): the output rounded to bf16 as well, for a GEMM that reads it (the
-// rounding the GEMM would do itself, without a pass of its own).
-__device__ __forceinline__ void rms_norm_finish(float acc, const float* __restrict__ xr,
-                                                const float* __restrict__ weight, float* __restrict__ out,
-                                                bf16_t* __restrict__ outb, int cols, float eps) {
+// The tree over the block's partials. Levels 128 and 64 go through shared memory; warp 0
+// does level 32 from shared memory and the last five with shuffles: lane t adds lane
+// t + s's value, the operands and order of sh[t] + sh[t + s]. Returns the root to every
+// thread.
+__device__ __forceinline__ float norm_tree(float acc) {
     __shared__ float sh[NORM_THREADS];
-    const int row = blockIdx.x;
+    __shared__ float root;
     const int t = threadIdx.x;
     sh[t] = acc;
     __syncthreads();
-    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
+    for (int s = NORM_THREADS / 2; s >= 64; s >>= 1) {
         if (t < s) sh[t] = sh[t] + sh[t + s];
         __syncthreads();
     }
-    const float inv = 1.0f / sqrtf(sh[0] / (float)cols + eps);
-    float* o = out + (size_t)row * cols;
-    bf16_t* ob = outb ? outb + (size_t)row * cols : nullptr;
+    if (t < 32) {
+        float v = sh[t] + sh[t + 32];
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) v = v + __shfl_down_sync(0xffffffffu, v, s);
+        if (t == 0) root = v;
+    }
+    __syncthreads();
+    return root;
+}
+
+// One row: if ADD, x += y first (each element's add is add_assign_kernel's, stored back to
+// x). outb (may be null): the output rounded to bf16 as well, for a GEMM that reads it
+// (the rounding the GEMM would do itself, without a pass of its own).
+template <bool ADD>
+__device__ __forceinline__ void rms_norm_row(float* __restrict__ xr, const float* __restrict__ yr,
+                                             const float* __restrict__ weight, float* __restrict__ o,
+                                             bf16_t* __restrict__ ob, int cols, float eps) {
+    const int t = threadIdx.x;
+    float acc = 0.0f;
+    if (cols <= NORM_THREADS * NORM_REGS) {
+        // The weights are loaded with the row: loaded after the tree, each output waited
+        // a round trip for its weight (ncu on an H200: 950 instructions per warp, 69 % of
+        // the stalls on L1TEX, 10 µs for a 128-row launch).
+        float v[NORM_REGS], w[NORM_REGS];
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int c = t + j * NORM_THREADS;
+            v[j] = 0.0f;
+            w[j] = 0.0f;
+            if (c < cols) {
+                v[j] = ADD ? xr[c] + yr[c] : xr[c];
+                w[j] = weight[c];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int c = t + j * NORM_THREADS;
+            if (c < cols) {
+                if (ADD) xr[c] = v[j];
+                acc = __fmaf_rn(v[j], v[j], acc);
+            }
+        }
+        const float inv = 1.0f / sqrtf(norm_tree(acc) / (float)cols + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_REGS; ++j) {
+            const int c = t + j * NORM_THREADS;
+            if (c < cols) {
+                const float r = (v[j] * inv) * w[j];
+                o[c] = r;
+                if (ob) ob[c] = f32_to_bf16(r);
+            }
+        }
+        return;
+    }
     for (int c = t; c < cols; c += NORM_THREADS) {
-        const float v = (xr[c] * inv) * weight[c];
-        o[c] = v;
-        if (ob) ob[c] = f32_to_bf16(v);
+        const float v = ADD ? xr[c] + yr[c] : xr[c];
+        if (ADD) xr[c] = v;
+        acc = __fmaf_rn(v, v, acc);
+    }
+    const float inv = 1.0f / sqrtf(norm_tree(acc) / (float)cols + eps);
+    for (int c = t; c < cols; c += NORM_THREADS) {
+        const float r = (xr[c] * inv) * weight[c];
+        o[c] = r;
+        if (ob) ob[c] = f32_to_bf16(r);
     }
 }
 
 extern "C" __global__ void rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ weight,
                                            float* __restrict__ out, bf16_t* __restrict__ outb, int cols, float eps) {
-    const int row = blockIdx.x;
-    const int t = threadIdx.x;
-    const float* xr = x + (size_t)row * cols;
-    float acc = 0.0f;
-    for (int c = t; c < cols; c += NORM_THREADS) acc = __fmaf_rn(xr[c], xr[c], acc);
-    rms_norm_finish(acc, xr, weight, out, outb, cols, eps);
+    pdl_enter();
+    const size_t off = (size_t)blockIdx.x * cols;
+    rms_norm_row<false>(const_cast<float*>(x) + off, nullptr, weight, out + off, outb ? outb + off : nullptr,
+                        cols, eps);
 }
 
-// x += y, then RMSNorm of the sum: the residual add and the next norm in one pass. Each
-// element's add is the add_assign_kernel's, and the norm's reduction is rms_norm_kernel's
-// (the same thread owns the same columns), so the bits are those of the two kernels.
+// x += y, then RMSNorm of the sum: the residual add and the next norm in one pass, with
+// the bits of add_assign_kernel followed by rms_norm_kernel.
 extern "C" __global__ void add_rms_norm_kernel(float* __restrict__ x, const float* __restrict__ y,
                                                const float* __restrict__ weight, float* __restrict__ out,
                                                bf16_t* __restrict__ outb, int cols, float eps) {
-    const int row = blockIdx.x;
-    const int t = threadIdx.x;
-    float* xr = x + (size_t)row * cols;
-    const float* yr = y + (size_t)row * cols;
-    float acc = 0.0f;
-    for (int c = t; c < cols; c += NORM_THREADS) {
-        const float v = xr[c] + yr[c];
-        xr[c] = v;
-        acc = __fmaf_rn(v, v, acc);
-    }
-    rms_norm_finish(acc, xr, weight, out, outb, cols, eps);
+    pdl_enter();
+    const size_t off = (size_t)blockIdx.x * cols;
+    rms_norm_row<true>(x + off, y + off, weight, out + off, outb ? outb + off : nullptr, cols, eps);
 }

@@ -10,6 +10,7 @@ __device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s
 
 extern "C" __global__ void rope_kernel(float* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                        const unsigned int* __restrict__ row_pos, int rows, int n_heads, int head_dim, int half) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * n_heads * half) return;
     const int j = (int)(i % half);
@@ -36,6 +37,7 @@ extern "C" __global__ void qkv_rope_kv_kernel(const float* __restrict__ qkv, flo
                                               const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos,
                                               int rows, int n_heads, int n_kv, int head_dim, int half,
                                               int layer, int slots, int max_len) {
+    pdl_enter();
     const int heads = n_heads + 2 * n_kv;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * heads * half) return;

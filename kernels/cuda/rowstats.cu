@@ -43,6 +43,23 @@ __device__ __forceinline__ void block_argmax(float* sv, int* si, int t) {
     }
 }
 
+// Calls f(row[i], i) for i = t, t + RS_THREADS, ... < n in that order, with RS_AHEAD loads
+// issued before the first call of each group: the row sits in L2 right after the LM head,
+// and one load at a time paid its round trip ~250 times per loop.
+#define RS_AHEAD 8
+template <typename F>
+__device__ __forceinline__ void strided_in_order(const float* __restrict__ row, int n, int t, F f) {
+    int i = t;
+    for (; i + (RS_AHEAD - 1) * RS_THREADS < n; i += RS_AHEAD * RS_THREADS) {
+        float v[RS_AHEAD];
+#pragma unroll
+        for (int u = 0; u < RS_AHEAD; ++u) v[u] = row[i + u * RS_THREADS];
+#pragma unroll
+        for (int u = 0; u < RS_AHEAD; ++u) f(v[u], i + u * RS_THREADS);
+    }
+    for (; i < n; i += RS_THREADS) f(row[i], i);
+}
+
 __device__ __forceinline__ unsigned long long fnv_u32(unsigned long long h, unsigned int v) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -60,6 +77,7 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
                                             const unsigned long long* __restrict__ params,
                                             float* __restrict__ out_f,
                                             unsigned long long* __restrict__ out_u) {
+    pdl_enter();
     extern __shared__ unsigned long long chunk_digest[];
     __shared__ float sv[RS_THREADS];
     __shared__ int si[RS_THREADS];
@@ -70,11 +88,9 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
     // argmax: per thread in index order (first of equals kept), then the tree.
     float bv = 0.0f;
     int bi = -1;
-    for (int i = t; i < vocab; i += RS_THREADS) {
-        const float v = row[i];
-        if (v != v) continue;
-        if (bi < 0 || v > bv) { bv = v; bi = i; }
-    }
+    strided_in_order(row, vocab, t, [&](float v, int i) {
+        if (v == v && (bi < 0 || v > bv)) { bv = v; bi = i; }
+    });
     sv[t] = bv;
     si[t] = bi;
     __syncthreads();
@@ -92,12 +108,11 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
         const float inv_t = __uint_as_float((unsigned int)(pr[2] & 0xffffffffu));
         float gv = 0.0f;
         int gi = -1;
-        for (int i = t; i < vocab; i += RS_THREADS) {
-            const float v = row[i];
-            if (v != v) continue;
+        strided_in_order(row, vocab, t, [&](float v, int i) {
+            if (v != v) return;
             const float k = v * inv_t + gumbel_noise(key, (unsigned int)i);
             if (gi < 0 || k > gv) { gv = k; gi = i; }
-        }
+        });
         sv[t] = gv;
         si[t] = gi;
         __syncthreads();
@@ -108,7 +123,7 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
     // log Σ exp(x - m): per thread in index order, then the tree.
     float acc = 0.0f;
     if (m != NEG_INF) {
-        for (int i = t; i < vocab; i += RS_THREADS) acc += expf(row[i] - m);
+        strided_in_order(row, vocab, t, [&](float v, int) { acc += expf(v - m); });
     }
     ss[t] = acc;
     __syncthreads();

@@ -15,6 +15,8 @@ pub struct GpuDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub arch: String,
+    /// Launch the ops kernels with programmatic dependent launch (launch.rs).
+    pub pdl: bool,
     funcs: HashMap<&'static str, CudaFunction>,
 }
 
@@ -68,13 +70,17 @@ impl GpuDevice {
                 .map_err(drv(&format!("loading kernel {name}")))?;
             funcs.insert(name, f);
         }
-        let stream = ctx.default_stream();
-        tracing::info!(ordinal, arch = %arch, "CUDA device ready");
+        // A stream of its own rather than the legacy default stream, whose implicit
+        // synchronisation with other streams PDL gains nothing from.
+        let stream = ctx.new_stream().map_err(drv("creating the stream"))?;
+        let pdl = super::launch::pdl_enabled(&ctx);
+        tracing::info!(ordinal, arch = %arch, pdl, "CUDA device ready");
         Ok(Self {
             ordinal,
             ctx,
             stream,
             arch,
+            pdl,
             funcs,
         })
     }

@@ -166,6 +166,10 @@ pub enum Path {
     /// As `WgCluster64` with two segments per block (clusters of `n_seg / 2`), half the
     /// blocks; with a single segment (`n_seg = 1`) it is `WgCluster64`.
     WgCluster64x2,
+    /// As `WgCluster64x2` with 64×256 tiles: two consumer warpgroups share each X tile
+    /// (one block per SM). At M = 64 the narrow kernel's X tiles are a third of the bytes
+    /// it streams; this halves them. With `n_seg = 1` it is `WgCluster64`.
+    WgCluster64x2N256,
 }
 
 impl Path {
@@ -195,6 +199,7 @@ impl Path {
                 Path::WgTma128,
                 Path::WgCluster64,
                 Path::WgCluster64x2,
+                Path::WgCluster64x2N256,
                 Path::WgTree128,
                 Path::WgSplit64,
             ],
@@ -208,7 +213,8 @@ impl Path {
             | Path::WgSplit64
             | Path::WgTma128
             | Path::WgCluster64
-            | Path::WgCluster64x2 => Family::Wgmma,
+            | Path::WgCluster64x2
+            | Path::WgCluster64x2N256 => Family::Wgmma,
         }
     }
 
@@ -216,7 +222,7 @@ impl Path {
     pub fn is_tma(self) -> bool {
         matches!(
             self,
-            Path::WgTma128 | Path::WgCluster64 | Path::WgCluster64x2
+            Path::WgTma128 | Path::WgCluster64 | Path::WgCluster64x2 | Path::WgCluster64x2N256
         )
     }
 
@@ -230,6 +236,7 @@ impl Path {
             Path::WgTma128 => "wgtma128",
             Path::WgCluster64 => "wgcluster64",
             Path::WgCluster64x2 => "wgcluster64x2",
+            Path::WgCluster64x2N256 => "wgcluster64x2n256",
         }
     }
 
@@ -290,6 +297,8 @@ impl Path {
             // CL_STAGES = 4 stages of (64 + 128) x 64 bf16, 2 x 4 mbarriers, alignment (two
             // blocks fit on an SM).
             Path::WgCluster64 | Path::WgCluster64x2 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
+            // ClusterLayout<2>: 5 stages of (64 + 256) x 64 bf16, 2 x 5 mbarriers, alignment.
+            Path::WgCluster64x2N256 => 5 * (64 + 256) * 64 * 2 + 80 + 1024,
         }
     }
 
@@ -307,6 +316,10 @@ impl Path {
                 (n.div_ceil(128) * n_seg.div_ceil(2), m.div_ceil(64), 1),
                 160,
             ),
+            Path::WgCluster64x2N256 => (
+                (n.div_ceil(256) * n_seg.div_ceil(2), m.div_ceil(64), 1),
+                288,
+            ),
         }
     }
 
@@ -320,6 +333,7 @@ impl Path {
             Path::WgTma128 => "arbor_gemm_wg_tma_128x128",
             Path::WgCluster64 => "arbor_gemm_wg_cluster_64x128",
             Path::WgCluster64x2 => "arbor_gemm_wg_cluster2_64x128",
+            Path::WgCluster64x2N256 => "arbor_gemm_wg_cluster2_64x256",
         }
     }
 }
@@ -364,6 +378,10 @@ pub struct GemmArgs {
     pub ws_len: usize,
     pub counters: CUdeviceptr,
     pub counters_len: usize,
+    /// W is not written by any kernel that may still run on the stream (model weights,
+    /// uploaded operands): under programmatic dependent launch the small-M TMA kernel then
+    /// loads its first W tiles before waiting for the previous kernel (launch.rs).
+    pub w_constant: bool,
 }
 
 /// Checks a shape against the kernel's requirements (see gemm_tree.cu).
@@ -454,6 +472,9 @@ pub struct TreeGemm {
     /// Clusters of 1, 2, 4 and 8 `wgcluster64` blocks that fit on the device at once
     /// (0 where that path is not compiled).
     cluster_capacity: [u32; 4],
+    /// Launch the TMA kernels with programmatic dependent launch (launch.rs); the other
+    /// paths have no `pdl_wait` and always launch plainly.
+    pdl: bool,
 }
 
 impl TreeGemm {
@@ -510,6 +531,7 @@ impl TreeGemm {
             kernels,
             sms: sms.max(1) as usize,
             cluster_capacity: [0; 4],
+            pdl: super::launch::pdl_enabled(ctx),
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
             tg.cluster_capacity[i] = tg
@@ -520,12 +542,18 @@ impl TreeGemm {
     }
 
     /// The path a call of this shape takes by default: [`Path::for_shape`], except that a
-    /// `wgcluster64` grid with more clusters than the device holds at once (it would run
-    /// in two waves, the second nearly empty) takes `wgcluster64x2`, half the blocks. The
-    /// two give the same bits (same leaf, same tree), so this choice may depend on the
-    /// device.
+    /// `wgcluster64` call of M ≤ 32 takes `wgcluster64x2n256`, and a larger one whose grid
+    /// has more clusters than the device holds at once (it would run in two waves, the
+    /// second nearly empty) takes `wgcluster64x2`, half the blocks. All give the same bits
+    /// (same leaf, same tree), so this choice may depend on the device.
     pub fn default_path(&self, shape: &TreeMatmul) -> Path {
         let path = Path::for_shape(shape, self.family);
+        // Up to M = 32 the 64×256 tiles stream W faster at every model shape (H200,
+        // docs/gemm.md run 8: 4096 × 28672 at M = 1 in 69.6 µs against 87.0, M = 16 73.2
+        // against 82.8); at M = 64 the two are even (85.5 / 84.8).
+        if path == Path::WgCluster64 && shape.n_seg >= 2 && shape.m <= 32 {
+            return Path::WgCluster64x2N256;
+        }
         if path == Path::WgCluster64 && shape.n_seg >= 2 {
             let cap = self.cluster_capacity[shape.n_seg.trailing_zeros().min(3) as usize];
             let clusters = shape.n.div_ceil(128) * shape.m.div_ceil(64);
@@ -541,7 +569,7 @@ impl TreeGemm {
     pub fn max_active_clusters(&self, path: Path, n_seg: usize) -> Result<Option<u32>, GemmError> {
         let cluster = match path {
             Path::WgCluster64 => n_seg,
-            Path::WgCluster64x2 => n_seg.div_ceil(2),
+            Path::WgCluster64x2 | Path::WgCluster64x2N256 => n_seg.div_ceil(2),
             _ => return Ok(None),
         };
         let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
@@ -586,7 +614,7 @@ impl TreeGemm {
         };
         if path.is_tma() {
             // One segment cannot be split in two: the one-segment kernel is the same sum.
-            if path == Path::WgCluster64x2 && s.n_seg == 1 {
+            if matches!(path, Path::WgCluster64x2 | Path::WgCluster64x2N256) && s.n_seg == 1 {
                 return self.launch(stream, a, Some(Path::WgCluster64));
             }
             return self.launch_tma(stream, f, path, a, outf, outh);
@@ -648,11 +676,12 @@ impl TreeGemm {
             n: s.n as i32,
             seg_len: s.seg_len as i32,
             n_seg: s.n_seg as i32,
+            w_early: i32::from(a.w_constant),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {
             Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
-            Path::WgCluster64x2 => (gx, Some((s.n_seg / 2) as u32)),
+            Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
             _ => (gx, Some(s.n_seg as u32)),
         };
         if gx > i32::MAX as usize || gy > 65535 {
@@ -670,6 +699,7 @@ impl TreeGemm {
                 block,
                 smem: path.smem_bytes(),
                 cluster_x: cluster,
+                pdl: self.pdl,
             },
             &p,
         )
@@ -693,6 +723,7 @@ mod tests {
             ws_len: 8 * shape.m * shape.n,
             counters: 0x5000,
             counters_len: 1024,
+            w_constant: true,
         }
     }
 
@@ -782,8 +813,11 @@ mod tests {
                     assert_eq!(p.family(), fam);
                     assert!(Path::all(fam).contains(&p));
                     let small = if p.is_tma() { m <= 64 } else { m <= 256 };
-                    let split_k =
-                        p.is_split() || matches!(p, Path::WgCluster64 | Path::WgCluster64x2);
+                    let split_k = p.is_split()
+                        || matches!(
+                            p,
+                            Path::WgCluster64 | Path::WgCluster64x2 | Path::WgCluster64x2N256
+                        );
                     assert_eq!(split_k, small, "m = {m}");
                     assert_eq!(
                         p.is_tma(),

@@ -62,6 +62,7 @@ impl Bufs {
             ws_len: self.ws.len(),
             counters: self.p(&self.cnt),
             counters_len: self.cnt.len(),
+            w_constant: true,
         };
         // SAFETY: the test's shapes lie inside the buffers (asserted by their sizes below).
         unsafe { tg.launch(&self.stream, &a, Some(path)) }

@@ -45,6 +45,8 @@ pub struct TmaParams {
     pub n: i32,
     pub seg_len: i32,
     pub n_seg: i32,
+    /// 1: W may be loaded before the PDL wait (see `GemmArgs::w_constant`).
+    pub w_early: i32,
 }
 
 /// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
@@ -101,6 +103,8 @@ pub struct LaunchShape {
     pub smem: u32,
     /// Blocks per cluster along x, if the kernel runs as clusters.
     pub cluster_x: Option<u32>,
+    /// Launch with programmatic dependent launch (the kernels begin with `pdl_wait`).
+    pub pdl: bool,
 }
 
 /// How many clusters of `cluster_x` blocks of `f` (with `block` threads and `smem` bytes of
@@ -161,6 +165,7 @@ pub unsafe fn launch(
         block,
         smem,
         cluster_x,
+        pdl,
     } = shape;
     let driver = |what: String| {
         move |source| GemmError::Driver {
@@ -184,6 +189,9 @@ pub unsafe fn launch(
             pad: [0; 4],
             value,
         });
+    }
+    if pdl {
+        attrs.push(super::launch::pdl_attribute());
     }
     let cfg = CUlaunchConfig {
         gridDimX: grid.0,
@@ -224,6 +232,7 @@ mod tests {
         assert_eq!(std::mem::offset_of!(TmaParams, ws), 272);
         assert_eq!(std::mem::offset_of!(TmaParams, m), 280);
         assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 292);
+        assert_eq!(std::mem::offset_of!(TmaParams, w_early), 296);
         assert_eq!(std::mem::size_of::<TmaParams>(), 320);
     }
 }

@@ -195,6 +195,85 @@ fn rms_norm_rows_are_independent() {
     }
 }
 
+/// The GPU RMSNorm's bits defined on the host (kernels/cuda/norm.cu): thread t of 256 sums
+/// x[c]² over c = t, t + 256, … with fused multiply-adds in order, then the pairwise tree
+/// sh[t] + sh[t + s] for s = 128, …, 1; `1 / sqrt(Σ / cols + eps)`, then `(x · inv) · w`.
+fn rms_norm_block_order(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let cols = w.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(cols) {
+        let mut sh: Vec<f32> = (0..256)
+            .map(|t| {
+                row.iter()
+                    .skip(t)
+                    .step_by(256)
+                    .fold(0.0f32, |acc, &v| v.mul_add(v, acc))
+            })
+            .collect();
+        let mut s = 128;
+        while s > 0 {
+            for t in 0..s {
+                sh[t] += sh[t + s];
+            }
+            s /= 2;
+        }
+        let inv = 1.0f32 / (sh[0] / cols as f32 + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(&v, &g)| (v * inv) * g));
+    }
+    out
+}
+
+#[test]
+fn rms_norm_is_the_block_order_on_the_host() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng(12);
+    // Narrower than a block, the register path (4096: 16 columns a thread), and wider than
+    // the registers hold (the looping path).
+    for cols in [100usize, 700, 4096, 9000] {
+        let rows = 3;
+        let (x, y, w) = (
+            rng.vec(rows * cols, 3.0),
+            rng.vec(rows * cols, 3.0),
+            rng.vec(cols, 1.0),
+        );
+        let dw = dev.upload_f32(&w).unwrap();
+        let got = dev
+            .download_f32(
+                &dev.rms_norm(&dev.upload_f32(&x).unwrap(), rows, cols, &dw, 1e-5, None)
+                    .unwrap(),
+            )
+            .unwrap();
+        assert_eq!(
+            bits(&got),
+            bits(&rms_norm_block_order(&x, &w, 1e-5)),
+            "rms_norm, {cols} columns"
+        );
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        let mut dx = dev.upload_f32(&x).unwrap();
+        let got = dev
+            .add_rms_norm(
+                &mut dx,
+                &dev.upload_f32(&y).unwrap(),
+                rows,
+                cols,
+                &dw,
+                1e-5,
+                None,
+            )
+            .unwrap();
+        assert_eq!(
+            bits(&dev.download_f32(&dx).unwrap()),
+            bits(&sum),
+            "x + y, {cols} columns"
+        );
+        assert_eq!(
+            bits(&dev.download_f32(&got).unwrap()),
+            bits(&rms_norm_block_order(&sum, &w, 1e-5)),
+            "add_rms_norm, {cols} columns"
+        );
+    }
+}
+
 #[test]
 fn rope_matches_the_host_table_bitwise() {
     let Some(dev) = device() else { return };
@@ -421,8 +500,9 @@ fn attention_prefill_equals_decode_and_batch() {
     let Some(dev) = device() else { return };
     // 70 keys: chunks of 32, 32, 6 on three warps.
     check_attention(&dev, 4, 2, 64, 70, 7);
-    // 300 keys: ten chunks, so warps 0 and 1 walk two each; a GQA group of 6 heads is
-    // two blocks, the second holding 2 heads.
+    // 300 keys: ten chunks, so warps 0 and 1 walk two each. The 300-row prefill puts 4
+    // heads on a block (a GQA group of 6 heads is two blocks, the second holding 2 heads);
+    // a row alone puts one head on each block (ops.rs, attention_group): the same bits.
     check_attention(&dev, 12, 2, 128, 300, 8);
     // head_dim 20: the scalar key loads (not a multiple of 8).
     check_attention(&dev, 6, 3, 20, 75, 9);

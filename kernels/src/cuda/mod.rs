@@ -16,6 +16,7 @@ pub mod device;
 pub mod error;
 pub mod gemm;
 pub mod gemm_tma;
+pub mod launch;
 pub mod ops;
 pub mod probe;
 pub mod source;

@@ -488,6 +488,7 @@ fn bench_shape(
                 ws_len: ops.ws_len,
                 counters: cnt_p,
                 counters_len: ops.cnt_len,
+                w_constant: true,
             };
             // SAFETY: all pointers are live buffers sized for `full(m)`.
             unsafe { tg.launch(stream, &a, Some(path)) }?;
@@ -683,6 +684,7 @@ fn launch(
         ws_len: ops.ws_len,
         counters: ptr(&ops.cnt, stream),
         counters_len: ops.cnt_len,
+        w_constant: true,
     };
     let path = c.path.unwrap_or(Path::for_shape(&s, ops.family));
     // Poison the output and the segment-sum workspace (all bits set: NaN) so that a call

@@ -239,6 +239,8 @@ impl TensorGemm {
                 ws_len,
                 counters: cp,
                 counters_len,
+                // The model's weights: uploaded once, never written by a kernel.
+                w_constant: true,
             };
             // SAFETY: every pointer is a live allocation on `stream` of the size `a` states
             // (checked above and by `launch`'s validation); the scratch buffers stay
@@ -316,6 +318,7 @@ mod tests {
                                     ws_len: path.workspace_len(m, 200, spec.n_seg),
                                     counters: 0x5000,
                                     counters_len: path.counters_len(m, 200),
+                                    w_constant: true,
                                 };
                                 if let Err(e) = validate(&a, path) {
                                     panic!("K {k} TP {tp} rank {rank} M {m}: {e}");
