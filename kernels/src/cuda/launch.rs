@@ -77,23 +77,43 @@ impl<T> KernelArg for CudaViewMut<'_, T> {
     }
 }
 
-macro_rules! scalar_arg {
-    ($($t:ty => $conv:expr),* $(,)?) => {$(
-        impl KernelArg for $t {
-            fn bits(&self, _: &CudaStream) -> u64 {
-                let f: fn($t) -> u64 = $conv;
-                f(*self)
-            }
-        }
-    )*};
+/// A scalar argument's slot: its bytes at the start of a u64, little-endian, whatever
+/// its sign (the driver reads the parameter's own size from the slot's address).
+pub trait Scalar: Copy {
+    fn slot(self) -> u64;
 }
-scalar_arg!(
-    i32 => |v| v as u32 as u64,
-    u32 => |v| v as u64,
-    f32 => |v| v.to_bits() as u64,
-    i64 => |v| v as u64,
-    u64 => |v| v,
-);
+
+impl Scalar for i32 {
+    fn slot(self) -> u64 {
+        self as u32 as u64
+    }
+}
+impl Scalar for u32 {
+    fn slot(self) -> u64 {
+        self as u64
+    }
+}
+impl Scalar for f32 {
+    fn slot(self) -> u64 {
+        self.to_bits() as u64
+    }
+}
+impl Scalar for i64 {
+    fn slot(self) -> u64 {
+        self as u64
+    }
+}
+impl Scalar for u64 {
+    fn slot(self) -> u64 {
+        self
+    }
+}
+
+impl<T: Scalar> KernelArg for T {
+    fn bits(&self, _: &CudaStream) -> u64 {
+        self.slot()
+    }
+}
 
 const MAX_ARGS: usize = 16;
 
@@ -174,6 +194,24 @@ impl<'a> Launch<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn low_bytes<const N: usize>(slot: u64) -> [u8; N] {
+        let mut out = [0u8; N];
+        out.copy_from_slice(&slot.to_le_bytes()[..N]);
+        out
+    }
+
+    #[test]
+    fn scalars_are_their_bytes_at_the_start_of_the_slot() {
+        assert_eq!(low_bytes::<4>((-7i32).slot()), (-7i32).to_le_bytes());
+        assert_eq!(
+            low_bytes::<4>(0xdead_beef_u32.slot()),
+            0xdead_beef_u32.to_le_bytes()
+        );
+        assert_eq!(low_bytes::<4>((-1.5f32).slot()), (-1.5f32).to_le_bytes());
+        assert_eq!(low_bytes::<8>((-3i64).slot()), (-3i64).to_le_bytes());
+        assert_eq!(low_bytes::<8>(u64::MAX.slot()), u64::MAX.to_le_bytes());
+    }
 
     #[test]
     fn the_attribute_allows_programmatic_serialisation() {
