@@ -1,25 +1,13 @@
 //! GFLOP/s of the CPU `tree_matmul` next to the plain sequential-K matmul on the same
 //! shapes, on one thread and on all cores. `cargo bench --bench tree_matmul`
 //! (`-- --quick` for shorter runs).
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
+use common::time_it;
 
 use arbor_kernels::cpu::{num_threads, plain_matmul_on, tree_matmul_on, TreeMatmul};
 use half::bf16;
-
-/// Run `f` until `budget` has passed (at least 3 timed calls after one warm-up call);
-/// the median seconds per call, which shrugs off other processes on a shared machine.
-fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
-    f();
-    let start = Instant::now();
-    let mut samples = Vec::new();
-    while samples.len() < 3 || start.elapsed() < budget {
-        let t = Instant::now();
-        f();
-        samples.push(t.elapsed().as_secs_f64());
-    }
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
 
 fn data(n: usize, seed: u64) -> Vec<bf16> {
     let mut s = seed;
