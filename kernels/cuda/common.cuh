@@ -11,18 +11,6 @@ typedef unsigned short bf16_t;
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 
-// Programmatic dependent launch (kernels/src/cuda/launch.rs): wait until the previous grid
-// has completed and its memory is visible, then let the next grid start launching. The
-// first statement of every kernel of this program, so memory effects keep the plain launch
-// order and only launch latency and prologues overlap. No-ops when the launch did not ask
-// for PDL, and below sm_90.
-__device__ __forceinline__ void pdl_enter() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ float bf16_to_f32(bf16_t h) {
     return __uint_as_float(((unsigned int)h) << 16);
 }

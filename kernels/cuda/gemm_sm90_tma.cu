@@ -36,7 +36,7 @@ struct __align__(64) TmaParams {
     float* ws;     // large-M kernel: 64 x 256 f32 per block (the s6 partials)
     int M, N, seg_len, n_seg;
     // 1: W is constant while the previous kernels run (model weights), so a kernel launched
-    // with PDL may load its first W tiles before pdl_wait().
+    // with PDL may load its first W tiles before pdl_enter().
     int w_early;
 };
 
@@ -93,7 +93,16 @@ DEVI int warpgroup_uniform() { return __shfl_sync(0xffffffffu, (int)threadIdx.x 
 // The producer side of the ring: waits until stage `it % STAGES` is free, then loads
 // k-tile kt of segment seg into it (X rows from x_row into the first A_BYTES, W rows from
 // w_row after them), completing on that stage's full barrier.
-// NW: W boxes of 128 rows per stage (w_row, w_row + 128, ...), one after another.
+// NW W boxes of 128 rows (w_row, w_row + 128, ...) of k-tile kt, segment seg, one after
+// another from dst, completing on bar.
+template <int NW>
+DEVI void load_w_boxes(const TmaParams& p, u32 dst, int kt, int seg, int w_row, u32 bar) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i)
+        tma_load_3d(dst + i * 128 * 64 * 2, &p.tw, kt * 64, seg, w_row + 128 * i, bar);
+}
+
+// NW: W boxes of 128 rows per stage (load_w_boxes).
 template <int STAGES, int STAGE_BYTES, int A_BYTES, int NW = 1>
 DEVI void produce_stage(const TmaParams& p, u32 ring, u32 full, u32 empty, u32 it, int kt,
                         int seg, int x_row, int w_row) {
@@ -103,9 +112,7 @@ DEVI void produce_stage(const TmaParams& p, u32 ring, u32 full, u32 empty, u32 i
     mbar_expect_tx(fb, STAGE_BYTES);
     const u32 dst = ring + stage * STAGE_BYTES;
     tma_load_3d(dst, &p.tx, kt * 64, seg, x_row, fb);
-#pragma unroll
-    for (int i = 0; i < NW; ++i)
-        tma_load_3d(dst + A_BYTES + i * 128 * 64 * 2, &p.tw, kt * 64, seg, w_row + 128 * i, fb);
+    load_w_boxes<NW>(p, dst + A_BYTES, kt, seg, w_row, fb);
 }
 
 // k16 chunks of k-tile kt (64 columns) that start inside a segment of seg_len columns.
@@ -185,8 +192,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
     const int tid = threadIdx.x;
     const int wg = warpgroup_uniform();
-    pdl_wait();
-    pdl_trigger();
+    pdl_enter();
     if (tid == 0) {
         for (int s = 0; s < TMA_STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
@@ -385,13 +391,10 @@ DEVI void cluster_body(const TmaParams& p) {
             for (int it = 0; it < early; ++it) {
                 const u32 fb = full + 8 * it;
                 mbar_expect_tx(fb, STAGE_BYTES);
-#pragma unroll
-                for (int i = 0; i < NW; ++i)
-                    tma_load_3d(ring + it * STAGE_BYTES + CL_A_BYTES + i * CL_W_BYTES, &p.tw,
-                                (it % tps) * 64, seg * SPC + it / tps, nt * BN + 128 * i, fb);
+                load_w_boxes<NW>(p, ring + it * STAGE_BYTES + CL_A_BYTES, it % tps, seg * SPC + it / tps,
+                                 nt * BN, fb);
             }
-            pdl_wait();
-            pdl_trigger();
+            pdl_enter();
             for (int it = 0; it < early; ++it)
                 tma_load_3d(ring + it * STAGE_BYTES, &p.tx, (it % tps) * 64, seg * SPC + it / tps,
                             mt * 64, full + 8 * it);
@@ -404,12 +407,10 @@ DEVI void cluster_body(const TmaParams& p) {
                 }
             }
         } else {
-            pdl_wait();
-            pdl_trigger();
+            pdl_enter();
         }
     } else {
-        pdl_wait();
-        pdl_trigger();
+        pdl_enter();
         const u32 sw = ring + CL_A_BYTES + wg * CL_W_BYTES;
         const bool releaser = (tid & 127) == 0;
         u32 it = 0;

@@ -20,20 +20,6 @@ typedef unsigned long long u64;
 
 #define DEVI __device__ __forceinline__
 
-// Programmatic dependent launch (kernels/src/cuda/launch.rs): wait until the previous grid
-// has completed and its memory is visible; let the next grid start launching. No-ops
-// when the launch did not ask for PDL, and below sm_90.
-DEVI void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-DEVI void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 DEVI u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

@@ -25,6 +25,7 @@ use crate::tree::SEGMENTS;
 /// The kernel sources, compiled together as their own NVRTC program: the portable
 /// mma.sync kernels (sm_80+) and the Hopper wgmma kernels (compiled only for sm_90a).
 pub const SOURCES: &[(&str, &str)] = &[
+    ("pdl.cuh", include_str!("../../cuda/pdl.cuh")),
     ("gemm_tree.cu", include_str!("../../cuda/gemm_tree.cu")),
     ("gemm_sm90.cu", include_str!("../../cuda/gemm_sm90.cu")),
     (

@@ -1,7 +1,8 @@
 //! The kernel sources, embedded at build time and compiled as one NVRTC program.
 
-/// (file name, text) in the order they are concatenated; `common.cuh` first.
+/// (file name, text) in the order they are concatenated; `pdl.cuh` and `common.cuh` first.
 pub const SOURCES: &[(&str, &str)] = &[
+    ("pdl.cuh", include_str!("../../cuda/pdl.cuh")),
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("matmul.cu", include_str!("../../cuda/matmul.cu")),
     ("norm.cu", include_str!("../../cuda/norm.cu")),
