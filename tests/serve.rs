@@ -770,6 +770,17 @@ fn streaming_errors_cancellation_and_drain() {
             .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
             .unwrap_or_else(|| panic!("no {name} in\n{m}"))
     };
+    // Earlier requests may still hold KV (a stop-string completion's sequence is cancelled
+    // by the leader's next pass, after its response is sent): wait until none does, so the
+    // count below moves by this stream's cancellation alone.
+    let t0 = Instant::now();
+    while metric("arbor_kv_blocks_used ") != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "earlier sequences still hold KV"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let cancelled_before = metric("arbor_sequences_cancelled_total ");
     let long = json!({"prompt": [7, 8, 9], "max_tokens": 100, "ignore_eos": true, "stream": true});
     let mut got = 0;
