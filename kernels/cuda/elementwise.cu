@@ -5,31 +5,22 @@ extern "C" __global__ void silu_mul_kernel(const float* __restrict__ gate, const
     pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
-    const float g = gate[i];
-    out[i] = (g / (1.0f + expf(-g))) * up[i];
+    out[i] = silu_mul(gate[i], up[i]);
 }
 
-// The fused gate/up projection's output: gu = [rows, 2·inter], gate columns then up columns;
-// out = silu(gate)·up with silu_mul_kernel's expression, so the bits equal the unfused pair.
+// The gate/up projection's output with gate and up columns alternating (gu = [rows, 2·inter],
+// column 2j gate j, column 2j + 1 up j: the layout whose GEMM epilogue computes this itself,
+// gemm_sm90_tma.cu): out = silu(gate)·up, the bits of silu_mul_kernel on the two halves.
 // outb (may be null): the output rounded to bf16 as well (for the down GEMM).
-extern "C" __global__ void silu_mul_halves_kernel(const float* __restrict__ gu, float* __restrict__ out,
-                                                  bf16_t* __restrict__ outb, long long rows, int inter) {
+extern "C" __global__ void silu_mul_pairs_kernel(const float2* __restrict__ gu, float* __restrict__ out,
+                                                 bf16_t* __restrict__ outb, long long count) {
     pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * inter) return;
-    // The row by 32-bit division where the index fits: a 64-bit division is a long
-    // subroutine per element (this kernel took 7.4 µs at batch 64 on an H200 with it).
-    long long r;
-    if (rows * inter <= 0x7fffffffLL) {
-        r = (long long)((unsigned int)i / (unsigned int)inter);
-    } else {
-        r = i / inter;
-    }
-    const long long c = i - r * inter;
-    const float g = gu[r * 2 * inter + c];
-    const float v = (g / (1.0f + expf(-g))) * gu[r * 2 * inter + inter + c];
-    out[i] = v;
-    if (outb) outb[i] = f32_to_bf16(v);
+    if (i >= count) return;
+    const float2 v = gu[i];
+    const float y = silu_mul(v.x, v.y);
+    out[i] = y;
+    if (outb) outb[i] = f32_to_bf16(y);
 }
 
 // Columns [col0, col0 + cols) of src [rows, src_cols] into dst [rows, cols].

@@ -38,6 +38,9 @@ struct __align__(64) TmaParams {
     // 1: W is constant while the previous kernels run (model weights), so a kernel launched
     // with PDL may load its first W tiles before pdl_enter().
     int w_early;
+    // 0: store the [M, N] roots. 1: W's rows alternate gate and up (N = 2·inter); store
+    // silu(gate)·up, [M, N/2], to outf and, if set, rounded to bf16 to outh.
+    int epi;
 };
 
 DEVI void mbar_init(u32 bar, u32 count) {
@@ -154,6 +157,43 @@ DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_ro
 // lane/4 + 8*((i/2)&1), column 8*(i/4) + 2*(lane%4) + (i&1).
 DEVI int acc_row(int wl, int i) { return ((wl >> 5) << 4) + ((wl & 31) >> 2) + 8 * ((i >> 1) & 1); }
 DEVI int acc_col(int wl, int i) { return 8 * (i >> 2) + 2 * (wl & 3) + (i & 1); }
+
+// The epilogue's stores. Roots: one 16-byte (f32) or 8-byte (bf16) store per 4 columns
+// where the row allows it (scalar stores left 3/4 of every written sector unused).
+DEVI void store_roots4(const TmaParams& p, long long row, int col, const float* v) {
+    const long long idx = row * p.N + col;
+    if (col + 3 < p.N) {
+        if (p.outh && ((idx & 3) == 0)) {
+            const u32 lo = (u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16);
+            const u32 hi = (u32)f32_to_bf16(v[2]) | ((u32)f32_to_bf16(v[3]) << 16);
+            *(uint2*)(p.outh + idx) = make_uint2(lo, hi);
+            return;
+        }
+        if (!p.outh && ((idx & 3) == 0)) {
+            *(float4*)(p.outf + idx) = make_float4(v[0], v[1], v[2], v[3]);
+            return;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        if (col + j < p.N) store_out(p.outf, p.outh, idx + j, v[j]);
+}
+
+// silu(gate)·up of n (1 or 2) gate/up column pairs, output columns j, j + 1 of a row of N/2.
+DEVI void store_silu(const TmaParams& p, long long row, int j, int n, float y0, float y1) {
+    const long long idx = row * (p.N >> 1) + j;
+    if (n == 2 && (idx & 1) == 0) {
+        *(float2*)(p.outf + idx) = make_float2(y0, y1);
+        if (p.outh) *(u32*)(p.outh + idx) = (u32)f32_to_bf16(y0) | ((u32)f32_to_bf16(y1) << 16);
+        return;
+    }
+    p.outf[idx] = y0;
+    if (p.outh) p.outh[idx] = f32_to_bf16(y0);
+    if (n == 2) {
+        p.outf[idx + 1] = y1;
+        if (p.outh) p.outh[idx + 1] = f32_to_bf16(y1);
+    }
+}
 
 // ---------------------------------------------------------------------------------------
 // Large M: persistent 128x128 tiles, warp-specialised.
@@ -281,6 +321,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             const int r = row0 + acc_row(wl, i);
             const int c = col0 + acc_col(wl, i);
             if (r >= p.M) continue;
+            if (p.epi) {
+                // c is even: the pair (c, c + 1) is (gate j, up j), j = c / 2.
+                if (c + 1 < p.N) store_silu(p, r, c >> 1, 1, silu_mul(root[i], root[i + 1]), 0.f);
+                continue;
+            }
             const long long idx = (long long)r * p.N + c;
             if (c + 1 < p.N && p.outf && (((u64)(p.outf + idx) & 7) == 0)) {
                 *(float2*)(p.outf + idx) = make_float2(root[i], root[i + 1]);
@@ -457,11 +502,17 @@ DEVI void cluster_body(const TmaParams& p) {
                 x[0][q] = v.x, x[1][q] = v.y, x[2][q] = v.z, x[3][q] = v.w;
             }
         }
-        const long long row = (long long)(mt * 64 + r) * p.N;
+        const long long row = mt * 64 + r;
+        const int col = nt * BN + c;
+        float v[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int col = nt * BN + c + j;
-            if (col < p.N) store_out(p.outf, p.outh, row + col, tree_of(x[j], ns));
+        for (int j = 0; j < 4; ++j) v[j] = tree_of(x[j], ns);
+        if (p.epi) {
+            // col is a multiple of 4: (gate j, up j, gate j + 1, up j + 1), j = col / 2.
+            const int n = (col + 3 < p.N) ? 2 : (col + 1 < p.N ? 1 : 0);
+            if (n > 0) store_silu(p, row, col >> 1, n, silu_mul(v[0], v[1]), n == 2 ? silu_mul(v[2], v[3]) : 0.f);
+        } else {
+            store_roots4(p, row, col, v);
         }
     }
     // No block may leave while another still reads its shared memory.

@@ -14,7 +14,8 @@ use crate::backend::{BResult, Backend, HeadSpec, KvSpec, SeqRows};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{MResult, ModelError};
 use crate::layers::{
-    ColumnParallelLinear, ColumnPart, Embedding, LoadCtx, RowParallelLinear, VocabParallelHead,
+    ColumnParallelLinear, ColumnPart, Embedding, GateUpLinear, LoadCtx, RowParallelLinear,
+    VocabParallelHead,
 };
 
 /// How the attention heads are split over the TP ranks.
@@ -113,7 +114,7 @@ struct Layer<B: Backend> {
     o: RowParallelLinear<B>,
     post_norm: Norm<B>,
     /// gate and up stacked: one GEMM, then SiLU·mul over its halves.
-    gate_up: ColumnParallelLinear<B>,
+    gate_up: GateUpLinear<B>,
     down: RowParallelLinear<B>,
 }
 
@@ -187,20 +188,18 @@ impl<B: Backend> Model<B> {
                     ab,
                 )?,
                 post_norm: Norm::load(ctx, &format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate_up: ColumnParallelLinear::load(
+                gate_up: GateUpLinear::load(
                     ctx,
-                    &[
-                        part(
-                            &format!("{p}.mlp.gate_proj"),
-                            cfg.intermediate_size,
-                            &inter_rows,
-                        ),
-                        part(
-                            &format!("{p}.mlp.up_proj"),
-                            cfg.intermediate_size,
-                            &inter_rows,
-                        ),
-                    ],
+                    &part(
+                        &format!("{p}.mlp.gate_proj"),
+                        cfg.intermediate_size,
+                        &inter_rows,
+                    ),
+                    &part(
+                        &format!("{p}.mlp.up_proj"),
+                        cfg.intermediate_size,
+                        &inter_rows,
+                    ),
                     h,
                     mb,
                 )?,
@@ -324,8 +323,7 @@ impl<B: Backend> Model<B> {
             let a = b.attention(&q, cache, li, seqs, hs)?;
             let o = l.o.forward(b, &a)?;
             let n = b.add_rms_norm(&mut x, &o, &l.post_norm.w, eps)?;
-            let gu = l.gate_up.forward(b, &n)?;
-            let m = b.silu_mul_halves(&gu)?;
+            let m = l.gate_up.forward(b, &n)?;
             let d = l.down.forward(b, &m)?;
             match self.layers.get(li + 1) {
                 Some(next) => normed = Some(b.add_rms_norm(&mut x, &d, &next.input_norm.w, eps)?),

@@ -26,6 +26,7 @@ use crate::tree::SEGMENTS;
 /// mma.sync kernels (sm_80+) and the Hopper wgmma kernels (compiled only for sm_90a).
 pub const SOURCES: &[(&str, &str)] = &[
     ("pdl.cuh", include_str!("../../cuda/pdl.cuh")),
+    ("silu.cuh", include_str!("../../cuda/silu.cuh")),
     ("gemm_tree.cu", include_str!("../../cuda/gemm_tree.cu")),
     ("gemm_sm90.cu", include_str!("../../cuda/gemm_sm90.cu")),
     (
@@ -383,6 +384,19 @@ pub struct GemmArgs {
     /// uploaded operands): under programmatic dependent launch the small-M TMA kernel then
     /// loads its first W tiles before waiting for the previous kernel (launch.rs).
     pub w_constant: bool,
+    pub epilogue: Epilogue,
+}
+
+/// What a call writes at `out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Epilogue {
+    /// The roots, `[m, n]` of `out_dtype`.
+    Store,
+    /// The MLP's gate/up projection with W's rows alternating gate and up (row 2j gate j,
+    /// 2j + 1 up j; `n` even): `silu(gate)·up`, `[m, n/2]` f32 at `out` and, where `bf16`
+    /// is not 0, rounded to bf16 there too. The bits of the stored roots followed by the
+    /// element-wise `silu_mul_pairs` kernel; the TMA paths only ([`Path::is_tma`]).
+    SiluMulPairs { bf16: CUdeviceptr },
 }
 
 /// Checks a shape against the kernel's requirements (see gemm_tree.cu).
@@ -416,6 +430,23 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
             "x ({:#x}) and w ({:#x}) must be 16-byte aligned",
             a.x, a.w
         ));
+    }
+    if let Epilogue::SiluMulPairs { bf16 } = a.epilogue {
+        if !path.is_tma() {
+            return bad(format!(
+                "path {} has no fused SiLU·mul epilogue (the TMA paths have)",
+                path.name()
+            ));
+        }
+        if !s.n.is_multiple_of(2) || a.out_dtype != OutDtype::F32 {
+            return bad(format!(
+                "the SiLU·mul epilogue needs an even n (gate/up pairs) and f32 output, got n = {} and {:?}",
+                s.n, a.out_dtype
+            ));
+        }
+        if !bf16.is_multiple_of(16) {
+            return bad(format!("bf16 output {bf16:#x} must be 16-byte aligned"));
+        }
     }
     if path.is_tma() && s.k != s.n_seg * s.seg_len {
         return bad(format!(
@@ -609,9 +640,10 @@ impl TreeGemm {
         if s.m == 0 || s.n == 0 {
             return Ok(());
         }
-        let (outf, outh) = match a.out_dtype {
-            OutDtype::F32 => (a.out, 0),
-            OutDtype::Bf16 => (0, a.out),
+        let (outf, outh) = match (a.epilogue, a.out_dtype) {
+            (Epilogue::SiluMulPairs { bf16 }, _) => (a.out, bf16),
+            (Epilogue::Store, OutDtype::F32) => (a.out, 0),
+            (Epilogue::Store, OutDtype::Bf16) => (0, a.out),
         };
         if path.is_tma() {
             // One segment cannot be split in two: the one-segment kernel is the same sum.
@@ -678,6 +710,7 @@ impl TreeGemm {
             seg_len: s.seg_len as i32,
             n_seg: s.n_seg as i32,
             w_early: i32::from(a.w_constant),
+            epi: i32::from(matches!(a.epilogue, Epilogue::SiluMulPairs { .. })),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {
@@ -725,6 +758,7 @@ mod tests {
             counters: 0x5000,
             counters_len: 1024,
             w_constant: true,
+            epilogue: Epilogue::Store,
         }
     }
 

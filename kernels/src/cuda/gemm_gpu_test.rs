@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::*;
@@ -63,6 +63,7 @@ impl Bufs {
             counters: self.p(&self.cnt),
             counters_len: self.cnt.len(),
             w_constant: true,
+            epilogue: Epilogue::Store,
         };
         // SAFETY: the test's shapes lie inside the buffers (asserted by their sizes below).
         unsafe { tg.launch(&self.stream, &a, Some(path)) }
@@ -239,6 +240,111 @@ fn check_all_paths(tg: &TreeGemm, stream: &Arc<CudaStream>, k: usize) {
                 cnt.iter().all(|&c| c == 0),
                 "{name}: tile counters not reset: {cnt:?}"
             );
+        }
+    }
+}
+
+/// The SiLU·mul epilogue of every TMA path: bit for bit the path's stored roots followed
+/// by the element-wise `silu_mul_pairs` kernel (the unfused MLP), in f32 and in bf16, at
+/// M inside one row tile, across row tiles and above 128 rows, with N a multiple of 4 and
+/// N = 2 mod 4 (a last pair alone in its 4-column group).
+#[test]
+fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
+    if let Err(e) = probe() {
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let dev =
+        crate::cuda::GpuDevice::open(0).unwrap_or_else(|e| panic!("a GPU is present but: {e}"));
+    let tg = TreeGemm::new(&dev.ctx).unwrap_or_else(|e| panic!("{e}"));
+    let stream = dev.stream.clone();
+    let k = 1024usize;
+    let layout = SegmentLayout::new(k);
+    let m_max = 150usize;
+    let n_max = 264usize;
+    let x = stream
+        .clone_htod(&rng_bf16(m_max * k, 21))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let w = stream
+        .clone_htod(&rng_bf16(n_max * k, 23))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ws: CudaSlice<f32> = stream
+        .alloc_zeros(SEGMENTS * m_max * n_max)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let p = |s: &CudaSlice<u16>| s.device_ptr(&stream).0;
+    let tma: Vec<Path> = Path::all(Family::Wgmma)
+        .iter()
+        .copied()
+        .filter(|p| p.is_tma() && tg.has(*p))
+        .collect();
+    if tma.is_empty() {
+        eprintln!("skipped: no TMA path on {}", tg.arch);
+        return;
+    }
+    for &path in &tma {
+        for (m, n) in [(3usize, 264usize), (70, 200), (150, 198), (1, 2)] {
+            let shape = TreeMatmul {
+                m,
+                n,
+                k,
+                seg_len: layout.seg_len,
+                n_seg: SEGMENTS,
+            };
+            let what = format!("{} M {m} N {n}", path.name());
+            let run = |epilogue: Epilogue, out: &mut CudaSlice<f32>| {
+                let a = GemmArgs {
+                    shape,
+                    x: p(&x),
+                    ldx: k,
+                    w: p(&w),
+                    ldw: k,
+                    out: out.device_ptr_mut(&stream).0,
+                    out_dtype: OutDtype::F32,
+                    ws: ws.device_ptr(&stream).0,
+                    ws_len: ws.len(),
+                    counters: 0,
+                    counters_len: 0,
+                    w_constant: true,
+                    epilogue,
+                };
+                // SAFETY: the shapes lie inside the buffers allocated above.
+                unsafe { tg.launch(&stream, &a, Some(path)) }
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            };
+            let mut roots = dev
+                .upload_f32(&vec![f32::NAN; m * n])
+                .unwrap_or_else(|e| panic!("{e}"));
+            run(Epilogue::Store, &mut roots);
+            let mut want_b = dev.empty_bf16(m * n / 2).unwrap_or_else(|e| panic!("{e}"));
+            let want = dev
+                .silu_mul_pairs(&roots, m, n / 2, Some(&mut want_b))
+                .unwrap_or_else(|e| panic!("{what}: silu_mul_pairs: {e}"));
+            let mut got = dev
+                .upload_f32(&vec![f32::NAN; m * n / 2])
+                .unwrap_or_else(|e| panic!("{e}"));
+            let mut got_b = dev
+                .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
+                .unwrap_or_else(|e| panic!("{e}"));
+            let bp = got_b.device_ptr_mut(&stream).0;
+            run(Epilogue::SiluMulPairs { bf16: bp }, &mut got);
+            let host = |b: &CudaSlice<f32>| {
+                dev.download_f32(b)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"))
+            };
+            let want_h = host(&want);
+            assert!(
+                want_h.iter().all(|v| v.is_finite()),
+                "{what}: roots left unwritten"
+            );
+            same_bits(&host(&got), &want_h, &what);
+            let bits = |b: &CudaSlice<u16>| -> Vec<f32> {
+                dev.download_bf16(b)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"))
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect()
+            };
+            same_bits(&bits(&got_b), &bits(&want_b), &format!("{what} (bf16)"));
         }
     }
 }

@@ -47,6 +47,8 @@ pub struct TmaParams {
     pub n_seg: i32,
     /// 1: W may be loaded before the PDL wait (see `GemmArgs::w_constant`).
     pub w_early: i32,
+    /// 1: the SiLU·mul epilogue of alternating gate/up rows (`Epilogue::SiluMulPairs`).
+    pub epi: i32,
 }
 
 /// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
@@ -225,7 +227,7 @@ mod tests {
 
     #[test]
     fn params_match_the_c_struct() {
-        // struct TmaParams: two 128-byte maps, three pointers, four ints, padded to 64.
+        // struct TmaParams: two 128-byte maps, three pointers, seven ints, padded to 64.
         assert_eq!(std::mem::align_of::<TmaParams>(), 64);
         assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
         assert_eq!(std::mem::offset_of!(TmaParams, outf), 256);
@@ -233,6 +235,7 @@ mod tests {
         assert_eq!(std::mem::offset_of!(TmaParams, m), 280);
         assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 292);
         assert_eq!(std::mem::offset_of!(TmaParams, w_early), 296);
+        assert_eq!(std::mem::offset_of!(TmaParams, epi), 300);
         assert_eq!(std::mem::size_of::<TmaParams>(), 320);
     }
 }

@@ -570,15 +570,16 @@ impl GpuDevice {
             .collect())
     }
 
-    /// silu(gate)·up of a fused gate/up output `[rows, 2·inter]` (gate columns first).
-    pub fn silu_mul_halves(
+    /// silu(gate)·up of a gate/up output `[rows, 2·inter]` whose gate and up columns
+    /// alternate (column 2j gate j, 2j + 1 up j).
+    pub fn silu_mul_pairs(
         &self,
         gu: &DevF32,
         rows: usize,
         inter: usize,
         outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
-        const K: &str = "silu_mul_halves_kernel";
+        const K: &str = "silu_mul_pairs_kernel";
         check_bf16_out(K, &outb, rows * inter)?;
         check(K, gu.len() == rows * 2 * inter, || {
             format!("gate/up has {} values, expected {rows}×2×{inter}", gu.len())
@@ -587,11 +588,11 @@ impl GpuDevice {
         if rows == 0 || inter == 0 {
             return Ok(out);
         }
-        let (r, ii) = (rows as i64, i32_of(K, "inter", inter)?);
+        let count = (rows * inter) as i64;
         let mut b = self.launch(self.func(K)?);
         b.arg(gu).out(&mut out);
         arg_bf16_out(&mut b, outb);
-        b.arg(&r).arg(&ii);
+        b.arg(&count);
         self.launched(K, unsafe { b.launch(elementwise_cfg(rows * inter)) })?;
         Ok(out)
     }

@@ -3,6 +3,7 @@
 /// (file name, text) in the order they are concatenated; `pdl.cuh` and `common.cuh` first.
 pub const SOURCES: &[(&str, &str)] = &[
     ("pdl.cuh", include_str!("../../cuda/pdl.cuh")),
+    ("silu.cuh", include_str!("../../cuda/silu.cuh")),
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("matmul.cu", include_str!("../../cuda/matmul.cu")),
     ("norm.cu", include_str!("../../cuda/norm.cu")),
@@ -20,7 +21,7 @@ pub const KERNELS: &[&str] = &[
     "rms_norm_kernel",
     "add_rms_norm_kernel",
     "silu_mul_kernel",
-    "silu_mul_halves_kernel",
+    "silu_mul_pairs_kernel",
     "row_stats_kernel",
     "copy_cols_kernel",
     "add_row_bias_kernel",

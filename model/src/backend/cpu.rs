@@ -265,20 +265,30 @@ impl Backend for CpuBackend {
             draws,
         ))
     }
-    fn silu_mul_halves(&self, gu: &CpuAct) -> BResult<CpuAct> {
-        if !gu.cols.is_multiple_of(2) {
+    fn silu_mul_pairs(&self, gu: &CpuAct) -> BResult<CpuAct> {
+        if !gu.cols.is_multiple_of(2) || gu.data.len() != gu.rows * gu.cols {
             return Err(self.shape_err(format!(
-                "silu_mul_halves of [{}, {}]: odd column count",
-                gu.rows, gu.cols
+                "silu_mul_pairs of [{}, {}] ({} values): needs an even column count",
+                gu.rows,
+                gu.cols,
+                gu.data.len()
             )));
         }
-        let mut parts = self.split_cols(gu, &[gu.cols / 2, gu.cols / 2])?;
-        let up = parts.pop();
-        let gate = parts.pop();
-        match (gate, up) {
-            (Some(g), Some(u)) => self.silu_mul(&g, &u),
-            _ => Err(self.shape_err("silu_mul_halves: split lost a half".into())),
-        }
+        let (gate, up): (Vec<f32>, Vec<f32>) =
+            gu.data.chunks_exact(2).map(|p| (p[0], p[1])).unzip();
+        let inter = gu.cols / 2;
+        self.silu_mul(
+            &CpuAct {
+                data: gate,
+                rows: gu.rows,
+                cols: inter,
+            },
+            &CpuAct {
+                data: up,
+                rows: gu.rows,
+                cols: inter,
+            },
+        )
     }
     fn split_cols(&self, x: &CpuAct, widths: &[usize]) -> BResult<Vec<CpuAct>> {
         if widths.iter().sum::<usize>() != x.cols || x.data.len() != x.rows * x.cols {

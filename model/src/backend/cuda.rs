@@ -582,21 +582,68 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn silu_mul_halves(&self, gu: &CudaAct) -> BResult<CudaAct> {
+    fn silu_mul_pairs(&self, gu: &CudaAct) -> BResult<CudaAct> {
         if !gu.cols.is_multiple_of(2) {
             return Err(self.shape_err(format!(
-                "silu_mul_halves of [{}, {}]: odd column count",
+                "silu_mul_pairs of [{}, {}]: odd column count",
                 gu.rows, gu.cols
             )));
         }
         let inter = gu.cols / 2;
         let mut bf16 = self.bf16_out(gu.rows * inter)?;
-        let buf = self.timed("silu_mul_halves", gu.rows, || {
+        let buf = self.timed("silu_mul_pairs", gu.rows, || {
             self.dev
-                .silu_mul_halves(&gu.buf, gu.rows, inter, bf16.as_mut())
+                .silu_mul_pairs(&gu.buf, gu.rows, inter, bf16.as_mut())
                 .map_err(|e| self.dev_err(e))
         })?;
         Ok(self.act_with_bf16(buf, gu.rows, inter, bf16))
+    }
+
+    fn matmul_silu_mul(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
+        let fused = self
+            .gemm
+            .as_ref()
+            .filter(|_| self.blas.is_none() && tensor_eligible(tree));
+        if let Some(g) = fused {
+            if x.cols != w.k || !w.n.is_multiple_of(2) {
+                return Err(self.shape_err(format!(
+                    "matmul_silu_mul of x [{}, {}] with gate/up w [{}, {}]",
+                    x.rows, x.cols, w.n, w.k
+                )));
+            }
+            let inter = w.n / 2;
+            let mut bf16 = self.bf16_out(x.rows * inter)?;
+            let label = self
+                .prof
+                .as_ref()
+                .map(|_| format!("matmul+silu n={} k={}", w.n, w.k))
+                .unwrap_or_default();
+            let buf = self.timed(&label, x.rows, || {
+                g.matmul_silu_mul(
+                    &self.dev,
+                    &x.buf,
+                    x.bf16.as_ref(),
+                    x.rows,
+                    x.cols,
+                    &w.buf,
+                    w.n,
+                    tree,
+                    bf16.as_mut(),
+                )
+                .map_err(|e| BackendError::Device {
+                    rank: self.comm.rank(),
+                    msg: format!(
+                        "matmul+silu of x [{}, {}] with w [{}, {}]: {e}",
+                        x.rows, x.cols, w.n, w.k
+                    ),
+                })
+            })?;
+            if let Some(buf) = buf {
+                return Ok(self.act_with_bf16(buf, x.rows, inter, bf16));
+            }
+        }
+        let gu = self.matmul(x, w, tree)?;
+        self.silu_mul_pairs(&gu)
     }
 
     fn split_cols(&self, x: &CudaAct, widths: &[usize]) -> BResult<Vec<CudaAct>> {

@@ -137,9 +137,15 @@ pub trait Backend {
     fn add_row_bias(&self, x: &mut Self::Act, bias: &Self::Act) -> BResult<()>;
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> BResult<()>;
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> BResult<Self::Act>;
-    /// `silu_mul` of a fused gate/up output `[rows, 2·inter]` (gate columns first): the
-    /// same bits as `silu_mul` of the two halves.
-    fn silu_mul_halves(&self, gu: &Self::Act) -> BResult<Self::Act>;
+    /// `silu_mul` of a gate/up output `[rows, 2·inter]` whose gate and up columns
+    /// alternate (column 2j gate j, 2j + 1 up j): the bits of `silu_mul` of the two.
+    fn silu_mul_pairs(&self, gu: &Self::Act) -> BResult<Self::Act>;
+    /// `silu_mul_pairs(matmul(x, w, tree))` for a weight whose rows alternate gate and up;
+    /// a backend may compute the SiLU·mul in the GEMM's epilogue (same bits).
+    fn matmul_silu_mul(&self, x: &Self::Act, w: &Self::Mat, tree: TreeSpec) -> BResult<Self::Act> {
+        let gu = self.matmul(x, w, tree)?;
+        self.silu_mul_pairs(&gu)
+    }
     /// Consecutive column blocks of `x` of the given widths (which sum to its columns).
     fn split_cols(&self, x: &Self::Act, widths: &[usize]) -> BResult<Vec<Self::Act>>;
     /// Rotate `x` (`[rows, n_heads*head_dim]`) in place at the positions `seqs` give.

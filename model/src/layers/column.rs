@@ -14,7 +14,7 @@ use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 
 use super::LoadCtx;
 use crate::backend::{BResult, Backend, TreeSpec};
-use crate::error::MResult;
+use crate::error::{MResult, ModelError};
 
 /// One projection of a column-parallel layer: `<prefix>.weight` is
 /// `[out_features, in_features]`, of which this rank holds `rows`.
@@ -33,6 +33,15 @@ pub struct ColumnParallelLinear<B: Backend> {
     widths: Vec<usize>,
 }
 
+/// How a multi-part layer's rows are laid out in its one weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arrangement {
+    /// Each part's rows after the previous part's.
+    Stacked,
+    /// Two parts of equal width, row by row: part 0's row j at 2j, part 1's at 2j + 1.
+    Alternating,
+}
+
 impl<B: Backend> ColumnParallelLinear<B> {
     /// Loads every part's rows (and, if `bias`, the same ranges of `<prefix>.bias`),
     /// stacked in the order given.
@@ -42,18 +51,50 @@ impl<B: Backend> ColumnParallelLinear<B> {
         in_features: usize,
         bias: bool,
     ) -> MResult<Self> {
-        let mut data = Vec::new();
-        let mut bias_data = Vec::new();
+        Self::load_arranged(ctx, parts, in_features, bias, Arrangement::Stacked)
+    }
+
+    /// Loads two parts of equal width with their rows alternating (`a`'s row j at 2j,
+    /// `b`'s at 2j + 1), for an epilogue that combines the pair (gate/up).
+    pub fn load_alternating(
+        ctx: &LoadCtx<B>,
+        a: &ColumnPart,
+        b: &ColumnPart,
+        in_features: usize,
+        bias: bool,
+    ) -> MResult<Self> {
+        if a.rows.len() != b.rows.len() {
+            return Err(ModelError::Plan(format!(
+                "{} and {} cannot alternate: this rank holds {} and {} of their rows",
+                a.prefix,
+                b.prefix,
+                a.rows.len(),
+                b.rows.len()
+            )));
+        }
+        let parts = [a.clone(), b.clone()];
+        Self::load_arranged(ctx, &parts, in_features, bias, Arrangement::Alternating)
+    }
+
+    fn load_arranged(
+        ctx: &LoadCtx<B>,
+        parts: &[ColumnPart],
+        in_features: usize,
+        bias: bool,
+        arrangement: Arrangement,
+    ) -> MResult<Self> {
+        let mut weights = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
         let mut widths = Vec::with_capacity(parts.len());
         for p in parts {
-            data.extend(ctx.store.rows(
+            weights.push(ctx.store.rows(
                 &format!("{}.weight", p.prefix),
                 p.out_features,
                 in_features,
                 p.rows.clone(),
             )?);
             if bias {
-                bias_data.extend(ctx.store.vector(
+                biases.push(ctx.store.vector(
                     &format!("{}.bias", p.prefix),
                     p.out_features,
                     p.rows.clone(),
@@ -62,6 +103,13 @@ impl<B: Backend> ColumnParallelLinear<B> {
             widths.push(p.rows.len());
         }
         let n: usize = widths.iter().sum();
+        let (data, bias_data) = match arrangement {
+            Arrangement::Stacked => (weights.concat(), biases.concat()),
+            Arrangement::Alternating => (
+                alternate_rows(&weights, in_features),
+                alternate_rows(&biases, 1),
+            ),
+        };
         let w = ctx
             .backend
             .mat_from_host(&data, n, in_features)
@@ -87,6 +135,11 @@ impl<B: Backend> ColumnParallelLinear<B> {
         })
     }
 
+    /// The weight, its tree and its bias, for a layer that runs its own op on them.
+    pub(super) fn parts(&self) -> (&B::Mat, TreeSpec, Option<&B::Act>) {
+        (&self.w, self.tree, self.bias.as_ref())
+    }
+
     /// All parts' outputs side by side, `[rows, Σ widths]`.
     pub fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
         let mut y = b.matmul(x, &self.w, self.tree)?;
@@ -103,5 +156,36 @@ impl<B: Backend> ColumnParallelLinear<B> {
             return Ok(vec![y]);
         }
         b.split_cols(&y, &self.widths)
+    }
+}
+
+/// The rows (of `width` values) of two equally long parts, alternating: part 0's row j
+/// at 2j, part 1's at 2j + 1. Empty input (no parts, e.g. no bias) gives an empty result.
+fn alternate_rows<T: Copy>(parts: &[Vec<T>], width: usize) -> Vec<T> {
+    let [a, b] = parts else {
+        return parts.concat();
+    };
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    for (ra, rb) in a.chunks_exact(width).zip(b.chunks_exact(width)) {
+        out.extend_from_slice(ra);
+        out.extend_from_slice(rb);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::alternate_rows;
+
+    #[test]
+    fn alternating_rows_interleave_whole_rows() {
+        let a = vec![1, 2, 3, 4, 5, 6];
+        let b = vec![10, 20, 30, 40, 50, 60];
+        assert_eq!(
+            alternate_rows(&[a.clone(), b.clone()], 2),
+            [1, 2, 10, 20, 3, 4, 30, 40, 5, 6, 50, 60]
+        );
+        assert_eq!(alternate_rows(&[a, b], 1)[..4], [1, 10, 2, 20]);
+        assert!(alternate_rows::<u8>(&[], 3).is_empty());
     }
 }

@@ -2,10 +2,12 @@
 //! which collective follows it.
 
 mod column;
+mod gate_up;
 mod row;
 mod vocab;
 
 pub use column::{ColumnParallelLinear, ColumnPart};
+pub use gate_up::GateUpLinear;
 pub use row::RowParallelLinear;
 pub use vocab::{Embedding, VocabParallelHead};
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use arbor_kernels::cpu::matmul::TreeMatmul;
 use arbor_kernels::cuda::cublas::Blas;
-use arbor_kernels::cuda::gemm::{self, Family, GemmArgs, OutDtype, Path, TreeGemm};
+use arbor_kernels::cuda::gemm::{self, Epilogue, Family, GemmArgs, OutDtype, Path, TreeGemm};
 use arbor_kernels::tree::{combine_roots, SegmentLayout, SEGMENTS};
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUevent_flags};
@@ -489,6 +489,7 @@ fn bench_shape(
                 counters: cnt_p,
                 counters_len: ops.cnt_len,
                 w_constant: true,
+                epilogue: Epilogue::Store,
             };
             // SAFETY: all pointers are live buffers sized for `full(m)`.
             unsafe { tg.launch(stream, &a, Some(path)) }?;
@@ -685,6 +686,7 @@ fn launch(
         counters: ptr(&ops.cnt, stream),
         counters_len: ops.cnt_len,
         w_constant: true,
+        epilogue: Epilogue::Store,
     };
     let path = c.path.unwrap_or(Path::for_shape(&s, ops.family));
     // Poison the output and the segment-sum workspace (all bits set: NaN) so that a call

@@ -11,7 +11,7 @@ use std::env::VarError;
 use std::sync::{Arc, Mutex};
 
 use arbor_kernels::cpu::TreeMatmul;
-use arbor_kernels::cuda::gemm::{GemmArgs, GemmError, OutDtype, TreeGemm};
+use arbor_kernels::cuda::gemm::{Epilogue, GemmArgs, GemmError, OutDtype, TreeGemm};
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, DevU32, GpuDevice};
 use arbor_kernels::SegmentLayout;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -153,6 +153,44 @@ impl TensorGemm {
         n: usize,
         tree: TreeSpec,
     ) -> Result<DevF32, TensorGemmError> {
+        self.call(dev, x, xb, m, k, w, n, tree, None)?
+            .ok_or_else(|| TensorGemmError::Shape("the plain GEMM returned no output".into()))
+    }
+
+    /// `silu(gate)·up` `[m, n/2]` of the gate/up projection whose weight rows alternate
+    /// gate and up, computed in the GEMM's epilogue (and its bf16 rounding into `outb`);
+    /// `None` when the path this shape takes has no such epilogue (then nothing ran).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_silu_mul(
+        &self,
+        dev: &GpuDevice,
+        x: &DevF32,
+        xb: Option<&DevBf16>,
+        m: usize,
+        k: usize,
+        w: &DevBf16,
+        n: usize,
+        tree: TreeSpec,
+        outb: Option<&mut DevBf16>,
+    ) -> Result<Option<DevF32>, TensorGemmError> {
+        self.call(dev, x, xb, m, k, w, n, tree, Some(outb))
+    }
+
+    /// `silu`: `None` stores the roots; `Some(outb)` the SiLU·mul epilogue (returns `None`
+    /// without launching where the default path has none).
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &self,
+        dev: &GpuDevice,
+        x: &DevF32,
+        xb: Option<&DevBf16>,
+        m: usize,
+        k: usize,
+        w: &DevBf16,
+        n: usize,
+        tree: TreeSpec,
+        mut silu: Option<Option<&mut DevBf16>>,
+    ) -> Result<Option<DevF32>, TensorGemmError> {
         let layout = SegmentLayout::new(tree.k);
         if !tensor_eligible(tree) || layout.seg_len != tree.seg_len {
             return Err(TensorGemmError::Shape(format!(
@@ -168,10 +206,6 @@ impl TensorGemm {
                 w.len()
             )));
         }
-        let mut out = dev.empty_f32(m * n)?;
-        if m == 0 || n == 0 {
-            return Ok(out);
-        }
         let shape = TreeMatmul {
             m,
             n,
@@ -180,6 +214,23 @@ impl TensorGemm {
             n_seg: tree.n_seg,
         };
         let path = self.kernels.default_path(&shape);
+        let out_cols = match &silu {
+            None => n,
+            Some(_) if !path.is_tma() => return Ok(None),
+            Some(outb) => {
+                if !n.is_multiple_of(2) || outb.as_ref().is_some_and(|b| b.len() != m * n / 2) {
+                    return Err(TensorGemmError::Shape(format!(
+                        "SiLU·mul epilogue: n = {n} must be even and the bf16 output hold {m}×{}",
+                        n / 2
+                    )));
+                }
+                n / 2
+            }
+        };
+        let mut out = dev.empty_f32(m * out_cols)?;
+        if m == 0 || n == 0 {
+            return Ok(Some(out));
+        }
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch {
             xb: scratch_xb,
@@ -214,10 +265,23 @@ impl TensorGemm {
             let (wsp, _rws) = ws.device_ptr_mut(stream);
             let (cp, _rc) = cnt.device_ptr_mut(stream);
             let (op, _ro) = out.device_ptr_mut(stream);
+            let (epilogue, _rb) = match silu.as_mut() {
+                None => (Epilogue::Store, None),
+                Some(None) => (Epilogue::SiluMulPairs { bf16: 0 }, None),
+                Some(Some(b)) => {
+                    let (bp, rb) = b.device_ptr_mut(stream);
+                    (Epilogue::SiluMulPairs { bf16: bp }, Some(rb))
+                }
+            };
+            let bp = match epilogue {
+                Epilogue::SiluMulPairs { bf16 } => bf16,
+                Epilogue::Store => 0,
+            };
             for (name, p) in [
                 ("bf16 X", xp),
                 ("weight", wp),
                 ("output", op),
+                ("bf16 output", bp),
                 ("workspace", wsp),
                 ("tile counters", cp),
             ] {
@@ -241,13 +305,14 @@ impl TensorGemm {
                 counters_len,
                 // The model's weights: uploaded once, never written by a kernel.
                 w_constant: true,
+                epilogue,
             };
             // SAFETY: every pointer is a live allocation on `stream` of the size `a` states
             // (checked above and by `launch`'s validation); the scratch buffers stay
             // allocated until a later call replaces them, and that free is stream-ordered.
             unsafe { self.kernels.launch(stream, &a, Some(path)) }?;
         }
-        Ok(out)
+        Ok(Some(out))
     }
 }
 
@@ -319,6 +384,7 @@ mod tests {
                                     counters: 0x5000,
                                     counters_len: path.counters_len(m, 200),
                                     w_constant: true,
+                                    epilogue: Epilogue::Store,
                                 };
                                 if let Err(e) = validate(&a, path) {
                                     panic!("K {k} TP {tp} rank {rank} M {m}: {e}");
