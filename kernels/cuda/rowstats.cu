@@ -60,23 +60,13 @@ __device__ __forceinline__ void strided_in_order(const float* __restrict__ row, 
     for (; i < n; i += RS_THREADS) f(row[i], i);
 }
 
-// FNV-1a over v's 4 bytes (little-endian). The 64-bit state is kept as two 32-bit halves:
-// h·FNV_PRIME = h·0x1b3 + h·2^40 (mod 2^64), so the low half's chain is one xor and one
-// 32-bit multiply per byte (the high half follows off the chain). The emulated 64-bit
-// multiply made the serial fold of a row's ~500 chunk digests most of this kernel's time.
-__device__ __forceinline__ void fnv_u32_halves(unsigned int& lo, unsigned int& hi, unsigned int v) {
+__device__ __forceinline__ unsigned long long fnv_u32(unsigned long long h, unsigned int v) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        const unsigned int x = lo ^ ((v >> (8 * k)) & 0xffu);
-        hi = hi * 0x1b3u + __umulhi(x, 0x1b3u) + (x << 8);
-        lo = x * 0x1b3u;
+        h ^= (unsigned long long)((v >> (8 * k)) & 0xffu);
+        h *= FNV_PRIME;
     }
-}
-
-__device__ __forceinline__ unsigned long long fnv_u32(unsigned long long h, unsigned int v) {
-    unsigned int lo = (unsigned int)h, hi = (unsigned int)(h >> 32);
-    fnv_u32_halves(lo, hi, v);
-    return ((unsigned long long)hi << 32) | lo;
+    return h;
 }
 
 // grid: rows; block: RS_THREADS; dynamic shared memory: n_chunks * 8 bytes.
