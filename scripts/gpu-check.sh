@@ -9,9 +9,10 @@
 #        GPU logits with the measured relative error), tiny-model generate at TP 1, 2, 4,
 #        then (time allowing) the llama3-8b-shape model: make it, one TP=4 generate, timed.
 # full:  the tests, then `arbor check --device cuda --tp $TPS --batch 1,8,32` on the tiny
-#        model (greedy, seeded top-p sampling on the host, seeded pure temperature drawn on
+#        model (greedy, seeded top-p sampling on the host, seeded top-k + top-p from candidates
+#        selected on the GPU, seeded pure temperature drawn on
 #        the GPU) and on the llama3-8b-shape model (random bf16 weights made on the
-#        machine; the same three, >= 64 new tokens), each with
+#        machine; the same four, >= 64 new tokens), each with
 #        score == generate, plus `generate --shadow-tp1` at the largest TP, then decode
 #        timing at the largest TP (this run's GEMM vs the simple kernel).
 # timing: only the llama3-8b-shape decode timing, at every TP in $TPS.
@@ -131,6 +132,9 @@ if [[ $MODE != timing ]]; then
         # Pure temperature: the draw happens on the GPU (Gumbel max in the row-stats kernel).
         run_check tiny-temp "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32 \
             --temperature 0.8 --seed 1234
+        # Top-k: the candidates are selected on the GPU (select.cu), the draw on the host.
+        run_check tiny-topk "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32 \
+            --temperature 0.8 --top-k 50 --top-p 0.9 --seed 1234
         step "tiny generate --shadow-tp1 (TP=${TPS##*,})" "$TINY_LOG" 60 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$TINY" --device cuda --shadow-tp1 \
             --prompts "$WORK/tiny-prompts.jsonl" --batch 8 --max-tokens 16
@@ -163,6 +167,8 @@ elif [[ -f $L8B_OK ]]; then
             --max-tokens "$L8B_TOKENS" --temperature 0.8 --top-p 0.9 --seed 1234
         run_check l8b-temp "$L8B_LOG" "$L8B_DIR" 300 --prompts "$WORK/l8b-prompts.jsonl" \
             --max-tokens "$L8B_TOKENS" --temperature 0.8 --seed 1234
+        run_check l8b-topk "$L8B_LOG" "$L8B_DIR" 300 --prompts "$WORK/l8b-prompts.jsonl" \
+            --max-tokens "$L8B_TOKENS" --temperature 0.8 --top-k 50 --top-p 0.9 --seed 1234
         step "l8b generate --shadow-tp1 (TP=${TPS##*,})" "$L8B_LOG" 120 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda --shadow-tp1 \
             --prompts "$WORK/l8b-prompts.jsonl" --batch 8 --max-tokens 16

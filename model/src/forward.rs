@@ -356,6 +356,11 @@ impl<B: Backend> Model<B> {
     ) -> BResult<Vec<crate::sampling::RowStats>> {
         b.row_stats(logits, self.head.vocab(), pick, draws)
     }
+
+    /// `Backend::top_k` of `forward_logits`' rows.
+    pub fn top_k(&self, b: &B, logits: &B::Act, ks: &[usize]) -> BResult<Vec<Vec<(u32, f32)>>> {
+        b.top_k(logits, self.head.vocab(), ks)
+    }
 }
 
 #[cfg(test)]

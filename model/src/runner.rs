@@ -348,8 +348,9 @@ impl<B: Backend> Engine<B> {
         ids_of: &[u64],
         pick: &[u32],
         draws: &[Option<GumbelDraw>],
+        ks: &[usize],
         need_host: bool,
-    ) -> MResult<(Vec<RowStats>, Option<Vec<f32>>)> {
+    ) -> MResult<StepOut> {
         let mut trace = self.shadow.as_ref().map(|_| Trace::new());
         let dev_logits = self
             .model
@@ -363,14 +364,21 @@ impl<B: Backend> Engine<B> {
             )
             .map_err(|e| self.berr(e))?;
         let Some(dev_logits) = dev_logits else {
-            return Ok((Vec::new(), None));
+            return Ok((Vec::new(), None, Vec::new()));
         };
         let stats = self
             .model
             .row_stats(&self.backend, &dev_logits, pick, draws)
             .map_err(|e| self.berr(e))?;
+        let cands = if ks.iter().any(|&k| k > 0) {
+            self.model
+                .top_k(&self.backend, &dev_logits, ks)
+                .map_err(|e| self.berr(e))?
+        } else {
+            Vec::new()
+        };
         if !need_host && self.shadow.is_none() {
-            return Ok((stats, None));
+            return Ok((stats, None, cands));
         }
         let logits = self
             .model
@@ -429,7 +437,7 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
-        Ok((stats, Some(logits)))
+        Ok((stats, Some(logits), cands))
     }
 }
 
@@ -531,16 +539,18 @@ impl<B: Backend> Engine<B> {
         }
         let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
         let draws: Vec<Option<GumbelDraw>> = tasks.iter().map(RowTask::draw).collect();
+        let ks: Vec<usize> = tasks.iter().map(RowTask::candidates).collect();
         let need_host = tasks.iter().any(RowTask::needs_row);
         let t0 = std::time::Instant::now();
-        let (stats, logits) = self.step(
-            caches, &ids, &seqs, &out_rows, &ids_of, &pick, &draws, need_host,
+        let (stats, logits, cands) = self.step(
+            caches, &ids, &seqs, &out_rows, &ids_of, &pick, &draws, &ks, need_host,
         )?;
         let vocab = self.model.cfg.vocab_size.max(1);
         let host_ok = logits
             .as_ref()
             .is_none_or(|l| l.len() == out_rows.len() * vocab);
-        if stats.len() != out_rows.len() || !host_ok {
+        let cands_ok = cands.is_empty() || cands.len() == out_rows.len();
+        if stats.len() != out_rows.len() || !host_ok || !cands_ok {
             return Err(ModelError::Plan(format!(
                 "the forward returned {} row records for {} rows",
                 stats.len(),
@@ -548,7 +558,8 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let t_rec = std::time::Instant::now();
-        let mut records = records_parallel(logits.as_deref(), vocab, &stats, &tasks)?.into_iter();
+        let mut records =
+            records_parallel(logits.as_deref(), vocab, &stats, &cands, &tasks)?.into_iter();
         let dt_rec = t_rec.elapsed().as_secs_f64();
         let dt = t0.elapsed().as_secs_f64();
         if plan.rows.iter().any(|r| r.prefill) {
@@ -573,6 +584,10 @@ impl<B: Backend> Engine<B> {
         Ok(results)
     }
 }
+
+/// A step's row stats, its logits on the host (when a row needs them or the shadow
+/// compares) and each row's top-k candidates (empty when no row asked for any).
+type StepOut = (Vec<RowStats>, Option<Vec<f32>>, Vec<Vec<(u32, f32)>>);
 
 /// What to read off one logits row.
 enum RowTask {
@@ -609,8 +624,22 @@ impl RowTask {
         }
     }
 
+    /// How many top-k candidates the backend selects for this row (0: none): a token
+    /// sampled with a bounded top-k cut, whose row need not come to the host.
+    fn candidates(&self) -> usize {
+        match *self {
+            RowTask::Sample {
+                ref sampling,
+                n_top: 0,
+                ..
+            } => sampling::candidates_needed(sampling),
+            _ => 0,
+        }
+    }
+
     /// Whether the record needs the whole row on the host: top-N, or a token sampled
-    /// with a top-k / top-p cut (a sort over the vocabulary).
+    /// with a top-p cut over the whole vocabulary or a top-k beyond the backend's
+    /// selection (a sort over the vocabulary).
     fn needs_row(&self) -> bool {
         match *self {
             RowTask::Score { n_top, .. } => n_top > 0,
@@ -618,12 +647,18 @@ impl RowTask {
                 ref sampling,
                 n_top,
                 ..
-            } => n_top > 0 || (sampling.temperature != 0.0 && !sampling.draws_on_device()),
+            } => {
+                n_top > 0
+                    || (sampling.temperature != 0.0
+                        && !sampling.draws_on_device()
+                        && self.candidates() == 0)
+            }
         }
     }
 
-    /// The record from the row's stats and, where `needs_row`, the row itself.
-    fn run(&self, stats: &RowStats, row: Option<&[f32]>) -> Record {
+    /// The record from the row's stats and, where `needs_row`, the row itself, or, where
+    /// `candidates`, the row's top-k candidates.
+    fn run(&self, stats: &RowStats, row: Option<&[f32]>, cand: Option<&[(u32, f32)]>) -> Record {
         let (token, value, n_top) = match *self {
             RowTask::Score { token, n_top } => (token, stats.picked, n_top),
             RowTask::Sample {
@@ -638,6 +673,16 @@ impl RowTask {
                 Some(row) if sampling.temperature != 0.0 && row.len() > 1 => {
                     let t = sampling::choose(row, sampling, key, position);
                     (t, row[t as usize], n_top)
+                }
+                // `choose` on the candidates (same token and value); the argmax below
+                // where there are none, as `choose` gives for an all-NaN row.
+                None if self.candidates() > 0 => {
+                    match cand
+                        .and_then(|c| sampling::choose_from_candidates(c, sampling, key, position))
+                    {
+                        Some((t, v)) => (t, v, n_top),
+                        None => (stats.argmax, stats.max, n_top),
+                    }
                 }
                 _ => (stats.argmax, stats.max, n_top),
             },
@@ -660,8 +705,10 @@ fn records_parallel(
     logits: Option<&[f32]>,
     vocab: usize,
     stats: &[RowStats],
+    cands: &[Vec<(u32, f32)>],
     tasks: &[RowTask],
 ) -> MResult<Vec<Record>> {
+    let cand = |r: usize| cands.get(r).map(Vec::as_slice);
     let Some(logits) = logits else {
         if let Some(t) = tasks.iter().position(RowTask::needs_row) {
             return Err(ModelError::Plan(format!(
@@ -671,11 +718,16 @@ fn records_parallel(
         return Ok(stats
             .iter()
             .zip(tasks)
-            .map(|(s, t)| t.run(s, None))
+            .enumerate()
+            .map(|(r, (s, t))| t.run(s, None, cand(r)))
             .collect());
     };
     Ok(sampling::map_rows(tasks.len(), logits.len(), |r, _| {
-        tasks[r].run(&stats[r], Some(&logits[r * vocab..(r + 1) * vocab]))
+        tasks[r].run(
+            &stats[r],
+            Some(&logits[r * vocab..(r + 1) * vocab]),
+            cand(r),
+        )
     }))
 }
 

@@ -323,14 +323,66 @@ pub fn choose(row: &[f32], s: &Sampling, id: u64, position: usize) -> u32 {
 /// uniform at `position`. Public so the selection's benchmark can feed it another
 /// selection's candidates.
 pub fn draw_from(row: &[f32], cand: &[usize], s: &Sampling, id: u64, position: usize) -> u32 {
-    if cand.is_empty() {
-        return 0;
+    match draw_index(cand.len(), |j| row[cand[j]], s, id, position) {
+        Some(j) => cand[j] as u32,
+        None => 0,
+    }
+}
+
+/// Most candidates a backend selects where the logits are (the GPU kernel's limit); a
+/// larger top-k takes the row to the host.
+pub const CANDIDATES_MAX: usize = 1024;
+
+/// How many candidates a sampled token needs from the backend instead of its whole row:
+/// `top_k` for a top-k draw (with or without top-p) of at most [`CANDIDATES_MAX`], else 0
+/// (greedy, the device's pure-temperature draw, or a selection over the whole row).
+pub fn candidates_needed(s: &Sampling) -> usize {
+    if s.temperature == 0.0 || s.draws_on_device() || s.top_k > CANDIDATES_MAX {
+        0
+    } else {
+        s.top_k
+    }
+}
+
+/// The `k` largest values of `row` as (index, value), in `choose`'s candidate order: the
+/// host definition of `Backend::top_k`.
+pub fn top_k_candidates(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    sorted_desc(row, k.min(row.len()))
+        .into_iter()
+        .map(|i| (i as u32, row[i]))
+        .collect()
+}
+
+/// `choose` for a top-k sampling given the row's `s.top_k` candidates (as
+/// [`top_k_candidates`] returns them) instead of the row: the same token and value.
+/// `None` when there are none (every value NaN); the caller then takes the argmax, as
+/// `choose` does.
+pub fn choose_from_candidates(
+    cand: &[(u32, f32)],
+    s: &Sampling,
+    id: u64,
+    position: usize,
+) -> Option<(u32, f32)> {
+    draw_index(cand.len(), |j| cand[j].1, s, id, position).map(|j| cand[j])
+}
+
+/// `draw_from`'s arithmetic over `n` candidates whose values `value(j)` gives, most likely
+/// first: the position of the drawn one, or `None` for no candidates.
+fn draw_index(
+    n: usize,
+    value: impl Fn(usize) -> f32,
+    s: &Sampling,
+    id: u64,
+    position: usize,
+) -> Option<usize> {
+    if n == 0 {
+        return None;
     }
     // Probabilities of the candidates (scaled logits, relative to the max), in
     // descending order: a fixed order, so the sums below are reproducible.
     let inv_t = 1.0f32 / s.temperature;
-    let m = row[cand[0]] * inv_t;
-    let w: Vec<f32> = cand.iter().map(|&i| (row[i] * inv_t - m).exp()).collect();
+    let m = value(0) * inv_t;
+    let w: Vec<f32> = (0..n).map(|j| (value(j) * inv_t - m).exp()).collect();
     let total: f32 = w.iter().sum();
     let mut keep = w.len();
     if s.top_p < 1.0 {
@@ -350,10 +402,10 @@ pub fn draw_from(row: &[f32], cand: &[usize], s: &Sampling, id: u64, position: u
     for (j, &x) in w[..keep].iter().enumerate() {
         acc += x;
         if u < acc {
-            return cand[j] as u32;
+            return Some(j);
         }
     }
-    cand[keep - 1] as u32
+    Some(keep - 1)
 }
 
 #[cfg(test)]
@@ -387,6 +439,53 @@ mod tests {
                 sorted_desc_reference(&row, row.len())
             );
         }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn drawing_from_the_top_k_candidates_is_choose(
+            picks in proptest::collection::vec(0usize..9, 2..300),
+            top_k in 1usize..40,
+            top_p in proptest::sample::select(vec![1.0f32, 0.9, 0.5, 0.05]),
+            temperature in proptest::sample::select(vec![0.3f32, 1.0, 2.5]),
+            seed in 0u64..1000,
+            position in 0usize..5000,
+        ) {
+            const VALUES: [f32; 9] = [0.0, -0.0, 1.5, -1.5, 3.25, 7.0, -7.0, f32::NAN, 2.0];
+            let row: Vec<f32> = picks.iter().map(|&p| VALUES[p]).collect();
+            let s = Sampling { temperature, top_k, top_p, seed };
+            proptest::prop_assert_eq!(candidates_needed(&s), top_k);
+            let want = choose(&row, &s, 17, position);
+            let got = choose_from_candidates(&top_k_candidates(&row, top_k), &s, 17, position)
+                .map_or(argmax(&row) as u32, |(t, v)| {
+                    assert_eq!(v.to_bits(), row[t as usize].to_bits());
+                    t
+                });
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn candidates_are_needed_only_for_a_bounded_top_k() {
+        let s = |temperature, top_k, top_p| Sampling {
+            temperature,
+            top_k,
+            top_p,
+            seed: 1,
+        };
+        assert_eq!(candidates_needed(&s(0.0, 50, 1.0)), 0, "greedy");
+        assert_eq!(candidates_needed(&s(1.0, 0, 1.0)), 0, "drawn on the device");
+        assert_eq!(
+            candidates_needed(&s(1.0, 0, 0.9)),
+            0,
+            "top-p over the whole row"
+        );
+        assert_eq!(candidates_needed(&s(1.0, 50, 0.9)), 50);
+        assert_eq!(
+            candidates_needed(&s(1.0, CANDIDATES_MAX, 1.0)),
+            CANDIDATES_MAX
+        );
+        assert_eq!(candidates_needed(&s(1.0, CANDIDATES_MAX + 1, 1.0)), 0);
     }
 
     #[test]

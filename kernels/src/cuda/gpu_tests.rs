@@ -736,3 +736,68 @@ fn row_stats_match_the_host_definitions_and_not_the_batch() {
     assert_eq!(alone[0].lse.to_bits(), got[2].lse.to_bits());
     assert_eq!(alone[0].digest, got[2].digest);
 }
+
+/// The host definition of `top_k_select`: every non-NaN index sorted by value (total
+/// order, descending), lowest index first on ties, the first `k` (sampling::sorted_desc).
+fn top_k_host(row: &[f32], k: usize) -> Vec<(u32, u32)> {
+    let mut idx: Vec<usize> = (0..row.len()).filter(|&i| !row[i].is_nan()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx.into_iter()
+        .map(|i| (i as u32, row[i].to_bits()))
+        .collect()
+}
+
+#[test]
+fn top_k_select_is_the_sorted_order_with_ties_and_nan() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng(31);
+    // A vocabulary row with bf16-like ties, one with few distinct values (±0, ±inf, NaN),
+    // a row of NaN, and a short row whose padding past the vocabulary must not count.
+    let (vocab, cols) = (128_256usize, 128_260usize);
+    let bf16_like = |v: f32| bf16::from_f32(v).to_f32();
+    let mut r0: Vec<f32> = rng.vec(cols, 8.0).into_iter().map(bf16_like).collect();
+    r0[100] = f32::NAN;
+    r0[vocab + 2] = 1e30;
+    const VALUES: [f32; 8] = [
+        0.0,
+        -0.0,
+        1.5,
+        -1.5,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        7.0,
+    ];
+    let r1: Vec<f32> = (0..cols)
+        .map(|i| VALUES[((i * 2654435761usize) >> 7) % VALUES.len()])
+        .collect();
+    let r2 = vec![f32::NAN; cols];
+    let flat: Vec<f32> = [r0.clone(), r1.clone(), r2.clone()].concat();
+    let x = dev.upload_f32(&flat).unwrap();
+    let rows = [&r0[..vocab], &r1[..vocab], &r2[..vocab]];
+    for k in [1usize, 2, 50, 1000, 1024] {
+        let ks = [k, k, k];
+        let got = dev.top_k_select(&x, 3, cols, vocab, &ks).unwrap();
+        for (r, row) in rows.iter().enumerate() {
+            let g: Vec<(u32, u32)> = got[r].iter().map(|&(i, v)| (i, v.to_bits())).collect();
+            assert_eq!(g, top_k_host(row, k), "row {r}, k {k}");
+        }
+    }
+    // Per-row k (0: none), and a row shorter than k.
+    let small: Vec<f32> = [3.0f32, 1.0, 3.0, f32::NAN, -2.0, 3.0, 0.5].to_vec();
+    let xs = dev.upload_f32(&small).unwrap();
+    let got = dev.top_k_select(&xs, 1, 7, 7, &[50]).unwrap();
+    let g: Vec<(u32, u32)> = got[0].iter().map(|&(i, v)| (i, v.to_bits())).collect();
+    assert_eq!(g, top_k_host(&small, 50));
+    let got = dev.top_k_select(&x, 3, cols, vocab, &[0, 3, 0]).unwrap();
+    assert!(got[0].is_empty() && got[2].is_empty());
+    assert_eq!(
+        got[1].iter().map(|&(i, _)| i).collect::<Vec<_>>(),
+        top_k_host(rows[1], 3)
+            .iter()
+            .map(|&(i, _)| i)
+            .collect::<Vec<_>>()
+    );
+    assert!(dev.top_k_select(&x, 3, cols, vocab, &[1025, 1, 1]).is_err());
+}

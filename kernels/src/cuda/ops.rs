@@ -86,6 +86,9 @@ impl RowMeta {
 }
 
 const RS_THREADS: u32 = 512;
+/// select.cu's SEL_THREADS and SEL_MAX_K.
+const SEL_THREADS: u32 = 1024;
+pub const TOP_K_MAX: usize = 1024;
 const RS_CHUNK: usize = 256;
 /// Chunk digests live in dynamic shared memory next to the kernel's 6 KiB of static.
 const RS_MAX_CHUNKS: usize = (48 * 1024 - 12 * RS_THREADS as usize) / 8;
@@ -566,6 +569,82 @@ impl GpuDevice {
                 digest: u[3 * r + 1],
                 sampled: u[3 * r + 2] as u32,
                 sampled_value: f[4 * r + 3],
+            })
+            .collect())
+    }
+
+    /// The `ks[r]` largest of the first `vocab` values of each row of `x` (`[rows, cols]`),
+    /// NaN excluded, as (index, value) in `sampling::sorted_desc`'s order (descending by
+    /// total order, lowest index first on ties); `ks[r] = 0`: none. At most
+    /// [`TOP_K_MAX`] per row; 8 bytes per candidate come back instead of the row.
+    pub fn top_k_select(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        ks: &[usize],
+    ) -> Result<Vec<Vec<(u32, f32)>>, CudaError> {
+        const K: &str = "top_k_select_kernel";
+        check(
+            K,
+            x.len() == rows * cols && vocab <= cols && ks.len() == rows,
+            || {
+                format!(
+                    "{} values as [{rows}, {cols}] with vocab {vocab} and {} k's",
+                    x.len(),
+                    ks.len()
+                )
+            },
+        )?;
+        if let Some(k) = ks.iter().find(|&&k| k > TOP_K_MAX) {
+            return Err(CudaError::Launch {
+                kernel: K,
+                msg: format!("top-k {k} is more than the kernel's {TOP_K_MAX}"),
+            });
+        }
+        let kmax = ks.iter().copied().max().unwrap_or(0);
+        if rows == 0 || kmax == 0 {
+            return Ok(vec![Vec::new(); rows]);
+        }
+        let k32: Vec<u32> = ks.iter().map(|&k| k as u32).collect();
+        let dks = self.upload_u32(&k32)?;
+        // SAFETY: plain data; the kernel writes the first out_n[r] entries of each row,
+        // and only those are read back.
+        let mut idx = self.drv("allocating top-k indices", unsafe {
+            self.stream.alloc::<u32>(rows * kmax)
+        })?;
+        let mut val = self.empty_f32(rows * kmax)?;
+        let mut cnt = self.drv("allocating top-k counts", unsafe {
+            self.stream.alloc::<u32>(rows)
+        })?;
+        let (ci, vi, ki) = (
+            i32_of(K, "cols", cols)?,
+            i32_of(K, "vocab", vocab)?,
+            i32_of(K, "k", kmax)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (i32_of(K, "rows", rows)? as u32, 1, 1),
+            block_dim: (SEL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.launch(self.func(K)?);
+        b.arg(x)
+            .arg(&ci)
+            .arg(&vi)
+            .arg(&dks)
+            .arg(&ki)
+            .out(&mut idx)
+            .out(&mut val)
+            .out(&mut cnt);
+        self.launched(K, unsafe { b.launch(cfg) })?;
+        let n = self.drv("downloading top-k counts", self.stream.clone_dtoh(&cnt))?;
+        let i = self.drv("downloading top-k indices", self.stream.clone_dtoh(&idx))?;
+        let v = self.drv("downloading top-k values", self.stream.clone_dtoh(&val))?;
+        Ok((0..rows)
+            .map(|r| {
+                let m = (n[r] as usize).min(kmax);
+                (0..m).map(|j| (i[r * kmax + j], v[r * kmax + j])).collect()
             })
             .collect())
     }

@@ -11,6 +11,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rope.cu", include_str!("../../cuda/rope.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
     ("rowstats.cu", include_str!("../../cuda/rowstats.cu")),
+    ("select.cu", include_str!("../../cuda/select.cu")),
 ];
 
 /// Every kernel entry point the module must export (checked when it is loaded).
@@ -23,6 +24,7 @@ pub const KERNELS: &[&str] = &[
     "silu_mul_kernel",
     "silu_mul_pairs_kernel",
     "row_stats_kernel",
+    "top_k_select_kernel",
     "copy_cols_kernel",
     "add_row_bias_kernel",
     "add_assign_kernel",

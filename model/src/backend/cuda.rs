@@ -582,6 +582,14 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn top_k(&self, logits: &CudaAct, vocab: usize, ks: &[usize]) -> BResult<Vec<Vec<(u32, f32)>>> {
+        self.timed("top_k", logits.rows, || {
+            self.dev
+                .top_k_select(&logits.buf, logits.rows, logits.cols, vocab, ks)
+                .map_err(|e| self.dev_err(e))
+        })
+    }
+
     fn silu_mul_pairs(&self, gu: &CudaAct) -> BResult<CudaAct> {
         if !gu.cols.is_multiple_of(2) {
             return Err(self.shape_err(format!(

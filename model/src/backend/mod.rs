@@ -220,6 +220,33 @@ pub trait Backend {
         pick: &[u32],
         draws: &[Option<crate::sampling::GumbelDraw>],
     ) -> BResult<Vec<crate::sampling::RowStats>>;
+    /// Per row of `logits` (its first `vocab` columns): the `ks[r]` largest values (NaN
+    /// excluded) as (index, value), most likely first, lowest index first on ties
+    /// (`sampling::top_k_candidates`); `ks[r] = 0`: none, and at most
+    /// `sampling::CANDIDATES_MAX`. A top-k draw needs only these, not the row on the host.
+    fn top_k(
+        &self,
+        logits: &Self::Act,
+        vocab: usize,
+        ks: &[usize],
+    ) -> BResult<Vec<Vec<(u32, f32)>>> {
+        let (rows, cols) = self.shape(logits);
+        if ks.len() != rows || vocab > cols {
+            return Err(BackendError::Shape(format!(
+                "top_k of [{rows}, {cols}] logits with vocab {vocab} and {} k's",
+                ks.len()
+            )));
+        }
+        let host = self.act_to_host(logits)?;
+        Ok(ks
+            .iter()
+            .enumerate()
+            .map(|(r, &k)| {
+                let row = &host[r * cols..r * cols + vocab];
+                crate::sampling::top_k_candidates(row, k)
+            })
+            .collect())
+    }
     /// Concatenate the ranks' column blocks (equal widths): `[rows, cols]` → `[rows, world·cols]`.
     fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;
 }
