@@ -72,7 +72,8 @@ else
     note "SKIP  reference loop (.device/decode_baseline.py missing: copy ../shared/anchors/decode_baseline.py there)"
 fi
 # Sampled decode (invariant numerics): a pure temperature draws on the GPU (Gumbel max in
-# the row-stats kernel); top-k 50 takes each row to the host for its sort. SAMPLED=0 skips.
+# the row-stats kernel); top-k 50 selects its candidates on the GPU (select.cu) and draws on
+# the host from them. SAMPLED=0 skips.
 if [[ ${SAMPLED:-1} == 1 ]]; then
     for tp in $TPS; do
         launch=("$BIN/arbor-launch" -n "$tp" --)

@@ -65,7 +65,7 @@ for f in glob.glob(os.path.join(d, "decode-sampled-tp*-*.json")):
         sampled[(r["tp"], label, r["batch"])] = r["decode_ms_per_step"]
 sampled_rows = []
 if sampled:
-    print("sampled decode ms/step (invariant; a pure temperature draws on the device, top-k sorts on the host):")
+    print("sampled decode ms/step (invariant; a pure temperature draws on the device, top-k selects its candidates on the device and draws on the host):")
     for tp, label, b in sorted(sampled):
         g = ms(tp, "invariant", b)
         sampled_rows.append(dict(tp=tp, sampling=label, batch=b, ms=sampled[(tp, label, b)], greedy_ms=g))
