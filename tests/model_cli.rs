@@ -394,3 +394,42 @@ fn fast_numerics_are_refused_on_the_cpu_with_a_reason() {
         text(&out).1
     );
 }
+
+/// A top-k draw takes its token from the backend's top-k candidates when the row is not
+/// needed on the host, and from the whole row when it is (top-N log-probs asked): the two
+/// must give the same tokens, log-probs and digests.
+#[test]
+fn top_k_tokens_do_not_depend_on_whether_the_row_came_to_the_host() {
+    let s = Scratch::new("model-cli-topk");
+    let prompts = prompts_file(s.path());
+    let run = |name: &str, extra: &[&str]| {
+        let out = s.path().join(name);
+        let mut a = generate_args(&[
+            "--prompts",
+            &prompts,
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "20",
+            "--top-p",
+            "0.95",
+            "--seed",
+            "7",
+        ]);
+        a.extend_from_slice(extra);
+        a.extend(["--out", out.to_str().unwrap()]);
+        let o = run_arbor(&a);
+        assert!(o.status.success(), "{:?}", text(&o));
+        read_jsonl(&out)
+    };
+    let candidates = run("candidates.jsonl", &[]);
+    let rows = run("rows.jsonl", &["--logprobs", "3"]);
+    assert_eq!(candidates.len(), rows.len());
+    for (c, r) in candidates.iter().zip(&rows) {
+        for key in ["tokens", "logprobs", "logits_digest"] {
+            assert_eq!(c[key], r[key], "{key}: {c} vs {r}");
+        }
+    }
+}
