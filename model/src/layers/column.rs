@@ -136,7 +136,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
     }
 
     /// The weight, its tree and its bias, for a layer that runs its own op on them.
-    pub(super) fn parts(&self) -> (&B::Mat, TreeSpec, Option<&B::Act>) {
+    pub(super) fn weight_and_bias(&self) -> (&B::Mat, TreeSpec, Option<&B::Act>) {
         (&self.w, self.tree, self.bias.as_ref())
     }
 

@@ -29,7 +29,7 @@ impl<B: Backend> GateUpLinear<B> {
 
     /// silu(x·gateᵀ)·(x·upᵀ), `[rows, inter]` of this rank's intermediate columns.
     pub fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
-        let (w, tree, bias) = self.lin.parts();
+        let (w, tree, bias) = self.lin.weight_and_bias();
         match bias {
             // The bias goes in before the activation: no fused epilogue for it.
             Some(bias) => {
