@@ -370,14 +370,16 @@ impl<B: Backend> Engine<B> {
             .model
             .row_stats(&self.backend, &dev_logits, pick, draws)
             .map_err(|e| self.berr(e))?;
-        let cands = if ks.iter().any(|&k| k > 0) {
-            self.model
-                .top_k(&self.backend, &dev_logits, ks)
-                .map_err(|e| self.berr(e))?
-        } else {
-            Vec::new()
-        };
+        // When the rows come to the host anyway, the draws use them (same tokens) and no
+        // candidates are selected.
         if !need_host && self.shadow.is_none() {
+            let cands = if ks.iter().any(|&k| k > 0) {
+                self.model
+                    .top_k(&self.backend, &dev_logits, ks)
+                    .map_err(|e| self.berr(e))?
+            } else {
+                Vec::new()
+            };
             return Ok((stats, None, cands));
         }
         let logits = self
@@ -437,7 +439,7 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
-        Ok((stats, Some(logits), cands))
+        Ok((stats, Some(logits), Vec::new()))
     }
 }
 
@@ -586,7 +588,8 @@ impl<B: Backend> Engine<B> {
 }
 
 /// A step's row stats, its logits on the host (when a row needs them or the shadow
-/// compares) and each row's top-k candidates (empty when no row asked for any).
+/// compares) and each row's top-k candidates (empty when no row asked for any, or when
+/// the rows came to the host: the draws use those).
 type StepOut = (Vec<RowStats>, Option<Vec<f32>>, Vec<Vec<(u32, f32)>>);
 
 /// What to read off one logits row.

@@ -22,7 +22,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use super::{BResult, Backend, BackendError, HeadSpec, KvSpec, Numerics, SeqRows, TreeSpec};
 use crate::error::ModelError;
 use crate::runner::{Engine, LoadOptions, Runner};
-use gemm::{tensor_eligible, GemmKind, TensorGemm};
+use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
 use profile::Profiler;
 
 /// f32 activations `[rows, cols]` on the GPU.
@@ -270,6 +270,23 @@ impl CudaBackend {
         BackendError::Device {
             rank: self.comm.rank(),
             msg: e.to_string(),
+        }
+    }
+
+    /// A tensor-GEMM failure, naming the op and its operands' shapes.
+    fn gemm_err(
+        &self,
+        op: &str,
+        x: &CudaAct,
+        w: &CudaMat,
+        e: impl std::fmt::Display,
+    ) -> BackendError {
+        BackendError::Device {
+            rank: self.comm.rank(),
+            msg: format!(
+                "{op} of x [{}, {}] with w [{}, {}]: {e}",
+                x.rows, x.cols, w.n, w.k
+            ),
         }
     }
 
@@ -627,7 +644,7 @@ impl Backend for CudaBackend {
                 .map(|_| format!("matmul+silu n={} k={}", w.n, w.k))
                 .unwrap_or_default();
             let buf = self.timed(&label, x.rows, || {
-                g.matmul_silu_mul(
+                g.matmul(
                     &self.dev,
                     &x.buf,
                     x.bf16.as_ref(),
@@ -636,15 +653,9 @@ impl Backend for CudaBackend {
                     &w.buf,
                     w.n,
                     tree,
-                    bf16.as_mut(),
+                    GemmOut::SiluMulPairs(bf16.as_mut()),
                 )
-                .map_err(|e| BackendError::Device {
-                    rank: self.comm.rank(),
-                    msg: format!(
-                        "matmul+silu of x [{}, {}] with w [{}, {}]: {e}",
-                        x.rows, x.cols, w.n, w.k
-                    ),
-                })
+                .map_err(|e| self.gemm_err("matmul+silu", x, w, e))
             })?;
             if let Some(buf) = buf {
                 return Ok(self.act_with_bf16(buf, x.rows, inter, bf16));
@@ -833,14 +844,10 @@ impl CudaBackend {
                     &w.buf,
                     w.n,
                     tree,
+                    GemmOut::Roots,
                 )
-                .map_err(|e| BackendError::Device {
-                    rank: self.comm.rank(),
-                    msg: format!(
-                        "matmul of x [{}, {}] with w [{}, {}]: {e}",
-                        x.rows, x.cols, w.n, w.k
-                    ),
-                })?;
+                .map_err(|e| self.gemm_err("matmul", x, w, e))?
+                .ok_or_else(|| self.gemm_err("matmul", x, w, "no output"))?;
             return Ok(self.act(buf, x.rows, w.n));
         }
         let buf = self

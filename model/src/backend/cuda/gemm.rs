@@ -110,6 +110,16 @@ fn grown<T>(
     Ok(buf.insert(b))
 }
 
+/// What [`TensorGemm::matmul`] writes.
+pub enum GemmOut<'a> {
+    /// The roots, `[m, n]` f32.
+    Roots,
+    /// The gate/up projection whose weight rows alternate gate and up: `silu(gate)·up`,
+    /// `[m, n/2]` f32, computed in the GEMM's epilogue, and its bf16 rounding into the
+    /// buffer given.
+    SiluMulPairs(Option<&'a mut DevBf16>),
+}
+
 /// The compiled tensor-core kernels and this backend's scratch buffers.
 pub struct TensorGemm {
     kernels: Arc<TreeGemm>,
@@ -137,10 +147,11 @@ impl TensorGemm {
         }
     }
 
-    /// out `[m, n]` f32 = bf16(x) `[m, k]` · wᵀ (`w`: `[n, k]` bf16, this rank's K shard),
-    /// the subtree root over `tree.n_seg` segments, on `dev`'s stream by the device
-    /// family's default path for `m`. `xb`: bf16(x) when the producer of x wrote it (then
-    /// no conversion pass runs).
+    /// bf16(x) `[m, k]` · wᵀ (`w`: `[n, k]` bf16, this rank's K shard), the subtree root
+    /// over `tree.n_seg` segments, on `dev`'s stream by the device family's default path
+    /// for `m`, written as `out` says. `xb`: bf16(x) when the producer of x wrote it (then
+    /// no conversion pass runs). `None` only for [`GemmOut::SiluMulPairs`] on a path
+    /// without that epilogue (then nothing ran).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -152,44 +163,7 @@ impl TensorGemm {
         w: &DevBf16,
         n: usize,
         tree: TreeSpec,
-    ) -> Result<DevF32, TensorGemmError> {
-        self.call(dev, x, xb, m, k, w, n, tree, None)?
-            .ok_or_else(|| TensorGemmError::Shape("the plain GEMM returned no output".into()))
-    }
-
-    /// `silu(gate)·up` `[m, n/2]` of the gate/up projection whose weight rows alternate
-    /// gate and up, computed in the GEMM's epilogue (and its bf16 rounding into `outb`);
-    /// `None` when the path this shape takes has no such epilogue (then nothing ran).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_silu_mul(
-        &self,
-        dev: &GpuDevice,
-        x: &DevF32,
-        xb: Option<&DevBf16>,
-        m: usize,
-        k: usize,
-        w: &DevBf16,
-        n: usize,
-        tree: TreeSpec,
-        outb: Option<&mut DevBf16>,
-    ) -> Result<Option<DevF32>, TensorGemmError> {
-        self.call(dev, x, xb, m, k, w, n, tree, Some(outb))
-    }
-
-    /// `silu`: `None` stores the roots; `Some(outb)` the SiLU·mul epilogue (returns `None`
-    /// without launching where the default path has none).
-    #[allow(clippy::too_many_arguments)]
-    fn call(
-        &self,
-        dev: &GpuDevice,
-        x: &DevF32,
-        xb: Option<&DevBf16>,
-        m: usize,
-        k: usize,
-        w: &DevBf16,
-        n: usize,
-        tree: TreeSpec,
-        mut silu: Option<Option<&mut DevBf16>>,
+        mut out: GemmOut<'_>,
     ) -> Result<Option<DevF32>, TensorGemmError> {
         let layout = SegmentLayout::new(tree.k);
         if !tensor_eligible(tree) || layout.seg_len != tree.seg_len {
@@ -214,10 +188,10 @@ impl TensorGemm {
             n_seg: tree.n_seg,
         };
         let path = self.kernels.default_path(&shape);
-        let out_cols = match &silu {
-            None => n,
-            Some(_) if !path.is_tma() => return Ok(None),
-            Some(outb) => {
+        let out_cols = match &out {
+            GemmOut::Roots => n,
+            GemmOut::SiluMulPairs(_) if !path.is_tma() => return Ok(None),
+            GemmOut::SiluMulPairs(outb) => {
                 if !n.is_multiple_of(2) || outb.as_ref().is_some_and(|b| b.len() != m * n / 2) {
                     return Err(TensorGemmError::Shape(format!(
                         "SiLU·mul epilogue: n = {n} must be even and the bf16 output hold {m}×{}",
@@ -227,9 +201,9 @@ impl TensorGemm {
                 n / 2
             }
         };
-        let mut out = dev.empty_f32(m * out_cols)?;
+        let mut y = dev.empty_f32(m * out_cols)?;
         if m == 0 || n == 0 {
-            return Ok(Some(out));
+            return Ok(Some(y));
         }
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch {
@@ -264,11 +238,11 @@ impl TensorGemm {
             let (wp, _rw) = w.device_ptr(stream);
             let (wsp, _rws) = ws.device_ptr_mut(stream);
             let (cp, _rc) = cnt.device_ptr_mut(stream);
-            let (op, _ro) = out.device_ptr_mut(stream);
-            let (epilogue, _rb) = match silu.as_mut() {
-                None => (Epilogue::Store, None),
-                Some(None) => (Epilogue::SiluMulPairs { bf16: 0 }, None),
-                Some(Some(b)) => {
+            let (op, _ro) = y.device_ptr_mut(stream);
+            let (epilogue, _rb) = match &mut out {
+                GemmOut::Roots => (Epilogue::Store, None),
+                GemmOut::SiluMulPairs(None) => (Epilogue::SiluMulPairs { bf16: 0 }, None),
+                GemmOut::SiluMulPairs(Some(b)) => {
                     let (bp, rb) = b.device_ptr_mut(stream);
                     (Epilogue::SiluMulPairs { bf16: bp }, Some(rb))
                 }
@@ -312,7 +286,7 @@ impl TensorGemm {
             // allocated until a later call replaces them, and that free is stream-ordered.
             unsafe { self.kernels.launch(stream, &a, Some(path)) }?;
         }
-        Ok(Some(out))
+        Ok(Some(y))
     }
 }
 
