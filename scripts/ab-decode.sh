@@ -8,7 +8,7 @@
 # binary (built from another commit) into .device/:
 #   BINS="base=.device/arbor-base new=.device/arbor" bash scripts/ab-decode.sh
 # BATCHES (wall, default 1,8,32,64), NCU_BATCHES (default "1 64"), ROUNDS (default 2),
-# NUMERICS (default invariant). Writes $OUT/ab-*.{log,csv} and ab-summary.txt.
+# NUMERICS (default invariant); NCU_BATCHES="" skips ncu. Writes $OUT/ab-*.{log,csv} and ab-summary.txt.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
@@ -16,7 +16,7 @@ source scripts/device-lib.sh
 script_start ab-summary.txt
 BINS=${BINS:-base=.device/arbor-base new=.device/arbor}
 BATCHES=${BATCHES:-1,8,32,64}
-NCU_BATCHES=${NCU_BATCHES:-1 64}
+NCU_BATCHES=${NCU_BATCHES-1 64}
 ROUNDS=${ROUNDS:-2}
 NUMERICS=${NUMERICS:-invariant}
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

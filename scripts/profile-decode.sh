@@ -11,7 +11,8 @@
 # unprofiled run in the same call minus the kernels' sum is what the GPU spends between
 # kernels. Reference: torch.profiler (CUPTI) over graph replays of decode_baseline.py.
 # BATCHES (default "1 64"), NUMERICS (default "invariant fast"), REFERENCE=0 skips torch,
-# DETAIL="kernel-regex[@skip] ..." adds ncu's full sections for one launch of each.
+# DETAIL="kernel-regex[@skip] ..." adds ncu's full sections for one launch of each, at
+# batch DETAIL_BATCH (default 1).
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
@@ -41,16 +42,16 @@ if [[ -n $NCU ]]; then
     done
 fi
 # DETAIL="regex ...": Nsight Compute's full sections for one decode-step launch of each
-# kernel named (batch 1, after SKIP launches of that kernel, "regex@SKIP", default 300:
-# past prefill and warm-up for a kernel launched per layer).
+# kernel named (batch DETAIL_BATCH, default 1, after SKIP launches of that kernel,
+# "regex@SKIP", default 300: past prefill and warm-up for a kernel launched per layer).
 for d in ${DETAIL:-}; do
     [[ -n $NCU ]] || break
     k=${d%@*}
     skip=300
     [[ $d == *@* ]] && skip=${d#*@}
-    step "ncu detail $k" "$OUT/profile-detail-$k.txt" 120 "$NCU" --clock-control none \
+    step "ncu detail $k batch ${DETAIL_BATCH:-1}" "$OUT/profile-detail-$k.txt" 120 "$NCU" --clock-control none \
         --set full -k "regex:$k" --launch-skip "$skip" --launch-count 1 "$ARBOR" bench decode \
-        --model "$L8B" --device cuda --numerics invariant --batch 1 --steps 16
+        --model "$L8B" --device cuda --numerics invariant --batch "${DETAIL_BATCH:-1}" --steps 16
     grep -E "^  [a-z_0-9]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Est. Speedup|stall" \
         "$OUT/profile-detail-$k.txt" | head -n 30 | tee -a "$SUMMARY"
 done

@@ -1,5 +1,6 @@
 // Causal GQA attention over the bf16 KV cache. One block per (query row, KV head, group of
-// up to `gsz` ≤ ATTN_GROUP of that KV head's query heads), ATTN_WARPS warps. The host picks
+// up to `gsz` ≤ ATTN_GROUP of that KV head's query heads), ATTN_WARPS warps (or fewer:
+// the states below are the numerics, not the warps that run them). The host picks
 // gsz: ATTN_GROUP (heads share each key and value load) when there are rows enough to fill
 // the GPU, 1 for a few rows (four times the blocks, a quarter of the work on each block's
 // latency chain). A head's arithmetic is the same either way.
@@ -7,13 +8,14 @@
 // The order of every reduction is a function of the query's position alone, never of the
 // batch, the TP size or whether later keys exist (prefill and decode run this one path):
 //
-// - Keys come in chunks of ATTN_CHUNK = 32 aligned at position 0. Chunk c belongs to warp
-//   c mod ATTN_WARPS, which walks its chunks in increasing order with the online softmax.
+// - Keys come in chunks of ATTN_CHUNK = 32 aligned at position 0. Chunk c belongs to state
+//   c mod ATTN_WARPS (run by one warp), which walks its chunks in increasing order with
+//   the online softmax.
 //   In a chunk, lane j owns key j: score = (sequential fma over head_dim of q·k) · scale.
 //   Per chunk: m' = max(m, chunk max), corr = exp(m − m'), l = l·corr + Σ_j p_j (butterfly),
 //   acc[d] = acc[d]·corr, then acc[d] = fma(p_j, v_j[d], acc[d]) for j in key order.
-// - Then the warps' states are combined in warp order w = 0 .. nw−1 (nw = the warps that
-//   own at least one chunk): M = max m_w, e_w = exp(m_w − M); L = l_0·e_0, then
+// - Then the states are combined in order w = 0 .. nw−1 (nw = the states that own at
+//   least one chunk): M = max m_w, e_w = exp(m_w − M); L = l_0·e_0, then
 //   L = fma(l_w, e_w, L) for w = 1, 2, ...; O[d] likewise from acc_w[d]; the output is O / L.
 //
 // The query heads of a group share each key and value load (GQA); a head's arithmetic
@@ -96,6 +98,13 @@ __device__ __forceinline__ void attention_body(
     const int n_chunks = pos / ATTN_CHUNK + 1;
     const bool vec = HD > 0 || ((head_dim & 7) == 0 && (width & 7) == 0);
 
+    // State s (chunks c ≡ s mod ATTN_WARPS) runs on warp s mod the block's warps, which
+    // does not change its arithmetic: the host launches 4 warps when no row has more
+    // than 4 chunks (twice the working warps per SM at the same registers; 10 % off a
+    // prefill of 128-token prompts, H200) and ATTN_WARPS otherwise.
+    const int n_states = min(ATTN_WARPS, n_chunks);
+    const int stride = head_dim + 2;
+    for (int s = wid; s < n_states; s += (int)(blockDim.x >> 5)) {
     float m[ATTN_GROUP], l[ATTN_GROUP], acc[ATTN_GROUP][DPL];
 #pragma unroll
     for (int g = 0; g < ATTN_GROUP; ++g) {
@@ -105,7 +114,7 @@ __device__ __forceinline__ void attention_body(
         for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
     }
 
-    for (int c = wid; c < n_chunks; c += ATTN_WARPS) {
+    for (int c = s; c < n_chunks; c += ATTN_WARPS) {
         const int k0 = c * ATTN_CHUNK;
         const int nvalid = min(ATTN_CHUNK, pos + 1 - k0);
         // Values of keys j0 .. j0+VB−1 of this chunk (zeros past the valid keys).
@@ -188,11 +197,10 @@ __device__ __forceinline__ void attention_body(
         }
     }
 
-    const int stride = head_dim + 2;
 #pragma unroll
     for (int g = 0; g < ATTN_GROUP; ++g) {
         if (g >= nh) break;
-        float* ps = part + (wid * ATTN_GROUP + g) * stride;
+        float* ps = part + (s * ATTN_GROUP + g) * stride;
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
             if (dim(i) < head_dim) ps[dim(i)] = acc[g][i];
@@ -202,9 +210,10 @@ __device__ __forceinline__ void attention_body(
             ps[head_dim + 1] = l[g];
         }
     }
+    }
     __syncthreads();
 
-    const int nw = min(ATTN_WARPS, n_chunks);
+    const int nw = n_states;
     for (int t = threadIdx.x; t < nh * head_dim; t += blockDim.x) {
         const int g = t / head_dim, d = t % head_dim;
         float mx = NEG_INF;
@@ -225,7 +234,7 @@ __device__ __forceinline__ void attention_body(
     }
 }
 
-// grid: (rows, n_kv_heads * ceil(group / gsz)); block: ATTN_WARPS * 32; gsz in 1..=ATTN_GROUP;
+// grid: (rows, n_kv_heads * ceil(group / gsz)); block: up to ATTN_WARPS * 32; gsz in 1..=ATTN_GROUP;
 // dynamic shared memory: ATTN_WARPS * ATTN_GROUP * (head_dim + 2) floats. outb (may be
 // null): the output rounded to bf16 as well (for the o GEMM).
 #define ATTN_ARGS                                                                                  \

@@ -1,14 +1,17 @@
 // What a step's record needs from each logits row, so that only a few bytes per row leave
 // the GPU: argmax (lowest index on ties, NaN never wins, index 0 if every value is NaN),
-// the value there, log Σ exp, the value at a requested index, the chunked FNV digest
-// of model/src/sampling.rs::digest, and on request a temperature draw by the Gumbel-max
-// trick (kernels/src/cpu/gumbel.rs: argmax of x·inv_t + g(key, i), exact like the argmax). One block of RS_THREADS per row; every reduction has
-// a fixed order (thread t takes elements t, t + RS_THREADS, ... in order, then a fixed
-// shared-memory tree), so a row's results depend only on the row: not on the batch, the
-// TP size (the logits are all-gathered first) or the launch.
+// the value there, log Σ exp, the value at a requested index, the digest of
+// kernels/src/cpu/digest.rs, and on request a temperature draw by the Gumbel-max trick
+// (kernels/src/cpu/gumbel.rs: argmax of x·inv_t + g(key, i), exact like the argmax). One
+// block of RS_THREADS per row. The argmaxes are exact whatever the split (larger value,
+// then lower index); log Σ exp has a fixed order (thread t takes elements t, t +
+// RS_THREADS, ... in order, then a fixed shared-memory tree); so a row's results depend
+// only on the row: not on the batch, the TP size (the logits are all-gathered first) or
+// the launch.
 
 #define RS_THREADS 512
 #define RS_CHUNK 256
+#define RS_GROUP 32
 #define FNV_BASIS 0xcbf29ce484222325ULL
 #define FNV_PRIME 0x00000100000001b3ULL
 
@@ -60,16 +63,22 @@ __device__ __forceinline__ void strided_in_order(const float* __restrict__ row, 
     for (; i < n; i += RS_THREADS) f(row[i], i);
 }
 
-__device__ __forceinline__ unsigned long long fnv_u32(unsigned long long h, unsigned int v) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        h ^= (unsigned long long)((v >> (8 * k)) & 0xffu);
-        h *= FNV_PRIME;
-    }
-    return h;
+// digest.rs's fold step: FNV-1a over a whole word.
+__device__ __forceinline__ unsigned long long fnv_word(unsigned long long h, unsigned long long w) {
+    return (h ^ w) * FNV_PRIME;
 }
 
-// grid: rows; block: RS_THREADS; dynamic shared memory: n_chunks * 8 bytes.
+// The argmax of one thread's candidates, in increasing index order (the first of equals
+// kept; NaN never wins).
+struct BestOf {
+    float v = 0.0f;
+    int i = -1;
+    __device__ __forceinline__ void see(float x, int at) {
+        if (x == x && (i < 0 || x > v)) { v = x; i = at; }
+    }
+};
+
+// grid: rows; block: RS_THREADS; dynamic shared memory: (n_chunks + n_groups) * 8 bytes.
 // params: [rows, 3] = (pick index or ≥ vocab for none, draw key, draw flag << 32 | inv_t
 // bits: flag 0 = no draw). out_f: [rows, 4] = (max, lse, picked, value at the draw);
 // out_u: [rows, 3] = (argmax, digest, drawn index or u32::MAX).
@@ -78,43 +87,75 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
                                             float* __restrict__ out_f,
                                             unsigned long long* __restrict__ out_u) {
     pdl_enter();
-    extern __shared__ unsigned long long chunk_digest[];
+    extern __shared__ unsigned long long digests[];  // chunks, then groups
     __shared__ float sv[RS_THREADS];
     __shared__ int si[RS_THREADS];
     __shared__ float ss[RS_THREADS];
     const int t = threadIdx.x;
     const float* row = x + (size_t)blockIdx.x * cols;
+    const unsigned long long* pr = params + (size_t)blockIdx.x * 3;
+    const bool draw = (pr[2] >> 32) != 0;
+    const unsigned long long key = pr[1];
+    const float inv_t = __uint_as_float((unsigned int)(pr[2] & 0xffffffffu));
 
-    // argmax: per thread in index order (first of equals kept), then the tree.
-    float bv = 0.0f;
-    int bi = -1;
-    strided_in_order(row, vocab, t, [&](float v, int i) {
-        if (v == v && (bi < 0 || v > bv)) { bv = v; bi = i; }
-    });
-    sv[t] = bv;
-    si[t] = bi;
+    // One pass over thread t's chunks (c = t, t + RS_THREADS, ...: 1 KiB of consecutive
+    // values each, read as 16-byte vectors, eight in flight): the chunk's digest and the
+    // thread's argmax and draw candidates. (Before, the digest was a pass of its own and
+    // the chunk digests were folded byte by byte on one thread: 100 µs per step.)
+    const int n_chunks = (vocab + RS_CHUNK - 1) / RS_CHUNK;
+    const int n_groups = (n_chunks + RS_GROUP - 1) / RS_GROUP;
+    const bool vec = (reinterpret_cast<size_t>(row) & 15) == 0;
+    BestOf best, drawn_best;
+    auto see = [&](unsigned long long& h, float v, int i) {
+        h = fnv_word(h, __float_as_uint(v));
+        best.see(v, i);
+        if (draw && v == v) drawn_best.see(v * inv_t + gumbel_noise(key, (unsigned int)i), i);
+    };
+    for (int c = t; c < n_chunks; c += RS_THREADS) {
+        unsigned long long h = FNV_BASIS;
+        const int begin = c * RS_CHUNK;
+        const int end = min(vocab, begin + RS_CHUNK);
+        int i = begin;
+        if (vec && end - begin == RS_CHUNK) {
+            const float4* p = reinterpret_cast<const float4*>(row + begin);
+            for (int q0 = 0; q0 < RS_CHUNK / 4; q0 += 8) {
+                float4 v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) v[u] = p[q0 + u];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int at = begin + 4 * (q0 + u);
+                    see(h, v[u].x, at);
+                    see(h, v[u].y, at + 1);
+                    see(h, v[u].z, at + 2);
+                    see(h, v[u].w, at + 3);
+                }
+            }
+            i = end;
+        }
+        for (; i < end; ++i) see(h, row[i], i);
+        digests[c] = h;
+    }
+    sv[t] = best.v;
+    si[t] = best.i;
     __syncthreads();
+    // Thread g folds group g's chunk digests (all written before the barrier above).
+    for (int g = t; g < n_groups; g += RS_THREADS) {
+        unsigned long long h = FNV_BASIS;
+        const int end = min(n_chunks, (g + 1) * RS_GROUP);
+        for (int c = g * RS_GROUP; c < end; ++c) h = fnv_word(h, digests[c]);
+        digests[n_chunks + g] = h;
+    }
     block_argmax(sv, si, t);
     const int am = si[0] < 0 ? 0 : si[0];
     const float m = si[0] < 0 ? NEG_INF : sv[0];
     __syncthreads();
 
     // The draw: the same exact argmax over the perturbed values.
-    const unsigned long long* pr = params + (size_t)blockIdx.x * 3;
-    const bool draw = (pr[2] >> 32) != 0;
     int drawn = -1;
     if (draw) {
-        const unsigned long long key = pr[1];
-        const float inv_t = __uint_as_float((unsigned int)(pr[2] & 0xffffffffu));
-        float gv = 0.0f;
-        int gi = -1;
-        strided_in_order(row, vocab, t, [&](float v, int i) {
-            if (v != v) return;
-            const float k = v * inv_t + gumbel_noise(key, (unsigned int)i);
-            if (gi < 0 || k > gv) { gv = k; gi = i; }
-        });
-        sv[t] = gv;
-        si[t] = gi;
+        sv[t] = drawn_best.v;
+        si[t] = drawn_best.i;
         __syncthreads();
         block_argmax(sv, si, t);
         drawn = si[0] < 0 ? 0 : si[0];
@@ -132,43 +173,9 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
         __syncthreads();
     }
 
-    // Digest: each chunk's FNV, then thread 0 folds the chunk digests in order.
-    const int n_chunks = (vocab + RS_CHUNK - 1) / RS_CHUNK;
-    // A thread's chunk is 1 KiB of consecutive values, a cache line per 32: read as
-    // 16-byte vectors, eight in flight (scalar loads stalled on each line in turn).
-    const bool vec = (reinterpret_cast<size_t>(row) & 15) == 0;
-    for (int c = t; c < n_chunks; c += RS_THREADS) {
-        unsigned long long h = FNV_BASIS;
-        const int begin = c * RS_CHUNK;
-        const int end = min(vocab, begin + RS_CHUNK);
-        int i = begin;
-        if (vec && end - begin == RS_CHUNK) {
-            const float4* p = reinterpret_cast<const float4*>(row + begin);
-            for (int q0 = 0; q0 < RS_CHUNK / 4; q0 += 8) {
-                float4 v[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = p[q0 + u];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    h = fnv_u32(h, __float_as_uint(v[u].x));
-                    h = fnv_u32(h, __float_as_uint(v[u].y));
-                    h = fnv_u32(h, __float_as_uint(v[u].z));
-                    h = fnv_u32(h, __float_as_uint(v[u].w));
-                }
-            }
-            i = end;
-        }
-        for (; i < end; ++i) h = fnv_u32(h, __float_as_uint(row[i]));
-        chunk_digest[c] = h;
-    }
-    __syncthreads();
     if (t == 0) {
         unsigned long long h = FNV_BASIS;
-        for (int c = 0; c < n_chunks; ++c) {
-            const unsigned long long d = chunk_digest[c];
-            h = fnv_u32(h, (unsigned int)(d & 0xffffffffu));
-            h = fnv_u32(h, (unsigned int)(d >> 32));
-        }
+        for (int g = 0; g < n_groups; ++g) h = fnv_word(h, digests[n_chunks + g]);
         const unsigned long long p = pr[0];
         const float nan = __int_as_float(0x7fc00000);
         float* of = out_f + (size_t)blockIdx.x * 4;

@@ -234,21 +234,50 @@ fn with_hostfile_line(e: remote::RemoteError, hostfile: Option<&Hostfile>) -> an
     }
 }
 
-/// A port nobody listens on right now at the address rank 0 will bind (the OS picks it;
-/// rank 0 binds it moments later). Where rank 0 runs on another host, or with
-/// `--bind-all`, this host's wildcard address is the best guess there is.
+/// A port nobody listens on right now at the address rank 0 will bind; rank 0 binds it
+/// moments later. Where rank 0 runs on another host, or with `--bind-all`, this host's
+/// wildcard address is the best guess there is.
+///
+/// Drawn at random outside the OS's ephemeral range, probed, and only then left to the
+/// OS: a port the OS hands out for `bind(0)` and that is released at once can go to any
+/// process's next outgoing connection before rank 0 binds it (seen under a test suite's
+/// HTTP clients: "Address already in use" at rank 0), while a port outside that range is
+/// only ever taken by an explicit bind.
 fn free_port(master_addr: &str, bind_all: bool) -> std::io::Result<u16> {
-    if !bind_all {
-        let host = master_addr.trim_start_matches('[').trim_end_matches(']');
-        if let Ok(addrs) = (host, 0).to_socket_addrs() {
-            for a in addrs {
-                if let Ok(l) = TcpListener::bind(a) {
-                    return Ok(l.local_addr()?.port());
-                }
+    let host = master_addr.trim_start_matches('[').trim_end_matches(']');
+    // The master's first address of this host (one it can bind), else the wildcard.
+    let local = match (bind_all, (host, 0).to_socket_addrs()) {
+        (false, Ok(mut addrs)) => addrs.find(|a| TcpListener::bind(a).is_ok()),
+        _ => None,
+    };
+    let at = local.unwrap_or_else(|| std::net::SocketAddr::from(([0, 0, 0, 0], 0)));
+    let free = |port: u16| {
+        let mut a = at;
+        a.set_port(port);
+        TcpListener::bind(a)?.local_addr().map(|a| a.port())
+    };
+    if let Some(range) = non_ephemeral_ports() {
+        for _ in 0..64 {
+            let mut b = [0u8; 2];
+            if getrandom::fill(&mut b).is_err() {
+                break;
+            }
+            let port = range.start + u16::from_le_bytes(b) % (range.end - range.start);
+            if let Ok(p) = free(port) {
+                return Ok(p);
             }
         }
     }
-    Ok(TcpListener::bind("0.0.0.0:0")?.local_addr()?.port())
+    free(0)
+}
+
+/// Ports below the OS's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range,
+/// 32768–60999 by default) and above 10000; none where that range cannot be read or
+/// leaves no room.
+fn non_ephemeral_ports() -> Option<std::ops::Range<u16>> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let low: u16 = text.split_whitespace().next()?.parse().ok()?;
+    (low > 11_000).then_some(10_000..low)
 }
 
 /// The job token to hand the ranks: the user's ARBOR_JOB_TOKEN when set; none when they
@@ -318,6 +347,11 @@ mod tests {
         // Free on loopback: rank 0 can bind it there.
         TcpListener::bind(("127.0.0.1", p)).unwrap();
         assert_ne!(free_port("192.0.2.1", false).unwrap(), 0);
+        assert_ne!(free_port("127.0.0.1", true).unwrap(), 0);
+        // Outside the ephemeral range where the OS says what it is.
+        if let Some(range) = non_ephemeral_ports() {
+            assert!(range.contains(&p), "{p} outside {range:?}");
+        }
     }
 
     #[test]

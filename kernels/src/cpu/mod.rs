@@ -20,7 +20,7 @@ pub mod threads;
 mod testutil;
 
 pub use attention::{attention, attention_on, AttnShape, ATTN_BLOCK};
-pub use digest::{digest, DIGEST_CHUNK};
+pub use digest::{digest, DIGEST_CHUNK, DIGEST_GROUP};
 pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
 pub use gumbel::{gumbel_argmax, GumbelDraw};
 pub use leaf::{bf16_to_f32, LANES};

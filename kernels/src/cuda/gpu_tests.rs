@@ -202,12 +202,22 @@ fn rms_norm_block_order(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let cols = w.len();
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(cols) {
+        // Thread t's values in its order: 4-column groups t, t + 256, ... for widths of a
+        // multiple of 4 up to 8192 (norm.cu's 16-byte path), else columns t, t + 256, ...
+        let vec = cols.is_multiple_of(4) && cols <= 8192;
         let mut sh: Vec<f32> = (0..256)
             .map(|t| {
-                row.iter()
-                    .skip(t)
-                    .step_by(256)
-                    .fold(0.0f32, |acc, &v| v.mul_add(v, acc))
+                let mine: Vec<f32> = if vec {
+                    row.chunks_exact(4)
+                        .skip(t)
+                        .step_by(256)
+                        .flatten()
+                        .copied()
+                        .collect()
+                } else {
+                    row.iter().skip(t).step_by(256).copied().collect()
+                };
+                mine.iter().fold(0.0f32, |acc, &v| v.mul_add(v, acc))
             })
             .collect();
         let mut s = 128;
@@ -227,9 +237,10 @@ fn rms_norm_block_order(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 fn rms_norm_is_the_block_order_on_the_host() {
     let Some(dev) = device() else { return };
     let mut rng = Rng(12);
-    // Narrower than a block, the register path (4096: 16 columns a thread), and wider than
-    // the registers hold (the looping path).
-    for cols in [100usize, 700, 4096, 9000] {
+    // Narrower than a block, the 16-byte path (100, 700, 4096: 4 groups of 4 a thread),
+    // the scalar register path (702, 4094: not a multiple of 4), and wider than the
+    // registers hold (the looping path).
+    for cols in [100usize, 700, 702, 4094, 4096, 9000] {
         let rows = 3;
         let (x, y, w) = (
             rng.vec(rows * cols, 3.0),
@@ -500,9 +511,10 @@ fn attention_prefill_equals_decode_and_batch() {
     let Some(dev) = device() else { return };
     // 70 keys: chunks of 32, 32, 6 on three warps.
     check_attention(&dev, 4, 2, 64, 70, 7);
-    // 300 keys: ten chunks, so warps 0 and 1 walk two each. The 300-row prefill puts 4
+    // 300 keys: ten chunks, so states 0 and 1 walk two each. The 300-row prefill puts 4
     // heads on a block (a GQA group of 6 heads is two blocks, the second holding 2 heads);
-    // a row alone puts one head on each block (ops.rs, attention_group): the same bits.
+    // a row alone puts one head on each block (ops.rs, attention_group), and a row of at
+    // most 4 chunks runs on 4 warps instead of 8 (ops.rs, attention_warps): the same bits.
     check_attention(&dev, 12, 2, 128, 300, 8);
     // head_dim 20: the scalar key loads (not a multiple of 8).
     check_attention(&dev, 6, 3, 20, 75, 9);

@@ -89,9 +89,12 @@ const RS_THREADS: u32 = 512;
 /// select.cu's SEL_THREADS and SEL_MAX_K.
 const SEL_THREADS: u32 = 1024;
 pub const TOP_K_MAX: usize = 1024;
-const RS_CHUNK: usize = 256;
-/// Chunk digests live in dynamic shared memory next to the kernel's 6 KiB of static.
-const RS_MAX_CHUNKS: usize = (48 * 1024 - 12 * RS_THREADS as usize) / 8;
+/// rowstats.cu's RS_CHUNK and RS_GROUP: cpu::digest's DIGEST_CHUNK and DIGEST_GROUP.
+const RS_CHUNK: usize = crate::cpu::DIGEST_CHUNK;
+const RS_GROUP: usize = crate::cpu::DIGEST_GROUP;
+/// Chunk and group digests live in dynamic shared memory next to the kernel's 6 KiB of
+/// static.
+const RS_MAX_DIGESTS: usize = (48 * 1024 - 12 * RS_THREADS as usize) / 8;
 
 /// Rows of a matmul handled per launch: bounds the segment-partials buffer
 /// (`n_seg × rows × n` f32) whatever M is. Each row's arithmetic does not depend on it.
@@ -100,8 +103,9 @@ const MM_ROWS_PER_WARP_TILE: usize = 8;
 const MM_WARPS_PER_BLOCK: usize = 8;
 const EW_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
-/// attention.cu's ATTN_WARPS, ATTN_GROUP and ATTN_MAX_HEAD_DIM.
+/// attention.cu's ATTN_WARPS, ATTN_CHUNK, ATTN_GROUP and ATTN_MAX_HEAD_DIM.
 const ATTN_WARPS: usize = 8;
+const ATTN_CHUNK: usize = 32;
 const ATTN_GROUP: usize = 4;
 const ATTN_MAX_HEAD_DIM: usize = 256;
 
@@ -523,8 +527,9 @@ impl GpuDevice {
             },
         )?;
         let n_chunks = vocab.div_ceil(RS_CHUNK);
-        check(K, n_chunks <= RS_MAX_CHUNKS, || {
-            format!("vocab {vocab} needs {n_chunks} digest chunks, more than {RS_MAX_CHUNKS}")
+        let n_digests = n_chunks + n_chunks.div_ceil(RS_GROUP);
+        check(K, n_digests <= RS_MAX_DIGESTS, || {
+            format!("vocab {vocab} needs {n_digests} chunk and group digests, more than {RS_MAX_DIGESTS}")
         })?;
         if rows == 0 {
             return Ok(Vec::new());
@@ -548,7 +553,7 @@ impl GpuDevice {
         let cfg = LaunchConfig {
             grid_dim: (i32_of(K, "rows", rows)? as u32, 1, 1),
             block_dim: (RS_THREADS, 1, 1),
-            shared_mem_bytes: (n_chunks * 8) as u32,
+            shared_mem_bytes: (n_digests * 8) as u32,
         };
         let mut b = self.launch(self.func(K)?);
         b.arg(x)
@@ -1110,7 +1115,7 @@ impl GpuDevice {
         let subs = (n_heads / n_kv_heads).div_ceil(gsz);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, (n_kv_heads * subs) as u32, 1),
-            block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
+            block_dim: (32 * attention_warps(meta.pos_end) as u32, 1, 1),
             shared_mem_bytes: (ATTN_WARPS * ATTN_GROUP * (head_dim + 2) * 4) as u32,
         };
         let gi = gsz as i32;
@@ -1134,6 +1139,19 @@ impl GpuDevice {
             .arg(&gi);
         self.launched(K, unsafe { b.launch(cfg) })?;
         Ok(out)
+    }
+}
+
+/// Warps per attention block when the longest row ends before `pos_end`: half of them
+/// when no row has more than half ATTN_WARPS chunks (the other half would idle at the
+/// barrier, holding registers). Measured on an H200 (session 22): 6 warps for 6 chunks was
+/// slower than 8 (the combine spreads a group's outputs over fewer threads), 4 for 4 was
+/// 10 % faster. The bits do not depend on it (attention.cu).
+fn attention_warps(pos_end: usize) -> usize {
+    if pos_end.div_ceil(ATTN_CHUNK) <= ATTN_WARPS / 2 {
+        ATTN_WARPS / 2
+    } else {
+        ATTN_WARPS
     }
 }
 
