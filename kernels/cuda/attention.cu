@@ -105,111 +105,111 @@ __device__ __forceinline__ void attention_body(
     const int n_states = min(ATTN_WARPS, n_chunks);
     const int stride = head_dim + 2;
     for (int s = wid; s < n_states; s += (int)(blockDim.x >> 5)) {
-    float m[ATTN_GROUP], l[ATTN_GROUP], acc[ATTN_GROUP][DPL];
+        float m[ATTN_GROUP], l[ATTN_GROUP], acc[ATTN_GROUP][DPL];
 #pragma unroll
-    for (int g = 0; g < ATTN_GROUP; ++g) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
+        for (int g = 0; g < ATTN_GROUP; ++g) {
+            m[g] = NEG_INF;
+            l[g] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
-    }
+            for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
+        }
 
-    for (int c = s; c < n_chunks; c += ATTN_WARPS) {
-        const int k0 = c * ATTN_CHUNK;
-        const int nvalid = min(ATTN_CHUNK, pos + 1 - k0);
-        // Values of keys j0 .. j0+VB−1 of this chunk (zeros past the valid keys).
-        auto load_values = [&](int j0, float (&vf)[VB][DPL]) {
+        for (int c = s; c < n_chunks; c += ATTN_WARPS) {
+            const int k0 = c * ATTN_CHUNK;
+            const int nvalid = min(ATTN_CHUNK, pos + 1 - k0);
+            // Values of keys j0 .. j0+VB−1 of this chunk (zeros past the valid keys).
+            auto load_values = [&](int j0, float (&vf)[VB][DPL]) {
 #pragma unroll
-            for (int jj = 0; jj < VB; ++jj) {
-                const bf16_t* vr = vbase + (size_t)(k0 + j0 + jj) * width;
-                if (j0 + jj >= nvalid) {
+                for (int jj = 0; jj < VB; ++jj) {
+                    const bf16_t* vr = vbase + (size_t)(k0 + j0 + jj) * width;
+                    if (j0 + jj >= nvalid) {
 #pragma unroll
-                    for (int i = 0; i < DPL; ++i) vf[jj][i] = 0.0f;
-                } else if (HD > 0) {
-                    load_bf16s<DPL>(vr + lane * DPL, vf[jj]);
-                } else {
+                        for (int i = 0; i < DPL; ++i) vf[jj][i] = 0.0f;
+                    } else if (HD > 0) {
+                        load_bf16s<DPL>(vr + lane * DPL, vf[jj]);
+                    } else {
 #pragma unroll
-                    for (int i = 0; i < DPL; ++i)
-                        vf[jj][i] = dim(i) < head_dim ? bf16_to_f32(vr[dim(i)]) : 0.0f;
-                }
-            }
-        };
-        // The first values do not depend on the scores: their loads overlap the dots.
-        float vf[VB][DPL];
-        load_values(0, vf);
-        float dot[ATTN_GROUP];
-#pragma unroll
-        for (int g = 0; g < ATTN_GROUP; ++g) dot[g] = 0.0f;
-        if (lane < nvalid) {
-            const bf16_t* kr = kbase + (size_t)(k0 + lane) * width;
-            if (vec) {
-                // 8 values per 16-byte load; the fma order over d is the scalar loop's.
-#pragma unroll(HD > 0 ? HD / 8 : 1)
-                for (int d0 = 0; d0 < head_dim; d0 += 8) {
-                    float kf[8];
-                    load_bf16s<8>(kr + d0, kf);
-#pragma unroll
-                    for (int g = 0; g < ATTN_GROUP; ++g) {
-                        if (g < nh) {
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) dot[g] = __fmaf_rn(sq[g][d0 + e], kf[e], dot[g]);
-                        }
+                        for (int i = 0; i < DPL; ++i)
+                            vf[jj][i] = dim(i) < head_dim ? bf16_to_f32(vr[dim(i)]) : 0.0f;
                     }
                 }
-            } else {
-                for (int d = 0; d < head_dim; ++d) {
-                    const float kf = bf16_to_f32(kr[d]);
+            };
+            // The first values do not depend on the scores: their loads overlap the dots.
+            float vf[VB][DPL];
+            load_values(0, vf);
+            float dot[ATTN_GROUP];
 #pragma unroll
-                    for (int g = 0; g < ATTN_GROUP; ++g)
-                        if (g < nh) dot[g] = __fmaf_rn(sq[g][d], kf, dot[g]);
+            for (int g = 0; g < ATTN_GROUP; ++g) dot[g] = 0.0f;
+            if (lane < nvalid) {
+                const bf16_t* kr = kbase + (size_t)(k0 + lane) * width;
+                if (vec) {
+                    // 8 values per 16-byte load; the fma order over d is the scalar loop's.
+#pragma unroll(HD > 0 ? HD / 8 : 1)
+                    for (int d0 = 0; d0 < head_dim; d0 += 8) {
+                        float kf[8];
+                        load_bf16s<8>(kr + d0, kf);
+#pragma unroll
+                        for (int g = 0; g < ATTN_GROUP; ++g) {
+                            if (g < nh) {
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) dot[g] = __fmaf_rn(sq[g][d0 + e], kf[e], dot[g]);
+                            }
+                        }
+                    }
+                } else {
+                    for (int d = 0; d < head_dim; ++d) {
+                        const float kf = bf16_to_f32(kr[d]);
+#pragma unroll
+                        for (int g = 0; g < ATTN_GROUP; ++g)
+                            if (g < nh) dot[g] = __fmaf_rn(sq[g][d], kf, dot[g]);
+                    }
+                }
+            }
+            float p[ATTN_GROUP];
+#pragma unroll
+            for (int g = 0; g < ATTN_GROUP; ++g) {
+                if (g >= nh) break;
+                const float s = (lane < nvalid) ? dot[g] * scale : NEG_INF;
+                const float m_new = fmaxf(m[g], warp_max(s));
+                const float corr = expf(m[g] - m_new);
+                p[g] = (lane < nvalid) ? expf(s - m_new) : 0.0f;
+                l[g] = l[g] * corr + warp_sum(p[g]);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * corr;
+                m[g] = m_new;
+            }
+#pragma unroll
+            for (int j0 = 0; j0 < ATTN_CHUNK; j0 += VB) {
+                if (j0 >= nvalid) break;
+                if (j0 > 0) load_values(j0, vf);
+#pragma unroll
+                for (int jj = 0; jj < VB; ++jj) {
+                    if (j0 + jj >= nvalid) break;
+#pragma unroll
+                    for (int g = 0; g < ATTN_GROUP; ++g) {
+                        if (g >= nh) break;
+                        const float pj = __shfl_sync(FULL_MASK, p[g], j0 + jj);
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i)
+                            if (HD > 0 || i * WARP < head_dim) acc[g][i] = __fmaf_rn(pj, vf[jj][i], acc[g][i]);
+                    }
                 }
             }
         }
-        float p[ATTN_GROUP];
+
 #pragma unroll
         for (int g = 0; g < ATTN_GROUP; ++g) {
             if (g >= nh) break;
-            const float s = (lane < nvalid) ? dot[g] * scale : NEG_INF;
-            const float m_new = fmaxf(m[g], warp_max(s));
-            const float corr = expf(m[g] - m_new);
-            p[g] = (lane < nvalid) ? expf(s - m_new) : 0.0f;
-            l[g] = l[g] * corr + warp_sum(p[g]);
+            float* ps = part + (s * ATTN_GROUP + g) * stride;
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * corr;
-            m[g] = m_new;
-        }
-#pragma unroll
-        for (int j0 = 0; j0 < ATTN_CHUNK; j0 += VB) {
-            if (j0 >= nvalid) break;
-            if (j0 > 0) load_values(j0, vf);
-#pragma unroll
-            for (int jj = 0; jj < VB; ++jj) {
-                if (j0 + jj >= nvalid) break;
-#pragma unroll
-                for (int g = 0; g < ATTN_GROUP; ++g) {
-                    if (g >= nh) break;
-                    const float pj = __shfl_sync(FULL_MASK, p[g], j0 + jj);
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i)
-                        if (HD > 0 || i * WARP < head_dim) acc[g][i] = __fmaf_rn(pj, vf[jj][i], acc[g][i]);
-                }
+            for (int i = 0; i < DPL; ++i) {
+                if (dim(i) < head_dim) ps[dim(i)] = acc[g][i];
+            }
+            if (lane == 0) {
+                ps[head_dim] = m[g];
+                ps[head_dim + 1] = l[g];
             }
         }
-    }
-
-#pragma unroll
-    for (int g = 0; g < ATTN_GROUP; ++g) {
-        if (g >= nh) break;
-        float* ps = part + (s * ATTN_GROUP + g) * stride;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-            if (dim(i) < head_dim) ps[dim(i)] = acc[g][i];
-        }
-        if (lane == 0) {
-            ps[head_dim] = m[g];
-            ps[head_dim + 1] = l[g];
-        }
-    }
     }
     __syncthreads();
 
