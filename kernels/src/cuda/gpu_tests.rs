@@ -351,7 +351,14 @@ fn add_rms_norm_is_add_then_norm_bitwise() {
 #[test]
 fn qkv_rope_kv_is_split_rope_and_kv_write_bitwise() {
     let Some(dev) = device() else { return };
-    let (n_heads, n_kv, hd, max_pos) = (6usize, 2usize, 64usize, 40usize);
+    // head_dim 64: four values a thread (qkv_rope_kv4_kernel); 6: one (half = 3).
+    for hd in [64usize, 6] {
+        check_qkv_rope_kv(&dev, hd);
+    }
+}
+
+fn check_qkv_rope_kv(dev: &GpuDevice, hd: usize) {
+    let (n_heads, n_kv, max_pos) = (6usize, 2usize, 40usize);
     let table = crate::cpu::RopeTable::new(hd, max_pos, 10000.0, None);
     let (cos, sin) = (
         dev.upload_f32(&table.cos).unwrap(),
@@ -396,17 +403,17 @@ fn qkv_rope_kv_is_split_rope_and_kv_write_bitwise() {
     assert_eq!(
         bits(&dev.download_f32(&qf).unwrap()),
         bits(&dev.download_f32(&q).unwrap()),
-        "q"
+        "q, head_dim {hd}"
     );
     assert_eq!(
         dev.download_bf16(&kf).unwrap(),
         dev.download_bf16(&kc).unwrap(),
-        "k cache"
+        "k cache, head_dim {hd}"
     );
     assert_eq!(
         dev.download_bf16(&vf).unwrap(),
         dev.download_bf16(&vc).unwrap(),
-        "v cache"
+        "v cache, head_dim {hd}"
     );
 }
 

@@ -1038,7 +1038,10 @@ impl GpuDevice {
             i32_of(K, "slots", layout.slots)?,
             i32_of(K, "max_len", layout.max_len)?,
         );
-        let mut b = self.launch(self.func(K)?);
+        // Four values a thread where the rows allow 16-byte accesses (same bits).
+        let per = if half.is_multiple_of(4) { 4 } else { 1 };
+        let kernel = if per == 4 { "qkv_rope_kv4_kernel" } else { K };
+        let mut b = self.launch(self.func(kernel)?);
         b.arg(qkv).out(&mut q).out(kc).out(vc).arg(cos).arg(sin);
         b.arg(&ds)
             .arg(&dp)
@@ -1048,7 +1051,7 @@ impl GpuDevice {
             .arg(&di)
             .arg(&hf);
         b.arg(&li).arg(&si).arg(&mi);
-        let units = rows * (n_heads + 2 * n_kv) * half;
+        let units = rows * (n_heads + 2 * n_kv) * (half / per);
         self.launched(K, unsafe { b.launch(elementwise_cfg(units)) })?;
         Ok(q)
     }

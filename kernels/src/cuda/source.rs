@@ -34,6 +34,7 @@ pub const KERNELS: &[&str] = &[
     "kv_write_kernel",
     "rope_kernel",
     "qkv_rope_kv_kernel",
+    "qkv_rope_kv4_kernel",
     "attention_kernel",
     "attention_hd64_kernel",
     "attention_hd128_kernel",
