@@ -213,16 +213,15 @@ __device__ __forceinline__ void attention_body(
     }
     __syncthreads();
 
-    const int nw = n_states;
     for (int t = threadIdx.x; t < nh * head_dim; t += blockDim.x) {
         const int g = t / head_dim, d = t % head_dim;
         float mx = NEG_INF;
-        for (int w = 0; w < nw; ++w) mx = fmaxf(mx, part[(w * ATTN_GROUP + g) * stride + head_dim]);
+        for (int w = 0; w < n_states; ++w) mx = fmaxf(mx, part[(w * ATTN_GROUP + g) * stride + head_dim]);
         const float* p0 = part + g * stride;
         float e = expf(p0[head_dim] - mx);
         float lsum = p0[head_dim + 1] * e;
         float o = p0[d] * e;
-        for (int w = 1; w < nw; ++w) {
+        for (int w = 1; w < n_states; ++w) {
             const float* pw = part + (w * ATTN_GROUP + g) * stride;
             e = expf(pw[head_dim] - mx);
             lsum = __fmaf_rn(pw[head_dim + 1], e, lsum);

@@ -26,106 +26,92 @@ extern "C" __global__ void rope_kernel(float* __restrict__ x, const float* __res
     rope_rotate(x1, x2, c, s, &xh[j], &xh[j + half]);
 }
 
+// PER (1 or 4) consecutive f32 at p: one 16-byte access for 4 (p 16-byte aligned).
+template <int PER>
+__device__ __forceinline__ void load_f32s(const float* p, float* v) {
+    if (PER == 4) {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    } else {
+        v[0] = p[0];
+    }
+}
+template <int PER>
+__device__ __forceinline__ void store_f32s(float* p, const float* v) {
+    if (PER == 4)
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    else
+        p[0] = v[0];
+}
+template <int PER>
+__device__ __forceinline__ void store_bf16s(bf16_t* p, const float* v) {
+    if (PER == 4) {
+        const unsigned int lo = (unsigned int)f32_to_bf16(v[0]) | ((unsigned int)f32_to_bf16(v[1]) << 16);
+        const unsigned int hi = (unsigned int)f32_to_bf16(v[2]) | ((unsigned int)f32_to_bf16(v[3]) << 16);
+        *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+    } else {
+        p[0] = f32_to_bf16(v[0]);
+    }
+}
+
 // The fused q/k/v output [rows, (n_heads + 2·n_kv)·head_dim] (q, k, v column blocks) →
 // q rotated into q_out [rows, n_heads·head_dim], k rotated and v as they are into the
 // bf16 cache at the row's (slot, position). Each value goes through rope_kernel's and
 // kv_write_kernel's arithmetic (the split is a copy), so the bits are theirs; one launch
-// instead of four. Needs 2·half == head_dim. One thread per (row, head, i < half).
-extern "C" __global__ void qkv_rope_kv_kernel(const float* __restrict__ qkv, float* __restrict__ q_out,
-                                              bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-                                              const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                              const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos,
-                                              int rows, int n_heads, int n_kv, int head_dim, int half,
-                                              int layer, int slots, int max_len) {
-    pdl_enter();
+// instead of four. Needs 2·half == head_dim. One thread per (row, head, PER consecutive
+// i < half): PER = 4 (half % 4 == 0) makes every access 16 or 8 bytes, a quarter of the
+// threads and of their 64-bit index divisions, with each value's arithmetic unchanged.
+#define QKV_ROPE_ARGS                                                                                  \
+    const float* __restrict__ qkv, float* __restrict__ q_out, bf16_t* __restrict__ kc,                  \
+        bf16_t* __restrict__ vc, const float* __restrict__ cos_t, const float* __restrict__ sin_t,     \
+        const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos, int rows, \
+        int n_heads, int n_kv, int head_dim, int half, int layer, int slots, int max_len
+template <int PER>
+__device__ __forceinline__ void qkv_rope_kv_body(QKV_ROPE_ARGS) {
     const int heads = n_heads + 2 * n_kv;
+    const int units = half / PER;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * heads * half) return;
-    const int j = (int)(i % half);
-    const long long rh = i / half;
+    if (i >= (long long)rows * heads * units) return;
+    const int j = (int)(i % units) * PER;
+    const long long rh = i / units;
     const int h = (int)(rh % heads);
     const int r = (int)(rh / heads);
     const float* src = qkv + ((size_t)r * heads + h) * head_dim;
-    const float x1 = src[j];
-    const float x2 = src[j + half];
+    float x1[PER], x2[PER];
+    load_f32s<PER>(src + j, x1);
+    load_f32s<PER>(src + j + half, x2);
     const int width = n_kv * head_dim;
     const size_t cache_row =
         (((size_t)layer * slots + row_slot[r]) * max_len + row_pos[r]) * width;
     if (h >= n_heads + n_kv) {
         bf16_t* dst = vc + cache_row + (size_t)(h - n_heads - n_kv) * head_dim;
-        dst[j] = f32_to_bf16(x1);
-        dst[j + half] = f32_to_bf16(x2);
+        store_bf16s<PER>(dst + j, x1);
+        store_bf16s<PER>(dst + j + half, x2);
         return;
     }
     const size_t t = (size_t)row_pos[r] * half + j;
-    const float c = cos_t[t];
-    const float s = sin_t[t];
-    float y1, y2;
-    rope_rotate(x1, x2, c, s, &y1, &y2);
+    float c[PER], s[PER], y1[PER], y2[PER];
+    load_f32s<PER>(cos_t + t, c);
+    load_f32s<PER>(sin_t + t, s);
+#pragma unroll
+    for (int e = 0; e < PER; ++e) rope_rotate(x1[e], x2[e], c[e], s[e], &y1[e], &y2[e]);
     if (h < n_heads) {
         float* dst = q_out + ((size_t)r * n_heads + h) * head_dim;
-        dst[j] = y1;
-        dst[j + half] = y2;
+        store_f32s<PER>(dst + j, y1);
+        store_f32s<PER>(dst + j + half, y2);
     } else {
         bf16_t* dst = kc + cache_row + (size_t)(h - n_heads) * head_dim;
-        dst[j] = f32_to_bf16(y1);
-        dst[j + half] = f32_to_bf16(y2);
+        store_bf16s<PER>(dst + j, y1);
+        store_bf16s<PER>(dst + j + half, y2);
     }
 }
 
-// qkv_rope_kv_kernel with 4 consecutive i per thread (16-byte loads of the q/k/v values and
-// the tables, 16-byte q and 8-byte cache stores), for half % 4 == 0: each value's
-// arithmetic is the same, so are the bits; a quarter of the threads and of the 64-bit
-// index divisions. One thread per (row, head, 4 consecutive i < half).
-extern "C" __global__ void qkv_rope_kv4_kernel(const float* __restrict__ qkv, float* __restrict__ q_out,
-                                               bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
-                                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                               const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos,
-                                               int rows, int n_heads, int n_kv, int head_dim, int half,
-                                               int layer, int slots, int max_len) {
+#define QKV_ROPE_PASS qkv, q_out, kc, vc, cos_t, sin_t, row_slot, row_pos, rows, n_heads, n_kv, head_dim, half, layer, slots, max_len
+extern "C" __global__ void qkv_rope_kv_kernel(QKV_ROPE_ARGS) {
     pdl_enter();
-    const int heads = n_heads + 2 * n_kv;
-    const int quarter = half >> 2;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * heads * quarter) return;
-    const int j = (int)(i % quarter) * 4;
-    const long long rh = i / quarter;
-    const int h = (int)(rh % heads);
-    const int r = (int)(rh / heads);
-    const float* src = qkv + ((size_t)r * heads + h) * head_dim;
-    const float4 a = *reinterpret_cast<const float4*>(src + j);
-    const float4 b = *reinterpret_cast<const float4*>(src + j + half);
-    const float x1[4] = {a.x, a.y, a.z, a.w};
-    const float x2[4] = {b.x, b.y, b.z, b.w};
-    const int width = n_kv * head_dim;
-    const size_t cache_row =
-        (((size_t)layer * slots + row_slot[r]) * max_len + row_pos[r]) * width;
-    auto store_bf16x4 = [](bf16_t* dst, const float* v) {
-        const unsigned int lo = (unsigned int)f32_to_bf16(v[0]) | ((unsigned int)f32_to_bf16(v[1]) << 16);
-        const unsigned int hi = (unsigned int)f32_to_bf16(v[2]) | ((unsigned int)f32_to_bf16(v[3]) << 16);
-        *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
-    };
-    if (h >= n_heads + n_kv) {
-        bf16_t* dst = vc + cache_row + (size_t)(h - n_heads - n_kv) * head_dim;
-        store_bf16x4(dst + j, x1);
-        store_bf16x4(dst + j + half, x2);
-        return;
-    }
-    const size_t t = (size_t)row_pos[r] * half + j;
-    const float4 c4 = *reinterpret_cast<const float4*>(cos_t + t);
-    const float4 s4 = *reinterpret_cast<const float4*>(sin_t + t);
-    const float c[4] = {c4.x, c4.y, c4.z, c4.w};
-    const float s[4] = {s4.x, s4.y, s4.z, s4.w};
-    float y1[4], y2[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) rope_rotate(x1[e], x2[e], c[e], s[e], &y1[e], &y2[e]);
-    if (h < n_heads) {
-        float* dst = q_out + ((size_t)r * n_heads + h) * head_dim;
-        *reinterpret_cast<float4*>(dst + j) = make_float4(y1[0], y1[1], y1[2], y1[3]);
-        *reinterpret_cast<float4*>(dst + j + half) = make_float4(y2[0], y2[1], y2[2], y2[3]);
-    } else {
-        bf16_t* dst = kc + cache_row + (size_t)(h - n_heads) * head_dim;
-        store_bf16x4(dst + j, y1);
-        store_bf16x4(dst + j + half, y2);
-    }
+    qkv_rope_kv_body<1>(QKV_ROPE_PASS);
+}
+extern "C" __global__ void qkv_rope_kv4_kernel(QKV_ROPE_ARGS) {
+    pdl_enter();
+    qkv_rope_kv_body<4>(QKV_ROPE_PASS);
 }

@@ -242,13 +242,17 @@ fn with_hostfile_line(e: remote::RemoteError, hostfile: Option<&Hostfile>) -> an
 /// OS: a port the OS hands out for `bind(0)` and that is released at once can go to any
 /// process's next outgoing connection before rank 0 binds it (seen under a test suite's
 /// HTTP clients: "Address already in use" at rank 0), while a port outside that range is
-/// only ever taken by an explicit bind.
-fn free_port(master_addr: &str, bind_all: bool) -> std::io::Result<u16> {
+/// only ever taken by an explicit bind. (The end-to-end tests draw their ports here too.)
+pub fn free_port(master_addr: &str, bind_all: bool) -> std::io::Result<u16> {
     let host = master_addr.trim_start_matches('[').trim_end_matches(']');
     // The master's first address of this host (one it can bind), else the wildcard.
-    let local = match (bind_all, (host, 0).to_socket_addrs()) {
-        (false, Ok(mut addrs)) => addrs.find(|a| TcpListener::bind(a).is_ok()),
-        _ => None,
+    let local = if bind_all {
+        None
+    } else {
+        (host, 0)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut addrs| addrs.find(|a| TcpListener::bind(a).is_ok()))
     };
     let at = local.unwrap_or_else(|| std::net::SocketAddr::from(([0, 0, 0, 0], 0)));
     let free = |port: u16| {

@@ -3,7 +3,6 @@
 //! inherit from an enclosing launcher.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -119,28 +118,12 @@ pub const LAUNCHER_VARS: &[&str] = &[
     "MASTER_PORT",
 ];
 
-/// A local TCP port that was free a moment ago: drawn below the OS's ephemeral range, as
-/// arbor-launch draws its rendezvous port, so that the suite's own client connections
-/// cannot take it before the test's rank binds it.
+/// A local TCP port that was free a moment ago, drawn as arbor-launch draws its rendezvous
+/// port (outside the OS's ephemeral range, so the suite's own client connections cannot
+/// take it before the test's rank binds it).
 pub fn free_port() -> u16 {
-    use std::hash::{BuildHasher, Hasher};
-    let low: Option<u16> = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| t.split_whitespace().next()?.parse().ok())
-        .filter(|&low| low > 11_000);
-    if let Some(low) = low {
-        let state = std::collections::hash_map::RandomState::new();
-        for i in 0..64u32 {
-            let mut h = state.build_hasher();
-            h.write_u32(i);
-            let port = 10_000 + (h.finish() % u64::from(low - 10_000)) as u16;
-            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                return port;
-            }
-        }
-    }
-    match TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
-        Ok(a) => a.port(),
+    match arbor_launch::free_port("127.0.0.1", false) {
+        Ok(p) => p,
         Err(e) => panic!("no free local port: {e}"),
     }
 }
