@@ -9,7 +9,7 @@
 // columns from seg_len on, exactly the zero-fill the leaf needs. This needs
 // k == n_seg * seg_len (checked on the host; the model's tensor layers always have it).
 //
-// Two kernels:
+// The kernels:
 // - arbor_gemm_wg_tma_128x128 (large M): persistent, one producer thread issuing TMA into
 //   a 5-deep ring guarded by mbarriers, two consumer warpgroups of 64x128 each running the
 //   whole tree of their tile. The tree needs up to three pending 64x128 partials besides
@@ -22,6 +22,10 @@
 //   its own shared memory and the cluster combines them over distributed shared memory in
 //   tree order, every block finishing 1/n_seg of the tile. No workspace, no atomics.
 //   arbor_gemm_wg_cluster2_64x128: the same with two segments per block (half the blocks).
+// - arbor_gemm_wg_whole_64x{224,112,64,48,32} (small M, wide N): one block per 64-row tile
+//   of that many columns summing every segment and evaluating the tree itself (leaf and
+//   root in registers, two pending partials in shared memory), so that a grid of one block
+//   per SM needs no cluster and no second, partial wave.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 struct __align__(64) TensorMap {
@@ -96,17 +100,17 @@ DEVI int warpgroup_uniform() { return __shfl_sync(0xffffffffu, (int)threadIdx.x 
 // The producer side of the ring: waits until stage `it % STAGES` is free, then loads
 // k-tile kt of segment seg into it (X rows from x_row into the first A_BYTES, W rows from
 // w_row after them), completing on that stage's full barrier.
-// NW W boxes of 128 rows (w_row, w_row + 128, ...) of k-tile kt, segment seg, one after
-// another from dst, completing on bar.
-template <int NW>
+// NW W boxes of WN rows (w_row, w_row + WN, ...) of k-tile kt, segment seg, one after
+// another from dst, completing on bar (the W map's box has WN rows).
+template <int NW, int WN = 128>
 DEVI void load_w_boxes(const TmaParams& p, u32 dst, int kt, int seg, int w_row, u32 bar) {
 #pragma unroll
     for (int i = 0; i < NW; ++i)
-        tma_load_3d(dst + i * 128 * 64 * 2, &p.tw, kt * 64, seg, w_row + 128 * i, bar);
+        tma_load_3d(dst + i * WN * 64 * 2, &p.tw, kt * 64, seg, w_row + WN * i, bar);
 }
 
-// NW: W boxes of 128 rows per stage (load_w_boxes).
-template <int STAGES, int STAGE_BYTES, int A_BYTES, int NW = 1>
+// NW: W boxes of WN rows per stage (load_w_boxes).
+template <int STAGES, int STAGE_BYTES, int A_BYTES, int NW = 1, int WN = 128>
 DEVI void produce_stage(const TmaParams& p, u32 ring, u32 full, u32 empty, u32 it, int kt,
                         int seg, int x_row, int w_row) {
     const int stage = (int)(it % STAGES);
@@ -115,20 +119,21 @@ DEVI void produce_stage(const TmaParams& p, u32 ring, u32 full, u32 empty, u32 i
     mbar_expect_tx(fb, STAGE_BYTES);
     const u32 dst = ring + stage * STAGE_BYTES;
     tma_load_3d(dst, &p.tx, kt * 64, seg, x_row, fb);
-    load_w_boxes<NW>(p, dst + A_BYTES, kt, seg, w_row, fb);
+    load_w_boxes<NW, WN>(p, dst + A_BYTES, kt, seg, w_row, fb);
 }
 
 // k16 chunks of k-tile kt (64 columns) that start inside a segment of seg_len columns.
 DEVI int chunks_in_tile(int seg_len, int kt) { return min(4, (seg_len - kt * 64 + 15) / 16); }
 
 // The consumer side of the ring: runs the leaf of one segment (tiles_per_seg k-tiles) of
-// this warpgroup's 64 rows into acc, releasing each stage once its wgmma group is done.
-// `it` counts k-tiles consumed by this block (stage = it % STAGES, parity = its round).
-template <int STAGES, int STAGE_BYTES>
+// this warpgroup's 64 rows x WN columns into acc (WN / 2 values a thread), releasing each
+// stage once its wgmma group is done. `it` counts k-tiles consumed by this block
+// (stage = it % STAGES, parity = its round).
+template <int STAGES, int STAGE_BYTES, int WN = 128>
 DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_row_off,
                        int seg_len, int tiles_per_seg, u32& it, bool releaser) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
     int prev = -1;
     for (int kt = 0; kt < tiles_per_seg; ++kt, ++it) {
         const int stage = (int)(it % STAGES);
@@ -139,9 +144,9 @@ DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_ro
         wgmma_fence();
         if (nk == 4) {
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
+            for (int kk = 0; kk < 4; ++kk) wgmma_m64k16<WN>(acc, da + 2 * kk, db + 2 * kk);
         } else {
-            for (int kk = 0; kk < nk; ++kk) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);
+            for (int kk = 0; kk < nk; ++kk) wgmma_m64k16<WN>(acc, da + 2 * kk, db + 2 * kk);
         }
         wgmma_commit();
         // Keep one group in flight: the previous tile's group is done, free its stage.
@@ -341,17 +346,22 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 // Small M: a cluster of the n_seg segment blocks of one 64-row tile, combined over DSMEM.
 
 constexpr int CL_A_BYTES = 64 * 64 * 2;
-constexpr int CL_W_BYTES = 128 * 64 * 2;  // one consumer warpgroup's 128 W rows per stage
 
-// Shared-memory layout of a cluster kernel with NW consumer warpgroups (a 64 x 128·NW tile):
-// STAGES x [X 64x64 | W (128·NW)x64], then the full and empty barriers. NW = 1: 4 stages
-// (two blocks fit on an SM); NW = 2: 5 stages (one block per SM, X loaded once for both
-// warpgroups: at M = 64 the X tiles were a third of the bytes a block streamed).
-template <int NW>
+// Shared-memory layout of a small-M kernel with NW consumer warpgroups of WN columns (a
+// 64 x NW·WN tile): STAGES x [X 64x64 | W (NW·WN)x64], for the whole-K kernel two tree
+// slots (WN / 2 f32 each per consumer thread), then the full and empty barriers. NW = 1: 4
+// stages (two blocks fit on an SM); NW = 2: 5 stages (one block per SM, X loaded once for
+// both warpgroups: at M = 64 the X tiles were a third of the bytes a block streamed); whole
+// K: as many stages (at most 8) as fit in WHOLE_SMEM besides the slots (WN = 112: 3).
+constexpr int WHOLE_SMEM = 225 * 1024;  // leaves 2 KB of the 227 for alignment and barriers
+template <int NW, int WN = 128, bool WHOLE = false>
 struct ClusterLayout {
-    static constexpr int STAGES = NW == 1 ? 4 : 5;
-    static constexpr int STAGE_BYTES = CL_A_BYTES + NW * CL_W_BYTES;
-    static constexpr int RED_STRIDE = 128 * NW + 8;  // f32 row stride of the segment sums
+    static constexpr int W_BYTES = WN * 64 * 2;  // one consumer warpgroup's W rows per stage
+    static constexpr int STAGE_BYTES = CL_A_BYTES + NW * W_BYTES;
+    static constexpr int SLOT_BYTES = WHOLE ? 2 * (WN / 2) * 128 * NW * 4 : 0;
+    static constexpr int FIT = (WHOLE_SMEM - SLOT_BYTES) / STAGE_BYTES;
+    static constexpr int STAGES = WHOLE ? (FIT < 8 ? FIT : 8) : (NW == 1 ? 4 : 5);
+    static constexpr int RED_STRIDE = WN * NW + 8;  // f32 row stride of the segment sums
     static constexpr int THREADS = 128 * NW + 32;
 };
 
@@ -387,31 +397,35 @@ DEVI float tree_of(const float* x, int ns) {
 }
 
 // Each block sums SPC consecutive segments (SPC = 2: the pair's sum (s0+s1) in registers,
-// the tree's first level) of a 64 x 128·NW tile; the n_seg / SPC blocks of a tile form a
+// the tree's first level) of a 64 x WN·NW tile; the n_seg / SPC blocks of a tile form a
 // cluster that combines their sums over DSMEM with the rest of the tree. Grid
 // (n_tiles * cl, m_tiles), cluster (cl, 1, 1) with cl = n_seg / SPC: the block's rank r in
 // its cluster covers segments [r * SPC, (r + 1) * SPC). Warpgroups 0 .. NW-1 consume (W
-// rows 128·g .. 128·g + 127 of the tile, each the 64x128 leaf of the narrow kernel, so
-// every NW gives the same bits), the warp after them produces. SPC = 2 halves the blocks,
-// so a tile grid that needs more clusters than fit on the device at once (30 clusters of 8
-// on an H100) still runs in one wave.
-template <int SPC, int NW>
-DEVI void cluster_body(const TmaParams& p) {
-    using L = ClusterLayout<NW>;
-    constexpr int STAGES = L::STAGES, STAGE_BYTES = L::STAGE_BYTES, BN = 128 * NW;
+// rows WN·g .. WN·g + WN - 1 of the tile, each the 64xWN leaf of the narrow kernel, so
+// every NW and WN gives the same bits), the warp after them produces. SPC = 2 halves the
+// blocks, so a tile grid that needs more clusters than fit on the device at once (30
+// clusters of 8 on an H100) still runs in one wave. SPC = 0: the block sums all n_seg
+// segments and evaluates the whole tree itself (no cluster).
+template <int SPC, int NW, int WN = 128>
+DEVI void small_m_body(const TmaParams& p) {
+    constexpr bool WHOLE = SPC == 0;
+    using L = ClusterLayout<NW, WN, WHOLE>;
+    constexpr int STAGES = L::STAGES, STAGE_BYTES = L::STAGE_BYTES, BN = WN * NW, A = WN / 2;
     extern __shared__ unsigned char cl_smem[];
     const u32 raw = smem_addr(cl_smem);
     const u32 base = (raw + 1023u) & ~1023u;
     const u32 ring = base;
-    const u32 full = base + STAGES * STAGE_BYTES;
+    float* slot = (float*)(cl_smem + (base - raw) + STAGES * STAGE_BYTES);
+    const u32 full = base + STAGES * STAGE_BYTES + L::SLOT_BYTES;
     const u32 empty = full + 8 * STAGES;
     require_smem(empty + 8 * STAGES - raw);
     // After the leaf, the ring is reused for the segment sum [64][RED_STRIDE] f32.
     float* red = (float*)(cl_smem + (base - raw));
 
     const int tid = threadIdx.x;
-    const int ns = p.n_seg / SPC;  // blocks per cluster
-    const int seg = (int)cluster_ctarank();
+    const int spc = WHOLE ? p.n_seg : SPC;  // segments per block
+    const int ns = p.n_seg / spc;           // blocks per cluster
+    const int seg = WHOLE ? 0 : (int)cluster_ctarank();
     const int nt = blockIdx.x / ns, mt = blockIdx.y;
     const int tps = (p.seg_len + 63) / 64;
     if (tid == 0) {
@@ -423,7 +437,7 @@ DEVI void cluster_body(const TmaParams& p) {
     }
     __syncthreads();
 
-    float acc[64], part[64];
+    float acc[A], part[A];
     const int wg = warpgroup_uniform();
     if (wg == NW) {
         if (tid == 128 * NW) {
@@ -432,23 +446,23 @@ DEVI void cluster_body(const TmaParams& p) {
             // The first stages' W tiles (constant data) go out before the wait, so under
             // PDL they stream while the previous kernel finishes; their X tiles follow
             // the wait. Each stage's full barrier expects both, as in produce_stage.
-            const int early = p.w_early ? min(STAGES, SPC * tps) : 0;
+            const int early = p.w_early ? min(STAGES, spc * tps) : 0;
             for (int it = 0; it < early; ++it) {
                 const u32 fb = full + 8 * it;
                 mbar_expect_tx(fb, STAGE_BYTES);
-                load_w_boxes<NW>(p, ring + it * STAGE_BYTES + CL_A_BYTES, it % tps, seg * SPC + it / tps,
-                                 nt * BN, fb);
+                load_w_boxes<NW, WN>(p, ring + it * STAGE_BYTES + CL_A_BYTES, it % tps,
+                                     seg * spc + it / tps, nt * BN, fb);
             }
             pdl_enter();
             for (int it = 0; it < early; ++it)
-                tma_load_3d(ring + it * STAGE_BYTES, &p.tx, (it % tps) * 64, seg * SPC + it / tps,
+                tma_load_3d(ring + it * STAGE_BYTES, &p.tx, (it % tps) * 64, seg * spc + it / tps,
                             mt * 64, full + 8 * it);
             u32 it = 0;
-            for (int j = 0; j < SPC; ++j) {
+            for (int j = 0; j < spc; ++j) {
                 for (int kt = 0; kt < tps; ++kt, ++it) {
                     if ((int)it < early) continue;
-                    produce_stage<STAGES, STAGE_BYTES, CL_A_BYTES, NW>(
-                        p, ring, full, empty, it, kt, seg * SPC + j, mt * 64, nt * BN);
+                    produce_stage<STAGES, STAGE_BYTES, CL_A_BYTES, NW, WN>(
+                        p, ring, full, empty, it, kt, seg * spc + j, mt * 64, nt * BN);
                 }
             }
         } else {
@@ -456,16 +470,67 @@ DEVI void cluster_body(const TmaParams& p) {
         }
     } else {
         pdl_enter();
-        const u32 sw = ring + CL_A_BYTES + wg * CL_W_BYTES;
+        const u32 sw = ring + CL_A_BYTES + wg * L::W_BYTES;
         const bool releaser = (tid & 127) == 0;
         u32 it = 0;
-        leaf_segment<STAGES, STAGE_BYTES>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it, releaser);
-        if (SPC == 2) {
+        if constexpr (WHOLE) {
+            // The tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), or its first n_seg leaves,
+            // evaluated as the segments arrive: the leaf and the root in registers, the
+            // pending partial (s2, then s4+s5) and s6 in thread-private shared-memory slots
+            // ([value][thread], conflict-free). ptxas gives a kernel with wgmma at most 168
+            // registers a thread here (288 threads, counted as 384): a third live tile spilled.
+            float root[A];
+#define P1(i) slot[(i) * (128 * NW) + tid]
+#define S6(i) slot[(A + (i)) * (128 * NW) + tid]
+            for (int s = 0; s < p.n_seg; ++s) {
+                leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
+                                                      releaser);
+                switch (s) {
+                    case 0:
 #pragma unroll
-            for (int i = 0; i < 64; ++i) part[i] = acc[i];
-            leaf_segment<STAGES, STAGE_BYTES>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it, releaser);
+                        for (int i = 0; i < A; ++i) root[i] = acc[i];
+                        break;
+                    case 1:
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = part[i] + acc[i];
+                        for (int i = 0; i < A; ++i) root[i] = root[i] + acc[i];
+                        break;
+                    case 2:
+                    case 4:
+#pragma unroll
+                        for (int i = 0; i < A; ++i) P1(i) = acc[i];
+                        break;
+                    case 3:
+#pragma unroll
+                        for (int i = 0; i < A; ++i) root[i] = root[i] + (P1(i) + acc[i]);
+                        break;
+                    case 5:
+#pragma unroll
+                        for (int i = 0; i < A; ++i) P1(i) = P1(i) + acc[i];
+                        break;
+                    case 6:
+#pragma unroll
+                        for (int i = 0; i < A; ++i) S6(i) = acc[i];
+                        break;
+                    default:
+#pragma unroll
+                        for (int i = 0; i < A; ++i) root[i] = root[i] + (P1(i) + (S6(i) + acc[i]));
+                }
+            }
+#undef P1
+#undef S6
+#pragma unroll
+            for (int i = 0; i < A; ++i) acc[i] = root[i];
+        } else {
+            leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
+                                                  releaser);
+            if (SPC == 2) {
+#pragma unroll
+                for (int i = 0; i < A; ++i) part[i] = acc[i];
+                leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
+                                                      releaser);
+#pragma unroll
+                for (int i = 0; i < A; ++i) acc[i] = part[i] + acc[i];
+            }
         }
     }
     // Every TMA of this block has landed (the consumers waited for each) and every wgmma
@@ -476,14 +541,17 @@ DEVI void cluster_body(const TmaParams& p) {
     if (wg < NW) {
         const int wl = tid & 127;
 #pragma unroll
-        for (int i = 0; i < 64; i += 2) {
+        for (int i = 0; i < A; i += 2) {
             const int r = acc_row(wl, i);
             if (r < rows)
-                *(float2*)(red + r * L::RED_STRIDE + wg * 128 + acc_col(wl, i)) =
+                *(float2*)(red + r * L::RED_STRIDE + wg * WN + acc_col(wl, i)) =
                     make_float2(acc[i], acc[i + 1]);
         }
     }
-    cluster_sync();
+    if constexpr (WHOLE)
+        __syncthreads();
+    else
+        cluster_sync();
     // This block finishes 4-column groups [seg * per, (seg + 1) * per) of the tile's
     // rows x BN, reading each group's n_seg segment sums with one 16-byte DSMEM load each.
     constexpr int GROUPS = BN / 4;  // 4-column groups per row
@@ -495,11 +563,16 @@ DEVI void cluster_body(const TmaParams& p) {
         const int r = gi / GROUPS, c = (gi % GROUPS) * 4;
         const u32 a = red_addr + (u32)(r * L::RED_STRIDE + c) * 4u;
         float x[4][8];
+        if constexpr (WHOLE) {
+            const float4 v = *(const float4*)(red + r * L::RED_STRIDE + c);
+            x[0][0] = v.x, x[1][0] = v.y, x[2][0] = v.z, x[3][0] = v.w;
+        } else {
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            if (q < ns) {
-                const float4 v = ld_cluster4(map_to_rank(a, (u32)q));
-                x[0][q] = v.x, x[1][q] = v.y, x[2][q] = v.z, x[3][q] = v.w;
+            for (int q = 0; q < 8; ++q) {
+                if (q < ns) {
+                    const float4 v = ld_cluster4(map_to_rank(a, (u32)q));
+                    x[0][q] = v.x, x[1][q] = v.y, x[2][q] = v.z, x[3][q] = v.w;
+                }
             }
         }
         const long long row = mt * 64 + r;
@@ -516,23 +589,39 @@ DEVI void cluster_body(const TmaParams& p) {
         }
     }
     // No block may leave while another still reads its shared memory.
-    cluster_sync();
+    if constexpr (!WHOLE) cluster_sync();
 }
 
 extern "C" __global__ void __launch_bounds__(160, 1)
     arbor_gemm_wg_cluster_64x128(const __grid_constant__ TmaParams p) {
-    cluster_body<1, 1>(p);
+    small_m_body<1, 1>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(160, 1)
     arbor_gemm_wg_cluster2_64x128(const __grid_constant__ TmaParams p) {
-    cluster_body<2, 1>(p);
+    small_m_body<2, 1>(p);
 }
 
 // Two consumer warpgroups sharing each X tile: 64 x 256 tiles, two segments per block.
 extern "C" __global__ void __launch_bounds__(288, 1)
     arbor_gemm_wg_cluster2_64x256(const __grid_constant__ TmaParams p) {
-    cluster_body<2, 2>(p);
+    small_m_body<2, 2>(p);
 }
+
+// The whole K in one block: 64 x 2·WN tiles (two consumer warpgroups of WN columns), all
+// of the tile's segments and the tree in the block, no cluster. The host takes the width
+// whose tiles fill the SMs once (4096 x 28672: 128 blocks of 224 columns), where the
+// cluster kernels ran 3.6 waves of 248 resident blocks, the last one 60 % full.
+#define WHOLE_KERNEL(BN, WN)                                                  \
+    extern "C" __global__ void __launch_bounds__(288, 1)                     \
+        arbor_gemm_wg_whole_64x##BN(const __grid_constant__ TmaParams p) { \
+        small_m_body<0, 2, WN>(p);                                            \
+    }
+WHOLE_KERNEL(224, 112)
+WHOLE_KERNEL(112, 56)
+WHOLE_KERNEL(64, 32)
+WHOLE_KERNEL(48, 24)
+WHOLE_KERNEL(32, 16)
+#undef WHOLE_KERNEL
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -141,6 +141,37 @@ pub enum Family {
     Wgmma,
 }
 
+/// Tile widths of the `wgwhole` kernels (two consumer warpgroups of half as many columns
+/// each, whose wgmma is m64n(bn/2)k16 and whose W box has bn/2 rows), widest first.
+pub const WHOLE_BNS: [usize; 5] = [224, 112, 64, 48, 32];
+/// gemm_sm90_tma.cu WHOLE_SMEM: the shared memory a `wgwhole` block fills with its ring
+/// stages and tree slots.
+const WHOLE_SMEM: u32 = 225 * 1024;
+
+/// The `wgwhole` tile width the default path takes for an M ≤ 64 call on `sms` SMs, if
+/// any: where its grid runs in waves that are each at least 3/4 full (whole-K blocks are
+/// one per SM, so a partial last wave idles SMs), and only where `bench gemm` found it
+/// faster than the cluster kernels (H200, docs/gemm.md run 11): the 224-column tiles below
+/// M = 32 (4096 × 28672: 65.9 µs against 69.4 at M = 1), the 112-column ones from M = 32
+/// (4096 × 28672 at M = 64: 67.6 against 79.5; 4096 × 14336: 36.9 against 43.6), the
+/// 64-column ones above M = 32 (4096 × 7168 at M = 64: 23.2 against 25.2). Narrower N
+/// (q/k/v, o, down) stays on the cluster kernels, which split K over more blocks.
+pub fn whole_tile(m: usize, n: usize, sms: usize) -> Option<usize> {
+    let full_waves = |bn: usize, one_wave: bool| {
+        let tiles = n.div_ceil(bn) * m.div_ceil(64);
+        if tiles == 0 || sms == 0 {
+            return false;
+        }
+        let last = tiles - (tiles - 1) / sms * sms;
+        4 * last >= 3 * sms && (!one_wave || tiles <= sms)
+    };
+    match m {
+        0..=31 => full_waves(224, true).then_some(224),
+        32 => full_waves(112, false).then_some(112),
+        _ => [112, 64].into_iter().find(|&bn| full_waves(bn, false)),
+    }
+}
+
 /// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
 /// by speed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +203,11 @@ pub enum Path {
     /// (one block per SM). At M = 64 the narrow kernel's X tiles are a third of the bytes
     /// it streams; this halves them. With `n_seg = 1` it is `WgCluster64`.
     WgCluster64x2N256,
+    /// wgmma fed by TMA, one block per 64×`bn` tile (two consumer warpgroups of `bn / 2`
+    /// columns; `bn` one of [`WHOLE_BNS`]) summing all of the tile's segments and
+    /// evaluating the tree itself: no cluster, no workspace. For an N whose tiles fill the
+    /// SMs once (4096 × 28672: 128 blocks of 224). Needs `k == n_seg·seg_len`.
+    WgWhole { bn: usize },
 }
 
 impl Path {
@@ -202,6 +238,11 @@ impl Path {
                 Path::WgCluster64,
                 Path::WgCluster64x2,
                 Path::WgCluster64x2N256,
+                Path::WgWhole { bn: 224 },
+                Path::WgWhole { bn: 112 },
+                Path::WgWhole { bn: 64 },
+                Path::WgWhole { bn: 48 },
+                Path::WgWhole { bn: 32 },
                 Path::WgTree128,
                 Path::WgSplit64,
             ],
@@ -216,7 +257,8 @@ impl Path {
             | Path::WgTma128
             | Path::WgCluster64
             | Path::WgCluster64x2
-            | Path::WgCluster64x2N256 => Family::Wgmma,
+            | Path::WgCluster64x2N256
+            | Path::WgWhole { .. } => Family::Wgmma,
         }
     }
 
@@ -224,7 +266,11 @@ impl Path {
     pub fn is_tma(self) -> bool {
         matches!(
             self,
-            Path::WgTma128 | Path::WgCluster64 | Path::WgCluster64x2 | Path::WgCluster64x2N256
+            Path::WgTma128
+                | Path::WgCluster64
+                | Path::WgCluster64x2
+                | Path::WgCluster64x2N256
+                | Path::WgWhole { .. }
         )
     }
 
@@ -239,6 +285,12 @@ impl Path {
             Path::WgCluster64 => "wgcluster64",
             Path::WgCluster64x2 => "wgcluster64x2",
             Path::WgCluster64x2N256 => "wgcluster64x2n256",
+            Path::WgWhole { bn: 224 } => "wgwhole224",
+            Path::WgWhole { bn: 112 } => "wgwhole112",
+            Path::WgWhole { bn: 64 } => "wgwhole64",
+            Path::WgWhole { bn: 48 } => "wgwhole48",
+            Path::WgWhole { bn: 32 } => "wgwhole32",
+            Path::WgWhole { .. } => "wgwhole",
         }
     }
 
@@ -301,6 +353,16 @@ impl Path {
             Path::WgCluster64 | Path::WgCluster64x2 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
             // ClusterLayout<2>: 5 stages of (64 + 256) x 64 bf16, 2 x 5 mbarriers, alignment.
             Path::WgCluster64x2N256 => 5 * (64 + 256) * 64 * 2 + 80 + 1024,
+            // ClusterLayout<2, bn / 2, true>: two f32 tree slots (bn / 4 values x 256
+            // consumer threads each), as many stages of (64 + bn) x 64 bf16 as fit in
+            // WHOLE_SMEM beside them (at most 8), 2 mbarriers a stage, alignment.
+            Path::WgWhole { bn } => {
+                let bn = bn as u32;
+                let slots = 2 * (bn / 4) * 256 * 4;
+                let stage = (64 + bn) * 64 * 2;
+                let stages = ((WHOLE_SMEM - slots) / stage).min(8);
+                stages * stage + slots + 16 * stages + 1024
+            }
         }
     }
 
@@ -322,6 +384,7 @@ impl Path {
                 (n.div_ceil(256) * n_seg.div_ceil(2), m.div_ceil(64), 1),
                 288,
             ),
+            Path::WgWhole { bn } => ((n.div_ceil(bn), m.div_ceil(64), 1), 288),
         }
     }
 
@@ -336,6 +399,12 @@ impl Path {
             Path::WgCluster64 => "arbor_gemm_wg_cluster_64x128",
             Path::WgCluster64x2 => "arbor_gemm_wg_cluster2_64x128",
             Path::WgCluster64x2N256 => "arbor_gemm_wg_cluster2_64x256",
+            Path::WgWhole { bn: 224 } => "arbor_gemm_wg_whole_64x224",
+            Path::WgWhole { bn: 112 } => "arbor_gemm_wg_whole_64x112",
+            Path::WgWhole { bn: 64 } => "arbor_gemm_wg_whole_64x64",
+            Path::WgWhole { bn: 48 } => "arbor_gemm_wg_whole_64x48",
+            Path::WgWhole { bn: 32 } => "arbor_gemm_wg_whole_64x32",
+            Path::WgWhole { .. } => "arbor_gemm_wg_whole",
         }
     }
 }
@@ -574,12 +643,20 @@ impl TreeGemm {
     }
 
     /// The path a call of this shape takes by default: [`Path::for_shape`], except that a
-    /// `wgcluster64` call of M ≤ 32 takes `wgcluster64x2n256`, and a larger one whose grid
+    /// `wgcluster64` call takes a `wgwhole` kernel where [`whole_tile`] names one, else
+    /// one of M ≤ 32 takes `wgcluster64x2n256`, and a larger one whose grid
     /// has more clusters than the device holds at once (it would run in two waves, the
     /// second nearly empty) takes `wgcluster64x2`, half the blocks. All give the same bits
     /// (same leaf, same tree), so this choice may depend on the device.
     pub fn default_path(&self, shape: &TreeMatmul) -> Path {
         let path = Path::for_shape(shape, self.family);
+        if path == Path::WgCluster64 {
+            if let Some(bn) = whole_tile(shape.m, shape.n, self.sms) {
+                if self.has(Path::WgWhole { bn }) {
+                    return Path::WgWhole { bn };
+                }
+            }
+        }
         // Up to M = 32 the 64×256 tiles stream W faster at every model shape (H200,
         // docs/gemm.md run 8: 4096 × 28672 at M = 1 in 69.6 µs against 87.0, M = 16 73.2
         // against 82.8); at M = 64 the two are even (85.5 / 84.8).
@@ -699,9 +776,13 @@ impl TreeGemm {
     ) -> Result<(), GemmError> {
         let s = a.shape;
         let x_rows = if path == Path::WgTma128 { 128 } else { 64 };
+        let w_rows = match path {
+            Path::WgWhole { bn } => (bn / 2) as u32,
+            _ => 128,
+        };
         let p = gemm_tma::TmaParams {
             tx: gemm_tma::encode("x", a.x, s.m, a.ldx, s.seg_len, s.n_seg, x_rows)?,
-            tw: gemm_tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, 128)?,
+            tw: gemm_tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
             outf,
             outh,
             ws: a.ws,
@@ -716,6 +797,7 @@ impl TreeGemm {
         let (gx, cluster) = match path {
             Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
+            Path::WgWhole { .. } => (gx, None),
             _ => (gx, Some(s.n_seg as u32)),
         };
         if gx > i32::MAX as usize || gy > 65535 {
@@ -759,6 +841,40 @@ mod tests {
             counters_len: 1024,
             w_constant: true,
             epilogue: Epilogue::Store,
+        }
+    }
+
+    #[test]
+    fn whole_tiles_go_where_they_fill_the_waves() {
+        // 132 SMs (H100 / H200), the llama3-8b layers at TP 1 / 2 / 4.
+        let cases = [
+            (1, 28672, Some(224)),
+            (16, 28672, Some(224)),
+            (32, 28672, Some(112)),
+            (64, 28672, Some(112)),
+            (1, 14336, None),
+            (64, 14336, Some(112)),
+            (32, 7168, None),
+            (64, 7168, Some(64)),
+            (64, 6144, None),
+            (64, 4096, None),
+            (64, 128256, None),
+        ];
+        for (m, n, want) in cases {
+            assert_eq!(whole_tile(m, n, 132), want, "M = {m}, N = {n}");
+        }
+        assert_eq!(whole_tile(1, 0, 132), None);
+        for bn in WHOLE_BNS {
+            let p = Path::WgWhole { bn };
+            assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
+            assert!(
+                p.smem_bytes() <= 227 * 1024,
+                "{}: {} B",
+                p.name(),
+                p.smem_bytes()
+            );
+            assert_eq!(p.kernel(), format!("arbor_gemm_wg_whole_64x{bn}"));
+            assert_eq!(p.name(), format!("wgwhole{bn}"));
         }
     }
 
