@@ -352,15 +352,16 @@ constexpr int CL_A_BYTES = 64 * 64 * 2;
 // slots (WN / 2 f32 each per consumer thread), then the full and empty barriers. NW = 1: 4
 // stages (two blocks fit on an SM); NW = 2: 5 stages (one block per SM, X loaded once for
 // both warpgroups: at M = 64 the X tiles were a third of the bytes a block streamed); whole
-// K: as many stages (at most 8) as fit in WHOLE_SMEM besides the slots (WN = 112: 3).
+// K and quad: as many stages (at most 8) as fit in WHOLE_SMEM besides the slots (WN = 112:
+// 3).
 constexpr int WHOLE_SMEM = 225 * 1024;  // leaves 2 KB of the 227 for alignment and barriers
-template <int NW, int WN = 128, bool WHOLE = false>
+template <int NW, int WN = 128, bool TREE = false>
 struct ClusterLayout {
     static constexpr int W_BYTES = WN * 64 * 2;  // one consumer warpgroup's W rows per stage
     static constexpr int STAGE_BYTES = CL_A_BYTES + NW * W_BYTES;
-    static constexpr int SLOT_BYTES = WHOLE ? 2 * (WN / 2) * 128 * NW * 4 : 0;
+    static constexpr int SLOT_BYTES = TREE ? 2 * (WN / 2) * 128 * NW * 4 : 0;
     static constexpr int FIT = (WHOLE_SMEM - SLOT_BYTES) / STAGE_BYTES;
-    static constexpr int STAGES = WHOLE ? (FIT < 8 ? FIT : 8) : (NW == 1 ? 4 : 5);
+    static constexpr int STAGES = TREE ? (FIT < 8 ? FIT : 8) : (NW == 1 ? 4 : 5);
     static constexpr int RED_STRIDE = WN * NW + 8;  // f32 row stride of the segment sums
     static constexpr int THREADS = 128 * NW + 32;
 };
@@ -405,11 +406,13 @@ DEVI float tree_of(const float* x, int ns) {
 // every NW and WN gives the same bits), the warp after them produces. SPC = 2 halves the
 // blocks, so a tile grid that needs more clusters than fit on the device at once (30
 // clusters of 8 on an H100) still runs in one wave. SPC = 0: the block sums all n_seg
-// segments and evaluates the whole tree itself (no cluster).
+// segments and evaluates the whole tree itself (no cluster). SPC = 4: the block evaluates
+// the subtree of min(4, n_seg) segments itself, a cluster of two combines the halves.
 template <int SPC, int NW, int WN = 128>
 DEVI void small_m_body(const TmaParams& p) {
     constexpr bool WHOLE = SPC == 0;
-    using L = ClusterLayout<NW, WN, WHOLE>;
+    constexpr bool TREE = SPC == 0 || SPC == 4;  // the block evaluates its subtree itself
+    using L = ClusterLayout<NW, WN, TREE>;
     constexpr int STAGES = L::STAGES, STAGE_BYTES = L::STAGE_BYTES, BN = WN * NW, A = WN / 2;
     extern __shared__ unsigned char cl_smem[];
     const u32 raw = smem_addr(cl_smem);
@@ -423,7 +426,7 @@ DEVI void small_m_body(const TmaParams& p) {
     float* red = (float*)(cl_smem + (base - raw));
 
     const int tid = threadIdx.x;
-    const int spc = WHOLE ? p.n_seg : SPC;  // segments per block
+    const int spc = WHOLE ? p.n_seg : min(SPC, p.n_seg);  // segments per block
     const int ns = p.n_seg / spc;           // blocks per cluster
     const int seg = WHOLE ? 0 : (int)cluster_ctarank();
     const int nt = blockIdx.x / ns, mt = blockIdx.y;
@@ -473,16 +476,16 @@ DEVI void small_m_body(const TmaParams& p) {
         const u32 sw = ring + CL_A_BYTES + wg * L::W_BYTES;
         const bool releaser = (tid & 127) == 0;
         u32 it = 0;
-        if constexpr (WHOLE) {
-            // The tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), or its first n_seg leaves,
-            // evaluated as the segments arrive: the leaf and the root in registers, the
+        if constexpr (TREE) {
+            // The tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), or its first spc leaves (the
+            // subtree of the block's segments), evaluated as the segments arrive: the leaf and the root in registers, the
             // pending partial (s2, then s4+s5) and s6 in thread-private shared-memory slots
             // ([value][thread], conflict-free). ptxas gives a kernel with wgmma at most 168
             // registers a thread here (288 threads, counted as 384): a third live tile spilled.
             float root[A];
 #define P1(i) slot[(i) * (128 * NW) + tid]
 #define S6(i) slot[(A + (i)) * (128 * NW) + tid]
-            for (int s = 0; s < p.n_seg; ++s) {
+            for (int s = 0; s < spc; ++s) {
                 leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
                                                       releaser);
                 switch (s) {
@@ -623,5 +626,18 @@ WHOLE_KERNEL(64, 32)
 WHOLE_KERNEL(48, 24)
 WHOLE_KERNEL(32, 16)
 #undef WHOLE_KERNEL
+
+// Four segments per block (the subtree (s0+s1)+(s2+s3) in the block), clusters of two
+// blocks for the whole K: 64 x 2·WN tiles in half as many blocks as the two-segment
+// cluster kernels have, with a deeper ring each (the narrow layers, 4096 x 4096 at M = 64:
+// 64-column tiles, 128 blocks, as cuBLAS runs it).
+#define QUAD_KERNEL(BN, WN)                                                  \
+    extern "C" __global__ void __launch_bounds__(288, 1)                    \
+        arbor_gemm_wg_quad_64x##BN(const __grid_constant__ TmaParams p) { \
+        small_m_body<4, 2, WN>(p);                                           \
+    }
+QUAD_KERNEL(96, 48)
+QUAD_KERNEL(64, 32)
+#undef QUAD_KERNEL
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -147,6 +147,8 @@ pub const WHOLE_BNS: [usize; 5] = [224, 112, 64, 48, 32];
 /// gemm_sm90_tma.cu WHOLE_SMEM: the shared memory a `wgwhole` block fills with its ring
 /// stages and tree slots.
 const WHOLE_SMEM: u32 = 225 * 1024;
+/// Tile widths of the `wgquad` kernels.
+pub const QUAD_BNS: [usize; 2] = [96, 64];
 
 /// The `wgwhole` tile width the default path takes for an M ≤ 64 call on `sms` SMs, if
 /// any: where its grid runs in waves that are each at least 3/4 full (whole-K blocks are
@@ -158,18 +160,38 @@ const WHOLE_SMEM: u32 = 225 * 1024;
 /// (q/k/v, o, down) stays on the cluster kernels, which split K over more blocks.
 pub fn whole_tile(m: usize, n: usize, sms: usize) -> Option<usize> {
     let full_waves = |bn: usize, one_wave: bool| {
-        let tiles = n.div_ceil(bn) * m.div_ceil(64);
-        if tiles == 0 || sms == 0 {
-            return false;
-        }
-        let last = tiles - (tiles - 1) / sms * sms;
-        4 * last >= 3 * sms && (!one_wave || tiles <= sms)
+        let blocks = n.div_ceil(bn) * m.div_ceil(64);
+        fills_waves(blocks, sms) && (!one_wave || blocks <= sms)
     };
     match m {
         0..=31 => full_waves(224, true).then_some(224),
         32 => full_waves(112, false).then_some(112),
         _ => [112, 64].into_iter().find(|&bn| full_waves(bn, false)),
     }
+}
+
+/// The `wgquad` tile width the default path takes for a call on `sms` SMs, if any: above
+/// M = 32 (below it the cluster kernels were faster at every shape), the widest of
+/// [`QUAD_BNS`] whose blocks fill full waves. `bench gemm` on an H200 (docs/gemm.md run 12)
+/// at M = 64: 4096 × 4096 16.8 µs against 18.2, 4096 × 6144 21.2 against 22.6, 14336 × 4096
+/// 37.2 against 39.6.
+pub fn quad_tile(m: usize, n: usize, n_seg: usize, sms: usize) -> Option<usize> {
+    if !(33..=64).contains(&m) {
+        return None;
+    }
+    QUAD_BNS
+        .into_iter()
+        .find(|&bn| fills_waves(n.div_ceil(bn) * n_seg.div_ceil(4), sms))
+}
+
+/// Whether a grid of `blocks` blocks, one per SM at a time, runs in waves that are each at
+/// least 3/4 full (a partial last wave idles SMs while the slowest blocks finish).
+fn fills_waves(blocks: usize, sms: usize) -> bool {
+    if blocks == 0 || sms == 0 {
+        return false;
+    }
+    let last = blocks - (blocks - 1) / sms * sms;
+    4 * last >= 3 * sms
 }
 
 /// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
@@ -208,6 +230,10 @@ pub enum Path {
     /// evaluating the tree itself: no cluster, no workspace. For an N whose tiles fill the
     /// SMs once (4096 × 28672: 128 blocks of 224). Needs `k == n_seg·seg_len`.
     WgWhole { bn: usize },
+    /// As `WgWhole` with four segments per block (the subtree `(s0+s1)+(s2+s3)` in the
+    /// block) and the tile's `n_seg / 4` blocks a cluster combining over distributed shared
+    /// memory; `bn` one of [`QUAD_BNS`]. For the narrow layers at small M.
+    WgQuad { bn: usize },
 }
 
 impl Path {
@@ -243,6 +269,8 @@ impl Path {
                 Path::WgWhole { bn: 64 },
                 Path::WgWhole { bn: 48 },
                 Path::WgWhole { bn: 32 },
+                Path::WgQuad { bn: 96 },
+                Path::WgQuad { bn: 64 },
                 Path::WgTree128,
                 Path::WgSplit64,
             ],
@@ -258,7 +286,8 @@ impl Path {
             | Path::WgCluster64
             | Path::WgCluster64x2
             | Path::WgCluster64x2N256
-            | Path::WgWhole { .. } => Family::Wgmma,
+            | Path::WgWhole { .. }
+            | Path::WgQuad { .. } => Family::Wgmma,
         }
     }
 
@@ -271,6 +300,7 @@ impl Path {
                 | Path::WgCluster64x2
                 | Path::WgCluster64x2N256
                 | Path::WgWhole { .. }
+                | Path::WgQuad { .. }
         )
     }
 
@@ -291,6 +321,9 @@ impl Path {
             Path::WgWhole { bn: 48 } => "wgwhole48",
             Path::WgWhole { bn: 32 } => "wgwhole32",
             Path::WgWhole { .. } => "wgwhole",
+            Path::WgQuad { bn: 96 } => "wgquad96",
+            Path::WgQuad { bn: 64 } => "wgquad64",
+            Path::WgQuad { .. } => "wgquad",
         }
     }
 
@@ -356,7 +389,7 @@ impl Path {
             // ClusterLayout<2, bn / 2, true>: two f32 tree slots (bn / 4 values x 256
             // consumer threads each), as many stages of (64 + bn) x 64 bf16 as fit in
             // WHOLE_SMEM beside them (at most 8), 2 mbarriers a stage, alignment.
-            Path::WgWhole { bn } => {
+            Path::WgWhole { bn } | Path::WgQuad { bn } => {
                 let bn = bn as u32;
                 let slots = 2 * (bn / 4) * 256 * 4;
                 let stage = (64 + bn) * 64 * 2;
@@ -385,6 +418,7 @@ impl Path {
                 288,
             ),
             Path::WgWhole { bn } => ((n.div_ceil(bn), m.div_ceil(64), 1), 288),
+            Path::WgQuad { bn } => ((n.div_ceil(bn) * n_seg.div_ceil(4), m.div_ceil(64), 1), 288),
         }
     }
 
@@ -405,6 +439,9 @@ impl Path {
             Path::WgWhole { bn: 48 } => "arbor_gemm_wg_whole_64x48",
             Path::WgWhole { bn: 32 } => "arbor_gemm_wg_whole_64x32",
             Path::WgWhole { .. } => "arbor_gemm_wg_whole",
+            Path::WgQuad { bn: 96 } => "arbor_gemm_wg_quad_64x96",
+            Path::WgQuad { bn: 64 } => "arbor_gemm_wg_quad_64x64",
+            Path::WgQuad { .. } => "arbor_gemm_wg_quad",
         }
     }
 }
@@ -643,7 +680,8 @@ impl TreeGemm {
     }
 
     /// The path a call of this shape takes by default: [`Path::for_shape`], except that a
-    /// `wgcluster64` call takes a `wgwhole` kernel where [`whole_tile`] names one, else
+    /// `wgcluster64` call takes a `wgwhole` kernel where [`whole_tile`] names one, a
+    /// `wgquad` kernel where [`quad_tile`] does, else
     /// one of M ≤ 32 takes `wgcluster64x2n256`, and a larger one whose grid
     /// has more clusters than the device holds at once (it would run in two waves, the
     /// second nearly empty) takes `wgcluster64x2`, half the blocks. All give the same bits
@@ -654,6 +692,11 @@ impl TreeGemm {
             if let Some(bn) = whole_tile(shape.m, shape.n, self.sms) {
                 if self.has(Path::WgWhole { bn }) {
                     return Path::WgWhole { bn };
+                }
+            }
+            if let Some(bn) = quad_tile(shape.m, shape.n, shape.n_seg, self.sms) {
+                if self.has(Path::WgQuad { bn }) {
+                    return Path::WgQuad { bn };
                 }
             }
         }
@@ -777,7 +820,7 @@ impl TreeGemm {
         let s = a.shape;
         let x_rows = if path == Path::WgTma128 { 128 } else { 64 };
         let w_rows = match path {
-            Path::WgWhole { bn } => (bn / 2) as u32,
+            Path::WgWhole { bn } | Path::WgQuad { bn } => (bn / 2) as u32,
             _ => 128,
         };
         let p = gemm_tma::TmaParams {
@@ -798,6 +841,7 @@ impl TreeGemm {
             Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
             Path::WgWhole { .. } => (gx, None),
+            Path::WgQuad { .. } => (gx, Some(s.n_seg.div_ceil(4) as u32)),
             _ => (gx, Some(s.n_seg as u32)),
         };
         if gx > i32::MAX as usize || gy > 65535 {
@@ -864,6 +908,30 @@ mod tests {
             assert_eq!(whole_tile(m, n, 132), want, "M = {m}, N = {n}");
         }
         assert_eq!(whole_tile(1, 0, 132), None);
+        let quads = [
+            (64, 4096, 8, Some(64)),
+            (64, 6144, 8, Some(96)),
+            (32, 4096, 8, None),
+            (1, 6144, 8, None),
+            (64, 3072, 8, None),
+            (64, 4096, 4, None),
+            (64, 128256, 8, None),
+        ];
+        for (m, n, n_seg, want) in quads {
+            assert_eq!(quad_tile(m, n, n_seg, 132), want, "M = {m}, N = {n}");
+        }
+        for bn in QUAD_BNS {
+            let p = Path::WgQuad { bn };
+            assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
+            assert!(
+                p.smem_bytes() <= 227 * 1024,
+                "{}: {} B",
+                p.name(),
+                p.smem_bytes()
+            );
+            assert_eq!(p.kernel(), format!("arbor_gemm_wg_quad_64x{bn}"));
+            assert_eq!(p.name(), format!("wgquad{bn}"));
+        }
         for bn in WHOLE_BNS {
             let p = Path::WgWhole { bn };
             assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
