@@ -509,6 +509,19 @@ pub enum Epilogue {
 pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
     let s = a.shape;
     let bad = |msg: String| Err(GemmError::Shape { shape: s, msg });
+    match path {
+        Path::WgWhole { bn } if !WHOLE_BNS.contains(&bn) => {
+            return bad(format!(
+                "wgwhole has no {bn}-column tile (one of {WHOLE_BNS:?})"
+            ));
+        }
+        Path::WgQuad { bn } if !QUAD_BNS.contains(&bn) => {
+            return bad(format!(
+                "wgquad has no {bn}-column tile (one of {QUAD_BNS:?})"
+            ));
+        }
+        _ => {}
+    }
     if !(s.n_seg.is_power_of_two() && s.n_seg <= SEGMENTS) {
         return bad(format!("n_seg = {} is not 1, 2, 4 or 8", s.n_seg));
     }
@@ -681,11 +694,11 @@ impl TreeGemm {
 
     /// The path a call of this shape takes by default: [`Path::for_shape`], except that a
     /// `wgcluster64` call takes a `wgwhole` kernel where [`whole_tile`] names one, a
-    /// `wgquad` kernel where [`quad_tile`] does, else
-    /// one of M ≤ 32 takes `wgcluster64x2n256`, and a larger one whose grid
-    /// has more clusters than the device holds at once (it would run in two waves, the
-    /// second nearly empty) takes `wgcluster64x2`, half the blocks. All give the same bits
-    /// (same leaf, same tree), so this choice may depend on the device.
+    /// `wgquad` kernel where [`quad_tile`] does; otherwise one of M ≤ 32 takes
+    /// `wgcluster64x2n256`, and a larger one whose grid has more clusters than the device
+    /// holds at once (it would run in two waves, the second nearly empty) takes
+    /// `wgcluster64x2`, half the blocks. All give the same bits (same leaf, same tree), so
+    /// this choice may depend on the device.
     pub fn default_path(&self, shape: &TreeMatmul) -> Path {
         let path = Path::for_shape(shape, self.family);
         if path == Path::WgCluster64 {
@@ -981,6 +994,11 @@ mod tests {
                 "k = 2048",
             ),
         ];
+        assert!(validate(&args(good), Path::WgWhole { bn: 224 }).is_ok());
+        let e = validate(&args(good), Path::WgWhole { bn: 100 }).unwrap_err();
+        assert!(e.to_string().contains("100-column"), "{e}");
+        let e = validate(&args(good), Path::WgQuad { bn: 224 }).unwrap_err();
+        assert!(e.to_string().contains("224-column"), "{e}");
         for (shape, want) in cases {
             let e = validate(&args(shape), Path::Split16)
                 .unwrap_err()
