@@ -440,7 +440,7 @@ DEVI void small_m_body(const TmaParams& p) {
     }
     __syncthreads();
 
-    float acc[A], part[A];
+    float acc[A];
     const int wg = warpgroup_uniform();
     if (wg == NW) {
         if (tid == 128 * NW) {
@@ -527,6 +527,7 @@ DEVI void small_m_body(const TmaParams& p) {
             leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
                                                   releaser);
             if (SPC == 2) {
+                float part[A];
 #pragma unroll
                 for (int i = 0; i < A; ++i) part[i] = acc[i];
                 leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
@@ -564,12 +565,12 @@ DEVI void small_m_body(const TmaParams& p) {
     const u32 red_addr = smem_addr(red);
     for (int gi = seg * per + tid; gi < g_end; gi += L::THREADS) {
         const int r = gi / GROUPS, c = (gi % GROUPS) * 4;
-        const u32 a = red_addr + (u32)(r * L::RED_STRIDE + c) * 4u;
         float x[4][8];
         if constexpr (WHOLE) {
             const float4 v = *(const float4*)(red + r * L::RED_STRIDE + c);
             x[0][0] = v.x, x[1][0] = v.y, x[2][0] = v.z, x[3][0] = v.w;
         } else {
+            const u32 a = red_addr + (u32)(r * L::RED_STRIDE + c) * 4u;
 #pragma unroll
             for (int q = 0; q < 8; ++q) {
                 if (q < ns) {
@@ -611,33 +612,26 @@ extern "C" __global__ void __launch_bounds__(288, 1)
     small_m_body<2, 2>(p);
 }
 
-// The whole K in one block: 64 x 2·WN tiles (two consumer warpgroups of WN columns), all
-// of the tile's segments and the tree in the block, no cluster. The host takes the width
-// whose tiles fill the SMs once (4096 x 28672: 128 blocks of 224 columns), where the
-// cluster kernels ran 3.6 waves of 248 resident blocks, the last one 60 % full.
-#define WHOLE_KERNEL(BN, WN)                                                  \
-    extern "C" __global__ void __launch_bounds__(288, 1)                     \
-        arbor_gemm_wg_whole_64x##BN(const __grid_constant__ TmaParams p) { \
-        small_m_body<0, 2, WN>(p);                                            \
-    }
-WHOLE_KERNEL(224, 112)
-WHOLE_KERNEL(112, 56)
-WHOLE_KERNEL(64, 32)
-WHOLE_KERNEL(48, 24)
-WHOLE_KERNEL(32, 16)
-#undef WHOLE_KERNEL
-
-// Four segments per block (the subtree (s0+s1)+(s2+s3) in the block), clusters of two
-// blocks for the whole K: 64 x 2·WN tiles in half as many blocks as the two-segment
-// cluster kernels have, with a deeper ring each (the narrow layers, 4096 x 4096 at M = 64:
-// 64-column tiles, 128 blocks, as cuBLAS runs it).
-#define QUAD_KERNEL(BN, WN)                                                  \
+// 64 x BN tiles, two consumer warpgroups of BN / 2 columns each, SPC segments per block:
+// - whole (SPC = 0): all of K and the whole tree in the block, no cluster. The host takes
+//   the width whose tiles fill the SMs in full waves (4096 x 28672: 128 blocks of 224
+//   columns), where the cluster kernels ran 3.6 waves of 248 resident blocks, the last one
+//   60 % full.
+// - quad (SPC = 4): the subtree (s0+s1)+(s2+s3) in the block, clusters of two for the whole
+//   K: half as many blocks as the two-segment cluster kernels, a deeper ring each (the
+//   narrow layers, 4096 x 4096 at M = 64: 64-column tiles, 128 blocks, as cuBLAS runs it).
+#define TREE_KERNEL(KIND, SPC, BN)                                           \
     extern "C" __global__ void __launch_bounds__(288, 1)                    \
-        arbor_gemm_wg_quad_64x##BN(const __grid_constant__ TmaParams p) { \
-        small_m_body<4, 2, WN>(p);                                           \
+        arbor_gemm_wg_##KIND##_64x##BN(const __grid_constant__ TmaParams p) { \
+        small_m_body<SPC, 2, BN / 2>(p);                                     \
     }
-QUAD_KERNEL(96, 48)
-QUAD_KERNEL(64, 32)
-#undef QUAD_KERNEL
+TREE_KERNEL(whole, 0, 224)
+TREE_KERNEL(whole, 0, 112)
+TREE_KERNEL(whole, 0, 64)
+TREE_KERNEL(whole, 0, 48)
+TREE_KERNEL(whole, 0, 32)
+TREE_KERNEL(quad, 4, 96)
+TREE_KERNEL(quad, 4, 64)
+#undef TREE_KERNEL
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

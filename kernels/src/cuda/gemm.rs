@@ -933,8 +933,11 @@ mod tests {
         for (m, n, n_seg, want) in quads {
             assert_eq!(quad_tile(m, n, n_seg, 132), want, "M = {m}, N = {n}");
         }
-        for bn in QUAD_BNS {
-            let p = Path::WgQuad { bn };
+        let tree_paths = WHOLE_BNS
+            .map(|bn| (Path::WgWhole { bn }, "whole", bn))
+            .into_iter()
+            .chain(QUAD_BNS.map(|bn| (Path::WgQuad { bn }, "quad", bn)));
+        for (p, kind, bn) in tree_paths {
             assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
             assert!(
                 p.smem_bytes() <= 227 * 1024,
@@ -942,20 +945,8 @@ mod tests {
                 p.name(),
                 p.smem_bytes()
             );
-            assert_eq!(p.kernel(), format!("arbor_gemm_wg_quad_64x{bn}"));
-            assert_eq!(p.name(), format!("wgquad{bn}"));
-        }
-        for bn in WHOLE_BNS {
-            let p = Path::WgWhole { bn };
-            assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
-            assert!(
-                p.smem_bytes() <= 227 * 1024,
-                "{}: {} B",
-                p.name(),
-                p.smem_bytes()
-            );
-            assert_eq!(p.kernel(), format!("arbor_gemm_wg_whole_64x{bn}"));
-            assert_eq!(p.name(), format!("wgwhole{bn}"));
+            assert_eq!(p.kernel(), format!("arbor_gemm_wg_{kind}_64x{bn}"));
+            assert_eq!(p.name(), format!("wg{kind}{bn}"));
         }
     }
 
