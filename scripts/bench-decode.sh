@@ -4,7 +4,8 @@
 # `cp ../shared/anchors/decode_baseline.py .device/`:
 #   bash scripts/bench-decode.sh              # writes $OUT/decode-*.json|txt|svg
 # Per TP (TPS, default: 1 and the GPU count) and batch (BATCHES, default 1,8,32,64), on a
-# llama3-8b-shape random model: `arbor bench decode` with --numerics invariant and fast,
+# llama3-8b-shape random model: `arbor bench decode` with --numerics invariant and fast (decode
+# steps replayed from CUDA graphs), invariant with ARBOR_CUDA_GRAPHS=0 (op by op; EAGER=0 skips),
 # the PyTorch reference loop (decode_baseline.py --compile: torch.compile + CUDA graph,
 # cuBLAS, NCCL) and the weights roofline (bf16 weight bytes per rank / device copy
 # bandwidth measured in this run); scripts/decode-report.py prints the ratios side by side.
@@ -51,6 +52,12 @@ for tp in $TPS; do
             --out "$OUT/decode-arbor-tp$tp-$num.json"
         grep -E "TP $tp $num" "$OUT/decode-arbor.log" | sed 's/^\[rank 0\] //' | tail -n 4 | tee -a "$SUMMARY"
     done
+    if [[ ${EAGER:-1} == 1 ]]; then
+        step "arbor TP $tp invariant, no CUDA graphs" "$OUT/decode-arbor.log" 150 env ARBOR_CUDA_GRAPHS=0 \
+            "${launch[@]}" "$ARBOR" bench decode --model "$L8B" --device cuda --numerics invariant \
+            --batch "$BATCHES" --steps "$STEPS" --out "$OUT/decode-arbor-tp$tp-invariant-eager.json"
+        grep -E "TP $tp invariant.*no CUDA graphs" "$OUT/decode-arbor.log" | sed 's/^\[rank 0\] //' | tail -n 4 | tee -a "$SUMMARY"
+    fi
 done
 # The reference loop right after arbor's own runs: the targets' table needs it; the
 # extras below are skipped first when the time budget runs out.

@@ -7,7 +7,10 @@
 # Then run scripts/gpu-check.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
+# .gitignore lists /.device/ already; the exclude line keeps older checkouts right too.
+info=$(git rev-parse --git-dir)/info
+mkdir -p "$info"
+grep -qx '/.device/' "$info/exclude" 2>/dev/null || echo '/.device/' >>"$info/exclude"
 
 cargo build --release --bins
 # Test executables: cargo prints their paths in its JSON messages.

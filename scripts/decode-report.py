@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side table of scripts/bench-decode.sh's results (no dependencies beyond Python).
 
-Reads DIR/decode-arbor-tp*-{invariant,fast}.json (arbor bench decode),
+Reads DIR/decode-arbor-tp*-{invariant,fast,invariant-eager}.json (arbor bench decode; the
+eager run is ARBOR_CUDA_GRAPHS=0: every decode step op by op instead of from CUDA graphs),
 DIR/decode-sampled-tp*-*.json (bench decode --temperature [--top-k]),
 DIR/decode-reference-tp*.json (decode_baseline.py) and DIR/decode-copy.json; prints ms/step
 and the ratios the engine issue's targets are stated in, and writes DIR/decode-report.json
@@ -10,10 +11,12 @@ and DIR/decode-report.svg (ms/step vs batch, one line per TP and engine).
 import glob, json, os, re, sys
 
 d = sys.argv[1] if len(sys.argv) > 1 else "."
-arbor = {}  # (tp, numerics, batch) -> row
+arbor = {}  # (tp, numerics, batch) -> row; numerics "invariant-eager" for runs without graphs
 for f in glob.glob(os.path.join(d, "decode-arbor-tp*-*.json")):
     for r in json.load(open(f)):
-        arbor[(r["tp"], r["numerics"], r["batch"])] = r
+        # Runs older than the CUDA graphs carry no flag and recorded nothing.
+        eager = "-eager" if r.get("cuda_graphs") is False else ""
+        arbor[(r["tp"], r["numerics"] + eager, r["batch"])] = r
 ref = {}  # (tp, batch) -> ms
 for f in glob.glob(os.path.join(d, "decode-reference-tp*.json")):
     j = json.load(open(f))
@@ -35,24 +38,27 @@ def ratio(a, b):
 rows = []
 print(f"decode ms/step (llama3-8b shape); roofline = bf16 weight bytes per rank / copy bandwidth "
       f"({fmt(copy_gbps, 0)} GB/s)")
-hdr = f"{'TP':>2} {'batch':>5} {'invariant':>10} {'fast':>8} {'reference':>9} {'roofline':>8} | {'inv/ref':>7} {'inv/fast':>8} {'fast/ref':>8} {'inv/roof':>8} {'TP1/TP':>7}"
+hdr = f"{'TP':>2} {'batch':>5} {'invariant':>10} {'fast':>8} {'reference':>9} {'roofline':>8} {'inv eager':>9} | {'inv/ref':>7} {'inv/fast':>8} {'fast/ref':>8} {'inv/roof':>8} {'TP1/TP':>7} {'eager/inv':>9}"
 print(hdr); print("-" * len(hdr))
 for tp in tps:
     for b in batches:
         inv, fast, rf = ms(tp, "invariant", b), ms(tp, "fast", b), ref.get((tp, b))
+        eager = ms(tp, "invariant-eager", b)
         r = arbor.get((tp, "invariant", b)) or arbor.get((tp, "fast", b))
         roof = r["weight_bytes_per_rank"] / (copy_gbps * 1e9) * 1e3 if r and copy_gbps else None
         tp1 = ratio(ms(1, "invariant", b), inv) if tp != 1 else None
         row = dict(tp=tp, batch=b, invariant_ms=inv, fast_ms=fast, reference_ms=rf, roofline_ms=roof,
                    invariant_over_reference=ratio(inv, rf), invariant_over_fast=ratio(inv, fast),
                    fast_over_reference=ratio(fast, rf), invariant_over_roofline=ratio(inv, roof),
-                   tp1_over_this_tp=tp1,
+                   tp1_over_this_tp=tp1, invariant_eager_ms=eager,
+                   eager_over_invariant=ratio(eager, inv),
                    prefill_ms_invariant=(arbor.get((tp, "invariant", b)) or {}).get("prefill_ms"),
                    prefill_ms_fast=(arbor.get((tp, "fast", b)) or {}).get("prefill_ms"))
         rows.append(row)
-        print(f"{tp:>2} {b:>5} {fmt(inv):>10} {fmt(fast):>8} {fmt(rf):>9} {fmt(roof):>8} | "
+        print(f"{tp:>2} {b:>5} {fmt(inv):>10} {fmt(fast):>8} {fmt(rf):>9} {fmt(roof):>8} {fmt(eager):>9} | "
               f"{fmt(row['invariant_over_reference'], 2):>7} {fmt(row['invariant_over_fast'], 2):>8} "
-              f"{fmt(row['fast_over_reference'], 2):>8} {fmt(row['invariant_over_roofline'], 2):>8} {fmt(tp1, 2):>7}")
+              f"{fmt(row['fast_over_reference'], 2):>8} {fmt(row['invariant_over_roofline'], 2):>8} {fmt(tp1, 2):>7} "
+              f"{fmt(row['eager_over_invariant'], 2):>9}")
 print("prefill ms (batch × 128 tokens), invariant / fast:")
 for r in rows:
     if r["prefill_ms_invariant"] is not None or r["prefill_ms_fast"] is not None:
@@ -78,7 +84,8 @@ json.dump({"copy_gbps": copy_gbps, "rows": rows, "sampled": sampled_rows},
 W, H, L, B = 720, 420, 60, 50
 series = {}
 for r in rows:
-    for key, name in (("invariant_ms", "arbor invariant"), ("fast_ms", "arbor fast"), ("reference_ms", "reference")):
+    for key, name in (("invariant_ms", "arbor invariant"), ("fast_ms", "arbor fast"),
+                      ("invariant_eager_ms", "arbor inv. eager"), ("reference_ms", "reference")):
         if r[key] is not None:
             series.setdefault(f"{name} TP{r['tp']}", []).append((r["batch"], r[key]))
 if series:

@@ -113,3 +113,16 @@ l8b_model() {
             touch "$L8B.complete"
     fi
 }
+
+# rank_model N LOG: sets RANK_MODEL to the llama3-8b shape one rank of a TP=N group computes
+# (`make-model --per-rank-of-tp N`), made once per machine like l8b_model.
+rank_model() {
+    RANK_MODEL=/tmp/arbor-l8b-rank-of-tp$1
+    if [[ -f $RANK_MODEL.complete ]]; then
+        note "reusing the one-rank-of-TP-$1 model in $RANK_MODEL"
+    else
+        rm -rf "$RANK_MODEL"
+        step "make llama3-8b, one rank of TP $1" "$2" 120 "$ARBOR" make-model --preset llama3-8b \
+            --per-rank-of-tp "$1" --out "$RANK_MODEL" --force && touch "$RANK_MODEL.complete"
+    fi
+}

@@ -13,7 +13,8 @@
 #        selected on the GPU, seeded pure temperature drawn on
 #        the GPU) and on the llama3-8b-shape model (random bf16 weights made on the
 #        machine; the same four, >= 64 new tokens), each with
-#        score == generate, plus `generate --shadow-tp1` at the largest TP, then decode
+#        score == generate, plus `generate --shadow-tp1` at the largest TP, generate records
+#        with decode steps from CUDA graphs vs op by op (byte-identical), then decode
 #        timing at the largest TP (this run's GEMM vs the simple kernel).
 # timing: only the llama3-8b-shape decode timing, at every TP in $TPS.
 #
@@ -106,6 +107,28 @@ decode_timing() {
     done
 }
 
+# graphs_vs_eager NAME LOG MODEL PROMPTS BATCH EXTRA...: generate at the largest TP with decode
+# steps replayed from CUDA graphs (the default) and op by op (ARBOR_CUDA_GRAPHS=0); the
+# records (tokens, log-prob bits, top-N, digests) must be byte-identical. Odd batches pad
+# the recorded steps; requests of different lengths change the bucket as they finish.
+graphs_vs_eager() {
+    local name=$1 log=$2 model=$3 prompts=$4 batch=$5 tp=${TPS##*,}
+    shift 5
+    local a=$WORK/$name-graphs.jsonl b=$WORK/$name-eager.jsonl
+    rm -f "$a" "$b"
+    step "$name: generate TP=$tp, CUDA graphs" "$log" 150 "$LAUNCH" -n "$tp" --output rank0 -- \
+        "$ARBOR" generate --model "$model" --device cuda --prompts "$prompts" --batch "$batch" \
+        --out "$a" "$@" || return
+    step "$name: generate TP=$tp, op by op" "$log" 150 env ARBOR_CUDA_GRAPHS=0 "$LAUNCH" -n "$tp" \
+        --output rank0 -- "$ARBOR" generate --model "$model" --device cuda --prompts "$prompts" \
+        --batch "$batch" --out "$b" "$@" || return
+    if [[ -s $a ]] && cmp -s "$a" "$b"; then
+        note "PASS  $name: CUDA-graph records byte-identical to op by op ($(wc -l <"$a") records)"
+    else
+        note "FAIL  $name: CUDA-graph records differ from op by op (see $a, $b)"
+    fi
+}
+
 run_check() { # run_check NAME LOG MODEL TIMEOUT EXTRA...
     local name=$1 log=$2 model=$3 limit=$4
     shift 4
@@ -135,6 +158,10 @@ if [[ $MODE != timing ]]; then
         # Top-k: the candidates are selected on the GPU (select.cu), the draw on the host.
         run_check tiny-topk "$TINY_LOG" "$TINY" 120 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32 \
             --temperature 0.8 --top-k 50 --top-p 0.9 --seed 1234
+        graphs_vs_eager tiny-graphs-greedy "$TINY_LOG" "$TINY" "$WORK/tiny-prompts.jsonl" 3 \
+            --max-tokens 24 --logprobs 3
+        graphs_vs_eager tiny-graphs-topk "$TINY_LOG" "$TINY" "$WORK/tiny-prompts.jsonl" 5 \
+            --max-tokens 24 --logprobs 2 --temperature 0.8 --top-k 20 --top-p 0.9 --seed 3
         step "tiny generate --shadow-tp1 (TP=${TPS##*,})" "$TINY_LOG" 60 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$TINY" --device cuda --shadow-tp1 \
             --prompts "$WORK/tiny-prompts.jsonl" --batch 8 --max-tokens 16
@@ -169,6 +196,8 @@ elif [[ -f $L8B_OK ]]; then
             --max-tokens "$L8B_TOKENS" --temperature 0.8 --seed 1234
         run_check l8b-topk "$L8B_LOG" "$L8B_DIR" 300 --prompts "$WORK/l8b-prompts.jsonl" \
             --max-tokens "$L8B_TOKENS" --temperature 0.8 --top-k 50 --top-p 0.9 --seed 1234
+        graphs_vs_eager l8b-graphs "$L8B_LOG" "$L8B_DIR" "$WORK/l8b-prompts.jsonl" 5 \
+            --max-tokens 32 --logprobs 3 --temperature 0.8 --seed 9
         step "l8b generate --shadow-tp1 (TP=${TPS##*,})" "$L8B_LOG" 120 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$L8B_DIR" --device cuda --shadow-tp1 \
             --prompts "$WORK/l8b-prompts.jsonl" --batch 8 --max-tokens 16

@@ -11,6 +11,7 @@
 # unprofiled run in the same call minus the kernels' sum is what the GPU spends between
 # kernels. Reference: torch.profiler (CUPTI) over graph replays of decode_baseline.py.
 # BATCHES (default "1 64"), NUMERICS (default "invariant fast"), REFERENCE=0 skips torch,
+# PER_RANK_OF_TP=N profiles one rank's shape of TP=N instead (bench-rank-shape.sh),
 # DETAIL="kernel-regex[@skip] ..." adds ncu's full sections for one launch of each, at
 # batch DETAIL_BATCH (default 1).
 set -uo pipefail
@@ -23,7 +24,12 @@ NUMERICS=${NUMERICS:-invariant fast}
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 note "ncu: ${NCU:-not found}"
 
-l8b_model "$OUT/profile-make.log"
+if [[ -n ${PER_RANK_OF_TP:-} ]]; then
+    rank_model "$PER_RANK_OF_TP" "$OUT/profile-make.log"
+    L8B=$RANK_MODEL
+else
+    l8b_model "$OUT/profile-make.log"
+fi
 for num in $NUMERICS; do
     step "wall TP 1 $num" "$OUT/profile-wall.log" 90 "$ARBOR" bench decode --model "$L8B" \
         --device cuda --numerics "$num" --batch "$(echo "$BATCHES" | tr ' ' ,)" --steps 64
@@ -32,7 +38,9 @@ done
 if [[ -n $NCU ]]; then
     for num in $NUMERICS; do
         for b in $BATCHES; do
-            step "ncu TP 1 $num batch $b" "$OUT/profile-ncu.log" 120 "$NCU" --clock-control none \
+            # Op by op (ARBOR_CUDA_GRAPHS=0): the kernels a recorded step replays, launched
+            # one by one, so every launch is its own ncu row.
+            step "ncu TP 1 $num batch $b" "$OUT/profile-ncu.log" 120 env ARBOR_CUDA_GRAPHS=0 "$NCU" --clock-control none \
                 --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
                 --log-file "$OUT/profile-ncu-$num-b$b.csv" "$ARBOR" bench decode --model "$L8B" \
                 --device cuda --numerics "$num" --batch "$b" --steps 4

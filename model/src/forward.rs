@@ -336,9 +336,16 @@ impl<B: Backend> Model<B> {
         if out_rows.is_empty() {
             return Ok(None);
         }
-        let x = b.select_rows(&x, out_rows)?;
+        // A decode step wants every row in order: no copy.
+        let all = out_rows.len() == ids.len() && out_rows.iter().enumerate().all(|(i, &r)| i == r);
+        let x = if all { x } else { b.select_rows(&x, out_rows)? };
         let x = b.rms_norm(&x, &self.final_norm.w, cfg.rms_norm_eps)?;
         self.head.forward(b, &x).map(Some)
+    }
+
+    /// The vocabulary: the logits columns that are tokens.
+    pub fn vocab(&self) -> usize {
+        self.head.vocab()
     }
 
     /// `forward_logits`' rows on the host, `[rows, vocab]`.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use arbor_collective::Communicator;
 
 use crate::backend::cpu::{default_threads, CpuBackend};
-use crate::backend::{Backend, Numerics, SeqRows};
+use crate::backend::{Backend, Numerics, SeqRows, StepInputs};
 use crate::config::ModelConfig;
 use crate::engine::{Event, Record, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan};
 use crate::error::{MResult, ModelError};
@@ -145,6 +145,9 @@ pub trait Runner {
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>>;
     /// Time spent in `generate` so far.
     fn timing(&self) -> GenTiming;
+    /// Decode shapes recorded (CUDA graphs) and steps replayed from them so far; `None`
+    /// where steps are not recorded (the CPU backend, `ARBOR_CUDA_GRAPHS=0`).
+    fn recorded_steps(&self) -> Option<(u64, u64)>;
     /// Allocates the persistent KV cache (`slots` sequences of `max_len` positions) that
     /// `execute` runs on; replaces any earlier one.
     fn start_session(&mut self, slots: usize, max_len: usize) -> MResult<()>;
@@ -287,6 +290,11 @@ impl<B: Backend> Engine<B> {
         })
     }
 
+    /// The backend this engine runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Attaches a TP=1 copy (its backend of world size 1) that every step is compared with.
     pub fn with_shadow(mut self, shadow: Engine<B>) -> Self {
         self.shadow = Some(Box::new(shadow));
@@ -335,9 +343,10 @@ impl<B: Backend> Engine<B> {
 
     /// One forward over a ragged batch; `ids_of[i]` is the request id of sequence i (for
     /// error messages). Returns each output row's `RowStats` (`pick[i]`: the index whose
-    /// value row i reports), and the rows' logits on the host when `need_host` (or a
-    /// shadow is comparing them). With a shadow, compares every layer and the logits bit
-    /// for bit.
+    /// value row i reports), its `ks[i]` top candidates, and the rows' logits on the host
+    /// when `need_host` (or a shadow is comparing them). Without either, the step is the
+    /// backend's `run_step` (which may replay a recording); with a shadow, compares every
+    /// layer and the logits bit for bit.
     #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
@@ -351,6 +360,30 @@ impl<B: Backend> Engine<B> {
         ks: &[usize],
         need_host: bool,
     ) -> MResult<StepOut> {
+        if !need_host && self.shadow.is_none() {
+            // The device program: the backend may record it and replay the recording.
+            let inputs = StepInputs {
+                ids,
+                seqs,
+                out_rows,
+                pick,
+                draws,
+                ks,
+                vocab: self.model.vocab(),
+                cache: self.backend.cache_key(&caches.main),
+            };
+            let model = &self.model;
+            let cache = &mut caches.main;
+            let res = self
+                .backend
+                .run_step(&inputs, &mut |b, inp| {
+                    model.forward_logits(b, cache, inp.ids, inp.seqs, inp.out_rows, None)
+                })
+                .map_err(|e| self.berr(e))?;
+            return Ok((res.stats, None, res.cands));
+        }
+        // The rows come to the host (top-N beyond the candidates' limit, a sampling over
+        // the whole row, or the shadow's comparison): the draws use them.
         let mut trace = self.shadow.as_ref().map(|_| Trace::new());
         let dev_logits = self
             .model
@@ -370,18 +403,6 @@ impl<B: Backend> Engine<B> {
             .model
             .row_stats(&self.backend, &dev_logits, pick, draws)
             .map_err(|e| self.berr(e))?;
-        // When the rows come to the host anyway, the draws use them (same tokens) and no
-        // candidates are selected.
-        if !need_host && self.shadow.is_none() {
-            let cands = if ks.iter().any(|&k| k > 0) {
-                self.model
-                    .top_k(&self.backend, &dev_logits, ks)
-                    .map_err(|e| self.berr(e))?
-            } else {
-                Vec::new()
-            };
-            return Ok((stats, None, cands));
-        }
         let logits = self
             .model
             .logits_to_host(&self.backend, &dev_logits)
@@ -627,36 +648,44 @@ impl RowTask {
         }
     }
 
-    /// How many top-k candidates the backend selects for this row (0: none): a token
-    /// sampled with a bounded top-k cut, whose row need not come to the host.
-    fn candidates(&self) -> usize {
+    /// How many candidates a sampled token's draw needs (0: none, or the whole row).
+    fn draw_candidates(&self) -> usize {
         match *self {
-            RowTask::Sample {
-                ref sampling,
-                n_top: 0,
-                ..
-            } => sampling::candidates_needed(sampling),
-            _ => 0,
+            RowTask::Sample { ref sampling, .. } => sampling::candidates_needed(sampling),
+            RowTask::Score { .. } => 0,
         }
     }
 
-    /// Whether the record needs the whole row on the host: top-N, or a token sampled
-    /// with a top-p cut over the whole vocabulary or a top-k beyond the backend's
-    /// selection (a sort over the vocabulary).
-    fn needs_row(&self) -> bool {
+    fn n_top(&self) -> usize {
         match *self {
-            RowTask::Score { n_top, .. } => n_top > 0,
-            RowTask::Sample {
-                ref sampling,
-                n_top,
-                ..
-            } => {
-                n_top > 0
-                    || (sampling.temperature != 0.0
-                        && !sampling.draws_on_device()
-                        && self.candidates() == 0)
-            }
+            RowTask::Score { n_top, .. } | RowTask::Sample { n_top, .. } => n_top,
         }
+    }
+
+    /// How many top candidates the backend selects for this row (0: none): the draw's
+    /// top-k and the record's top-N come from one selection (the first n of the k most
+    /// likely are the n most likely), so the row need not come to the host.
+    fn candidates(&self) -> usize {
+        if self.needs_row() {
+            0
+        } else {
+            self.draw_candidates().max(self.n_top())
+        }
+    }
+
+    /// Whether the record needs the whole row on the host: top-N beyond the backend's
+    /// selection, or a token sampled with a top-p cut over the whole vocabulary or a
+    /// top-k beyond the backend's selection (a sort over the vocabulary).
+    fn needs_row(&self) -> bool {
+        let whole_row_draw = match *self {
+            RowTask::Sample { ref sampling, .. } => {
+                sampling.temperature != 0.0
+                    && !sampling.draws_on_device()
+                    && self.draw_candidates() == 0
+            }
+            RowTask::Score { .. } => false,
+        };
+        whole_row_draw || self.n_top() > sampling::CANDIDATES_MAX
     }
 
     /// The record from the row's stats and, where `needs_row`, the row itself, or, where
@@ -677,12 +706,18 @@ impl RowTask {
                     let t = sampling::choose(row, sampling, key, position);
                     (t, row[t as usize], n_top)
                 }
-                // `choose` on the candidates (same token and value); the argmax below
-                // where there are none, as `choose` gives for an all-NaN row.
-                None if self.candidates() > 0 => {
-                    match cand
-                        .and_then(|c| sampling::choose_from_candidates(c, sampling, key, position))
-                    {
+                // `choose` on the draw's top-k candidates (same token and value); the
+                // argmax below where there are none, as `choose` gives for an all-NaN row.
+                None if self.draw_candidates() > 0 => {
+                    let k = self.draw_candidates();
+                    match cand.and_then(|c| {
+                        sampling::choose_from_candidates(
+                            &c[..c.len().min(k)],
+                            sampling,
+                            key,
+                            position,
+                        )
+                    }) {
                         Some((t, v)) => (t, v, n_top),
                         None => (stats.argmax, stats.max, n_top),
                     }
@@ -693,9 +728,10 @@ impl RowTask {
         Record {
             token,
             logprob: value - stats.lse,
-            top: match row {
-                Some(row) => sampling::top_n(row, stats.lse, n_top),
-                None => Vec::new(),
+            top: match (row, cand) {
+                (Some(row), _) => sampling::top_n(row, stats.lse, n_top),
+                (None, Some(c)) => sampling::top_n_of_candidates(c, stats.lse, n_top),
+                (None, None) => Vec::new(),
             },
             digest: stats.digest,
         }
@@ -863,6 +899,10 @@ impl<B: Backend> Runner for Engine<B> {
 
     fn timing(&self) -> GenTiming {
         self.timing
+    }
+
+    fn recorded_steps(&self) -> Option<(u64, u64)> {
+        self.backend.recorded_steps()
     }
 
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>> {

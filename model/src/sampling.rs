@@ -353,6 +353,19 @@ pub fn top_k_candidates(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
+/// [`top_n`] from the row's candidates (as [`top_k_candidates`] returns them, at least `n`
+/// of them or every non-NaN value): the same tokens and log-probabilities, since the
+/// first `n` of the `k` most likely are the `n` most likely.
+pub fn top_n_of_candidates(cand: &[(u32, f32)], lse: f32, n: usize) -> Vec<TokenLogprob> {
+    cand.iter()
+        .take(n)
+        .map(|&(token, v)| TokenLogprob {
+            token,
+            logprob: v - lse,
+        })
+        .collect()
+}
+
 /// `choose` for a top-k sampling given the row's `s.top_k` candidates (as
 /// [`top_k_candidates`] returns them) instead of the row: the same token and value.
 /// `None` when there are none (every value NaN); the caller then takes the argmax, as
@@ -438,6 +451,28 @@ mod tests {
                 sorted_desc(&row, row.len()),
                 sorted_desc_reference(&row, row.len())
             );
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn top_n_of_the_candidates_is_top_n_of_the_row(
+            picks in proptest::collection::vec(0usize..9, 0..300),
+            n in 0usize..40,
+            extra in 0usize..20,
+        ) {
+            const VALUES: [f32; 9] = [0.0, -0.0, 1.5, -1.5, 3.25, 7.0, f32::NEG_INFINITY, f32::NAN, 2.0];
+            let row: Vec<f32> = picks.iter().map(|&p| VALUES[p]).collect();
+            let lse = log_sum_exp(&row);
+            // The backend selects max(top-k, n) candidates: more than n must not matter.
+            let cand = top_k_candidates(&row, n + extra);
+            let got = top_n_of_candidates(&cand, lse, n);
+            let want = top_n(&row, lse, n);
+            proptest::prop_assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(&want) {
+                proptest::prop_assert_eq!(g.token, w.token);
+                proptest::prop_assert_eq!(g.logprob.to_bits(), w.logprob.to_bits());
+            }
         }
     }
 

@@ -48,6 +48,43 @@ pub struct Shape {
     pub rms_norm_eps: f64,
 }
 
+impl Shape {
+    /// The shape one rank of a TP=`tp` group computes: query heads, KV heads (one
+    /// replicated head when there are fewer than `tp`), the intermediate size and the
+    /// vocabulary (the head's padded block) divided by `tp`; hidden size, head_dim and
+    /// layers unchanged. A TP=1 run of it does a rank's GEMMs, attention and head without
+    /// the collectives: a rank's compute, measured on one GPU.
+    pub fn per_rank(&self, tp: usize) -> Result<Shape, String> {
+        if !arbor_kernels::tree::is_valid_world(tp) {
+            return Err(format!("TP {tp}: must be 1, 2, 4 or 8"));
+        }
+        if !self.heads.is_multiple_of(tp) || !self.intermediate.is_multiple_of(tp) {
+            return Err(format!(
+                "{} attention heads and intermediate size {} are not both divisible by TP {tp}",
+                self.heads, self.intermediate
+            ));
+        }
+        let kv_heads = if self.kv_heads >= tp {
+            if !self.kv_heads.is_multiple_of(tp) {
+                return Err(format!(
+                    "{} KV heads are not divisible by TP {tp}",
+                    self.kv_heads
+                ));
+            }
+            self.kv_heads / tp
+        } else {
+            1
+        };
+        Ok(Shape {
+            heads: self.heads / tp,
+            kv_heads,
+            intermediate: self.intermediate / tp,
+            vocab: self.vocab.div_ceil(tp),
+            ..*self
+        })
+    }
+}
+
 impl Preset {
     pub fn shape(self, arch: Arch) -> Shape {
         match (self, arch) {
@@ -573,4 +610,32 @@ fn tokenizer_json() -> serde_json::Value {
             "ignore_merges": false, "vocab": vocab, "merges": []
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ranks_shape_divides_heads_intermediate_and_vocab() {
+        let full = Preset::Llama3_8b.shape(Arch::Llama);
+        let r = full.per_rank(4).unwrap();
+        assert_eq!(
+            (r.hidden, r.layers, r.heads, r.kv_heads, r.head_dim),
+            (4096, 32, 8, 2, 128)
+        );
+        assert_eq!((r.intermediate, r.vocab), (3584, 32064));
+        assert_eq!(full.per_rank(1).unwrap(), full);
+        // Fewer KV heads than ranks: one replicated head, as the sharding does.
+        let tiny = Preset::Tiny.shape(Arch::Llama);
+        let mut few = tiny.clone();
+        few.kv_heads = 2;
+        few.heads = 8;
+        few.intermediate = 64;
+        assert_eq!(few.per_rank(8).unwrap().kv_heads, 1);
+        assert!(full.per_rank(3).unwrap_err().contains("TP 3"));
+        let mut odd = full.clone();
+        odd.heads = 6;
+        assert!(odd.per_rank(4).unwrap_err().contains("6 attention heads"));
+    }
 }

@@ -55,6 +55,7 @@ pub fn run(args: Args) -> Result<()> {
             &dir,
             true,
             make_model::HfConfigArg::V4,
+            None,
         )?;
     }
     check::run(check::Args {

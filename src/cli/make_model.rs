@@ -47,6 +47,11 @@ pub struct Args {
     /// torch_dtype) or 5 (rope_parameters, dtype); arbor reads both to the same bits.
     #[arg(long, value_enum, default_value_t = HfConfigArg::V4)]
     pub hf_config: HfConfigArg,
+    /// Write the shape one rank of a TP=N group computes instead (query and KV heads,
+    /// intermediate size and vocabulary divided by N): `bench decode` of it on one GPU
+    /// measures a rank's compute at TP=N, collectives aside.
+    #[arg(long, value_name = "N")]
+    pub per_rank_of_tp: Option<usize>,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +87,7 @@ pub fn make(
     out: &Path,
     force: bool,
     hf_config: HfConfigArg,
+    per_rank_of_tp: Option<usize>,
 ) -> Result<()> {
     check_out_dir(out, force)?;
     let arch = match arch {
@@ -108,11 +114,21 @@ pub fn make(
             );
         }
     };
+    let shape = match per_rank_of_tp {
+        Some(tp) => Some(
+            preset
+                .shape(arch)
+                .per_rank(tp)
+                .map_err(|e| anyhow::anyhow!("--per-rank-of-tp {tp}: {e}"))?,
+        ),
+        None => None,
+    };
     let opts = SynthOptions {
         config_format: match hf_config {
             HfConfigArg::V4 => ConfigFormat::Transformers4,
             HfConfigArg::V5 => ConfigFormat::Transformers5,
         },
+        shape,
         ..SynthOptions::new(arch, preset, seed, out)
     };
     make_model_with_progress(&opts, &mut report)
@@ -138,6 +154,7 @@ pub fn run(args: Args) -> Result<()> {
         &args.out,
         args.force,
         args.hf_config,
+        args.per_rank_of_tp,
     )?;
     eprintln!("wrote {}", args.out.display());
     Ok(())

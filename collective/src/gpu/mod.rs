@@ -174,6 +174,9 @@ pub struct GpuCollective {
     kernels: Kernels,
     ipc: Option<IpcBuffers>,
     scratch: Mutex<Option<DeviceBuf>>,
+    /// Scratch buffers outgrown by a later call: a recorded graph may still point at one,
+    /// so they live as long as the collective.
+    retired: Mutex<Vec<DeviceBuf>>,
     registered: Mutex<Vec<UserBuf>>,
     opts: GpuOptions,
     rank: usize,
@@ -238,6 +241,7 @@ impl GpuCollective {
             kernels,
             ipc,
             scratch: Mutex::new(None),
+            retired: Mutex::new(Vec::new()),
             registered: Mutex::new(Vec::new()),
             opts,
             rank,
@@ -340,18 +344,21 @@ impl GpuCollective {
     }
 
     /// Grows the all-gather scratch to hold `bytes_per_rank` from every rank. Call before
-    /// capturing a graph: growing synchronises the stream, which a capture forbids.
+    /// capturing a graph: growing allocates with `cuMemAlloc`, which only a relaxed
+    /// capture allows. The outgrown buffer is kept (a recorded graph may point at it).
     pub fn reserve(&self, bytes_per_rank: usize) -> Result<(), GpuError> {
         let need = bytes_per_rank * self.world;
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if guard.as_ref().is_some_and(|b| b.bytes() >= need) {
             return Ok(());
         }
-        self.stream
-            .synchronize()
-            .map_err(|e| self.cuda("synchronising before growing scratch", e))?;
-        *guard = None;
-        *guard = Some(DeviceBuf::alloc(need, self.rank)?);
+        let grown = DeviceBuf::alloc(need, self.rank)?;
+        if let Some(old) = guard.replace(grown) {
+            self.retired
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(old);
+        }
         Ok(())
     }
 

@@ -2,15 +2,22 @@
 //! linear layers of `--numerics fast`. cuBLAS picks its kernel (and split-K) by shape, so
 //! a row's bits depend on the batch: exactly what the invariant path avoids.
 
+use std::sync::Arc;
+
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::gemm::OutDtype;
+
+/// cuBLAS's workspace: given to it up front, so that it allocates nothing while a step
+/// is captured into a CUDA graph (cuBLAS's graph-capture guidance).
+const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// A cuBLAS handle bound to one stream.
 pub struct Blas {
     handle: blas_sys::cublasHandle_t,
+    _workspace: CudaSlice<u8>,
 }
 
 // SAFETY: the handle is used from one thread at a time (the owner's `&self` calls are
@@ -19,13 +26,34 @@ unsafe impl Send for Blas {}
 unsafe impl Sync for Blas {}
 
 impl Blas {
-    /// A handle whose work is queued on `stream`.
-    pub fn new(stream: &CudaStream) -> Result<Self, String> {
+    /// A handle whose work is queued on `stream`, with a workspace of its own.
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self, String> {
         let handle = blas::create_handle().map_err(|e| format!("cublasCreate: {e:?}"))?;
+        // Owned by the struct from here, so a failure below destroys the handle.
+        // SAFETY: cuBLAS uses the workspace as scratch; its contents do not matter.
+        let workspace = match unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) } {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { blas::destroy_handle(handle) };
+                return Err(format!("allocating cuBLAS's workspace: {e:?}"));
+            }
+        };
+        let b = Self {
+            handle,
+            _workspace: workspace,
+        };
         // SAFETY: a fresh handle and a live stream.
         unsafe { blas::set_stream(handle, stream.cu_stream() as blas_sys::cudaStream_t) }
             .map_err(|e| format!("cublasSetStream: {e:?}"))?;
-        Ok(Self { handle })
+        let ptr = b._workspace.device_ptr(stream).0;
+        // SAFETY: the workspace lives as long as the handle (both owned by `b`).
+        let status =
+            unsafe { blas_sys::cublasSetWorkspace_v2(handle, ptr as *mut _, WORKSPACE_BYTES) };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(format!("cublasSetWorkspace: {status:?}"));
+        }
+        Ok(b)
     }
 
     /// Row-major `Y[m,n] = X[m,k]·W[n,k]ᵀ` with bf16 X and W, f32 accumulation.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::Ptx;
 
+use super::buf::Workspace;
 use super::{arch_for, compile_ptx, probe, source, CudaError};
 
 /// A device with arbor's kernels loaded. All work goes to one stream, so the order of
@@ -17,6 +18,8 @@ pub struct GpuDevice {
     pub arch: String,
     /// Launch the ops kernels with programmatic dependent launch (launch.rs).
     pub pdl: bool,
+    /// Lends the buffers of a recorded step (buf.rs).
+    pub workspace: Workspace,
     funcs: HashMap<&'static str, CudaFunction>,
 }
 
@@ -77,6 +80,7 @@ impl GpuDevice {
         tracing::info!(ordinal, arch = %arch, pdl, "CUDA device ready");
         Ok(Self {
             ordinal,
+            workspace: Workspace::new(ctx.clone()),
             ctx,
             stream,
             arch,

@@ -327,7 +327,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                 .unwrap_or_else(|e| panic!("{e}"));
             let bp = got_b.device_ptr_mut(&stream).0;
             run(Epilogue::SiluMulPairs { bf16: bp }, &mut got);
-            let host = |b: &CudaSlice<f32>| {
+            let host = |b: &crate::cuda::DevF32| {
                 dev.download_f32(b)
                     .unwrap_or_else(|e| panic!("{what}: {e}"))
             };
@@ -337,7 +337,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                 "{what}: roots left unwritten"
             );
             same_bits(&host(&got), &want_h, &what);
-            let bits = |b: &CudaSlice<u16>| -> Vec<f32> {
+            let bits = |b: &crate::cuda::DevBf16| -> Vec<f32> {
                 dev.download_bf16(b)
                     .unwrap_or_else(|e| panic!("{what}: {e}"))
                     .iter()

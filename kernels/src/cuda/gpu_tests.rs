@@ -820,3 +820,98 @@ fn top_k_select_is_the_sorted_order_with_ties_and_nan() {
     );
     assert!(dev.top_k_select(&x, 3, cols, vocab, &[1025, 1, 1]).is_err());
 }
+
+/// Inside a step scope the device lends its buffers from the workspace: a block given
+/// back is the next one of its class, and a graph captured over lent buffers replays on
+/// new inputs written into the same addresses (a recorded step's mechanism, buf.rs).
+#[test]
+fn lent_buffers_are_reused_and_a_captured_graph_replays_on_them() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let Some(dev) = device() else { return };
+    let owned = dev.empty_f32(1000).unwrap();
+    assert!(!owned.is_lent(), "no scope: a buffer of its own");
+    let (rows, cols) = (3, 700);
+    let mut rng = Rng(77);
+    let w: Vec<f32> = rng.vec(cols, 1.0);
+    let weight = dev.upload_f32(&w).unwrap();
+    let input = dev.upload_f32(&vec![0.0; rows * cols]).unwrap();
+    let out = dev.upload_f32(&vec![f32::NAN; rows * cols]).unwrap();
+    let (inp, outp) = (
+        super::ops::dev_ptr(&input, &dev.stream),
+        super::ops::dev_ptr(&out, &dev.stream),
+    );
+    let scope = dev.workspace.scope();
+    let a = dev.empty_f32(rows * cols).unwrap();
+    assert!(a.is_lent());
+    let a_ptr = super::ops::dev_ptr(&a, &dev.stream);
+    drop(a);
+    let b = dev.empty_f32(rows * cols).unwrap();
+    assert_eq!(
+        super::ops::dev_ptr(&b, &dev.stream),
+        a_ptr,
+        "the block given back comes first"
+    );
+    drop(b);
+    // Capture: copy the input into a lent buffer, RMSNorm it (lent output), copy out.
+    dev.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    let run = || -> Result<(), super::CudaError> {
+        let mut x = dev.empty_f32(rows * cols)?;
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                super::ops::dev_ptr(&x, &dev.stream),
+                inp,
+                4 * rows * cols,
+                dev.stream.cu_stream(),
+            )
+        }
+        .unwrap();
+        dev.add_assign(&mut x, &input)?;
+        let y = dev.rms_norm(&x, rows, cols, &weight, 1e-5, None)?;
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                outp,
+                super::ops::dev_ptr(&y, &dev.stream),
+                4 * rows * cols,
+                dev.stream.cu_stream(),
+            )
+        }
+        .unwrap();
+        Ok(())
+    };
+    run().unwrap();
+    let graph = dev
+        .stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    drop(scope);
+    let (used, lent) = dev.workspace.usage();
+    assert!(
+        used > 0 && lent == 0,
+        "every lent block came back ({used}, {lent})"
+    );
+    for seed in [1u64, 2, 3] {
+        let x = Rng(seed).vec(rows * cols, 3.0);
+        unsafe { dev.write_raw(inp, &x) }.unwrap();
+        graph.launch().unwrap();
+        let got = dev.download_f32(&out).unwrap();
+        // The same ops, eagerly, on x + x.
+        let x2: Vec<f32> = x.iter().map(|v| v + v).collect();
+        let want = dev
+            .download_f32(
+                &dev.rms_norm(
+                    &dev.upload_f32(&x2).unwrap(),
+                    rows,
+                    cols,
+                    &weight,
+                    1e-5,
+                    None,
+                )
+                .unwrap(),
+            )
+            .unwrap();
+        assert_eq!(bits(&got), bits(&want), "replay with seed {seed}");
+    }
+}

@@ -63,6 +63,12 @@ impl<T> KernelArg for CudaSlice<T> {
     }
 }
 
+impl<T> KernelArg for super::buf::DevBuf<T> {
+    fn bits(&self, stream: &CudaStream) -> u64 {
+        (**self).bits(stream)
+    }
+}
+
 impl<T> KernelArg for CudaView<'_, T> {
     fn bits(&self, stream: &CudaStream) -> u64 {
         let (ptr, _sync) = self.device_ptr(stream);

@@ -10,6 +10,7 @@
 //! cudarc loads libcuda/libnvrtc at run time and panics when one is missing; [`probe`]
 //! checks first, so a machine without a GPU gets an error that says so.
 
+pub mod buf;
 pub mod compile;
 pub mod cublas;
 pub mod device;
@@ -21,6 +22,7 @@ pub mod ops;
 pub mod probe;
 pub mod source;
 
+pub use buf::{DevBuf, Workspace, WorkspaceScope};
 pub use compile::{arch_for, compile_ptx};
 pub use device::GpuDevice;
 pub use error::CudaError;

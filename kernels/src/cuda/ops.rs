@@ -1,19 +1,20 @@
 //! Typed launch wrappers: shapes are checked here, on the host, before any launch, so a
 //! kernel never reads or writes out of bounds because of a caller's mistake.
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaView, DeviceRepr, LaunchConfig};
 
+use super::buf::DevBuf;
 use super::launch::Launch;
 
 use super::{CudaError, GpuDevice};
 use crate::cpu::{GumbelDraw, RowStats};
 
 /// f32 device buffer (activations).
-pub type DevF32 = CudaSlice<f32>;
+pub type DevF32 = DevBuf<f32>;
 /// bf16 device buffer, stored as raw bits (weights, KV cache).
-pub type DevBf16 = CudaSlice<u16>;
+pub type DevBf16 = DevBuf<u16>;
 /// u32 device buffer (token ids, row indices, positions).
-pub type DevU32 = CudaSlice<u32>;
+pub type DevU32 = DevBuf<u32>;
 
 /// Shape of a KV cache buffer: `[layers, slots, max_len, width]`, width = kv heads × head_dim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,28 +36,86 @@ impl KvLayout {
 
 /// Where each row of a ragged batch goes: its KV slot and position, on the device.
 ///
-/// Built once per step (one upload) and read by RoPE, the KV write and attention of every
-/// layer; the bounds are checked on the host when it is built.
+/// Uploaded once per step (with the step's other inputs) and read by RoPE, the KV write
+/// and attention of every layer; the bounds are checked on the host when it is built, and
+/// every limit an op checks it against is remembered ([`RowMeta::limits`]), so that a
+/// recorded step replayed with new positions can be checked against the same limits.
 pub struct RowMeta {
-    /// `[slot; rows]` then `[pos; rows]`.
-    buf: DevU32,
+    /// Device addresses of `[slot; rows]` and `[pos; rows]` (u32).
+    slots: u64,
+    positions: u64,
+    /// The buffer behind them when this meta owns it (`GpuDevice::row_meta`).
+    _owned: Option<DevU32>,
     rows: usize,
     /// One past the largest slot and position (0 when there are no rows).
     slot_end: usize,
     pos_end: usize,
+    /// Launch shapes must not depend on the positions: the step is being recorded and
+    /// will be replayed at other positions (attention then always runs ATTN_WARPS warps).
+    fixed_shape: bool,
+    /// The smallest (slot, position) limits the ops checked this meta against.
+    limits: std::cell::Cell<(usize, usize)>,
 }
 
 impl RowMeta {
+    /// A row map over device memory that the caller keeps alive while the meta and the
+    /// kernels queued with it are in use. `slot_end` / `pos_end`: one past the largest
+    /// slot and position of the rows.
+    ///
+    /// # Safety
+    /// `slots` and `positions` are device addresses of `rows` u32 each on the device the
+    /// meta is used with, holding the slots and positions the two ends describe.
+    pub unsafe fn from_device(
+        slots: u64,
+        positions: u64,
+        rows: usize,
+        slot_end: usize,
+        pos_end: usize,
+        fixed_shape: bool,
+    ) -> Self {
+        RowMeta {
+            slots,
+            positions,
+            _owned: None,
+            rows,
+            slot_end,
+            pos_end,
+            fixed_shape,
+            limits: std::cell::Cell::new((usize::MAX, usize::MAX)),
+        }
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }
 
-    fn slots(&self) -> CudaView<'_, u32> {
-        self.buf.slice(0..self.rows)
+    /// The tightest (slots, positions) limits that the ops run with this meta checked it
+    /// against: a replay of their recording is valid for rows whose slots and positions
+    /// stay below them.
+    pub fn limits(&self) -> (usize, usize) {
+        self.limits.get()
     }
 
-    fn positions(&self) -> CudaView<'_, u32> {
-        self.buf.slice(self.rows..2 * self.rows)
+    fn limit_slots(&self, kernel: &'static str, slots: usize) -> Result<(), CudaError> {
+        let (s, p) = self.limits.get();
+        self.limits.set((s.min(slots), p));
+        check(kernel, self.slot_end <= slots, || {
+            format!(
+                "slot {} of a cache with {slots} slots",
+                self.slot_end.saturating_sub(1)
+            )
+        })
+    }
+
+    fn limit_positions(&self, kernel: &'static str, what: &str, n: usize) -> Result<(), CudaError> {
+        let (s, p) = self.limits.get();
+        self.limits.set((s, p.min(n)));
+        check(kernel, self.pos_end <= n, || {
+            format!(
+                "position {} beyond {what} ({n} positions)",
+                self.pos_end.saturating_sub(1)
+            )
+        })
     }
 
     fn check_cache(
@@ -68,20 +127,8 @@ impl RowMeta {
         check(kernel, layer < layout.layers, || {
             format!("layer {layer} of a cache with {} layers", layout.layers)
         })?;
-        check(kernel, self.slot_end <= layout.slots, || {
-            format!(
-                "slot {} of a cache with {} slots",
-                self.slot_end - 1,
-                layout.slots
-            )
-        })?;
-        check(kernel, self.pos_end <= layout.max_len, || {
-            format!(
-                "position {} beyond the cache length {}",
-                self.pos_end - 1,
-                layout.max_len
-            )
-        })
+        self.limit_slots(kernel, layout.slots)?;
+        self.limit_positions(kernel, "the cache length", layout.max_len)
     }
 }
 
@@ -108,6 +155,75 @@ const ATTN_WARPS: usize = 8;
 const ATTN_CHUNK: usize = 32;
 const ATTN_GROUP: usize = 4;
 const ATTN_MAX_HEAD_DIM: usize = 256;
+
+/// f32 and u64 results per row of the row-stats kernel (rowstats.cu): argmax, digest
+/// and draw as u64; max, log-sum-exp, the picked value and the drawn value as f32.
+pub const ROW_STATS_F32: usize = 4;
+pub const ROW_STATS_U64: usize = 3;
+
+/// The row-stats kernel's parameters, 3 u64 per row: the pick, the draw's key, and
+/// `1 << 32 | inv_t` bits when the row draws (0 otherwise).
+pub fn row_stats_params(pick: &[u32], draws: &[Option<GumbelDraw>]) -> Vec<u64> {
+    pick.iter()
+        .zip(draws)
+        .flat_map(|(&p, d)| match d {
+            Some(d) => [p as u64, d.key, 1 << 32 | d.inv_t.to_bits() as u64],
+            None => [p as u64, 0, 0],
+        })
+        .collect()
+}
+
+/// The rows of the row-stats kernel's results.
+pub fn decode_row_stats(f: &[f32], u: &[u64]) -> Vec<RowStats> {
+    f.chunks_exact(ROW_STATS_F32)
+        .zip(u.chunks_exact(ROW_STATS_U64))
+        .map(|(f, u)| RowStats {
+            argmax: u[0] as u32,
+            max: f[0],
+            lse: f[1],
+            picked: f[2],
+            digest: u[1],
+            sampled: u[2] as u32,
+            sampled_value: f[3],
+        })
+        .collect()
+}
+
+/// The candidates of the top-k kernel's results: row r's first `cnt[r]` (index, value)
+/// pairs of its `kmax`-entry rows.
+pub fn decode_top_k(cnt: &[u32], idx: &[u32], val: &[f32], kmax: usize) -> Vec<Vec<(u32, f32)>> {
+    cnt.iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            let m = (n as usize).min(kmax);
+            (0..m)
+                .map(|j| (idx[r * kmax + j], val[r * kmax + j]))
+                .collect()
+        })
+        .collect()
+}
+
+/// One past the largest value (0 for none): the bound a row map's slots or positions
+/// are checked with.
+pub fn end_of(v: &[u32]) -> usize {
+    v.iter().map(|&x| x as usize + 1).max().unwrap_or(0)
+}
+
+/// The device address of `buf`'s first element.
+pub fn dev_ptr<T>(buf: &DevBuf<T>, stream: &cudarc::driver::CudaStream) -> u64 {
+    use cudarc::driver::DevicePtr;
+    buf.device_ptr(stream).0
+}
+
+/// The vocabulary of an embedding table of rows of `cols`.
+fn embedding_vocab(table: &DevBf16, cols: usize) -> Result<usize, CudaError> {
+    check(
+        "embedding_kernel",
+        cols > 0 && table.len().is_multiple_of(cols),
+        || format!("table has {} values, not rows of {cols}", table.len()),
+    )?;
+    Ok(table.len() / cols)
+}
 
 fn i32_of(kernel: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Launch {
@@ -204,74 +320,127 @@ impl GpuDevice {
         self.drv(&format!("launching {kernel}"), r).map(|_| ())
     }
 
-    pub fn upload_f32(&self, data: &[f32]) -> Result<DevF32, CudaError> {
+    /// A copy of host data in a buffer of its own (never lent: uploads hold weights,
+    /// tables and the inputs of steps, which outlive a step).
+    pub fn upload<T: DeviceRepr>(&self, what: &str, data: &[T]) -> Result<DevBuf<T>, CudaError> {
         if data.is_empty() {
-            return self.zeros_f32(0);
+            // SAFETY: no elements to leave undefined.
+            return self
+                .drv(what, unsafe { self.stream.alloc::<T>(0) })
+                .map(DevBuf::owned);
         }
-        self.drv("uploading f32 data", self.stream.clone_htod(data))
+        self.drv(what, self.stream.clone_htod(data))
+            .map(DevBuf::owned)
+    }
+
+    pub fn upload_f32(&self, data: &[f32]) -> Result<DevF32, CudaError> {
+        self.upload("uploading f32 data", data)
     }
 
     pub fn upload_bf16(&self, data: &[half::bf16]) -> Result<DevBf16, CudaError> {
-        if data.is_empty() {
-            return self.drv("allocating", self.stream.alloc_zeros::<u16>(0));
-        }
-        let bits: &[u16] = bytemuck::cast_slice(data);
-        self.drv("uploading bf16 data", self.stream.clone_htod(bits))
+        self.upload("uploading bf16 data", bytemuck::cast_slice::<_, u16>(data))
     }
 
     pub fn upload_u32(&self, data: &[u32]) -> Result<DevU32, CudaError> {
+        self.upload("uploading u32 data", data)
+    }
+
+    /// Overwrites the device memory at `dst` with `data` (stream-ordered).
+    ///
+    /// # Safety
+    /// `dst` is device memory of this device with room for `data`.
+    pub unsafe fn write_raw<T: DeviceRepr>(&self, dst: u64, data: &[T]) -> Result<(), CudaError> {
         if data.is_empty() {
-            return self.drv("allocating", self.stream.alloc_zeros::<u32>(0));
+            return Ok(());
         }
-        self.drv("uploading u32 data", self.stream.clone_htod(data))
+        self.drv("binding the context", self.ctx.bind_to_thread())?;
+        self.drv("uploading", unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream())
+        })
+    }
+
+    /// The first `len` values of `buf` on the host. A copy into pageable memory returns
+    /// once it has completed, so this waits for the stream's earlier work.
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        what: &str,
+        buf: &DevBuf<T>,
+        len: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        check("download", len <= buf.len(), || {
+            format!("{len} values from a buffer of {}", buf.len())
+        })?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let mut out = vec![T::default(); len];
+        self.drv(what, self.stream.memcpy_dtoh(&buf.slice(0..len), &mut out))?;
+        Ok(out)
     }
 
     pub fn download_f32(&self, buf: &DevF32) -> Result<Vec<f32>, CudaError> {
-        if buf.is_empty() {
-            return Ok(Vec::new());
-        }
-        self.drv("downloading f32 data", self.stream.clone_dtoh(buf))
+        self.download("downloading f32 data", buf, buf.len())
     }
 
     pub fn download_bf16(&self, buf: &DevBf16) -> Result<Vec<half::bf16>, CudaError> {
-        if buf.is_empty() {
-            return Ok(Vec::new());
-        }
-        let bits = self.drv("downloading bf16 data", self.stream.clone_dtoh(buf))?;
+        let bits = self.download("downloading bf16 data", buf, buf.len())?;
         Ok(bits.into_iter().map(half::bf16::from_bits).collect())
+    }
+
+    /// A buffer of `len` values with undefined contents: lent by the workspace while a
+    /// step scope is open (buf.rs), else a stream-ordered allocation of its own.
+    pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<DevBuf<T>, CudaError> {
+        if let Some(b) = self.drv(
+            "lending from the step workspace",
+            self.workspace.lend::<T>(&self.stream, len),
+        )? {
+            return Ok(b);
+        }
+        // SAFETY: callers write every element before anything reads it (or zero it).
+        self.drv("allocating", unsafe { self.stream.alloc::<T>(len) })
+            .map(DevBuf::owned)
+    }
+
+    /// `alloc`, zeroed (stream-ordered).
+    pub fn alloc_zeroed<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<DevBuf<T>, CudaError> {
+        let mut b = self.alloc::<T>(len)?;
+        if len > 0 {
+            self.drv("zeroing", self.stream.memset_zeros(&mut *b))?;
+        }
+        Ok(b)
     }
 
     /// An f32 buffer with undefined contents, for an output that a kernel writes in full:
     /// saves the memset a zeroed buffer costs on every op.
     pub fn empty_f32(&self, len: usize) -> Result<DevF32, CudaError> {
-        // SAFETY: f32 has no invalid bit patterns; callers overwrite every element before
-        // anything reads it.
-        self.drv("allocating f32 buffer", unsafe {
-            self.stream.alloc::<f32>(len)
-        })
+        self.alloc(len)
     }
 
     pub fn zeros_f32(&self, len: usize) -> Result<DevF32, CudaError> {
-        self.drv("allocating f32 buffer", self.stream.alloc_zeros::<f32>(len))
+        self.alloc_zeroed(len)
     }
 
     /// A bf16 buffer with undefined contents (see `empty_f32`).
     pub fn empty_bf16(&self, len: usize) -> Result<DevBf16, CudaError> {
-        // SAFETY: as in `empty_f32`: raw bits, overwritten in full before they are read.
-        self.drv("allocating bf16 buffer", unsafe {
-            self.stream.alloc::<u16>(len)
-        })
+        self.alloc(len)
     }
 
     pub fn zeros_bf16(&self, len: usize) -> Result<DevBf16, CudaError> {
-        self.drv(
-            "allocating bf16 buffer",
-            self.stream.alloc_zeros::<u16>(len),
-        )
+        self.alloc_zeroed(len)
     }
 
     pub fn copy_f32(&self, src: &DevF32) -> Result<DevF32, CudaError> {
-        self.drv("copying f32 buffer", self.stream.clone_dtod(src))
+        let mut out = self.empty_f32(src.len())?;
+        if !src.is_empty() {
+            self.drv(
+                "copying f32 buffer",
+                self.stream.memcpy_dtod(&**src, &mut *out),
+            )?;
+        }
+        Ok(out)
     }
 
     /// out `[m, n]` = bf16(x) `[m, k]` · wᵀ (`w`: `[n, k]` bf16), reduced over the local K
@@ -311,10 +480,8 @@ impl GpuDevice {
             i32_of(K, "seg_len", seg_len)?,
         );
         let vec = i32::from(k.is_multiple_of(8) && seg_len.is_multiple_of(8));
-        // SAFETY: u16 bits; f32_to_bf16 writes all m·k values.
-        let mut xb = self.drv("allocating bf16 buffer", unsafe {
-            self.stream.alloc::<u16>(m * k)
-        })?;
+        // f32_to_bf16 writes all m·k values.
+        let mut xb = self.empty_bf16(m * k)?;
         {
             let count = (m * k) as i64;
             let f = self.func("f32_to_bf16_kernel")?;
@@ -513,42 +680,74 @@ impl GpuDevice {
         pick: &[u32],
         draws: &[Option<GumbelDraw>],
     ) -> Result<Vec<RowStats>, CudaError> {
-        const K: &str = "row_stats_kernel";
         check(
-            K,
-            x.len() == rows * cols && vocab <= cols && pick.len() == rows && draws.len() == rows,
+            "row_stats_kernel",
+            pick.len() == rows && draws.len() == rows,
             || {
                 format!(
-                    "{} values as [{rows}, {cols}] with vocab {vocab}, {} picks and {} draws",
-                    x.len(),
+                    "{} picks and {} draws for {rows} rows",
                     pick.len(),
                     draws.len()
                 )
             },
         )?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let params = self.upload("uploading row params", &row_stats_params(pick, draws))?;
+        let of = self.alloc::<f32>(rows * ROW_STATS_F32)?;
+        let ou = self.alloc::<u64>(rows * ROW_STATS_U64)?;
+        let s = &self.stream;
+        // SAFETY: the three buffers hold `rows` rows of parameters and results.
+        unsafe {
+            self.row_stats_raw(
+                x,
+                rows,
+                cols,
+                vocab,
+                dev_ptr(&params, s),
+                dev_ptr(&of, s),
+                dev_ptr(&ou, s),
+            )
+        }?;
+        let f = self.download("downloading row stats", &of, of.len())?;
+        let u = self.download("downloading row stats", &ou, ou.len())?;
+        Ok(decode_row_stats(&f, &u))
+    }
+
+    /// `row_stats` with its parameters and results in device memory: `params` holds
+    /// [`row_stats_params`] (3 u64 per row); the kernel writes [`ROW_STATS_F32`] f32 per
+    /// row at `out_f` and [`ROW_STATS_U64`] u64 per row at `out_u` ([`decode_row_stats`]).
+    ///
+    /// # Safety
+    /// The three addresses are device memory of this device holding `rows` rows each,
+    /// 8-byte aligned, valid until the kernel has run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn row_stats_raw(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        params: u64,
+        out_f: u64,
+        out_u: u64,
+    ) -> Result<(), CudaError> {
+        const K: &str = "row_stats_kernel";
+        check(K, x.len() == rows * cols && vocab <= cols, || {
+            format!("{} values as [{rows}, {cols}] with vocab {vocab}", x.len())
+        })?;
+        check(K, [params, out_f, out_u].iter().all(|p| p % 8 == 0), || {
+            "parameter and result buffers must be 8-byte aligned".into()
+        })?;
         let n_chunks = vocab.div_ceil(RS_CHUNK);
         let n_digests = n_chunks + n_chunks.div_ceil(RS_GROUP);
         check(K, n_digests <= RS_MAX_DIGESTS, || {
             format!("vocab {vocab} needs {n_digests} chunk and group digests, more than {RS_MAX_DIGESTS}")
         })?;
         if rows == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
-        // Per row: the pick, the draw's key, and its flag and inverse temperature.
-        let params: Vec<u64> = pick
-            .iter()
-            .zip(draws)
-            .flat_map(|(&p, d)| match d {
-                Some(d) => [p as u64, d.key, 1 << 32 | d.inv_t.to_bits() as u64],
-                None => [p as u64, 0, 0],
-            })
-            .collect();
-        let dparams = self.drv("uploading row params", self.stream.clone_htod(&params))?;
-        let mut of = self.empty_f32(rows * 4)?;
-        // SAFETY: u64 has no invalid bit patterns; the kernel writes every element.
-        let mut ou = self.drv("allocating u64 buffer", unsafe {
-            self.stream.alloc::<u64>(rows * 3)
-        })?;
         let (ci, vi) = (i32_of(K, "cols", cols)?, i32_of(K, "vocab", vocab)?);
         let cfg = LaunchConfig {
             grid_dim: (i32_of(K, "rows", rows)? as u32, 1, 1),
@@ -559,23 +758,10 @@ impl GpuDevice {
         b.arg(x)
             .arg(&ci)
             .arg(&vi)
-            .arg(&dparams)
-            .out(&mut of)
-            .out(&mut ou);
-        self.launched(K, unsafe { b.launch(cfg) })?;
-        let f = self.drv("downloading row stats", self.stream.clone_dtoh(&of))?;
-        let u = self.drv("downloading row stats", self.stream.clone_dtoh(&ou))?;
-        Ok((0..rows)
-            .map(|r| RowStats {
-                argmax: u[3 * r] as u32,
-                max: f[4 * r],
-                lse: f[4 * r + 1],
-                picked: f[4 * r + 2],
-                digest: u[3 * r + 1],
-                sampled: u[3 * r + 2] as u32,
-                sampled_value: f[4 * r + 3],
-            })
-            .collect())
+            .arg(&params)
+            .arg(&out_f)
+            .arg(&out_u);
+        self.launched(K, unsafe { b.launch(cfg) })
     }
 
     /// The `ks[r]` largest of the first `vocab` values of each row of `x` (`[rows, cols]`),
@@ -591,17 +777,9 @@ impl GpuDevice {
         ks: &[usize],
     ) -> Result<Vec<Vec<(u32, f32)>>, CudaError> {
         const K: &str = "top_k_select_kernel";
-        check(
-            K,
-            x.len() == rows * cols && vocab <= cols && ks.len() == rows,
-            || {
-                format!(
-                    "{} values as [{rows}, {cols}] with vocab {vocab} and {} k's",
-                    x.len(),
-                    ks.len()
-                )
-            },
-        )?;
+        check(K, ks.len() == rows, || {
+            format!("{} k's for {rows} rows", ks.len())
+        })?;
         if let Some(k) = ks.iter().find(|&&k| k > TOP_K_MAX) {
             return Err(CudaError::Launch {
                 kernel: K,
@@ -614,15 +792,57 @@ impl GpuDevice {
         }
         let k32: Vec<u32> = ks.iter().map(|&k| k as u32).collect();
         let dks = self.upload_u32(&k32)?;
-        // SAFETY: plain data; the kernel writes the first out_n[r] entries of each row,
-        // and only those are read back.
-        let mut idx = self.drv("allocating top-k indices", unsafe {
-            self.stream.alloc::<u32>(rows * kmax)
+        // The kernel writes the first out_n[r] entries of each row; only those are read.
+        let idx = self.alloc::<u32>(rows * kmax)?;
+        let val = self.alloc::<f32>(rows * kmax)?;
+        let cnt = self.alloc::<u32>(rows)?;
+        let s = &self.stream;
+        // SAFETY: each buffer holds `rows` rows of `kmax` (or 1) entries; every k ≤ kmax.
+        unsafe {
+            self.top_k_raw(
+                x,
+                rows,
+                cols,
+                vocab,
+                dev_ptr(&dks, s),
+                kmax,
+                [dev_ptr(&idx, s), dev_ptr(&val, s), dev_ptr(&cnt, s)],
+            )
+        }?;
+        let n = self.download("downloading top-k counts", &cnt, rows)?;
+        let i = self.download("downloading top-k indices", &idx, idx.len())?;
+        let v = self.download("downloading top-k values", &val, val.len())?;
+        Ok(decode_top_k(&n, &i, &v, kmax))
+    }
+
+    /// `top_k_select` with the k's (u32 per row) and the results in device memory:
+    /// `out` = [indices (u32, `kmax` per row), values (f32, `kmax` per row), counts (u32
+    /// per row)] ([`decode_top_k`]).
+    ///
+    /// # Safety
+    /// The addresses are device memory of this device of those sizes, valid until the
+    /// kernel has run, and every k is at most `kmax`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn top_k_raw(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        ks: u64,
+        kmax: usize,
+        out: [u64; 3],
+    ) -> Result<(), CudaError> {
+        const K: &str = "top_k_select_kernel";
+        check(K, x.len() == rows * cols && vocab <= cols, || {
+            format!("{} values as [{rows}, {cols}] with vocab {vocab}", x.len())
         })?;
-        let mut val = self.empty_f32(rows * kmax)?;
-        let mut cnt = self.drv("allocating top-k counts", unsafe {
-            self.stream.alloc::<u32>(rows)
+        check(K, kmax <= TOP_K_MAX, || {
+            format!("top-k {kmax} is more than the kernel's {TOP_K_MAX}")
         })?;
+        if rows == 0 || kmax == 0 {
+            return Ok(());
+        }
         let (ci, vi, ki) = (
             i32_of(K, "cols", cols)?,
             i32_of(K, "vocab", vocab)?,
@@ -633,25 +853,17 @@ impl GpuDevice {
             block_dim: (SEL_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
+        let [idx, val, cnt] = out;
         let mut b = self.launch(self.func(K)?);
         b.arg(x)
             .arg(&ci)
             .arg(&vi)
-            .arg(&dks)
+            .arg(&ks)
             .arg(&ki)
-            .out(&mut idx)
-            .out(&mut val)
-            .out(&mut cnt);
-        self.launched(K, unsafe { b.launch(cfg) })?;
-        let n = self.drv("downloading top-k counts", self.stream.clone_dtoh(&cnt))?;
-        let i = self.drv("downloading top-k indices", self.stream.clone_dtoh(&idx))?;
-        let v = self.drv("downloading top-k values", self.stream.clone_dtoh(&val))?;
-        Ok((0..rows)
-            .map(|r| {
-                let m = (n[r] as usize).min(kmax);
-                (0..m).map(|j| (i[r * kmax + j], v[r * kmax + j])).collect()
-            })
-            .collect())
+            .arg(&idx)
+            .arg(&val)
+            .arg(&cnt);
+        self.launched(K, unsafe { b.launch(cfg) })
     }
 
     /// silu(gate)·up of a gate/up output `[rows, 2·inter]` whose gate and up columns
@@ -759,26 +971,43 @@ impl GpuDevice {
         cols: usize,
         ids: &[u32],
     ) -> Result<DevF32, CudaError> {
-        const K: &str = "embedding_kernel";
-        check(K, cols > 0 && table.len().is_multiple_of(cols), || {
-            format!("table has {} values, not rows of {cols}", table.len())
-        })?;
-        let vocab = table.len() / cols;
+        let vocab = embedding_vocab(table, cols)?;
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(CudaError::Launch {
-                kernel: K,
+                kernel: "embedding_kernel",
                 msg: format!("token id {bad} is out of range for a vocabulary of {vocab}"),
             });
         }
-        let mut out = self.empty_f32(ids.len() * cols)?;
         if ids.is_empty() {
-            return Ok(out);
+            return self.empty_f32(0);
         }
         let dids = self.upload_u32(ids)?;
-        let (ri, ci) = (i32_of(K, "rows", ids.len())?, i32_of(K, "cols", cols)?);
+        // SAFETY: `dids` holds the ids, checked against the vocabulary above.
+        unsafe { self.embedding_raw(table, cols, dev_ptr(&dids, &self.stream), ids.len()) }
+    }
+
+    /// `embedding` of `rows` ids already on the device at `ids` (u32).
+    ///
+    /// # Safety
+    /// `ids` is device memory of this device holding `rows` ids below the table's
+    /// vocabulary, valid until the kernel has run.
+    pub unsafe fn embedding_raw(
+        &self,
+        table: &DevBf16,
+        cols: usize,
+        ids: u64,
+        rows: usize,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "embedding_kernel";
+        embedding_vocab(table, cols)?;
+        let mut out = self.empty_f32(rows * cols)?;
+        if rows == 0 {
+            return Ok(out);
+        }
+        let (ri, ci) = (i32_of(K, "rows", rows)?, i32_of(K, "cols", cols)?);
         let mut b = self.launch(self.func(K)?);
-        b.arg(table).arg(&dids).out(&mut out).arg(&ri).arg(&ci);
-        self.launched(K, unsafe { b.launch(elementwise_cfg(ids.len() * cols)) })?;
+        b.arg(table).arg(&ids).out(&mut out).arg(&ri).arg(&ci);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(rows * cols)) })?;
         Ok(out)
     }
 
@@ -838,22 +1067,31 @@ impl GpuDevice {
         Ok(out)
     }
 
-    /// Uploads the per-row (slot, position) of a batch in one copy.
+    /// Uploads the per-row (slot, position) of a batch in one copy, into a buffer the
+    /// meta owns.
     pub fn row_meta(&self, row_slot: &[u32], row_pos: &[u32]) -> Result<RowMeta, CudaError> {
         check("row_meta", row_slot.len() == row_pos.len(), || {
             format!("{} slots for {} positions", row_slot.len(), row_pos.len())
         })?;
         let rows = row_slot.len();
-        let end = |v: &[u32]| v.iter().map(|&x| x as usize + 1).max().unwrap_or(0);
         let mut both = Vec::with_capacity(2 * rows);
         both.extend_from_slice(row_slot);
         both.extend_from_slice(row_pos);
-        Ok(RowMeta {
-            buf: self.upload_u32(&both)?,
-            rows,
-            slot_end: end(row_slot),
-            pos_end: end(row_pos),
-        })
+        let buf = self.upload_u32(&both)?;
+        let base = dev_ptr(&buf, &self.stream);
+        // SAFETY: `buf` holds the slots then the positions, and the meta keeps it.
+        let mut meta = unsafe {
+            RowMeta::from_device(
+                base,
+                base + 4 * rows as u64,
+                rows,
+                end_of(row_slot),
+                end_of(row_pos),
+                false,
+            )
+        };
+        meta._owned = Some(buf);
+        Ok(meta)
     }
 
     /// Writes K and V rows (`[rows, width]`, rounded to bf16) at (slot, position) per row.
@@ -891,7 +1129,7 @@ impl GpuDevice {
         if rows == 0 || layout.width == 0 {
             return Ok(());
         }
-        let (ds, dp) = (meta.slots(), meta.positions());
+        let (ds, dp) = (meta.slots, meta.positions);
         let ri = rows as i32;
         let wi = i32_of(K, "width", layout.width)?;
         let li = layer as i32;
@@ -933,16 +1171,11 @@ impl GpuDevice {
             || "cos/sin tables of different shapes".into(),
         )?;
         let max_pos = cos.len() / half;
-        check(K, meta.pos_end <= max_pos, || {
-            format!(
-                "position {} beyond the RoPE table ({max_pos} positions)",
-                meta.pos_end - 1
-            )
-        })?;
+        meta.limit_positions(K, "the RoPE table", max_pos)?;
         if rows == 0 || n_heads == 0 {
             return Ok(());
         }
-        let dp = meta.positions();
+        let dp = meta.positions;
         let (ri, hi, di, hf) = (
             rows as i32,
             i32_of(K, "n_heads", n_heads)?,
@@ -1010,22 +1243,15 @@ impl GpuDevice {
             kc.len() == layout.len() && vc.len() == layout.len(),
             || "cache buffers do not match their layout".into(),
         )?;
-        check(
-            K,
-            cos.len() == sin.len() && cos.len() >= meta.pos_end * half,
-            || {
-                format!(
-                    "position {} beyond the RoPE table ({} positions)",
-                    meta.pos_end.saturating_sub(1),
-                    cos.len() / half
-                )
-            },
-        )?;
+        check(K, cos.len() == sin.len(), || {
+            "cos/sin tables of different shapes".into()
+        })?;
+        meta.limit_positions(K, "the RoPE table", cos.len() / half)?;
         let mut q = self.empty_f32(rows * n_heads * head_dim)?;
         if rows == 0 {
             return Ok(q);
         }
-        let (ds, dp) = (meta.slots(), meta.positions());
+        let (ds, dp) = (meta.slots, meta.positions);
         let (ri, hi, kvi, di, hf) = (
             rows as i32,
             i32_of(K, "n_heads", n_heads)?,
@@ -1113,12 +1339,12 @@ impl GpuDevice {
         if rows == 0 || n_heads == 0 {
             return Ok(out);
         }
-        let (ds, dp) = (meta.slots(), meta.positions());
+        let (ds, dp) = (meta.slots, meta.positions);
         let gsz = attention_group(rows, n_heads);
         let subs = (n_heads / n_kv_heads).div_ceil(gsz);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, (n_kv_heads * subs) as u32, 1),
-            block_dim: (32 * attention_warps(meta.pos_end) as u32, 1, 1),
+            block_dim: (32 * attention_warps(meta) as u32, 1, 1),
             shared_mem_bytes: (ATTN_WARPS * ATTN_GROUP * (head_dim + 2) * 4) as u32,
         };
         let gi = gsz as i32;
@@ -1150,8 +1376,10 @@ impl GpuDevice {
 /// barrier, holding registers). Measured on an H200 (session 22): 6 warps for 6 chunks was
 /// slower than 8 (the combine spreads a group's outputs over fewer threads), 4 for 4 was
 /// 10 % faster. The bits do not depend on it (attention.cu).
-fn attention_warps(pos_end: usize) -> usize {
-    if pos_end.div_ceil(ATTN_CHUNK) <= ATTN_WARPS / 2 {
+/// A recorded step (`RowMeta::fixed_shape`) keeps ATTN_WARPS: its replays run at other
+/// positions.
+fn attention_warps(meta: &RowMeta) -> usize {
+    if !meta.fixed_shape && meta.pos_end.div_ceil(ATTN_CHUNK) <= ATTN_WARPS / 2 {
         ATTN_WARPS / 2
     } else {
         ATTN_WARPS

@@ -7,23 +7,34 @@
 //! on the GPU as on the CPU; the two backends agree within bf16 tolerance only.
 
 pub mod gemm;
+pub mod graphs;
 mod profile;
+pub mod step;
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use arbor_collective::gpu::{Algo, GpuCollective, GpuOptions};
+use arbor_collective::nccl::Dtype;
 use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::cuda::cublas::Blas;
 use arbor_kernels::cuda::gemm::OutDtype;
+use arbor_kernels::cuda::ops::dev_ptr;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice, KvLayout, RowMeta};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::{BResult, Backend, BackendError, HeadSpec, KvSpec, Numerics, SeqRows, TreeSpec};
+use super::{
+    BResult, Backend, BackendError, HeadSpec, KvSpec, Numerics, SeqRows, StepForward, StepInputs,
+    StepResults, TreeSpec,
+};
 use crate::error::ModelError;
 use crate::runner::{Engine, LoadOptions, Runner};
 use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
+use graphs::{Entry, Graphs, Key, State};
 use profile::Profiler;
+use step::{InLayout, OutLayout, Padded, StepMeta};
 
 /// f32 activations `[rows, cols]` on the GPU.
 pub struct CudaAct {
@@ -48,15 +59,12 @@ pub struct CudaKv {
     k: DevBf16,
     v: DevBf16,
     layout: KvLayout,
+    /// Unique among the caches of this process (`Backend::cache_key`).
+    id: u64,
 }
 
-/// A step's row map on the device, keyed by the batch it describes: the forward asks for
-/// it in every layer's RoPE, KV write and attention, and it is uploaded once per step.
-struct StepMeta {
-    seqs: Vec<SeqRows>,
-    rows: usize,
-    meta: RowMeta,
-}
+/// Cache ids: never reused, so a recording made on a dropped cache never runs again.
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The RoPE table's copy on the device, keyed by the host table it came from.
 struct RopeDev {
@@ -77,7 +85,10 @@ pub struct CudaBackend {
     gemm: Option<TensorGemm>,
     /// `--numerics fast`: cuBLAS for every matmul and NCCL's all-reduce.
     blas: Option<Blas>,
+    /// The current step's inputs on the device (step.rs).
     meta: Mutex<Option<StepMeta>>,
+    /// Decode steps recorded as CUDA graphs (graphs.rs).
+    graphs: Mutex<Graphs>,
     /// `ARBOR_PROFILE=1`: per-op device time (synchronising around every op).
     prof: Option<Profiler>,
 }
@@ -106,42 +117,6 @@ fn allreduce_algo(var: Option<&str>) -> Result<Algo, String> {
             a => Ok(a),
         },
     }
-}
-
-/// Per-row (slot, position) of a ragged batch of `rows` rows; every row must belong to
-/// exactly one sequence.
-fn row_map(seqs: &[SeqRows], rows: usize) -> Result<(Vec<u32>, Vec<u32>), String> {
-    let mut slot = vec![u32::MAX; rows];
-    let mut pos = vec![u32::MAX; rows];
-    for s in seqs {
-        let end = s
-            .row0
-            .checked_add(s.len)
-            .filter(|&e| e <= rows)
-            .ok_or_else(|| {
-                format!(
-                    "sequence in slot {} covers rows {}..{}+{} of a batch of {rows} rows",
-                    s.slot, s.row0, s.row0, s.len
-                )
-            })?;
-        for (i, r) in (s.row0..end).enumerate() {
-            if slot[r] != u32::MAX {
-                return Err(format!("row {r} belongs to two sequences"));
-            }
-            let p = s.pos0 + i;
-            match (u32::try_from(s.slot), u32::try_from(p)) {
-                (Ok(a), Ok(b)) if a != u32::MAX => {
-                    slot[r] = a;
-                    pos[r] = b;
-                }
-                _ => return Err(format!("slot {} / position {p} out of range", s.slot)),
-            }
-        }
-    }
-    if let Some(r) = slot.iter().position(|&s| s == u32::MAX) {
-        return Err(format!("row {r} belongs to no sequence"));
-    }
-    Ok((slot, pos))
 }
 
 fn gpu_collective(
@@ -189,6 +164,14 @@ impl CudaBackend {
             Numerics::Fast => Some(Blas::new(&dev.stream).map_err(err)?),
         };
         tracing::info!(rank, numerics = numerics.as_str(), "CUDA backend numerics");
+        let prof = Profiler::from_env(rank);
+        let graphs = graphs::enabled(std::env::var(graphs::ENV).ok().as_deref()).map_err(err)?;
+        if graphs && prof.is_some() {
+            tracing::info!(
+                rank,
+                "ARBOR_PROFILE synchronises every op: decode steps are not recorded as graphs"
+            );
+        }
         let backend = Self {
             comm,
             dev: Arc::new(dev),
@@ -198,7 +181,8 @@ impl CudaBackend {
             gemm,
             blas,
             meta: Mutex::new(None),
-            prof: Profiler::from_env(rank),
+            graphs: Mutex::new(Graphs::new(graphs && prof.is_none())),
+            prof,
         };
         backend.warm_up_collectives()?;
         Ok(backend)
@@ -230,7 +214,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// A world-size-1 backend on an already opened device, with the simple GEMM.
+    /// A world-size-1 backend on an already opened device, with the simple GEMM and no
+    /// recorded steps.
     pub fn solo(dev: Arc<GpuDevice>) -> Self {
         Self {
             comm: Arc::new(arbor_collective::SingleComm),
@@ -241,8 +226,29 @@ impl CudaBackend {
             gemm: None,
             blas: None,
             meta: Mutex::new(None),
+            graphs: Mutex::new(Graphs::new(false)),
             prof: None,
         }
+    }
+
+    /// Whether decode steps are recorded as CUDA graphs (`ARBOR_CUDA_GRAPHS`, off while
+    /// profiling).
+    pub fn records_steps(&self) -> bool {
+        self.graphs().enabled
+    }
+
+    /// Turns recording on or off (off while profiling); turning it off drops the
+    /// recordings.
+    pub fn set_recording(&self, on: bool) {
+        let mut g = self.graphs();
+        g.enabled = on && self.prof.is_none();
+        if !g.enabled {
+            g.clear();
+        }
+    }
+
+    fn graphs(&self) -> MutexGuard<'_, Graphs> {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The TP=1 shadow of this backend: world size 1 on the same device, the same GEMM
@@ -270,6 +276,13 @@ impl CudaBackend {
         BackendError::Device {
             rank: self.comm.rank(),
             msg: e.to_string(),
+        }
+    }
+
+    fn dev_err_msg(&self, what: &str, e: cudarc::driver::DriverError) -> BackendError {
+        BackendError::Device {
+            rank: self.comm.rank(),
+            msg: format!("{what}: {e:?}"),
         }
     }
 
@@ -346,7 +359,8 @@ impl CudaBackend {
         }
     }
 
-    /// The device row map of this batch, uploaded when the batch differs from the last.
+    /// The device row map of this batch: the current step's when the batch is the one
+    /// `run_step` uploaded, else uploaded now (an op called outside `run_step`).
     fn step_meta(
         &self,
         seqs: &[SeqRows],
@@ -355,15 +369,28 @@ impl CudaBackend {
         let mut guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
         let fresh = matches!(guard.as_ref(), Some(m) if m.rows == rows && m.seqs == seqs);
         if !fresh {
-            let (slot, pos) = row_map(seqs, rows).map_err(|msg| self.shape_err(msg))?;
-            let meta = self.timed("upload row map", rows, || {
-                self.dev.row_meta(&slot, &pos).map_err(|e| self.dev_err(e))
+            let (slot, pos) = step::row_map(seqs, rows).map_err(|msg| self.shape_err(msg))?;
+            let layout = InLayout { rows, outs: 0 };
+            let mut words = vec![0u32; layout.words()];
+            words[layout.slots()..layout.slots() + rows].copy_from_slice(&slot);
+            words[layout.positions()..layout.positions() + rows].copy_from_slice(&pos);
+            let ends = (
+                arbor_kernels::cuda::ops::end_of(&slot),
+                arbor_kernels::cuda::ops::end_of(&pos),
+            );
+            let buf = self.timed("upload row map", rows, || {
+                self.dev.upload_u32(&words).map_err(|e| self.dev_err(e))
             })?;
-            *guard = Some(StepMeta {
-                seqs: seqs.to_vec(),
-                rows,
-                meta,
-            });
+            // Ids are not part of a row map made here: `embedding` uploads its own.
+            *guard = Some(StepMeta::new(
+                &self.dev.stream,
+                Vec::new(),
+                seqs,
+                layout,
+                Arc::new(buf),
+                ends,
+                false,
+            ));
         }
         Ok(guard)
     }
@@ -373,6 +400,266 @@ impl CudaBackend {
             .as_ref()
             .map(|m| &m.meta)
             .ok_or_else(|| self.shape_err("row map missing after upload".into()))
+    }
+
+    /// Makes `meta` the current step's inputs.
+    fn set_meta(&self, meta: StepMeta) {
+        *self.meta.lock().unwrap_or_else(|e| e.into_inner()) = Some(meta);
+    }
+
+    /// Uploads a step's inputs (one copy into a new buffer) and makes them current.
+    fn upload_step(&self, inputs: &StepInputs<'_>) -> BResult<InLayout> {
+        let (words, slot_end, pos_end) =
+            step::pack_inputs(inputs).map_err(|m| self.shape_err(m))?;
+        let layout = InLayout {
+            rows: inputs.ids.len(),
+            outs: inputs.out_rows.len(),
+        };
+        let buf = self.timed("upload step", layout.rows, || {
+            self.dev.upload_u32(&words).map_err(|e| self.dev_err(e))
+        })?;
+        self.set_meta(StepMeta::new(
+            &self.dev.stream,
+            inputs.ids.to_vec(),
+            inputs.seqs,
+            layout,
+            Arc::new(buf),
+            (slot_end, pos_end),
+            false,
+        ));
+        Ok(layout)
+    }
+
+    /// Launches the row stats (and, with a stride, the top-k selection) of `logits` into
+    /// `out` (`OutLayout` words), reading the rows' parameters from the current step.
+    fn launch_outputs(
+        &self,
+        logits: &CudaAct,
+        vocab: usize,
+        ol: OutLayout,
+        out: &arbor_kernels::cuda::DevU32,
+    ) -> BResult<()> {
+        let guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        let m = guard
+            .as_ref()
+            .ok_or_else(|| self.shape_err("step outputs without step inputs".into()))?;
+        if logits.rows != ol.outs || m.layout.outs != ol.outs || out.len() < ol.words() {
+            return Err(self.shape_err(format!(
+                "step outputs of {} logits rows for {} output rows ({} of {} words)",
+                logits.rows,
+                m.layout.outs,
+                out.len(),
+                ol.words()
+            )));
+        }
+        let s = &self.dev.stream;
+        let o = dev_ptr(out, s);
+        let at = |w: usize| o + 4 * w as u64;
+        self.timed("row_stats", logits.rows, || {
+            // SAFETY: `out` holds the layout's words; the parameters are the current
+            // step's, which `guard` keeps alive.
+            unsafe {
+                self.dev.row_stats_raw(
+                    &logits.buf,
+                    logits.rows,
+                    logits.cols,
+                    vocab,
+                    m.word(s, m.layout.params()),
+                    at(ol.stats_f32()),
+                    at(ol.stats_u64()),
+                )
+            }
+            .map_err(|e| self.dev_err(e))
+        })?;
+        if ol.stride > 0 {
+            self.timed("top_k", logits.rows, || {
+                // SAFETY: as above; every k is at most the stride (`stride_for`).
+                unsafe {
+                    self.dev.top_k_raw(
+                        &logits.buf,
+                        logits.rows,
+                        logits.cols,
+                        vocab,
+                        m.word(s, m.layout.ks()),
+                        ol.stride,
+                        [at(ol.indices()), at(ol.values()), at(ol.counts())],
+                    )
+                }
+                .map_err(|e| self.dev_err(e))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The results of `launch_outputs`: one download, the first `keep` rows.
+    fn read_outputs(
+        &self,
+        out: &arbor_kernels::cuda::DevU32,
+        ol: OutLayout,
+        keep: usize,
+    ) -> BResult<StepResults> {
+        let words = self.timed("download step", ol.outs, || {
+            self.dev
+                .download("downloading step results", out, ol.words())
+                .map_err(|e| self.dev_err(e))
+        })?;
+        step::decode_outputs(&words, ol, keep).map_err(|m| self.shape_err(m))
+    }
+
+    /// A step run op by op: its inputs uploaded once, its results downloaded once.
+    fn step_eager(
+        &self,
+        inputs: &StepInputs<'_>,
+        forward: &mut StepForward<'_, Self>,
+    ) -> BResult<StepResults> {
+        let layout = self.upload_step(inputs)?;
+        let Some(logits) = forward(self, inputs)? else {
+            return Ok(StepResults::default());
+        };
+        let ol = OutLayout {
+            outs: layout.outs,
+            stride: step::stride_for(inputs.ks),
+        };
+        let out = self
+            .dev
+            .alloc::<u32>(ol.words())
+            .map_err(|e| self.dev_err(e))?;
+        self.launch_outputs(&logits, inputs.vocab, ol, &out)?;
+        self.read_outputs(&out, ol, layout.outs)
+    }
+
+    /// A decode-shaped step padded to `key.rows` and run from its recording (graphs.rs):
+    /// eagerly in the workspace the first time, captured the second, replayed after.
+    fn step_recorded(
+        &self,
+        inputs: &StepInputs<'_>,
+        forward: &mut StepForward<'_, Self>,
+        key: Key,
+    ) -> BResult<StepResults> {
+        let n = inputs.ids.len();
+        let padded = Padded::new(inputs, key.rows).map_err(|m| self.shape_err(m))?;
+        let pin = padded.inputs(inputs);
+        let (words, slot_end, pos_end) = step::pack_inputs(&pin).map_err(|m| self.shape_err(m))?;
+        let layout = InLayout {
+            rows: key.rows,
+            outs: key.rows,
+        };
+        let ol = OutLayout {
+            outs: key.rows,
+            stride: key.stride,
+        };
+        let mut graphs = self.graphs();
+        let entry = graphs
+            .entry(inputs.cache, key, || {
+                let alloc = |len: usize| self.dev.alloc::<u32>(len).map_err(|e| e.to_string());
+                Ok(Entry {
+                    inputs: Arc::new(alloc(layout.words())?),
+                    outputs: alloc(ol.words())?,
+                    state: State::New,
+                })
+            })
+            .map_err(|m| self.shape_err(m))?;
+        let s = &self.dev.stream;
+        // SAFETY: the entry's input buffer holds the layout's words; stream-ordered after
+        // every earlier step that read it.
+        unsafe { self.dev.write_raw(dev_ptr(&entry.inputs, s), &words) }
+            .map_err(|e| self.dev_err(e))?;
+        // The current meta may describe this buffer's old contents (the step that was
+        // captured): no op may take it for the new ones.
+        *self.meta.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let (mut replayed, mut recorded) = (false, false);
+        match &entry.state {
+            State::Recorded { graph, limits } => {
+                if slot_end > limits.0 || pos_end > limits.1 {
+                    // Beyond what the recording's ops were checked for: run (and check)
+                    // this step op by op.
+                    drop(graphs);
+                    return self.step_eager(inputs, forward);
+                }
+                graph
+                    .launch()
+                    .map_err(|e| self.dev_err_msg("replaying a decode step", e))?;
+                replayed = true;
+            }
+            State::Failed => {
+                drop(graphs);
+                return self.step_eager(inputs, forward);
+            }
+            State::New | State::Warm => {
+                let capture = matches!(entry.state, State::Warm);
+                self.set_meta(StepMeta::new(
+                    s,
+                    padded.ids.clone(),
+                    &padded.seqs,
+                    layout,
+                    entry.inputs.clone(),
+                    (slot_end, pos_end),
+                    true,
+                ));
+                let scope = self.dev.workspace.scope();
+                if capture {
+                    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                        .map_err(|e| self.dev_err_msg("beginning a graph capture", e))?;
+                }
+                let run = forward(self, &pin).and_then(|logits| match logits {
+                    Some(l) => self.launch_outputs(&l, inputs.vocab, ol, &entry.outputs),
+                    None => Err(self.shape_err("a decode step without logits".into())),
+                });
+                if !capture {
+                    drop(scope);
+                    run?;
+                    entry.state = State::Warm;
+                } else {
+                    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+                    drop(scope);
+                    let limits = self
+                        .meta
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_ref()
+                        .map(|m| m.meta.limits());
+                    match (run, graph, limits) {
+                        (Ok(()), Ok(Some(graph)), Some(limits)) => {
+                            graph
+                                .upload()
+                                .map_err(|e| self.dev_err_msg("uploading a decode graph", e))?;
+                            graph
+                                .launch()
+                                .map_err(|e| self.dev_err_msg("replaying a decode step", e))?;
+                            tracing::debug!(
+                                rank = self.comm.rank(),
+                                rows = key.rows,
+                                stride = key.stride,
+                                "decode step recorded"
+                            );
+                            entry.state = State::Recorded { graph, limits };
+                            recorded = true;
+                        }
+                        (run, graph, _) => {
+                            let why = match (run, graph) {
+                                (Err(e), _) => e.to_string(),
+                                (_, Err(e)) => format!("{e:?}"),
+                                _ => "no graph".to_string(),
+                            };
+                            tracing::warn!(
+                                rank = self.comm.rank(),
+                                rows = key.rows,
+                                "recording a decode step failed ({why}): this batch size runs op by op"
+                            );
+                            entry.state = State::Failed;
+                            drop(graphs);
+                            // A failed capture may leave an error behind in the context.
+                            let _ = self.dev.ctx.check_err();
+                            return self.step_eager(inputs, forward);
+                        }
+                    }
+                }
+            }
+        }
+        let res = self.read_outputs(&entry.outputs, ol, n);
+        graphs.replays += u64::from(replayed || recorded);
+        graphs.recorded += u64::from(recorded);
+        res
     }
 
     /// `--numerics fast`: Y = bf16(X)·Wᵀ by cuBLAS, f32 out.
@@ -538,10 +825,25 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaMat, ids: &[u32]) -> BResult<CudaAct> {
+        let guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
         let buf = self.timed("embedding", ids.len(), || {
-            self.dev
-                .embedding(&table.buf, table.k, ids)
-                .map_err(|e| self.dev_err(e))
+            match guard.as_ref() {
+                // The step's ids, uploaded with its other inputs (checked by the engine
+                // against the vocabulary, and again here on the host).
+                Some(m) if !ids.is_empty() && m.ids == ids => {
+                    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.n) {
+                        return Err(self.shape_err(format!(
+                            "token id {bad} is out of range for a vocabulary of {}",
+                            table.n
+                        )));
+                    }
+                    let at = m.word(&self.dev.stream, m.layout.ids());
+                    // SAFETY: the current step's buffer holds these ids at `at`.
+                    unsafe { self.dev.embedding_raw(&table.buf, table.k, at, ids.len()) }
+                }
+                _ => self.dev.embedding(&table.buf, table.k, ids),
+            }
+            .map_err(|e| self.dev_err(e))
         })?;
         Ok(self.act(buf, ids.len(), table.k))
     }
@@ -825,6 +1127,36 @@ impl Backend for CudaBackend {
             self.all_gather_cols_untimed(x)
         })
     }
+
+    /// Inputs uploaded once, results downloaded once; a decode-shaped step is padded to
+    /// its bucket and replayed from a CUDA graph when recording is on (graphs.rs).
+    fn run_step(
+        &self,
+        inputs: &StepInputs<'_>,
+        forward: &mut StepForward<'_, Self>,
+    ) -> BResult<StepResults> {
+        let key = if self.records_steps() && inputs.is_decode_shaped() {
+            graphs::bucket(inputs.ids.len()).map(|rows| Key {
+                rows,
+                stride: step::stride_for(inputs.ks),
+            })
+        } else {
+            None
+        };
+        match key {
+            Some(key) => self.step_recorded(inputs, forward, key),
+            None => self.step_eager(inputs, forward),
+        }
+    }
+
+    fn cache_key(&self, cache: &CudaKv) -> u64 {
+        cache.id
+    }
+
+    fn recorded_steps(&self) -> Option<(u64, u64)> {
+        let g = self.graphs();
+        g.enabled.then_some((g.recorded, g.replays))
+    }
 }
 
 /// The ops themselves; `Backend`'s methods wrap them in the profiler.
@@ -958,7 +1290,12 @@ impl CudaBackend {
             .dev
             .zeros_bf16(layout.len())
             .map_err(|e| self.dev_err(e))?;
-        Ok(CudaKv { k, v, layout })
+        Ok(CudaKv {
+            k,
+            v,
+            layout,
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+        })
     }
 
     fn kv_write_untimed(
@@ -1033,16 +1370,27 @@ impl CudaBackend {
             return Ok(partial);
         }
         let coll = self.coll()?;
-        let buf = match self.blas {
-            Some(_) => coll
-                .nccl()
-                .nccl_all_reduce_f32(&partial.buf)
-                .map_err(|e| self.coll_err("NCCL all-reduce (--numerics fast)", e))?,
-            None => coll
-                .tree_all_reduce_with(self.algo, &partial.buf)
-                .map_err(|e| self.coll_err("tree all-reduce", e))?,
-        };
-        Ok(self.act(buf, partial.rows, partial.cols))
+        // The output comes from the device (lent inside a recorded step), not from the
+        // collective's own allocation.
+        let mut out = self
+            .dev
+            .empty_f32(partial.buf.len())
+            .map_err(|e| self.dev_err(e))?;
+        match self.blas {
+            Some(_) => {
+                let s = &self.dev.stream;
+                let (src, dst, n) = (dev_ptr(&partial.buf, s), dev_ptr(&out, s), out.len());
+                // SAFETY: both buffers hold n f32 on this rank's device and stay alive
+                // until the stream's work is done (stream-ordered frees).
+                unsafe { coll.nccl().all_reduce_raw(src, dst, n, Dtype::F32) }
+                    .map_err(|e| self.coll_err("NCCL all-reduce (--numerics fast)", e))?
+            }
+            None => {
+                coll.tree_all_reduce_into(self.algo, &partial.buf, &mut out)
+                    .map_err(|e| self.coll_err("tree all-reduce", e))?;
+            }
+        }
+        Ok(self.act(out, partial.rows, partial.cols))
     }
 
     fn all_gather_cols_untimed(&self, x: &CudaAct) -> BResult<CudaAct> {
@@ -1058,11 +1406,21 @@ impl CudaBackend {
                 world * x.cols,
             ));
         }
-        let gathered = self
-            .coll()?
-            .nccl()
-            .all_gather_f32(&x.buf)
+        let n = x.buf.len();
+        let gathered = self.dev.empty_f32(world * n).map_err(|e| self.dev_err(e))?;
+        {
+            let s = &self.dev.stream;
+            // SAFETY: x holds n f32, `gathered` world·n, both on this rank's device.
+            unsafe {
+                self.coll()?.nccl().all_gather_raw(
+                    dev_ptr(&x.buf, s),
+                    dev_ptr(&gathered, s),
+                    n,
+                    Dtype::F32,
+                )
+            }
             .map_err(|e| self.coll_err("all-gather of columns", e))?;
+        }
         let buf = self
             .dev
             .interleave_cols(&gathered, world, x.rows, x.cols)
@@ -1091,36 +1449,6 @@ pub fn load_runner(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn seq(slot: usize, row0: usize, len: usize, pos0: usize) -> SeqRows {
-        SeqRows {
-            slot,
-            row0,
-            len,
-            pos0,
-        }
-    }
-
-    #[test]
-    fn row_map_maps_each_row_to_its_slot_and_position() {
-        let (slot, pos) = row_map(&[seq(2, 0, 3, 5), seq(0, 3, 1, 0)], 4).unwrap();
-        assert_eq!(slot, [2, 2, 2, 0]);
-        assert_eq!(pos, [5, 6, 7, 0]);
-    }
-
-    #[test]
-    fn row_map_rejects_bad_batches() {
-        let e = row_map(&[seq(0, 0, 2, 0), seq(1, 1, 2, 0)], 3).unwrap_err();
-        assert!(e.contains("row 1 belongs to two sequences"), "{e}");
-        let e = row_map(&[seq(0, 0, 2, 0)], 3).unwrap_err();
-        assert!(e.contains("row 2 belongs to no sequence"), "{e}");
-        let e = row_map(&[seq(0, 2, 2, 0)], 3).unwrap_err();
-        assert!(e.contains("of a batch of 3 rows"), "{e}");
-        let e = row_map(&[seq(0, usize::MAX, 2, 0)], 3).unwrap_err();
-        assert!(e.contains("of a batch of 3 rows"), "{e}");
-        let e = row_map(&[seq(0, 0, 1, u32::MAX as usize + 1)], 1).unwrap_err();
-        assert!(e.contains("out of range"), "{e}");
-    }
 
     #[test]
     fn allreduce_algo_defaults_to_auto_and_refuses_nvls() {

@@ -108,6 +108,60 @@ pub enum BackendError {
 
 pub type BResult<T> = Result<T, BackendError>;
 
+/// Everything one step's device work reads that changes from step to step (besides the
+/// KV cache it writes): the backend uploads it once per step, and a step it recorded
+/// reads it from there when replayed (ENGINE.md's StepPlan → step metadata).
+#[derive(Debug, Clone, Copy)]
+pub struct StepInputs<'a> {
+    /// The rows' token ids, sequences concatenated as `seqs` says.
+    pub ids: &'a [u32],
+    pub seqs: &'a [SeqRows],
+    /// The rows whose logits the step computes, in order.
+    pub out_rows: &'a [usize],
+    /// Per output row: the index whose value its stats report (`u32::MAX`: none).
+    pub pick: &'a [u32],
+    /// Per output row: the Gumbel-max draw to make where the logits are.
+    pub draws: &'a [Option<crate::sampling::GumbelDraw>],
+    /// Per output row: how many top candidates to select (0: none; at most
+    /// `sampling::CANDIDATES_MAX`).
+    pub ks: &'a [usize],
+    /// The logits columns that are the vocabulary.
+    pub vocab: usize,
+    /// Identifies the KV cache the step runs on ([`Backend::cache_key`]): a recorded step
+    /// writes that cache's memory and is replayed only on it.
+    pub cache: u64,
+}
+
+impl StepInputs<'_> {
+    /// One row per sequence, and every row's logits in row order: the shape of a decode
+    /// step (whatever its size), which a backend may record once and replay.
+    pub fn is_decode_shaped(&self) -> bool {
+        self.ids.len() == self.seqs.len()
+            && self.out_rows.len() == self.ids.len()
+            && self.out_rows.iter().enumerate().all(|(i, &r)| i == r)
+            && self
+                .seqs
+                .iter()
+                .enumerate()
+                .all(|(i, s)| s.row0 == i && s.len == 1)
+    }
+}
+
+/// What a step returns per output row: its stats and, where `StepInputs::ks` asked, its
+/// top candidates (empty when no row asked for any).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepResults {
+    pub stats: Vec<crate::sampling::RowStats>,
+    pub cands: Vec<Vec<(u32, f32)>>,
+}
+
+/// The device work of one step given its (possibly padded) inputs: the logits of
+/// `inputs.out_rows`, or `None` when there are none. It must take everything that varies
+/// from step to step from `inputs`, since a backend may record it once and replay the
+/// recording for later steps of the same shape without calling it.
+pub type StepForward<'f, B> =
+    dyn FnMut(&B, &StepInputs<'_>) -> BResult<Option<<B as Backend>::Act>> + 'f;
+
 pub trait Backend {
     /// f32 matrix `[rows, cols]` in device memory.
     type Act;
@@ -249,6 +303,43 @@ pub trait Backend {
     }
     /// Concatenate the ranks' column blocks (equal widths): `[rows, cols]` → `[rows, world·cols]`.
     fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;
+
+    /// A step: `forward`'s logits, then each output row's stats and top candidates
+    /// (`row_stats`, `top_k`). A backend may upload the inputs once, pad a decode-shaped
+    /// step to a fixed batch size, record it and replay the recording on later steps
+    /// instead of calling `forward` (the CUDA backend's graphs); the results are the same
+    /// bits either way, since every kernel is batch invariant.
+    fn run_step(
+        &self,
+        inputs: &StepInputs<'_>,
+        forward: &mut StepForward<'_, Self>,
+    ) -> BResult<StepResults>
+    where
+        Self: Sized,
+    {
+        let Some(logits) = forward(self, inputs)? else {
+            return Ok(StepResults::default());
+        };
+        let stats = self.row_stats(&logits, inputs.vocab, inputs.pick, inputs.draws)?;
+        let cands = if inputs.ks.iter().any(|&k| k > 0) {
+            self.top_k(&logits, inputs.vocab, inputs.ks)?
+        } else {
+            Vec::new()
+        };
+        Ok(StepResults { stats, cands })
+    }
+
+    /// An identity for `cache` that differs from every other live cache's (0 where the
+    /// backend records nothing).
+    fn cache_key(&self, _cache: &Self::KvCache) -> u64 {
+        0
+    }
+
+    /// Where `run_step` records steps: the shapes recorded and the steps run from a
+    /// recording so far; `None` where it never records.
+    fn recorded_steps(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// `Backend::qkv_rope_kv` as its four ops (the definition of its bits).

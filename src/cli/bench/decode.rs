@@ -68,6 +68,10 @@ struct Row {
     prefill_tokens: usize,
     /// bf16 weight bytes each rank streams per decode step (layers + LM head shard).
     weight_bytes_per_rank: u64,
+    /// Whether decode steps were recorded as CUDA graphs (`ARBOR_CUDA_GRAPHS`), and how
+    /// many of this batch's steps ran from a recording.
+    cuda_graphs: bool,
+    graph_steps: u64,
 }
 
 /// Bytes of the weights one rank reads in a decode step (the embedding is a gather).
@@ -143,10 +147,12 @@ pub fn run(a: Args) -> Result<()> {
             r.max_new_tokens = a.steps;
         }
         let before = runner.timing();
+        let rec_before = runner.recorded_steps();
         runner
             .generate(&reqs, &sampling, 0)
             .with_context(|| format!("generate at batch {b}"))?;
         let after = runner.timing();
+        let rec_after = runner.recorded_steps();
         let steps = after.decode_steps - before.decode_steps;
         let decode_s = after.decode_s - before.decode_s;
         let tokens = after.decode_tokens - before.decode_tokens;
@@ -166,10 +172,15 @@ pub fn run(a: Args) -> Result<()> {
             prefill_ms: 1e3 * (after.prefill_s - before.prefill_s),
             prefill_tokens: after.prefill_tokens - before.prefill_tokens,
             weight_bytes_per_rank: bytes,
+            cuda_graphs: rec_after.is_some(),
+            graph_steps: match (rec_before, rec_after) {
+                (Some((_, r0)), Some((_, r1))) => r1 - r0,
+                _ => 0,
+            },
         };
         if rank == 0 {
             println!(
-                "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step); prefill {:>9.1} ms for {} tokens",
+                "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step, {}); prefill {:>9.1} ms for {} tokens",
                 row.tp,
                 numerics,
                 match (a.temperature, a.top_k) {
@@ -182,6 +193,11 @@ pub fn run(a: Args) -> Result<()> {
                 row.decode_tok_s,
                 steps,
                 row.decode_records_ms_per_step,
+                if row.cuda_graphs {
+                    format!("{} from CUDA graphs", row.graph_steps)
+                } else {
+                    "no CUDA graphs".to_string()
+                },
                 row.prefill_ms,
                 row.prefill_tokens
             );

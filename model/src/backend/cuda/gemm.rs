@@ -93,19 +93,29 @@ struct Scratch {
     ws: Option<DevF32>,
     /// Zero when allocated; every call leaves the counters it used at zero.
     counters: Option<DevU32>,
+    /// Outgrown buffers, held and never read: a recorded decode step (graphs.rs) may
+    /// still point at one, so they live as long as the scratch.
+    retired: Vec<Box<dyn std::any::Any + Send>>,
 }
 
-/// `buf`, reallocated (zeroed) to `need` elements when it holds fewer. The old buffer's
-/// free is stream-ordered, so kernels already queued on it still run on live memory.
-fn grown<T>(
-    buf: &mut Option<T>,
+/// `buf`, reallocated (zeroed) to `need` elements when it holds fewer; the outgrown
+/// buffer goes to `retire`.
+fn grown<'b, T>(
+    buf: &'b mut Option<T>,
+    retire: &mut impl FnMut(T),
     len: impl Fn(&T) -> usize,
     need: usize,
     alloc: impl FnOnce(usize) -> Result<T, CudaError>,
-) -> Result<&mut T, CudaError> {
+) -> Result<&'b mut T, CudaError> {
     let b = match buf.take() {
         Some(b) if len(&b) >= need => b,
-        _ => alloc(need.max(1))?,
+        old => {
+            let b = alloc(need.max(1))?;
+            if let Some(o) = old {
+                retire(o);
+            }
+            b
+        }
     };
     Ok(buf.insert(b))
 }
@@ -210,23 +220,33 @@ impl TensorGemm {
             xb: scratch_xb,
             ws,
             counters,
+            retired,
         } = &mut *guard;
         let xb: &DevBf16 = match xb {
             Some(b) => b,
             None => {
-                let b = grown(scratch_xb, |b| b.len(), m * k, |l| dev.zeros_bf16(l))?;
+                let mut retire = |o: DevBf16| retired.push(Box::new(o));
+                let b = grown(
+                    scratch_xb,
+                    &mut retire,
+                    |b| b.len(),
+                    m * k,
+                    |l| dev.zeros_bf16(l),
+                )?;
                 dev.f32_to_bf16_into(x, b)?;
                 b
             }
         };
         let ws = grown(
             ws,
+            &mut |o: DevF32| retired.push(Box::new(o)),
             |b| b.len(),
             path.workspace_len(m, n, tree.n_seg),
             |l| dev.zeros_f32(l),
         )?;
         let cnt = grown(
             counters,
+            &mut |o: DevU32| retired.push(Box::new(o)),
             |b| b.len(),
             path.counters_len(m, n),
             |l| dev.upload_u32(&vec![0u32; l]),
@@ -392,12 +412,14 @@ mod tests {
     }
 
     #[test]
-    fn scratch_grows_only_when_a_call_needs_more() {
+    fn scratch_grows_only_when_a_call_needs_more_and_keeps_what_it_outgrew() {
         let mut allocs = Vec::new();
+        let mut retired = Vec::new();
         let mut buf: Option<Vec<u8>> = None;
         let mut call = |buf: &mut Option<Vec<u8>>, need: usize| {
             let b = grown(
                 buf,
+                &mut |o: Vec<u8>| retired.push(o.len()),
                 |b| b.len(),
                 need,
                 |l| {
@@ -417,6 +439,7 @@ mod tests {
         assert_eq!(call(&mut buf, 40), 100, "a smaller call reuses the buffer");
         assert_eq!(call(&mut buf, 101), 101);
         assert_eq!(allocs, [1, 100, 101]);
+        assert_eq!(retired, [1, 100], "outgrown buffers are kept, not freed");
     }
 
     #[test]

@@ -1,0 +1,186 @@
+//! Decode steps recorded as CUDA graphs, one per padded batch size (ENGINE.md's
+//! "device-resident step").
+//!
+//! A decode-shaped step (one new row per sequence, every row's logits) of n rows is padded
+//! to the bucket b ≥ n ([`bucket`]) with copies of row 0 (step.rs, `Padded`): every
+//! kernel is batch invariant, so the real rows' bits are those of the unpadded step. Per
+//! (bucket, top-k stride) on one KV cache, the first step runs eagerly with the device's
+//! allocations lent by its workspace (buf.rs), which grows every scratch buffer to what
+//! this shape needs; the second is captured into a graph that reads its inputs from a
+//! buffer of its own and writes its results into another; every later one is one upload,
+//! one graph launch and one download. The graph holds kernel nodes only: no allocation
+//! and no host work inside a step.
+//!
+//! `ARBOR_CUDA_GRAPHS=0` runs every step eagerly (same bits: for measuring what the graphs
+//! buy); `ARBOR_PROFILE=1` does too, since it synchronises around every op.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arbor_kernels::cuda::DevU32;
+use cudarc::driver::CudaGraph;
+
+pub const ENV: &str = "ARBOR_CUDA_GRAPHS";
+
+/// Largest batch a decode step is recorded at; larger steps run eagerly.
+pub const MAX_BUCKET: usize = 256;
+
+/// The batch size a decode step of `rows` rows is padded to: 1, 2, 4, 8, then steps of 8
+/// to 64, of 16 to 128 and of 32 to [`MAX_BUCKET`] (fewer than 8, 16, 32 padding rows:
+/// at most a quarter of a step above 32 rows); `None` above.
+pub fn bucket(rows: usize) -> Option<usize> {
+    let step = match rows {
+        0 => return None,
+        1..=8 => return Some(rows.next_power_of_two()),
+        9..=64 => 8,
+        65..=128 => 16,
+        129..=MAX_BUCKET => 32,
+        _ => return None,
+    };
+    Some(rows.next_multiple_of(step))
+}
+
+/// Whether decode steps are recorded: `ARBOR_CUDA_GRAPHS` unset, `1` or `on` (the
+/// default), or `0` / `off`; anything else is an error naming the value.
+pub fn enabled(var: Option<&str>) -> Result<bool, String> {
+    match var.map(str::trim) {
+        None | Some("1") | Some("on") => Ok(true),
+        Some("0") | Some("off") => Ok(false),
+        Some(other) => Err(format!(
+            "{ENV}={other:?}: expected 1 / on (record decode steps, the default) or 0 / off"
+        )),
+    }
+}
+
+/// One recorded shape: the padded batch and the top-k stride.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub rows: usize,
+    pub stride: usize,
+}
+
+pub enum State {
+    /// Not run yet: the next step of this shape runs eagerly in the workspace.
+    New,
+    /// Run once: the next step of this shape is captured.
+    Warm,
+    /// `limits`: the (slots, positions) bounds its ops were checked against at capture; a
+    /// step whose rows reach beyond them runs eagerly (and is checked there).
+    Recorded {
+        graph: CudaGraph,
+        limits: (usize, usize),
+    },
+    /// The capture failed (logged once): this shape runs eagerly.
+    Failed,
+}
+
+/// A shape's device buffers (kept for its life: the graph reads and writes them) and
+/// where its recording stands.
+pub struct Entry {
+    pub inputs: Arc<DevU32>,
+    pub outputs: DevU32,
+    pub state: State,
+}
+
+/// The recorded steps of one backend, all on the KV cache `cache`.
+pub struct Graphs {
+    pub enabled: bool,
+    cache: u64,
+    entries: HashMap<Key, Entry>,
+    /// Steps replayed and shapes recorded, for the log.
+    pub replays: u64,
+    pub recorded: u64,
+}
+
+impl Graphs {
+    pub fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            cache: 0,
+            entries: HashMap::new(),
+            replays: 0,
+            recorded: 0,
+        }
+    }
+
+    /// The entry of `key` on KV cache `cache`, made by `make` if missing. A step on
+    /// another cache than the last drops every recording: they write the old cache's
+    /// memory (cache keys are never reused, so a dropped cache's graphs never run again).
+    pub fn entry(
+        &mut self,
+        cache: u64,
+        key: Key,
+        make: impl FnOnce() -> Result<Entry, String>,
+    ) -> Result<&mut Entry, String> {
+        if cache != self.cache {
+            self.entries.clear();
+            self.cache = cache;
+        }
+        match self.entries.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(v) => Ok(v.insert(make()?)),
+        }
+    }
+
+    /// Drops every recording.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
+    /// Recordings held (for tests and the log).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_every_batch_with_little_padding() {
+        assert_eq!(bucket(0), None);
+        let want = [
+            (1, 1),
+            (2, 2),
+            (3, 4),
+            (5, 8),
+            (8, 8),
+            (9, 16),
+            (17, 24),
+            (64, 64),
+        ];
+        for (rows, b) in want {
+            assert_eq!(bucket(rows), Some(b), "rows {rows}");
+        }
+        assert_eq!(bucket(65), Some(80));
+        assert_eq!(bucket(129), Some(160));
+        assert_eq!(bucket(MAX_BUCKET), Some(MAX_BUCKET));
+        assert_eq!(bucket(MAX_BUCKET + 1), None);
+        let mut shapes = std::collections::BTreeSet::new();
+        for rows in 1..=MAX_BUCKET {
+            let b = bucket(rows).unwrap();
+            assert!(b >= rows && bucket(b) == Some(b), "rows {rows} -> {b}");
+            if rows > 32 {
+                assert!((b - rows) * 4 <= b, "rows {rows} -> {b}: too much padding");
+            }
+            shapes.insert(b);
+        }
+        assert!(shapes.len() <= 24, "{} shapes to record", shapes.len());
+    }
+
+    #[test]
+    fn the_switch_is_on_by_default_and_bad_values_are_named() {
+        assert_eq!(enabled(None), Ok(true));
+        assert_eq!(enabled(Some("1")), Ok(true));
+        assert_eq!(enabled(Some("on")), Ok(true));
+        assert_eq!(enabled(Some("0")), Ok(false));
+        assert_eq!(enabled(Some(" off ")), Ok(false));
+        let e = enabled(Some("yes")).unwrap_err();
+        assert!(e.contains("ARBOR_CUDA_GRAPHS=\"yes\""), "{e}");
+    }
+}
