@@ -79,8 +79,9 @@ struct BestOf {
 };
 
 // grid: rows; block: RS_THREADS; dynamic shared memory: (n_chunks + n_groups) * 8 bytes.
-// params: [rows, 3] = (pick index or ≥ vocab for none, draw key, draw flag << 32 | inv_t
-// bits: flag 0 = no draw). out_f: [rows, 4] = (max, lse, picked, value at the draw);
+// params: [rows, 3] = (pick index or ≥ vocab for none, draw key, mode << 32 | inv_t bits:
+// mode 1 = a Gumbel draw, 2 = the tempered sum of a top-p draw, 0 = neither).
+// out_f: [rows, 6] = (max, lse, picked, value at the draw, tempered sum, 0);
 // out_u: [rows, 3] = (argmax, digest, drawn index or u32::MAX).
 extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int cols, int vocab,
                                             const unsigned long long* __restrict__ params,
@@ -94,7 +95,9 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
     const int t = threadIdx.x;
     const float* row = x + (size_t)blockIdx.x * cols;
     const unsigned long long* pr = params + (size_t)blockIdx.x * 3;
-    const bool draw = (pr[2] >> 32) != 0;
+    const unsigned int mode = (unsigned int)(pr[2] >> 32);
+    const bool draw = mode == 1;
+    const bool nucleus = mode == 2;
     const unsigned long long key = pr[1];
     const float inv_t = __uint_as_float((unsigned int)(pr[2] & 0xffffffffu));
 
@@ -161,15 +164,28 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
         drawn = si[0] < 0 ? 0 : si[0];
     }
 
-    // log Σ exp(x - m): per thread in index order, then the tree.
-    float acc = 0.0f;
+    // log Σ exp(x - m) and, for a top-p draw, Σ exp(x·inv_t - m·inv_t) (gumbel.rs's
+    // tempered_sum): per thread in index order, then the tree (the same order for both).
+    float acc = 0.0f, acc_t = 0.0f;
+    const float mt = m * inv_t;
     if (m != NEG_INF) {
-        strided_in_order(row, vocab, t, [&](float v, int) { acc += expf(v - m); });
+        if (nucleus) {
+            strided_in_order(row, vocab, t, [&](float v, int) {
+                acc += expf(v - m);
+                acc_t += expf(v * inv_t - mt);
+            });
+        } else {
+            strided_in_order(row, vocab, t, [&](float v, int) { acc += expf(v - m); });
+        }
     }
     ss[t] = acc;
+    sv[t] = acc_t;
     __syncthreads();
     for (int s = RS_THREADS / 2; s > 0; s >>= 1) {
-        if (t < s) ss[t] = ss[t] + ss[t + s];
+        if (t < s) {
+            ss[t] = ss[t] + ss[t + s];
+            sv[t] = sv[t] + sv[t + s];
+        }
         __syncthreads();
     }
 
@@ -178,11 +194,13 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
         for (int g = 0; g < n_groups; ++g) h = fnv_word(h, digests[n_chunks + g]);
         const unsigned long long p = pr[0];
         const float nan = __int_as_float(0x7fc00000);
-        float* of = out_f + (size_t)blockIdx.x * 4;
+        float* of = out_f + (size_t)blockIdx.x * 6;
         of[0] = vocab > 0 ? row[am] : nan;
         of[1] = (m == NEG_INF) ? m : m + logf(ss[0]);
         of[2] = (p < (unsigned long long)vocab) ? row[p] : nan;
         of[3] = (drawn >= 0 && vocab > 0) ? row[drawn] : nan;
+        of[4] = nucleus ? sv[0] : nan;
+        of[5] = 0.0f;
         unsigned long long* ou = out_u + (size_t)blockIdx.x * 3;
         ou[0] = (unsigned long long)am;
         ou[1] = h;

@@ -359,7 +359,7 @@ impl<B: Backend> Model<B> {
         b: &B,
         logits: &B::Act,
         pick: &[u32],
-        draws: &[Option<crate::sampling::GumbelDraw>],
+        draws: &[crate::sampling::RowDraw],
     ) -> BResult<Vec<crate::sampling::RowStats>> {
         b.row_stats(logits, self.head.vocab(), pick, draws)
     }

@@ -13,7 +13,7 @@ use crate::error::{MResult, ModelError};
 use crate::forward::{Model, Trace};
 use crate::generation_config::GenerationConfig;
 use crate::layers::LoadCtx;
-use crate::sampling::{self, GumbelDraw, RowStats, Sampling, TokenLogprob};
+use crate::sampling::{self, RowDraw, RowStats, Sampling, TokenLogprob};
 use crate::tokenizer_config::TokenizerConfig;
 use crate::weights::WeightStore;
 
@@ -342,12 +342,12 @@ impl<B: Backend> Engine<B> {
     }
 
     /// One forward over a ragged batch; `ids_of[i]` is the request id of sequence i (for
-    /// error messages). Returns each output row's `RowStats` (`pick[i]`: the index whose
-    /// value row i reports), its `ks[i]` top candidates, and the rows' logits on the host
-    /// when `need_host` (or a shadow is comparing them). Without either, the step is the
-    /// backend's `run_step` (which may replay a recording); with a shadow, compares every
-    /// layer and the logits bit for bit.
-    #[allow(clippy::too_many_arguments)]
+    /// error messages), `tasks[i]` what output row i is for. Returns each output row's
+    /// `RowStats`, its top candidates, and the rows' logits on the host: all of them when
+    /// a task needs its row from the start (or a shadow compares them), else those whose
+    /// top-p nucleus the candidates do not reach. Without a whole-row task or a shadow,
+    /// the step is the backend's `run_step` (which may replay a recording); with a shadow,
+    /// compares every layer and the logits bit for bit.
     fn step(
         &mut self,
         caches: &mut Caches<B>,
@@ -355,11 +355,13 @@ impl<B: Backend> Engine<B> {
         seqs: &[SeqRows],
         out_rows: &[usize],
         ids_of: &[u64],
-        pick: &[u32],
-        draws: &[Option<GumbelDraw>],
-        ks: &[usize],
-        need_host: bool,
+        tasks: &[RowTask],
     ) -> MResult<StepOut> {
+        let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
+        let draws: Vec<RowDraw> = tasks.iter().map(RowTask::draw).collect();
+        let ks: Vec<usize> = tasks.iter().map(RowTask::candidates).collect();
+        let need_host = tasks.iter().any(RowTask::needs_row);
+        let (pick, draws, ks) = (&pick[..], &draws[..], &ks[..]);
         if !need_host && self.shadow.is_none() {
             // The device program: the backend may record it and replay the recording.
             let inputs = StepInputs {
@@ -374,13 +376,24 @@ impl<B: Backend> Engine<B> {
             };
             let model = &self.model;
             let cache = &mut caches.main;
+            let want_row = |r: usize, st: &RowStats, c: &[(u32, f32)]| {
+                tasks.get(r).is_some_and(|t| t.wants_row(st, c))
+            };
             let res = self
                 .backend
-                .run_step(&inputs, &mut |b, inp| {
-                    model.forward_logits(b, cache, inp.ids, inp.seqs, inp.out_rows, None)
-                })
+                .run_step(
+                    &inputs,
+                    &mut |b, inp| {
+                        model.forward_logits(b, cache, inp.ids, inp.seqs, inp.out_rows, None)
+                    },
+                    &want_row,
+                )
                 .map_err(|e| self.berr(e))?;
-            return Ok((res.stats, None, res.cands));
+            return Ok(StepOut {
+                stats: res.stats,
+                cands: res.cands,
+                host: HostRows::Some(res.rows),
+            });
         }
         // The rows come to the host (top-N beyond the candidates' limit, a sampling over
         // the whole row, or the shadow's comparison): the draws use them.
@@ -397,7 +410,7 @@ impl<B: Backend> Engine<B> {
             )
             .map_err(|e| self.berr(e))?;
         let Some(dev_logits) = dev_logits else {
-            return Ok((Vec::new(), None, Vec::new()));
+            return Ok(StepOut::default());
         };
         let stats = self
             .model
@@ -460,7 +473,11 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
-        Ok((stats, Some(logits), Vec::new()))
+        Ok(StepOut {
+            stats,
+            cands: Vec::new(),
+            host: HostRows::All(logits),
+        })
     }
 }
 
@@ -560,29 +577,24 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
-        let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
-        let draws: Vec<Option<GumbelDraw>> = tasks.iter().map(RowTask::draw).collect();
-        let ks: Vec<usize> = tasks.iter().map(RowTask::candidates).collect();
-        let need_host = tasks.iter().any(RowTask::needs_row);
         let t0 = std::time::Instant::now();
-        let (stats, logits, cands) = self.step(
-            caches, &ids, &seqs, &out_rows, &ids_of, &pick, &draws, &ks, need_host,
-        )?;
+        let out = self.step(caches, &ids, &seqs, &out_rows, &ids_of, &tasks)?;
         let vocab = self.model.cfg.vocab_size.max(1);
-        let host_ok = logits
-            .as_ref()
-            .is_none_or(|l| l.len() == out_rows.len() * vocab);
-        let cands_ok = cands.is_empty() || cands.len() == out_rows.len();
-        if stats.len() != out_rows.len() || !host_ok || !cands_ok {
+        let host_ok = match &out.host {
+            HostRows::All(l) => l.len() == out_rows.len() * vocab,
+            HostRows::Some(rows) => rows.is_empty() || rows.len() == out_rows.len(),
+            HostRows::None => true,
+        };
+        let cands_ok = out.cands.is_empty() || out.cands.len() == out_rows.len();
+        if out.stats.len() != out_rows.len() || !host_ok || !cands_ok {
             return Err(ModelError::Plan(format!(
                 "the forward returned {} row records for {} rows",
-                stats.len(),
+                out.stats.len(),
                 out_rows.len()
             )));
         }
         let t_rec = std::time::Instant::now();
-        let mut records =
-            records_parallel(logits.as_deref(), vocab, &stats, &cands, &tasks)?.into_iter();
+        let mut records = records_parallel(&out, vocab, &tasks)?.into_iter();
         let dt_rec = t_rec.elapsed().as_secs_f64();
         let dt = t0.elapsed().as_secs_f64();
         if plan.rows.iter().any(|r| r.prefill) {
@@ -611,7 +623,42 @@ impl<B: Backend> Engine<B> {
 /// A step's row stats, its logits on the host (when a row needs them or the shadow
 /// compares) and each row's top-k candidates (empty when no row asked for any, or when
 /// the rows came to the host: the draws use those).
-type StepOut = (Vec<RowStats>, Option<Vec<f32>>, Vec<Vec<(u32, f32)>>);
+#[derive(Default)]
+struct StepOut {
+    stats: Vec<RowStats>,
+    cands: Vec<Vec<(u32, f32)>>,
+    host: HostRows,
+}
+
+/// Which logits rows of a step are on the host.
+#[derive(Default)]
+enum HostRows {
+    /// Every row (`[rows, vocab]`).
+    All(Vec<f32>),
+    /// The rows asked for after the stats (`None` for the others; empty: none).
+    Some(Vec<Option<Vec<f32>>>),
+    #[default]
+    None,
+}
+
+impl HostRows {
+    fn row(&self, r: usize, vocab: usize) -> Option<&[f32]> {
+        match self {
+            HostRows::All(l) => l.get(r * vocab..(r + 1) * vocab),
+            HostRows::Some(rows) => rows.get(r).and_then(Option::as_deref),
+            HostRows::None => None,
+        }
+    }
+
+    /// Values on the host (whether the records are worth spreading over the cores).
+    fn values(&self) -> usize {
+        match self {
+            HostRows::All(l) => l.len(),
+            HostRows::Some(rows) => rows.iter().flatten().map(Vec::len).sum(),
+            HostRows::None => 0,
+        }
+    }
+}
 
 /// What to read off one logits row.
 enum RowTask {
@@ -635,17 +682,50 @@ impl RowTask {
         }
     }
 
-    /// The draw the backend makes where the logits are: pure temperature sampling.
-    fn draw(&self) -> Option<GumbelDraw> {
+    /// What the backend computes for the draw where the logits are: a pure
+    /// temperature's Gumbel-max draw, a whole-vocabulary top-p's tempered sum.
+    fn draw(&self) -> RowDraw {
         match *self {
-            RowTask::Score { .. } => None,
+            RowTask::Score { .. } => RowDraw::None,
             RowTask::Sample {
                 ref sampling,
                 key,
                 position,
                 ..
-            } => sampling::gumbel_draw(sampling, key, position),
+            } => sampling::row_draw(sampling, key, position),
         }
+    }
+
+    /// The draw from the row's candidates (`Choice::NeedsRow` when its top-p nucleus
+    /// lies beyond them); `None` for rows that draw nothing from candidates.
+    fn candidate_choice(&self, stats: &RowStats, cand: &[(u32, f32)]) -> Option<sampling::Choice> {
+        let k = self.draw_candidates();
+        match *self {
+            RowTask::Sample {
+                ref sampling,
+                key,
+                position,
+                ..
+            } if k > 0 && stats.sampled == u32::MAX => Some(sampling::choose_from_candidates(
+                &cand[..cand.len().min(k)],
+                sampling,
+                key,
+                position,
+                stats.tempered_sum,
+                // Fewer than asked for: every non-NaN value of the row.
+                cand.len() < k,
+            )),
+            _ => None,
+        }
+    }
+
+    /// Whether the row must come to the host after its stats and candidates: a top-p
+    /// nucleus the candidates do not reach.
+    fn wants_row(&self, stats: &RowStats, cand: &[(u32, f32)]) -> bool {
+        matches!(
+            self.candidate_choice(stats, cand),
+            Some(sampling::Choice::NeedsRow)
+        )
     }
 
     /// How many candidates a sampled token's draw needs (0: none, or the whole row).
@@ -673,9 +753,9 @@ impl RowTask {
         }
     }
 
-    /// Whether the record needs the whole row on the host: top-N beyond the backend's
-    /// selection, or a token sampled with a top-p cut over the whole vocabulary or a
-    /// top-k beyond the backend's selection (a sort over the vocabulary).
+    /// Whether the record needs the whole row on the host from the start: top-N beyond
+    /// the backend's selection, or a token sampled with a top-k beyond it (a sort over the
+    /// vocabulary).
     fn needs_row(&self) -> bool {
         let whole_row_draw = match *self {
             RowTask::Sample { ref sampling, .. } => {
@@ -688,9 +768,14 @@ impl RowTask {
         whole_row_draw || self.n_top() > sampling::CANDIDATES_MAX
     }
 
-    /// The record from the row's stats and, where `needs_row`, the row itself, or, where
-    /// `candidates`, the row's top-k candidates.
-    fn run(&self, stats: &RowStats, row: Option<&[f32]>, cand: Option<&[(u32, f32)]>) -> Record {
+    /// The record from the row's stats and, where `needs_row` or `wants_row`, the row
+    /// itself, or, where `candidates`, the row's top candidates.
+    fn run(
+        &self,
+        stats: &RowStats,
+        row: Option<&[f32]>,
+        cand: Option<&[(u32, f32)]>,
+    ) -> MResult<Record> {
         let (token, value, n_top) = match *self {
             RowTask::Score { token, n_top } => (token, stats.picked, n_top),
             RowTask::Sample {
@@ -703,29 +788,27 @@ impl RowTask {
                 // request's tokens do not depend on whether it asked for log-probs.
                 _ if stats.sampled != u32::MAX => (stats.sampled, stats.sampled_value, n_top),
                 Some(row) if sampling.temperature != 0.0 && row.len() > 1 => {
-                    let t = sampling::choose(row, sampling, key, position);
+                    // A whole-vocabulary top-p compares with the backend's tempered sum,
+                    // as the candidates' draw does.
+                    let tempered = sampling.is_nucleus().then_some(stats.tempered_sum);
+                    let t = sampling::choose_with(row, sampling, key, position, tempered);
                     (t, row[t as usize], n_top)
                 }
-                // `choose` on the draw's top-k candidates (same token and value); the
-                // argmax below where there are none, as `choose` gives for an all-NaN row.
-                None if self.draw_candidates() > 0 => {
-                    let k = self.draw_candidates();
-                    match cand.and_then(|c| {
-                        sampling::choose_from_candidates(
-                            &c[..c.len().min(k)],
-                            sampling,
-                            key,
-                            position,
-                        )
-                    }) {
-                        Some((t, v)) => (t, v, n_top),
-                        None => (stats.argmax, stats.max, n_top),
+                // `choose` on the draw's candidates (same token and value); the argmax
+                // where there are none, as `choose` gives for an all-NaN row.
+                None => match self.candidate_choice(stats, cand.unwrap_or(&[])) {
+                    Some(sampling::Choice::Token(t, v)) => (t, v, n_top),
+                    Some(sampling::Choice::NeedsRow) => {
+                        return Err(ModelError::Plan(format!(
+                            "the top-p draw at position {position} of request {key} needs its row, which the step did not bring"
+                        )))
                     }
-                }
+                    Some(sampling::Choice::Empty) | None => (stats.argmax, stats.max, n_top),
+                },
                 _ => (stats.argmax, stats.max, n_top),
             },
         };
-        Record {
+        Ok(Record {
             token,
             logprob: value - stats.lse,
             top: match (row, cand) {
@@ -734,40 +817,26 @@ impl RowTask {
                 (None, None) => Vec::new(),
             },
             digest: stats.digest,
-        }
+        })
     }
 }
 
-/// The records of every task. Rows that need their logits on the host (top-N, sampled
-/// tokens: a sort over the vocabulary) are spread over the host's cores.
-fn records_parallel(
-    logits: Option<&[f32]>,
-    vocab: usize,
-    stats: &[RowStats],
-    cands: &[Vec<(u32, f32)>],
-    tasks: &[RowTask],
-) -> MResult<Vec<Record>> {
-    let cand = |r: usize| cands.get(r).map(Vec::as_slice);
-    let Some(logits) = logits else {
-        if let Some(t) = tasks.iter().position(RowTask::needs_row) {
-            return Err(ModelError::Plan(format!(
-                "row {t} needs its logits on the host but the step did not download them"
-            )));
-        }
-        return Ok(stats
-            .iter()
-            .zip(tasks)
-            .enumerate()
-            .map(|(r, (s, t))| t.run(s, None, cand(r)))
-            .collect());
-    };
-    Ok(sampling::map_rows(tasks.len(), logits.len(), |r, _| {
-        tasks[r].run(
-            &stats[r],
-            Some(&logits[r * vocab..(r + 1) * vocab]),
-            cand(r),
-        )
-    }))
+/// The records of every task. Rows on the host (top-N beyond the candidates, whole-row
+/// draws) are spread over the host's cores.
+fn records_parallel(out: &StepOut, vocab: usize, tasks: &[RowTask]) -> MResult<Vec<Record>> {
+    if let Some(t) =
+        (0..tasks.len()).find(|&r| tasks[r].needs_row() && out.host.row(r, vocab).is_none())
+    {
+        return Err(ModelError::Plan(format!(
+            "row {t} needs its logits on the host but the step did not download them"
+        )));
+    }
+    let cand = |r: usize| out.cands.get(r).map(Vec::as_slice);
+    sampling::map_rows(tasks.len(), out.host.values(), |r, _| {
+        tasks[r].run(&out.stats[r], out.host.row(r, vocab), cand(r))
+    })
+    .into_iter()
+    .collect()
 }
 
 fn first_diff_row(a: &[f32], b: &[f32], cols: usize) -> Option<usize> {

@@ -31,6 +31,12 @@ impl Sampling {
         self.temperature != 0.0 && self.top_k == 0 && self.top_p >= 1.0
     }
 
+    /// A top-p cut over the whole vocabulary (no top-k): its cut compares with the row's
+    /// tempered sum, which the backend computes where the logits are ([`row_draw`]).
+    pub fn is_nucleus(&self) -> bool {
+        self.temperature != 0.0 && self.top_k == 0 && self.top_p < 1.0
+    }
+
     pub fn validate(&self) -> MResult<()> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(ModelError::BadSampling(format!(
@@ -62,7 +68,7 @@ pub struct TokenLogprob {
 }
 
 use arbor_kernels::cpu::gumbel::splitmix64;
-pub use arbor_kernels::cpu::{gumbel_argmax, GumbelDraw};
+pub use arbor_kernels::cpu::{gumbel_argmax, tempered_sum, GumbelDraw, RowDraw};
 
 /// The 64-bit key of (seed, request id, position): a pure function of the triple, so it
 /// does not depend on the batch slot or how many steps ran before.
@@ -83,6 +89,19 @@ pub fn gumbel_draw(s: &Sampling, id: u64, position: usize) -> Option<GumbelDraw>
         inv_t: 1.0 / s.temperature,
         key: draw_key(s.seed, id, position as u64),
     })
+}
+
+/// What the backend computes for a sampled row where the logits are: the Gumbel-max draw
+/// of a pure temperature, the tempered sum of a top-p draw over the whole vocabulary, or
+/// nothing (greedy; top-k draws from candidates alone).
+pub fn row_draw(s: &Sampling, id: u64, position: usize) -> RowDraw {
+    match gumbel_draw(s, id, position) {
+        Some(g) => RowDraw::Gumbel(g),
+        None if s.is_nucleus() => RowDraw::Nucleus {
+            inv_t: 1.0 / s.temperature,
+        },
+        None => RowDraw::None,
+    }
 }
 
 pub use arbor_kernels::cpu::digest::{digest, DIGEST_CHUNK};
@@ -140,23 +159,27 @@ pub fn map_rows<T: Send>(
 /// [`RowStats`] of `rows` rows of `vocab` values (row stride `cols`), on the host: the
 /// sequential log-sum-exp, so the CPU backend's log-probs keep their bits. `pick[r]` is
 /// the index whose value is returned in `picked` (`u32::MAX`: none).
-/// `draws[r]`: the Gumbel-max draw to make on row r.
+/// `draws[r]`: the Gumbel-max draw to make on row r, or the tempered sum to compute.
 pub fn host_row_stats(
     logits: &[f32],
     cols: usize,
     vocab: usize,
     pick: &[u32],
-    draws: &[Option<GumbelDraw>],
+    draws: &[RowDraw],
 ) -> Vec<RowStats> {
     map_rows(pick.len(), pick.len() * vocab, |r, threads| {
         let row = &logits[r * cols..r * cols + vocab];
         let (lse, digest) = lse_and_digest(row, threads);
         let a = argmax(row);
-        let sampled = draws
-            .get(r)
-            .copied()
-            .flatten()
-            .map_or(u32::MAX, |d| gumbel_argmax(row, d) as u32);
+        let draw = draws.get(r).copied().unwrap_or_default();
+        let sampled = match draw {
+            RowDraw::Gumbel(d) => gumbel_argmax(row, d) as u32,
+            _ => u32::MAX,
+        };
+        let tempered = match draw {
+            RowDraw::Nucleus { inv_t } => tempered_sum(row, inv_t),
+            _ => f32::NAN,
+        };
         RowStats {
             argmax: a as u32,
             max: row.get(a).copied().unwrap_or(f32::NAN),
@@ -165,6 +188,7 @@ pub fn host_row_stats(
             digest,
             sampled,
             sampled_value: row.get(sampled as usize).copied().unwrap_or(f32::NAN),
+            tempered_sum: tempered,
         }
     })
 }
@@ -302,8 +326,22 @@ fn order_key(v: f32, i: usize) -> u64 {
     ((key as u64) << 32) | u64::from(!(i as u32))
 }
 
-/// Chooses the token at `position` of request `id` from its full logits row.
+/// Chooses the token at `position` of request `id` from its full logits row, a top-p cut
+/// over the whole vocabulary comparing with the host's [`tempered_sum`].
 pub fn choose(row: &[f32], s: &Sampling, id: u64, position: usize) -> u32 {
+    choose_with(row, s, id, position, None)
+}
+
+/// [`choose`] with the row's tempered sum as the backend computed it where the logits are
+/// (`RowStats::tempered_sum`; `None`: the host's [`tempered_sum`]), which a top-p cut over
+/// the whole vocabulary compares with.
+pub fn choose_with(
+    row: &[f32],
+    s: &Sampling,
+    id: u64,
+    position: usize,
+    tempered: Option<f32>,
+) -> u32 {
     if s.temperature == 0.0 || row.len() <= 1 {
         return argmax(row) as u32;
     }
@@ -315,7 +353,14 @@ pub fn choose(row: &[f32], s: &Sampling, id: u64, position: usize) -> u32 {
     } else {
         s.top_k.min(row.len())
     };
-    draw_from(row, &sorted_desc(row, limit), s, id, position)
+    let total = s
+        .is_nucleus()
+        .then(|| tempered.unwrap_or_else(|| tempered_sum(row, 1.0 / s.temperature)));
+    let cand = sorted_desc(row, limit);
+    match draw_index(cand.len(), |j| row[cand[j]], s, id, position, total, true) {
+        Drawn::Index(j) => cand[j] as u32,
+        Drawn::Empty | Drawn::Beyond => 0,
+    }
 }
 
 /// The token drawn from `cand` (the row's candidates, most likely first, lowest index on
@@ -323,9 +368,12 @@ pub fn choose(row: &[f32], s: &Sampling, id: u64, position: usize) -> u32 {
 /// uniform at `position`. Public so the selection's benchmark can feed it another
 /// selection's candidates.
 pub fn draw_from(row: &[f32], cand: &[usize], s: &Sampling, id: u64, position: usize) -> u32 {
-    match draw_index(cand.len(), |j| row[cand[j]], s, id, position) {
-        Some(j) => cand[j] as u32,
-        None => 0,
+    let total = s
+        .is_nucleus()
+        .then(|| tempered_sum(row, 1.0 / s.temperature));
+    match draw_index(cand.len(), |j| row[cand[j]], s, id, position, total, true) {
+        Drawn::Index(j) => cand[j] as u32,
+        Drawn::Empty | Drawn::Beyond => 0,
     }
 }
 
@@ -334,10 +382,14 @@ pub fn draw_from(row: &[f32], cand: &[usize], s: &Sampling, id: u64, position: u
 pub const CANDIDATES_MAX: usize = 1024;
 
 /// How many candidates a sampled token needs from the backend instead of its whole row:
-/// `top_k` for a top-k draw (with or without top-p) of at most [`CANDIDATES_MAX`], else 0
-/// (greedy, the device's pure-temperature draw, or a selection over the whole row).
+/// `top_k` for a top-k draw (with or without top-p) of at most [`CANDIDATES_MAX`],
+/// [`CANDIDATES_MAX`] for a top-p draw over the whole vocabulary (its nucleus is usually
+/// far smaller; when it is not, the row comes to the host after all), else 0 (greedy, the
+/// device's pure-temperature draw, or a top-k beyond the limit).
 pub fn candidates_needed(s: &Sampling) -> usize {
-    if s.temperature == 0.0 || s.draws_on_device() || s.top_k > CANDIDATES_MAX {
+    if s.is_nucleus() {
+        CANDIDATES_MAX
+    } else if s.temperature == 0.0 || s.draws_on_device() || s.top_k > CANDIDATES_MAX {
         0
     } else {
         s.top_k
@@ -366,47 +418,82 @@ pub fn top_n_of_candidates(cand: &[(u32, f32)], lse: f32, n: usize) -> Vec<Token
         .collect()
 }
 
-/// `choose` for a top-k sampling given the row's `s.top_k` candidates (as
-/// [`top_k_candidates`] returns them) instead of the row: the same token and value.
-/// `None` when there are none (every value NaN); the caller then takes the argmax, as
-/// `choose` does.
+/// A draw from candidates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Choice {
+    /// The token and its value: those `choose_with` gives on the whole row.
+    Token(u32, f32),
+    /// No candidates (every value NaN): the caller takes the argmax, as `choose` does.
+    Empty,
+    /// A top-p cut over the whole vocabulary that the candidates do not reach: the draw
+    /// needs the row.
+    NeedsRow,
+}
+
+/// `choose_with` given the row's candidates (as [`top_k_candidates`] returns them: the
+/// `candidates_needed(s)` most likely, or every non-NaN value when `complete`) instead of
+/// the row. `tempered`: `RowStats::tempered_sum`, for a top-p cut over the whole vocabulary.
 pub fn choose_from_candidates(
     cand: &[(u32, f32)],
     s: &Sampling,
     id: u64,
     position: usize,
-) -> Option<(u32, f32)> {
-    draw_index(cand.len(), |j| cand[j].1, s, id, position).map(|j| cand[j])
+    tempered: f32,
+    complete: bool,
+) -> Choice {
+    let total = s.is_nucleus().then_some(tempered);
+    match draw_index(cand.len(), |j| cand[j].1, s, id, position, total, complete) {
+        Drawn::Index(j) => Choice::Token(cand[j].0, cand[j].1),
+        Drawn::Empty => Choice::Empty,
+        Drawn::Beyond => Choice::NeedsRow,
+    }
 }
 
-/// `draw_from`'s arithmetic over `n` candidates whose values `value(j)` gives, most likely
-/// first: the position of the drawn one, or `None` for no candidates.
+enum Drawn {
+    Index(usize),
+    Empty,
+    /// The top-p cut lies beyond the candidates given (not all of the row's).
+    Beyond,
+}
+
+/// The arithmetic of every host draw over `n` candidates whose values `value(j)` gives,
+/// most likely first: probabilities relative to the max, a top-p cut where the running
+/// sum reaches `top_p` of `total` (the candidates' own sum unless given: a top-p cut over
+/// the whole vocabulary compares with the row's tempered sum), then the request's uniform
+/// over the kept ones. `complete`: the candidates are every non-NaN value of the row.
 fn draw_index(
     n: usize,
     value: impl Fn(usize) -> f32,
     s: &Sampling,
     id: u64,
     position: usize,
-) -> Option<usize> {
+    total: Option<f32>,
+    complete: bool,
+) -> Drawn {
     if n == 0 {
-        return None;
+        return Drawn::Empty;
     }
     // Probabilities of the candidates (scaled logits, relative to the max), in
     // descending order: a fixed order, so the sums below are reproducible.
     let inv_t = 1.0f32 / s.temperature;
     let m = value(0) * inv_t;
     let w: Vec<f32> = (0..n).map(|j| (value(j) * inv_t - m).exp()).collect();
-    let total: f32 = w.iter().sum();
+    let total = total.unwrap_or_else(|| w.iter().sum());
     let mut keep = w.len();
     if s.top_p < 1.0 {
         let target = s.top_p * total;
         let mut acc = 0.0f32;
+        let mut reached = false;
         for (j, &x) in w.iter().enumerate() {
             acc += x;
             if acc >= target {
                 keep = j + 1;
+                reached = true;
                 break;
             }
+        }
+        if !reached && !complete {
+            return Drawn::Beyond;
         }
     }
     let kept_total: f32 = w[..keep].iter().sum();
@@ -415,10 +502,10 @@ fn draw_index(
     for (j, &x) in w[..keep].iter().enumerate() {
         acc += x;
         if u < acc {
-            return Some(j);
+            return Drawn::Index(j);
         }
     }
-    Some(keep - 1)
+    Drawn::Index(keep - 1)
 }
 
 #[cfg(test)]
@@ -491,12 +578,59 @@ mod tests {
             let s = Sampling { temperature, top_k, top_p, seed };
             proptest::prop_assert_eq!(candidates_needed(&s), top_k);
             let want = choose(&row, &s, 17, position);
-            let got = choose_from_candidates(&top_k_candidates(&row, top_k), &s, 17, position)
-                .map_or(argmax(&row) as u32, |(t, v)| {
+            let cand = top_k_candidates(&row, top_k);
+            let got = match choose_from_candidates(&cand, &s, 17, position, f32::NAN, false) {
+                Choice::Token(t, v) => {
                     assert_eq!(v.to_bits(), row[t as usize].to_bits());
                     t
-                });
+                }
+                Choice::Empty => argmax(&row) as u32,
+                Choice::NeedsRow => panic!("a top-k draw never needs the row"),
+            };
             proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    proptest::proptest! {
+        /// A top-p draw over the whole vocabulary from the row's k most likely tokens and the
+        /// row's tempered sum is the draw from the whole row with that sum, whenever the
+        /// candidates reach the cut, and says it needs the row only when they do not.
+        #[test]
+        fn a_nucleus_drawn_from_candidates_is_the_whole_rows(
+            picks in proptest::collection::vec(0usize..12, 2..400),
+            k in 1usize..60,
+            top_p in proptest::sample::select(vec![0.95f32, 0.9, 0.5, 0.05]),
+            temperature in proptest::sample::select(vec![0.3f32, 1.0, 2.5]),
+            seed in 0u64..1000,
+            position in 0usize..5000,
+        ) {
+            const VALUES: [f32; 12] =
+                [0.0, -0.0, 1.5, -1.5, 3.25, 7.0, -7.0, 2.0, 9.5, -3.0, 0.25, f32::NAN];
+            let row: Vec<f32> = picks.iter().map(|&p| VALUES[p]).collect();
+            let s = Sampling { temperature, top_k: 0, top_p, seed };
+            proptest::prop_assert!(s.is_nucleus());
+            proptest::prop_assert_eq!(candidates_needed(&s), CANDIDATES_MAX);
+            // Another backend's order of the same sum: a value of its own, used by both.
+            let z = tempered_sum(&row, 1.0 / temperature) * 1.000_001;
+            let want = choose_with(&row, &s, 9, position, Some(z));
+            let cand = top_k_candidates(&row, k);
+            let complete = cand.len() < k;
+            match choose_from_candidates(&cand, &s, 9, position, z, complete) {
+                Choice::Token(t, v) => {
+                    proptest::prop_assert_eq!(t, want);
+                    proptest::prop_assert_eq!(v.to_bits(), row[t as usize].to_bits());
+                }
+                Choice::NeedsRow => {
+                    proptest::prop_assert!(!complete);
+                    // The cut really lies beyond the k candidates (or the sum is NaN: a
+                    // NaN logit, which the whole row's draw handles as the host does).
+                    let inv_t = 1.0 / temperature;
+                    let m = cand[0].1 * inv_t;
+                    let acc: f32 = cand.iter().map(|c| (c.1 * inv_t - m).exp()).sum();
+                    proptest::prop_assert!(!(acc >= top_p * z), "{acc} vs {}", top_p * z);
+                }
+                Choice::Empty => proptest::prop_assert!(row.iter().all(|v| v.is_nan())),
+            }
         }
     }
 
@@ -512,8 +646,8 @@ mod tests {
         assert_eq!(candidates_needed(&s(1.0, 0, 1.0)), 0, "drawn on the device");
         assert_eq!(
             candidates_needed(&s(1.0, 0, 0.9)),
-            0,
-            "top-p over the whole row"
+            CANDIDATES_MAX,
+            "top-p over the whole row: its nucleus from the candidates when they reach it"
         );
         assert_eq!(candidates_needed(&s(1.0, 50, 0.9)), 50);
         assert_eq!(
@@ -639,21 +773,30 @@ mod tests {
             .collect();
         let pick = [0u32, 69_999, 5, u32::MAX, 123];
         let d = |t: f32, key: u64| {
-            Some(GumbelDraw {
+            RowDraw::Gumbel(GumbelDraw {
                 inv_t: 1.0 / t,
                 key,
             })
         };
-        let draws = [None, d(0.7, 1), None, d(1.0, 2), d(1.3, 3)];
+        let nucleus = RowDraw::Nucleus { inv_t: 1.0 / 0.8 };
+        let draws = [RowDraw::None, d(0.7, 1), nucleus, d(1.0, 2), d(1.3, 3)];
         let stats = host_row_stats(&logits, cols, vocab, &pick, &draws);
         for (r, s) in stats.iter().enumerate() {
+            let row = &logits[r * cols..r * cols + vocab];
             match draws[r] {
-                None => assert!(s.sampled == u32::MAX && s.sampled_value.is_nan()),
-                Some(d) => {
-                    let t = gumbel_argmax(&logits[r * cols..r * cols + vocab], d);
+                RowDraw::None => assert!(s.sampled == u32::MAX && s.sampled_value.is_nan()),
+                RowDraw::Nucleus { inv_t } => {
+                    assert!(s.sampled == u32::MAX && s.sampled_value.is_nan());
+                    assert_eq!(s.tempered_sum.to_bits(), tempered_sum(row, inv_t).to_bits());
+                }
+                RowDraw::Gumbel(d) => {
+                    let t = gumbel_argmax(row, d);
                     assert_eq!(s.sampled as usize, t);
                     assert_eq!(s.sampled_value.to_bits(), logits[r * cols + t].to_bits());
                 }
+            }
+            if !matches!(draws[r], RowDraw::Nucleus { .. }) {
+                assert!(s.tempered_sum.is_nan());
             }
             let row = &logits[r * cols..r * cols + vocab];
             assert_eq!(s.argmax as usize, argmax(row));

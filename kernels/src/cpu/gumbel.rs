@@ -14,6 +14,38 @@ pub struct GumbelDraw {
     pub key: u64,
 }
 
+/// What a row's stats compute for the token it samples, where the logits are.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum RowDraw {
+    /// Nothing: a greedy or scored row, or a top-k draw (made on the host from the
+    /// row's candidates).
+    #[default]
+    None,
+    /// A pure temperature: the Gumbel-max draw.
+    Gumbel(GumbelDraw),
+    /// A top-p (nucleus) draw over the whole vocabulary: the tempered sum
+    /// [`tempered_sum`] its cut compares with (the draw itself is made on the host from
+    /// the row's candidates, or from the row when the nucleus is larger).
+    Nucleus { inv_t: f32 },
+}
+
+/// Σ exp(x·inv_t − max·inv_t) over the row's values, NaN included (max over the
+/// non-NaN ones), in index order: the host's definition of the sum a top-p cut compares
+/// with. A backend computes it in an order of its own (the GPU's row-stats kernel: strided
+/// per thread, then a fixed tree), fixed per row, so each backend's draws are its own.
+pub fn tempered_sum(row: &[f32], inv_t: f32) -> f32 {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY {
+        return 0.0;
+    }
+    let mt = m * inv_t;
+    let mut s = 0.0f32;
+    for &x in row {
+        s += (x * inv_t - mt).exp();
+    }
+    s
+}
+
 /// SplitMix64's finaliser (after the golden-ratio increment).
 pub fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);

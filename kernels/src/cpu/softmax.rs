@@ -48,6 +48,9 @@ pub struct RowStats {
     pub sampled: u32,
     /// The row's value at `sampled` (NaN when none was drawn).
     pub sampled_value: f32,
+    /// [`crate::cpu::gumbel::tempered_sum`] in the backend's order, for a top-p draw
+    /// (NaN when none was asked for).
+    pub tempered_sum: f32,
 }
 
 /// Index of the largest value; the lowest index wins ties. NaN never wins; a row of

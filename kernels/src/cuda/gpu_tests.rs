@@ -681,26 +681,33 @@ fn check_attention(dev: &GpuDevice, n_heads: usize, n_kv: usize, hd: usize, len:
 
 #[test]
 fn row_stats_match_the_host_definitions_and_not_the_batch() {
+    use crate::cpu::RowDraw;
     let Some(dev) = device() else { return };
     let (vocab, cols) = (128_256usize, 128_260usize);
     let mut rng = Rng(9);
-    let mut rows = [rng.vec(cols, 6.0), rng.vec(cols, 6.0), rng.vec(cols, 6.0)];
+    let mut rows = [
+        rng.vec(cols, 6.0),
+        rng.vec(cols, 6.0),
+        rng.vec(cols, 6.0),
+        rng.vec(cols, 3.0),
+    ];
     // Ties resolve to the lowest index; NaN never wins; padding past the vocab is ignored.
     rows[1][77] = 50.0;
     rows[1][9_000] = 50.0;
     rows[1][5] = f32::NAN;
     rows[2][vocab + 1] = 1e9;
     let flat: Vec<f32> = rows.concat();
-    let pick = [3u32, 127_999, u32::MAX];
+    let pick = [3u32, 127_999, u32::MAX, 10];
     let x = dev.upload_f32(&flat).unwrap();
     let draw = |t: f32, key: u64| {
-        Some(crate::cpu::GumbelDraw {
+        RowDraw::Gumbel(crate::cpu::GumbelDraw {
             inv_t: 1.0 / t,
             key,
         })
     };
-    let draws = [draw(0.8, 11), None, draw(1.5, 12)];
-    let got = dev.row_stats(&x, 3, cols, vocab, &pick, &draws).unwrap();
+    let nucleus = |t: f32| RowDraw::Nucleus { inv_t: 1.0 / t };
+    let draws = [draw(0.8, 11), nucleus(0.9), draw(1.5, 12), nucleus(0.7)];
+    let got = dev.row_stats(&x, 4, cols, vocab, &pick, &draws).unwrap();
     for (r, s) in got.iter().enumerate() {
         let row = &rows[r][..vocab];
         let am = crate::cpu::argmax(row);
@@ -716,8 +723,7 @@ fn row_stats_match_the_host_definitions_and_not_the_batch() {
             p => assert_eq!(s.picked.to_bits(), row[p as usize].to_bits()),
         }
         match draws[r] {
-            None => assert_eq!(s.sampled, u32::MAX, "row {r}"),
-            Some(d) => {
+            RowDraw::Gumbel(d) => {
                 // The device's logf may differ from the host's ln in the last bit: the
                 // draw is the host's, or a perturbed value within rounding of the host's.
                 let want = crate::cpu::gumbel_argmax(row, d);
@@ -730,7 +736,28 @@ fn row_stats_match_the_host_definitions_and_not_the_batch() {
                     key(want)
                 );
                 assert_eq!(s.sampled_value.to_bits(), row[got].to_bits());
+                assert!(s.tempered_sum.is_nan(), "row {r}: no tempered sum asked");
             }
+            RowDraw::Nucleus { inv_t } => {
+                assert_eq!(s.sampled, u32::MAX, "row {r}");
+                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let want: f64 = row
+                    .iter()
+                    .map(|&v| (v as f64 * inv_t as f64 - m * inv_t as f64).exp())
+                    .sum();
+                if row.iter().any(|v| v.is_nan()) {
+                    assert!(s.tempered_sum.is_nan(), "row {r}: a NaN logit");
+                } else {
+                    assert!(
+                        (s.tempered_sum as f64 - want).abs() < 1e-4 * want,
+                        "row {r}: tempered sum {} vs {want}",
+                        s.tempered_sum
+                    );
+                    let host = crate::cpu::tempered_sum(row, inv_t) as f64;
+                    assert!((host - want).abs() < 1e-3 * want, "host {host} vs {want}");
+                }
+            }
+            RowDraw::None => unreachable!(),
         }
         if r != 1 {
             let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -744,16 +771,23 @@ fn row_stats_match_the_host_definitions_and_not_the_batch() {
     }
     assert_eq!(got[1].argmax, 77);
     // A row alone gives the bits it gives in the batch.
-    let one = dev.upload_f32(&rows[2]).unwrap();
-    let alone = dev
-        .row_stats(&one, 1, cols, vocab, &[u32::MAX], &[draws[2]])
-        .unwrap();
-    assert_eq!(
-        alone[0].sampled, got[2].sampled,
-        "draw alone ≠ in the batch"
-    );
-    assert_eq!(alone[0].lse.to_bits(), got[2].lse.to_bits());
-    assert_eq!(alone[0].digest, got[2].digest);
+    for r in [2, 3] {
+        let one = dev.upload_f32(&rows[r]).unwrap();
+        let alone = dev
+            .row_stats(&one, 1, cols, vocab, &[pick[r]], &[draws[r]])
+            .unwrap();
+        assert_eq!(
+            alone[0].sampled, got[r].sampled,
+            "row {r}: draw alone ≠ in the batch"
+        );
+        assert_eq!(alone[0].lse.to_bits(), got[r].lse.to_bits());
+        assert_eq!(alone[0].digest, got[r].digest);
+        assert_eq!(
+            alone[0].tempered_sum.to_bits(),
+            got[r].tempered_sum.to_bits(),
+            "row {r}: tempered sum alone ≠ in the batch"
+        );
+    }
 }
 
 /// The host definition of `top_k_select`: every non-NaN index sorted by value (total

@@ -7,7 +7,7 @@ use super::buf::DevBuf;
 use super::launch::Launch;
 
 use super::{CudaError, GpuDevice};
-use crate::cpu::{GumbelDraw, RowStats};
+use crate::cpu::{RowDraw, RowStats};
 
 /// f32 device buffer (activations).
 pub type DevF32 = DevBuf<f32>;
@@ -157,18 +157,20 @@ const ATTN_GROUP: usize = 4;
 const ATTN_MAX_HEAD_DIM: usize = 256;
 
 /// f32 and u64 results per row of the row-stats kernel (rowstats.cu): argmax, digest
-/// and draw as u64; max, log-sum-exp, the picked value and the drawn value as f32.
-pub const ROW_STATS_F32: usize = 4;
+/// and draw as u64; max, log-sum-exp, the picked value, the drawn value, the tempered sum
+/// and a pad (keeping the u64 part 8-byte aligned) as f32.
+pub const ROW_STATS_F32: usize = 6;
 pub const ROW_STATS_U64: usize = 3;
 
 /// The row-stats kernel's parameters, 3 u64 per row: the pick, the draw's key, and
-/// `1 << 32 | inv_t` bits when the row draws (0 otherwise).
-pub fn row_stats_params(pick: &[u32], draws: &[Option<GumbelDraw>]) -> Vec<u64> {
+/// `mode << 32 | inv_t` bits (mode 1: a Gumbel draw, 2: the tempered sum, 0: neither).
+pub fn row_stats_params(pick: &[u32], draws: &[RowDraw]) -> Vec<u64> {
     pick.iter()
         .zip(draws)
-        .flat_map(|(&p, d)| match d {
-            Some(d) => [p as u64, d.key, 1 << 32 | d.inv_t.to_bits() as u64],
-            None => [p as u64, 0, 0],
+        .flat_map(|(&p, d)| match *d {
+            RowDraw::Gumbel(g) => [p as u64, g.key, 1 << 32 | g.inv_t.to_bits() as u64],
+            RowDraw::Nucleus { inv_t } => [p as u64, 0, 2 << 32 | inv_t.to_bits() as u64],
+            RowDraw::None => [p as u64, 0, 0],
         })
         .collect()
 }
@@ -185,6 +187,7 @@ pub fn decode_row_stats(f: &[f32], u: &[u64]) -> Vec<RowStats> {
             digest: u[1],
             sampled: u[2] as u32,
             sampled_value: f[3],
+            tempered_sum: f[4],
         })
         .collect()
 }
@@ -367,14 +370,26 @@ impl GpuDevice {
         buf: &DevBuf<T>,
         len: usize,
     ) -> Result<Vec<T>, CudaError> {
-        check("download", len <= buf.len(), || {
-            format!("{len} values from a buffer of {}", buf.len())
-        })?;
-        if len == 0 {
+        self.download_range(what, buf, 0..len)
+    }
+
+    /// Values `range` of `buf` on the host (see `download`).
+    pub fn download_range<T: DeviceRepr + Default + Clone>(
+        &self,
+        what: &str,
+        buf: &DevBuf<T>,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<T>, CudaError> {
+        check(
+            "download",
+            range.start <= range.end && range.end <= buf.len(),
+            || format!("values {range:?} from a buffer of {}", buf.len()),
+        )?;
+        if range.is_empty() {
             return Ok(Vec::new());
         }
-        let mut out = vec![T::default(); len];
-        self.drv(what, self.stream.memcpy_dtoh(&buf.slice(0..len), &mut out))?;
+        let mut out = vec![T::default(); range.len()];
+        self.drv(what, self.stream.memcpy_dtoh(&buf.slice(range), &mut out))?;
         Ok(out)
     }
 
@@ -678,7 +693,7 @@ impl GpuDevice {
         cols: usize,
         vocab: usize,
         pick: &[u32],
-        draws: &[Option<GumbelDraw>],
+        draws: &[RowDraw],
     ) -> Result<Vec<RowStats>, CudaError> {
         check(
             "row_stats_kernel",

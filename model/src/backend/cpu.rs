@@ -246,7 +246,7 @@ impl Backend for CpuBackend {
         logits: &CpuAct,
         vocab: usize,
         pick: &[u32],
-        draws: &[Option<crate::sampling::GumbelDraw>],
+        draws: &[crate::sampling::RowDraw],
     ) -> BResult<Vec<crate::sampling::RowStats>> {
         if vocab > logits.cols || pick.len() != logits.rows || draws.len() != logits.rows {
             return Err(self.shape_err(format!(

@@ -26,8 +26,8 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::{
-    BResult, Backend, BackendError, HeadSpec, KvSpec, Numerics, SeqRows, StepForward, StepInputs,
-    StepResults, TreeSpec,
+    wanted_rows, BResult, Backend, BackendError, HeadSpec, KvSpec, Numerics, SeqRows, StepForward,
+    StepInputs, StepResults, TreeSpec, WantRow,
 };
 use crate::error::ModelError;
 use crate::runner::{Engine, LoadOptions, Runner};
@@ -506,11 +506,43 @@ impl CudaBackend {
         step::decode_outputs(&words, ol, keep).map_err(|m| self.shape_err(m))
     }
 
+    /// The rows of `logits` that `want_row` asks for given `res`, on the host (their
+    /// `vocab` values), into `res.rows`.
+    fn fetch_rows(
+        &self,
+        res: &mut StepResults,
+        logits: Option<&CudaAct>,
+        vocab: usize,
+        want_row: &WantRow<'_>,
+    ) -> BResult<()> {
+        let wanted = wanted_rows(&res.stats, &res.cands, want_row);
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let l =
+            logits.ok_or_else(|| self.shape_err("step rows asked for without logits".into()))?;
+        res.rows = vec![None; res.stats.len()];
+        for r in wanted {
+            let row = self.timed("download row", 1, || {
+                self.dev
+                    .download_range(
+                        "downloading a logits row",
+                        &l.buf,
+                        r * l.cols..r * l.cols + vocab,
+                    )
+                    .map_err(|e| self.dev_err(e))
+            })?;
+            res.rows[r] = Some(row);
+        }
+        Ok(())
+    }
+
     /// A step run op by op: its inputs uploaded once, its results downloaded once.
     fn step_eager(
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        want_row: &WantRow<'_>,
     ) -> BResult<StepResults> {
         let layout = self.upload_step(inputs)?;
         let Some(logits) = forward(self, inputs)? else {
@@ -525,7 +557,9 @@ impl CudaBackend {
             .alloc::<u32>(ol.words())
             .map_err(|e| self.dev_err(e))?;
         self.launch_outputs(&logits, inputs.vocab, ol, &out)?;
-        self.read_outputs(&out, ol, layout.outs)
+        let mut res = self.read_outputs(&out, ol, layout.outs)?;
+        self.fetch_rows(&mut res, Some(&logits), inputs.vocab, want_row)?;
+        Ok(res)
     }
 
     /// A decode-shaped step padded to `key.rows` and run from its recording (graphs.rs):
@@ -534,6 +568,7 @@ impl CudaBackend {
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        want_row: &WantRow<'_>,
         key: Key,
     ) -> BResult<StepResults> {
         let n = inputs.ids.len();
@@ -555,6 +590,7 @@ impl CudaBackend {
                 Ok(Entry {
                     inputs: Arc::new(alloc(layout.words())?),
                     outputs: alloc(ol.words())?,
+                    logits: None,
                     state: State::New,
                 })
             })
@@ -574,7 +610,7 @@ impl CudaBackend {
                     // Beyond what the recording's ops were checked for: run (and check)
                     // this step op by op.
                     drop(graphs);
-                    return self.step_eager(inputs, forward);
+                    return self.step_eager(inputs, forward, want_row);
                 }
                 graph
                     .launch()
@@ -583,7 +619,7 @@ impl CudaBackend {
             }
             State::Failed => {
                 drop(graphs);
-                return self.step_eager(inputs, forward);
+                return self.step_eager(inputs, forward, want_row);
             }
             State::New | State::Warm => {
                 let capture = matches!(entry.state, State::Warm);
@@ -602,12 +638,14 @@ impl CudaBackend {
                         .map_err(|e| self.dev_err_msg("beginning a graph capture", e))?;
                 }
                 let run = forward(self, &pin).and_then(|logits| match logits {
-                    Some(l) => self.launch_outputs(&l, inputs.vocab, ol, &entry.outputs),
+                    Some(l) => self
+                        .launch_outputs(&l, inputs.vocab, ol, &entry.outputs)
+                        .map(|()| l),
                     None => Err(self.shape_err("a decode step without logits".into())),
                 });
                 if !capture {
                     drop(scope);
-                    run?;
+                    entry.logits = Some(run?);
                     entry.state = State::Warm;
                 } else {
                     let graph = s.end_capture(CUgraphInstantiate_flags(0));
@@ -619,7 +657,9 @@ impl CudaBackend {
                         .as_ref()
                         .map(|m| m.meta.limits());
                     match (run, graph, limits) {
-                        (Ok(()), Ok(Some(graph)), Some(limits)) => {
+                        (Ok(logits), Ok(Some(graph)), Some(limits)) => {
+                            // Kept: the graph writes its logits here on every replay.
+                            entry.logits = Some(logits);
                             graph
                                 .upload()
                                 .map_err(|e| self.dev_err_msg("uploading a decode graph", e))?;
@@ -650,16 +690,17 @@ impl CudaBackend {
                             drop(graphs);
                             // A failed capture may leave an error behind in the context.
                             let _ = self.dev.ctx.check_err();
-                            return self.step_eager(inputs, forward);
+                            return self.step_eager(inputs, forward, want_row);
                         }
                     }
                 }
             }
         }
-        let res = self.read_outputs(&entry.outputs, ol, n);
+        let mut res = self.read_outputs(&entry.outputs, ol, n)?;
+        self.fetch_rows(&mut res, entry.logits.as_ref(), inputs.vocab, want_row)?;
         graphs.replays += u64::from(replayed || recorded);
         graphs.recorded += u64::from(recorded);
-        res
+        Ok(res)
     }
 
     /// `--numerics fast`: Y = bf16(X)·Wᵀ by cuBLAS, f32 out.
@@ -892,7 +933,7 @@ impl Backend for CudaBackend {
         logits: &CudaAct,
         vocab: usize,
         pick: &[u32],
-        draws: &[Option<crate::sampling::GumbelDraw>],
+        draws: &[crate::sampling::RowDraw],
     ) -> BResult<Vec<crate::sampling::RowStats>> {
         self.timed("row_stats", logits.rows, || {
             self.dev
@@ -1134,6 +1175,7 @@ impl Backend for CudaBackend {
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        want_row: &WantRow<'_>,
     ) -> BResult<StepResults> {
         let key = if self.records_steps() && inputs.is_decode_shaped() {
             graphs::bucket(inputs.ids.len()).map(|rows| Key {
@@ -1144,8 +1186,8 @@ impl Backend for CudaBackend {
             None
         };
         match key {
-            Some(key) => self.step_recorded(inputs, forward, key),
-            None => self.step_eager(inputs, forward),
+            Some(key) => self.step_recorded(inputs, forward, want_row, key),
+            None => self.step_eager(inputs, forward, want_row),
         }
     }
 

@@ -121,7 +121,7 @@ pub struct StepInputs<'a> {
     /// Per output row: the index whose value its stats report (`u32::MAX`: none).
     pub pick: &'a [u32],
     /// Per output row: the Gumbel-max draw to make where the logits are.
-    pub draws: &'a [Option<crate::sampling::GumbelDraw>],
+    pub draws: &'a [crate::sampling::RowDraw],
     /// Per output row: how many top candidates to select (0: none; at most
     /// `sampling::CANDIDATES_MAX`).
     pub ks: &'a [usize],
@@ -147,13 +147,19 @@ impl StepInputs<'_> {
     }
 }
 
-/// What a step returns per output row: its stats and, where `StepInputs::ks` asked, its
-/// top candidates (empty when no row asked for any).
+/// What a step returns per output row: its stats, where `StepInputs::ks` asked its top
+/// candidates (empty when no row asked for any), and the rows (their `vocab` values) that
+/// the step's `WantRow` asked for after seeing those (empty when none did).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepResults {
     pub stats: Vec<crate::sampling::RowStats>,
     pub cands: Vec<Vec<(u32, f32)>>,
+    pub rows: Vec<Option<Vec<f32>>>,
 }
+
+/// Whether output row `r` must come to the host after all, given its stats and
+/// candidates (a top-p nucleus larger than the candidates).
+pub type WantRow<'f> = dyn Fn(usize, &crate::sampling::RowStats, &[(u32, f32)]) -> bool + 'f;
 
 /// The device work of one step given its (possibly padded) inputs: the logits of
 /// `inputs.out_rows`, or `None` when there are none. It must take everything that varies
@@ -272,7 +278,7 @@ pub trait Backend {
         logits: &Self::Act,
         vocab: usize,
         pick: &[u32],
-        draws: &[Option<crate::sampling::GumbelDraw>],
+        draws: &[crate::sampling::RowDraw],
     ) -> BResult<Vec<crate::sampling::RowStats>>;
     /// Per row of `logits` (its first `vocab` columns): the `ks[r]` largest values (NaN
     /// excluded) as (index, value), most likely first, lowest index first on ties
@@ -305,14 +311,16 @@ pub trait Backend {
     fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;
 
     /// A step: `forward`'s logits, then each output row's stats and top candidates
-    /// (`row_stats`, `top_k`). A backend may upload the inputs once, pad a decode-shaped
-    /// step to a fixed batch size, record it and replay the recording on later steps
-    /// instead of calling `forward` (the CUDA backend's graphs); the results are the same
-    /// bits either way, since every kernel is batch invariant.
+    /// (`row_stats`, `top_k`), then the rows `want_row` asks for. A backend may upload the
+    /// inputs once, pad a decode-shaped step to a fixed batch size, record it and replay
+    /// the recording on later steps instead of calling `forward` (the CUDA backend's
+    /// graphs); the results are the same bits either way, since every kernel is batch
+    /// invariant.
     fn run_step(
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        want_row: &WantRow<'_>,
     ) -> BResult<StepResults>
     where
         Self: Sized,
@@ -326,7 +334,17 @@ pub trait Backend {
         } else {
             Vec::new()
         };
-        Ok(StepResults { stats, cands })
+        let wanted = wanted_rows(&stats, &cands, want_row);
+        let mut rows = Vec::new();
+        if !wanted.is_empty() {
+            let (_, cols) = self.shape(&logits);
+            let host = self.act_to_host(&logits)?;
+            rows = vec![None; stats.len()];
+            for r in wanted {
+                rows[r] = Some(host[r * cols..r * cols + inputs.vocab].to_vec());
+            }
+        }
+        Ok(StepResults { stats, cands, rows })
     }
 
     /// An identity for `cache` that differs from every other live cache's (0 where the
@@ -340,6 +358,17 @@ pub trait Backend {
     fn recorded_steps(&self) -> Option<(u64, u64)> {
         None
     }
+}
+
+/// The output rows `want_row` asks for, in order.
+pub fn wanted_rows(
+    stats: &[crate::sampling::RowStats],
+    cands: &[Vec<(u32, f32)>],
+    want_row: &WantRow<'_>,
+) -> Vec<usize> {
+    (0..stats.len())
+        .filter(|&r| want_row(r, &stats[r], cands.get(r).map_or(&[], Vec::as_slice)))
+        .collect()
 }
 
 /// `Backend::qkv_rope_kv` as its four ops (the definition of its bits).

@@ -59,6 +59,11 @@ pub struct Args {
     /// Write every measurement and check as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Time what one rank of a TP group computes for a row-parallel layer of each KxN:
+    /// its shard of K (8/TP of the 8 segments, contiguous operands), against cuBLAS on
+    /// the same shard. 1: the whole layer.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -87,7 +92,10 @@ struct Report {
 
 #[derive(Serialize, Clone)]
 struct Row {
+    /// The K this call reduces (a rank's shard at TP > 1) and the layer's.
     k: usize,
+    global_k: usize,
+    tp: usize,
     n: usize,
     m: usize,
     path: &'static str,
@@ -131,6 +139,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.iters == 0 {
         bail!("--iters must be at least 1");
+    }
+    if !arbor_kernels::tree::is_valid_world(args.tp) {
+        bail!("--tp {} must be 1, 2, 4 or 8", args.tp);
     }
     let ctx = CudaContext::new(args.device)
         .with_context(|| format!("cannot open CUDA device {}", args.device))?;
@@ -184,6 +195,13 @@ pub fn run(args: Args) -> Result<()> {
         l2 >> 20
     );
     println!("copy ceiling (device-to-device, read+write): {copy_gbps:.0} GB/s");
+    if args.tp > 1 {
+        println!(
+            "TP {}: each K below is rank 0's shard of the layer's K ({} of the 8 segments)",
+            args.tp,
+            SEGMENTS / args.tp
+        );
+    }
     for (path, size) in [
         (Path::WgCluster64, SEGMENTS),
         (Path::WgCluster64x2, SEGMENTS / 2),
@@ -216,7 +234,7 @@ pub fn run(args: Args) -> Result<()> {
         let shape_rows = bench_shape(
             &stream, &tg, &blas, &timer, &args, &ms, k, n, l2, out_dtype, copy_gbps, family, forced,
         )
-        .with_context(|| format!("shape K={k} N={n}"))?;
+        .with_context(|| format!("shape K={k} N={n} at TP {}", args.tp))?;
         rows.extend(shape_rows);
     }
     let all_pass = rows
@@ -406,7 +424,12 @@ fn bench_shape(
     family: Family,
     forced: Option<Path>,
 ) -> Result<Vec<Row>> {
-    let layout = SegmentLayout::new(k);
+    // At TP > 1 the operands are rank 0's shard of K, contiguous as a rank holds them,
+    // reduced as its 8/TP segments of the layer's segment length.
+    let global_k = k;
+    let layout = SegmentLayout::new(global_k);
+    let n_seg = SEGMENTS / args.tp;
+    let k = layout.shard(0, args.tp).len();
     let m_ref = *ms.last().context("no M")?;
     let x_rows = m_ref + 8;
     let w_bytes = n * k * 2;
@@ -429,7 +452,7 @@ fn bench_shape(
     };
     let ws_len = ms
         .iter()
-        .flat_map(|&m| split_paths().map(move |p| p.workspace_len(m.min(1024), n, SEGMENTS)))
+        .flat_map(|&m| split_paths().map(move |p| p.workspace_len(m.min(1024), n, n_seg)))
         .max()
         .unwrap_or(0);
     let cnt_len = ms
@@ -455,7 +478,7 @@ fn bench_shape(
         n,
         k,
         seg_len: layout.seg_len,
-        n_seg: SEGMENTS,
+        n_seg,
     };
 
     // The reference rows: the largest M, by its own path.
@@ -510,7 +533,9 @@ fn bench_shape(
         let y_blas: Vec<f32> = stream.clone_dtoh(&ops.out2)?[..m * n].to_vec();
         let rel_err = rel_err(&y, &y_blas);
         let mut checks = Vec::new();
-        checks.push(check_tp(stream, tg, &ops, &layout, m, &y)?);
+        if args.tp == 1 {
+            checks.push(check_tp(stream, tg, &ops, &layout, m, &y)?);
+        }
         if m < m_ref {
             checks.push(check_rows(stream, tg, &ops, full(m), m_ref, &ref_y)?);
         }
@@ -550,6 +575,8 @@ fn bench_shape(
         };
         let row = Row {
             k,
+            global_k,
+            tp: args.tp,
             n,
             m,
             path: path.name(),

@@ -79,6 +79,9 @@ pub enum State {
 pub struct Entry {
     pub inputs: Arc<DevU32>,
     pub outputs: DevU32,
+    /// The logits its recording writes (lent by the workspace and kept): the rows a
+    /// step brings to the host after its stats come from here.
+    pub logits: Option<super::CudaAct>,
     pub state: State,
 }
 

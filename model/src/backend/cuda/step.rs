@@ -18,7 +18,7 @@ use arbor_kernels::cuda::{DevU32, RowMeta};
 use cudarc::driver::CudaStream;
 
 use crate::backend::{SeqRows, StepInputs, StepResults};
-use crate::sampling::GumbelDraw;
+use crate::sampling::RowDraw;
 
 /// Where each part of a step's input words lies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,7 +174,7 @@ pub struct Padded {
     pub seqs: Vec<SeqRows>,
     pub out_rows: Vec<usize>,
     pub pick: Vec<u32>,
-    pub draws: Vec<Option<GumbelDraw>>,
+    pub draws: Vec<RowDraw>,
     pub ks: Vec<usize>,
 }
 
@@ -196,7 +196,7 @@ impl Padded {
             v
         };
         let mut draws = inputs.draws.to_vec();
-        draws.extend(std::iter::repeat_n(None, extra));
+        draws.extend(std::iter::repeat_n(RowDraw::None, extra));
         let mut ks = inputs.ks.to_vec();
         ks.extend(std::iter::repeat_n(0, extra));
         Ok(Padded {
@@ -260,7 +260,11 @@ pub fn decode_outputs(words: &[u32], l: OutLayout, keep: usize) -> Result<StepRe
         c.truncate(keep);
         c
     };
-    Ok(StepResults { stats, cands })
+    Ok(StepResults {
+        stats,
+        cands,
+        rows: Vec::new(),
+    })
 }
 
 /// The current step's inputs on the device, with the host copies the ops compare their
@@ -354,7 +358,7 @@ mod tests {
         seqs: &'a [SeqRows],
         out_rows: &'a [usize],
         pick: &'a [u32],
-        draws: &'a [Option<GumbelDraw>],
+        draws: &'a [RowDraw],
         ks: &'a [usize],
     ) -> StepInputs<'a> {
         StepInputs {
@@ -372,11 +376,15 @@ mod tests {
     #[test]
     fn inputs_pack_into_their_layout() {
         let seqs = [seq(4, 0, 1, 9), seq(1, 1, 1, 3), seq(2, 2, 1, 0)];
-        let draw = GumbelDraw {
+        let draw = crate::sampling::GumbelDraw {
             inv_t: 0.5,
             key: 0x1234_5678_9abc_def0,
         };
-        let draws = [None, None, Some(draw)];
+        let draws = [
+            RowDraw::None,
+            RowDraw::Nucleus { inv_t: 2.0 },
+            RowDraw::Gumbel(draw),
+        ];
         let s = decode_step(
             &[11, 12, 13],
             &seqs,
@@ -399,18 +407,19 @@ mod tests {
         assert_eq!((0..9).map(u).collect::<Vec<_>>(), want);
         assert_eq!(u(7), draw.key);
         assert_eq!(u(8), 1 << 32 | 0.5f32.to_bits() as u64);
+        assert_eq!(u(5), 2 << 32 | 2.0f32.to_bits() as u64);
         // A mismatch is named, not packed.
-        let bad = decode_step(&[1], &seqs[..1], &[0], &[], &[None], &[0]);
+        let bad = decode_step(&[1], &seqs[..1], &[0], &[], &[RowDraw::None], &[0]);
         assert!(pack_inputs(&bad).unwrap_err().contains("0 picks"));
-        let bad = decode_step(&[1], &seqs[..1], &[1], &[0], &[None], &[0]);
+        let bad = decode_step(&[1], &seqs[..1], &[1], &[0], &[RowDraw::None], &[0]);
         assert!(pack_inputs(&bad).unwrap_err().contains("output row 1"));
     }
 
     #[test]
     fn padding_copies_row_zero_and_asks_nothing_of_the_copies() {
         let seqs = [seq(3, 0, 1, 17), seq(0, 1, 1, 4)];
-        let draw = Some(GumbelDraw { inv_t: 2.0, key: 9 });
-        let draws = [draw, None];
+        let draw = RowDraw::Gumbel(crate::sampling::GumbelDraw { inv_t: 2.0, key: 9 });
+        let draws = [draw, RowDraw::None];
         let s = decode_step(&[7, 8], &seqs, &[0, 1], &[1, 2], &draws, &[4, 0]);
         assert!(s.is_decode_shaped());
         let p = Padded::new(&s, 4).unwrap();
@@ -419,7 +428,7 @@ mod tests {
         assert_eq!(p.seqs[2], seq(3, 2, 1, 17));
         assert_eq!(p.seqs[3], seq(3, 3, 1, 17));
         assert_eq!(p.pick, [1, 2, u32::MAX, u32::MAX]);
-        assert_eq!(p.draws, [draw, None, None, None]);
+        assert_eq!(p.draws, [draw, RowDraw::None, RowDraw::None, RowDraw::None]);
         assert_eq!(p.ks, [4, 0, 0, 0]);
         let padded = p.inputs(&s);
         assert!(padded.is_decode_shaped());
@@ -429,7 +438,7 @@ mod tests {
         assert_eq!(&w[l.slots()..l.slots() + 4], &[3, 0, 3, 3]);
         // Not decode-shaped (a prefill chunk): refused.
         let chunk = [seq(0, 0, 2, 0)];
-        let pre = decode_step(&[1, 2], &chunk, &[1], &[0], &[None], &[0]);
+        let pre = decode_step(&[1, 2], &chunk, &[1], &[0], &[RowDraw::None], &[0]);
         assert!(!pre.is_decode_shaped());
         assert!(Padded::new(&pre, 4).is_err());
         assert!(Padded::new(&s, 1).is_err());
@@ -439,8 +448,9 @@ mod tests {
     fn outputs_decode_from_their_layout_and_keep_the_real_rows() {
         let l = OutLayout { outs: 2, stride: 8 };
         let mut w = vec![0u32; l.words()];
-        // Row 1: max 3.5, lse 4.0, picked -1.0, sampled value 2.0; argmax 6, digest, draw 9.
-        let f1 = [3.5f32, 4.0, -1.0, 2.0];
+        // Row 1: max 3.5, lse 4.0, picked -1.0, sampled value 2.0, tempered sum 7.5;
+        // argmax 6, digest, draw 9.
+        let f1 = [3.5f32, 4.0, -1.0, 2.0, 7.5, 0.0];
         for (j, v) in f1.iter().enumerate() {
             w[l.stats_f32() + ROW_STATS_F32 + j] = v.to_bits();
         }
