@@ -80,13 +80,14 @@ else
 fi
 # Sampled decode (invariant numerics): a pure temperature draws on the GPU (Gumbel max in
 # the row-stats kernel); top-k 50 selects its candidates on the GPU (select.cu) and draws on
-# the host from them. SAMPLED=0 skips.
+# the host from them; top-p 0.9 too, and a nucleus beyond its 1024 candidates (every row of
+# a random model's flat distribution) brings its row to the host. SAMPLED=0 skips.
 if [[ ${SAMPLED:-1} == 1 ]]; then
     for tp in $TPS; do
         launch=("$BIN/arbor-launch" -n "$tp" --)
         ((tp == 1)) && launch=()
-        for extra in "--temperature 1" "--temperature 1 --top-k 50"; do
-            tag=$(echo "$extra" | tr -d ' -')
+        for extra in "--temperature 1" "--temperature 1 --top-k 50" "--temperature 1 --top-p 0.9"; do
+            tag=$(echo "$extra" | tr -d ' -.')
             # shellcheck disable=SC2086 # $extra is two or four words on purpose
             step "sampled TP $tp $extra" "$OUT/decode-sampled.log" 150 "${launch[@]}" "$ARBOR" bench decode \
                 --model "$L8B" --device cuda --numerics invariant --batch "$BATCHES" --steps "$STEPS" \

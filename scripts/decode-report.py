@@ -67,15 +67,16 @@ for r in rows:
 sampled = {}  # (tp, label, batch) -> ms
 for f in glob.glob(os.path.join(d, "decode-sampled-tp*-*.json")):
     for r in json.load(open(f)):
-        label = f"T={r['temperature']:g}" + (f" top-k {r['top_k']}" if r.get("top_k") else "")
+        label = (f"T={r['temperature']:g}" + (f" top-k {r['top_k']}" if r.get("top_k") else "")
+                 + (f" top-p {r['top_p']:g}" if r.get("top_p", 1.0) < 1.0 else ""))
         sampled[(r["tp"], label, r["batch"])] = r["decode_ms_per_step"]
 sampled_rows = []
 if sampled:
-    print("sampled decode ms/step (invariant; a pure temperature draws on the device, top-k selects its candidates on the device and draws on the host):")
+    print("sampled decode ms/step (invariant; a pure temperature draws on the device; top-k and top-p draw on the host from candidates selected on the device, a top-p nucleus beyond them from its row):")
     for tp, label, b in sorted(sampled):
         g = ms(tp, "invariant", b)
         sampled_rows.append(dict(tp=tp, sampling=label, batch=b, ms=sampled[(tp, label, b)], greedy_ms=g))
-        print(f"  TP {tp} {label:<14} batch {b:>3}: {fmt(sampled[(tp, label, b)])} (greedy {fmt(g)}, "
+        print(f"  TP {tp} {label:<20} batch {b:>3}: {fmt(sampled[(tp, label, b)])} (greedy {fmt(g)}, "
               f"ratio {fmt(ratio(sampled[(tp, label, b)], g), 2)})")
 json.dump({"copy_gbps": copy_gbps, "rows": rows, "sampled": sampled_rows},
           open(os.path.join(d, "decode-report.json"), "w"), indent=1)

@@ -43,6 +43,7 @@ fn load<B: Backend>(b: &B, dir: &Path) -> Model<B> {
         store: &store,
         rank: 0,
         tp: 1,
+        row_tp: 1,
     };
     Model::load(&ctx, &cfg, 256).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
@@ -223,6 +224,7 @@ fn gpu_recorded_decode_steps_match_op_by_op() {
                 max_seq_len: Some(256),
                 shadow_tp1: false,
                 numerics: Numerics::Invariant,
+                rank_of_tp: None,
             };
             Engine::new(b, &opts).unwrap_or_else(|e| panic!("{tag}: loading: {e}"))
         };

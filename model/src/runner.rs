@@ -38,6 +38,12 @@ pub struct LoadOptions {
     pub shadow_tp1: bool,
     /// Invariant (the default) or the vendor's fast, batch- and TP-dependent kernels.
     pub numerics: Numerics,
+    /// Benchmarking only, on one rank: reduce the row-parallel layers (o, down) as rank 0
+    /// of a TP group of this size does, over its 8/N of the segments of an N times longer
+    /// K, and skip nothing else. On a `make-model --per-rank-of-tp N` model a step then
+    /// runs exactly one rank's kernels (the all-reduces aside); its outputs are not a
+    /// model's.
+    pub rank_of_tp: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -254,11 +260,24 @@ impl<B: Backend> Engine<B> {
         };
         cfg.check_context(max_seq_len, &dir.join("config.json"))?;
         let store = WeightStore::open(dir)?;
+        let row_tp = match opts.rank_of_tp {
+            None => backend.world_size(),
+            Some(n) if backend.world_size() == 1 && arbor_kernels::tree::is_valid_world(n) => n,
+            Some(n) => {
+                return Err(ModelError::Sharding {
+                    tp: backend.world_size(),
+                    msg: format!(
+                        "emulating one rank of TP {n} needs a single rank and a TP of 1, 2, 4 or 8"
+                    ),
+                })
+            }
+        };
         let ctx = LoadCtx {
             backend: &backend,
             store: &store,
             rank: backend.rank(),
             tp: backend.world_size(),
+            row_tp,
         };
         let model = Model::load(&ctx, &cfg, max_seq_len)?;
         tracing::info!(

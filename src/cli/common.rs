@@ -140,18 +140,24 @@ pub fn load_runner(
     shadow_tp1: bool,
     numerics: NumericsArg,
 ) -> Result<Box<dyn Runner>> {
-    let comm = init_comm()?;
-    let opts = LoadOptions {
+    load_runner_with(LoadOptions {
         model_dir: model_dir.to_path_buf(),
         device: device.resolve(),
         max_seq_len,
         shadow_tp1,
         numerics: numerics.resolve(),
-    };
+        rank_of_tp: None,
+    })
+}
+
+/// `load_runner` with every load option given.
+pub fn load_runner_with(opts: LoadOptions) -> Result<Box<dyn Runner>> {
+    let comm = init_comm()?;
     let rank = comm.rank();
-    tracing::info!(rank, world = comm.world_size(), model = %model_dir.display(), "loading");
+    let dir = opts.model_dir.clone();
+    tracing::info!(rank, world = comm.world_size(), model = %dir.display(), "loading");
     model_api::load(&opts, comm)
-        .with_context(|| format!("loading model {} on rank {rank}", model_dir.display()))
+        .with_context(|| format!("loading model {} on rank {rank}", dir.display()))
 }
 
 /// Reads a JSONL file (blank lines skipped); errors name the file and line.

@@ -24,6 +24,9 @@ pub struct LoadCtx<'a, B: Backend> {
     pub store: &'a WeightStore,
     pub rank: usize,
     pub tp: usize,
+    /// The TP size whose rank-0 shard the row-parallel layers reduce as: `tp`, except
+    /// when a benchmark emulates one rank of a larger group (`LoadOptions::rank_of_tp`).
+    pub row_tp: usize,
 }
 
 impl<B: Backend> LoadCtx<'_, B> {

@@ -48,12 +48,37 @@ impl<B: Backend> RowParallelLinear<B> {
         Ok(RowParallelLinear {
             w,
             bias,
-            tree: TreeSpec {
+            tree: Self::tree(in_features, ctx)?,
+            cols,
+        })
+    }
+
+    /// The reduction this rank runs: its 8/tp segments of the layer's K; when a benchmark
+    /// emulates one rank of a TP group of `row_tp` on a single rank, rank 0's segments of
+    /// a `row_tp` times longer K, which the whole local K must be.
+    fn tree(in_features: usize, ctx: &LoadCtx<B>) -> MResult<TreeSpec> {
+        if ctx.row_tp == ctx.tp {
+            return Ok(TreeSpec {
                 seg_len: SegmentLayout::new(in_features).seg_len,
                 n_seg: SEGMENTS / ctx.tp,
                 k: in_features,
-            },
-            cols,
+            });
+        }
+        let global = in_features * ctx.row_tp;
+        let layout = SegmentLayout::new(global);
+        if layout.shard(0, ctx.row_tp).len() != in_features {
+            return Err(crate::error::ModelError::Sharding {
+                tp: ctx.row_tp,
+                msg: format!(
+                    "a K of {in_features} is not rank 0's shard of {global} at TP {}",
+                    ctx.row_tp
+                ),
+            });
+        }
+        Ok(TreeSpec {
+            seg_len: layout.seg_len,
+            n_seg: SEGMENTS / ctx.row_tp,
+            k: global,
         })
     }
 

@@ -59,6 +59,7 @@ pub fn opts(dir: &Path) -> LoadOptions {
         max_seq_len: Some(256),
         shadow_tp1: false,
         numerics: Default::default(),
+        rank_of_tp: None,
     }
 }
 

@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use crate::cli::common::{self, DeviceArg, NumericsArg};
-use crate::cli::model_api::{GenRequest, Runner, Sampling};
+use crate::cli::model_api::{GenRequest, LoadOptions, Runner, Sampling};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -39,15 +39,25 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     steps: usize,
     /// Sampling temperature (0: greedy). A pure temperature draws on the device (Gumbel
-    /// max); with `--top-k` the logits go to the host for the sort.
+    /// max); top-k and top-p draw on the host from candidates the device selects.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
     /// Keep the k most likely tokens when sampling (0: all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Keep the smallest most-likely set whose probability reaches p (1: all). Without
+    /// `--top-k`, a nucleus beyond the device's 1024 candidates brings its row to the host.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
     /// JSON output (rank 0).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// On one rank, a model made by `make-model --per-rank-of-tp N`: reduce its o and
+    /// down projections as rank 0 of TP N does (its 8/N of the segments of an N times
+    /// longer K), so that a step runs exactly one rank's kernels, all-reduces aside. The
+    /// outputs are not a model's: for timing only.
+    #[arg(long, value_name = "N")]
+    rank_of_tp: Option<usize>,
 }
 
 #[derive(Serialize)]
@@ -57,6 +67,7 @@ struct Row {
     device: &'static str,
     temperature: f32,
     top_k: usize,
+    top_p: f32,
     batch: usize,
     prompt_len: usize,
     decode_steps: usize,
@@ -72,6 +83,23 @@ struct Row {
     /// many of this batch's steps ran from a recording.
     cuda_graphs: bool,
     graph_steps: u64,
+    /// `--rank-of-tp`: the row-parallel layers reduced as one rank of this TP size.
+    rank_of_tp: Option<usize>,
+}
+
+/// " T=.. top-k .. top-p .." for a sampled run, empty for greedy.
+fn sampling_label(t: f32, k: usize, p: f32) -> String {
+    if t == 0.0 {
+        return String::new();
+    }
+    let mut s = format!(" T={t}");
+    if k > 0 {
+        s += &format!(" top-k {k}");
+    }
+    if p < 1.0 {
+        s += &format!(" top-p {p}");
+    }
+    s
 }
 
 /// Bytes of the weights one rank reads in a decode step (the embedding is a gather).
@@ -111,12 +139,21 @@ pub fn run(a: Args) -> Result<()> {
     let sampling = Sampling {
         temperature: a.temperature,
         top_k: a.top_k,
-        top_p: 1.0,
+        top_p: a.top_p,
         seed: 1,
     };
-    sampling.validate().context("--temperature / --top-k")?;
+    sampling
+        .validate()
+        .context("--temperature / --top-k / --top-p")?;
     let max_seq_len = a.prompt_len + a.steps;
-    let mut runner = common::load_runner(&a.model, a.device, Some(max_seq_len), false, a.numerics)?;
+    let mut runner = common::load_runner_with(LoadOptions {
+        model_dir: a.model.clone(),
+        device: a.device.resolve(),
+        max_seq_len: Some(max_seq_len),
+        shadow_tp1: false,
+        numerics: a.numerics.resolve(),
+        rank_of_tp: a.rank_of_tp,
+    })?;
     let rank = runner.rank();
     let vocab = runner.config().vocab_size;
     if vocab < 2 {
@@ -162,6 +199,7 @@ pub fn run(a: Args) -> Result<()> {
             device,
             temperature: a.temperature,
             top_k: a.top_k,
+            top_p: a.top_p,
             batch: b,
             prompt_len: a.prompt_len,
             decode_steps: steps,
@@ -172,6 +210,7 @@ pub fn run(a: Args) -> Result<()> {
             prefill_ms: 1e3 * (after.prefill_s - before.prefill_s),
             prefill_tokens: after.prefill_tokens - before.prefill_tokens,
             weight_bytes_per_rank: bytes,
+            rank_of_tp: a.rank_of_tp,
             cuda_graphs: rec_after.is_some(),
             graph_steps: match (rec_before, rec_after) {
                 (Some((_, r0)), Some((_, r1))) => r1 - r0,
@@ -183,11 +222,7 @@ pub fn run(a: Args) -> Result<()> {
                 "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step, {}); prefill {:>9.1} ms for {} tokens",
                 row.tp,
                 numerics,
-                match (a.temperature, a.top_k) {
-                    (0.0, _) => String::new(),
-                    (t, 0) => format!(" T={t}"),
-                    (t, k) => format!(" T={t} top-k {k}"),
-                },
+                sampling_label(a.temperature, a.top_k, a.top_p),
                 b,
                 row.decode_ms_per_step,
                 row.decode_tok_s,

@@ -97,6 +97,7 @@ pub fn run(args: Args) -> Result<()> {
         max_seq_len: args.max_seq_len,
         shadow_tp1: false,
         numerics: args.numerics.resolve(),
+        rank_of_tp: None,
     };
     tracing::info!(rank, world = comm.world_size(), model = %args.model.display(), "loading");
     let mut runner = model_api::load(&opts, comm.clone())
