@@ -348,16 +348,38 @@ pub fn choose_with(
     if let Some(d) = gumbel_draw(s, id, position) {
         return gumbel_argmax(row, d) as u32;
     }
+    if s.is_nucleus() {
+        // The nucleus is usually a small head of the row: sort a growing head (each try
+        // a selection over the row, then a sort of the head) until it holds the cut. A
+        // head that holds the cut draws what the whole sorted row draws.
+        let total = Some(tempered.unwrap_or_else(|| tempered_sum(row, 1.0 / s.temperature)));
+        let mut k = 4 * CANDIDATES_MAX;
+        loop {
+            let head = k.min(row.len());
+            let cand = sorted_desc(row, head);
+            let complete = cand.len() < head || head == row.len();
+            match draw_index(
+                cand.len(),
+                |j| row[cand[j]],
+                s,
+                id,
+                position,
+                total,
+                complete,
+            ) {
+                Drawn::Index(j) => return cand[j] as u32,
+                Drawn::Empty => return 0,
+                Drawn::Beyond => k *= 4,
+            }
+        }
+    }
     let limit = if s.top_k == 0 {
         row.len()
     } else {
         s.top_k.min(row.len())
     };
-    let total = s
-        .is_nucleus()
-        .then(|| tempered.unwrap_or_else(|| tempered_sum(row, 1.0 / s.temperature)));
     let cand = sorted_desc(row, limit);
-    match draw_index(cand.len(), |j| row[cand[j]], s, id, position, total, true) {
+    match draw_index(cand.len(), |j| row[cand[j]], s, id, position, None, true) {
         Drawn::Index(j) => cand[j] as u32,
         Drawn::Empty | Drawn::Beyond => 0,
     }
@@ -588,6 +610,39 @@ mod tests {
                 Choice::NeedsRow => panic!("a top-k draw never needs the row"),
             };
             proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// A top-p draw over the whole vocabulary from a growing sorted head of the row is
+        /// the draw from the whole sorted row, whatever the nucleus's size.
+        #[test]
+        fn a_nucleus_drawn_from_a_sorted_head_is_the_whole_rows(
+            len in 4000usize..20_000,
+            spread in proptest::sample::select(vec![0.01f32, 1.0, 8.0]),
+            top_p in proptest::sample::select(vec![0.3f32, 0.9, 0.99]),
+            temperature in proptest::sample::select(vec![0.5f32, 2.0]),
+            seed in 0u64..1000,
+        ) {
+            let mut z = seed | 1;
+            let row: Vec<f32> = (0..len)
+                .map(|_| {
+                    z ^= z << 13;
+                    z ^= z >> 7;
+                    z ^= z << 17;
+                    // Coarse values: many ties.
+                    ((z >> 40) % 64) as f32 * spread / 8.0
+                })
+                .collect();
+            let s = Sampling { temperature, top_k: 0, top_p, seed };
+            let whole = sorted_desc_reference(&row, row.len());
+            for position in [0usize, 7, 99] {
+                proptest::prop_assert_eq!(
+                    choose(&row, &s, 4, position),
+                    draw_from(&row, &whole, &s, 4, position)
+                );
+            }
         }
     }
 
