@@ -645,7 +645,7 @@ impl CudaBackend {
                 });
                 if !capture {
                     drop(scope);
-                    entry.logits = Some(run?);
+                    entry.logits = Some(run?).filter(|_| key.stride > 0);
                     entry.state = State::Warm;
                 } else {
                     let graph = s.end_capture(CUgraphInstantiate_flags(0));
@@ -658,8 +658,9 @@ impl CudaBackend {
                         .map(|m| m.meta.limits());
                     match (run, graph, limits) {
                         (Ok(logits), Ok(Some(graph)), Some(limits)) => {
-                            // Kept: the graph writes its logits here on every replay.
-                            entry.logits = Some(logits);
+                            // Kept where rows may be asked for: the graph writes its
+                            // logits here on every replay.
+                            entry.logits = Some(logits).filter(|_| key.stride > 0);
                             graph
                                 .upload()
                                 .map_err(|e| self.dev_err_msg("uploading a decode graph", e))?;

@@ -120,7 +120,8 @@ pub struct StepInputs<'a> {
     pub out_rows: &'a [usize],
     /// Per output row: the index whose value its stats report (`u32::MAX`: none).
     pub pick: &'a [u32],
-    /// Per output row: the Gumbel-max draw to make where the logits are.
+    /// Per output row: what its stats compute for its draw where the logits are (a pure
+    /// temperature's Gumbel-max draw, a whole-vocabulary top-p's tempered sum).
     pub draws: &'a [crate::sampling::RowDraw],
     /// Per output row: how many top candidates to select (0: none; at most
     /// `sampling::CANDIDATES_MAX`).

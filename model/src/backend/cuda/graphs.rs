@@ -79,8 +79,9 @@ pub enum State {
 pub struct Entry {
     pub inputs: Arc<DevU32>,
     pub outputs: DevU32,
-    /// The logits its recording writes (lent by the workspace and kept): the rows a
-    /// step brings to the host after its stats come from here.
+    /// The logits its recording writes (lent by the workspace and kept) when its rows
+    /// select candidates: the rows a top-p step brings to the host after its stats come
+    /// from here. Shapes without candidates never ask for rows and keep none.
     pub logits: Option<super::CudaAct>,
     pub state: State,
 }
@@ -128,15 +129,6 @@ impl Graphs {
     /// Drops every recording.
     pub fn clear(&mut self) {
         self.entries.clear();
-    }
-
-    /// Recordings held (for tests and the log).
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 }
 
