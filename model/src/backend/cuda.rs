@@ -369,15 +369,10 @@ impl CudaBackend {
         let mut guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
         let fresh = matches!(guard.as_ref(), Some(m) if m.rows == rows && m.seqs == seqs);
         if !fresh {
-            let (slot, pos) = step::row_map(seqs, rows).map_err(|msg| self.shape_err(msg))?;
             let layout = InLayout { rows, outs: 0 };
             let mut words = vec![0u32; layout.words()];
-            words[layout.slots()..layout.slots() + rows].copy_from_slice(&slot);
-            words[layout.positions()..layout.positions() + rows].copy_from_slice(&pos);
-            let ends = (
-                arbor_kernels::cuda::ops::end_of(&slot),
-                arbor_kernels::cuda::ops::end_of(&pos),
-            );
+            let ends =
+                step::fill_row_map(&mut words, layout, seqs).map_err(|msg| self.shape_err(msg))?;
             let buf = self.timed("upload row map", rows, || {
                 self.dev.upload_u32(&words).map_err(|e| self.dev_err(e))
             })?;

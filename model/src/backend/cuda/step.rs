@@ -112,9 +112,7 @@ pub fn pack_inputs(inputs: &StepInputs<'_>) -> Result<(Vec<u32>, usize, usize), 
     let l = InLayout { rows, outs };
     let mut w = vec![0u32; l.words()];
     w[..rows].copy_from_slice(inputs.ids);
-    let (slots, pos) = row_map(inputs.seqs, rows)?;
-    w[l.slots()..l.slots() + rows].copy_from_slice(&slots);
-    w[l.positions()..l.positions() + rows].copy_from_slice(&pos);
+    let ends = fill_row_map(&mut w, l, inputs.seqs)?;
     for (d, &k) in w[l.ks()..l.ks() + outs].iter_mut().zip(inputs.ks) {
         *d = u32::try_from(k).map_err(|_| format!("top-k {k} out of range"))?;
     }
@@ -125,7 +123,20 @@ pub fn pack_inputs(inputs: &StepInputs<'_>) -> Result<(Vec<u32>, usize, usize), 
         w[l.params() + 2 * j] = p as u32;
         w[l.params() + 2 * j + 1] = (p >> 32) as u32;
     }
-    Ok((w, end_of(&slots), end_of(&pos)))
+    Ok((w, ends.0, ends.1))
+}
+
+/// Writes the row map of `seqs` (layout `l`'s rows) into its slots and positions of `w`;
+/// returns one past the largest slot and position.
+pub fn fill_row_map(
+    w: &mut [u32],
+    l: InLayout,
+    seqs: &[SeqRows],
+) -> Result<(usize, usize), String> {
+    let (slots, pos) = row_map(seqs, l.rows)?;
+    w[l.slots()..l.slots() + l.rows].copy_from_slice(&slots);
+    w[l.positions()..l.positions() + l.rows].copy_from_slice(&pos);
+    Ok((end_of(&slots), end_of(&pos)))
 }
 
 /// Per-row (slot, position) of a ragged batch of `rows` rows; every row must belong to
