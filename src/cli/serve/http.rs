@@ -24,7 +24,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{parse_body, ApiError, ChatRequest, CompletionRequest, Params, PromptInput};
 use super::chat::ChatTemplate;
-use super::leader::{Cmd, SeqEvent};
+use super::msg::{Cmd, SeqEvent};
 use super::stats::Stats;
 use super::Args;
 use crate::cli::model_api::Runner;

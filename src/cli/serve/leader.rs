@@ -10,13 +10,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use arbor_collective::Communicator;
-use arbor_model::engine::{
-    Event, PlanMsg, Record, Scheduler, SchedulerConfig, SeqId, SeqSpec, StepPlan,
-};
-use arbor_model::FinishReason;
+use arbor_model::engine::{Event, PlanMsg, Scheduler, SchedulerConfig, SeqId, StepPlan};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::http::{self, AppState};
+use super::msg::{Cmd, SeqEvent};
 use super::stats::Stats;
 use super::Args;
 use crate::cli::model_api::Runner;
@@ -24,33 +22,6 @@ use crate::cli::model_api::Runner;
 /// How long an idle engine waits for work before it pings the other ranks (their wait for
 /// the next plan is a collective with a timeout).
 const IDLE_TICK: Duration = Duration::from_millis(500);
-
-/// From the HTTP side to the engine loop.
-pub enum Cmd {
-    Submit {
-        spec: SeqSpec,
-        /// Which choice of its request (events carry it back).
-        tag: usize,
-        events: UnboundedSender<(usize, SeqEvent)>,
-        /// Set by the handler to stop the sequence (a stop string matched).
-        cancel: Arc<AtomicBool>,
-    },
-    /// SIGTERM: finish what runs (up to the drain timeout), then stop.
-    Drain,
-}
-
-/// From the engine loop to one request's handler.
-#[derive(Debug)]
-pub enum SeqEvent {
-    Scored(Vec<Record>),
-    Token(Record),
-    Finished(FinishReason),
-    /// Not run (or stopped): the message says why.
-    Refused {
-        shutting_down: bool,
-        msg: String,
-    },
-}
 
 pub fn lead(
     args: &Args,

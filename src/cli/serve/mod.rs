@@ -7,6 +7,7 @@ pub mod chat;
 pub mod client;
 pub mod http;
 pub mod leader;
+pub mod msg;
 pub mod stats;
 
 use std::net::SocketAddr;
