@@ -19,7 +19,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nres, sys as nsys};
 
-use crate::gpu::GpuError;
+use crate::gpu::driver::probe_driver;
+use crate::gpu::error::GpuError;
 use crate::Communicator;
 
 /// Element type of a device buffer handed to the raw entry points.
@@ -66,7 +67,7 @@ impl std::str::FromStr for Dtype {
 
 /// Checks that libcuda and libnccl can be loaded, without letting cudarc panic.
 pub fn probe_nccl() -> Result<(), GpuError> {
-    crate::gpu::probe_driver()?;
+    probe_driver()?;
     // SAFETY: only tries to dlopen the library names cudarc would use.
     if !unsafe { nsys::is_culib_present() } {
         return Err(GpuError::Unavailable(

@@ -34,6 +34,8 @@
 //! aligned pointers and a length that is a multiple of 4 f32 / 8 bf16, and at most
 //! `ipc_capacity_bytes`; `Auto` falls back to the all-gather otherwise.
 
+pub mod driver;
+pub mod error;
 pub mod ipc;
 pub mod kernels;
 pub mod mem;
@@ -44,37 +46,18 @@ pub mod select;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    result as dres, sys as dsys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    result as dres, sys as dsys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 
 use crate::nccl::{Dtype, NcclComm};
 use crate::Communicator;
+pub use driver::probe_driver;
+pub use error::GpuError;
 use ipc::{IpcBuffers, Mapped, Peers, DATA_OFFSET};
 use kernels::{Kernels, MAX_BLOCKS};
 use mem::DeviceBuf;
 pub use select::{select, Fit, Thresholds};
-
-/// Errors of the GPU collective; each names the rank and what failed.
-#[derive(Debug, thiserror::Error)]
-pub enum GpuError {
-    #[error("GPU collective unavailable: {0}")]
-    Unavailable(String),
-    #[error("CUDA error on rank {rank}: {msg}")]
-    Cuda { rank: usize, msg: String },
-    #[error("NCCL error on rank {rank}: {msg}")]
-    Nccl { rank: usize, msg: String },
-    #[error("host collective error on rank {rank}: {msg}")]
-    Host { rank: usize, msg: String },
-    #[error("compiling the all-reduce kernels failed: {0}")]
-    Compile(String),
-    #[error("invalid all-reduce call on rank {rank}: {msg}")]
-    Invalid { rank: usize, msg: String },
-    #[error("NVLS refused: {0}")]
-    NvlsRefused(String),
-    #[error("not implemented: {0}")]
-    NotImplemented(String),
-}
 
 /// The all-reduce algorithms; all give the tree's bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -137,27 +120,6 @@ impl Default for GpuOptions {
 }
 
 const THREADS: u32 = 512;
-
-/// Checks that libcuda loads and reports a device, without letting cudarc panic.
-pub fn probe_driver() -> Result<usize, GpuError> {
-    // SAFETY: only tries to dlopen the library names cudarc would use.
-    if !unsafe { dsys::is_culib_present() } {
-        return Err(GpuError::Unavailable(
-            "libcuda.so could not be loaded (no NVIDIA driver on this machine)".into(),
-        ));
-    }
-    let count = std::panic::catch_unwind(CudaContext::device_count)
-        .map_err(|_| {
-            GpuError::Unavailable("libcuda is unusable (cudarc panicked loading it)".into())
-        })?
-        .map_err(|e| GpuError::Unavailable(format!("cuInit / cuDeviceGetCount failed: {e:?}")))?;
-    if count <= 0 {
-        return Err(GpuError::Unavailable(
-            "the driver reports no CUDA device".into(),
-        ));
-    }
-    Ok(count as usize)
-}
 
 /// A caller's allocation mapped on every rank (see [`GpuCollective::register_buffer`]).
 struct UserBuf {
