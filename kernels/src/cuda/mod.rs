@@ -16,7 +16,6 @@ pub mod cublas;
 pub mod device;
 pub mod error;
 pub mod gemm;
-pub mod gemm_tma;
 pub mod launch;
 pub mod ops;
 pub mod probe;

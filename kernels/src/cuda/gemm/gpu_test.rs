@@ -14,7 +14,7 @@ use half::bf16;
 
 use super::*;
 use crate::cpu::matmul::tree_matmul;
-use crate::tree::{combine_roots, SegmentLayout};
+use crate::tree::{combine_roots, SegmentLayout, SEGMENTS};
 
 struct Bufs {
     stream: Arc<CudaStream>,

@@ -13,7 +13,7 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{CudaFunction, CudaStream};
 
-use super::gemm::GemmError;
+use super::error::GemmError;
 
 /// Columns per TMA box: one 128-byte swizzled row of bf16.
 pub const BOX_K: u32 = 64;
@@ -193,7 +193,7 @@ pub unsafe fn launch(
         });
     }
     if pdl {
-        attrs.push(super::launch::pdl_attribute());
+        attrs.push(crate::cuda::launch::pdl_attribute());
     }
     let cfg = CUlaunchConfig {
         gridDimX: grid.0,

@@ -1,0 +1,297 @@
+//! One call's operands ([`GemmArgs`]), what it writes ([`Epilogue`], [`OutDtype`]), and
+//! the checks against the kernels' requirements.
+
+use cudarc::driver::sys::CUdeviceptr;
+
+use super::error::GemmError;
+use super::path::{Path, QUAD_BNS, WHOLE_BNS};
+use crate::cpu::matmul::TreeMatmul;
+use crate::tree::SEGMENTS;
+
+/// Output element type; both are rounded only after the tree's root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutDtype {
+    F32,
+    Bf16,
+}
+
+/// Raw device operands of one call. `x` is [m, ldx] and `w` [n, ldw] bf16 (only columns
+/// `[0, shape.k)` are read, so a TP shard of K is a pointer offset plus the full row
+/// stride); `out` is [m, n] of `out_dtype`; `ws` has `ws_len` f32 elements (scratch);
+/// `counters` has `counters_len` u32 elements, zeroed once at allocation and left at zero
+/// by every call (see [`Path::counters_len`]). Neither may be used by two streams at once.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmArgs {
+    pub shape: TreeMatmul,
+    pub x: CUdeviceptr,
+    pub ldx: usize,
+    pub w: CUdeviceptr,
+    pub ldw: usize,
+    pub out: CUdeviceptr,
+    pub out_dtype: OutDtype,
+    pub ws: CUdeviceptr,
+    pub ws_len: usize,
+    pub counters: CUdeviceptr,
+    pub counters_len: usize,
+    /// W is not written by any kernel that may still run on the stream (model weights,
+    /// uploaded operands): under programmatic dependent launch the small-M TMA kernel then
+    /// loads its first W tiles before waiting for the previous kernel (launch.rs).
+    pub w_constant: bool,
+    pub epilogue: Epilogue,
+}
+
+/// What a call writes at `out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Epilogue {
+    /// The roots, `[m, n]` of `out_dtype`.
+    Store,
+    /// The MLP's gate/up projection with W's rows alternating gate and up (row 2j gate j,
+    /// 2j + 1 up j; `n` even): `silu(gate)·up`, `[m, n/2]` f32 at `out` and, where `bf16`
+    /// is not 0, rounded to bf16 there too. The bits of the stored roots followed by the
+    /// element-wise `silu_mul_pairs` kernel; the TMA paths only ([`Path::is_tma`]).
+    SiluMulPairs { bf16: CUdeviceptr },
+}
+
+/// Checks a shape against the kernel's requirements (see gemm_tree.cu).
+pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
+    let s = a.shape;
+    let bad = |msg: String| Err(GemmError::Shape { shape: s, msg });
+    match path {
+        Path::WgWhole { bn } if !WHOLE_BNS.contains(&bn) => {
+            return bad(format!(
+                "wgwhole has no {bn}-column tile (one of {WHOLE_BNS:?})"
+            ));
+        }
+        Path::WgQuad { bn } if !QUAD_BNS.contains(&bn) => {
+            return bad(format!(
+                "wgquad has no {bn}-column tile (one of {QUAD_BNS:?})"
+            ));
+        }
+        _ => {}
+    }
+    if !(s.n_seg.is_power_of_two() && s.n_seg <= SEGMENTS) {
+        return bad(format!("n_seg = {} is not 1, 2, 4 or 8", s.n_seg));
+    }
+    if s.seg_len == 0 || !s.seg_len.is_multiple_of(8) {
+        return bad(format!(
+            "seg_len = {} must be a positive multiple of 8",
+            s.seg_len
+        ));
+    }
+    if !s.k.is_multiple_of(8) || s.k > s.n_seg * s.seg_len {
+        return bad(format!(
+            "k = {} must be a multiple of 8 and at most n_seg·seg_len = {}",
+            s.k,
+            s.n_seg * s.seg_len
+        ));
+    }
+    if a.ldx < s.k || a.ldw < s.k || !a.ldx.is_multiple_of(8) || !a.ldw.is_multiple_of(8) {
+        return bad(format!(
+            "row strides ldx = {}, ldw = {} must be multiples of 8 and at least k",
+            a.ldx, a.ldw
+        ));
+    }
+    if !a.x.is_multiple_of(16) || !a.w.is_multiple_of(16) {
+        return bad(format!(
+            "x ({:#x}) and w ({:#x}) must be 16-byte aligned",
+            a.x, a.w
+        ));
+    }
+    if let Epilogue::SiluMulPairs { bf16 } = a.epilogue {
+        if !path.is_tma() {
+            return bad(format!(
+                "path {} has no fused SiLU·mul epilogue (the TMA paths have)",
+                path.name()
+            ));
+        }
+        if !s.n.is_multiple_of(2) || a.out_dtype != OutDtype::F32 {
+            return bad(format!(
+                "the SiLU·mul epilogue needs an even n (gate/up pairs) and f32 output, got n = {} and {:?}",
+                s.n, a.out_dtype
+            ));
+        }
+        if !bf16.is_multiple_of(16) {
+            return bad(format!("bf16 output {bf16:#x} must be 16-byte aligned"));
+        }
+    }
+    if path.is_tma() && s.k != s.n_seg * s.seg_len {
+        return bad(format!(
+            "path {} needs k == n_seg·seg_len = {} (full segments), got k = {}",
+            path.name(),
+            s.n_seg * s.seg_len,
+            s.k
+        ));
+    }
+    let limit = i32::MAX as usize;
+    if s.m > limit || s.n > limit || s.n_seg * s.seg_len > limit || a.ldx > limit || a.ldw > limit {
+        return bad("a dimension exceeds i32".into());
+    }
+    let need = path.workspace_len(s.m, s.n, s.n_seg);
+    if need > 0 && (a.ws == 0 || !a.ws.is_multiple_of(16)) {
+        return bad(format!(
+            "path {} needs a 16-byte aligned workspace, got {:#x}",
+            path.name(),
+            a.ws
+        ));
+    }
+    if a.ws_len < need {
+        return bad(format!(
+            "path {} needs {need} f32 of workspace, got {}",
+            path.name(),
+            a.ws_len
+        ));
+    }
+    let need = path.counters_len(s.m, s.n);
+    if a.counters_len < need {
+        return bad(format!(
+            "path {} needs {need} u32 tile counters, got {}",
+            path.name(),
+            a.counters_len
+        ));
+    }
+    if need > 0 && (a.counters == 0 || !a.counters.is_multiple_of(4)) {
+        return bad(format!(
+            "counters ({:#x}) must be a 4-byte aligned device pointer",
+            a.counters
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::gemm::path::Family;
+    use crate::cuda::gemm::tma;
+
+    fn args(shape: TreeMatmul) -> GemmArgs {
+        GemmArgs {
+            shape,
+            x: 0x1000,
+            ldx: shape.k,
+            w: 0x2000,
+            ldw: shape.k,
+            out: 0x3000,
+            out_dtype: OutDtype::F32,
+            ws: 0x4000,
+            ws_len: 8 * shape.m * shape.n,
+            counters: 0x5000,
+            counters_len: 1024,
+            w_constant: true,
+            epilogue: Epilogue::Store,
+        }
+    }
+
+    #[test]
+    fn validation_names_the_bad_value() {
+        let good = TreeMatmul {
+            m: 4,
+            n: 64,
+            k: 4096,
+            seg_len: 512,
+            n_seg: 8,
+        };
+        assert!(validate(&args(good), Path::Split16).is_ok());
+        let shard = TreeMatmul {
+            k: 1024,
+            n_seg: 2,
+            ..good
+        };
+        assert!(validate(&args(shard), Path::Tree128).is_ok());
+        let cases = [
+            (TreeMatmul { n_seg: 3, ..good }, "n_seg = 3"),
+            (
+                TreeMatmul {
+                    seg_len: 500,
+                    ..good
+                },
+                "seg_len = 500",
+            ),
+            (TreeMatmul { k: 4100, ..good }, "k = 4100"),
+            (
+                TreeMatmul {
+                    k: 2048,
+                    n_seg: 2,
+                    ..good
+                },
+                "k = 2048",
+            ),
+        ];
+        assert!(validate(&args(good), Path::WgWhole { bn: 224 }).is_ok());
+        let e = validate(&args(good), Path::WgWhole { bn: 100 }).unwrap_err();
+        assert!(e.to_string().contains("100-column"), "{e}");
+        let e = validate(&args(good), Path::WgQuad { bn: 224 }).unwrap_err();
+        assert!(e.to_string().contains("224-column"), "{e}");
+        for (shape, want) in cases {
+            let e = validate(&args(shape), Path::Split16)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let mut a = args(good);
+        a.ws_len = 10;
+        let e = validate(&a, Path::Split64).unwrap_err().to_string();
+        assert!(e.contains("workspace"), "{e}");
+        let mut c = args(good);
+        c.counters_len = 0;
+        let e = validate(&c, Path::WgSplit64).unwrap_err().to_string();
+        assert!(e.contains("tile counters"), "{e}");
+        assert!(
+            validate(&c, Path::WgTree128).is_ok(),
+            "tree paths need no counters"
+        );
+        a.ldx = 4000;
+        assert!(validate(&a, Path::Tree128).is_err());
+    }
+
+    #[test]
+    fn every_shape_has_a_valid_path_of_its_family() {
+        let full = TreeMatmul {
+            m: 1,
+            n: 64,
+            k: 4096,
+            seg_len: 512,
+            n_seg: 8,
+        };
+        // k < n_seg·seg_len: a short last segment, which the TMA view cannot describe.
+        let short = TreeMatmul { k: 4088, ..full };
+        for fam in [Family::Mma, Family::Wgmma] {
+            for m in [1usize, 16, 17, 64, 256, 257, 4096] {
+                for base in [full, short] {
+                    let shape = TreeMatmul { m, ..base };
+                    let p = Path::for_shape(&shape, fam);
+                    assert_eq!(p.family(), fam);
+                    assert!(Path::all(fam).contains(&p));
+                    let small = if p.is_tma() { m <= 64 } else { m <= 256 };
+                    let split_k = p.is_split()
+                        || matches!(
+                            p,
+                            Path::WgCluster64 | Path::WgCluster64x2 | Path::WgCluster64x2N256
+                        );
+                    assert_eq!(split_k, small, "m = {m}");
+                    assert_eq!(
+                        p.is_tma(),
+                        fam == Family::Wgmma && base.k == 4096,
+                        "{shape:?}"
+                    );
+                    let mut a = args(shape);
+                    a.ws_len = p.workspace_len(m, shape.n, shape.n_seg);
+                    a.counters_len = p.counters_len(m, shape.n);
+                    assert!(validate(&a, p).is_ok(), "{shape:?} {p:?}");
+                }
+            }
+        }
+        let e = validate(&args(TreeMatmul { m: 4096, ..short }), Path::WgTma128)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("k == n_seg·seg_len = 4096"), "{e}");
+        // s6 partials: one 64 x 256 slice per persistent block, bounded whatever M and N.
+        assert_eq!(
+            Path::WgTma128.workspace_len(4096, 14336, 8),
+            tma::MAX_PERSISTENT_BLOCKS * 64 * 256
+        );
+        assert_eq!(Path::WgTma128.workspace_len(200, 200, 8), 4 * 64 * 256);
+        assert_eq!(Path::WgTma128.workspace_len(4096, 4096, 4), 0);
+        assert_eq!(Path::WgCluster64.counters_len(64, 4096), 0);
+    }
+}

@@ -1,0 +1,312 @@
+//! The TP-invariant tensor-core GEMM (`kernels/cuda/gemm_tree.cu`): Y = X·Wᵀ with the
+//! reduction over K following the fixed 8-segment tree, the GPU twin of
+//! [`crate::cpu::matmul::tree_matmul`] (same [`TreeMatmul`] shape, same shard semantics).
+//!
+//! The launch paths of one leaf [`Family`] share one leaf (a chain of tensor-core MMAs
+//! over a segment's k16 chunks from +0) and one tree, so they give the same bits; the path
+//! is picked from M only for speed. The split paths keep segment sums in a scratch
+//! workspace and arrival counters in a separate, zero-between-calls buffer, so calls of any
+//! shape can share both (docs/gemm.md). Standalone: it compiles its own NVRTC program, so
+//! it does not wait on the rest of the CUDA backend.
+
+mod args;
+mod error;
+mod path;
+mod program;
+mod select;
+pub mod tma;
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUfunction_attribute_enum};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use crate::cpu::matmul::TreeMatmul;
+pub use args::{validate, Epilogue, GemmArgs, OutDtype};
+use error::driver;
+pub use error::GemmError;
+pub use path::{Family, Path, QUAD_BNS, WHOLE_BNS};
+pub use program::{arch_for, compile, probe, program, SOURCES};
+pub use select::{default_path_for, quad_tile, shard_whole_tile, whole_tile, wide_cluster_fits};
+
+/// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Params {
+    x: CUdeviceptr,
+    w: CUdeviceptr,
+    outf: CUdeviceptr,
+    outh: CUdeviceptr,
+    ws: CUdeviceptr,
+    cnt: CUdeviceptr,
+    m: i32,
+    n: i32,
+    k: i32,
+    seg_len: i32,
+    n_seg: i32,
+    ldx: i32,
+    ldw: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel expects.
+unsafe impl DeviceRepr for Params {}
+
+/// The compiled kernels of one context.
+pub struct TreeGemm {
+    pub arch: String,
+    /// The leaf family this device uses for every default path.
+    pub family: Family,
+    _module: Arc<CudaModule>,
+    kernels: Vec<(Path, CudaFunction)>,
+    /// Streaming multiprocessors: the persistent kernel's grid.
+    sms: usize,
+    /// Clusters of 1, 2, 4 and 8 `wgcluster64` blocks that fit on the device at once
+    /// (0 where that path is not compiled).
+    cluster_capacity: [u32; 4],
+    /// Launch the TMA kernels with programmatic dependent launch (launch.rs); the other
+    /// paths have no `pdl_wait` and always launch plainly.
+    pdl: bool,
+}
+
+impl TreeGemm {
+    /// Compiles and loads the kernels for the context's device: the wgmma family on
+    /// Hopper (sm_90a), the mma.sync family elsewhere (and on Hopper too, for comparison).
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, GemmError> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
+        if major < 8 {
+            return Err(GemmError::NoGpu(format!(
+                "compute capability {major}.{minor}: the tree GEMM needs sm_80 or newer"
+            )));
+        }
+        let arch = arch_for(major, minor);
+        let family = if arch == "sm_90a" {
+            Family::Wgmma
+        } else {
+            Family::Mma
+        };
+        let ptx = compile(&arch)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(driver("cuModuleLoadData(gemm_tree)"))?;
+        let mut kernels = Vec::new();
+        let families: &[Family] = match family {
+            Family::Wgmma => &[Family::Wgmma, Family::Mma],
+            Family::Mma => &[Family::Mma],
+        };
+        for fam in families {
+            for &path in Path::all(*fam) {
+                let name = path.kernel();
+                let f = module
+                    .load_function(name)
+                    .map_err(driver(&format!("cuModuleGetFunction({name})")))?;
+                f.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    path.smem_bytes() as i32,
+                )
+                .map_err(driver(&format!(
+                    "cuFuncSetAttribute({name}, {} bytes of shared memory)",
+                    path.smem_bytes()
+                )))?;
+                kernels.push((path, f));
+            }
+        }
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("cuDeviceGetAttribute(multiprocessor count)"))?;
+        let mut tg = Self {
+            arch,
+            family,
+            _module: module,
+            kernels,
+            sms: sms.max(1) as usize,
+            cluster_capacity: [0; 4],
+            pdl: super::launch::pdl_enabled(ctx),
+        };
+        for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
+            tg.cluster_capacity[i] = tg
+                .max_active_clusters(Path::WgCluster64, n_seg)?
+                .unwrap_or(0);
+        }
+        Ok(tg)
+    }
+
+    /// The path a call of this shape takes by default ([`default_path_for`] on this
+    /// device). All give the same bits (same leaf, same tree), so this choice may depend
+    /// on the device.
+    pub fn default_path(&self, shape: &TreeMatmul) -> Path {
+        default_path_for(shape, self.family, self.sms, &self.cluster_capacity, |p| {
+            self.has(p)
+        })
+    }
+
+    /// For the cluster path: how many clusters of `n_seg` blocks fit on the device at once
+    /// (what bounds its single-wave grid); `None` for other paths.
+    pub fn max_active_clusters(&self, path: Path, n_seg: usize) -> Result<Option<u32>, GemmError> {
+        let cluster = match path {
+            Path::WgCluster64 => n_seg,
+            Path::WgCluster64x2 | Path::WgCluster64x2N256 => n_seg.div_ceil(2),
+            _ => return Ok(None),
+        };
+        let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
+            return Ok(None);
+        };
+        let (_, block) = path.launch_dims(1, 1, n_seg);
+        tma::max_active_clusters(f, block, path.smem_bytes(), cluster as u32).map(Some)
+    }
+
+    /// Whether `path` was compiled for this device.
+    pub fn has(&self, path: Path) -> bool {
+        self.kernels.iter().any(|(p, _)| *p == path)
+    }
+
+    /// Enqueues Y = X·Wᵀ (the subtree root over `shape.n_seg` segments) on `stream`,
+    /// by `path` (or [`TreeGemm::default_path`]).
+    ///
+    /// # Safety
+    /// The pointers in `a` must be live device allocations of this context with the sizes
+    /// [`GemmArgs`] describes, not freed before the stream has run the kernels.
+    pub unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        a: &GemmArgs,
+        path: Option<Path>,
+    ) -> Result<(), GemmError> {
+        let s = a.shape;
+        let path = path.unwrap_or_else(|| self.default_path(&s));
+        validate(a, path)?;
+        let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
+            return Err(GemmError::Shape {
+                shape: s,
+                msg: format!("path {} is not available on {}", path.name(), self.arch),
+            });
+        };
+        if s.m == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let (outf, outh) = match (a.epilogue, a.out_dtype) {
+            (Epilogue::SiluMulPairs { bf16 }, _) => (a.out, bf16),
+            (Epilogue::Store, OutDtype::F32) => (a.out, 0),
+            (Epilogue::Store, OutDtype::Bf16) => (0, a.out),
+        };
+        if path.is_tma() {
+            // One segment cannot be split in two: the one-segment kernel is the same sum.
+            if matches!(path, Path::WgCluster64x2 | Path::WgCluster64x2N256) && s.n_seg == 1 {
+                return self.launch(stream, a, Some(Path::WgCluster64));
+            }
+            return self.launch_tma(stream, f, path, a, outf, outh);
+        }
+        let p = Params {
+            x: a.x,
+            w: a.w,
+            outf,
+            outh,
+            ws: a.ws,
+            cnt: a.counters,
+            m: s.m as i32,
+            n: s.n as i32,
+            k: s.k as i32,
+            seg_len: s.seg_len as i32,
+            n_seg: s.n_seg as i32,
+            ldx: a.ldx as i32,
+            ldw: a.ldw as i32,
+        };
+        let (grid, block) = path.launch_dims(s.m, s.n, s.n_seg);
+        if grid.0 > u32::MAX as usize || grid.2 > 65535 {
+            return Err(GemmError::Shape {
+                shape: s,
+                msg: format!("grid {grid:?} is too large for path {}", path.name()),
+            });
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: path.smem_bytes(),
+        };
+        stream
+            .launch_builder(f)
+            .arg(&p)
+            .launch(cfg)
+            .map_err(driver(&format!("launch {}", path.kernel())))?;
+        Ok(())
+    }
+
+    /// The TMA paths: tensor maps for this call's X and W, then `cuLaunchKernelEx`.
+    unsafe fn launch_tma(
+        &self,
+        stream: &CudaStream,
+        f: &CudaFunction,
+        path: Path,
+        a: &GemmArgs,
+        outf: CUdeviceptr,
+        outh: CUdeviceptr,
+    ) -> Result<(), GemmError> {
+        let s = a.shape;
+        let x_rows = if path == Path::WgTma128 { 128 } else { 64 };
+        let w_rows = match path {
+            Path::WgWhole { bn } | Path::WgQuad { bn } => (bn / 2) as u32,
+            _ => 128,
+        };
+        let p = tma::TmaParams {
+            tx: tma::encode("x", a.x, s.m, a.ldx, s.seg_len, s.n_seg, x_rows)?,
+            tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
+            outf,
+            outh,
+            ws: a.ws,
+            m: s.m as i32,
+            n: s.n as i32,
+            seg_len: s.seg_len as i32,
+            n_seg: s.n_seg as i32,
+            w_early: i32::from(a.w_constant),
+            epi: i32::from(matches!(a.epilogue, Epilogue::SiluMulPairs { .. })),
+        };
+        let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
+        let (gx, cluster) = match path {
+            Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
+            Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
+            Path::WgWhole { .. } => (gx, None),
+            Path::WgQuad { .. } => (gx, Some(s.n_seg.div_ceil(4) as u32)),
+            _ => (gx, Some(s.n_seg as u32)),
+        };
+        if gx > i32::MAX as usize || gy > 65535 {
+            return Err(GemmError::Shape {
+                shape: s,
+                msg: format!("grid ({gx}, {gy}) is too large for path {}", path.name()),
+            });
+        }
+        tma::launch(
+            stream,
+            f,
+            path.kernel(),
+            tma::LaunchShape {
+                grid: (gx as u32, gy as u32, gz as u32),
+                block,
+                smem: path.smem_bytes(),
+                cluster_x: cluster,
+                pdl: self.pdl,
+            },
+            &p,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_match_the_c_struct() {
+        // struct Params in gemm_tree.cu: six 8-byte pointers, then seven ints, padded to 8.
+        assert_eq!(std::mem::size_of::<Params>(), 80);
+        assert_eq!(std::mem::offset_of!(Params, ws), 32);
+        assert_eq!(std::mem::offset_of!(Params, cnt), 40);
+        assert_eq!(std::mem::offset_of!(Params, m), 48);
+        assert_eq!(std::mem::offset_of!(Params, ldw), 72);
+    }
+}
+
+#[cfg(test)]
+mod gpu_test;

@@ -1,0 +1,282 @@
+//! The launch paths: which kernel, its grid, block and shared memory, and the workspace
+//! and counters it needs. All paths of one [`Family`] give the same bits.
+
+use super::tma;
+use crate::cpu::matmul::TreeMatmul;
+use crate::tree::SEGMENTS;
+
+/// Which tensor-core instruction the leaf is made of. Paths of one family give the same
+/// bits; the two families need not agree with each other, so a device always uses one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `mma.sync.m16n8k16` (sm_80 and newer).
+    Mma,
+    /// `wgmma.m64n128k16` (sm_90a only).
+    Wgmma,
+}
+
+/// Tile widths of the `wgwhole` kernels (two consumer warpgroups of half as many columns
+/// each, whose wgmma is m64n(bn/2)k16 and whose W box has bn/2 rows), widest first.
+pub const WHOLE_BNS: [usize; 5] = [224, 112, 64, 48, 32];
+/// gemm_sm90_tma.cu WHOLE_SMEM: the shared memory a `wgwhole` block fills with its ring
+/// stages and tree slots.
+const WHOLE_SMEM: u32 = 225 * 1024;
+/// Tile widths of the `wgquad` kernels.
+pub const QUAD_BNS: [usize; 2] = [96, 64];
+
+/// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
+/// by speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// mma.sync, 128×128 tiles, the whole tree inside the block.
+    Tree128,
+    /// mma.sync, one block per (64 columns, segment, 16 rows); the last block of a tile
+    /// combines.
+    Split16,
+    /// mma.sync, one block per (64 columns, segment, 64 rows); the last block of a tile
+    /// combines.
+    Split64,
+    /// wgmma, 128×128 tiles, the whole tree inside the block.
+    WgTree128,
+    /// wgmma, one block per (128 columns, segment, 64 rows); the last block of a tile
+    /// combines.
+    WgSplit64,
+    /// wgmma fed by TMA, warp-specialised and persistent, 128×128 tiles, the whole tree in
+    /// the block. Needs `k == n_seg·seg_len`.
+    WgTma128,
+    /// wgmma fed by TMA, one block per (128 columns, segment, 64 rows); the tile's
+    /// `n_seg` blocks are a cluster and combine over distributed shared memory. Needs
+    /// `k == n_seg·seg_len`.
+    WgCluster64,
+    /// As `WgCluster64` with two segments per block (clusters of `n_seg / 2`), half the
+    /// blocks; with a single segment (`n_seg = 1`) it is `WgCluster64`.
+    WgCluster64x2,
+    /// As `WgCluster64x2` with 64×256 tiles: two consumer warpgroups share each X tile
+    /// (one block per SM). At M = 64 the narrow kernel's X tiles are a third of the bytes
+    /// it streams; this halves them. With `n_seg = 1` it is `WgCluster64`.
+    WgCluster64x2N256,
+    /// wgmma fed by TMA, one block per 64×`bn` tile (two consumer warpgroups of `bn / 2`
+    /// columns; `bn` one of [`WHOLE_BNS`]) summing all of the tile's segments and
+    /// evaluating the tree itself: no cluster, no workspace. For an N whose tiles fill the
+    /// SMs once (4096 × 28672: 128 blocks of 224). Needs `k == n_seg·seg_len`.
+    WgWhole { bn: usize },
+    /// As `WgWhole` with four segments per block (the subtree `(s0+s1)+(s2+s3)` in the
+    /// block) and the tile's `n_seg / 4` blocks a cluster combining over distributed shared
+    /// memory; `bn` one of [`QUAD_BNS`]. For the narrow layers at small M.
+    WgQuad { bn: usize },
+}
+
+impl Path {
+    /// The fastest path of `family` for a shape: by M, and for the Wgmma family the TMA
+    /// kernels wherever the shape allows them (`k == n_seg·seg_len`, true of every model
+    /// layer the tensor GEMM takes). The TMA crossover is at M = 64: on an H100 the
+    /// persistent kernel beat the cluster kernel at every M from 96 up
+    /// (docs/gemm.md, run 6).
+    pub fn for_shape(s: &TreeMatmul, family: Family) -> Path {
+        let tma = s.k == s.n_seg * s.seg_len;
+        match (family, s.m) {
+            (Family::Mma, 0..=16) => Path::Split16,
+            (Family::Mma, 17..=256) => Path::Split64,
+            (Family::Mma, _) => Path::Tree128,
+            (Family::Wgmma, 0..=64) if tma => Path::WgCluster64,
+            (Family::Wgmma, _) if tma => Path::WgTma128,
+            (Family::Wgmma, 0..=256) => Path::WgSplit64,
+            (Family::Wgmma, _) => Path::WgTree128,
+        }
+    }
+
+    /// Every path of a family (all must agree bitwise).
+    pub fn all(family: Family) -> &'static [Path] {
+        match family {
+            Family::Mma => &[Path::Tree128, Path::Split16, Path::Split64],
+            Family::Wgmma => &[
+                Path::WgTma128,
+                Path::WgCluster64,
+                Path::WgCluster64x2,
+                Path::WgCluster64x2N256,
+                Path::WgWhole { bn: 224 },
+                Path::WgWhole { bn: 112 },
+                Path::WgWhole { bn: 64 },
+                Path::WgWhole { bn: 48 },
+                Path::WgWhole { bn: 32 },
+                Path::WgQuad { bn: 96 },
+                Path::WgQuad { bn: 64 },
+                Path::WgTree128,
+                Path::WgSplit64,
+            ],
+        }
+    }
+
+    pub fn family(self) -> Family {
+        match self {
+            Path::Tree128 | Path::Split16 | Path::Split64 => Family::Mma,
+            Path::WgTree128
+            | Path::WgSplit64
+            | Path::WgTma128
+            | Path::WgCluster64
+            | Path::WgCluster64x2
+            | Path::WgCluster64x2N256
+            | Path::WgWhole { .. }
+            | Path::WgQuad { .. } => Family::Wgmma,
+        }
+    }
+
+    /// Whether the path loads through TMA tensor maps (and so needs `k == n_seg·seg_len`).
+    pub fn is_tma(self) -> bool {
+        matches!(
+            self,
+            Path::WgTma128
+                | Path::WgCluster64
+                | Path::WgCluster64x2
+                | Path::WgCluster64x2N256
+                | Path::WgWhole { .. }
+                | Path::WgQuad { .. }
+        )
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Tree128 => "tree128",
+            Path::Split16 => "split16",
+            Path::Split64 => "split64",
+            Path::WgTree128 => "wgtree128",
+            Path::WgSplit64 => "wgsplit64",
+            Path::WgTma128 => "wgtma128",
+            Path::WgCluster64 => "wgcluster64",
+            Path::WgCluster64x2 => "wgcluster64x2",
+            Path::WgCluster64x2N256 => "wgcluster64x2n256",
+            Path::WgWhole { bn: 224 } => "wgwhole224",
+            Path::WgWhole { bn: 112 } => "wgwhole112",
+            Path::WgWhole { bn: 64 } => "wgwhole64",
+            Path::WgWhole { bn: 48 } => "wgwhole48",
+            Path::WgWhole { bn: 32 } => "wgwhole32",
+            Path::WgWhole { .. } => "wgwhole",
+            Path::WgQuad { bn: 96 } => "wgquad96",
+            Path::WgQuad { bn: 64 } => "wgquad64",
+            Path::WgQuad { .. } => "wgquad",
+        }
+    }
+
+    /// Whether the path keeps segment sums in the workspace (and arrival counters).
+    pub(super) fn is_split(self) -> bool {
+        matches!(self, Path::Split16 | Path::Split64 | Path::WgSplit64)
+    }
+
+    /// f32 elements of workspace the path needs: the split paths keep each segment sum
+    /// (`n_seg·m·n`); `wgtma128` keeps the tree's s6 partials per block (only with all 8
+    /// segments); 0 for the others. Need not be initialised.
+    pub fn workspace_len(self, m: usize, n: usize, n_seg: usize) -> usize {
+        match self {
+            _ if self.is_split() => n_seg * m * n,
+            Path::WgTma128 if n_seg == SEGMENTS => {
+                self.persistent_blocks(m, n, usize::MAX) * tma::S6_FLOATS_PER_BLOCK
+            }
+            _ => 0,
+        }
+    }
+
+    /// Blocks of the persistent kernel: one per tile, at most one per SM and at most
+    /// [`tma::MAX_PERSISTENT_BLOCKS`].
+    pub(super) fn persistent_blocks(self, m: usize, n: usize, sms: usize) -> usize {
+        (m.div_ceil(128) * n.div_ceil(128))
+            .min(sms)
+            .min(tma::MAX_PERSISTENT_BLOCKS)
+    }
+
+    /// u32 arrival counters the path needs: one per output tile for the split paths, 0 for
+    /// the tree paths. The counter buffer must be zeroed once when allocated; every call
+    /// leaves the counters it used at zero, so one buffer serves calls of any shape (it is
+    /// separate from the workspace because the sums' extent changes with the shape).
+    pub fn counters_len(self, m: usize, n: usize) -> usize {
+        if self.is_split() {
+            let ((tiles_n, _, tiles_m), _) = self.launch_dims(m, n, 1);
+            tiles_n * tiles_m
+        } else {
+            0
+        }
+    }
+
+    /// Dynamic shared memory of the path's kernel; must match the template arguments in
+    /// the .cu files: STAGES·(BM+BN)·BK·2 bytes, plus the tree paths' two f32 spill slots
+    /// of the tree stack (64 values × 256 threads each), plus 1024 bytes for aligning the
+    /// wgmma tiles to the swizzle atom.
+    pub(super) fn smem_bytes(self) -> u32 {
+        const SLOTS: u32 = 2 * 64 * 256 * 4;
+        match self {
+            Path::Tree128 => 3 * (128 + 128) * 64 * 2 + SLOTS,
+            Path::Split16 => 6 * (16 + 64) * 64 * 2,
+            Path::Split64 => 4 * (64 + 64) * 64 * 2,
+            Path::WgTree128 => 3 * (128 + 128) * 64 * 2 + SLOTS + 1024,
+            Path::WgSplit64 => 4 * (64 + 128) * 64 * 2 + 1024,
+            // gemm_sm90_tma.cu: TMA_STAGES = 5 stages of (128 + 128) x 64 bf16, one f32
+            // tree slot (64 values x 256 consumer threads), 2 x 5 mbarriers, alignment.
+            Path::WgTma128 => 5 * (128 + 128) * 64 * 2 + 64 * 256 * 4 + 80 + 1024,
+            // CL_STAGES = 4 stages of (64 + 128) x 64 bf16, 2 x 4 mbarriers, alignment (two
+            // blocks fit on an SM).
+            Path::WgCluster64 | Path::WgCluster64x2 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
+            // ClusterLayout<2>: 5 stages of (64 + 256) x 64 bf16, 2 x 5 mbarriers, alignment.
+            Path::WgCluster64x2N256 => 5 * (64 + 256) * 64 * 2 + 80 + 1024,
+            // ClusterLayout<2, bn / 2, true>: two f32 tree slots (bn / 4 values x 256
+            // consumer threads each), as many stages of (64 + bn) x 64 bf16 as fit in
+            // WHOLE_SMEM beside them (at most 8), 2 mbarriers a stage, alignment.
+            Path::WgWhole { bn } | Path::WgQuad { bn } => {
+                let bn = bn as u32;
+                let slots = 2 * (bn / 4) * 256 * 4;
+                let stage = (64 + bn) * 64 * 2;
+                let stages = ((WHOLE_SMEM - slots) / stage).min(8);
+                stages * stage + slots + 16 * stages + 1024
+            }
+        }
+    }
+
+    /// (grid, threads per block) for a shape.
+    pub(super) fn launch_dims(
+        self,
+        m: usize,
+        n: usize,
+        n_seg: usize,
+    ) -> ((usize, usize, usize), u32) {
+        match self {
+            Path::Tree128 | Path::WgTree128 => ((m.div_ceil(128) * n.div_ceil(128), 1, 1), 256),
+            Path::Split16 => ((n.div_ceil(64), n_seg, m.div_ceil(16)), 128),
+            Path::Split64 => ((n.div_ceil(64), n_seg, m.div_ceil(64)), 128),
+            Path::WgSplit64 => ((n.div_ceil(128), n_seg, m.div_ceil(64)), 128),
+            // Persistent: the launch caps the grid at the number of SMs.
+            Path::WgTma128 => ((m.div_ceil(128) * n.div_ceil(128), 1, 1), 384),
+            Path::WgCluster64 => ((n.div_ceil(128) * n_seg, m.div_ceil(64), 1), 160),
+            Path::WgCluster64x2 => (
+                (n.div_ceil(128) * n_seg.div_ceil(2), m.div_ceil(64), 1),
+                160,
+            ),
+            Path::WgCluster64x2N256 => (
+                (n.div_ceil(256) * n_seg.div_ceil(2), m.div_ceil(64), 1),
+                288,
+            ),
+            Path::WgWhole { bn } => ((n.div_ceil(bn), m.div_ceil(64), 1), 288),
+            Path::WgQuad { bn } => ((n.div_ceil(bn) * n_seg.div_ceil(4), m.div_ceil(64), 1), 288),
+        }
+    }
+
+    pub(super) fn kernel(self) -> &'static str {
+        match self {
+            Path::Tree128 => "arbor_gemm_tree_128x128",
+            Path::Split16 => "arbor_gemm_split_16x64",
+            Path::Split64 => "arbor_gemm_split_64x64",
+            Path::WgTree128 => "arbor_gemm_wg_tree_128x128",
+            Path::WgSplit64 => "arbor_gemm_wg_split_64x128",
+            Path::WgTma128 => "arbor_gemm_wg_tma_128x128",
+            Path::WgCluster64 => "arbor_gemm_wg_cluster_64x128",
+            Path::WgCluster64x2 => "arbor_gemm_wg_cluster2_64x128",
+            Path::WgCluster64x2N256 => "arbor_gemm_wg_cluster2_64x256",
+            Path::WgWhole { bn: 224 } => "arbor_gemm_wg_whole_64x224",
+            Path::WgWhole { bn: 112 } => "arbor_gemm_wg_whole_64x112",
+            Path::WgWhole { bn: 64 } => "arbor_gemm_wg_whole_64x64",
+            Path::WgWhole { bn: 48 } => "arbor_gemm_wg_whole_64x48",
+            Path::WgWhole { bn: 32 } => "arbor_gemm_wg_whole_64x32",
+            Path::WgWhole { .. } => "arbor_gemm_wg_whole",
+            Path::WgQuad { bn: 96 } => "arbor_gemm_wg_quad_64x96",
+            Path::WgQuad { bn: 64 } => "arbor_gemm_wg_quad_64x64",
+            Path::WgQuad { .. } => "arbor_gemm_wg_quad",
+        }
+    }
+}

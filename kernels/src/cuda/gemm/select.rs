@@ -1,0 +1,238 @@
+//! The default path of a call: the table `bench gemm` measured, as pure functions of the
+//! shape and the device (docs/gemm.md).
+
+use super::path::{Family, Path, QUAD_BNS};
+use crate::cpu::matmul::TreeMatmul;
+
+/// The `wgwhole` tile width the default path takes for an M ≤ 64 call on `sms` SMs, if
+/// any: where its grid runs in waves that are each at least 3/4 full (whole-K blocks are
+/// one per SM, so a partial last wave idles SMs), and only where `bench gemm` found it
+/// faster than the cluster kernels (H200, docs/gemm.md run 11): the 224-column tiles below
+/// M = 32 (4096 × 28672: 65.9 µs against 69.4 at M = 1), the 112-column ones from M = 32
+/// (4096 × 28672 at M = 64: 67.6 against 79.5; 4096 × 14336: 36.9 against 43.6), the
+/// 64-column ones above M = 32 (4096 × 7168 at M = 64: 23.2 against 25.2). Narrower N
+/// (q/k/v, o, down) stays on the cluster kernels, which split K over more blocks.
+pub fn whole_tile(m: usize, n: usize, sms: usize) -> Option<usize> {
+    let full_waves = |bn: usize, one_wave: bool| {
+        let blocks = n.div_ceil(bn) * m.div_ceil(64);
+        fills_waves(blocks, sms) && (!one_wave || blocks <= sms)
+    };
+    match m {
+        0..=31 => full_waves(224, true).then_some(224),
+        32 => full_waves(112, false).then_some(112),
+        _ => [112, 64].into_iter().find(|&bn| full_waves(bn, false)),
+    }
+}
+
+/// The `wgquad` tile width the default path takes for a call on `sms` SMs, if any: above
+/// M = 32 (below it the cluster kernels were faster at every shape), the widest of
+/// [`QUAD_BNS`] whose blocks fill full waves. `bench gemm` on an H200 (docs/gemm.md run 12)
+/// at M = 64: 4096 × 4096 16.8 µs against 18.2, 4096 × 6144 21.2 against 22.6, 14336 × 4096
+/// 37.2 against 39.6.
+pub fn quad_tile(m: usize, n: usize, n_seg: usize, sms: usize) -> Option<usize> {
+    if !(33..=64).contains(&m) {
+        return None;
+    }
+    QUAD_BNS
+        .into_iter()
+        .find(|&bn| fills_waves(n.div_ceil(bn) * n_seg.div_ceil(4), sms))
+}
+
+/// The `wgwhole` tile width a row-parallel layer's shard of at most two segments (TP 4
+/// and 8: o and down) takes at M ≤ 64. `bench gemm --tp` on an H200 (docs/gemm.md run
+/// 13): at TP 4, M = 1, down (14336 × 4096) 18.5 µs against 26.7 for the 64×256 cluster
+/// tiles, which make only 16 blocks of its 2 segments; o (4096 × 4096) 9.6 against 12.4;
+/// at TP 8 12.3 against 15.8 and 7.2 against 8.8; within 0.5 µs of the best width at
+/// every M measured.
+pub fn shard_whole_tile(m: usize, n_seg: usize) -> Option<usize> {
+    (m <= 64 && n_seg <= 2).then_some(64)
+}
+
+/// Whether an M ≤ 32 call takes the 64×256 two-segment cluster tiles: where they make at
+/// least 56 blocks. Fewer (a narrow q/k/v at TP 2 to 8, a row-parallel shard of four
+/// segments at TP 2) leave most SMs idle, and the 128-column one-segment clusters are
+/// faster (H200, docs/gemm.md run 13: TP 4 q/k/v 4096 × 1536 at M = 1 10.9 µs against 12.7,
+/// TP 2 down 23.4 against 32.9); at 56 and more (TP 8 gate/up 4096 × 3584, TP 1 o) they
+/// are at least as fast.
+pub fn wide_cluster_fits(n: usize, n_seg: usize) -> bool {
+    n.div_ceil(256) * n_seg.div_ceil(2) >= 56
+}
+
+/// Whether a grid of `blocks` blocks, one per SM at a time, runs in waves that are each at
+/// least 3/4 full (a partial last wave idles SMs while the slowest blocks finish).
+fn fills_waves(blocks: usize, sms: usize) -> bool {
+    if blocks == 0 || sms == 0 {
+        return false;
+    }
+    let last = blocks - (blocks - 1) / sms * sms;
+    4 * last >= 3 * sms
+}
+
+/// The default path of a call on a device of `sms` SMs: [`Path::for_shape`], except that
+/// a `wgcluster64` call takes a `wgwhole` kernel where [`shard_whole_tile`] or
+/// [`whole_tile`] names one, a `wgquad` kernel where [`quad_tile`] does; otherwise one of
+/// M ≤ 32 takes `wgcluster64x2n256` where [`wide_cluster_fits`], and a larger one whose
+/// grid has more clusters than the device holds at once (`cluster_capacity`, by
+/// log2 n_seg: it would run in two waves, the second nearly empty) takes `wgcluster64x2`,
+/// half the blocks. `has`: whether a path was compiled for the device.
+pub fn default_path_for(
+    shape: &TreeMatmul,
+    family: Family,
+    sms: usize,
+    cluster_capacity: &[u32; 4],
+    has: impl Fn(Path) -> bool,
+) -> Path {
+    let path = Path::for_shape(shape, family);
+    if path == Path::WgCluster64 {
+        let whole = shard_whole_tile(shape.m, shape.n_seg)
+            .or_else(|| whole_tile(shape.m, shape.n, sms))
+            .map(|bn| Path::WgWhole { bn });
+        let quad = quad_tile(shape.m, shape.n, shape.n_seg, sms).map(|bn| Path::WgQuad { bn });
+        if let Some(p) = whole.into_iter().chain(quad).find(|&p| has(p)) {
+            return p;
+        }
+    }
+    // Up to M = 32 the 64×256 tiles stream W faster at every TP 1 shape (H200,
+    // docs/gemm.md run 8: 4096 × 28672 at M = 1 in 69.6 µs against 87.0, M = 16 73.2
+    // against 82.8); at M = 64 the two are even (85.5 / 84.8).
+    if path == Path::WgCluster64
+        && shape.n_seg >= 2
+        && shape.m <= 32
+        && wide_cluster_fits(shape.n, shape.n_seg)
+    {
+        return Path::WgCluster64x2N256;
+    }
+    if path == Path::WgCluster64 && shape.n_seg >= 2 {
+        let cap = cluster_capacity[shape.n_seg.trailing_zeros().min(3) as usize];
+        let clusters = shape.n.div_ceil(128) * shape.m.div_ceil(64);
+        if clusters > cap as usize {
+            return Path::WgCluster64x2;
+        }
+    }
+    path
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::gemm::path::{QUAD_BNS, WHOLE_BNS};
+
+    /// The default paths of the llama3-8b layers at TP 1, 2, 4 and 8 on 132 SMs, as
+    /// `bench gemm` (and `--tp`) measured them fastest or within noise of it on an H200
+    /// (docs/gemm.md runs 8, 11, 12 and 13).
+    #[test]
+    fn default_paths_of_every_tp_follow_the_measurements() {
+        // wgcluster64 capacity (clusters resident) by log2 n_seg, as an H200 reports it.
+        let cap = [248, 124, 62, 30];
+        let pick = |m: usize, n: usize, n_seg: usize| {
+            let shape = TreeMatmul {
+                m,
+                n,
+                k: 512 * n_seg,
+                seg_len: 512,
+                n_seg,
+            };
+            default_path_for(&shape, Family::Wgmma, 132, &cap, |_| true).name()
+        };
+        let cases = [
+            // TP 1: q/k/v, o (and down), gate/up at decode batches.
+            (1, 6144, 8, "wgcluster64x2n256"),
+            (32, 6144, 8, "wgcluster64x2n256"),
+            (1, 4096, 8, "wgcluster64x2n256"),
+            (64, 4096, 8, "wgquad64"),
+            (64, 6144, 8, "wgquad96"),
+            (8, 28672, 8, "wgwhole224"),
+            (64, 28672, 8, "wgwhole112"),
+            // TP 2: q/k/v (3072), o and down (four segments), gate/up (14336).
+            (1, 3072, 8, "wgcluster64"),
+            (32, 3072, 8, "wgcluster64"),
+            (1, 4096, 4, "wgcluster64"),
+            (32, 4096, 4, "wgcluster64"),
+            (64, 4096, 4, "wgcluster64"),
+            (1, 14336, 8, "wgcluster64x2n256"),
+            (64, 14336, 8, "wgwhole112"),
+            // TP 4: q/k/v (1536), o and down (two segments), gate/up (7168).
+            (1, 1536, 8, "wgcluster64"),
+            (64, 1536, 8, "wgcluster64"),
+            (1, 4096, 2, "wgwhole64"),
+            (32, 4096, 2, "wgwhole64"),
+            (64, 4096, 2, "wgwhole64"),
+            (1, 7168, 8, "wgcluster64x2n256"),
+            (64, 7168, 8, "wgwhole64"),
+            // TP 8: q/k/v (768), o and down (one segment), gate/up (3584).
+            (1, 768, 8, "wgcluster64"),
+            (1, 4096, 1, "wgwhole64"),
+            (64, 4096, 1, "wgwhole64"),
+            (1, 3584, 8, "wgcluster64x2n256"),
+            (64, 3584, 8, "wgquad64"),
+        ];
+        for (m, n, n_seg, want) in cases {
+            assert_eq!(
+                pick(m, n, n_seg),
+                want,
+                "M = {m}, N = {n}, {n_seg} segments"
+            );
+        }
+        // A path the device lacks is passed over.
+        let shape = TreeMatmul {
+            m: 1,
+            n: 4096,
+            k: 1024,
+            seg_len: 512,
+            n_seg: 2,
+        };
+        let no_whole = default_path_for(&shape, Family::Wgmma, 132, &cap, |p| {
+            !matches!(p, Path::WgWhole { .. })
+        });
+        assert_eq!(no_whole, Path::WgCluster64);
+    }
+
+    #[test]
+    fn whole_tiles_go_where_they_fill_the_waves() {
+        // 132 SMs (H100 / H200), the llama3-8b layers at TP 1 / 2 / 4.
+        let cases = [
+            (1, 28672, Some(224)),
+            (16, 28672, Some(224)),
+            (32, 28672, Some(112)),
+            (64, 28672, Some(112)),
+            (1, 14336, None),
+            (64, 14336, Some(112)),
+            (32, 7168, None),
+            (64, 7168, Some(64)),
+            (64, 6144, None),
+            (64, 4096, None),
+            (64, 128256, None),
+        ];
+        for (m, n, want) in cases {
+            assert_eq!(whole_tile(m, n, 132), want, "M = {m}, N = {n}");
+        }
+        assert_eq!(whole_tile(1, 0, 132), None);
+        let quads = [
+            (64, 4096, 8, Some(64)),
+            (64, 6144, 8, Some(96)),
+            (32, 4096, 8, None),
+            (1, 6144, 8, None),
+            (64, 3072, 8, None),
+            (64, 4096, 4, None),
+            (64, 128256, 8, None),
+        ];
+        for (m, n, n_seg, want) in quads {
+            assert_eq!(quad_tile(m, n, n_seg, 132), want, "M = {m}, N = {n}");
+        }
+        let tree_paths = WHOLE_BNS
+            .map(|bn| (Path::WgWhole { bn }, "whole", bn))
+            .into_iter()
+            .chain(QUAD_BNS.map(|bn| (Path::WgQuad { bn }, "quad", bn)));
+        for (p, kind, bn) in tree_paths {
+            assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
+            assert!(
+                p.smem_bytes() <= 227 * 1024,
+                "{}: {} B",
+                p.name(),
+                p.smem_bytes()
+            );
+            assert_eq!(p.kernel(), format!("arbor_gemm_wg_{kind}_64x{bn}"));
+            assert_eq!(p.name(), format!("wg{kind}{bn}"));
+        }
+    }
+}
