@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::backend::BackendError;
+use crate::backend::error::BackendError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

@@ -11,8 +11,11 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod error;
 
 use arbor_kernels::cpu::RopeTable;
+
+pub use error::{BResult, BackendError};
 
 /// How a backend does its arithmetic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -91,22 +94,6 @@ pub struct TreeSpec {
     /// kernel per weight from global properties only, so the choice is the same at every TP.
     pub k: usize,
 }
-
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    #[error("device error on rank {rank}: {msg}")]
-    Device { rank: usize, msg: String },
-    #[error("collective error on rank {rank}: {source}")]
-    Collective {
-        rank: usize,
-        #[source]
-        source: arbor_collective::CommError,
-    },
-    #[error("shape error: {0}")]
-    Shape(String),
-}
-
-pub type BResult<T> = Result<T, BackendError>;
 
 /// Everything one step's device work reads that changes from step to step (besides the
 /// KV cache it writes): the backend uploads it once per step, and a step it recorded
