@@ -29,8 +29,6 @@ use super::{
     wanted_rows, BResult, Backend, BackendError, HeadSpec, KvSpec, Numerics, SeqRows, StepForward,
     StepInputs, StepResults, TreeSpec, WantRow,
 };
-use crate::error::ModelError;
-use crate::runner::{Engine, LoadOptions, Runner};
 use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
 use graphs::{Entry, Graphs, Key, State};
 use profile::Profiler;
@@ -1465,23 +1463,6 @@ impl CudaBackend {
             .map_err(|e| self.dev_err(e))?;
         Ok(self.act(buf, x.rows, world * x.cols))
     }
-}
-
-/// Loads this rank's shard on its GPU (and a TP=1 shadow on the same GPU if asked).
-pub fn load_runner(
-    opts: &LoadOptions,
-    comm: Arc<dyn Communicator>,
-) -> Result<Box<dyn Runner>, ModelError> {
-    let rank = comm.rank();
-    let backend = CudaBackend::new(comm, opts.numerics)
-        .map_err(|source| ModelError::Backend { rank, source })?;
-    let shadow = opts.shadow_tp1.then(|| backend.tp1_shadow());
-    let mut engine = Engine::new(backend, opts)?;
-    if let Some(shadow) = shadow {
-        let shadow = Engine::new(shadow, opts)?;
-        engine = engine.with_shadow(shadow);
-    }
-    Ok(Box::new(engine))
 }
 
 #[cfg(test)]

@@ -13,4 +13,4 @@ pub mod scheduler;
 
 pub use kv::{BlockPool, SlotPool};
 pub use plan::{PlanMsg, PlanRow, Record, RowResult, StepPlan};
-pub use scheduler::{Event, Scheduler, SchedulerConfig, SeqId, SeqSpec};
+pub use scheduler::{Event, FinishReason, Scheduler, SchedulerConfig, SeqId, SeqSpec};

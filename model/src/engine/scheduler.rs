@@ -17,7 +17,6 @@ use std::collections::VecDeque;
 use crate::engine::kv::{BlockPool, SlotPool};
 use crate::engine::plan::{PlanRow, Record, RowResult, StepPlan};
 use crate::error::{MResult, ModelError};
-use crate::runner::FinishReason;
 use crate::sampling::Sampling;
 
 pub type SeqId = u64;
@@ -73,6 +72,13 @@ pub struct SeqSpec {
     pub n_top: usize,
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: bool,
+}
+
+/// Why a sequence stopped generating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Length,
+    Eos,
 }
 
 /// What a step did to a sequence, in plan order.

@@ -1,0 +1,151 @@
+//! A step plan executed: its rows as one ragged batch, checked first when it came from
+//! another rank, and the records of the rows that asked for them.
+
+use super::records::{records_parallel, RowTask};
+use super::{Caches, Engine, HostRows};
+use crate::backend::{Backend, SeqRows};
+use crate::engine::{Event, Record, RowResult, Scheduler, StepPlan};
+use crate::error::{MResult, ModelError};
+
+impl<B: Backend> Engine<B> {
+    /// Plans, executes and applies steps until the scheduler is idle.
+    pub(super) fn drive(
+        &mut self,
+        caches: &mut Caches<B>,
+        sched: &mut Scheduler,
+        mut on_event: impl FnMut(Event),
+    ) -> MResult<()> {
+        loop {
+            let plan = sched.plan();
+            if plan.is_empty() {
+                return Ok(());
+            }
+            let results = self.execute_on(caches, &plan)?;
+            for ev in sched.apply(&plan, &results)? {
+                on_event(ev);
+            }
+        }
+    }
+
+    /// A plan from another rank is checked before it touches the cache.
+    pub(super) fn check_plan(&self, plan: &StepPlan, slots: usize, max_len: usize) -> MResult<()> {
+        let mut used = std::collections::HashSet::new();
+        for r in &plan.rows {
+            let bad = |msg: String| ModelError::BadRequest {
+                id: r.sample_key,
+                msg: format!("step plan row of sequence {}: {msg}", r.seq),
+            };
+            if r.slot >= slots || !used.insert(r.slot) {
+                return Err(bad(format!(
+                    "slot {} is out of range (0..{slots}) or used twice",
+                    r.slot
+                )));
+            }
+            if r.tokens.is_empty() || r.pos0 + r.tokens.len() > max_len {
+                return Err(bad(format!(
+                    "{} tokens at position {} do not fit {max_len} positions",
+                    r.tokens.len(),
+                    r.pos0
+                )));
+            }
+            self.check_tokens(r.sample_key, &r.tokens)?;
+            r.sampling.validate()?;
+        }
+        Ok(())
+    }
+
+    /// One step: the plan's rows as one ragged batch; records of the rows that need them.
+    pub(super) fn execute_on(
+        &mut self,
+        caches: &mut Caches<B>,
+        plan: &StepPlan,
+    ) -> MResult<Vec<RowResult>> {
+        let mut ids = Vec::with_capacity(plan.n_tokens());
+        let mut seqs = Vec::with_capacity(plan.rows.len());
+        let mut out_rows = Vec::new();
+        for r in &plan.rows {
+            let row0 = ids.len();
+            seqs.push(SeqRows {
+                slot: r.slot,
+                row0,
+                len: r.tokens.len(),
+                pos0: r.pos0,
+            });
+            ids.extend_from_slice(&r.tokens);
+            for &(off, _) in &r.targets {
+                if off as usize >= r.tokens.len()
+                    || (r.sample && off as usize + 1 == r.tokens.len())
+                {
+                    return Err(ModelError::Plan(format!(
+                        "sequence {}: target row {off} is outside its {} rows or is its sampled row",
+                        r.seq,
+                        r.tokens.len()
+                    )));
+                }
+                out_rows.push(row0 + off as usize);
+            }
+            if r.sample {
+                out_rows.push(row0 + r.tokens.len() - 1);
+            }
+        }
+        let ids_of: Vec<u64> = plan.rows.iter().map(|r| r.sample_key).collect();
+        // One task per logits row, in the order the rows were asked for.
+        let mut tasks = Vec::with_capacity(out_rows.len());
+        for r in &plan.rows {
+            for &(_, target) in &r.targets {
+                tasks.push(RowTask::Score {
+                    token: target,
+                    n_top: r.n_top,
+                });
+            }
+            if r.sample {
+                tasks.push(RowTask::Sample {
+                    sampling: r.sampling,
+                    key: r.sample_key,
+                    position: r.pos0 + r.tokens.len(),
+                    n_top: r.n_top,
+                });
+            }
+        }
+        let t0 = std::time::Instant::now();
+        let out = self.step(caches, &ids, &seqs, &out_rows, &ids_of, &tasks)?;
+        let vocab = self.model.cfg.vocab_size.max(1);
+        let host_ok = match &out.host {
+            HostRows::All(l) => l.len() == out_rows.len() * vocab,
+            HostRows::Some(rows) => rows.is_empty() || rows.len() == out_rows.len(),
+            HostRows::None => true,
+        };
+        let cands_ok = out.cands.is_empty() || out.cands.len() == out_rows.len();
+        if out.stats.len() != out_rows.len() || !host_ok || !cands_ok {
+            return Err(ModelError::Plan(format!(
+                "the forward returned {} row records for {} rows",
+                out.stats.len(),
+                out_rows.len()
+            )));
+        }
+        let t_rec = std::time::Instant::now();
+        let mut records = records_parallel(&out, vocab, &tasks)?.into_iter();
+        let dt_rec = t_rec.elapsed().as_secs_f64();
+        let dt = t0.elapsed().as_secs_f64();
+        if plan.rows.iter().any(|r| r.prefill) {
+            self.timing.prefill_s += dt;
+            self.timing.prefill_tokens += ids.len();
+        } else {
+            self.timing.decode_s += dt;
+            self.timing.decode_steps += 1;
+            self.timing.decode_tokens += ids.len();
+            self.timing.decode_records_s += dt_rec;
+        }
+        let mut results = Vec::with_capacity(plan.rows.len());
+        for r in &plan.rows {
+            let scored: Vec<Record> = records.by_ref().take(r.targets.len()).collect();
+            let sampled = if r.sample { records.next() } else { None };
+            results.push(RowResult {
+                seq: r.seq,
+                scored,
+                sampled,
+            });
+        }
+        Ok(results)
+    }
+}

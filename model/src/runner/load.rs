@@ -1,0 +1,168 @@
+//! Loading: a rank's shard on the chosen device (and a TP=1 shadow if asked), its
+//! tokenizer, generation config and context length.
+
+use std::sync::Arc;
+
+use arbor_collective::Communicator;
+
+use super::{Device, Engine, GenTiming, LoadOptions, Runner, DEFAULT_MAX_SEQ_LEN};
+use crate::backend::cpu::{default_threads, CpuBackend};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, Numerics};
+use crate::config::ModelConfig;
+use crate::error::{MResult, ModelError};
+use crate::forward::Model;
+use crate::generation_config::GenerationConfig;
+use crate::layers::LoadCtx;
+use crate::tokenizer_config::TokenizerConfig;
+use crate::weights::WeightStore;
+
+/// Loads this rank's shard (TP = `comm.world_size()`).
+pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn Runner>> {
+    match opts.device {
+        Device::Cpu if opts.numerics == Numerics::Fast => Err(ModelError::Unavailable(
+            "--numerics fast needs --device cuda (cuBLAS and NCCL); the CPU backend has only the invariant kernels".into(),
+        )),
+        Device::Cpu => {
+            // An explicit ARBOR_CPU_THREADS wins; otherwise share the cores among the
+            // ranks on this host.
+            if std::env::var_os(arbor_kernels::cpu::THREADS_ENV).is_none() {
+                arbor_kernels::cpu::set_num_threads(default_threads());
+            }
+            let mut engine = Engine::new(CpuBackend::new(comm), opts)?;
+            if opts.shadow_tp1 {
+                let shadow = Engine::new(
+                    CpuBackend::new(Arc::new(arbor_collective::SingleComm)),
+                    opts,
+                )?;
+                engine = engine.with_shadow(shadow);
+            }
+            Ok(Box::new(engine))
+        }
+        Device::Cuda if opts.numerics == Numerics::Fast && opts.shadow_tp1 => {
+            Err(ModelError::Unavailable(
+                "--shadow-tp1 asserts bit-equality with TP 1, which --numerics fast does not promise"
+                    .into(),
+            ))
+        }
+        Device::Cuda => load_cuda(opts, comm),
+    }
+}
+
+/// Reads `<dir>/tokenizer.json` if present.
+pub fn load_tokenizer(dir: &std::path::Path) -> MResult<Option<tokenizers::Tokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    tokenizers::Tokenizer::from_file(&path)
+        .map(Some)
+        .map_err(|e| ModelError::Tokenizer {
+            path,
+            msg: e.to_string(),
+        })
+}
+
+/// Loads this rank's shard on its GPU (and a TP=1 shadow on the same GPU if asked).
+fn load_cuda(
+    opts: &LoadOptions,
+    comm: Arc<dyn Communicator>,
+) -> Result<Box<dyn Runner>, ModelError> {
+    let rank = comm.rank();
+    let backend = CudaBackend::new(comm, opts.numerics)
+        .map_err(|source| ModelError::Backend { rank, source })?;
+    let shadow = opts.shadow_tp1.then(|| backend.tp1_shadow());
+    let mut engine = Engine::new(backend, opts)?;
+    if let Some(shadow) = shadow {
+        let shadow = Engine::new(shadow, opts)?;
+        engine = engine.with_shadow(shadow);
+    }
+    Ok(Box::new(engine))
+}
+
+impl<B: Backend> Engine<B> {
+    /// Loads the model in `opts.model_dir` for `backend`'s rank and world size.
+    pub fn new(backend: B, opts: &LoadOptions) -> MResult<Self> {
+        let dir = &opts.model_dir;
+        let cfg = ModelConfig::from_dir(dir)?;
+        let max_seq_len = match opts.max_seq_len {
+            Some(0) => {
+                return Err(ModelError::Config {
+                    path: dir.join("config.json"),
+                    msg: "requested max_seq_len 0".into(),
+                })
+            }
+            Some(n) if n > cfg.max_position_embeddings => {
+                return Err(ModelError::Config {
+                    path: dir.join("config.json"),
+                    msg: format!(
+                        "requested max_seq_len {n} exceeds max_position_embeddings {}",
+                        cfg.max_position_embeddings
+                    ),
+                })
+            }
+            Some(n) => n,
+            // By default also stay where the model's math is exact (a sliding window, say).
+            None => cfg
+                .exact_context_limit()
+                .map_or(usize::MAX, |(n, _)| n)
+                .min(cfg.max_position_embeddings)
+                .min(DEFAULT_MAX_SEQ_LEN),
+        };
+        cfg.check_context(max_seq_len, &dir.join("config.json"))?;
+        let store = WeightStore::open(dir)?;
+        let row_tp = match opts.rank_of_tp {
+            None => backend.world_size(),
+            Some(n) if backend.world_size() == 1 && arbor_kernels::tree::is_valid_world(n) => n,
+            Some(n) => {
+                return Err(ModelError::Sharding {
+                    tp: backend.world_size(),
+                    msg: format!(
+                        "emulating one rank of TP {n} needs a single rank and a TP of 1, 2, 4 or 8"
+                    ),
+                })
+            }
+        };
+        let ctx = LoadCtx {
+            backend: &backend,
+            store: &store,
+            rank: backend.rank(),
+            tp: backend.world_size(),
+            row_tp,
+        };
+        let model = Model::load(&ctx, &cfg, max_seq_len)?;
+        tracing::info!(
+            rank = ctx.rank,
+            tp = ctx.tp,
+            device = %backend.device_name(),
+            arch = %cfg.arch_name,
+            layers = cfg.num_layers,
+            "model loaded"
+        );
+        let generation_config = GenerationConfig::from_dir(dir)?;
+        let mut eos_token_ids = cfg.eos_token_ids.clone();
+        for id in generation_config.iter().flat_map(|g| &g.eos_token_ids) {
+            if !eos_token_ids.contains(id) {
+                eos_token_ids.push(*id);
+            }
+        }
+        Ok(Engine {
+            tokenizer: load_tokenizer(dir)?,
+            tokenizer_config: TokenizerConfig::from_dir(dir)?,
+            generation_config,
+            eos_token_ids,
+            backend,
+            model,
+            max_seq_len,
+            shadow: None,
+            timing: GenTiming::default(),
+            session: None,
+        })
+    }
+
+    /// Attaches a TP=1 copy (its backend of world size 1) that every step is compared with.
+    pub fn with_shadow(mut self, shadow: Engine<B>) -> Self {
+        self.shadow = Some(Box::new(shadow));
+        self
+    }
+}

@@ -1,0 +1,309 @@
+//! The API the CLI drives: load a rank's shard, then `generate` / `score` static batches,
+//! or run a serving session's step plans.
+//!
+//! [`Engine`] is one rank's model on a backend; it reaches the device only through the
+//! [`Backend`] trait. [`load`] builds it (load.rs), a step plan runs as one ragged batch
+//! (execute.rs → step.rs), each output row's record comes from its stats, candidates or
+//! host row (records.rs), and `generate` / `score` drive the scheduler (drivers.rs).
+
+mod drivers;
+mod execute;
+mod load;
+mod records;
+mod step;
+
+use std::path::PathBuf;
+
+use crate::backend::{Backend, Numerics};
+use crate::config::ModelConfig;
+use crate::engine::{RowResult, StepPlan};
+use crate::error::{MResult, ModelError};
+use crate::forward::Model;
+use crate::generation_config::GenerationConfig;
+use crate::sampling::{RowStats, Sampling, TokenLogprob};
+use crate::tokenizer_config::TokenizerConfig;
+
+pub use crate::engine::FinishReason;
+pub use load::{load, load_tokenizer};
+
+/// Context length used when neither `--max-seq-len` nor a smaller
+/// `max_position_embeddings` bounds it (the RoPE table and KV cache scale with it).
+pub const DEFAULT_MAX_SEQ_LEN: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadOptions {
+    pub model_dir: PathBuf,
+    pub device: Device,
+    /// Context length; default `min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN)`, and no
+    /// longer than the model's exact context (`ModelConfig::exact_context_limit`).
+    pub max_seq_len: Option<usize>,
+    /// Also hold a TP=1 copy and compare every step bit for bit.
+    pub shadow_tp1: bool,
+    /// Invariant (the default) or the vendor's fast, batch- and TP-dependent kernels.
+    pub numerics: Numerics,
+    /// Benchmarking only, on one rank: reduce the row-parallel layers (o, down) as rank 0
+    /// of a TP group of this size does, over its 8/N of the segments of an N times longer
+    /// K, and skip nothing else. On a `make-model --per-rank-of-tp N` model a step then
+    /// runs exactly one rank's kernels (the all-reduces aside); its outputs are not a
+    /// model's.
+    pub rank_of_tp: Option<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenRequest {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenOutput {
+    pub id: u64,
+    /// Generated tokens only.
+    pub tokens: Vec<u32>,
+    /// log_softmax(logits)[token] per generated token.
+    pub logprobs: Vec<f32>,
+    /// Top-`n_top` alternatives per generated position.
+    pub top: Vec<Vec<TokenLogprob>>,
+    /// Digest of the f32 bits of the full logits row per generated position.
+    pub logits_digest: Vec<u64>,
+    pub finish: FinishReason,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScoreRequest {
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    /// Tokens `[prompt_len..]` are scored, each given its prefix (1 ≤ prompt_len ≤ len).
+    pub prompt_len: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreOutput {
+    pub id: u64,
+    pub logprobs: Vec<f32>,
+    pub top: Vec<Vec<TokenLogprob>>,
+    pub logits_digest: Vec<u64>,
+}
+
+/// Wall-clock time spent in steps since the runner was loaded: a step runs from its plan
+/// to its rows' records (tokens chosen, log-probs, digests), so its time is its whole cost
+/// on this rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GenTiming {
+    /// Prefill steps (one per `generate` call) and the prompt tokens they processed.
+    pub prefill_s: f64,
+    pub prefill_tokens: usize,
+    /// Decode steps (one new token for every live sequence) and the tokens they made.
+    pub decode_s: f64,
+    pub decode_steps: usize,
+    pub decode_tokens: usize,
+    /// The part of the decode time spent on the host after the logits arrived: choosing
+    /// tokens, log-probs, top-N, digests.
+    pub decode_records_s: f64,
+}
+
+impl GenTiming {
+    /// One line for a person: prefill and decode cost, per step and per token.
+    pub fn summary(&self) -> String {
+        let per_step = |s: f64, n: usize| if n > 0 { 1e3 * s / n as f64 } else { 0.0 };
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        format!(
+            "prefill {:.1} ms for {} prompt tokens ({:.0} tok/s); decode {} steps in {:.3} s ({:.2} ms/step, {:.0} tok/s; host records {:.2} ms/step)",
+            1e3 * self.prefill_s,
+            self.prefill_tokens,
+            rate(self.prefill_tokens, self.prefill_s),
+            self.decode_steps,
+            self.decode_s,
+            per_step(self.decode_s, self.decode_steps),
+            rate(self.decode_tokens, self.decode_s),
+            per_step(self.decode_records_s, self.decode_steps),
+        )
+    }
+}
+
+pub trait Runner {
+    fn tp(&self) -> usize;
+    fn rank(&self) -> usize;
+    fn config(&self) -> &ModelConfig;
+    /// None if the model directory has no tokenizer.json.
+    fn tokenizer(&self) -> Option<&tokenizers::Tokenizer>;
+    /// tokenizer_config.json (and chat_template.jinja), if present.
+    fn tokenizer_config(&self) -> Option<&TokenizerConfig>;
+    /// generation_config.json, if present.
+    fn generation_config(&self) -> Option<&GenerationConfig>;
+    /// The ids that end a sequence: config.json's and generation_config.json's together.
+    fn eos_token_ids(&self) -> &[u32];
+    /// The context length requests must fit in.
+    fn max_seq_len(&self) -> usize;
+    /// All requests run as ONE static batch (ragged, no padding); sampling is keyed by
+    /// (seed, request id, position), so results depend on neither batch nor TP.
+    fn generate(
+        &mut self,
+        reqs: &[GenRequest],
+        s: &Sampling,
+        n_top: usize,
+    ) -> MResult<Vec<GenOutput>>;
+    /// Teacher-forced, prefill only (the trainer's path); one static batch.
+    fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>>;
+    /// Time spent in `generate` so far.
+    fn timing(&self) -> GenTiming;
+    /// Decode shapes recorded (CUDA graphs) and steps replayed from them so far; `None`
+    /// where steps are not recorded (the CPU backend, `ARBOR_CUDA_GRAPHS=0`).
+    fn recorded_steps(&self) -> Option<(u64, u64)>;
+    /// Allocates the persistent KV cache (`slots` sequences of `max_len` positions) that
+    /// `execute` runs on; replaces any earlier one.
+    fn start_session(&mut self, slots: usize, max_len: usize) -> MResult<()>;
+    /// Runs one step of the continuous-batching engine on the session's cache. Every rank
+    /// of the group must execute the same plans in the same order.
+    fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>>;
+}
+
+/// The model of one rank on backend `B`, optionally with a TP=1 shadow.
+pub struct Engine<B: Backend> {
+    backend: B,
+    model: Model<B>,
+    tokenizer: Option<tokenizers::Tokenizer>,
+    tokenizer_config: Option<TokenizerConfig>,
+    generation_config: Option<GenerationConfig>,
+    eos_token_ids: Vec<u32>,
+    max_seq_len: usize,
+    shadow: Option<Box<Engine<B>>>,
+    timing: GenTiming,
+    /// The persistent cache of `start_session`, with its slots and positions per slot.
+    session: Option<(Caches<B>, usize, usize)>,
+}
+
+/// A batch's KV caches: the model's and, with a shadow, the shadow's.
+struct Caches<B: Backend> {
+    main: B::KvCache,
+    shadow: Option<B::KvCache>,
+}
+
+impl<B: Backend> Engine<B> {
+    /// The backend this engine runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    fn berr(&self, source: crate::backend::BackendError) -> ModelError {
+        ModelError::Backend {
+            rank: self.backend.rank(),
+            source,
+        }
+    }
+
+    fn caches(&self, slots: usize, max_len: usize) -> MResult<Caches<B>> {
+        let main = self
+            .backend
+            .kv_cache(self.model.kv_spec(slots, max_len))
+            .map_err(|e| self.berr(e))?;
+        let shadow = match &self.shadow {
+            Some(s) => Some(
+                s.backend
+                    .kv_cache(s.model.kv_spec(slots, max_len))
+                    .map_err(|e| s.berr(e))?,
+            ),
+            None => None,
+        };
+        Ok(Caches { main, shadow })
+    }
+
+    fn check_tokens(&self, id: u64, tokens: &[u32]) -> MResult<()> {
+        let vocab = self.model.cfg.vocab_size;
+        if let Some((index, &token)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(ModelError::TokenOutOfVocab {
+                id,
+                token,
+                index,
+                vocab,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A step's row stats, its logits on the host (when a row needs them or the shadow
+/// compares) and each row's top-k candidates (empty when no row asked for any, or when
+/// the rows came to the host: the draws use those).
+#[derive(Default)]
+struct StepOut {
+    stats: Vec<RowStats>,
+    cands: Vec<Vec<(u32, f32)>>,
+    host: HostRows,
+}
+
+/// Which logits rows of a step are on the host.
+#[derive(Default)]
+enum HostRows {
+    /// Every row (`[rows, vocab]`).
+    All(Vec<f32>),
+    /// The rows asked for after the stats (`None` for the others; empty: none).
+    Some(Vec<Option<Vec<f32>>>),
+    #[default]
+    None,
+}
+
+impl HostRows {
+    fn row(&self, r: usize, vocab: usize) -> Option<&[f32]> {
+        match self {
+            HostRows::All(l) => l.get(r * vocab..(r + 1) * vocab),
+            HostRows::Some(rows) => rows.get(r).and_then(Option::as_deref),
+            HostRows::None => None,
+        }
+    }
+
+    /// Values on the host (whether the records are worth spreading over the cores).
+    fn values(&self) -> usize {
+        match self {
+            HostRows::All(l) => l.len(),
+            HostRows::Some(rows) => rows.iter().flatten().map(Vec::len).sum(),
+            HostRows::None => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GenTiming;
+
+    #[test]
+    fn timing_summary_reports_per_step_and_per_token() {
+        let t = GenTiming {
+            prefill_s: 0.5,
+            prefill_tokens: 1000,
+            decode_s: 0.63,
+            decode_steps: 63,
+            decode_tokens: 504,
+            decode_records_s: 0.126,
+        };
+        let s = t.summary();
+        assert!(
+            s.contains("prefill 500.0 ms for 1000 prompt tokens (2000 tok/s)"),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "decode 63 steps in 0.630 s (10.00 ms/step, 800 tok/s; host records 2.00 ms/step)"
+            ),
+            "{s}"
+        );
+        let none = GenTiming::default().summary();
+        assert!(
+            none.contains(
+                "decode 0 steps in 0.000 s (0.00 ms/step, 0 tok/s; host records 0.00 ms/step)"
+            ),
+            "{none}"
+        );
+    }
+}
