@@ -1,0 +1,269 @@
+//! Per-row statistics of the logits (argmax, log-sum-exp, picked value, digest, the
+//! on-device draw) and the top-k selection of candidates, with their host-side layouts.
+
+use cudarc::driver::LaunchConfig;
+
+use super::{check, dev_ptr, i32_of, DevF32};
+use crate::cpu::{RowDraw, RowStats};
+use crate::cuda::{CudaError, GpuDevice};
+
+const RS_THREADS: u32 = 512;
+/// select.cu's SEL_THREADS and SEL_MAX_K.
+const SEL_THREADS: u32 = 1024;
+pub const TOP_K_MAX: usize = 1024;
+/// rowstats.cu's RS_CHUNK and RS_GROUP: cpu::digest's DIGEST_CHUNK and DIGEST_GROUP.
+const RS_CHUNK: usize = crate::cpu::DIGEST_CHUNK;
+const RS_GROUP: usize = crate::cpu::DIGEST_GROUP;
+/// Chunk and group digests live in dynamic shared memory next to the kernel's 6 KiB of
+/// static.
+const RS_MAX_DIGESTS: usize = (48 * 1024 - 12 * RS_THREADS as usize) / 8;
+
+/// f32 and u64 results per row of the row-stats kernel (rowstats.cu): argmax, digest
+/// and draw as u64; max, log-sum-exp, the picked value, the drawn value, the tempered sum
+/// and a pad (keeping the u64 part 8-byte aligned) as f32.
+pub const ROW_STATS_F32: usize = 6;
+pub const ROW_STATS_U64: usize = 3;
+
+/// The row-stats kernel's parameters, 3 u64 per row: the pick, the draw's key, and
+/// `mode << 32 | inv_t` bits (mode 1: a Gumbel draw, 2: the tempered sum, 0: neither).
+pub fn row_stats_params(pick: &[u32], draws: &[RowDraw]) -> Vec<u64> {
+    pick.iter()
+        .zip(draws)
+        .flat_map(|(&p, d)| match *d {
+            RowDraw::Gumbel(g) => [p as u64, g.key, 1 << 32 | g.inv_t.to_bits() as u64],
+            RowDraw::Nucleus { inv_t } => [p as u64, 0, 2 << 32 | inv_t.to_bits() as u64],
+            RowDraw::None => [p as u64, 0, 0],
+        })
+        .collect()
+}
+
+/// The rows of the row-stats kernel's results.
+pub fn decode_row_stats(f: &[f32], u: &[u64]) -> Vec<RowStats> {
+    f.chunks_exact(ROW_STATS_F32)
+        .zip(u.chunks_exact(ROW_STATS_U64))
+        .map(|(f, u)| RowStats {
+            argmax: u[0] as u32,
+            max: f[0],
+            lse: f[1],
+            picked: f[2],
+            digest: u[1],
+            sampled: u[2] as u32,
+            sampled_value: f[3],
+            tempered_sum: f[4],
+        })
+        .collect()
+}
+
+/// The candidates of the top-k kernel's results: row r's first `cnt[r]` (index, value)
+/// pairs of its `kmax`-entry rows.
+pub fn decode_top_k(cnt: &[u32], idx: &[u32], val: &[f32], kmax: usize) -> Vec<Vec<(u32, f32)>> {
+    cnt.iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            let m = (n as usize).min(kmax);
+            (0..m)
+                .map(|j| (idx[r * kmax + j], val[r * kmax + j]))
+                .collect()
+        })
+        .collect()
+}
+
+impl GpuDevice {
+    /// Argmax, max, log-sum-exp, the value at `pick[r]` (`u32::MAX`: none) and the digest
+    /// of the first `vocab` values of each row of `x` (`[rows, cols]`); a few bytes per row
+    /// come back instead of the row.
+    pub fn row_stats(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        pick: &[u32],
+        draws: &[RowDraw],
+    ) -> Result<Vec<RowStats>, CudaError> {
+        check(
+            "row_stats_kernel",
+            pick.len() == rows && draws.len() == rows,
+            || {
+                format!(
+                    "{} picks and {} draws for {rows} rows",
+                    pick.len(),
+                    draws.len()
+                )
+            },
+        )?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let params = self.upload("uploading row params", &row_stats_params(pick, draws))?;
+        let of = self.alloc::<f32>(rows * ROW_STATS_F32)?;
+        let ou = self.alloc::<u64>(rows * ROW_STATS_U64)?;
+        let s = &self.stream;
+        // SAFETY: the three buffers hold `rows` rows of parameters and results.
+        unsafe {
+            self.row_stats_raw(
+                x,
+                rows,
+                cols,
+                vocab,
+                dev_ptr(&params, s),
+                dev_ptr(&of, s),
+                dev_ptr(&ou, s),
+            )
+        }?;
+        let f = self.download("downloading row stats", &of, of.len())?;
+        let u = self.download("downloading row stats", &ou, ou.len())?;
+        Ok(decode_row_stats(&f, &u))
+    }
+
+    /// `row_stats` with its parameters and results in device memory: `params` holds
+    /// [`row_stats_params`] (3 u64 per row); the kernel writes [`ROW_STATS_F32`] f32 per
+    /// row at `out_f` and [`ROW_STATS_U64`] u64 per row at `out_u` ([`decode_row_stats`]).
+    ///
+    /// # Safety
+    /// The three addresses are device memory of this device holding `rows` rows each,
+    /// 8-byte aligned, valid until the kernel has run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn row_stats_raw(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        params: u64,
+        out_f: u64,
+        out_u: u64,
+    ) -> Result<(), CudaError> {
+        const K: &str = "row_stats_kernel";
+        check(K, x.len() == rows * cols && vocab <= cols, || {
+            format!("{} values as [{rows}, {cols}] with vocab {vocab}", x.len())
+        })?;
+        check(K, [params, out_f, out_u].iter().all(|p| p % 8 == 0), || {
+            "parameter and result buffers must be 8-byte aligned".into()
+        })?;
+        let n_chunks = vocab.div_ceil(RS_CHUNK);
+        let n_digests = n_chunks + n_chunks.div_ceil(RS_GROUP);
+        check(K, n_digests <= RS_MAX_DIGESTS, || {
+            format!("vocab {vocab} needs {n_digests} chunk and group digests, more than {RS_MAX_DIGESTS}")
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (ci, vi) = (i32_of(K, "cols", cols)?, i32_of(K, "vocab", vocab)?);
+        let cfg = LaunchConfig {
+            grid_dim: (i32_of(K, "rows", rows)? as u32, 1, 1),
+            block_dim: (RS_THREADS, 1, 1),
+            shared_mem_bytes: (n_digests * 8) as u32,
+        };
+        let mut b = self.launch(self.func(K)?);
+        b.arg(x)
+            .arg(&ci)
+            .arg(&vi)
+            .arg(&params)
+            .arg(&out_f)
+            .arg(&out_u);
+        self.launched(K, unsafe { b.launch(cfg) })
+    }
+
+    /// The `ks[r]` largest of the first `vocab` values of each row of `x` (`[rows, cols]`),
+    /// NaN excluded, as (index, value) in `sampling::sorted_desc`'s order (descending by
+    /// total order, lowest index first on ties); `ks[r] = 0`: none. At most
+    /// [`TOP_K_MAX`] per row; 8 bytes per candidate come back instead of the row.
+    pub fn top_k_select(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        ks: &[usize],
+    ) -> Result<Vec<Vec<(u32, f32)>>, CudaError> {
+        const K: &str = "top_k_select_kernel";
+        check(K, ks.len() == rows, || {
+            format!("{} k's for {rows} rows", ks.len())
+        })?;
+        if let Some(k) = ks.iter().find(|&&k| k > TOP_K_MAX) {
+            return Err(CudaError::Launch {
+                kernel: K,
+                msg: format!("top-k {k} is more than the kernel's {TOP_K_MAX}"),
+            });
+        }
+        let kmax = ks.iter().copied().max().unwrap_or(0);
+        if rows == 0 || kmax == 0 {
+            return Ok(vec![Vec::new(); rows]);
+        }
+        let k32: Vec<u32> = ks.iter().map(|&k| k as u32).collect();
+        let dks = self.upload_u32(&k32)?;
+        // The kernel writes the first out_n[r] entries of each row; only those are read.
+        let idx = self.alloc::<u32>(rows * kmax)?;
+        let val = self.alloc::<f32>(rows * kmax)?;
+        let cnt = self.alloc::<u32>(rows)?;
+        let s = &self.stream;
+        // SAFETY: each buffer holds `rows` rows of `kmax` (or 1) entries; every k ≤ kmax.
+        unsafe {
+            self.top_k_raw(
+                x,
+                rows,
+                cols,
+                vocab,
+                dev_ptr(&dks, s),
+                kmax,
+                [dev_ptr(&idx, s), dev_ptr(&val, s), dev_ptr(&cnt, s)],
+            )
+        }?;
+        let n = self.download("downloading top-k counts", &cnt, rows)?;
+        let i = self.download("downloading top-k indices", &idx, idx.len())?;
+        let v = self.download("downloading top-k values", &val, val.len())?;
+        Ok(decode_top_k(&n, &i, &v, kmax))
+    }
+
+    /// `top_k_select` with the k's (u32 per row) and the results in device memory:
+    /// `out` = [indices (u32, `kmax` per row), values (f32, `kmax` per row), counts (u32
+    /// per row)] ([`decode_top_k`]).
+    ///
+    /// # Safety
+    /// The addresses are device memory of this device of those sizes, valid until the
+    /// kernel has run, and every k is at most `kmax`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn top_k_raw(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        ks: u64,
+        kmax: usize,
+        out: [u64; 3],
+    ) -> Result<(), CudaError> {
+        const K: &str = "top_k_select_kernel";
+        check(K, x.len() == rows * cols && vocab <= cols, || {
+            format!("{} values as [{rows}, {cols}] with vocab {vocab}", x.len())
+        })?;
+        check(K, kmax <= TOP_K_MAX, || {
+            format!("top-k {kmax} is more than the kernel's {TOP_K_MAX}")
+        })?;
+        if rows == 0 || kmax == 0 {
+            return Ok(());
+        }
+        let (ci, vi, ki) = (
+            i32_of(K, "cols", cols)?,
+            i32_of(K, "vocab", vocab)?,
+            i32_of(K, "k", kmax)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (i32_of(K, "rows", rows)? as u32, 1, 1),
+            block_dim: (SEL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let [idx, val, cnt] = out;
+        let mut b = self.launch(self.func(K)?);
+        b.arg(x)
+            .arg(&ci)
+            .arg(&vi)
+            .arg(&ks)
+            .arg(&ki)
+            .arg(&idx)
+            .arg(&val)
+            .arg(&cnt);
+        self.launched(K, unsafe { b.launch(cfg) })
+    }
+}
