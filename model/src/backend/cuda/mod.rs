@@ -1,0 +1,620 @@
+//! CUDA backend: device buffers, the NVRTC kernels of `arbor_kernels::cuda`, and the GPU
+//! collective (NCCL all-gather of f32 subtree roots + the fixed tree as a GPU kernel).
+//!
+//! Each rank takes GPU `LOCAL_RANK` (else its rank), counted as the driver counts, i.e.
+//! relative to `CUDA_VISIBLE_DEVICES`. Every kernel fixes each output element's order of
+//! roundings independently of rows, TP and launch shape, so the contract's invariances hold
+//! on the GPU as on the CPU; the two backends agree within bf16 tolerance only.
+//!
+//! Here: the device types and the `Backend` impl, each method an op wrapped in the
+//! profiler. Opening the device is load.rs; the ops ops.rs, the KV cache and attention
+//! kv.rs, the TP collectives collective.rs; `run_step` (inputs up once, outputs down once,
+//! decode steps replayed from CUDA graphs) run_step.rs, with the step buffers' layouts in
+//! step.rs and the recordings in graphs.rs; the tensor-core GEMM gemm.rs.
+
+mod collective;
+pub mod gemm;
+pub mod graphs;
+mod kv;
+mod load;
+mod ops;
+mod profile;
+mod run_step;
+pub mod step;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use arbor_collective::gpu::{Algo, GpuCollective};
+use arbor_collective::Communicator;
+use arbor_kernels::cpu::RopeTable;
+use arbor_kernels::cuda::cublas::Blas;
+use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
+
+use super::{
+    BResult, Backend, BackendError, HeadSpec, KvSpec, SeqRows, StepForward, StepInputs,
+    StepResults, TreeSpec, WantRow,
+};
+use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
+use graphs::{Graphs, Key};
+pub use kv::CudaKv;
+use ops::RopeDev;
+use profile::Profiler;
+use step::StepMeta;
+
+/// f32 activations `[rows, cols]` on the GPU.
+pub struct CudaAct {
+    buf: DevF32,
+    rows: usize,
+    cols: usize,
+    /// The same values rounded to bf16, written by the kernel that produced `buf` when a
+    /// GEMM will read them (norms, SiLU·mul, attention): the GEMM then skips its own
+    /// conversion pass. Always exactly `bf16(buf)`.
+    bf16: Option<DevBf16>,
+}
+
+/// bf16 weight `[n, k]` on the GPU.
+pub struct CudaMat {
+    buf: DevBf16,
+    n: usize,
+    k: usize,
+}
+
+pub struct CudaBackend {
+    comm: Arc<dyn Communicator>,
+    dev: Arc<GpuDevice>,
+    /// The TP group's GPU collective (None at world size 1).
+    coll: Option<GpuCollective>,
+    algo: Algo,
+    rope: Mutex<Option<RopeDev>>,
+    /// The tensor-core GEMM when the choice resolves to `tensor` (the default on sm_80+;
+    /// None: the simple kernel only).
+    gemm: Option<TensorGemm>,
+    /// `--numerics fast`: cuBLAS for every matmul and NCCL's all-reduce.
+    blas: Option<Blas>,
+    /// The current step's inputs on the device (step.rs).
+    meta: Mutex<Option<StepMeta>>,
+    /// Decode steps recorded as CUDA graphs (graphs.rs).
+    graphs: Mutex<Graphs>,
+    /// `ARBOR_PROFILE=1`: per-op device time (synchronising around every op).
+    prof: Option<Profiler>,
+}
+
+impl CudaBackend {
+    /// Whether decode steps are recorded as CUDA graphs (`ARBOR_CUDA_GRAPHS`, off while
+    /// profiling).
+    pub fn records_steps(&self) -> bool {
+        self.graphs().enabled
+    }
+
+    /// Turns recording on or off (off while profiling); turning it off drops the
+    /// recordings.
+    pub fn set_recording(&self, on: bool) {
+        let mut g = self.graphs();
+        g.enabled = on && self.prof.is_none();
+        if !g.enabled {
+            g.clear();
+        }
+    }
+
+    fn graphs(&self) -> MutexGuard<'_, Graphs> {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Which GEMM kernel this backend's linear layers use where they can.
+    pub fn gemm_kind(&self) -> GemmKind {
+        match self.gemm {
+            Some(_) => GemmKind::Tensor,
+            None => GemmKind::Simple,
+        }
+    }
+
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.dev
+    }
+
+    fn dev_err(&self, e: CudaError) -> BackendError {
+        BackendError::Device {
+            rank: self.comm.rank(),
+            msg: e.to_string(),
+        }
+    }
+
+    fn dev_err_msg(&self, what: &str, e: cudarc::driver::DriverError) -> BackendError {
+        BackendError::Device {
+            rank: self.comm.rank(),
+            msg: format!("{what}: {e:?}"),
+        }
+    }
+
+    /// A tensor-GEMM failure, naming the op and its operands' shapes.
+    fn gemm_err(
+        &self,
+        op: &str,
+        x: &CudaAct,
+        w: &CudaMat,
+        e: impl std::fmt::Display,
+    ) -> BackendError {
+        BackendError::Device {
+            rank: self.comm.rank(),
+            msg: format!(
+                "{op} of x [{}, {}] with w [{}, {}]: {e}",
+                x.rows, x.cols, w.n, w.k
+            ),
+        }
+    }
+
+    fn shape_err(&self, msg: String) -> BackendError {
+        BackendError::Shape(format!("rank {} (cuda): {msg}", self.comm.rank()))
+    }
+
+    fn act(&self, buf: DevF32, rows: usize, cols: usize) -> CudaAct {
+        CudaAct {
+            buf,
+            rows,
+            cols,
+            bf16: None,
+        }
+    }
+
+    fn act_with_bf16(
+        &self,
+        buf: DevF32,
+        rows: usize,
+        cols: usize,
+        bf16: Option<DevBf16>,
+    ) -> CudaAct {
+        CudaAct {
+            bf16,
+            ..self.act(buf, rows, cols)
+        }
+    }
+
+    /// A bf16 companion buffer of `len` values for an op whose output feeds a GEMM, when
+    /// the GEMMs read bf16 (the tensor-core kernels and cuBLAS; the simple kernel reads f32).
+    fn bf16_out(&self, len: usize) -> BResult<Option<DevBf16>> {
+        if self.gemm.is_none() && self.blas.is_none() {
+            return Ok(None);
+        }
+        self.dev
+            .empty_bf16(len)
+            .map(Some)
+            .map_err(|e| self.dev_err(e))
+    }
+
+    /// Runs one op, timed by the profiler when there is one.
+    fn timed<T>(&self, op: &str, rows: usize, f: impl FnOnce() -> BResult<T>) -> BResult<T> {
+        match &self.prof {
+            None => f(),
+            Some(p) => {
+                let sync = || self.dev.synchronize().map_err(|e| self.dev_err(e));
+                sync()?;
+                let t0 = std::time::Instant::now();
+                let r = f()?;
+                sync()?;
+                // Keyed by rows too: a decode step's ops and a prefill's differ by orders
+                // of magnitude and must not share an average.
+                p.add(&format!("{op} m={rows}"), t0.elapsed());
+                Ok(r)
+            }
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaAct;
+    type Mat = CudaMat;
+    type KvCache = CudaKv;
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+    fn device_name(&self) -> String {
+        format!(
+            "cuda:{} {} ({})",
+            self.dev.ordinal,
+            self.dev.name(),
+            self.dev.arch
+        )
+    }
+
+    fn mat_from_host(&self, data: &[half::bf16], n: usize, k: usize) -> BResult<CudaMat> {
+        if data.len() != n * k {
+            return Err(self.shape_err(format!(
+                "weight of {} values uploaded as [{n}, {k}]",
+                data.len()
+            )));
+        }
+        let buf = self.dev.upload_bf16(data).map_err(|e| self.dev_err(e))?;
+        Ok(CudaMat { buf, n, k })
+    }
+
+    fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaAct> {
+        if data.len() != rows * cols {
+            return Err(self.shape_err(format!(
+                "activation of {} values uploaded as [{rows}, {cols}]",
+                data.len()
+            )));
+        }
+        let buf = self.dev.upload_f32(data).map_err(|e| self.dev_err(e))?;
+        Ok(self.act(buf, rows, cols))
+    }
+
+    fn act_to_host(&self, a: &CudaAct) -> BResult<Vec<f32>> {
+        self.timed("download", a.rows, || {
+            self.dev.download_f32(&a.buf).map_err(|e| self.dev_err(e))
+        })
+    }
+
+    fn shape(&self, a: &CudaAct) -> (usize, usize) {
+        (a.rows, a.cols)
+    }
+
+    fn reshape(&self, a: CudaAct, rows: usize, cols: usize) -> BResult<CudaAct> {
+        if rows * cols != a.rows * a.cols {
+            return Err(self.shape_err(format!(
+                "reshape [{}, {}] to [{rows}, {cols}]",
+                a.rows, a.cols
+            )));
+        }
+        Ok(CudaAct {
+            buf: a.buf,
+            rows,
+            cols,
+            bf16: a.bf16,
+        })
+    }
+
+    fn select_rows(&self, a: &CudaAct, rows: &[usize]) -> BResult<CudaAct> {
+        if a.cols == 0 {
+            return Ok(self.act(
+                self.dev.zeros_f32(0).map_err(|e| self.dev_err(e))?,
+                rows.len(),
+                0,
+            ));
+        }
+        let buf = self.timed("select_rows", rows.len(), || {
+            self.dev
+                .select_rows(&a.buf, a.cols, rows)
+                .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(self.act(buf, rows.len(), a.cols))
+    }
+
+    fn embedding(&self, table: &CudaMat, ids: &[u32]) -> BResult<CudaAct> {
+        let guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        let buf = self.timed("embedding", ids.len(), || {
+            match guard.as_ref() {
+                // The step's ids, uploaded with its other inputs (checked by the engine
+                // against the vocabulary, and again here on the host).
+                Some(m) if !ids.is_empty() && m.ids == ids => {
+                    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.n) {
+                        return Err(self.shape_err(format!(
+                            "token id {bad} is out of range for a vocabulary of {}",
+                            table.n
+                        )));
+                    }
+                    let at = m.word(&self.dev.stream, m.layout.ids());
+                    // SAFETY: the current step's buffer holds these ids at `at`.
+                    unsafe { self.dev.embedding_raw(&table.buf, table.k, at, ids.len()) }
+                }
+                _ => self.dev.embedding(&table.buf, table.k, ids),
+            }
+            .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(self.act(buf, ids.len(), table.k))
+    }
+
+    fn rms_norm(&self, x: &CudaAct, weight: &CudaAct, eps: f32) -> BResult<CudaAct> {
+        let mut bf16 = self.bf16_out(x.rows * x.cols)?;
+        let buf = self.timed("rms_norm", x.rows, || {
+            self.dev
+                .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps, bf16.as_mut())
+                .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(self.act_with_bf16(buf, x.rows, x.cols, bf16))
+    }
+
+    fn matmul(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
+        if x.cols != w.k {
+            return Err(self.shape_err(format!(
+                "matmul of x [{}, {}] with w [{}, {}]",
+                x.rows, x.cols, w.n, w.k
+            )));
+        }
+        let label = self
+            .prof
+            .as_ref()
+            .map(|_| format!("matmul n={} k={}", w.n, w.k))
+            .unwrap_or_default();
+        self.timed(&label, x.rows, || self.matmul_untimed(x, w, tree))
+    }
+
+    fn add_row_bias(&self, x: &mut CudaAct, bias: &CudaAct) -> BResult<()> {
+        self.timed("add_row_bias", x.rows, || {
+            self.add_row_bias_untimed(x, bias)
+        })
+    }
+
+    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> BResult<()> {
+        self.timed("add_assign", x.rows, || self.add_assign_untimed(x, y))
+    }
+
+    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> BResult<CudaAct> {
+        self.timed("silu_mul", gate.rows, || self.silu_mul_untimed(gate, up))
+    }
+
+    fn row_stats(
+        &self,
+        logits: &CudaAct,
+        vocab: usize,
+        pick: &[u32],
+        draws: &[crate::sampling::RowDraw],
+    ) -> BResult<Vec<crate::sampling::RowStats>> {
+        self.timed("row_stats", logits.rows, || {
+            self.dev
+                .row_stats(&logits.buf, logits.rows, logits.cols, vocab, pick, draws)
+                .map_err(|e| self.dev_err(e))
+        })
+    }
+
+    fn top_k(&self, logits: &CudaAct, vocab: usize, ks: &[usize]) -> BResult<Vec<Vec<(u32, f32)>>> {
+        self.timed("top_k", logits.rows, || {
+            self.dev
+                .top_k_select(&logits.buf, logits.rows, logits.cols, vocab, ks)
+                .map_err(|e| self.dev_err(e))
+        })
+    }
+
+    fn silu_mul_pairs(&self, gu: &CudaAct) -> BResult<CudaAct> {
+        if !gu.cols.is_multiple_of(2) {
+            return Err(self.shape_err(format!(
+                "silu_mul_pairs of [{}, {}]: odd column count",
+                gu.rows, gu.cols
+            )));
+        }
+        let inter = gu.cols / 2;
+        let mut bf16 = self.bf16_out(gu.rows * inter)?;
+        let buf = self.timed("silu_mul_pairs", gu.rows, || {
+            self.dev
+                .silu_mul_pairs(&gu.buf, gu.rows, inter, bf16.as_mut())
+                .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(self.act_with_bf16(buf, gu.rows, inter, bf16))
+    }
+
+    fn matmul_silu_mul(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
+        let fused = self
+            .gemm
+            .as_ref()
+            .filter(|_| self.blas.is_none() && tensor_eligible(tree));
+        if let Some(g) = fused {
+            if x.cols != w.k || !w.n.is_multiple_of(2) {
+                return Err(self.shape_err(format!(
+                    "matmul_silu_mul of x [{}, {}] with gate/up w [{}, {}]",
+                    x.rows, x.cols, w.n, w.k
+                )));
+            }
+            let inter = w.n / 2;
+            let mut bf16 = self.bf16_out(x.rows * inter)?;
+            let label = self
+                .prof
+                .as_ref()
+                .map(|_| format!("matmul+silu n={} k={}", w.n, w.k))
+                .unwrap_or_default();
+            let buf = self.timed(&label, x.rows, || {
+                g.matmul(
+                    &self.dev,
+                    &x.buf,
+                    x.bf16.as_ref(),
+                    x.rows,
+                    x.cols,
+                    &w.buf,
+                    w.n,
+                    tree,
+                    GemmOut::SiluMulPairs(bf16.as_mut()),
+                )
+                .map_err(|e| self.gemm_err("matmul+silu", x, w, e))
+            })?;
+            if let Some(buf) = buf {
+                return Ok(self.act_with_bf16(buf, x.rows, inter, bf16));
+            }
+        }
+        let gu = self.matmul(x, w, tree)?;
+        self.silu_mul_pairs(&gu)
+    }
+
+    fn split_cols(&self, x: &CudaAct, widths: &[usize]) -> BResult<Vec<CudaAct>> {
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(self.shape_err(format!(
+                "split of [{}, {}] into columns {widths:?}",
+                x.rows, x.cols
+            )));
+        }
+        self.timed("split_cols", x.rows, || {
+            let mut c0 = 0;
+            let mut out = Vec::with_capacity(widths.len());
+            for &w in widths {
+                let buf = self
+                    .dev
+                    .copy_cols(&x.buf, x.rows, x.cols, c0, w)
+                    .map_err(|e| self.dev_err(e))?;
+                out.push(self.act(buf, x.rows, w));
+                c0 += w;
+            }
+            Ok(out)
+        })
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaAct,
+        seqs: &[SeqRows],
+        n_heads: usize,
+        table: &RopeTable,
+    ) -> BResult<()> {
+        let meta = self.step_meta(seqs, x.rows)?;
+        let meta = self.meta_of(&meta)?;
+        self.timed("rope", x.rows, || {
+            self.rope_untimed(x, meta, n_heads, table)
+        })
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaAct,
+        y: &CudaAct,
+        weight: &CudaAct,
+        eps: f32,
+    ) -> BResult<CudaAct> {
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(self.shape_err(format!(
+                "add of [{}, {}] and [{}, {}]",
+                x.rows, x.cols, y.rows, y.cols
+            )));
+        }
+        let (rows, cols) = (x.rows, x.cols);
+        let mut bf16 = self.bf16_out(rows * cols)?;
+        // x changes: a bf16 copy of its old values would be stale.
+        x.bf16 = None;
+        let buf = self.timed("add_rms_norm", rows, || {
+            self.dev
+                .add_rms_norm(
+                    &mut x.buf,
+                    &y.buf,
+                    rows,
+                    cols,
+                    &weight.buf,
+                    eps,
+                    bf16.as_mut(),
+                )
+                .map_err(|e| self.dev_err(e))
+        })?;
+        Ok(self.act_with_bf16(buf, rows, cols, bf16))
+    }
+
+    fn qkv_rope_kv(
+        &self,
+        qkv: &CudaAct,
+        cache: &mut CudaKv,
+        layer: usize,
+        seqs: &[SeqRows],
+        heads: HeadSpec,
+        table: &RopeTable,
+    ) -> BResult<CudaAct> {
+        let hd = heads.head_dim;
+        if table.head_dim != hd || !hd.is_multiple_of(2) {
+            // The fused kernel rotates whole heads; anything else takes the four ops.
+            return crate::backend::qkv_rope_kv_unfused(
+                self, qkv, cache, layer, seqs, heads, table,
+            );
+        }
+        let meta = self.step_meta(seqs, qkv.rows)?;
+        let meta = self.meta_of(&meta)?;
+        let tables = self.rope_tables(table)?;
+        let Some(t) = tables.as_ref() else {
+            return Err(self.shape_err("RoPE table missing after upload".into()));
+        };
+        let layout = cache.layout;
+        self.timed("qkv_rope_kv", qkv.rows, || {
+            let buf = self
+                .dev
+                .qkv_rope_kv(
+                    &qkv.buf,
+                    &mut cache.k,
+                    &mut cache.v,
+                    layout,
+                    layer,
+                    &t.cos,
+                    &t.sin,
+                    meta,
+                    heads.n_heads,
+                    heads.n_kv_heads,
+                    hd,
+                )
+                .map_err(|e| self.dev_err(e))?;
+            Ok(self.act(buf, qkv.rows, heads.n_heads * hd))
+        })
+    }
+
+    fn kv_cache(&self, spec: KvSpec) -> BResult<CudaKv> {
+        self.kv_cache_untimed(spec)
+    }
+
+    fn kv_write(
+        &self,
+        cache: &mut CudaKv,
+        layer: usize,
+        k: &CudaAct,
+        v: &CudaAct,
+        seqs: &[SeqRows],
+    ) -> BResult<()> {
+        let meta = self.step_meta(seqs, k.rows)?;
+        let meta = self.meta_of(&meta)?;
+        self.timed("kv_write", k.rows, || {
+            self.kv_write_untimed(cache, layer, k, v, meta)
+        })
+    }
+
+    fn attention(
+        &self,
+        q: &CudaAct,
+        cache: &CudaKv,
+        layer: usize,
+        seqs: &[SeqRows],
+        heads: HeadSpec,
+    ) -> BResult<CudaAct> {
+        let meta = self.step_meta(seqs, q.rows)?;
+        let meta = self.meta_of(&meta)?;
+        self.timed("attention", q.rows, || {
+            self.attention_untimed(q, cache, layer, meta, heads)
+        })
+    }
+
+    fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {
+        let op = match self.blas {
+            Some(_) => "all_reduce (nccl)",
+            None => "all_reduce (tree)",
+        };
+        self.timed(op, partial.rows, || self.all_reduce_untimed(partial))
+    }
+
+    fn all_gather_cols(&self, x: &CudaAct) -> BResult<CudaAct> {
+        self.timed("all_gather_cols", x.rows, || {
+            self.all_gather_cols_untimed(x)
+        })
+    }
+
+    /// Inputs uploaded once, results downloaded once; a decode-shaped step is padded to
+    /// its bucket and replayed from a CUDA graph when recording is on (graphs.rs).
+    fn run_step(
+        &self,
+        inputs: &StepInputs<'_>,
+        forward: &mut StepForward<'_, Self>,
+        want_row: &WantRow<'_>,
+    ) -> BResult<StepResults> {
+        let key = if self.records_steps() && inputs.is_decode_shaped() {
+            graphs::bucket(inputs.ids.len()).map(|rows| Key {
+                rows,
+                stride: step::stride_for(inputs.ks),
+            })
+        } else {
+            None
+        };
+        match key {
+            Some(key) => self.step_recorded(inputs, forward, want_row, key),
+            None => self.step_eager(inputs, forward, want_row),
+        }
+    }
+
+    fn cache_key(&self, cache: &CudaKv) -> u64 {
+        cache.id
+    }
+
+    fn recorded_steps(&self) -> Option<(u64, u64)> {
+        let g = self.graphs();
+        g.enabled.then_some((g.recorded, g.replays))
+    }
+}

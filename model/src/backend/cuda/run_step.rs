@@ -1,0 +1,358 @@
+//! How `run_step` runs a step: its inputs uploaded once, its outputs (row stats, top-k)
+//! computed on the device and downloaded once; a decode-shaped step padded to its bucket
+//! and replayed from a CUDA graph (graphs.rs).
+
+use std::sync::Arc;
+
+use arbor_kernels::cuda::ops::dev_ptr;
+use arbor_kernels::cuda::RowMeta;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+
+use super::graphs::{Entry, Key, State};
+use super::step::{self, InLayout, OutLayout, Padded, StepMeta};
+use super::{CudaAct, CudaBackend};
+use crate::backend::{
+    wanted_rows, BResult, SeqRows, StepForward, StepInputs, StepResults, WantRow,
+};
+
+impl CudaBackend {
+    /// The device row map of this batch: the current step's when the batch is the one
+    /// `run_step` uploaded, else uploaded now (an op called outside `run_step`).
+    pub(super) fn step_meta(
+        &self,
+        seqs: &[SeqRows],
+        rows: usize,
+    ) -> BResult<std::sync::MutexGuard<'_, Option<StepMeta>>> {
+        let mut guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = matches!(guard.as_ref(), Some(m) if m.rows == rows && m.seqs == seqs);
+        if !fresh {
+            let layout = InLayout { rows, outs: 0 };
+            let mut words = vec![0u32; layout.words()];
+            let ends =
+                step::fill_row_map(&mut words, layout, seqs).map_err(|msg| self.shape_err(msg))?;
+            let buf = self.timed("upload row map", rows, || {
+                self.dev.upload_u32(&words).map_err(|e| self.dev_err(e))
+            })?;
+            // Ids are not part of a row map made here: `embedding` uploads its own.
+            *guard = Some(StepMeta::new(
+                &self.dev.stream,
+                Vec::new(),
+                seqs,
+                layout,
+                Arc::new(buf),
+                ends,
+                false,
+            ));
+        }
+        Ok(guard)
+    }
+
+    pub(super) fn meta_of<'a>(&self, guard: &'a Option<StepMeta>) -> BResult<&'a RowMeta> {
+        guard
+            .as_ref()
+            .map(|m| &m.meta)
+            .ok_or_else(|| self.shape_err("row map missing after upload".into()))
+    }
+
+    /// Makes `meta` the current step's inputs.
+    fn set_meta(&self, meta: StepMeta) {
+        *self.meta.lock().unwrap_or_else(|e| e.into_inner()) = Some(meta);
+    }
+
+    /// Uploads a step's inputs (one copy into a new buffer) and makes them current.
+    fn upload_step(&self, inputs: &StepInputs<'_>) -> BResult<InLayout> {
+        let (words, slot_end, pos_end) =
+            step::pack_inputs(inputs).map_err(|m| self.shape_err(m))?;
+        let layout = InLayout {
+            rows: inputs.ids.len(),
+            outs: inputs.out_rows.len(),
+        };
+        let buf = self.timed("upload step", layout.rows, || {
+            self.dev.upload_u32(&words).map_err(|e| self.dev_err(e))
+        })?;
+        self.set_meta(StepMeta::new(
+            &self.dev.stream,
+            inputs.ids.to_vec(),
+            inputs.seqs,
+            layout,
+            Arc::new(buf),
+            (slot_end, pos_end),
+            false,
+        ));
+        Ok(layout)
+    }
+
+    /// Launches the row stats (and, with a stride, the top-k selection) of `logits` into
+    /// `out` (`OutLayout` words), reading the rows' parameters from the current step.
+    fn launch_outputs(
+        &self,
+        logits: &CudaAct,
+        vocab: usize,
+        ol: OutLayout,
+        out: &arbor_kernels::cuda::DevU32,
+    ) -> BResult<()> {
+        let guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        let m = guard
+            .as_ref()
+            .ok_or_else(|| self.shape_err("step outputs without step inputs".into()))?;
+        if logits.rows != ol.outs || m.layout.outs != ol.outs || out.len() < ol.words() {
+            return Err(self.shape_err(format!(
+                "step outputs of {} logits rows for {} output rows ({} of {} words)",
+                logits.rows,
+                m.layout.outs,
+                out.len(),
+                ol.words()
+            )));
+        }
+        let s = &self.dev.stream;
+        let o = dev_ptr(out, s);
+        let at = |w: usize| o + 4 * w as u64;
+        self.timed("row_stats", logits.rows, || {
+            // SAFETY: `out` holds the layout's words; the parameters are the current
+            // step's, which `guard` keeps alive.
+            unsafe {
+                self.dev.row_stats_raw(
+                    &logits.buf,
+                    logits.rows,
+                    logits.cols,
+                    vocab,
+                    m.word(s, m.layout.params()),
+                    at(ol.stats_f32()),
+                    at(ol.stats_u64()),
+                )
+            }
+            .map_err(|e| self.dev_err(e))
+        })?;
+        if ol.stride > 0 {
+            self.timed("top_k", logits.rows, || {
+                // SAFETY: as above; every k is at most the stride (`stride_for`).
+                unsafe {
+                    self.dev.top_k_raw(
+                        &logits.buf,
+                        logits.rows,
+                        logits.cols,
+                        vocab,
+                        m.word(s, m.layout.ks()),
+                        ol.stride,
+                        [at(ol.indices()), at(ol.values()), at(ol.counts())],
+                    )
+                }
+                .map_err(|e| self.dev_err(e))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The results of `launch_outputs`: one download, the first `keep` rows.
+    fn read_outputs(
+        &self,
+        out: &arbor_kernels::cuda::DevU32,
+        ol: OutLayout,
+        keep: usize,
+    ) -> BResult<StepResults> {
+        let words = self.timed("download step", ol.outs, || {
+            self.dev
+                .download("downloading step results", out, ol.words())
+                .map_err(|e| self.dev_err(e))
+        })?;
+        step::decode_outputs(&words, ol, keep).map_err(|m| self.shape_err(m))
+    }
+
+    /// The rows of `logits` that `want_row` asks for given `res`, on the host (their
+    /// `vocab` values), into `res.rows`.
+    fn fetch_rows(
+        &self,
+        res: &mut StepResults,
+        logits: Option<&CudaAct>,
+        vocab: usize,
+        want_row: &WantRow<'_>,
+    ) -> BResult<()> {
+        let wanted = wanted_rows(&res.stats, &res.cands, want_row);
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let l =
+            logits.ok_or_else(|| self.shape_err("step rows asked for without logits".into()))?;
+        res.rows = vec![None; res.stats.len()];
+        for r in wanted {
+            let row = self.timed("download row", 1, || {
+                self.dev
+                    .download_range(
+                        "downloading a logits row",
+                        &l.buf,
+                        r * l.cols..r * l.cols + vocab,
+                    )
+                    .map_err(|e| self.dev_err(e))
+            })?;
+            res.rows[r] = Some(row);
+        }
+        Ok(())
+    }
+
+    /// A step run op by op: its inputs uploaded once, its results downloaded once.
+    pub(super) fn step_eager(
+        &self,
+        inputs: &StepInputs<'_>,
+        forward: &mut StepForward<'_, Self>,
+        want_row: &WantRow<'_>,
+    ) -> BResult<StepResults> {
+        let layout = self.upload_step(inputs)?;
+        let Some(logits) = forward(self, inputs)? else {
+            return Ok(StepResults::default());
+        };
+        let ol = OutLayout {
+            outs: layout.outs,
+            stride: step::stride_for(inputs.ks),
+        };
+        let out = self
+            .dev
+            .alloc::<u32>(ol.words())
+            .map_err(|e| self.dev_err(e))?;
+        self.launch_outputs(&logits, inputs.vocab, ol, &out)?;
+        let mut res = self.read_outputs(&out, ol, layout.outs)?;
+        self.fetch_rows(&mut res, Some(&logits), inputs.vocab, want_row)?;
+        Ok(res)
+    }
+
+    /// A decode-shaped step padded to `key.rows` and run from its recording (graphs.rs):
+    /// eagerly in the workspace the first time, captured the second, replayed after.
+    pub(super) fn step_recorded(
+        &self,
+        inputs: &StepInputs<'_>,
+        forward: &mut StepForward<'_, Self>,
+        want_row: &WantRow<'_>,
+        key: Key,
+    ) -> BResult<StepResults> {
+        let n = inputs.ids.len();
+        let padded = Padded::new(inputs, key.rows).map_err(|m| self.shape_err(m))?;
+        let pin = padded.inputs(inputs);
+        let (words, slot_end, pos_end) = step::pack_inputs(&pin).map_err(|m| self.shape_err(m))?;
+        let layout = InLayout {
+            rows: key.rows,
+            outs: key.rows,
+        };
+        let ol = OutLayout {
+            outs: key.rows,
+            stride: key.stride,
+        };
+        let mut graphs = self.graphs();
+        let entry = graphs
+            .entry(inputs.cache, key, || {
+                let alloc = |len: usize| self.dev.alloc::<u32>(len).map_err(|e| e.to_string());
+                Ok(Entry {
+                    inputs: Arc::new(alloc(layout.words())?),
+                    outputs: alloc(ol.words())?,
+                    logits: None,
+                    state: State::New,
+                })
+            })
+            .map_err(|m| self.shape_err(m))?;
+        let s = &self.dev.stream;
+        // SAFETY: the entry's input buffer holds the layout's words; stream-ordered after
+        // every earlier step that read it.
+        unsafe { self.dev.write_raw(dev_ptr(&entry.inputs, s), &words) }
+            .map_err(|e| self.dev_err(e))?;
+        // The current meta may describe this buffer's old contents (the step that was
+        // captured): no op may take it for the new ones.
+        *self.meta.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let (mut replayed, mut recorded) = (false, false);
+        match &entry.state {
+            State::Recorded { graph, limits } => {
+                if slot_end > limits.0 || pos_end > limits.1 {
+                    // Beyond what the recording's ops were checked for: run (and check)
+                    // this step op by op.
+                    drop(graphs);
+                    return self.step_eager(inputs, forward, want_row);
+                }
+                graph
+                    .launch()
+                    .map_err(|e| self.dev_err_msg("replaying a decode step", e))?;
+                replayed = true;
+            }
+            State::Failed => {
+                drop(graphs);
+                return self.step_eager(inputs, forward, want_row);
+            }
+            State::New | State::Warm => {
+                let capture = matches!(entry.state, State::Warm);
+                self.set_meta(StepMeta::new(
+                    s,
+                    padded.ids.clone(),
+                    &padded.seqs,
+                    layout,
+                    entry.inputs.clone(),
+                    (slot_end, pos_end),
+                    true,
+                ));
+                let scope = self.dev.workspace.scope();
+                if capture {
+                    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                        .map_err(|e| self.dev_err_msg("beginning a graph capture", e))?;
+                }
+                let run = forward(self, &pin).and_then(|logits| match logits {
+                    Some(l) => self
+                        .launch_outputs(&l, inputs.vocab, ol, &entry.outputs)
+                        .map(|()| l),
+                    None => Err(self.shape_err("a decode step without logits".into())),
+                });
+                if !capture {
+                    drop(scope);
+                    entry.logits = Some(run?).filter(|_| key.stride > 0);
+                    entry.state = State::Warm;
+                } else {
+                    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+                    drop(scope);
+                    let limits = self
+                        .meta
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_ref()
+                        .map(|m| m.meta.limits());
+                    match (run, graph, limits) {
+                        (Ok(logits), Ok(Some(graph)), Some(limits)) => {
+                            // Kept where rows may be asked for: the graph writes its
+                            // logits here on every replay.
+                            entry.logits = Some(logits).filter(|_| key.stride > 0);
+                            graph
+                                .upload()
+                                .map_err(|e| self.dev_err_msg("uploading a decode graph", e))?;
+                            graph
+                                .launch()
+                                .map_err(|e| self.dev_err_msg("replaying a decode step", e))?;
+                            tracing::debug!(
+                                rank = self.comm.rank(),
+                                rows = key.rows,
+                                stride = key.stride,
+                                "decode step recorded"
+                            );
+                            entry.state = State::Recorded { graph, limits };
+                            recorded = true;
+                        }
+                        (run, graph, _) => {
+                            let why = match (run, graph) {
+                                (Err(e), _) => e.to_string(),
+                                (_, Err(e)) => format!("{e:?}"),
+                                _ => "no graph".to_string(),
+                            };
+                            tracing::warn!(
+                                rank = self.comm.rank(),
+                                rows = key.rows,
+                                "recording a decode step failed ({why}): this batch size runs op by op"
+                            );
+                            entry.state = State::Failed;
+                            drop(graphs);
+                            // A failed capture may leave an error behind in the context.
+                            let _ = self.dev.ctx.check_err();
+                            return self.step_eager(inputs, forward, want_row);
+                        }
+                    }
+                }
+            }
+        }
+        let mut res = self.read_outputs(&entry.outputs, ol, n)?;
+        self.fetch_rows(&mut res, entry.logits.as_ref(), inputs.vocab, want_row)?;
+        graphs.replays += u64::from(replayed || recorded);
+        graphs.recorded += u64::from(recorded);
+        Ok(res)
+    }
+}
