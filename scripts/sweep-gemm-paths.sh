@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (carry [".device"]), one GPU: every tensor-core launch path of the tree
 # GEMM timed on each layer shape a TP rank computes, to set the default path rules
-# (kernels/src/cuda/gemm.rs: default_path, whole_tile, quad_tile) for shapes that the
+# (kernels/src/cuda/gemm/select.rs: default_path_for, whole_tile, quad_tile) for shapes that the
 # TP 1 benchmarks never saw. All paths give the same bits (bench gemm checks that on every
 # call), so the rules only move time.
 #   SHAPES="4096x1536 tp4:4096x4096" MS=1,8,32,64 bash scripts/sweep-gemm-paths.sh

@@ -520,8 +520,9 @@ fn attention_prefill_equals_decode_and_batch() {
     check_attention(&dev, 4, 2, 64, 70, 7);
     // 300 keys: ten chunks, so states 0 and 1 walk two each. The 300-row prefill puts 4
     // heads on a block (a GQA group of 6 heads is two blocks, the second holding 2 heads);
-    // a row alone puts one head on each block (ops.rs, attention_group), and a row of at
-    // most 4 chunks runs on 4 warps instead of 8 (ops.rs, attention_warps): the same bits.
+    // a row alone puts one head on each block (ops/attention.rs, attention_group), and a row
+    // of at most 4 chunks runs on 4 warps instead of 8 (ops/attention.rs, attention_warps):
+    // the same bits.
     check_attention(&dev, 12, 2, 128, 300, 8);
     // head_dim 20: the scalar key loads (not a multiple of 8).
     check_attention(&dev, 6, 3, 20, 75, 9);
