@@ -4,7 +4,7 @@
 
 # cuBLAS (the GEMM baseline) lives outside the default loader path on the lent machines.
 export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-# NVLink multicast stays off (GPU.md): never enabled by arbor, kept off here too.
+# NVLink multicast stays off (docs/allreduce.md, NVLS refusal): never enabled by arbor, kept off here too.
 export NCCL_NVLS_ENABLE=0
 export RUST_LOG=${RUST_LOG:-warn}
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (carry [".device"]): the decode step kernel by kernel, arbor and the
 # PyTorch reference loop side by side, to see where arbor's step loses time.
-# Run from the repo root after `bash scripts/build-device.sh` (and, for the reference,
-# `cp ../shared/anchors/decode_baseline.py .device/`):
+# Run from the repo root after `bash scripts/build-device.sh` (and, for the reference, a copy
+# of the PyTorch reference loop at .device/decode_baseline.py, not part of this repository:
+# docs/engine.md, "The reference loop"):
 #   bash scripts/profile-decode.sh            # writes $OUT/profile-*.{csv,log,txt}
 # arbor: Nsight Compute (`ncu`, the profiler the lent machines have; no nsys there) times
 # every kernel of a short `bench decode` run (one metric, gpu__time_duration, clocks and

@@ -1,5 +1,5 @@
 // arbor's TP-invariant GEMM: Y[m,n] = sum_k X[m,k] * W[n,k] with the reduction over K
-// following the fixed 8-segment tree (shared/design/INVARIANCE.md).
+// following the fixed 8-segment tree (docs/invariance.md).
 //
 // The leaf of one output element over one segment is a chain of m16n8k16 tensor-core MMAs
 // over the segment's k16 chunks, in order, starting from +0, with the chunk that crosses the

@@ -1,4 +1,4 @@
-//! The reduction tree of the invariance contract (shared/design/INVARIANCE.md).
+//! The reduction tree of the invariance contract (docs/invariance.md).
 //!
 //! Every reduction over a matmul's K is cut into [`SEGMENTS`] contiguous segments. Each
 //! segment is summed by a backend's leaf procedure (which depends on nothing but that

@@ -21,7 +21,7 @@ pub use error::{BResult, BackendError};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Numerics {
     /// Every reduction follows the fixed tree: the same bits at every TP size, batch size
-    /// and step shape (`shared/design/INVARIANCE.md`).
+    /// and step shape (docs/invariance.md).
     #[default]
     Invariant,
     /// cuBLAS for the linear layers and NCCL's all-reduce (CUDA only): the vendor's
@@ -97,7 +97,7 @@ pub struct TreeSpec {
 
 /// Everything one step's device work reads that changes from step to step (besides the
 /// KV cache it writes): the backend uploads it once per step, and a step it recorded
-/// reads it from there when replayed (ENGINE.md's StepPlan → step metadata).
+/// reads it from there when replayed (docs/engine.md, "The device-resident step").
 #[derive(Debug, Clone, Copy)]
 pub struct StepInputs<'a> {
     /// The rows' token ids, sequences concatenated as `seqs` says.

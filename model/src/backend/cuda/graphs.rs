@@ -1,5 +1,5 @@
-//! Decode steps recorded as CUDA graphs, one per padded batch size (ENGINE.md's
-//! "device-resident step").
+//! Decode steps recorded as CUDA graphs, one per padded batch size (docs/engine.md,
+//! "The device-resident step").
 //!
 //! A decode-shaped step (one new row per sequence, every row's logits) of n rows is padded
 //! to the bucket b ≥ n ([`bucket`]) with copies of row 0 (step.rs, `Padded`): every

@@ -1,5 +1,5 @@
 //! A step's inputs and outputs on the device: one upload before the step, one download
-//! after it (ENGINE.md's "metadata uploaded once per step").
+//! after it (docs/engine.md, "The device-resident step").
 //!
 //! Inputs, as u32 words: `[ids; R] [slots; R] [positions; R] [ks; O] (pad) [params; 6·O]`
 //! (R rows, O output rows; the row-stats parameters are 3 u64 per row, 8-byte aligned).
