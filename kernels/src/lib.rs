@@ -4,6 +4,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod paged;
 pub mod tree;
 
 pub use tree::{SegmentLayout, SEGMENTS};

@@ -25,7 +25,14 @@ fn options(arch: &str) -> CompileOptions {
         ftz: Some(false),
         prec_div: Some(true),
         prec_sqrt: Some(true),
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        options: {
+            let mut o = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+            // Source lines in the PTX, for Nsight Compute's per-line stalls (no code change).
+            if std::env::var("ARBOR_NVRTC_LINEINFO").is_ok_and(|v| v == "1") {
+                o.push("--generate-line-info".into());
+            }
+            o
+        },
         name: Some("arbor_kernels.cu".into()),
         ..Default::default()
     }
@@ -112,6 +119,21 @@ mod tests {
                 "kernel {k} missing from the PTX"
             );
         }
+    }
+
+    /// With ARBOR_PTX_OUT set, writes the program's PTX there (scripts/ptxas-report.sh
+    /// assembles it with ptxas for the registers and spills of every kernel).
+    #[test]
+    fn write_ptx_when_asked() {
+        let Ok(path) = std::env::var("ARBOR_PTX_OUT") else {
+            return;
+        };
+        if let Err(e) = probe::nvrtc() {
+            eprintln!("skipped: {e}");
+            return;
+        }
+        let ptx = compile_ptx("sm_90a").unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&path, ptx).unwrap_or_else(|e| panic!("writing {path}: {e}"));
     }
 
     /// `a*b + c` must stay a multiply and an add under arbor's options (the rounding

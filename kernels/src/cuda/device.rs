@@ -73,6 +73,15 @@ impl GpuDevice {
                 .map_err(drv(&format!("loading kernel {name}")))?;
             funcs.insert(name, f);
         }
+        for (name, bytes) in super::ops::paged_attention::smem_attributes() {
+            if let Some(f) = funcs.get(name) {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(drv(&format!("allowing {name} {bytes} bytes of shared memory")))?;
+            }
+        }
         // A stream of its own rather than the legacy default stream, whose implicit
         // synchronisation with other streams PDL gains nothing from.
         let stream = ctx.new_stream().map_err(drv("creating the stream"))?;

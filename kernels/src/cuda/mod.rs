@@ -25,6 +25,7 @@ pub use buf::{DevBuf, Workspace, WorkspaceScope};
 pub use compile::{arch_for, compile_ptx};
 pub use device::GpuDevice;
 pub use error::CudaError;
+pub use ops::paged_attention;
 pub use ops::{DevBf16, DevF32, DevU32, KvLayout, RowMeta};
 
 #[cfg(test)]

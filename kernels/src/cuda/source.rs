@@ -10,6 +10,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
     ("rope.cu", include_str!("../../cuda/rope.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
+    (
+        "paged_attention.cu",
+        include_str!("../../cuda/paged_attention.cu"),
+    ),
     ("rowstats.cu", include_str!("../../cuda/rowstats.cu")),
     ("select.cu", include_str!("../../cuda/select.cu")),
 ];
@@ -39,6 +43,16 @@ pub const KERNELS: &[&str] = &[
     "attention_hd64_kernel",
     "attention_hd128_kernel",
     "attention_hd256_kernel",
+    "pa_prefill_hd16",
+    "pa_prefill_hd32",
+    "pa_prefill_hd64",
+    "pa_prefill_hd128",
+    "pa_decode_hd16",
+    "pa_decode_hd32",
+    "pa_decode_hd64",
+    "pa_decode_hd128",
+    "pa_decode_hd256",
+    "pa_combine",
 ];
 
 /// The whole program: the sources concatenated, each preceded by a `#line` directive so

@@ -1,6 +1,7 @@
 //! `arbor bench …`: each benchmark prints measured ratios side by side in one run.
 
 pub mod allreduce;
+pub mod attention;
 pub mod decode;
 pub mod gemm;
 pub mod serve;
@@ -13,6 +14,9 @@ pub enum BenchCommand {
     /// once; run under arbor-launch for TP > 1. scripts/bench-decode.sh puts it next to
     /// the PyTorch reference loop and the weights roofline.
     Decode(decode::Args),
+    /// The paged attention kernels alone (one layer, prefill and decode shapes, one GPU);
+    /// scripts/bench-attention.sh puts them next to PyTorch's flash attention.
+    Attention(attention::Args),
     /// Deterministic all-reduce algorithms vs NCCL (run under arbor-launch).
     Allreduce(allreduce::Args),
     /// Load generator against a loopback `arbor serve`: throughput, TTFT and inter-token
@@ -24,6 +28,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Gemm(a) => gemm::run(a),
         BenchCommand::Allreduce(a) => allreduce::run(a),
+        BenchCommand::Attention(a) => attention::run(a),
         BenchCommand::Decode(a) => decode::run(a),
         BenchCommand::Serve(a) => serve::run(a),
     }

@@ -12,6 +12,7 @@ mod gather;
 mod matmul;
 mod memory;
 mod norm;
+pub mod paged_attention;
 mod rope_kv;
 mod row_meta;
 mod row_stats;

@@ -1,0 +1,652 @@
+// Causal GQA attention over the paged bf16 KV cache, on tensor cores (mma.sync m16n8k16,
+// bf16 in, f32 accumulate; sm_80 and later).
+//
+// Two kernels compute attention rows, and a row's result has the same bits whichever one
+// computes it, because both run the same per-block routines (pa_scores, pa_pv) on a
+// warp's 16 rows, and a row's arithmetic in an mma never depends on the other rows of
+// its tile:
+//   - the prefill kernel: a CTA of 4 warps takes 64 consecutive query rows of one
+//     sequence and one query head (flash-attention style: Q tile against K/V blocks);
+//   - the decode kernel: a CTA of one warp takes one row, the query heads that share one
+//     KV head (GQA: the heads are the tile's rows), and one split of its keys.
+//
+// The numerics of a row (query position p, head h), fixed by p alone (sl = scale·log2 e):
+// - q is rounded to bf16. Keys come in blocks of PA_BLOCK = 64 positions aligned at 0 (the
+//   KV cache's block: a block's keys are contiguous), and the blocks in splits of
+//   PA_SPLIT_BLOCKS = 8 (512 keys) aligned at 0. The row sees keys 0..=p.
+// - In a split, the blocks are taken in increasing order with the online softmax from an
+//   empty state (m = −inf, l = 0, acc = 0). One block:
+//     s_j  = mma dot of q and k_j over head_dim in steps of 16, in order (−inf past p);
+//     m'   = max(m, (max_j s_j)·sl);  mu = m' (0 when m' = −inf);
+//     c    = 1 if m' == m, else ex2(m − mu);
+//     p_j  = ex2(fma(s_j, sl, −mu));  l = fma(l, c, Σ_j p_j)  (Σ: per thread in key order
+//            over its 16 keys, then lanes xor 1, xor 2);
+//     acc  = acc·c, then acc += bf16(p) · V by mma over the block's keys in steps of 16.
+// - The splits' states are folded in split order into the row's state (empty at first):
+//   an empty split changes nothing; into an empty state a split is copied; otherwise
+//   M = max(m_a, m_b), e = 1 where m == M else ex2(m − M), l = fma(l_b, e_b, l_a·e_a),
+//   acc = fma(acc_b, e_b, acc_a·e_a). The output is acc · rcp(l) (rcp rounded to
+//   nearest), and that rounded to bf16 for the o GEMM.
+// The prefill kernel folds each split as it finishes it; the decode kernel writes each
+// split's state to memory and pa_combine folds them (in the same order, with the same
+// arithmetic), except for a row of one split, which it finishes itself (the fold of one
+// split into an empty state is a copy). PA_BLOCK and PA_SPLIT_BLOCKS are part of the
+// numerics: changing either changes bits.
+//
+// Keys past the range a tile may see are zero-filled when loaded, so a masked key
+// (p_j = 0) never meets garbage (0 · NaN) in the P·V product.
+
+#define PA_BLOCK 64
+#define PA_SPLIT_BLOCKS 8
+#define PA_SPLIT (PA_BLOCK * PA_SPLIT_BLOCKS)
+#define PA_PREFILL_WARPS 4
+#define PA_PREFILL_ROWS (16 * PA_PREFILL_WARPS)
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define PA_MMA 1
+#endif
+
+__device__ __forceinline__ unsigned pa_smem(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global → shared, asynchronously; zeros when !valid (nothing is read then).
+__device__ __forceinline__ void pa_cp16(unsigned dst, const void* src, bool valid) {
+#ifdef PA_MMA
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+#endif
+}
+__device__ __forceinline__ void pa_commit() {
+#ifdef PA_MMA
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void pa_wait() {
+#ifdef PA_MMA
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void pa_ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+#ifdef PA_MMA
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+#endif
+}
+__device__ __forceinline__ void pa_ldsm_x2(unsigned addr, unsigned& r0, unsigned& r1) {
+#ifdef PA_MMA
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+#endif
+}
+__device__ __forceinline__ void pa_ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+#ifdef PA_MMA
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+#endif
+}
+
+// d += a · b (16×16 bf16 · 16×8 bf16 → 16×8 f32).
+__device__ __forceinline__ void pa_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#ifdef PA_MMA
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// 2^x by the hardware approximation (one instruction, the same bits on every call).
+__device__ __forceinline__ float pa_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two f32 rounded to bf16 (to nearest, ties to even), `lo` in the low half.
+__device__ __forceinline__ unsigned pa_pack(float lo, float hi) {
+#ifdef PA_MMA
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+#endif
+}
+
+// A tile of rows of HD bf16 in shared memory, each row padded by one 16-byte chunk: chunk c
+// of row r sits at chunk r·(HD/8 + 1) + c, so the 8 rows an ldmatrix reads hit distinct
+// banks, and every address is a per-thread base plus a constant.
+template <int HD>
+__device__ __forceinline__ int pa_chunk(int r, int c) {
+    return r * (HD / 8 + 1) + c;
+}
+template <int HD>
+__host__ __device__ constexpr int pa_tile_elems(int rows) {
+    return rows * (HD + 8);
+}
+
+// A KV block (row j: key j, head_dim values at src + j·head_dim) into a tile by NT
+// threads; keys j ≥ nvalid and dims ≥ head_dim become zeros. Full rows (head_dim = HD) go
+// by cp.async, thread t taking chunk t mod HD/8 of every (NT·8/HD)-th row from t·8/HD, so
+// every address is the thread's base plus a constant; other head dims go synchronously.
+// The caller commits and waits.
+template <int HD, int NT>
+__device__ __forceinline__ void pa_load_kv(bf16_t* tile, const bf16_t* src, int head_dim, int nvalid, int tid) {
+    if (head_dim == HD) {
+        constexpr int CPR = HD / 8;
+        constexpr int RPI = NT / CPR;
+        static_assert(NT % CPR == 0, "threads must cover whole rows");
+        const int c = tid % CPR, r0 = tid / CPR;
+        const bf16_t* s = src + r0 * HD + c * 8;
+        const unsigned d = pa_smem(tile + pa_chunk<HD>(r0, c) * 8);
+#pragma unroll
+        for (int k = 0; k < PA_BLOCK / RPI; ++k) {
+            // Rows past nvalid are zero-filled: the source is not read (it is in the block).
+            pa_cp16(d + k * RPI * (HD + 8) * 2, s + k * RPI * HD, r0 + k * RPI < nvalid);
+        }
+    } else if ((head_dim & 7) == 0) {
+        const int gch = head_dim / 8;
+        for (int i = tid; i < PA_BLOCK * (HD / 8); i += NT) {
+            const int r = i / (HD / 8), c = i % (HD / 8);
+            const bool ok = r < nvalid && c < gch;
+            const bf16_t* from = ok ? src + (size_t)r * head_dim + c * 8 : src;
+            pa_cp16(pa_smem(tile + pa_chunk<HD>(r, c) * 8), from, ok);
+        }
+    } else {
+        for (int i = tid; i < PA_BLOCK * HD; i += NT) {
+            const int r = i / HD, d = i % HD;
+            const bf16_t v = (r < nvalid && d < head_dim) ? src[(size_t)r * head_dim + d] : (bf16_t)0;
+            tile[pa_chunk<HD>(r, d / 8) * 8 + (d & 7)] = v;
+        }
+    }
+}
+
+// Query rows (f32, row r at src_r(r)) rounded to bf16 into a tile of `rows` rows by NT
+// threads; rows past nrows and dims past head_dim are zeros.
+template <int HD, int NT, typename RowPtr>
+__device__ __forceinline__ void pa_load_q(bf16_t* tile, int rows, int nrows, int head_dim, RowPtr src_r, int tid) {
+    if (head_dim == HD) {
+        constexpr int FPR = HD / 4;  // float4s per row
+        for (int i = tid; i < rows * FPR; i += NT) {
+            const int r = i / FPR, d = (i % FPR) * 4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r < nrows) v = *reinterpret_cast<const float4*>(src_r(r) + d);
+            uint2 w;
+            w.x = pa_pack(v.x, v.y);
+            w.y = pa_pack(v.z, v.w);
+            *reinterpret_cast<uint2*>(tile + pa_chunk<HD>(r, d / 8) * 8 + (d & 7)) = w;
+        }
+        return;
+    }
+    for (int i = tid; i < rows * (HD / 2); i += NT) {
+        const int r = i / (HD / 2), d = (i % (HD / 2)) * 2;
+        float a = 0.0f, b = 0.0f;
+        if (r < nrows) {
+            const float* s = src_r(r);
+            if (d < head_dim) a = s[d];
+            if (d + 1 < head_dim) b = s[d + 1];
+        }
+        *reinterpret_cast<unsigned*>(tile + pa_chunk<HD>(r, d / 8) * 8 + (d & 7)) = pa_pack(a, b);
+    }
+}
+
+// One warp's 16 rows of state; this thread holds rows g = lane/4 ([0]) and g + 8 ([1]),
+// and of each 8-dim tile j of acc the dims j·8 + 2·(lane%4) + {0, 1} (mma C layout).
+template <int HD>
+struct PaState {
+    float m[2], l[2];
+    float acc[HD / 8][4];
+};
+
+template <int HD>
+__device__ __forceinline__ void pa_reset(PaState<HD>& s) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        s.m[r] = NEG_INF;
+        s.l[r] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s.acc[j][e] = 0.0f;
+}
+
+// The online-softmax update of one block's scores (header); MASK: keys past a row's
+// position may be in the block.
+template <int HD, bool MASK>
+__device__ __forceinline__ void pa_softmax(PaState<HD>& st, float (&s)[8][4], int key0, const int (&rowpos)[2], float sl,
+                                           int lane) {
+    const int t4 = lane & 3;
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float bm = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                if (MASK && key0 + n * 8 + 2 * t4 + e > rowpos[r]) s[n][2 * r + e] = NEG_INF;
+                bm = fmaxf(bm, s[n][2 * r + e]);
+            }
+        bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 1));
+        bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 2));
+        const float mn = fmaxf(st.m[r], bm * sl);
+        const float mu = mn == NEG_INF ? 0.0f : mn;
+        corr[r] = mn == st.m[r] ? 1.0f : pa_ex2(st.m[r] - mu);
+        float ls = 0.0f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = pa_ex2(__fmaf_rn(s[n][2 * r + e], sl, -mu));
+                s[n][2 * r + e] = p;
+                ls = ls + p;
+            }
+        ls = ls + __shfl_xor_sync(FULL_MASK, ls, 1);
+        ls = ls + __shfl_xor_sync(FULL_MASK, ls, 2);
+        st.l[r] = __fmaf_rn(st.l[r], corr[r], ls);
+        st.m[r] = mn;
+    }
+    // acc · 1 = acc: skipped when no row of the warp has a new maximum.
+    if (__any_sync(FULL_MASK, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            st.acc[j][0] = st.acc[j][0] * corr[0];
+            st.acc[j][1] = st.acc[j][1] * corr[0];
+            st.acc[j][2] = st.acc[j][2] * corr[1];
+            st.acc[j][3] = st.acc[j][3] * corr[1];
+        }
+    }
+}
+
+// One key block (keys key0 .. key0+63) into the warp's state, in two halves: pa_scores
+// (the scores against sk, the online-softmax update of m and l, acc scaled; leaves the
+// probabilities in s) then pa_pv (acc += bf16(p) · sv). rowpos: the positions of this
+// thread's two rows (−1: a row that sees no key). See the header.
+template <int HD>
+__device__ __forceinline__ void pa_scores(PaState<HD>& st, float (&s)[8][4], const bf16_t* sq, const bf16_t* sk,
+                                          int key0, const int (&rowpos)[2], float sl, int lane) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+    // q's fragments a k-step at a time (registers for one, not all), keys in n-tiles of 8;
+    // each score's mma chain runs over the k-steps in order.
+    const int qi = lane >> 3;
+    const int qr = (qi & 1) * 8 + (lane & 7);
+    if (HD / 16 == 1) {
+        unsigned a[4];
+        pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(qr, qi >> 1) * 8), a[0], a[1], a[2], a[3]);
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            unsigned b0, b1;
+            pa_ldsm_x2(pa_smem(sk + pa_chunk<HD>(n * 8 + (lane & 7), (lane >> 3) & 1) * 8), b0, b1);
+            pa_mma(s[n], a, b0, b1);
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk + 1 < HD / 16; kk += 2) {
+            unsigned a0[4], a1[4];
+            pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(qr, 2 * kk + (qi >> 1)) * 8), a0[0], a0[1], a0[2], a0[3]);
+            pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(qr, 2 * kk + 2 + (qi >> 1)) * 8), a1[0], a1[1], a1[2], a1[3]);
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                unsigned b0, b1, b2, b3;
+                pa_ldsm_x4(pa_smem(sk + pa_chunk<HD>(n * 8 + (lane & 7), 2 * kk + (lane >> 3)) * 8), b0, b1, b2, b3);
+                pa_mma(s[n], a0, b0, b1);
+                pa_mma(s[n], a1, b2, b3);
+            }
+        }
+    }
+
+    // A block every row of the warp sees whole needs no mask (the same values).
+    if (__all_sync(FULL_MASK, key0 + PA_BLOCK - 1 <= min(rowpos[0], rowpos[1])))
+        pa_softmax<HD, false>(st, s, key0, rowpos, sl, lane);
+    else
+        pa_softmax<HD, true>(st, s, key0, rowpos, sl, lane);
+}
+
+template <int HD>
+__device__ __forceinline__ void pa_pv(PaState<HD>& st, const float (&s)[8][4], const bf16_t* sv, int lane) {
+    const int i = lane >> 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const unsigned pa[4] = {pa_pack(s[2 * kk][0], s[2 * kk][1]), pa_pack(s[2 * kk][2], s[2 * kk][3]),
+                                pa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                pa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        const int vr = kk * 16 + (i & 1) * 8 + (lane & 7);
+#pragma unroll
+        for (int j = 0; j < HD / 8; j += 2) {
+            unsigned b0, b1, b2, b3;
+            pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD>(vr, j + (i >> 1)) * 8), b0, b1, b2, b3);
+            pa_mma(st.acc[j], pa, b0, b1);
+            pa_mma(st.acc[j + 1], pa, b2, b3);
+        }
+    }
+}
+
+// The fold of one split's (m, l, a) into a row's (m, l, a) for n values (header).
+struct PaFold {
+    float ea, eb;
+    int kind;  // 0: nothing changes, 1: copy b, 2: combine
+};
+__device__ __forceinline__ PaFold pa_fold_row(float& ma, float& la, float mb, float lb) {
+    PaFold f{1.0f, 1.0f, 0};
+    if (mb == NEG_INF) return f;
+    if (ma == NEG_INF) {
+        f.kind = 1;
+        ma = mb;
+        la = lb;
+        return f;
+    }
+    f.kind = 2;
+    const float mx = fmaxf(ma, mb);
+    f.ea = ma == mx ? 1.0f : pa_ex2(ma - mx);
+    f.eb = mb == mx ? 1.0f : pa_ex2(mb - mx);
+    la = __fmaf_rn(lb, f.eb, la * f.ea);
+    ma = mx;
+    return f;
+}
+__device__ __forceinline__ float pa_fold_val(const PaFold& f, float a, float b) {
+    return f.kind == 0 ? a : f.kind == 1 ? b : __fmaf_rn(b, f.eb, a * f.ea);
+}
+
+// acc · rcp(l) of a pair of values, written as f32 (and bf16 when outb is given) at `at`.
+__device__ __forceinline__ float pa_rcp(float x) {
+    return __frcp_rn(x);
+}
+__device__ __forceinline__ void pa_put2(float* out, bf16_t* outb, size_t at, float o0, float o1) {
+    *reinterpret_cast<float2*>(out + at) = make_float2(o0, o1);
+    if (outb) *reinterpret_cast<unsigned*>(outb + at) = pa_pack(o0, o1);
+}
+
+// Writes this thread's part of a warp's 16 rows `st` (no fold pending) as acc · rcp(l):
+// row r of the thread goes to dst(r) (−1: not a real row), dims below head_dim (even).
+template <int HD, typename RowDst>
+__device__ __forceinline__ void pa_store(const PaState<HD>& st, RowDst dst, int head_dim, int lane, float* out,
+                                         bf16_t* outb) {
+    const int t4 = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const long long at = dst(r);
+        if (at < 0) continue;
+        const float inv = pa_rcp(st.l[r]);
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            const int d = j * 8 + 2 * t4;
+            if (d < head_dim)
+                pa_put2(out, outb, at + d, st.acc[j][2 * r] * inv, st.acc[j][2 * r + 1] * inv);
+        }
+    }
+}
+
+// Address of KV head `kvh` of KV block `id` in the pool [layer][block][kvh][64][head_dim].
+__device__ __forceinline__ const bf16_t* pa_kv_at(const bf16_t* pool, unsigned id, long long layer_blocks, int n_kv_heads,
+                                                  int kvh, int head_dim) {
+    return pool + (((size_t)layer_blocks + id) * n_kv_heads + kvh) * (size_t)(PA_BLOCK * head_dim);
+}
+
+// ---------------------------------------------------------------------------------------
+// Prefill: grid (tiles, n_heads), PA_PREFILL_WARPS warps. tiles[t] = (q row of the tile's
+// first row, rows in the tile (1..=64), its position, the sequence's block-table offset);
+// the rows of a tile are consecutive positions of one sequence. One K and one V buffer: the
+// next block's K loads while this block's P·V runs, its V while the next scores run. The
+// rows' total state lives in shared memory (thread-private slots, touched once a split),
+// so registers hold one state and two CTAs fit an SM at head_dim 128. Dynamic shared
+// memory: see paged_attention.rs.
+#define PA_PREFILL_ARGS                                                                                        \
+    const float *__restrict__ q, const bf16_t *__restrict__ kpool, const bf16_t *__restrict__ vpool,             \
+        float *__restrict__ out, bf16_t *__restrict__ outb, const unsigned *__restrict__ tiles,                  \
+        const unsigned *__restrict__ table, int n_tiles, int n_heads, int n_kv_heads, int head_dim, float sl,    \
+        long long layer_blocks
+#define PA_PREFILL_PASS q, kpool, vpool, out, outb, tiles, table, n_tiles, n_heads, n_kv_heads, head_dim, sl, layer_blocks
+#define PA_PREFILL_THREADS (PA_PREFILL_WARPS * 32)
+
+template <int HD>
+__device__ __forceinline__ void pa_fold_smem(float (&tm)[2], float (&tl)[2], float* tacc, const PaState<HD>& sp) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const PaFold f = pa_fold_row(tm[r], tl[r], sp.m[r], sp.l[r]);
+        if (f.kind == 0) continue;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float* t = tacc + (j * 4 + 2 * r + e) * PA_PREFILL_THREADS;
+                *t = pa_fold_val(f, *t, sp.acc[j][2 * r + e]);
+            }
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
+    extern __shared__ uint4 pa_shm[];
+    bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
+    bf16_t* sk = sq + pa_tile_elems<HD>(PA_PREFILL_ROWS);
+    bf16_t* sv = sk + pa_tile_elems<HD>(PA_BLOCK);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float* tacc = reinterpret_cast<float*>(sv + pa_tile_elems<HD>(PA_BLOCK)) + tid;
+    const int t = n_tiles - 1 - (int)blockIdx.x;  // the later (longer) tiles first
+    const unsigned* tile = tiles + 4 * t;
+    const int row0 = (int)tile[0], nrows = (int)tile[1], pos0 = (int)tile[2];
+    const unsigned tab = tile[3];
+    const int h = blockIdx.y;
+    const int kvh = h / (n_heads / n_kv_heads);
+    const int width = n_heads * head_dim;
+    const int last = pos0 + nrows - 1;
+    const int nblk = last / PA_BLOCK + 1;
+    auto load = [&](bf16_t* dst, const bf16_t* pool, unsigned id, int blk) {
+        pa_load_kv<HD, PA_PREFILL_THREADS>(dst, pa_kv_at(pool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
+                                           min(PA_BLOCK, last - blk * PA_BLOCK + 1), tid);
+        pa_commit();
+    };
+    {
+        const unsigned id0 = table[tab];
+        load(sk, kpool, id0, 0);
+        load(sv, vpool, id0, 0);
+    }
+    pa_load_q<HD, PA_PREFILL_THREADS>(
+        sq, PA_PREFILL_ROWS, nrows, head_dim,
+        [&](int r) { return q + (size_t)(row0 + r) * width + (size_t)h * head_dim; }, tid);
+
+    const int g = lane >> 2;
+    const int wr = warp * 16;
+    const bf16_t* wq = sq + pa_tile_elems<HD>(wr);
+    const int rowpos[2] = {wr + g < nrows ? pos0 + wr + g : -1, wr + g + 8 < nrows ? pos0 + wr + g + 8 : -1};
+    const int warp_last = wr < nrows ? pos0 + min(wr + 15, nrows - 1) : -1;
+    float tm[2] = {NEG_INF, NEG_INF}, tl[2] = {0.0f, 0.0f};
+    PaState<HD> spl;
+    for (int b0 = 0; b0 < nblk; b0 += PA_SPLIT_BLOCKS) {
+        pa_reset(spl);
+        const int b1 = min(b0 + PA_SPLIT_BLOCKS, nblk);
+        for (int blk = b0; blk < b1; ++blk) {
+            const bool more = blk + 1 < nblk;
+            // The next block's id, read now: its latency hides behind this block's scores.
+            const unsigned nid = more ? table[tab + blk + 1] : 0u;
+            pa_wait<1>();  // K(blk) has landed (V(blk) may be in flight)
+            __syncthreads();
+            const bool active = blk * PA_BLOCK <= warp_last;
+            float s[8][4];
+            if (active) pa_scores<HD>(spl, s, wq, sk, blk * PA_BLOCK, rowpos, sl, lane);
+            __syncthreads();  // every warp is done with K(blk)
+            if (more) {
+                load(sk, kpool, nid, blk + 1);
+                pa_wait<1>();  // V(blk) has landed
+            } else {
+                pa_wait<0>();
+            }
+            __syncthreads();
+            if (active) pa_pv<HD>(spl, s, sv, lane);
+            __syncthreads();  // every warp is done with V(blk)
+            if (more) load(sv, vpool, nid, blk + 1);
+        }
+        pa_fold_smem<HD>(tm, tl, tacc, spl);
+    }
+    const int t4 = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rowpos[r] < 0) continue;
+        const size_t at = (size_t)(row0 + wr + g + 8 * r) * width + (size_t)h * head_dim;
+        const float inv = pa_rcp(tl[r]);
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+            const int d = j * 8 + 2 * t4;
+            if (d < head_dim)
+                pa_put2(out, outb, at + d, tacc[(j * 4 + 2 * r) * PA_PREFILL_THREADS] * inv,
+                        tacc[(j * 4 + 2 * r + 1) * PA_PREFILL_THREADS] * inv);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode: grid (rows, n_kv_heads · ceil(group / 16), max_splits), one warp. Row i of the
+// launch is q row rows[i] (rows == nullptr: row i); its position and block-table offset
+// are row_pos / row_table at that q row. A row of one split writes its output; a row of
+// more writes each split's state to part[i][h][split][head_dim + 2] (acc, m, l) for
+// pa_combine. Two K/V stages. Dynamic shared memory: see paged_attention.rs.
+#define PA_DECODE_ARGS                                                                                           \
+    const float *__restrict__ q, const bf16_t *__restrict__ kpool, const bf16_t *__restrict__ vpool,               \
+        float *__restrict__ out, bf16_t *__restrict__ outb, float *__restrict__ part,                              \
+        const unsigned *__restrict__ rows, const unsigned *__restrict__ row_pos,                                   \
+        const unsigned *__restrict__ row_table, const unsigned *__restrict__ table, int n_heads, int n_kv_heads,   \
+        int head_dim, float sl, long long layer_blocks, int max_splits
+#define PA_DECODE_PASS \
+    q, kpool, vpool, out, outb, part, rows, row_pos, row_table, table, n_heads, n_kv_heads, head_dim, sl, layer_blocks, max_splits
+
+template <int HD>
+__device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
+    extern __shared__ uint4 pa_shm[];
+    bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
+    bf16_t* skv = sq + pa_tile_elems<HD>(16);
+    const int lane = threadIdx.x;
+    const int i = blockIdx.x;
+    const int row = rows ? (int)rows[i] : i;
+    const int pos = (int)row_pos[row];
+    const unsigned tab = row_table[row];
+    const int n_splits = pos / PA_SPLIT + 1;
+    const int split = blockIdx.z;
+    if (split >= n_splits) return;
+    const int group = n_heads / n_kv_heads;
+    const int htiles = (group + 15) / 16;
+    const int kvh = blockIdx.y / htiles;
+    const int h0 = kvh * group + (blockIdx.y % htiles) * 16;
+    const int nh = min(16, kvh * group + group - h0);
+    const int width = n_heads * head_dim;
+    const int b0 = split * PA_SPLIT_BLOCKS;
+    const int b1 = min(b0 + PA_SPLIT_BLOCKS, pos / PA_BLOCK + 1);
+
+    auto load_block = [&](int blk) {
+        bf16_t* st = skv + (blk & 1) * 2 * pa_tile_elems<HD>(PA_BLOCK);
+        const int nvalid = min(PA_BLOCK, pos - blk * PA_BLOCK + 1);
+        const unsigned id = table[tab + blk];
+        pa_load_kv<HD, 32>(st, pa_kv_at(kpool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim, nvalid, lane);
+        pa_load_kv<HD, 32>(st + pa_tile_elems<HD>(PA_BLOCK), pa_kv_at(vpool, id, layer_blocks, n_kv_heads, kvh, head_dim),
+                           head_dim, nvalid, lane);
+        pa_commit();
+    };
+    load_block(b0);
+    pa_load_q<HD, 32>(
+        sq, 16, nh, head_dim, [&](int r) { return q + (size_t)row * width + (size_t)(h0 + r) * head_dim; }, lane);
+
+    const int g = lane >> 2;
+    const int rowpos[2] = {g < nh ? pos : -1, g + 8 < nh ? pos : -1};
+    PaState<HD> spl;
+    pa_reset(spl);
+    for (int blk = b0; blk < b1; ++blk) {
+        if (blk + 1 < b1) {
+            load_block(blk + 1);
+            pa_wait<1>();
+        } else {
+            pa_wait<0>();
+        }
+        __syncwarp();
+        const bf16_t* st = skv + (blk & 1) * 2 * pa_tile_elems<HD>(PA_BLOCK);
+        float s[8][4];
+        pa_scores<HD>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
+        pa_pv<HD>(spl, s, st + pa_tile_elems<HD>(PA_BLOCK), lane);
+        __syncwarp();
+    }
+    if (n_splits == 1) {
+        pa_store<HD>(
+            spl,
+            [&](int r) -> long long {
+                return rowpos[r] < 0 ? -1 : (long long)row * width + (long long)(h0 + g + 8 * r) * head_dim;
+            },
+            head_dim, lane, out, outb);
+        return;
+    }
+    const int t4 = lane & 3;
+    const int stride = head_dim + 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rowpos[r] < 0) continue;
+        float* p = part + (((size_t)i * n_heads + h0 + g + 8 * r) * max_splits + split) * stride;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int d = j * 8 + 2 * t4 + e;
+                if (d < head_dim) p[d] = spl.acc[j][2 * r + e];
+            }
+        if (t4 == 0) {
+            p[head_dim] = spl.m[r];
+            p[head_dim + 1] = spl.l[r];
+        }
+    }
+}
+
+#define PA_ENTRIES(HD)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(PA_PREFILL_THREADS) pa_prefill_hd##HD(PA_PREFILL_ARGS) { \
+        pdl_enter();                                                                                   \
+        pa_prefill_body<HD>(PA_PREFILL_PASS);                                                          \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32) pa_decode_hd##HD(PA_DECODE_ARGS) {               \
+        pdl_enter();                                                                                   \
+        pa_decode_body<HD>(PA_DECODE_PASS);                                                            \
+    }
+
+PA_ENTRIES(16)
+PA_ENTRIES(32)
+PA_ENTRIES(64)
+PA_ENTRIES(128)
+
+// HD 256 decodes only (its prefill state would not fit in registers); the host routes
+// every row of such a model through the decode kernel, which gives the same bits.
+extern "C" __global__ void __launch_bounds__(32) pa_decode_hd256(PA_DECODE_ARGS) {
+    pdl_enter();
+    pa_decode_body<256>(PA_DECODE_PASS);
+}
+
+// ---------------------------------------------------------------------------------------
+// Combine: grid (rows, n_heads), any block size. Folds the splits pa_decode wrote for rows
+// of more than one split, in split order, and writes acc · rcp(l).
+extern "C" __global__ void pa_combine(float* __restrict__ out, bf16_t* __restrict__ outb,
+                                      const float* __restrict__ part, const unsigned* __restrict__ rows,
+                                      const unsigned* __restrict__ row_pos, int n_heads, int head_dim,
+                                      int max_splits) {
+    pdl_enter();
+    const int i = blockIdx.x;
+    const int row = rows ? (int)rows[i] : i;
+    const int n_splits = (int)row_pos[row] / PA_SPLIT + 1;
+    if (n_splits == 1) return;
+    const int h = blockIdx.y;
+    const int stride = head_dim + 2;
+    const float* p0 = part + ((size_t)i * n_heads + h) * max_splits * stride;
+    const size_t at = (size_t)row * n_heads * head_dim + (size_t)h * head_dim;
+    for (int d = 2 * threadIdx.x; d < head_dim; d += 2 * blockDim.x) {
+        float m = NEG_INF, l = 0.0f, a0 = 0.0f, a1 = 0.0f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float* p = p0 + (size_t)s * stride;
+            const PaFold f = pa_fold_row(m, l, p[head_dim], p[head_dim + 1]);
+            a0 = pa_fold_val(f, a0, p[d]);
+            a1 = pa_fold_val(f, a1, p[d + 1]);
+        }
+        const float inv = pa_rcp(l);
+        pa_put2(out, outb, at + d, a0 * inv, a1 * inv);
+    }
+}

@@ -1,0 +1,423 @@
+//! Causal GQA attention over the paged KV cache on tensor cores (paged_attention.cu).
+//!
+//! Two kernels compute rows with the same bits: the prefill kernel takes tiles of 64
+//! consecutive rows of one sequence, the decode kernel one row (its GQA heads as the
+//! tile's rows) and one split of its keys, with a combine kernel folding the splits. Which
+//! rows go to which kernel is a speed choice only ([`AttnRouting`]).
+
+use cudarc::driver::LaunchConfig;
+
+use super::{arg_bf16_out, check, check_bf16_out, i32_of, DevBf16, DevF32, DevU32};
+use crate::cuda::{CudaError, GpuDevice};
+use crate::paged::{splits_of, PagedKvLayout, ATTN_SPLIT, KV_BLOCK};
+
+/// paged_attention.cu's PA_PREFILL_ROWS: query rows per prefill tile.
+pub const PREFILL_TILE_ROWS: usize = 64;
+const PREFILL_THREADS: u32 = 128;
+/// A sequence with at least this many rows in a step goes to the prefill kernel; fewer
+/// rows are cheaper one by one, with their keys cut into splits.
+pub const PREFILL_MIN_ROWS: usize = 16;
+const COMBINE_THREADS: u32 = 128;
+
+/// The head dimension a kernel is compiled for: head_dim padded with zeros to the next of
+/// 16, 32, 64, 128, 256 (zeros change no dot product).
+fn padded_head_dim(head_dim: usize) -> Option<usize> {
+    [16, 32, 64, 128, 256].into_iter().find(|&p| head_dim <= p)
+}
+
+fn tile_elems(hd: usize, rows: usize) -> usize {
+    rows * (hd + 8)
+}
+
+/// Dynamic shared memory of the prefill kernel (a Q tile, one K and one V tile, the rows'
+/// total state: HD f32 per row) or of the decode kernel (16 query rows, two K/V stages).
+fn smem_bytes(hd: usize, prefill: bool) -> usize {
+    if prefill {
+        2 * (tile_elems(hd, PREFILL_TILE_ROWS) + 2 * tile_elems(hd, KV_BLOCK))
+            + 4 * PREFILL_TILE_ROWS * hd
+    } else {
+        2 * (tile_elems(hd, 16) + 4 * tile_elems(hd, KV_BLOCK))
+    }
+}
+
+/// (kernel, dynamic shared memory) of every paged-attention entry that needs more than the
+/// default 48 KiB; set on the functions when the module is loaded.
+pub(crate) fn smem_attributes() -> Vec<(&'static str, usize)> {
+    let mut v = Vec::new();
+    for (hd, pre, dec) in [
+        (16, "pa_prefill_hd16", "pa_decode_hd16"),
+        (32, "pa_prefill_hd32", "pa_decode_hd32"),
+        (64, "pa_prefill_hd64", "pa_decode_hd64"),
+        (128, "pa_prefill_hd128", "pa_decode_hd128"),
+    ] {
+        v.push((pre, smem_bytes(hd, true)));
+        v.push((dec, smem_bytes(hd, false)));
+    }
+    v.push(("pa_decode_hd256", smem_bytes(256, false)));
+    v
+}
+
+/// The rows of a step as the kernels read them, in device memory the caller keeps alive:
+/// per query row its position and the offset of its sequence's block table in `table`
+/// (the step's tables, concatenated).
+#[derive(Debug, Clone, Copy)]
+pub struct PagedRows {
+    rows: usize,
+    pos: u64,
+    table_off: u64,
+    table: u64,
+}
+
+impl PagedRows {
+    /// # Safety
+    /// `pos` and `table_off` are device addresses of `rows` u32 each, `table` of the block
+    /// tables, on the device the rows are used with; for every row r, the entries
+    /// `table[table_off[r] .. table_off[r] + pos[r] / KV_BLOCK + 1]` exist and are block
+    /// ids of the cache the rows are used with. (The callers check this on the host
+    /// before uploading: `check_tables`.)
+    pub unsafe fn from_device(rows: usize, pos: u64, table_off: u64, table: u64) -> Self {
+        Self {
+            rows,
+            pos,
+            table_off,
+            table,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Checks on the host what [`PagedRows::from_device`] requires of the data it will point
+/// at: every row's table range within `table`, every block id below `blocks`.
+pub fn check_tables(
+    pos: &[u32],
+    table_off: &[u32],
+    table: &[u32],
+    blocks: usize,
+) -> Result<(), CudaError> {
+    const K: &str = "paged attention";
+    check(K, pos.len() == table_off.len(), || {
+        format!(
+            "{} positions for {} table offsets",
+            pos.len(),
+            table_off.len()
+        )
+    })?;
+    for (r, (&p, &t)) in pos.iter().zip(table_off).enumerate() {
+        let end = t as usize + p as usize / KV_BLOCK + 1;
+        check(K, end <= table.len(), || {
+            format!(
+                "row {r} at position {p} needs block-table entries {t}..{end}, the step has {}",
+                table.len()
+            )
+        })?;
+        if let Some(&b) = table[t as usize..end]
+            .iter()
+            .find(|&&b| b as usize >= blocks)
+        {
+            return Err(CudaError::Launch {
+                kernel: K,
+                msg: format!("row {r}: block {b} of a cache with {blocks} blocks"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A sequence's rows in a step: its first row in q, the number of rows, the position of
+/// the first, and where its block table starts in the step's tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSpan {
+    pub row0: usize,
+    pub len: usize,
+    pub pos0: usize,
+    pub table0: usize,
+}
+
+/// Which rows of a step each kernel computes: prefill tiles for long runs of one
+/// sequence's rows, the decode kernel for the others. Built once per step; the bits of a
+/// row do not depend on it.
+pub struct AttnRouting {
+    tiles: Option<DevU32>,
+    n_tiles: usize,
+    /// The rows the decode kernel takes; `None`: rows 0..n_decode in order.
+    decode: Option<DevU32>,
+    n_decode: usize,
+    /// Grid depth of the decode kernel: at least the splits of its longest row.
+    max_splits: usize,
+}
+
+impl AttnRouting {
+    /// The split depth for rows up to position `pos_end - 1`, rounded up to a power of two
+    /// (so that a recorded step stays valid while contexts grow a little).
+    pub fn split_bucket(pos_end: usize) -> usize {
+        splits_of(pos_end.saturating_sub(1)).next_power_of_two()
+    }
+
+    pub fn max_splits(&self) -> usize {
+        self.max_splits
+    }
+}
+
+impl GpuDevice {
+    /// The routing of a ragged step whose sequences are `seqs` (rows in q order) for a
+    /// model of `head_dim`.
+    pub fn attn_routing(
+        &self,
+        seqs: &[SeqSpan],
+        head_dim: usize,
+    ) -> Result<AttnRouting, CudaError> {
+        const K: &str = "paged attention";
+        let hd = padded_head_dim(head_dim).ok_or_else(|| CudaError::Launch {
+            kernel: K,
+            msg: format!("head_dim {head_dim} is above 256"),
+        })?;
+        let (mut tiles, mut decode) = (Vec::new(), Vec::new());
+        let mut max_pos = 0usize;
+        for s in seqs {
+            if s.len >= PREFILL_MIN_ROWS && hd <= 128 {
+                for t0 in (0..s.len).step_by(PREFILL_TILE_ROWS) {
+                    let n = (s.len - t0).min(PREFILL_TILE_ROWS);
+                    for v in [s.row0 + t0, n, s.pos0 + t0, s.table0] {
+                        tiles.push(u32::try_from(v).map_err(|_| CudaError::Launch {
+                            kernel: K,
+                            msg: format!("tile value {v} does not fit u32"),
+                        })?);
+                    }
+                }
+            } else {
+                for i in 0..s.len {
+                    decode.push((s.row0 + i) as u32);
+                    max_pos = max_pos.max(s.pos0 + i);
+                }
+            }
+        }
+        let n_tiles = tiles.len() / 4;
+        let n_decode = decode.len();
+        Ok(AttnRouting {
+            tiles: (n_tiles > 0)
+                .then(|| self.upload("attention tiles", &tiles))
+                .transpose()?,
+            n_tiles,
+            decode: (n_decode > 0)
+                .then(|| self.upload("attention decode rows", &decode))
+                .transpose()?,
+            n_decode,
+            max_splits: splits_of(max_pos),
+        })
+    }
+
+    /// Every one of `rows` rows through the decode kernel, in order, with grid depth
+    /// `max_splits` (a recorded step's bucket: [`AttnRouting::split_bucket`]).
+    pub fn attn_routing_decode(&self, rows: usize, max_splits: usize) -> AttnRouting {
+        AttnRouting {
+            tiles: None,
+            n_tiles: 0,
+            decode: None,
+            n_decode: rows,
+            max_splits: max_splits.max(1),
+        }
+    }
+
+    /// Causal GQA attention of `q` (`[rows, n_heads·head_dim]` f32) against the paged
+    /// cache (`k`, `v` of `layout`), layer `layer`: row r sees the keys `0..=pos[r]` of its
+    /// sequence. Returns `[rows, n_heads·head_dim]` f32; `outb`, when given, gets the same
+    /// values rounded to bf16. `scale`: the softmax's factor on q·k.
+    ///
+    /// The positions must stay below `pos_limit`, which the caller checked on the host
+    /// (for a decode routing, the rows' splits must not exceed its `max_splits`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        q: &DevF32,
+        k: &DevBf16,
+        v: &DevBf16,
+        layout: PagedKvLayout,
+        layer: usize,
+        rows: &PagedRows,
+        routing: &AttnRouting,
+        n_heads: usize,
+        scale: f32,
+        outb: Option<&mut DevBf16>,
+    ) -> Result<DevF32, CudaError> {
+        const K: &str = "paged attention";
+        let PagedKvLayout {
+            n_kv_heads,
+            head_dim,
+            ..
+        } = layout;
+        check_bf16_out(K, &outb, q.len())?;
+        let hd = padded_head_dim(head_dim).ok_or_else(|| CudaError::Launch {
+            kernel: K,
+            msg: format!("head_dim {head_dim} is above 256"),
+        })?;
+        check(K, head_dim > 0 && head_dim.is_multiple_of(2), || {
+            format!("head_dim {head_dim} is not even")
+        })?;
+        check(K, layer < layout.layers, || {
+            format!("layer {layer} of a cache with {} layers", layout.layers)
+        })?;
+        check(
+            K,
+            n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
+            || format!("{n_heads} query heads are not a multiple of {n_kv_heads} KV heads"),
+        )?;
+        check(K, q.len() == rows.rows * n_heads * head_dim, || {
+            format!(
+                "q has {} values, expected {}×{n_heads}×{head_dim}",
+                q.len(),
+                rows.rows
+            )
+        })?;
+        check(
+            K,
+            k.len() == layout.len() && v.len() == layout.len(),
+            || "cache buffers do not match their layout".into(),
+        )?;
+        check(K, routing.n_tiles == 0 || hd <= 128, || {
+            format!("prefill tiles for head_dim {head_dim} (decode only above 128)")
+        })?;
+        let mut out = self.empty_f32(q.len())?;
+        if rows.rows == 0 || n_heads == 0 {
+            return Ok(out);
+        }
+        let sl = scale * std::f32::consts::LOG2_E;
+        let hi = i32_of(K, "n_heads", n_heads)?;
+        let kvi = i32_of(K, "n_kv_heads", n_kv_heads)?;
+        let di = i32_of(K, "head_dim", head_dim)?;
+        let layer_blocks = (layer * layout.blocks) as i64;
+        let mut outb = outb;
+
+        if let Some(tiles) = &routing.tiles {
+            let name = match hd {
+                16 => "pa_prefill_hd16",
+                32 => "pa_prefill_hd32",
+                64 => "pa_prefill_hd64",
+                _ => "pa_prefill_hd128",
+            };
+            let nt = i32_of(K, "tiles", routing.n_tiles)?;
+            let mut b = self.launch(self.func(name)?);
+            b.arg(q).arg(k).arg(v).out(&mut out);
+            arg_bf16_out(&mut b, outb.as_deref_mut());
+            b.arg(tiles)
+                .arg(&rows.table)
+                .arg(&nt)
+                .arg(&hi)
+                .arg(&kvi)
+                .arg(&di);
+            b.arg(&sl).arg(&layer_blocks);
+            let cfg = LaunchConfig {
+                grid_dim: (routing.n_tiles as u32, n_heads as u32, 1),
+                block_dim: (PREFILL_THREADS, 1, 1),
+                shared_mem_bytes: smem_bytes(hd, true) as u32,
+            };
+            self.launched(name, unsafe { b.launch(cfg) })?;
+        }
+
+        if routing.n_decode > 0 {
+            let name = match hd {
+                16 => "pa_decode_hd16",
+                32 => "pa_decode_hd32",
+                64 => "pa_decode_hd64",
+                128 => "pa_decode_hd128",
+                _ => "pa_decode_hd256",
+            };
+            let ms = routing.max_splits;
+            let msi = i32_of(K, "splits", ms)?;
+            // Split states: [decode rows][n_heads][splits][head_dim + 2] (acc, m, l).
+            let part_len = if ms > 1 {
+                routing.n_decode * n_heads * ms * (head_dim + 2)
+            } else {
+                1
+            };
+            let mut part: DevF32 = self.alloc(part_len)?;
+            let no_rows = 0u64;
+            let group = n_heads / n_kv_heads;
+            let htiles = group.div_ceil(16);
+            let mut b = self.launch(self.func(name)?);
+            b.arg(q).arg(k).arg(v).out(&mut out);
+            arg_bf16_out(&mut b, outb.as_deref_mut());
+            b.out(&mut part);
+            match &routing.decode {
+                Some(d) => b.arg(d),
+                None => b.arg(&no_rows),
+            };
+            b.arg(&rows.pos).arg(&rows.table_off).arg(&rows.table);
+            b.arg(&hi)
+                .arg(&kvi)
+                .arg(&di)
+                .arg(&sl)
+                .arg(&layer_blocks)
+                .arg(&msi);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    routing.n_decode as u32,
+                    (n_kv_heads * htiles) as u32,
+                    ms as u32,
+                ),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: smem_bytes(hd, false) as u32,
+            };
+            self.launched(name, unsafe { b.launch(cfg) })?;
+            if ms > 1 {
+                const C: &str = "pa_combine";
+                let mut b = self.launch(self.func(C)?);
+                b.out(&mut out);
+                arg_bf16_out(&mut b, outb.as_deref_mut());
+                b.arg(&part);
+                match &routing.decode {
+                    Some(d) => b.arg(d),
+                    None => b.arg(&no_rows),
+                };
+                b.arg(&rows.pos).arg(&hi).arg(&di).arg(&msi);
+                let cfg = LaunchConfig {
+                    grid_dim: (routing.n_decode as u32, n_heads as u32, 1),
+                    block_dim: (COMBINE_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.launched(C, unsafe { b.launch(cfg) })?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Positions a decode routing of `max_splits` serves: below this, every row's splits fit.
+pub fn decode_pos_limit(max_splits: usize) -> usize {
+    max_splits * ATTN_SPLIT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_fits_a_hopper_sm_twice_for_prefill() {
+        // 2 prefill CTAs per SM (228 KiB, 1 KiB reserved per block) at head_dim 128.
+        assert!(2 * (smem_bytes(128, true) + 1024) <= 228 * 1024);
+        assert!(smem_bytes(256, false) <= 227 * 1024);
+        assert_eq!(padded_head_dim(20), Some(32));
+        assert_eq!(padded_head_dim(257), None);
+    }
+
+    #[test]
+    fn tables_are_checked() {
+        assert!(check_tables(&[0, 70], &[0, 1], &[5, 6, 7], 8).is_ok());
+        let e = check_tables(&[0, 130], &[0, 1], &[5, 6, 7], 8).unwrap_err();
+        assert!(
+            e.to_string().contains("needs block-table entries 1..4"),
+            "{e}"
+        );
+        let e = check_tables(&[0], &[0], &[9], 8).unwrap_err();
+        assert!(
+            e.to_string().contains("block 9 of a cache with 8 blocks"),
+            "{e}"
+        );
+    }
+}
+
+#[cfg(test)]
+#[path = "paged_attention_gpu_test.rs"]
+mod gpu_test;
