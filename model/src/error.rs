@@ -17,6 +17,8 @@ pub enum ModelError {
     Config { path: PathBuf, msg: String },
     #[error("config {path}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM)")]
     UnknownArch { path: PathBuf, arch: String },
+    #[error("GGUF {path}: {msg}")]
+    Gguf { path: PathBuf, msg: String },
     #[error("safetensors {path}: {msg}")]
     Safetensors { path: PathBuf, msg: String },
     #[error("tensor {tensor:?} not found in the checkpoint under {dir}")]

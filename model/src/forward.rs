@@ -31,7 +31,25 @@ pub struct HeadPlan {
 }
 
 impl HeadPlan {
+    /// The heads of `rank` at TP `tp`; an error says why the model does not split and
+    /// which TP sizes do.
     pub fn new(cfg: &ModelConfig, rank: usize, tp: usize) -> MResult<Self> {
+        Self::plan(cfg, rank, tp).map_err(|e| match e {
+            ModelError::Sharding { tp, msg } => {
+                let ok: Vec<usize> = [1, 2, 4, 8]
+                    .into_iter()
+                    .filter(|&t| Self::plan(cfg, 0, t).is_ok())
+                    .collect();
+                ModelError::Sharding {
+                    tp,
+                    msg: format!("{msg} (each rank holds whole heads; TP sizes that split this model: {ok:?})"),
+                }
+            }
+            e => e,
+        })
+    }
+
+    fn plan(cfg: &ModelConfig, rank: usize, tp: usize) -> MResult<Self> {
         let shard_err = |msg: String| ModelError::Sharding { tp, msg };
         if !is_valid_world(tp) {
             return Err(shard_err("TP must be 1, 2, 4 or 8".into()));

@@ -2,11 +2,13 @@
 //! forward written once against `backend::Backend`, KV cache and seeded sampling.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod error;
 pub mod forward;
 pub mod generation_config;
+pub mod gguf;
 pub mod layers;
 pub mod runner;
 pub mod safetensors;

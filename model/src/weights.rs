@@ -1,6 +1,7 @@
-//! The checkpoint of a model directory: `model.safetensors`, or the shards listed in
-//! `model.safetensors.index.json`. Tensors are read slice by slice (a rank's rows or
-//! columns), converted to bf16; the checkpoint is never materialised whole.
+//! The weights of a checkpoint: a model directory's `model.safetensors` (or the shards
+//! listed in `model.safetensors.index.json`), or a GGUF file's tensors under their HF
+//! names. Tensors are read slice by slice (a rank's rows or columns), converted to bf16;
+//! the checkpoint is never materialised whole.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -9,16 +10,61 @@ use std::path::{Path, PathBuf};
 use half::bf16;
 
 use crate::error::{MResult, ModelError};
+use crate::gguf::GgufWeights;
 use crate::safetensors::{SafeFile, TensorInfo};
 
-pub struct WeightStore {
+pub enum WeightStore {
+    Safetensors(SafeStore),
+    Gguf(GgufWeights),
+}
+
+impl WeightStore {
+    /// The safetensors checkpoint of model directory `dir`.
+    pub fn open(dir: &Path) -> MResult<Self> {
+        SafeStore::open(dir).map(WeightStore::Safetensors)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        match self {
+            WeightStore::Safetensors(s) => s.contains(name),
+            WeightStore::Gguf(g) => g.contains(name),
+        }
+    }
+
+    /// Rows `rows` (all columns) of the `[n, k]` matrix `name`.
+    pub fn rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<Vec<bf16>> {
+        match self {
+            WeightStore::Safetensors(s) => s.rows(name, n, k, rows),
+            WeightStore::Gguf(g) => g.rows(name, n, k, rows),
+        }
+    }
+
+    /// Columns `cols` of every row of the `[n, k]` matrix `name` (a strided read).
+    pub fn cols(&self, name: &str, n: usize, k: usize, cols: Range<usize>) -> MResult<Vec<bf16>> {
+        match self {
+            WeightStore::Safetensors(s) => s.cols(name, n, k, cols),
+            WeightStore::Gguf(g) => g.cols(name, n, k, cols),
+        }
+    }
+
+    /// Elements `range` of the vector `name` of length `len`, as f32 (via bf16).
+    pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
+        match self {
+            WeightStore::Safetensors(s) => s.vector(name, len, range),
+            WeightStore::Gguf(g) => g.vector(name, len, range),
+        }
+    }
+}
+
+/// A model directory's safetensors files.
+pub struct SafeStore {
     dir: PathBuf,
     files: Vec<SafeFile>,
     /// tensor name -> index into `files`.
     index: HashMap<String, usize>,
 }
 
-impl WeightStore {
+impl SafeStore {
     pub fn open(dir: &Path) -> MResult<Self> {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
@@ -82,7 +128,7 @@ impl WeightStore {
                 ),
             });
         }
-        Ok(WeightStore {
+        Ok(SafeStore {
             dir: dir.to_path_buf(),
             files,
             index,

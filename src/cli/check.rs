@@ -15,7 +15,7 @@ use super::records::{GenRecord, ScoreRecord};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Model directory.
+    /// Model directory, or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     /// TP sizes to run (each through `arbor-launch -n TP`).
@@ -75,7 +75,7 @@ const DEFAULT_PROMPTS: [&str; 4] = [
 /// Writes the default prompts: text when the model has a tokenizer, else token ids
 /// (all below 256, inside any real vocabulary).
 fn write_default_prompts(model: &Path, path: &Path) -> Result<()> {
-    let has_tokenizer = model.join("tokenizer.json").is_file();
+    let has_tokenizer = arbor_model::checkpoint::has_tokenizer(model);
     let mut lines = String::new();
     for (i, text) in DEFAULT_PROMPTS.iter().enumerate() {
         let line = if has_tokenizer {
@@ -232,9 +232,9 @@ pub fn run_check(args: &Args) -> Result<Report> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    if !args.model.join("config.json").is_file() {
+    if !arbor_model::checkpoint::is_model(&args.model) {
         bail!(
-            "{} has no config.json (is --model a model directory?)",
+            "{} is neither a model directory with config.json nor a GGUF file",
             args.model.display()
         );
     }

@@ -12,7 +12,7 @@ use super::records::{Finish, GenRecord, PromptLine, TopEntry};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Model directory (config.json, *.safetensors, tokenizer.json).
+    /// Model directory (config.json, *.safetensors, tokenizer.json), or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     /// A prompt as text (repeatable; needs the model's tokenizer.json).

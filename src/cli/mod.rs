@@ -7,6 +7,7 @@ pub mod generate;
 pub mod make_model;
 pub mod metrics;
 pub mod model_api;
+pub mod real_model;
 pub mod records;
 pub mod score;
 pub mod serve;

@@ -12,7 +12,7 @@ use super::records::{ScoreLine, ScoreRecord, TopEntry};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Model directory (config.json, *.safetensors).
+    /// Model directory (config.json, *.safetensors), or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     /// JSONL: {"id":..,"tokens":[...],"prompt_len":n} per line, or `arbor generate` output.

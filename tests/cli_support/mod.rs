@@ -195,3 +195,50 @@ pub fn check_command(model: &Path, launcher: &Path, json: &Path) -> Command {
         .arg(json);
     cmd
 }
+
+/// Whether `CI` is set (`.ci/run` sets it): optional tools become required there.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+/// Whether python3 can import every module of `modules`. When it cannot, the calling test
+/// is skipped with a printed reason locally, and fails in CI, where `.ci/run` installs
+/// them (`install` says how).
+pub fn python_has(modules: &[&str], install: &str) -> bool {
+    let probe = format!("import {}", modules.join(", "));
+    let ok = Command::new("python3")
+        .args(["-c", &probe])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            !in_ci(),
+            "CI: python3 with {modules:?} is required ({install})"
+        );
+        eprintln!("SKIPPED: python3 -c '{probe}' failed ({install})");
+    }
+    ok
+}
+
+/// Runs `python3 script args...` and returns its stdout; a failure shows its stderr.
+pub fn run_python(script: &Path, args: &[&std::ffi::OsStr]) -> String {
+    let o = Command::new("python3")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("start python3");
+    let (out, err) = text(&o);
+    assert!(
+        o.status.success(),
+        "python3 {} failed:\n{out}\n{err}",
+        script.display()
+    );
+    out
+}
+
+/// A script of `tests/gguf_ref/`.
+pub fn gguf_ref_script(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/gguf_ref")
+        .join(name)
+}

@@ -1,5 +1,6 @@
 //! Loading: a rank's shard on the chosen device (and a TP=1 shadow if asked), its
-//! tokenizer, generation config and context length.
+//! tokenizer, generation config and context length, from a model directory or a GGUF
+//! file ([`Checkpoint`]).
 
 use std::sync::Arc;
 
@@ -9,13 +10,10 @@ use super::{Device, Engine, GenTiming, LoadOptions, Runner, DEFAULT_MAX_SEQ_LEN}
 use crate::backend::cpu::{default_threads, CpuBackend};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Numerics};
-use crate::config::ModelConfig;
+use crate::checkpoint::Checkpoint;
 use crate::error::{MResult, ModelError};
 use crate::forward::Model;
-use crate::generation_config::GenerationConfig;
 use crate::layers::LoadCtx;
-use crate::tokenizer_config::TokenizerConfig;
-use crate::weights::WeightStore;
 
 /// Loads this rank's shard (TP = `comm.world_size()`).
 pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn Runner>> {
@@ -81,20 +79,28 @@ fn load_cuda(
 }
 
 impl<B: Backend> Engine<B> {
-    /// Loads the model in `opts.model_dir` for `backend`'s rank and world size.
+    /// Loads the model at `opts.model_dir` (a directory or a GGUF file) for `backend`'s
+    /// rank and world size.
     pub fn new(backend: B, opts: &LoadOptions) -> MResult<Self> {
         let dir = &opts.model_dir;
-        let cfg = ModelConfig::from_dir(dir)?;
+        let Checkpoint {
+            config: cfg,
+            config_path,
+            weights: store,
+            tokenizer,
+            tokenizer_config,
+            generation_config,
+        } = Checkpoint::open(dir)?;
         let max_seq_len = match opts.max_seq_len {
             Some(0) => {
                 return Err(ModelError::Config {
-                    path: dir.join("config.json"),
+                    path: config_path.clone(),
                     msg: "requested max_seq_len 0".into(),
                 })
             }
             Some(n) if n > cfg.max_position_embeddings => {
                 return Err(ModelError::Config {
-                    path: dir.join("config.json"),
+                    path: config_path.clone(),
                     msg: format!(
                         "requested max_seq_len {n} exceeds max_position_embeddings {}",
                         cfg.max_position_embeddings
@@ -109,8 +115,7 @@ impl<B: Backend> Engine<B> {
                 .min(cfg.max_position_embeddings)
                 .min(DEFAULT_MAX_SEQ_LEN),
         };
-        cfg.check_context(max_seq_len, &dir.join("config.json"))?;
-        let store = WeightStore::open(dir)?;
+        cfg.check_context(max_seq_len, &config_path)?;
         let row_tp = match opts.rank_of_tp {
             None => backend.world_size(),
             Some(n) if backend.world_size() == 1 && arbor_kernels::tree::is_valid_world(n) => n,
@@ -139,7 +144,6 @@ impl<B: Backend> Engine<B> {
             layers = cfg.num_layers,
             "model loaded"
         );
-        let generation_config = GenerationConfig::from_dir(dir)?;
         let mut eos_token_ids = cfg.eos_token_ids.clone();
         for id in generation_config.iter().flat_map(|g| &g.eos_token_ids) {
             if !eos_token_ids.contains(id) {
@@ -147,8 +151,8 @@ impl<B: Backend> Engine<B> {
             }
         }
         Ok(Engine {
-            tokenizer: load_tokenizer(dir)?,
-            tokenizer_config: TokenizerConfig::from_dir(dir)?,
+            tokenizer,
+            tokenizer_config,
             generation_config,
             eos_token_ids,
             backend,

@@ -21,7 +21,7 @@ use crate::cli::model_api::{GenRequest, LoadOptions, Runner, Sampling};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory (config.json + safetensors).
+    /// Model directory (config.json + safetensors), or a GGUF file.
     #[arg(long)]
     model: PathBuf,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]

@@ -22,7 +22,7 @@ use super::model_api::{self, LoadOptions, Runner};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Model directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json).
+    /// Model directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json), or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
@@ -40,7 +40,7 @@ pub struct Args {
     /// Require `Authorization: Bearer KEY` on every /v1 request.
     #[arg(long, env = "ARBOR_API_KEY")]
     pub api_key: Option<String>,
-    /// The model name /v1/models reports and requests may give (default: the directory's name).
+    /// The model name /v1/models reports and requests may give (default: the directory's or file's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
     /// Context length per sequence (default: the model's, at most 4096).

@@ -1,0 +1,487 @@
+//! GGUF metadata -> the Hugging Face `config.json` transformers would have for the same
+//! model, which then goes through arbor's own (strict) config parser. As there, a key that
+//! may change the math and that arbor does not implement is refused by name.
+
+use std::path::Path;
+
+use serde_json::{json, Map, Value};
+
+use super::reader::{GgufFile, MetaValue};
+use crate::config::{ModelConfig, ALLOW_ENV};
+use crate::error::{MResult, ModelError};
+
+/// The GGUF architectures arbor runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufArch {
+    /// `llama`: Llama 1/2/3, Mistral, SmolLM, TinyLlama... llama.cpp's converter permutes
+    /// the q/k rows for GGML's interleaved RoPE.
+    Llama,
+    /// `qwen3`: per-head q/k RMSNorm; rows stored as in HF (NEOX RoPE).
+    Qwen3,
+}
+
+impl GgufArch {
+    pub fn name(self) -> &'static str {
+        match self {
+            GgufArch::Llama => "llama",
+            GgufArch::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Whether llama.cpp stored q/k rows permuted for interleaved (GPT-J style) RoPE.
+    pub fn permuted_qk(self) -> bool {
+        self == GgufArch::Llama
+    }
+}
+
+/// `<arch>.` keys arbor reads (or refuses value by value).
+const ARCH_KEYS: &[&str] = &[
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "attention.key_length",
+    "attention.value_length",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",
+    "rope.scaling.finetuned",
+    "vocab_size",
+    "expert_count",
+    "expert_used_count",
+    "tensor_data_layout",
+];
+
+/// Key prefixes that never change the math: provenance, llama.cpp's quantization notes,
+/// and the tokenizer (read by `tokenizer.rs`).
+const OTHER_PREFIXES: &[&str] = &["general.", "quantize.", "tokenizer."];
+
+fn err(path: &Path, msg: String) -> ModelError {
+    ModelError::Gguf {
+        path: path.to_path_buf(),
+        msg,
+    }
+}
+
+/// The architecture named in `general.architecture`, or an error listing the supported.
+pub fn arch(f: &GgufFile) -> MResult<GgufArch> {
+    let a = f.get("general.architecture").ok_or_else(|| {
+        err(
+            &f.path,
+            "no \"general.architecture\" in the metadata".into(),
+        )
+    })?;
+    match a.as_str() {
+        Some("llama") => Ok(GgufArch::Llama),
+        Some("qwen3") => Ok(GgufArch::Qwen3),
+        _ => Err(err(
+            &f.path,
+            format!(
+                "general.architecture {} is not supported (arbor runs \"llama\" and \"qwen3\" GGUF files)",
+                a.brief()
+            ),
+        )),
+    }
+}
+
+/// Reads the metadata of one architecture, naming GGUF keys in errors.
+struct Meta<'a> {
+    f: &'a GgufFile,
+    arch: GgufArch,
+}
+
+impl Meta<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch.name())
+    }
+
+    fn get(&self, k: &str) -> Option<&MetaValue> {
+        self.f.get(&self.key(k))
+    }
+
+    fn usize_opt(&self, k: &str) -> MResult<Option<usize>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    err(
+                        &self.f.path,
+                        format!(
+                            "{} must be a non-negative integer, got {} ({})",
+                            self.key(k),
+                            v.brief(),
+                            v.type_name()
+                        ),
+                    )
+                }),
+        }
+    }
+
+    fn usize_req(&self, k: &str) -> MResult<usize> {
+        self.usize_opt(k)?.ok_or_else(|| {
+            err(
+                &self.f.path,
+                format!("missing metadata key {}", self.key(k)),
+            )
+        })
+    }
+
+    fn f64_opt(&self, k: &str) -> MResult<Option<f64>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                err(
+                    &self.f.path,
+                    format!("{} must be a number, got {}", self.key(k), v.brief()),
+                )
+            }),
+        }
+    }
+}
+
+/// What the metadata says beyond config.json: how the q/k rows are laid out.
+pub struct GgufConfig {
+    pub arch: GgufArch,
+    pub config: ModelConfig,
+    /// The config.json it corresponds to (what `arbor convert` would write).
+    pub config_json: Value,
+}
+
+/// Builds the model's config from the metadata and the tensors present (`output.weight`
+/// for untied heads, biases, `rope_freqs.weight`).
+pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
+    let arch = arch(f)?;
+    let path = &f.path;
+    if let Some(n) = f.get("split.count").and_then(MetaValue::as_u64) {
+        if n > 1 {
+            return Err(err(
+                path,
+                format!("this is one of {n} split GGUF files; merge them first (llama-gguf-split --merge FIRST.gguf OUT.gguf)"),
+            ));
+        }
+    }
+    if let Some(t) = f.get("general.type").and_then(MetaValue::as_str) {
+        if t != "model" {
+            return Err(err(
+                path,
+                format!("general.type is {t:?}: arbor runs models, not {t}s"),
+            ));
+        }
+    }
+    let allowed = allowed_from_env();
+    let prefix = format!("{}.", arch.name());
+    let mut unknown: Vec<&str> = f
+        .metadata
+        .keys()
+        .map(String::as_str)
+        .filter(|k| match k.strip_prefix(&prefix) {
+            Some(rest) => !ARCH_KEYS.contains(&rest),
+            None => !OTHER_PREFIXES.iter().any(|p| k.starts_with(p)) && *k != "split.count",
+        })
+        .filter(|k| !allowed.iter().any(|a| a == k))
+        .collect();
+    unknown.sort_unstable();
+    if !unknown.is_empty() {
+        return Err(err(
+            path,
+            format!(
+                "unknown metadata key{} {}: arbor does not know what {} to the model's math, so it refuses to guess (if you know it is harmless, list it in {ALLOW_ENV}=key,...)",
+                if unknown.len() > 1 { "s" } else { "" },
+                unknown.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", "),
+                if unknown.len() > 1 { "they do" } else { "it does" },
+            ),
+        ));
+    }
+    let m = Meta { f, arch };
+    for k in ["expert_count", "expert_used_count"] {
+        if let Some(n) = m.usize_opt(k)?.filter(|&n| n > 0) {
+            return Err(err(
+                path,
+                format!(
+                    "{} = {n}: mixture-of-experts models are not supported",
+                    m.key(k)
+                ),
+            ));
+        }
+    }
+    if let Some(v) = m.get("tensor_data_layout") {
+        if v.as_str() != Some("Meta AI original pth") {
+            return Err(err(
+                path,
+                format!(
+                    "{} {} is not a layout arbor knows",
+                    m.key("tensor_data_layout"),
+                    v.brief()
+                ),
+            ));
+        }
+    }
+    let hidden = m.usize_req("embedding_length")?;
+    let heads = m.usize_req("attention.head_count")?;
+    if let Some(v) = m
+        .get("attention.head_count_kv")
+        .filter(|v| v.as_array().is_some())
+    {
+        return Err(err(
+            path,
+            format!(
+                "{} is per layer ({}): layers with different head counts are not supported",
+                m.key("attention.head_count_kv"),
+                v.brief()
+            ),
+        ));
+    }
+    let kv_heads = m.usize_opt("attention.head_count_kv")?.unwrap_or(heads);
+    if heads == 0 {
+        return Err(err(path, format!("{} is 0", m.key("attention.head_count"))));
+    }
+    let head_dim = match m.usize_opt("attention.key_length")? {
+        Some(k) => k,
+        None if hidden % heads == 0 => hidden / heads,
+        None => {
+            return Err(err(
+                path,
+                format!(
+                    "no {} and embedding_length {hidden} is not divisible by head_count {heads}",
+                    m.key("attention.key_length")
+                ),
+            ))
+        }
+    };
+    if let Some(v) = m.usize_opt("attention.value_length")? {
+        if v != head_dim {
+            return Err(err(
+                path,
+                format!(
+                    "{} {v} differs from the key length {head_dim}: not supported",
+                    m.key("attention.value_length")
+                ),
+            ));
+        }
+    }
+    if let Some(r) = m.usize_opt("rope.dimension_count")? {
+        if r != head_dim {
+            return Err(err(
+                path,
+                format!(
+                    "{} {r} rotates part of a {head_dim}-wide head (partial rotary): not supported",
+                    m.key("rope.dimension_count")
+                ),
+            ));
+        }
+    }
+    let vocab = match m.usize_opt("vocab_size")? {
+        Some(v) => v,
+        None => match f.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array) {
+            Some(t) => t.len(),
+            None => f
+                .tensors
+                .get("token_embd.weight")
+                .and_then(|t| t.dims.get(1).copied())
+                .ok_or_else(|| err(path, "cannot tell the vocabulary size: no vocab_size, tokens or token_embd.weight".into()))?,
+        },
+    };
+    let theta = m.f64_opt("rope.freq_base")?.unwrap_or(10000.0);
+    let context = m.usize_req("context_length")?;
+    let mut rope_scaling = match m.get("rope.scaling.type").map(|v| v.as_str()) {
+        None | Some(Some("none")) => Value::Null,
+        Some(Some("linear")) => json!({
+            "rope_type": "linear",
+            "factor": m.f64_opt("rope.scaling.factor")?.ok_or_else(|| err(path, format!("linear RoPE scaling without {}", m.key("rope.scaling.factor"))))?,
+        }),
+        Some(Some("yarn")) => {
+            let mut y = Map::new();
+            y.insert("rope_type".into(), json!("yarn"));
+            if let Some(fac) = m.f64_opt("rope.scaling.factor")? {
+                y.insert("factor".into(), json!(fac));
+            }
+            if let Some(o) = m.usize_opt("rope.scaling.original_context_length")? {
+                y.insert("original_max_position_embeddings".into(), json!(o));
+            }
+            Value::Object(y)
+        }
+        Some(_) => {
+            let v = m
+                .get("rope.scaling.type")
+                .map(MetaValue::brief)
+                .unwrap_or_default();
+            return Err(err(
+                path,
+                format!(
+                    "{} {v} is not supported (none, linear and yarn are)",
+                    m.key("rope.scaling.type")
+                ),
+            ));
+        }
+    };
+    if let Some(freqs) = rope_freqs {
+        if !rope_scaling.is_null() {
+            return Err(err(path, "both rope_freqs.weight and a rope.scaling.type: arbor does not know how they combine".into()));
+        }
+        rope_scaling = llama3_from_freqs(freqs, theta, head_dim).ok_or_else(|| {
+            err(
+                path,
+                format!(
+                    "rope_freqs.weight holds per-frequency factors that match no Llama-3 scaling arbor tried (factor 2..64, low 1, high 4, original context 8192): not supported; first factors {:?}",
+                    &freqs[..freqs.len().min(4)]
+                ),
+            )
+        })?;
+    }
+    let has = |name: &str| f.tensors.contains_key(name);
+    let attention_bias = has("blk.0.attn_q.bias");
+    let mlp_bias = has("blk.0.ffn_up.bias");
+    if attention_bias && arch == GgufArch::Qwen3 {
+        return Err(err(
+            path,
+            "attention biases in a qwen3 file: not supported".into(),
+        ));
+    }
+    let tok = |k: &str| {
+        f.get(&format!("tokenizer.ggml.{k}"))
+            .and_then(MetaValue::as_u64)
+    };
+    let mut eos: Vec<u64> = Vec::new();
+    for id in ["eos_token_id", "eot_token_id", "eom_token_id"]
+        .into_iter()
+        .filter_map(tok)
+    {
+        if !eos.contains(&id) {
+            eos.push(id);
+        }
+    }
+    let (arch_name, model_type) = match arch {
+        GgufArch::Llama => ("LlamaForCausalLM", "llama"),
+        GgufArch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+    };
+    let mut c = json!({
+        "architectures": [arch_name],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": m.usize_req("feed_forward_length")?,
+        "num_hidden_layers": m.usize_req("block_count")?,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": m.f64_opt("attention.layer_norm_rms_epsilon")?.ok_or_else(|| err(path, format!("missing metadata key {}", m.key("attention.layer_norm_rms_epsilon"))))?,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": context,
+        "tie_word_embeddings": !has("output.weight"),
+        "attention_bias": attention_bias,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    });
+    let obj = c.as_object_mut().expect("a JSON object literal");
+    if arch == GgufArch::Llama {
+        obj.insert("mlp_bias".into(), json!(mlp_bias));
+    } else if mlp_bias {
+        return Err(err(
+            path,
+            "MLP biases in a qwen3 file: not supported".into(),
+        ));
+    }
+    if let Some(b) = tok("bos_token_id") {
+        obj.insert("bos_token_id".into(), json!(b));
+    }
+    if !eos.is_empty() {
+        obj.insert("eos_token_id".into(), json!(eos));
+    }
+    let shown = path.with_file_name(format!(
+        "{} (metadata as config.json)",
+        path.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default()
+    ));
+    let config = ModelConfig::from_json_str(&c.to_string(), &shown)?;
+    Ok(GgufConfig {
+        arch,
+        config,
+        config_json: c,
+    })
+}
+
+fn allowed_from_env() -> Vec<String> {
+    std::env::var(ALLOW_ENV)
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// llama.cpp stores Llama 3.1's RoPE scaling as its per-frequency factors
+/// (`rope_freqs.weight`, computed by `convert_hf_to_gguf.py` from the four parameters in
+/// f32). The parameters are recovered by trying the values every Llama 3.x release uses
+/// and keeping the set that reproduces every factor.
+fn llama3_from_freqs(freqs: &[f32], theta: f64, head_dim: usize) -> Option<Value> {
+    if freqs.len() != head_dim / 2 {
+        return None;
+    }
+    let (low, high, old) = (1.0f64, 4.0f64, 8192.0f64);
+    [8.0f64, 32.0, 16.0, 4.0, 2.0, 64.0]
+        .into_iter()
+        .find_map(|factor| {
+            let ok = freqs.iter().enumerate().all(|(i, &got)| {
+                let freq = 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32) as f64;
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                let want = if wavelen < old / high {
+                    1.0
+                } else if wavelen > old / low {
+                    factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                };
+                ((got as f64) - want).abs() <= 1e-4 * want
+            });
+            ok.then(|| {
+                json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                   "high_freq_factor": high, "original_max_position_embeddings": old as usize})
+            })
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_factors_are_recognised_and_others_refused() {
+        // Llama 3.1 8B: theta 500000, head_dim 128, factor 8.
+        let (theta, hd) = (500000.0f64, 128usize);
+        let freqs: Vec<f32> = (0..hd / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f64 / hd as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                let w = if wavelen < 2048.0 {
+                    1.0
+                } else if wavelen > 8192.0 {
+                    8.0
+                } else {
+                    let s = (8192.0 / wavelen - 1.0) / 3.0;
+                    1.0 / ((1.0 - s) / 8.0 + s)
+                };
+                w as f32
+            })
+            .collect();
+        let v = llama3_from_freqs(&freqs, theta, hd).expect("recognised");
+        assert_eq!(v["factor"], json!(8.0));
+        let mut odd = freqs.clone();
+        odd[40] *= 1.01;
+        assert!(llama3_from_freqs(&odd, theta, hd).is_none());
+        assert!(llama3_from_freqs(&freqs[1..], theta, hd).is_none());
+    }
+}

@@ -1,0 +1,306 @@
+//! GGUF files (llama.cpp's format) as arbor checkpoints: `--model FILE.gguf` loads the
+//! weights (dequantized to bf16 at load), the config, the tokenizer and the chat template
+//! from the one file.
+//!
+//! - `reader`: the container, validated against the file's size;
+//! - `dequant`: the GGML types and their dequantization;
+//! - `config`: metadata -> the config.json transformers would have;
+//! - `tensors`: GGUF tensor names -> HF names, q/k rows back in HF's RoPE order;
+//! - `tokenizer`: the vocabulary, merges and special tokens -> tokenizer.json.
+
+pub mod config;
+pub mod dequant;
+pub mod reader;
+pub mod spm;
+pub mod tensors;
+pub mod tokenizer;
+
+use std::path::Path;
+
+pub use config::GgufArch;
+pub use reader::{is_gguf, GgufFile, MetaValue};
+pub use tensors::GgufWeights;
+
+use crate::config::ModelConfig;
+use crate::error::{MResult, ModelError};
+use crate::tokenizer_config::TokenizerConfig;
+
+/// Everything a GGUF file holds, in arbor's terms.
+pub struct GgufModel {
+    pub config: ModelConfig,
+    pub config_json: serde_json::Value,
+    pub weights: GgufWeights,
+    pub tokenizer: Option<tokenizer::GgufTokenizer>,
+}
+
+impl GgufModel {
+    pub fn open(path: &Path) -> MResult<Self> {
+        let file = GgufFile::open(path)?;
+        let rope_freqs = match file.tensors.get("rope_freqs.weight") {
+            None => None,
+            Some(info) => {
+                let mut v = Vec::new();
+                dequant::dequantize(info.ty, file.data(info), &mut v).map_err(|msg| {
+                    ModelError::Gguf {
+                        path: path.to_path_buf(),
+                        msg: format!("tensor \"rope_freqs.weight\": {msg}"),
+                    }
+                })?;
+                Some(v)
+            }
+        };
+        let cfg = config::read(&file, rope_freqs.as_deref())?;
+        let tokenizer = tokenizer::read(&file, cfg.config.vocab_size)?;
+        let weights = GgufWeights::new(
+            file,
+            cfg.arch,
+            cfg.config.num_heads,
+            cfg.config.num_kv_heads,
+        )?;
+        tracing::info!(
+            gguf = %path.display(),
+            arch = cfg.arch.name(),
+            layers = cfg.config.num_layers,
+            tokenizer = tokenizer.is_some(),
+            "GGUF model read"
+        );
+        Ok(GgufModel {
+            config: cfg.config,
+            config_json: cfg.config_json,
+            weights,
+            tokenizer,
+        })
+    }
+
+    /// The tokenizer and its config, split for the runner.
+    pub fn tokenizer_parts(&mut self) -> (Option<tokenizers::Tokenizer>, Option<TokenizerConfig>) {
+        match self.tokenizer.take() {
+            None => (None, None),
+            Some(t) => (Some(t.tokenizer), Some(t.config)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod testfile;
+
+#[cfg(test)]
+mod tests {
+    use super::testfile::*;
+    use super::*;
+
+    fn open_err(b: &Builder) -> String {
+        let p = b.write("err");
+        let e = GgufModel::open(&p).err().map(|e| e.to_string());
+        let _ = std::fs::remove_file(&p);
+        e.expect("the file should be refused")
+    }
+
+    fn open_bytes_err(bytes: &[u8]) -> String {
+        let p = write_bytes("bytes", bytes);
+        let e = GgufModel::open(&p).err().map(|e| e.to_string());
+        let _ = std::fs::remove_file(&p);
+        e.expect("the file should be refused")
+    }
+
+    #[test]
+    fn the_test_model_opens_with_its_tokenizer_and_template() {
+        let p = Builder::llama().write("ok");
+        let mut m = GgufModel::open(&p).expect("valid test model");
+        let _ = std::fs::remove_file(&p);
+        assert_eq!(m.config.num_layers, 1);
+        assert_eq!(m.config.head_dim, 8);
+        assert_eq!(m.config.num_kv_heads, 1);
+        assert!(!m.config.tie_word_embeddings);
+        assert_eq!(m.config.eos_token_ids, vec![257]);
+        let (tok, cfg) = m.tokenizer_parts();
+        let tok = tok.expect("tokenizer");
+        let ids = tok
+            .encode("<|begin|>hi", true)
+            .expect("encode")
+            .get_ids()
+            .to_vec();
+        assert_eq!(ids, vec![256, u32::from(b'h'), u32::from(b'i')]);
+        let cfg = cfg.expect("tokenizer config");
+        assert_eq!(cfg.bos_token.as_deref(), Some("<|begin|>"));
+        assert_eq!(cfg.add_bos_token, Some(false));
+        assert!(cfg.chat_template.is_some());
+        // q rows come back in HF order: HF row 1 (head 0, half 0, index 1) is GGUF row 2.
+        let q = m
+            .weights
+            .rows(
+                "model.layers.0.self_attn.q_proj.weight",
+                HIDDEN,
+                HIDDEN,
+                0..HIDDEN,
+            )
+            .unwrap();
+        let raw = m
+            .weights
+            .rows(
+                "model.layers.0.self_attn.o_proj.weight",
+                HIDDEN,
+                HIDDEN,
+                0..1,
+            )
+            .unwrap();
+        assert_eq!(raw.len(), HIDDEN);
+        let k_all = m
+            .weights
+            .rows("model.layers.0.self_attn.k_proj.weight", 8, HIDDEN, 0..8)
+            .unwrap();
+        let k_cols = m
+            .weights
+            .cols("model.layers.0.self_attn.k_proj.weight", 8, HIDDEN, 3..9)
+            .unwrap();
+        for r in 0..8 {
+            assert_eq!(
+                &k_cols[r * 6..(r + 1) * 6],
+                &k_all[r * HIDDEN + 3..r * HIDDEN + 9]
+            );
+        }
+        assert_eq!(q.len(), HIDDEN * HIDDEN);
+    }
+
+    #[test]
+    fn add_bos_token_puts_bos_first() {
+        let p = Builder::llama()
+            .set("tokenizer.ggml.add_bos_token", boolv(true))
+            .write("bos");
+        let mut m = GgufModel::open(&p).expect("valid test model");
+        let _ = std::fs::remove_file(&p);
+        let (tok, cfg) = m.tokenizer_parts();
+        let enc = crate::PromptEncoder {
+            tokenizer: tok.as_ref().expect("tokenizer"),
+            config: cfg.as_ref(),
+        };
+        assert_eq!(enc.encode("hi", true).unwrap(), vec![256, 104, 105]);
+        assert_eq!(enc.encode("hi", false).unwrap(), vec![104, 105]);
+    }
+
+    #[test]
+    fn container_damage_is_named() {
+        let good = Builder::llama().bytes();
+        let mut bad_magic = good.clone();
+        bad_magic[0] = b'X';
+        assert!(open_bytes_err(&bad_magic).contains("not a GGUF file"));
+        let mut v1 = good.clone();
+        v1[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert!(open_bytes_err(&v1).contains("version 1"));
+        let mut be = good.clone();
+        be[4..8].copy_from_slice(&3u32.to_be_bytes());
+        assert!(open_bytes_err(&be).contains("big-endian"));
+        let e = open_bytes_err(&good[..good.len() - 100]);
+        assert!(
+            e.contains("outside the data section") && e.contains("blk.0.ffn_down.weight"),
+            "{e}"
+        );
+        let e = open_bytes_err(&good[..200]);
+        assert!(
+            e.contains("tensor count 12 cannot fit") && e.contains("truncated"),
+            "{e}"
+        );
+        let mut huge = good.clone();
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(open_bytes_err(&huge).contains("tensor count"));
+        let b = Builder::llama().set("general.weird", Val(13, vec![0; 8]));
+        assert!(open_err(&b).contains("unknown metadata value type 13"));
+        let b = Builder::llama().set("llama.flag", Val(7, vec![2]));
+        assert!(open_err(&b).contains("bool byte 2"));
+        let b = Builder::llama().tensor("blk.0.attn_norm.weight", |t| t.dims = vec![17]);
+        let e = open_err(&b);
+        assert!(
+            e.contains("overlap") && e.contains("blk.0.attn_norm.weight"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn what_arbor_does_not_implement_is_refused_by_name() {
+        let cases: Vec<(Builder, &[&str])> = vec![
+            (
+                Builder::llama().set("llama.attention.clamp_kqv", f32v(8.0)),
+                &["llama.attention.clamp_kqv", "ARBOR_ALLOW_CONFIG_KEYS"],
+            ),
+            (
+                Builder::llama().set("llama.expert_count", u32v(8)),
+                &["llama.expert_count", "mixture-of-experts"],
+            ),
+            (
+                Builder::llama().set("general.architecture", strv("gpt2")),
+                &["\"gpt2\"", "llama", "qwen3"],
+            ),
+            (
+                Builder::llama().set("split.count", u32v(3)),
+                &["one of 3 split"],
+            ),
+            (
+                Builder::llama().set("llama.rope.dimension_count", u32v(4)),
+                &["partial rotary"],
+            ),
+            (
+                Builder::llama().remove("llama.block_count"),
+                &["llama.block_count"],
+            ),
+            (
+                Builder::llama().set("llama.rope.scaling.type", strv("longrope")),
+                &["longrope"],
+            ),
+            (
+                Builder::llama().set("tokenizer.ggml.pre", strv("default")),
+                &["\"default\"", "smollm"],
+            ),
+            (
+                Builder::llama().set("tokenizer.ggml.model", strv("bert")),
+                &["\"bert\""],
+            ),
+            (
+                Builder::llama().set("tokenizer.ggml.eos_token_id", u32v(999)),
+                &["eos_token_id 999"],
+            ),
+            (
+                Builder::llama().tensor("blk.0.ffn_up.weight", |t| {
+                    t.name = "blk.0.ffn_up_exps.weight".into()
+                }),
+                &["blk.0.ffn_up_exps.weight"],
+            ),
+        ];
+        for (b, words) in cases {
+            let e = open_err(&b);
+            for w in words {
+                assert!(e.contains(w), "{w:?} not in: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn tensors_of_types_arbor_does_not_dequantize_are_named_when_read() {
+        // IQ2_XXS: 256-element blocks of 66 bytes.
+        let b = Builder::llama().tensor("blk.0.ffn_gate.weight", |t| {
+            t.dims = vec![256, 2];
+            t.ty = 16;
+            t.data = vec![0; 132];
+        });
+        let p = b.write("iq");
+        let m = GgufModel::open(&p).expect("the container is valid");
+        let _ = std::fs::remove_file(&p);
+        let e = m
+            .weights
+            .rows("model.layers.0.mlp.gate_proj.weight", 2, 256, 0..2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("IQ2_XXS") && e.contains("blk.0.ffn_gate.weight"),
+            "{e}"
+        );
+        let e = m
+            .weights
+            .rows("model.layers.0.mlp.up_proj.weight", FF, 99, 0..1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("blk.0.ffn_up.weight") && e.contains("[99, 32]"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,332 @@
+//! A GGUF file's tensors under the Hugging Face names arbor's layers ask for, read slice by
+//! slice and dequantized to bf16. llama.cpp's converter reorders the q/k rows of `llama`
+//! models within each head for GGML's interleaved RoPE (pairs `(2i, 2i+1)`); arbor rotates
+//! HF style (pairs `(i, i + d/2)`), so those rows are read back in HF order.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use half::bf16;
+
+use super::config::GgufArch;
+use super::dequant::{self, GgmlType};
+use super::reader::{GgufFile, TensorInfo};
+use crate::error::{MResult, ModelError};
+
+/// How one HF tensor is found in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Source {
+    gguf: String,
+    /// Rows permuted by llama.cpp for interleaved RoPE, in heads of this many rows.
+    permuted_head_dim: Option<usize>,
+}
+
+pub struct GgufWeights {
+    file: GgufFile,
+    /// HF name -> where it is.
+    map: HashMap<String, Source>,
+}
+
+/// The HF name of a per-layer GGUF tensor suffix.
+const LAYER_NAMES: &[(&str, &str)] = &[
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_output.bias", "self_attn.o_proj.bias"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_gate.bias", "mlp.gate_proj.bias"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_up.bias", "mlp.up_proj.bias"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+    ("ffn_down.bias", "mlp.down_proj.bias"),
+];
+
+/// Tensors the config reads and no layer loads.
+pub const CONFIG_TENSORS: &[&str] = &["rope_freqs.weight"];
+
+/// The HF name of GGUF tensor `name`, if arbor knows it.
+pub fn hf_name(name: &str) -> Option<String> {
+    match name {
+        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    LAYER_NAMES
+        .iter()
+        .find(|(g, _)| *g == suffix)
+        .map(|(_, hf)| format!("model.layers.{layer}.{hf}"))
+}
+
+/// The GGUF row holding HF row `r` of a q/k projection permuted in heads of `hd` rows:
+/// llama.cpp's `permute` sends HF row `(h, j, i)` (half `j` of head `h`, index `i` in it)
+/// to `(h, i, j)`.
+pub fn permuted_row(r: usize, hd: usize) -> usize {
+    let (h, rr) = (r / hd, r % hd);
+    let (j, i) = (rr / (hd / 2), rr % (hd / 2));
+    h * hd + 2 * i + j
+}
+
+impl GgufWeights {
+    /// Maps every tensor of `file` to its HF name; a tensor arbor does not know is an
+    /// error naming it (it may be part of the model's math).
+    pub fn new(
+        file: GgufFile,
+        arch: GgufArch,
+        num_heads: usize,
+        num_kv_heads: usize,
+    ) -> MResult<Self> {
+        let mut map = HashMap::new();
+        for name in &file.tensor_names {
+            if CONFIG_TENSORS.contains(&name.as_str()) {
+                continue;
+            }
+            let hf = hf_name(name).ok_or_else(|| ModelError::Gguf {
+                path: file.path.clone(),
+                msg: format!(
+                    "tensor {name:?} is not one arbor knows for a {} model; refusing rather than ignoring it",
+                    arch.name()
+                ),
+            })?;
+            let heads = if !arch.permuted_qk() {
+                None
+            } else if name.contains(".attn_q.") {
+                Some(num_heads)
+            } else if name.contains(".attn_k.") {
+                Some(num_kv_heads)
+            } else {
+                None
+            };
+            let info = &file.tensors[name];
+            let permuted_head_dim = match heads {
+                None => None,
+                Some(h) => {
+                    let rows = if info.dims.len() >= 2 {
+                        info.dims[1]
+                    } else {
+                        info.dims[0]
+                    };
+                    if h == 0 || rows % h != 0 || (rows / h) % 2 != 0 {
+                        return Err(ModelError::Gguf {
+                            path: file.path.clone(),
+                            msg: format!("tensor {name:?}: {rows} rows do not split into {h} heads of even size"),
+                        });
+                    }
+                    Some(rows / h)
+                }
+            };
+            map.insert(
+                hf,
+                Source {
+                    gguf: name.clone(),
+                    permuted_head_dim,
+                },
+            );
+        }
+        Ok(GgufWeights { file, map })
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.file.path
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+    }
+
+    fn err(&self, tensor: &str, msg: String) -> ModelError {
+        ModelError::Gguf {
+            path: self.file.path.clone(),
+            msg: format!("tensor {tensor:?}: {msg}"),
+        }
+    }
+
+    /// The tensor behind HF `name`, checked to be `hf_shape` (PyTorch order) and of a type
+    /// arbor dequantizes.
+    fn get(&self, name: &str, hf_shape: &[usize]) -> MResult<(&Source, &TensorInfo)> {
+        let src = self
+            .map
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                dir: self.file.path.clone(),
+                tensor: format!("{name} (GGUF {})", gguf_name_hint(name)),
+            })?;
+        let info = &self.file.tensors[&src.gguf];
+        let want: Vec<usize> = hf_shape.iter().rev().copied().collect();
+        if info.dims != want {
+            return Err(ModelError::ShapeMismatch {
+                path: self.file.path.clone(),
+                tensor: src.gguf.clone(),
+                expected: want,
+                found: info.dims.clone(),
+            });
+        }
+        if !info.ty.supported() {
+            return Err(self.err(
+                &src.gguf,
+                format!(
+                    "type {} is not one arbor dequantizes (supported: {})",
+                    info.ty.name(),
+                    dequant::SUPPORTED
+                ),
+            ));
+        }
+        Ok((src, info))
+    }
+
+    fn row_bytes<'a>(&'a self, info: &TensorInfo, k: usize, row: usize) -> &'a [u8] {
+        let rb = info.ty.row_bytes(k);
+        &self.file.data(info)[row * rb..(row + 1) * rb]
+    }
+
+    fn dequant(
+        &self,
+        src: &Source,
+        ty: GgmlType,
+        bytes: &[u8],
+        scratch: &mut Vec<f32>,
+        out: &mut Vec<bf16>,
+    ) -> MResult<()> {
+        dequant::dequantize_bf16(ty, bytes, scratch, out).map_err(|m| self.err(&src.gguf, m))
+    }
+
+    /// Rows `rows` (all columns) of the `[n, k]` matrix `name`, in HF row order.
+    pub fn rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<Vec<bf16>> {
+        let (src, info) = self.get(name, &[n, k])?;
+        debug_assert!(rows.end <= n);
+        let mut out = Vec::with_capacity(rows.len() * k);
+        let mut scratch = Vec::with_capacity(k);
+        for r in rows {
+            let g = src.permuted_head_dim.map_or(r, |hd| permuted_row(r, hd));
+            self.dequant(
+                src,
+                info.ty,
+                self.row_bytes(info, k, g),
+                &mut scratch,
+                &mut out,
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Columns `cols` of every row of the `[n, k]` matrix `name`. Whole blocks are
+    /// dequantized; only the wanted columns are kept.
+    pub fn cols(&self, name: &str, n: usize, k: usize, cols: Range<usize>) -> MResult<Vec<bf16>> {
+        let (src, info) = self.get(name, &[n, k])?;
+        debug_assert!(cols.end <= k);
+        let (be, bb) = info.ty.block().unwrap_or((1, 0));
+        let b0 = cols.start / be;
+        let b1 = cols.end.div_ceil(be);
+        let skip = cols.start - b0 * be;
+        let mut out = Vec::with_capacity(n * cols.len());
+        let mut scratch = Vec::new();
+        let mut row = Vec::new();
+        for r in 0..n {
+            let g = src.permuted_head_dim.map_or(r, |hd| permuted_row(r, hd));
+            let bytes = &self.row_bytes(info, k, g)[b0 * bb..b1 * bb];
+            row.clear();
+            self.dequant(src, info.ty, bytes, &mut scratch, &mut row)?;
+            out.extend_from_slice(&row[skip..skip + cols.len()]);
+        }
+        Ok(out)
+    }
+
+    /// Elements `range` of the vector `name` of length `len`, as f32 (via bf16, as the
+    /// safetensors path reads them).
+    pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
+        let (src, info) = self.get(name, &[len])?;
+        let mut all = Vec::with_capacity(len);
+        let mut scratch = Vec::new();
+        self.dequant(src, info.ty, self.file.data(info), &mut scratch, &mut all)?;
+        Ok(range
+            .map(|i| {
+                let g = src.permuted_head_dim.map_or(i, |hd| permuted_row(i, hd));
+                f32::from(all[g])
+            })
+            .collect())
+    }
+}
+
+/// The GGUF name an HF tensor name would have, for "missing tensor" messages.
+fn gguf_name_hint(hf: &str) -> String {
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let Some(rest) = hf.strip_prefix("model.layers.") else {
+        return "?".into();
+    };
+    let Some((layer, suffix)) = rest.split_once('.') else {
+        return "?".into();
+    };
+    LAYER_NAMES
+        .iter()
+        .find(|(_, h)| *h == suffix)
+        .map_or_else(|| "?".into(), |(g, _)| format!("blk.{layer}.{g}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama.cpp's `permute` in numpy terms: reshape(heads, 2, hd/2, k).swapaxes(1, 2).
+    fn llama_cpp_permute(rows: &[usize], heads: usize) -> Vec<usize> {
+        let hd = rows.len() / heads;
+        let mut out = Vec::with_capacity(rows.len());
+        for h in 0..heads {
+            for i in 0..hd / 2 {
+                for j in 0..2 {
+                    out.push(rows[h * hd + j * (hd / 2) + i]);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn permuted_row_undoes_llama_cpp_permute() {
+        for (heads, hd) in [(1, 2), (3, 8), (9, 64)] {
+            let hf: Vec<usize> = (0..heads * hd).collect();
+            let gguf = llama_cpp_permute(&hf, heads);
+            for r in 0..heads * hd {
+                assert_eq!(
+                    gguf[permuted_row(r, hd)],
+                    r,
+                    "heads {heads} hd {hd} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn names_map_both_ways() {
+        assert_eq!(
+            hf_name("blk.12.attn_q.weight").as_deref(),
+            Some("model.layers.12.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_norm.weight").as_deref(),
+            Some("model.layers.0.post_attention_layernorm.weight")
+        );
+        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name("blk.0.ffn_gate_exps.weight"), None);
+        for (g, _) in LAYER_NAMES {
+            let hf = hf_name(&format!("blk.7.{g}")).unwrap();
+            assert_eq!(gguf_name_hint(&hf), format!("blk.7.{g}"));
+        }
+    }
+}
