@@ -65,9 +65,23 @@ impl Checkpoint {
             config: ModelConfig::from_dir(path)?,
             config_path: path.join("config.json"),
             weights: WeightStore::open(path)?,
-            tokenizer: crate::runner::load_tokenizer(path)?,
+            tokenizer: load_tokenizer(path)?,
             tokenizer_config: TokenizerConfig::from_dir(path)?,
             generation_config: GenerationConfig::from_dir(path)?,
         })
     }
+}
+
+/// Reads `<dir>/tokenizer.json` if present.
+pub fn load_tokenizer(dir: &Path) -> MResult<Option<tokenizers::Tokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    tokenizers::Tokenizer::from_file(&path)
+        .map(Some)
+        .map_err(|e| ModelError::Tokenizer {
+            path,
+            msg: e.to_string(),
+        })
 }

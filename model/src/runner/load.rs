@@ -47,20 +47,6 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
     }
 }
 
-/// Reads `<dir>/tokenizer.json` if present.
-pub fn load_tokenizer(dir: &std::path::Path) -> MResult<Option<tokenizers::Tokenizer>> {
-    let path = dir.join("tokenizer.json");
-    if !path.exists() {
-        return Ok(None);
-    }
-    tokenizers::Tokenizer::from_file(&path)
-        .map(Some)
-        .map_err(|e| ModelError::Tokenizer {
-            path,
-            msg: e.to_string(),
-        })
-}
-
 /// Loads this rank's shard on its GPU (and a TP=1 shadow on the same GPU if asked).
 fn load_cuda(
     opts: &LoadOptions,

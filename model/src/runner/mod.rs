@@ -23,8 +23,9 @@ use crate::generation_config::GenerationConfig;
 use crate::sampling::{RowStats, Sampling, TokenLogprob};
 use crate::tokenizer_config::TokenizerConfig;
 
+pub use crate::checkpoint::load_tokenizer;
 pub use crate::engine::FinishReason;
-pub use load::{load, load_tokenizer};
+pub use load::load;
 
 /// Context length used when neither `--max-seq-len` nor a smaller
 /// `max_position_embeddings` bounds it (the RoPE table and KV cache scale with it).
