@@ -125,30 +125,36 @@ mod tests {
         assert_eq!(cfg.bos_token.as_deref(), Some("<|begin|>"));
         assert_eq!(cfg.add_bos_token, Some(false));
         assert!(cfg.chat_template.is_some());
-        // q rows come back in HF order: HF row 1 (head 0, half 0, index 1) is GGUF row 2.
-        let q = m
-            .weights
-            .rows(
-                "model.layers.0.self_attn.q_proj.weight",
-                HIDDEN,
-                HIDDEN,
-                0..HIDDEN,
-            )
-            .unwrap();
-        let raw = m
-            .weights
-            .rows(
-                "model.layers.0.self_attn.o_proj.weight",
-                HIDDEN,
-                HIDDEN,
-                0..1,
-            )
-            .unwrap();
-        assert_eq!(raw.len(), HIDDEN);
-        let k_all = m
-            .weights
-            .rows("model.layers.0.self_attn.k_proj.weight", 8, HIDDEN, 0..8)
-            .unwrap();
+        // q/k rows come back in HF order (heads of 8 rows): HF row 1 (head 0, first half,
+        // index 1) is file row 2, HF row 4 (second half, index 0) is file row 1; o_proj is
+        // read as stored. Seeds 5, 6, 8 made q, k, o (testfile.rs).
+        let bf = |x: f32| half::bf16::from_f32(x);
+        let rows = |name: &str, n: usize| m.weights.rows(name, n, HIDDEN, 0..n).unwrap();
+        let q = rows("model.layers.0.self_attn.q_proj.weight", HIDDEN);
+        let k = rows("model.layers.0.self_attn.k_proj.weight", 8);
+        let o = rows("model.layers.0.self_attn.o_proj.weight", HIDDEN);
+        for (hf_row, file_row) in [(0, 0), (1, 2), (4, 1), (7, 7), (8, 8), (9, 10), (12, 9)] {
+            for c in 0..HIDDEN {
+                assert_eq!(
+                    q[hf_row * HIDDEN + c],
+                    bf(value(file_row * HIDDEN + c, 5)),
+                    "q row {hf_row}"
+                );
+            }
+        }
+        for (hf_row, file_row) in [(1, 2), (5, 3), (6, 5)] {
+            for c in 0..HIDDEN {
+                assert_eq!(
+                    k[hf_row * HIDDEN + c],
+                    bf(value(file_row * HIDDEN + c, 6)),
+                    "k row {hf_row}"
+                );
+            }
+        }
+        for i in 0..HIDDEN * HIDDEN {
+            assert_eq!(o[i], bf(value(i, 8)));
+        }
+        // Columns of a row-parallel shard are the same numbers as whole rows.
         let k_cols = m
             .weights
             .cols("model.layers.0.self_attn.k_proj.weight", 8, HIDDEN, 3..9)
@@ -156,10 +162,9 @@ mod tests {
         for r in 0..8 {
             assert_eq!(
                 &k_cols[r * 6..(r + 1) * 6],
-                &k_all[r * HIDDEN + 3..r * HIDDEN + 9]
+                &k[r * HIDDEN + 3..r * HIDDEN + 9]
             );
         }
-        assert_eq!(q.len(), HIDDEN * HIDDEN);
     }
 
     #[test]

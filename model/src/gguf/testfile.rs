@@ -59,15 +59,14 @@ pub const FF: usize = 32;
 pub const HEADS: usize = 2;
 pub const VOCAB: usize = 258;
 
+/// Element `i` (in file order) of the F32 test tensor made with `seed`.
+pub fn value(i: usize, seed: u32) -> f32 {
+    ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 10000.0 - 0.05
+}
+
 fn f32_tensor(name: &str, dims: &[usize], seed: u32) -> Tensor {
     let n: usize = dims.iter().product();
-    let data = (0..n)
-        .flat_map(|i| {
-            (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 10000.0
-                - 0.05)
-                .to_le_bytes()
-        })
-        .collect();
+    let data = (0..n).flat_map(|i| value(i, seed).to_le_bytes()).collect();
     Tensor {
         name: name.into(),
         dims: dims.iter().map(|&d| d as u64).collect(),
