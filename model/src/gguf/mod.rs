@@ -151,8 +151,8 @@ mod tests {
                 );
             }
         }
-        for i in 0..HIDDEN * HIDDEN {
-            assert_eq!(o[i], bf(value(i, 8)));
+        for (i, &x) in o.iter().enumerate() {
+            assert_eq!(x, bf(value(i, 8)));
         }
         // Columns of a row-parallel shard are the same numbers as whole rows.
         let k_cols = m
