@@ -73,7 +73,7 @@ impl GpuDevice {
                 .map_err(drv(&format!("loading kernel {name}")))?;
             funcs.insert(name, f);
         }
-        for (name, bytes) in super::ops::paged_attention::smem_attributes() {
+        for (name, bytes) in super::ops::paged_tiles::smem_attributes() {
             if let Some(f) = funcs.get(name) {
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

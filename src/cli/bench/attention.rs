@@ -72,7 +72,7 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
 
 pub fn run(a: Args) -> Result<()> {
     arbor_kernels::cuda::probe::driver().context("'bench attention' needs an NVIDIA GPU")?;
-    if a.kv_heads == 0 || a.heads % a.kv_heads != 0 {
+    if a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
         bail!(
             "{} heads are not a multiple of {} KV heads",
             a.heads,

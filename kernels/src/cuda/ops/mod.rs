@@ -13,6 +13,7 @@ mod matmul;
 mod memory;
 mod norm;
 pub mod paged_attention;
+pub(crate) mod paged_tiles;
 mod rope_kv;
 mod row_meta;
 mod row_stats;

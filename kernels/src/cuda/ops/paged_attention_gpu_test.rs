@@ -269,7 +269,6 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         .collect();
     let spans: Vec<SeqSpan> = {
         let mut v = Vec::new();
-        let mut r = 0;
         for (i, &p) in mixed_pos.iter().enumerate() {
             // Consecutive positions stay one span (the 20-row run becomes prefill tiles).
             if i > 0 && mixed_pos[i - 1] + 1 == p {
@@ -277,13 +276,12 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
                 last.len += 1;
             } else {
                 v.push(SeqSpan {
-                    row0: r,
+                    row0: i,
                     len: 1,
                     pos0: p,
                     table0: 0,
                 });
             }
-            r += 1;
         }
         v
     };
