@@ -4,7 +4,15 @@
 
 use crate::error::{MResult, ModelError};
 
-/// How the next token is chosen. `temperature == 0` is greedy.
+/// Temperatures below this are greedy (vLLM's and SGLang's bound too). Every draw scales
+/// the logits by 1/T, which overflows f32 below ~3e-39 and pushes the scaled logits past
+/// f32 long before: such draws picked unlikely tokens. Below 1e-5 a draw is the argmax
+/// for any realistic logits anyway. [`Sampling::is_greedy`] is the one place this is
+/// decided, for the host's draws and the backends' step inputs alike.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
+/// How the next token is chosen. A `temperature` below [`GREEDY_BELOW`] (0 included) is
+/// greedy.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
     pub temperature: f32,
@@ -25,16 +33,22 @@ impl Sampling {
         }
     }
 
+    /// Greedy (argmax, lowest token id on ties): a temperature below [`GREEDY_BELOW`];
+    /// top-k, top-p and seed then do not matter.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < GREEDY_BELOW
+    }
+
     /// A pure temperature (no top-k, no top-p cut): drawn by Gumbel max where the logits
     /// are ([`gumbel_draw`]); other non-greedy settings sort on the host ([`choose`]).
     pub fn draws_on_device(&self) -> bool {
-        self.temperature != 0.0 && self.top_k == 0 && self.top_p >= 1.0
+        !self.is_greedy() && self.top_k == 0 && self.top_p >= 1.0
     }
 
     /// A top-p cut over the whole vocabulary (no top-k): its cut compares with the row's
     /// tempered sum, which the backend computes where the logits are ([`row_draw`]).
     pub fn is_nucleus(&self) -> bool {
-        self.temperature != 0.0 && self.top_k == 0 && self.top_p < 1.0
+        !self.is_greedy() && self.top_k == 0 && self.top_p < 1.0
     }
 
     pub fn validate(&self) -> MResult<()> {
@@ -342,7 +356,7 @@ pub fn choose_with(
     position: usize,
     tempered: Option<f32>,
 ) -> u32 {
-    if s.temperature == 0.0 || row.len() <= 1 {
+    if s.is_greedy() || row.len() <= 1 {
         return argmax(row) as u32;
     }
     if let Some(d) = gumbel_draw(s, id, position) {
@@ -411,7 +425,7 @@ pub const CANDIDATES_MAX: usize = 1024;
 pub fn candidates_needed(s: &Sampling) -> usize {
     if s.is_nucleus() {
         CANDIDATES_MAX
-    } else if s.temperature == 0.0 || s.draws_on_device() || s.top_k > CANDIDATES_MAX {
+    } else if s.is_greedy() || s.draws_on_device() || s.top_k > CANDIDATES_MAX {
         0
     } else {
         s.top_k
@@ -494,6 +508,10 @@ fn draw_index(
 ) -> Drawn {
     if n == 0 {
         return Drawn::Empty;
+    }
+    if s.is_greedy() {
+        // The first candidate is the argmax (lowest index on ties).
+        return Drawn::Index(0);
     }
     // Probabilities of the candidates (scaled logits, relative to the max), in
     // descending order: a fixed order, so the sums below are reproducible.
@@ -787,6 +805,34 @@ mod tests {
         assert!((0..200).all(|p| choose(&row, &s, 5, p) == 3));
         // Greedy.
         assert_eq!(choose(&row, &Sampling::greedy(), 0, 0), 3);
+    }
+
+    #[test]
+    fn temperatures_below_the_greedy_bound_are_greedy() {
+        // Token 6 is the argmax; 1/T of a tiny T overflows (or scales the logits past
+        // f32), which made the draws pick low-probability tokens (issue 31).
+        let row = [0.0f32, 1.0, -2.0, 3.0, -5.0, 0.5, 3.5, -0.25];
+        for t in [f32::from_bits(1), 1e-45, 1e-39, 1e-38, 1e-30, 9.9e-6, 0.0] {
+            for (top_k, top_p) in [(0, 1.0f32), (3, 1.0), (0, 0.5), (3, 0.5), (2000, 0.99)] {
+                let s = Sampling {
+                    temperature: t,
+                    top_k,
+                    top_p,
+                    seed: 9,
+                };
+                assert!(s.validate().is_ok() && s.is_greedy(), "{s:?}");
+                assert_eq!(row_draw(&s, 3, 0), RowDraw::None, "{s:?}");
+                assert_eq!(candidates_needed(&s), 0, "{s:?}");
+                for pos in 0..64 {
+                    assert_eq!(choose(&row, &s, 3, pos), 6, "{s:?} at {pos}");
+                }
+            }
+        }
+        let at_bound = Sampling {
+            temperature: GREEDY_BELOW,
+            ..Sampling::greedy()
+        };
+        assert!(!at_bound.is_greedy() && at_bound.draws_on_device());
     }
 
     #[test]

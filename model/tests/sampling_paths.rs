@@ -74,3 +74,32 @@ fn top_p_tokens_do_not_depend_on_where_the_draw_was_made() {
         );
     }
 }
+
+/// A temperature below `GREEDY_BELOW` is greedy, on every path a draw can take (the
+/// backend's Gumbel-max draw, top-k candidates, a top-p nucleus, whole rows for top-N):
+/// 1/T overflows f32 below ~3e-39 and the scaled logits long before, which drew
+/// low-probability tokens (issue 31).
+#[test]
+fn tiny_temperatures_are_greedy() {
+    let m = wide_vocab();
+    let greedy = draws(m.path(), 1, Sampling::greedy(), 0);
+    for t in [1e-45f32, 1e-39, 1e-30, 5e-6] {
+        for (top_k, top_p) in [(0, 1.0f32), (40, 1.0), (0, 0.9), (40, 0.9)] {
+            let s = Sampling {
+                temperature: t,
+                top_k,
+                top_p,
+                seed: 5,
+            };
+            assert_eq!(draws(m.path(), 1, s, 0), greedy, "{s:?}");
+            assert_eq!(draws(m.path(), 1, s, 1025), greedy, "{s:?}, whole rows");
+        }
+    }
+    let s = Sampling {
+        temperature: 1e-39,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 5,
+    };
+    assert_eq!(draws(m.path(), 2, s, 0), greedy, "TP 2");
+}

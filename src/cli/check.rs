@@ -248,7 +248,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
             p
         }
     };
-    let sampling = if args.sampling.temperature == 0.0 {
+    let sampling = if args.sampling.to_sampling().is_greedy() {
         "greedy".to_string()
     } else {
         format!(

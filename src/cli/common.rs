@@ -81,7 +81,8 @@ impl NumericsArg {
 /// The sampling flags `generate` and `check` share (`check` passes them on to `generate`).
 #[derive(clap::Args, Debug, Clone, Copy, PartialEq)]
 pub struct SamplingArgs {
-    /// 0 = greedy (argmax, lowest token id on ties).
+    /// Sampling temperature; below 1e-5 (0 included) = greedy (argmax, lowest token id
+    /// on ties).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     /// Keep the K most likely tokens (0 = off).

@@ -106,9 +106,7 @@ impl RowTask {
     pub(super) fn needs_row(&self) -> bool {
         let whole_row_draw = match *self {
             RowTask::Sample { ref sampling, .. } => {
-                sampling.temperature != 0.0
-                    && !sampling.draws_on_device()
-                    && self.draw_candidates() == 0
+                !sampling.is_greedy() && !sampling.draws_on_device() && self.draw_candidates() == 0
             }
             RowTask::Score { .. } => false,
         };
@@ -134,7 +132,7 @@ impl RowTask {
                 // The backend's draw, also when the row came to the host for top-N: a
                 // request's tokens do not depend on whether it asked for log-probs.
                 _ if stats.sampled != u32::MAX => (stats.sampled, stats.sampled_value, n_top),
-                Some(row) if sampling.temperature != 0.0 && row.len() > 1 => {
+                Some(row) if !sampling.is_greedy() && row.len() > 1 => {
                     // A whole-vocabulary top-p compares with the backend's tempered sum,
                     // as the candidates' draw does.
                     let tempered = sampling.is_nucleus().then_some(stats.tempered_sum);

@@ -38,7 +38,7 @@ pub struct Args {
     /// prefill).
     #[arg(long, default_value_t = 64)]
     steps: usize,
-    /// Sampling temperature (0: greedy). A pure temperature draws on the device (Gumbel
+    /// Sampling temperature (below 1e-5, 0 included: greedy). A pure temperature draws on the device (Gumbel
     /// max); top-k and top-p draw on the host from candidates the device selects.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -89,7 +89,7 @@ struct Row {
 
 /// " T=.. top-k .. top-p .." for a sampled run, empty for greedy.
 fn sampling_label(t: f32, k: usize, p: f32) -> String {
-    if t == 0.0 {
+    if t < arbor_model::sampling::GREEDY_BELOW {
         return String::new();
     }
     let mut s = format!(" T={t}");
