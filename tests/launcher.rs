@@ -181,37 +181,99 @@ fn a_failing_hidden_rank_shows_its_last_lines() {
     assert!(stderr.contains("[rank 1] why I failed"), "{stderr}");
 }
 
+/// A running launcher whose ranks each print `up` once they are ready; its output is
+/// collected on threads so that the test can wait for that readiness line.
+struct Running {
+    child: std::process::Child,
+    stdout: std::sync::mpsc::Receiver<String>,
+    stderr: std::thread::JoinHandle<String>,
+}
+
+impl Running {
+    fn start(args: &[&str], script: &str) -> Running {
+        use std::io::{BufRead, Read};
+        let mut child = Command::new(LAUNCH)
+            .args(args)
+            .args(["--", "sh", "-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let mut err = child.stderr.take().unwrap();
+        let (tx, stdout) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        Running {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Waits until `n` ranks printed `up`; returns the lines read so far.
+    fn wait_up(&self, n: usize) -> Vec<String> {
+        let mut lines = Vec::new();
+        while lines
+            .iter()
+            .filter(|l: &&String| l.ends_with("] up"))
+            .count()
+            < n
+        {
+            match self.stdout.recv_timeout(Duration::from_secs(30)) {
+                Ok(l) => lines.push(l),
+                Err(e) => panic!("ranks not up ({e}): {lines:?}"),
+            }
+        }
+        lines
+    }
+
+    /// SIGTERM to the launcher; returns its exit code, all its stdout and stderr, and how
+    /// long it took to exit after the signal.
+    fn terminate(mut self, mut lines: Vec<String>) -> (Option<i32>, String, String, Duration) {
+        let t0 = Instant::now();
+        let kill = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(kill.success());
+        let status = loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no exit after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let took = t0.elapsed();
+        lines.extend(self.stdout.iter());
+        let stderr = self.stderr.join().unwrap();
+        (status.code(), lines.join("\n"), stderr, took)
+    }
+}
+
 #[test]
 fn sigterm_is_forwarded_to_the_ranks() {
-    let child = Command::new(LAUNCH)
-        .args([
-            "-n",
-            "2",
-            "--",
-            "sh",
-            "-c",
-            "trap 'echo got TERM; exit 0' TERM; echo up; sleep 60 & wait",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(700));
-    let t0 = Instant::now();
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let out = child.wait_with_output().unwrap();
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(
-        t0.elapsed() < Duration::from_secs(5),
-        "took {:?}",
-        t0.elapsed()
+    // Ranks that handle SIGTERM and exit 0 end the job cleanly: exit 0.
+    let r = Running::start(
+        &["-n", "2"],
+        "trap 'echo got TERM; exit 0' TERM; echo up; sleep 60 & wait",
     );
-    assert_eq!(out.status.code(), Some(128 + 15), "{stderr}");
+    let lines = r.wait_up(2);
+    let (code, stdout, stderr, took) = r.terminate(lines);
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert_eq!(code, Some(0), "{stderr}");
     for r in 0..2 {
         assert!(
             stdout.contains(&format!("[rank {r}] got TERM")),
@@ -219,6 +281,95 @@ fn sigterm_is_forwarded_to_the_ranks() {
         );
     }
     assert!(stderr.contains("SIGTERM"), "{stderr}");
+
+    // Ranks that die by the signal: 128 + 15, as a shell reports it.
+    let r = Running::start(&["-n", "2"], "echo up; exec sleep 60");
+    let lines = r.wait_up(2);
+    let (code, _, stderr, took) = r.terminate(lines);
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert_eq!(code, Some(128 + 15), "{stderr}");
+    assert!(stderr.contains("stopped by SIGTERM"), "{stderr}");
+}
+
+/// A forwarded SIGTERM leaves the ranks as long as they need to stop by themselves (an
+/// `arbor serve` drain): --kill-grace does not cut it short (issue 31).
+#[test]
+fn a_forwarded_sigterm_waits_for_the_ranks_to_finish() {
+    let r = Running::start(
+        &["-n", "2", "--kill-grace", "0.2"],
+        "trap 'sleep 1.5; echo drained; exit 0' TERM; echo up; sleep 60 & wait",
+    );
+    let lines = r.wait_up(2);
+    let (code, stdout, stderr, took) = r.terminate(lines);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("[rank {r}] drained")),
+            "{stdout}\n{stderr}"
+        );
+    }
+    assert!(took >= Duration::from_millis(1400), "took {took:?}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+/// Once one rank has stopped after a forwarded signal, the others get --kill-grace to
+/// follow, then SIGKILL: a rank that ignores the signal cannot hold the job for ever.
+#[test]
+fn ranks_that_ignore_a_forwarded_signal_are_killed_after_the_others_stop() {
+    let r = Running::start(
+        &["-n", "2", "--kill-grace", "0.5"],
+        "if [ \"$RANK\" = 1 ]; then trap '' TERM; else trap 'exit 0' TERM; fi; echo up; \
+         while :; do sleep 0.1; done",
+    );
+    let lines = r.wait_up(2);
+    let (code, stdout, stderr, took) = r.terminate(lines);
+    assert_eq!(code, Some(128 + 15), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("SIGKILL"),
+        "{stderr}"
+    );
+    assert!(took >= Duration::from_millis(450), "took {took:?}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
+/// Rank 1 is killed; rank 0 notices at once (its read of a pipe rank 1 held ends) and
+/// exits 1. The launcher names rank 1's death as the cause, not rank 0's exit, even when
+/// it sees both ends in the same look (issue 31).
+#[test]
+fn the_rank_that_died_first_is_named_not_the_one_that_noticed() {
+    let d = scratch("first-death");
+    let fifo = d.join("peer");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    for _ in 0..3 {
+        let (out, took) = launch(&[
+            "-n",
+            "2",
+            "--kill-grace",
+            "5",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "if [ \"$RANK\" = 1 ]; then exec 3>{f}; sleep 0.3; kill -9 $$; \
+                 else cat {f} >/dev/null; echo 'peer gone' >&2; exit 1; fi",
+                f = fifo.display()
+            ),
+        ]);
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("arbor-launch: rank 1 was killed by signal 9 (SIGKILL)"),
+            "{stderr}"
+        );
+        // (Rank 0's own exit is listed when it came before arbor-launch's SIGTERM.)
+        assert!(!stderr.contains("arbor-launch: rank 0 exited"), "{stderr}");
+        assert_eq!(out.status.code(), Some(128 + 9), "{stderr}");
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]

@@ -39,17 +39,32 @@ struct Server {
 impl Server {
     /// `arbor serve` at `tp` ranks (directly at TP 1, so that a signal reaches it alone).
     fn start(tp: usize, extra: &[&str], log: PathBuf) -> Server {
+        Server::start_with(tp, &[], 128, extra, log)
+    }
+
+    /// [`Server::start`] with arbor-launch flags (TP > 1) and a context length.
+    fn start_with(
+        tp: usize,
+        launcher_flags: &[&str],
+        max_seq_len: usize,
+        extra: &[&str],
+        log: PathBuf,
+    ) -> Server {
         let port = free_port();
         let mut cmd = if tp == 1 {
             Command::new(arbor())
         } else {
             let mut c = Command::new(launcher());
-            c.args(["-n", &tp.to_string(), "--"]).arg(arbor());
+            c.args(["-n", &tp.to_string()])
+                .args(launcher_flags)
+                .arg("--")
+                .arg(arbor());
             c
         };
         cmd.args(["serve", "--model"])
             .arg(model())
-            .args(["--port", &port.to_string(), "--max-seq-len", "128"])
+            .args(["--port", &port.to_string()])
+            .args(["--max-seq-len", &max_seq_len.to_string()])
             .args(extra);
         for v in LAUNCHER_VARS {
             cmd.env_remove(v);
@@ -894,6 +909,116 @@ fn official_openai_python_client() {
         direct["choices"][0]["token_ids"],
         "{out}"
     );
+}
+
+/// A metric's value from /metrics (0 when the server does not answer).
+fn metric_of(s: &Server, name: &str) -> u64 {
+    match client::get(&s.addr, "/metrics") {
+        Ok(r) => metric(&r.body, name),
+        Err(_) => 0,
+    }
+}
+
+/// Sends each body on its own connection from its own thread.
+fn fire(
+    s: &Server,
+    bodies: &[Value],
+) -> Vec<std::thread::JoinHandle<std::io::Result<client::HttpResponse>>> {
+    bodies
+        .iter()
+        .map(|b| {
+            let (addr, body) = (s.addr.clone(), b.to_string());
+            std::thread::spawn(move || {
+                client::request(&addr, "POST", "/v1/completions", Some(&body), &[])
+            })
+        })
+        .collect()
+}
+
+/// Waits until `n` sequences run (admitted, so in flight when a signal or a failure
+/// comes).
+fn wait_running(s: &Server, n: u64) {
+    let t0 = Instant::now();
+    while metric_of(s, "arbor_running_sequences") < n {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{n} sequences never ran:\n{}",
+            s.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Every client's reply: 200 with `max_tokens` tokens in every choice, or 503 with an
+/// OpenAI error body; never none. Returns how many got 503.
+fn replies_are_complete_or_503(
+    clients: Vec<std::thread::JoinHandle<std::io::Result<client::HttpResponse>>>,
+    max_tokens: usize,
+    log: &dyn Fn() -> String,
+) -> usize {
+    let mut refused = 0;
+    for (i, c) in clients.into_iter().enumerate() {
+        let r = match c.join().expect("client thread") {
+            Ok(r) => r,
+            Err(e) => panic!("client {i} got no reply: {e}\n{}", log()),
+        };
+        let v: Value = serde_json::from_str(&r.body)
+            .unwrap_or_else(|e| panic!("client {i}: {} {:?}: {e}\n{}", r.status, r.body, log()));
+        match r.status {
+            200 => {
+                for c in v["choices"].as_array().expect("choices") {
+                    assert_eq!(
+                        c["token_ids"].as_array().map(Vec::len),
+                        Some(max_tokens),
+                        "client {i}: {v}"
+                    );
+                }
+            }
+            503 => {
+                assert!(v["error"]["message"].is_string(), "client {i}: {v}");
+                refused += 1;
+            }
+            st => panic!("client {i}: status {st}: {v}\n{}", log()),
+        }
+    }
+    refused
+}
+
+/// SIGTERM to arbor-launch while requests run at TP 2: the ranks drain as `arbor serve`
+/// alone does (every request finishes, or gets 503 at --drain-timeout-s), and the launcher
+/// exits 0: its --kill-grace (here 0.2 s) does not cut the drain short (issue 31).
+#[test]
+fn sigterm_to_the_launcher_drains() {
+    let s = Scratch::new("serve-launcher-drain");
+    let max_tokens = 600;
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": true, "n": 4, "temperature": 0});
+    for (drain, finishes) in [("30", true), ("0.3", false)] {
+        let srv = Server::start_with(
+            2,
+            &["--kill-grace", "0.2"],
+            1024,
+            &["--drain-timeout-s", drain],
+            s.path().join(format!("drain-{drain}.log")),
+        );
+        let clients = fire(&srv, &[body.clone(), body.clone()]);
+        wait_running(&srv, 8);
+        let log = srv.log.clone();
+        let (st, text) = srv.terminate();
+        let refused = replies_are_complete_or_503(clients, max_tokens, &|| {
+            std::fs::read_to_string(&log).unwrap_or_default()
+        });
+        assert_eq!(st.code(), Some(0), "drain {drain}: {st}\n{text}");
+        assert!(text.contains("drained, exiting"), "drain {drain}:\n{text}");
+        if finishes {
+            assert_eq!(refused, 0, "a 30 s drain finishes every request\n{text}");
+        } else {
+            // 600 tokens cannot all be made in 0.3 s: the deadline cancelled them.
+            assert!(
+                refused > 0,
+                "no request was cancelled at the deadline\n{text}"
+            );
+        }
+    }
 }
 
 /// A rank that dies ends the whole group, and the launcher names it.

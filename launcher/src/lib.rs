@@ -45,11 +45,14 @@ pub enum Output {
         with the rank. If a rank exits non-zero or dies by a signal, the other ranks get \
         SIGTERM, then SIGKILL after --kill-grace seconds, and arbor-launch exits non-zero \
         naming the rank and how it ended. SIGINT, SIGTERM and SIGHUP are forwarded to the \
-        ranks.\n\n\
+        ranks, which then stop on their own terms (arbor serve drains for up to its \
+        --drain-timeout-s): arbor-launch waits for them; once one has ended, the others get \
+        --kill-grace seconds to follow before SIGKILL. A second signal kills them at once.\n\n\
         Example: arbor-launch -n 8 -- arbor collective-check",
-    after_help = "Exit status: 0 when every rank succeeded; the failing rank's exit code \
-        (128+N for signal N) when one failed; 128+N when arbor-launch was stopped by signal \
-        N; 2 for bad arguments or hostfiles."
+    after_help = "Exit status: 0 when every rank succeeded (also after a forwarded signal \
+        that every rank handled by exiting 0); the failing rank's exit code (128+N for \
+        signal N) when one failed; 128+N when arbor-launch was stopped by signal N and a \
+        rank did not exit 0; 2 for bad arguments or hostfiles."
 )]
 pub struct Args {
     /// Number of ranks to start [default: the hostfile's slot count].
@@ -105,7 +108,8 @@ pub struct Args {
     #[arg(long)]
     pub no_prefix: bool,
 
-    /// Seconds between SIGTERM and SIGKILL when stopping the ranks.
+    /// Seconds between SIGTERM and SIGKILL when stopping the ranks after one failed; after a
+    /// forwarded signal, the seconds the other ranks get to follow the first that ended.
     #[arg(long, value_name = "SECS", default_value_t = 3.0)]
     pub kill_grace: f64,
 

@@ -30,7 +30,8 @@ pub struct Plan {
     /// Show only rank 0's output.
     pub rank0_only: bool,
     pub prefix: bool,
-    /// Time between SIGTERM and SIGKILL when stopping ranks.
+    /// Time between SIGTERM and SIGKILL when stopping ranks after a failure, and the time
+    /// the other ranks get to follow the first one that stopped after a forwarded signal.
     pub kill_grace: Duration,
     /// The job's secret (ARBOR_JOB_TOKEN) for every rank; None where the ranks find it
     /// themselves (ARBOR_JOB_TOKEN_FILE inherited from arbor-launch's environment).
@@ -105,6 +106,20 @@ struct Rank {
     remote: bool,
     /// The agent's stdin of a remote rank: the rank is stopped when this closes.
     agent_stdin: Option<ChildStdin>,
+    /// arbor-launch had signalled it (forwarded a signal, or stopped it) before it ended:
+    /// a death by signal is then ours, not news.
+    signalled: bool,
+}
+
+impl Rank {
+    /// It failed by itself: a non-zero exit code, or a signal arbor-launch did not send.
+    fn failed_by_itself(&self) -> bool {
+        match self.ending {
+            Some(Ending::Code(c)) => c != 0,
+            Some(Ending::Signal(_)) => !self.signalled,
+            None => false,
+        }
+    }
 }
 
 /// Why the group ended early.
@@ -138,62 +153,78 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
     );
 
     let mut stop: Option<Stop> = None;
+    // When the live ranks get SIGKILL: --kill-grace after a failure, or after the first
+    // rank that stopped following a forwarded signal. A forwarded signal alone sets none:
+    // the ranks stop on their own terms (`arbor serve` drains for up to its
+    // --drain-timeout-s), and a second signal kills them at once.
     let mut kill_at: Option<Instant> = None;
     let mut killed = false;
-    let mut termed = false;
     loop {
         if let Some(sig) = signals::take() {
-            if matches!(stop, Some(Stop::Signalled(_))) {
-                // A second interrupt: no more patience.
+            if stop.is_some() {
+                // A second interrupt, or one while stopping after a failure: no more
+                // patience.
+                if !killed {
+                    eprintln!(
+                        "arbor-launch: got {} while stopping, killing the ranks",
+                        signals::name(sig)
+                    );
+                }
                 signal_live(&mut ranks, libc::SIGKILL);
                 killed = true;
             } else {
                 eprintln!(
-                    "arbor-launch: got {}, forwarding it to the ranks",
+                    "arbor-launch: got {}, forwarding it to the ranks (a second signal kills them)",
                     signals::name(sig)
                 );
                 signal_live(&mut ranks, sig);
                 stop = Some(Stop::Signalled(sig));
+            }
+        }
+        let ended = reap(&mut ranks);
+        if stop.is_none() {
+            // Of the ranks found failed in one look, the one killed by a signal is named:
+            // its peers' exits (a broken connection) usually follow from its death, and
+            // one look can find both.
+            let first = ended
+                .iter()
+                .map(|&i| &ranks[i])
+                .filter(|r| r.failed_by_itself())
+                .min_by_key(|r| (!matches!(r.ending, Some(Ending::Signal(_))), r.rank));
+            if let Some(r) = first {
+                stop = Some(Stop::Failed {
+                    rank: r.rank,
+                    ending: r.ending.unwrap_or(Ending::Code(-1)),
+                });
                 kill_at = Some(Instant::now() + plan.kill_grace);
+                signal_live(&mut ranks, libc::SIGTERM);
             }
-        }
-        for r in ranks.iter_mut().filter(|r| r.ending.is_none()) {
-            match r.child.try_wait() {
-                Ok(Some(status)) => {
-                    let mut ending = Ending::of(status);
-                    r.agent_stdin = None;
-                    if r.remote {
-                        // A remote rank's signal death arrives as 128+N (see `remote`).
-                        if let Some(sig) = match ending {
-                            Ending::Code(c) => remote::signal_of_remote_code(c),
-                            Ending::Signal(_) => None,
-                        } {
-                            ending = Ending::Signal(sig);
-                        }
-                    }
-                    r.ending = Some(ending);
-                    tracing::debug!(rank = r.rank, %ending, "rank ended");
-                    if !ending.success() && stop.is_none() {
-                        stop = Some(Stop::Failed {
-                            rank: r.rank,
-                            ending,
-                        });
-                        kill_at = Some(Instant::now() + plan.kill_grace);
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(rank = r.rank, error = %e, "cannot query rank"),
+        } else if matches!(stop, Some(Stop::Signalled(_))) && kill_at.is_none() {
+            if let Some(&i) = ended.first() {
+                kill_at = Some(Instant::now() + plan.kill_grace);
+                tracing::debug!(rank = ranks[i].rank, "first rank stopped after the signal");
             }
-        }
-        if matches!(stop, Some(Stop::Failed { .. })) && !termed {
-            signal_live(&mut ranks, libc::SIGTERM);
-            termed = true;
         }
         if ranks.iter().all(|r| r.ending.is_some()) {
             break;
         }
         if let Some(at) = kill_at {
             if !killed && Instant::now() >= at {
+                let live: Vec<String> = ranks
+                    .iter()
+                    .filter(|r| r.ending.is_none())
+                    .map(|r| r.rank.to_string())
+                    .collect();
+                eprintln!(
+                    "arbor-launch: {} {} still running {:.1} s (--kill-grace) after {}; sending SIGKILL",
+                    if live.len() == 1 { "rank" } else { "ranks" },
+                    live.join(", "),
+                    plan.kill_grace.as_secs_f64(),
+                    match stop {
+                        Some(Stop::Failed { rank, .. }) => format!("rank {rank} failed"),
+                        _ => "another rank stopped".to_string(),
+                    }
+                );
                 signal_live(&mut ranks, libc::SIGKILL);
                 killed = true;
             }
@@ -215,6 +246,37 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
     Ok(report(&ranks, stop))
 }
 
+/// Records the ending of every rank that ended since the last look; returns their indices.
+fn reap(ranks: &mut [Rank]) -> Vec<usize> {
+    let mut ended = Vec::new();
+    for (i, r) in ranks.iter_mut().enumerate() {
+        if r.ending.is_some() {
+            continue;
+        }
+        match r.child.try_wait() {
+            Ok(Some(status)) => {
+                let mut ending = Ending::of(status);
+                r.agent_stdin = None;
+                if r.remote {
+                    // A remote rank's signal death arrives as 128+N (see `remote`).
+                    if let Some(sig) = match ending {
+                        Ending::Code(c) => remote::signal_of_remote_code(c),
+                        Ending::Signal(_) => None,
+                    } {
+                        ending = Ending::Signal(sig);
+                    }
+                }
+                r.ending = Some(ending);
+                tracing::debug!(rank = r.rank, %ending, "rank ended");
+                ended.push(i);
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(rank = r.rank, error = %e, "cannot query rank"),
+        }
+    }
+    ended
+}
+
 /// SIGTERM to the live ranks, then SIGKILL after `grace`; reaps them.
 fn stop_all(ranks: &mut [Rank], grace: Duration) {
     signal_live(ranks, libc::SIGTERM);
@@ -234,6 +296,7 @@ fn stop_all(ranks: &mut [Rank], grace: Duration) {
 
 fn signal_live(ranks: &mut [Rank], sig: i32) {
     for r in ranks.iter_mut().filter(|r| r.ending.is_none()) {
+        r.signalled = true;
         if r.remote && sig != libc::SIGKILL {
             // [issue 8] A signal would reach the agent (ssh), not the rank; closing the
             // agent's stdin makes the remote side stop the rank with SIGTERM (see `remote`).
@@ -391,6 +454,7 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
             stderr_tail,
             remote: remote_host.is_some(),
             agent_stdin,
+            signalled: false,
         },
         pumps,
     ))
@@ -402,11 +466,8 @@ fn report(ranks: &[Rank], stop: Option<Stop>) -> i32 {
     let others = |skip: Option<usize>| -> String {
         let list: Vec<String> = ranks
             .iter()
-            .filter(|r| Some(r.rank) != skip)
-            .filter_map(|r| match r.ending {
-                Some(e @ Ending::Code(c)) if c != 0 => Some(format!("rank {} {e}", r.rank)),
-                _ => None,
-            })
+            .filter(|r| Some(r.rank) != skip && r.failed_by_itself())
+            .filter_map(|r| r.ending.map(|e| format!("rank {} {e}", r.rank)))
             .collect();
         if list.is_empty() {
             String::new()
@@ -443,6 +504,15 @@ fn report(ranks: &[Rank], stop: Option<Stop>) -> i32 {
             }
         }
         Some(Stop::Signalled(sig)) => {
+            // Ranks that stopped cleanly on the forwarded signal (`arbor serve` after its
+            // drain) ended the job as asked: success.
+            if ranks.iter().all(|r| r.ending.is_some_and(Ending::success)) {
+                eprintln!(
+                    "arbor-launch: stopped by {}; every rank exited with code 0",
+                    signals::name(sig)
+                );
+                return 0;
+            }
             eprintln!(
                 "arbor-launch: stopped by {}{}",
                 signals::name(sig),
