@@ -771,8 +771,35 @@ fn streaming_errors_cancellation_and_drain() {
     );
     let (st, v) = srv.call("GET", "/v1/nothing", None, &auth);
     assert_eq!(st, 404, "{v}");
-    // n beyond the queue bound is refused at once.
-    assert_eq!(error_of(&srv, r#"{"prompt": [1], "n": 5}"#, &auth).0, 429);
+    // More sequences than the queue can ever hold (n, or prompts × n) are a bad request,
+    // not "retry later" (issue 31).
+    let (st, v) = error_of(&srv, r#"{"prompt": [1], "n": 5}"#, &auth);
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("n")), "{v}");
+    let many = json!({"prompt": vec![vec![1u32]; 300], "max_tokens": 1}).to_string();
+    let (st, v) = error_of(&srv, &many, &auth);
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("prompt")),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("300"),
+        "{v}"
+    );
+    // Choice i is keyed by sample_id + i: ids past 2^64 - 1 are refused, not wrapped.
+    let wraps = json!({"prompt": [1], "max_tokens": 1, "n": 2, "sample_id": u64::MAX});
+    let (st, v) = error_of(&srv, &wraps.to_string(), &auth);
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("sample_id")),
+        "{v}"
+    );
+    let last = json!({"prompt": [1], "max_tokens": 1, "sample_id": u64::MAX});
+    let (st, v) = srv.call("POST", "/v1/completions", Some(&last.to_string()), &auth);
+    assert_eq!(st, 200, "{v}");
     let (st, models) = srv.call("GET", "/v1/models", None, &auth);
     assert_eq!(st, 200);
     assert_eq!(models["data"][0]["id"], "shared-serve-llama", "{models}");
@@ -1019,6 +1046,98 @@ fn sigterm_to_the_launcher_drains() {
             );
         }
     }
+}
+
+/// `arbor serve` with `flags` (and `env`) must fail before it listens, naming every string
+/// of `needles`, without a panic or an allocation abort, well within the limit.
+fn refused_at_start(tp: usize, flags: &[&str], env: &[(&str, &str)], needles: &[&str]) {
+    let port = free_port().to_string();
+    let mut cmd = if tp == 1 {
+        Command::new(arbor())
+    } else {
+        let mut c = Command::new(launcher());
+        c.args(["-n", &tp.to_string(), "--"]).arg(arbor());
+        c
+    };
+    cmd.args(["serve", "--model"])
+        .arg(model())
+        .args(["--port", &port])
+        .args(flags)
+        .env_remove("ARBOR_API_KEY");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    for v in LAUNCHER_VARS {
+        cmd.env_remove(v);
+    }
+    let t0 = Instant::now();
+    let o = cmd.output().expect("start arbor serve");
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{flags:?} must fail:\n{out}\n{err}");
+    assert!(
+        !err.contains("panicked")
+            && !err.contains("memory allocation")
+            && !err.contains("listening"),
+        "{flags:?}:\n{err}"
+    );
+    for n in needles {
+        assert!(
+            err.contains(n),
+            "{flags:?}: stderr does not name {n:?}:\n{err}"
+        );
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "{flags:?} took {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Flags that cannot work are refused before the server starts, naming the flag and the
+/// value (issue 31): a KV cache beyond memory (was an allocation abort), a drain timeout
+/// beyond a Duration (was a panic after "listening"), an empty API key (a server that
+/// refuses everything), no KV blocks (every request refused).
+#[test]
+fn bad_flags_are_refused_before_anything_starts() {
+    refused_at_start(
+        1,
+        &["--max-num-seqs", "100000000"],
+        &[],
+        &["--max-num-seqs 100000000", "KV cache", "bytes", "fit"],
+    );
+    refused_at_start(
+        2,
+        &["--max-num-seqs", "100000000", "--max-seq-len", "64"],
+        &[],
+        &["--max-num-seqs 100000000", "KV cache", "bytes"],
+    );
+    refused_at_start(
+        1,
+        &["--drain-timeout-s", "1e300"],
+        &[],
+        &["--drain-timeout-s", "1e300"],
+    );
+    refused_at_start(1, &["--drain-timeout-s=-1"], &[], &["--drain-timeout-s -1"]);
+    refused_at_start(
+        1,
+        &[],
+        &[("ARBOR_API_KEY", "")],
+        &["ARBOR_API_KEY", "empty"],
+    );
+    refused_at_start(1, &["--api-key", " "], &[], &["--api-key", "empty"]);
+    refused_at_start(1, &["--kv-blocks", "0"], &[], &["--kv-blocks 0"]);
+    refused_at_start(
+        1,
+        &["--kv-blocks", "99999999999"],
+        &[],
+        &["--kv-blocks 99999999999"],
+    );
+    refused_at_start(
+        1,
+        &["--host", "no such host!"],
+        &[],
+        &["--host", "no such host!"],
+    );
 }
 
 /// A rank that dies ends the whole group, and the launcher names it.

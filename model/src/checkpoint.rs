@@ -72,6 +72,15 @@ impl Checkpoint {
     }
 }
 
+/// The config of the model at `path` and the file it came from, without the tokenizer or
+/// the weights: what a check of the flags needs before anything loads.
+pub fn read_config(path: &Path) -> MResult<(ModelConfig, PathBuf)> {
+    if is_gguf(path) {
+        return Ok((GgufModel::open(path)?.config, path.to_path_buf()));
+    }
+    Ok((ModelConfig::from_dir(path)?, path.join("config.json")))
+}
+
 /// Reads `<dir>/tokenizer.json` if present.
 pub fn load_tokenizer(dir: &Path) -> MResult<Option<tokenizers::Tokenizer>> {
     let path = dir.join("tokenizer.json");

@@ -17,6 +17,10 @@ use serde_json::{Map, Value};
 
 use crate::error::{MResult, ModelError};
 
+/// Context length used when neither `--max-seq-len` nor a smaller
+/// `max_position_embeddings` bounds it (the RoPE table and KV cache scale with it).
+pub const DEFAULT_MAX_SEQ_LEN: usize = 4096;
+
 pub use keys::ALLOW_ENV;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,6 +298,35 @@ impl ModelConfig {
             .into_iter()
             .flatten()
             .min_by_key(|(n, _)| *n)
+    }
+
+    /// The context length a run uses: `requested` (`--max-seq-len`) when given and at most
+    /// `max_position_embeddings`, else the longest of at most [`DEFAULT_MAX_SEQ_LEN`]
+    /// positions within the model's exact context; refused where the model's math is not
+    /// what arbor computes ([`ModelConfig::check_context`]). `path`: config.json, for
+    /// errors.
+    pub fn context_len(&self, requested: Option<usize>, path: &Path) -> MResult<usize> {
+        let n = match requested {
+            Some(0) => return Err(cfg_err(path, "requested max_seq_len 0".into())),
+            Some(n) if n > self.max_position_embeddings => {
+                return Err(cfg_err(
+                    path,
+                    format!(
+                        "requested max_seq_len {n} exceeds max_position_embeddings {}",
+                        self.max_position_embeddings
+                    ),
+                ))
+            }
+            Some(n) => n,
+            // By default also stay where the model's math is exact (a sliding window, say).
+            None => self
+                .exact_context_limit()
+                .map_or(usize::MAX, |(n, _)| n)
+                .min(self.max_position_embeddings)
+                .min(DEFAULT_MAX_SEQ_LEN),
+        };
+        self.check_context(n, path)?;
+        Ok(n)
     }
 
     /// Refuses a context in which the model's math differs from what arbor computes

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use arbor_collective::Communicator;
 
-use super::{Device, Engine, GenTiming, LoadOptions, Runner, DEFAULT_MAX_SEQ_LEN};
+use super::{Device, Engine, GenTiming, LoadOptions, Runner};
 use crate::backend::cpu::{default_threads, CpuBackend};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Numerics};
@@ -77,31 +77,7 @@ impl<B: Backend> Engine<B> {
             tokenizer_config,
             generation_config,
         } = Checkpoint::open(dir)?;
-        let max_seq_len = match opts.max_seq_len {
-            Some(0) => {
-                return Err(ModelError::Config {
-                    path: config_path.clone(),
-                    msg: "requested max_seq_len 0".into(),
-                })
-            }
-            Some(n) if n > cfg.max_position_embeddings => {
-                return Err(ModelError::Config {
-                    path: config_path.clone(),
-                    msg: format!(
-                        "requested max_seq_len {n} exceeds max_position_embeddings {}",
-                        cfg.max_position_embeddings
-                    ),
-                })
-            }
-            Some(n) => n,
-            // By default also stay where the model's math is exact (a sliding window, say).
-            None => cfg
-                .exact_context_limit()
-                .map_or(usize::MAX, |(n, _)| n)
-                .min(cfg.max_position_embeddings)
-                .min(DEFAULT_MAX_SEQ_LEN),
-        };
-        cfg.check_context(max_seq_len, &config_path)?;
+        let max_seq_len = cfg.context_len(opts.max_seq_len, &config_path)?;
         let row_tp = match opts.rank_of_tp {
             None => backend.world_size(),
             Some(n) if backend.world_size() == 1 && arbor_kernels::tree::is_valid_world(n) => n,

@@ -27,9 +27,7 @@ pub use crate::checkpoint::load_tokenizer;
 pub use crate::engine::FinishReason;
 pub use load::load;
 
-/// Context length used when neither `--max-seq-len` nor a smaller
-/// `max_position_embeddings` bounds it (the RoPE table and KV cache scale with it).
-pub const DEFAULT_MAX_SEQ_LEN: usize = 4096;
+pub use crate::config::DEFAULT_MAX_SEQ_LEN;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {

@@ -230,6 +230,41 @@ pub struct Params {
 
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
+impl Params {
+    /// How many sequences a request of `prompts` prompts runs (one per prompt and choice):
+    /// a bad request when more than `max_queue` (it could never be admitted, so "retry
+    /// later" would be wrong) or when the last one's sample id (`sample_id + index`) is
+    /// past 2^64 - 1.
+    pub fn sequences(&self, prompts: usize, max_queue: usize) -> Result<usize, ApiError> {
+        let total = prompts.saturating_mul(self.n);
+        if total > max_queue {
+            let (param, what) = if prompts > 1 {
+                ("prompt", format!("{prompts} prompts × n {}", self.n))
+            } else {
+                ("n", format!("n {}", self.n))
+            };
+            return Err(ApiError::bad(
+                param,
+                format!("{what} = {total} sequences, more than the server queues at once (--max-queue {max_queue}); split the request"),
+            ));
+        }
+        if self
+            .sample_id
+            .checked_add(total.saturating_sub(1) as u64)
+            .is_none()
+        {
+            return Err(ApiError::bad(
+                "sample_id",
+                format!(
+                    "sample_id {} + {} choices passes 2^64 - 1 (choice i is keyed by sample_id + i)",
+                    self.sample_id, total
+                ),
+            ));
+        }
+        Ok(total)
+    }
+}
+
 impl Common {
     /// Validates everything but the token limits; `max_n` bounds `n`.
     pub fn params(
@@ -375,5 +410,40 @@ mod tests {
         let e = c(r#"{"prompt":"x"}"#).params(1, Some(21), 4).unwrap_err();
         assert_eq!(e.param, Some("logprobs"));
         assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn sequences_beyond_the_queue_or_the_sample_ids_are_refused() {
+        let p = |json: &str| {
+            parse_body::<CompletionRequest>(json.as_bytes())
+                .unwrap()
+                .common
+                .params(1, None, 16)
+                .unwrap()
+        };
+        assert_eq!(p(r#"{"prompt":"x","n":3}"#).sequences(2, 6).ok(), Some(6));
+        let e = p(r#"{"prompt":"x","n":3}"#).sequences(1, 2).unwrap_err();
+        assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("n")));
+        let e = p(r#"{"prompt":"x"}"#).sequences(300, 256).unwrap_err();
+        assert_eq!(
+            (e.status, e.param),
+            (StatusCode::BAD_REQUEST, Some("prompt"))
+        );
+        assert!(e.message.contains("300"), "{}", e.message);
+        let max = u64::MAX;
+        assert_eq!(
+            p(&format!(r#"{{"prompt":"x","sample_id":{max}}}"#))
+                .sequences(1, 8)
+                .ok(),
+            Some(1)
+        );
+        let e = p(&format!(r#"{{"prompt":"x","n":2,"sample_id":{max}}}"#))
+            .sequences(1, 8)
+            .unwrap_err();
+        assert_eq!(e.param, Some("sample_id"));
+        let e = p(&format!(r#"{{"prompt":"x","sample_id":{}}}"#, max - 1))
+            .sequences(3, 8)
+            .unwrap_err();
+        assert_eq!(e.param, Some("sample_id"));
     }
 }

@@ -205,7 +205,7 @@ impl AppState {
         p: Params,
         chat: bool,
     ) -> Result<Job, ApiError> {
-        let total = prompts.len() * p.n;
+        let total = p.sequences(prompts.len(), self.max_queue)?;
         let before = self.inflight.fetch_add(total, Ordering::SeqCst);
         let guard = InflightGuard {
             st: self.clone(),

@@ -8,12 +8,12 @@ pub mod client;
 pub mod http;
 pub mod leader;
 pub mod msg;
+pub mod options;
 pub mod stats;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use arbor_collective::Communicator;
 use arbor_model::engine::PlanMsg;
 
@@ -31,7 +31,8 @@ pub struct Args {
     /// measuring the price of determinism.
     #[arg(long, value_enum, default_value_t = NumericsArg::Invariant)]
     pub numerics: NumericsArg,
-    /// Address to bind (loopback unless told otherwise).
+    /// Address to bind (loopback unless told otherwise): an IP address (IPv6 with or
+    /// without brackets) or a host name such as `localhost`.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to bind (0 picks a free one; the address is logged).
@@ -43,7 +44,9 @@ pub struct Args {
     /// The model name /v1/models reports and requests may give (default: the directory's or file's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Context length per sequence (default: the model's, at most 4096).
+    /// Context length per sequence (default: the model's, at most 4096). The KV cache is
+    /// --max-num-seqs × this many positions, checked against the host's available memory
+    /// (CPU) at start.
     #[arg(long)]
     pub max_seq_len: Option<usize>,
     /// Sequences that run at once (KV-cache slots).
@@ -75,21 +78,23 @@ pub struct Args {
     /// Largest `n` (choices per request).
     #[arg(long, default_value_t = 16)]
     pub max_n: usize,
-    /// On SIGTERM: seconds to let in-flight requests finish before cancelling them.
+    /// On SIGTERM (or Ctrl-C): seconds to let in-flight requests finish before cancelling
+    /// them with 503 (at most a day).
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout_s: f64,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 || args.prefill_chunk == 0 {
-        bail!("--max-num-seqs, --max-num-batched-tokens and --prefill-chunk must be at least 1");
-    }
-    if args.kv_block_size == 0 || args.max_queue == 0 || args.max_n == 0 {
-        bail!("--kv-block-size, --max-queue and --max-n must be at least 1");
-    }
-    if !(args.drain_timeout_s.is_finite() && args.drain_timeout_s >= 0.0) {
-        bail!("--drain-timeout-s {} must be >= 0", args.drain_timeout_s);
-    }
+    let listen = options::check_flags(&args)?;
+    let info = arbor_collective::RankInfo::from_env()
+        .context("reading the TP group's variables (RANK / WORLD_SIZE / LOCAL_WORLD_SIZE)")?;
+    options::check_kv(
+        &args,
+        args.device.resolve(),
+        info.world_size,
+        info.local_world_size,
+        options::host_available_bytes(),
+    )?;
     let comm = common::init_comm()?;
     let rank = comm.rank();
     let opts = LoadOptions {
@@ -117,15 +122,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         return follow(runner.as_mut(), comm.as_ref());
     }
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .with_context(|| {
-            format!(
-                "--host {} --port {} is not an address",
-                args.host, args.port
-            )
-        })?;
-    leader::lead(&args, addr, runner, comm)
+    leader::lead(&args, listen, runner, comm)
 }
 
 /// Ranks other than 0: execute every plan rank 0 broadcasts, until it says stop.

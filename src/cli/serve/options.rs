@@ -1,0 +1,243 @@
+//! `arbor serve`'s flags, checked before anything starts (no rank joins, no weights load,
+//! nothing listens): values that cannot work are refused with the flag and the value.
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+
+use anyhow::{bail, Context, Result};
+use arbor_model::forward::HeadPlan;
+use arbor_model::runner::Device;
+use arbor_model::ModelConfig;
+
+use super::Args;
+
+/// Longest `--drain-timeout-s` (a day): a Duration and an Instant hold it.
+pub const MAX_DRAIN_TIMEOUT_S: f64 = 86_400.0;
+
+/// The checks that need nothing but the flags; returns where rank 0 listens (`--host`
+/// resolved).
+pub fn check_flags(args: &Args) -> Result<SocketAddr> {
+    if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 || args.prefill_chunk == 0 {
+        bail!("--max-num-seqs, --max-num-batched-tokens and --prefill-chunk must be at least 1");
+    }
+    if args.kv_block_size == 0 || args.max_queue == 0 || args.max_n == 0 {
+        bail!("--kv-block-size, --max-queue and --max-n must be at least 1");
+    }
+    if args.kv_blocks == Some(0) {
+        bail!("--kv-blocks 0: the KV cache needs at least one block");
+    }
+    let d = args.drain_timeout_s;
+    if !(d.is_finite() && (0.0..=MAX_DRAIN_TIMEOUT_S).contains(&d)) {
+        bail!("--drain-timeout-s {d:?}: give a number of seconds in [0, {MAX_DRAIN_TIMEOUT_S}]");
+    }
+    if let Some(key) = &args.api_key {
+        if key.trim().is_empty() {
+            bail!("--api-key (or ARBOR_API_KEY) is empty: every request would be refused; give a key, or unset ARBOR_API_KEY to serve without one");
+        }
+        if key.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            bail!("--api-key (or ARBOR_API_KEY) holds whitespace or control characters, which an `Authorization: Bearer KEY` header cannot carry");
+        }
+    }
+    listen_addr(&args.host, args.port)
+}
+
+/// `--host` as an address to bind: an IP literal (IPv6 with or without brackets) or a
+/// name, resolved (`localhost`); the first address it resolves to.
+pub fn listen_addr(host: &str, port: u16) -> Result<SocketAddr> {
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    (bare, port)
+        .to_socket_addrs()
+        .with_context(|| format!("--host {host}: not an IP address or a name this host resolves"))?
+        .next()
+        .with_context(|| format!("--host {host}: the name resolves to no address"))
+}
+
+/// Bytes of the KV cache one rank allocates for `slots` sequences of `max_len` positions
+/// at TP `tp` (K and V, bf16, every layer, the rank's KV heads); None past u64.
+pub fn kv_cache_bytes(
+    cfg: &ModelConfig,
+    tp: usize,
+    slots: usize,
+    max_len: usize,
+) -> Result<Option<u64>> {
+    let heads = HeadPlan::new(cfg, 0, tp)?;
+    Ok([
+        2 * 2,
+        cfg.num_layers,
+        heads.n_kv_heads,
+        cfg.head_dim,
+        max_len,
+        slots,
+    ]
+    .into_iter()
+    .try_fold(1u64, |acc, x| acc.checked_mul(x as u64)))
+}
+
+/// Memory the OS says new allocations can have (Linux MemAvailable), in bytes.
+pub fn host_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Checks the KV cache the flags ask for against the model (its config.json, or a GGUF
+/// file's metadata)
+/// and, on the CPU, against the host's available memory shared by its `local_ranks`
+/// ranks (`available`: [`host_available_bytes`]). A CUDA device's memory is known only once
+/// the rank has opened it; there an allocation that does not fit fails with CUDA's error.
+pub fn check_kv(
+    args: &Args,
+    device: Device,
+    tp: usize,
+    local_ranks: usize,
+    available: Option<u64>,
+) -> Result<()> {
+    let (cfg, path) = arbor_model::checkpoint::read_config(&args.model)?;
+    let max_len = cfg.context_len(args.max_seq_len, &path)?;
+    let per_slot = kv_cache_bytes(&cfg, tp, 1, max_len)
+        .with_context(|| format!("sizing the KV cache of {} at TP {tp}", args.model.display()))?
+        .unwrap_or(u64::MAX);
+    let need = kv_cache_bytes(&cfg, tp, args.max_num_seqs, max_len)?;
+    let blocks_per_slot = max_len.div_ceil(args.kv_block_size);
+    let cache_blocks = args.max_num_seqs.saturating_mul(blocks_per_slot);
+    if let Some(b) = args.kv_blocks {
+        if b > cache_blocks {
+            bail!(
+                "--kv-blocks {b} is more than the KV cache holds: {} sequences (--max-num-seqs) of {max_len} positions are {cache_blocks} blocks of {} positions",
+                args.max_num_seqs,
+                args.kv_block_size
+            );
+        }
+    }
+    let what = format!(
+        "--max-num-seqs {} with {max_len} positions each (--max-seq-len) needs a KV cache of",
+        args.max_num_seqs
+    );
+    let Some(need) = need else {
+        bail!("{what} more than 2^64 bytes per rank");
+    };
+    if device != Device::Cpu {
+        return Ok(());
+    }
+    let Some(available) = available else {
+        return Ok(());
+    };
+    let local = local_ranks.max(1) as u64;
+    let share = available / local;
+    if need > share {
+        let fit = share / per_slot.max(1);
+        bail!(
+            "{what} {need} bytes ({}) per rank, {} for the {local} rank(s) on this host, which has {available} bytes ({}) available; {fit} sequences of {max_len} positions fit: lower --max-num-seqs or --max-seq-len",
+            gib(need),
+            gib(need.saturating_mul(local)),
+            gib(available)
+        );
+    }
+    Ok(())
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn args(extra: &[&str]) -> Args {
+        let mut v = vec!["serve", "--model", "/nonexistent"];
+        v.extend_from_slice(extra);
+        Cli::try_parse_from(v).expect("flags parse").args
+    }
+
+    #[test]
+    fn hosts_resolve_as_names_and_bare_or_bracketed_ipv6() {
+        let lo6: SocketAddr = "[::1]:8000".parse().unwrap();
+        assert_eq!(listen_addr("::1", 8000).unwrap(), lo6);
+        assert_eq!(listen_addr("[::1]", 8000).unwrap(), lo6);
+        assert_eq!(
+            listen_addr("127.0.0.1", 8000).unwrap(),
+            "127.0.0.1:8000".parse::<SocketAddr>().unwrap()
+        );
+        assert!(listen_addr("localhost", 8000).unwrap().ip().is_loopback());
+        let e = listen_addr("no such host!", 1).unwrap_err();
+        assert!(format!("{e:#}").contains("--host no such host!"), "{e:#}");
+    }
+
+    #[test]
+    fn flags_that_cannot_work_are_refused() {
+        assert!(check_flags(&args(&[])).is_ok());
+        for (flags, needle) in [
+            (
+                &["--drain-timeout-s", "1e300"][..],
+                "--drain-timeout-s 1e300",
+            ),
+            (&["--drain-timeout-s", "NaN"], "--drain-timeout-s NaN"),
+            (&["--drain-timeout-s=-1"], "--drain-timeout-s -1"),
+            (&["--api-key", ""], "empty"),
+            (&["--api-key", "a b"], "whitespace"),
+            (&["--kv-blocks", "0"], "--kv-blocks 0"),
+            (&["--max-num-seqs", "0"], "--max-num-seqs"),
+        ] {
+            let e = check_flags(&args(flags)).expect_err(needle);
+            assert!(format!("{e:#}").contains(needle), "{flags:?}: {e:#}");
+        }
+        let listen = check_flags(&args(&["--drain-timeout-s", "86400", "--host", "::1"])).unwrap();
+        assert!(listen.is_ipv6());
+    }
+
+    #[test]
+    fn kv_bytes_count_k_and_v_of_every_layer_and_the_ranks_heads() {
+        let dir = std::env::temp_dir().join(format!("arbor-serve-kv-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        arbor_model::make_model(&arbor_model::SynthOptions::new(
+            arbor_model::Arch::Llama,
+            arbor_model::Preset::Tiny,
+            1,
+            dir.to_str().unwrap(),
+        ))
+        .unwrap();
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let per = 2 * 2 * cfg.num_layers * cfg.head_dim;
+        let b = |tp| kv_cache_bytes(&cfg, tp, 3, 100).unwrap().unwrap();
+        assert_eq!(b(1), (per * cfg.num_kv_heads * 300) as u64);
+        assert_eq!(b(2), (per * cfg.num_kv_heads / 2 * 300) as u64);
+        assert_eq!(kv_cache_bytes(&cfg, 1, usize::MAX, 100).unwrap(), None);
+        let mut a = args(&["--max-num-seqs", "1000", "--max-seq-len", "100"]);
+        a.model = dir.clone();
+        let need = kv_cache_bytes(&cfg, 1, 1000, 100).unwrap().unwrap();
+        assert!(check_kv(&a, Device::Cpu, 1, 1, Some(need)).is_ok());
+        let e = check_kv(&a, Device::Cpu, 1, 2, Some(need)).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains(&format!("{need} bytes"))
+                && e.contains("500 sequences of 100 positions fit"),
+            "{e}"
+        );
+        // A device's memory is checked where it is opened.
+        assert!(check_kv(&a, Device::Cuda, 1, 2, Some(need)).is_ok());
+        a.kv_blocks = Some(1000 * 7 + 1);
+        let e = check_kv(&a, Device::Cpu, 1, 1, None).unwrap_err();
+        assert!(format!("{e:#}").contains("--kv-blocks 7001"), "{e:#}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
