@@ -64,6 +64,46 @@ impl Message {
     }
 }
 
+/// Most template instructions one rendering may run (minijinja's fuel): far above what a
+/// real template needs for a 1 MiB conversation, and about a second of work.
+pub const RENDER_FUEL: u64 = 20_000_000;
+/// Longest rendering (checked as it writes).
+pub const RENDER_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+/// Largest rendered prompt in bytes.
+pub const RENDER_BYTES: usize = 16 << 20;
+
+/// Where a rendering writes: refuses bytes past [`RENDER_BYTES`] or past
+/// [`RENDER_TIME`], which ends the rendering.
+struct Bounded {
+    out: Vec<u8>,
+    deadline: std::time::Instant,
+    over: Option<String>,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let over = if self.out.len() + buf.len() > RENDER_BYTES {
+            Some(format!("the rendered prompt passes {RENDER_BYTES} bytes"))
+        } else if std::time::Instant::now() > self.deadline {
+            Some(format!(
+                "rendering took more than {} s",
+                RENDER_TIME.as_secs()
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = over {
+            self.over = Some(why.clone());
+            return Err(std::io::Error::other(why));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: String,
@@ -90,6 +130,7 @@ impl ChatTemplate {
 
     pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self> {
         let mut env = minijinja::Environment::new();
+        env.set_fuel(Some(RENDER_FUEL));
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -110,7 +151,9 @@ impl ChatTemplate {
         })
     }
 
-    /// The prompt text for `messages`; errors are the template's own (a bad conversation).
+    /// The prompt text for `messages`; errors are the template's own (a bad conversation),
+    /// or say that the rendering ran past its bounds ([`RENDER_FUEL`] instructions,
+    /// [`RENDER_TIME`], [`RENDER_BYTES`]).
     pub fn render(
         &self,
         messages: &[Message],
@@ -125,13 +168,29 @@ impl ChatTemplate {
             });
         }
         let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
-        tmpl.render(minijinja::context! {
-            messages => msgs,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token,
-            eos_token => self.eos_token,
-        })
-        .map_err(|e| format!("chat template: {e}"))
+        let mut out = Bounded {
+            out: Vec::new(),
+            deadline: std::time::Instant::now() + RENDER_TIME,
+            over: None,
+        };
+        let r = tmpl.render_captured_to(
+            minijinja::context! {
+                messages => msgs,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            },
+            &mut out,
+        );
+        match (r, out.over) {
+            (Ok(_), _) => String::from_utf8(out.out)
+                .map_err(|e| format!("chat template: the rendered prompt is not UTF-8: {e}")),
+            (Err(_), Some(why)) => Err(format!("chat template: {why}")),
+            (Err(e), None) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(format!(
+                "chat template: too much work (more than {RENDER_FUEL} template instructions)"
+            )),
+            (Err(e), None) => Err(format!("chat template: {e}")),
+        }
     }
 }
 
@@ -157,6 +216,36 @@ mod tests {
         assert_eq!(out, "<s><|system|>be brief</s><|user|>hi</s><|assistant|>");
         let e = t.render(&[msg("tool", "x")], false).unwrap_err();
         assert!(e.contains("bad role tool"), "{e}");
+    }
+
+    /// A template (a hostile checkpoint's) that loops for ever or writes without end is
+    /// stopped: rendering is bounded in work and output (issue 31; was > 30 s and 2.5 GB).
+    #[test]
+    fn rendering_is_bounded_in_work_and_output() {
+        for (src, needle) in [
+            // 10^12 iterations that write nothing.
+            (
+                "{% for i in range(10000) %}{% for j in range(10000) %}{% for k in range(10000) %}{% endfor %}{% endfor %}{% endfor %}",
+                "too much work",
+            ),
+            // 10^8 x 100 bytes of output.
+            (
+                "{% for i in range(10000) %}{% for j in range(10000) %}{{ 'x' * 100 }}{% endfor %}{% endfor %}",
+                "bytes",
+            ),
+            // Few instructions, each writing 10^8 bytes.
+            (
+                "{% for i in range(10000) %}{{ 'y' * 100000000 }}{% endfor %}",
+                "bytes",
+            ),
+        ] {
+            let t = ChatTemplate::new(src, String::new(), String::new()).unwrap();
+            let t0 = std::time::Instant::now();
+            let e = t.render(&[msg("user", "hi")], true).unwrap_err();
+            let took = t0.elapsed();
+            assert!(e.contains(needle), "{src}: {e}");
+            assert!(took < std::time::Duration::from_secs(10), "{src}: took {took:?}");
+        }
     }
 
     #[test]
