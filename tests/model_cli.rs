@@ -433,3 +433,20 @@ fn top_k_tokens_do_not_depend_on_whether_the_row_came_to_the_host() {
         }
     }
 }
+
+/// Logs written to a pipe (the launcher's, a file's) carry no ANSI colour codes (issue 31).
+#[test]
+fn logs_to_a_pipe_have_no_colour_codes() {
+    let o = std::process::Command::new(launcher())
+        .args(["-n", "2", "--"])
+        .arg(arbor())
+        .args(generate_args(&["--prompt", "Hi", "--max-tokens", "2"]))
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("start arbor-launch");
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("INFO"), "no log lines to look at:\n{err}");
+    assert!(!err.contains('\u{1b}'), "colour codes in logs:\n{err:?}");
+}

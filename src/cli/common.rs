@@ -13,13 +13,17 @@ use serde::Serialize;
 
 use super::model_api::{self, Device, LoadOptions, Runner};
 
-/// Logs go to stderr; `RUST_LOG` is honoured (default: warnings and errors).
+/// Logs go to stderr; `RUST_LOG` is honoured (default: warnings and errors). Coloured only
+/// on a terminal (a rank's stderr under arbor-launch is a pipe) and without `NO_COLOR`.
 pub fn init_logging() {
+    use std::io::IsTerminal as _;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .try_init();
 }
 
