@@ -317,3 +317,30 @@ fn config_disagrees_with_the_tensor_shapes() {
     edit_config(&m, |v| v["intermediate_size"] = 352.into());
     expect_failure(2, &m, &[], &["mlp", "344"]);
 }
+
+/// Overwrites element `index` of `tensor` (a bf16 tensor) with the bf16 `bits`.
+fn poke_bf16(file: &Path, tensor: &str, index: usize, bits: u16) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    assert_eq!(header[tensor]["dtype"], "BF16", "{tensor}");
+    let start = header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+    let at = 8 + n + start + 2 * index;
+    bytes[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+    std::fs::write(file, bytes).unwrap();
+}
+
+/// Non-finite weights are refused at load, naming the tensor and the element (issue 31:
+/// they loaded silently and log-probs came back null).
+#[test]
+fn non_finite_weights_are_refused() {
+    for (tensor, index, bits, what) in [
+        ("model.norm.weight", 5, 0x7fc0u16, "NaN"),
+        ("model.layers.1.mlp.down_proj.weight", 1000, 0xff80, "-inf"),
+    ] {
+        let s = Scratch::new("bad-non-finite");
+        let m = copy_model(&s);
+        poke_bf16(&m.join("model.safetensors"), tensor, index, bits);
+        expect_failure(2, &m, &[], &[tensor, what, &format!("element {index}")]);
+    }
+}

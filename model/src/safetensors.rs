@@ -103,24 +103,58 @@ impl SafeFile {
         &self.mmap[base + range.start..base + range.end]
     }
 
-    /// Elements `[r0..r1) × [c0..c1)` of a 2-D tensor `[n, k]` (or of a 1-D tensor with
-    /// n = 1), converted to bf16, row-major. Only the bytes of those elements are read.
+    /// Elements `[r0..r1) × [c0..c1)` of the 2-D tensor `name` `[n, k]` (or of a 1-D
+    /// tensor with n = 1), converted to bf16, row-major. Only the bytes of those elements
+    /// are read. A value that is not finite (NaN or ±inf in the file, or an f32 beyond
+    /// bf16's range) is refused, naming the tensor and the element: it would make every
+    /// log-prob that depends on it NaN.
     pub fn read_block(
         &self,
+        name: &str,
         info: &TensorInfo,
         k: usize,
         rows: Range<usize>,
         cols: Range<usize>,
-    ) -> Vec<bf16> {
+    ) -> MResult<Vec<bf16>> {
         let es = info.dtype.size();
         let width = cols.len();
         let mut out = Vec::with_capacity(rows.len() * width);
         for r in rows {
             let b = self.bytes(info, (r * k + cols.start) * es..(r * k + cols.end) * es);
+            let from = out.len();
             convert_into(b, info.dtype, &mut out);
+            if let Some(j) = out[from..].iter().position(|v| !v.is_finite()) {
+                let raw = match info.dtype {
+                    DType::F32 => {
+                        let c = &b[j * 4..j * 4 + 4];
+                        f32::from_le_bytes([c[0], c[1], c[2], c[3]]).to_string()
+                    }
+                    _ => out[from + j].to_string(),
+                };
+                return Err(ModelError::Safetensors {
+                    path: self.path.clone(),
+                    msg: format!(
+                        "tensor {name:?}: element {} ({:?}) is {raw}; the weights must be finite in bf16",
+                        r * k + cols.start + j,
+                        unravel(r * k + cols.start + j, &info.shape),
+                    ),
+                });
+            }
         }
-        out
+        Ok(out)
     }
+}
+
+/// The index of element `flat` of a row-major tensor of `shape`.
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for (i, &d) in shape.iter().enumerate().rev() {
+        if d > 0 {
+            idx[i] = flat % d;
+            flat /= d;
+        }
+    }
+    idx
 }
 
 fn convert_into(b: &[u8], dtype: DType, out: &mut Vec<bf16>) {

@@ -168,20 +168,20 @@ impl SafeStore {
     pub fn rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<Vec<bf16>> {
         let (f, t) = self.check_shape(name, &[n, k])?;
         debug_assert!(rows.end <= n);
-        Ok(f.read_block(t, k, rows, 0..k))
+        f.read_block(name, t, k, rows, 0..k)
     }
 
     /// Columns `cols` of every row of the `[n, k]` matrix `name` (a strided read).
     pub fn cols(&self, name: &str, n: usize, k: usize, cols: Range<usize>) -> MResult<Vec<bf16>> {
         let (f, t) = self.check_shape(name, &[n, k])?;
         debug_assert!(cols.end <= k);
-        Ok(f.read_block(t, k, 0..n, cols))
+        f.read_block(name, t, k, 0..n, cols)
     }
 
     /// Elements `range` of the vector `name` of length `len`, as f32 (via bf16).
     pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
         let (f, t) = self.check_shape(name, &[len])?;
-        Ok(f.read_block(t, len, 0..1, range)
+        Ok(f.read_block(name, t, len, 0..1, range)?
             .into_iter()
             .map(f32::from)
             .collect())
