@@ -1140,6 +1140,136 @@ fn bad_flags_are_refused_before_anything_starts() {
     );
 }
 
+/// Sends `raw` on a new connection, then reads until the server closes it (or 60 s pass);
+/// returns what came back and when the server closed.
+fn raw_exchange(addr: &str, raw: &[u8]) -> (String, Duration) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.write_all(raw).expect("send");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let t0 = Instant::now();
+    let mut back = Vec::new();
+    let _ = s.read_to_end(&mut back);
+    (String::from_utf8_lossy(&back).into_owned(), t0.elapsed())
+}
+
+/// Open descriptors of process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// Slow or oversized clients cannot hold the server (issue 31): headers that never end
+/// and bodies that never arrive are cut off at their timeouts, a body declared larger
+/// than --max-body-bytes is 413 before it is sent, open connections are bounded, and a
+/// normal request still gets through past hundreds of idle connections under a
+/// 256-descriptor limit.
+#[test]
+fn slow_oversized_and_idle_connections_are_bounded() {
+    let s = Scratch::new("serve-slow-clients");
+    let srv = Server::start(
+        1,
+        &[
+            "--header-timeout-s",
+            "1",
+            "--body-timeout-s",
+            "1",
+            "--max-connections",
+            "8",
+        ],
+        s.path().join("server.log"),
+    );
+    let addr = srv.addr.clone();
+    // Half the headers, then nothing: closed at the header timeout.
+    let (_, took) = raw_exchange(&addr, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+    assert!(took < Duration::from_secs(10), "half headers held {took:?}");
+    // A body that never arrives: 408 at the body timeout.
+    let (back, took) = raw_exchange(
+        &addr,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"",
+    );
+    assert!(back.starts_with("HTTP/1.1 408"), "{back}");
+    assert!(
+        took < Duration::from_secs(10),
+        "a stalled body held {took:?}"
+    );
+    // A declared length beyond --max-body-bytes: 413 at once, nothing read.
+    let (back, took) = raw_exchange(
+        &addr,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n",
+    );
+    assert!(back.starts_with("HTTP/1.1 413"), "{back}");
+    assert!(back.contains("\"error\""), "an OpenAI error body: {back}");
+    assert!(took < Duration::from_secs(5), "413 took {took:?}");
+    // 20 idle connections: the server holds at most 8 (the rest wait to be accepted).
+    let before = open_fds(srv.child.id());
+    let idle: Vec<_> = (0..20)
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let during = open_fds(srv.child.id());
+    assert!(
+        during <= before + 8,
+        "{} descriptors with 20 idle connections (cap 8)",
+        during - before
+    );
+    // A normal request gets through once the idle ones time out.
+    let t0 = Instant::now();
+    let v = srv.completion(&json!({"prompt": [1, 2], "max_tokens": 2}));
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().map(Vec::len),
+        Some(2)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
+    drop(idle);
+    let (st, log) = srv.terminate();
+    assert!(st.success(), "{st}\n{log}");
+
+    // Under a 256-descriptor limit, with the default --max-connections: 400 idle
+    // connections, then a normal request.
+    let port = free_port();
+    let log = s.path().join("fd-limit.log");
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n 256 && exec '{}' serve --model '{}' --port {port} --max-seq-len 128 --header-timeout-s 1",
+            arbor().display(),
+            model().display()
+        ))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("start arbor serve");
+    let addr = format!("127.0.0.1:{port}");
+    let t0 = Instant::now();
+    while !client::get(&addr, "/health").is_ok_and(|r| r.status == 200) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "not ready");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let idle: Vec<_> = (0..400)
+        .filter_map(|_| std::net::TcpStream::connect(&addr).ok())
+        .collect();
+    assert!(idle.len() >= 300, "only {} connections", idle.len());
+    let t0 = Instant::now();
+    let body = json!({"prompt": [1, 2], "max_tokens": 2}).to_string();
+    let r = client::request(&addr, "POST", "/v1/completions", Some(&body), &[]);
+    let took = t0.elapsed();
+    drop(idle);
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let st = child.wait().expect("wait");
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    let r = r.unwrap_or_else(|e| panic!("no reply past 400 idle connections: {e}\n{log}"));
+    assert_eq!(r.status, 200, "{}\n{log}", r.body);
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    assert!(st.success(), "{st}\n{log}");
+}
+
 /// A rank that dies ends the whole group, and the launcher names it.
 #[test]
 fn a_dead_rank_ends_the_group() {

@@ -24,6 +24,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{parse_body, ApiError, ChatRequest, CompletionRequest, Params, PromptInput};
 use super::chat::ChatTemplate;
+use super::conn::{self, Limits};
 use super::msg::{Cmd, SeqEvent};
 use super::stats::Stats;
 use super::Args;
@@ -43,6 +44,7 @@ pub struct AppState {
     max_queue: usize,
     max_n: usize,
     max_body: usize,
+    limits: Limits,
     stats: Arc<Stats>,
     next_id: AtomicU64,
     /// Set by the leader once the engine loop has ended: the server then shuts down.
@@ -76,6 +78,7 @@ impl AppState {
             max_queue: args.max_queue,
             max_n: args.max_n,
             max_body: args.max_body_bytes,
+            limits: Limits::from_args(args),
             stats,
             next_id: AtomicU64::new(0),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
@@ -807,6 +810,7 @@ async fn not_found(uri: axum::http::Uri) -> Response {
 
 fn router(st: Arc<AppState>) -> Router {
     let limit = st.max_body;
+    let limits = st.limits;
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -815,6 +819,10 @@ fn router(st: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            limits,
+            conn::read_body,
+        ))
         .with_state(st)
 }
 
@@ -867,14 +875,13 @@ pub fn serve(
             sig.draining.store(true, Ordering::SeqCst);
             let _ = sig.tx.send(Cmd::Drain);
         });
-        let mut stop = st.stop.subscribe();
+        let stop = st.stop.subscribe();
         let mut stop2 = st.stop.subscribe();
-        let server = axum::serve(listener, router(st)).with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|v| *v).await;
-        });
+        let limits = st.limits;
+        let server = conn::serve(listener, router(st), limits, stop);
         // Connections that outlive the drain (idle keep-alives, stuck clients) get 5 s.
         tokio::select! {
-            r = server => r.context("HTTP server")?,
+            _ = server => {},
             _ = async move {
                 let _ = stop2.wait_for(|v| *v).await;
                 tokio::time::sleep(Duration::from_secs(5)).await;

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod chat;
 pub mod client;
+pub mod conn;
 pub mod http;
 pub mod leader;
 pub mod msg;
@@ -72,9 +73,19 @@ pub struct Args {
     /// Sequences waiting or running before new requests get 429.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
-    /// Largest request body in bytes (413 above it).
+    /// Largest request body in bytes (413 above it; at once when Content-Length says so).
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
+    /// Seconds a client has to send a request's headers; an idle keep-alive connection is
+    /// closed after as long.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_timeout_s: f64,
+    /// Seconds a client has to send a request's body once its headers arrived (408 after).
+    #[arg(long, default_value_t = 30.0)]
+    pub body_timeout_s: f64,
+    /// HTTP connections open at once; more wait to be accepted (lowered to fit `ulimit -n`).
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
     /// Largest `n` (choices per request).
     #[arg(long, default_value_t = 16)]
     pub max_n: usize,

@@ -10,7 +10,8 @@ use arbor_model::ModelConfig;
 
 use super::Args;
 
-/// Longest `--drain-timeout-s` (a day): a Duration and an Instant hold it.
+/// Longest `--drain-timeout-s`, `--header-timeout-s` or `--body-timeout-s` (a day): a
+/// Duration and an Instant hold it.
 pub const MAX_DRAIN_TIMEOUT_S: f64 = 86_400.0;
 
 /// The checks that need nothing but the flags; returns where rank 0 listens (`--host`
@@ -28,6 +29,21 @@ pub fn check_flags(args: &Args) -> Result<SocketAddr> {
     let d = args.drain_timeout_s;
     if !(d.is_finite() && (0.0..=MAX_DRAIN_TIMEOUT_S).contains(&d)) {
         bail!("--drain-timeout-s {d:?}: give a number of seconds in [0, {MAX_DRAIN_TIMEOUT_S}]");
+    }
+    for (flag, t) in [
+        ("--header-timeout-s", args.header_timeout_s),
+        ("--body-timeout-s", args.body_timeout_s),
+    ] {
+        if !(t.is_finite() && t > 0.0 && t <= MAX_DRAIN_TIMEOUT_S) {
+            bail!("{flag} {t:?}: give a number of seconds in (0, {MAX_DRAIN_TIMEOUT_S}]");
+        }
+    }
+    if !(1..=super::conn::MAX_CONNECTIONS).contains(&args.max_connections) {
+        bail!(
+            "--max-connections {}: give 1 to {}",
+            args.max_connections,
+            super::conn::MAX_CONNECTIONS
+        );
     }
     if let Some(key) = &args.api_key {
         if key.trim().is_empty() {
@@ -197,6 +213,13 @@ mod tests {
             (&["--api-key", "a b"], "whitespace"),
             (&["--kv-blocks", "0"], "--kv-blocks 0"),
             (&["--max-num-seqs", "0"], "--max-num-seqs"),
+            (&["--header-timeout-s", "0"], "--header-timeout-s 0.0"),
+            (&["--body-timeout-s", "inf"], "--body-timeout-s inf"),
+            (&["--max-connections", "0"], "--max-connections 0"),
+            (
+                &["--max-connections", "2000000"],
+                "--max-connections 2000000",
+            ),
         ] {
             let e = check_flags(&args(flags)).expect_err(needle);
             assert!(format!("{e:#}").contains(needle), "{flags:?}: {e:#}");
