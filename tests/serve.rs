@@ -1270,46 +1270,69 @@ fn slow_oversized_and_idle_connections_are_bounded() {
     assert!(st.success(), "{st}\n{log}");
 }
 
-/// A rank that dies ends the whole group, and the launcher names it.
-#[test]
-fn a_dead_rank_ends_the_group() {
-    let s = Scratch::new("serve-rank-death");
-    let srv = Server::start(2, &[], s.path().join("server.log"));
-    let launcher_pid = srv.child.id().to_string();
+/// The pid of rank `r` among arbor-launch's children.
+fn rank_pid(launcher_pid: u32, r: usize) -> String {
     let out = Command::new("pgrep")
-        .args(["-P", &launcher_pid])
+        .args(["-P", &launcher_pid.to_string()])
         .output()
         .expect("pgrep");
     let pids = String::from_utf8_lossy(&out.stdout).to_string();
-    let rank1 = pids
-        .split_whitespace()
+    let want = format!("RANK={r}");
+    pids.split_whitespace()
         .find(|pid| {
             std::fs::read(format!("/proc/{pid}/environ"))
-                .map(|env| env.split(|&b| b == 0).any(|kv| kv == b"RANK=1"))
+                .map(|env| env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()))
                 .unwrap_or(false)
         })
-        .unwrap_or_else(|| panic!("no rank 1 among the launcher's children {pids:?}"))
-        .to_string();
-    let _ = Command::new("kill").args(["-KILL", &rank1]).status();
-    let mut srv = srv;
-    let t0 = Instant::now();
-    let status = loop {
-        if let Ok(Some(st)) = srv.child.try_wait() {
-            break st;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the group did not end:\n{}",
-            srv.log_text()
+        .unwrap_or_else(|| panic!("no rank {r} among the launcher's children {pids:?}"))
+        .to_string()
+}
+
+/// A rank that dies ends the whole group, and the launcher names it as the cause; every
+/// client with a request in flight gets a reply, 503 naming the failure (or 200 if its
+/// request had finished), never an empty one (issue 31: the leader returned its error
+/// without letting the HTTP side answer, and the launcher blamed rank 0).
+#[test]
+fn a_dead_rank_ends_the_group() {
+    let s = Scratch::new("serve-rank-death");
+    let max_tokens = 600;
+    let body = json!({"prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": true, "temperature": 0});
+    for run in 0..3 {
+        let srv = Server::start_with(
+            2,
+            &[],
+            1024,
+            &[],
+            s.path().join(format!("server-{run}.log")),
         );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let log = srv.log_text();
-    assert!(!status.success(), "{log}");
-    assert!(
-        log.contains("rank 1"),
-        "the launcher names the dead rank:\n{log}"
-    );
+        let clients = fire(&srv, &vec![body.clone(); 8]);
+        wait_running(&srv, 8);
+        let rank1 = rank_pid(srv.child.id(), 1);
+        let _ = Command::new("kill").args(["-KILL", &rank1]).status();
+        let log = srv.log.clone();
+        let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+        let refused = replies_are_complete_or_503(clients, max_tokens, &log_text);
+        assert!(refused > 0, "run {run}: no request saw the failure\n{}", log_text());
+        let mut srv = srv;
+        let t0 = Instant::now();
+        let status = loop {
+            if let Ok(Some(st)) = srv.child.try_wait() {
+                break st;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the group did not end:\n{}",
+                srv.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let log = srv.log_text();
+        assert!(!status.success(), "{log}");
+        assert!(
+            log.contains("arbor-launch: rank 1 was killed by signal 9 (SIGKILL)"),
+            "run {run}: the launcher names the dead rank as the cause:\n{log}"
+        );
+    }
 }
 
 #[test]

@@ -76,13 +76,17 @@ pub fn lead(
     let result = engine_loop(runner.as_mut(), comm.as_ref(), sched, rx, &stats, drain);
     // The other ranks stop whatever happened here; a failed broadcast means one is gone.
     let bcast = broadcast(comm.as_ref(), &PlanMsg::Shutdown);
+    // Every handler has its answer by now (its result, or a 503 naming the failure): the
+    // HTTP side sends them and closes its connections before this process goes, also when
+    // the engine failed.
     let _ = stop_http.send(true);
+    let http = match http_thread.join() {
+        Ok(r) => r,
+        Err(_) => Err(anyhow::anyhow!("the HTTP thread panicked")),
+    };
     result?;
     bcast?;
-    match http_thread.join() {
-        Ok(r) => r,
-        Err(_) => anyhow::bail!("the HTTP thread panicked"),
-    }?;
+    http?;
     eprintln!("arbor serve: drained, exiting");
     Ok(())
 }
@@ -103,15 +107,51 @@ struct Live {
     cancel: Arc<AtomicBool>,
 }
 
+/// Runs the engine until it is drained (or its command channel closes); when it fails (a
+/// rank gone, a step's error), every running or queued request is refused with the
+/// reason before the error is returned.
 fn engine_loop(
     runner: &mut dyn Runner,
     comm: &dyn Communicator,
-    mut sched: Scheduler,
+    sched: Scheduler,
     rx: Receiver<Cmd>,
     stats: &Stats,
     drain_timeout: Duration,
 ) -> Result<()> {
     let mut live: HashMap<SeqId, Live> = HashMap::new();
+    let result = run_engine(runner, comm, sched, &rx, stats, drain_timeout, &mut live);
+    if let Err(e) = &result {
+        let msg = format!("the server stopped: {e:#}");
+        let refuse = |events: &UnboundedSender<(usize, SeqEvent)>, tag: usize| {
+            let _ = events.send((
+                tag,
+                SeqEvent::Refused {
+                    shutting_down: true,
+                    msg: msg.clone(),
+                },
+            ));
+        };
+        for (_, l) in live.drain() {
+            refuse(&l.events, l.tag);
+        }
+        for cmd in rx.try_iter() {
+            if let Cmd::Submit { events, tag, .. } = cmd {
+                refuse(&events, tag);
+            }
+        }
+    }
+    result
+}
+
+fn run_engine(
+    runner: &mut dyn Runner,
+    comm: &dyn Communicator,
+    mut sched: Scheduler,
+    rx: &Receiver<Cmd>,
+    stats: &Stats,
+    drain_timeout: Duration,
+    live: &mut HashMap<SeqId, Live>,
+) -> Result<()> {
     let mut drain_deadline: Option<Instant> = None;
     let mut step_no = 0u64;
     loop {
