@@ -1270,6 +1270,52 @@ fn slow_oversized_and_idle_connections_are_bounded() {
     assert!(st.success(), "{st}\n{log}");
 }
 
+/// A streaming client that never reads cannot make the server buffer without bound: once
+/// its stream is far enough behind, its sequences are cancelled and their KV freed while
+/// it still holds the connection (issue 31).
+#[test]
+fn a_stream_that_is_never_read_is_cancelled() {
+    use std::io::Write;
+    let s = Scratch::new("serve-unread-stream");
+    let srv = Server::start_with(1, &[], 2048, &[], s.path().join("server.log"));
+    let cancelled_before = metric_of(&srv, "arbor_sequences_cancelled_total");
+    // 16 choices of 2000 tokens with 20 alternatives each: far more than the socket
+    // buffers hold.
+    let body = json!({"prompt": [1, 2], "max_tokens": 2000, "n": 16, "logprobs": 20,
+        "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut c = std::net::TcpStream::connect(&srv.addr).expect("connect");
+    c.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .expect("send");
+    // Never read `c`. Its 16 sequences must be cancelled long before they could finish.
+    let t0 = Instant::now();
+    loop {
+        let cancelled = metric_of(&srv, "arbor_sequences_cancelled_total") - cancelled_before;
+        let running = metric_of(&srv, "arbor_running_sequences");
+        if cancelled == 16 && running == 0 && metric_of(&srv, "arbor_kv_blocks_used") == 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{cancelled} of 16 sequences cancelled, {running} running\n{}",
+            srv.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(c);
+    let v = srv.completion(&json!({"prompt": [1, 2], "max_tokens": 2}));
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().map(Vec::len),
+        Some(2)
+    );
+}
+
 /// The pid of rank `r` among arbor-launch's children.
 fn rank_pid(launcher_pid: u32, r: usize) -> String {
     let out = Command::new("pgrep")
@@ -1312,7 +1358,11 @@ fn a_dead_rank_ends_the_group() {
         let log = srv.log.clone();
         let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
         let refused = replies_are_complete_or_503(clients, max_tokens, &log_text);
-        assert!(refused > 0, "run {run}: no request saw the failure\n{}", log_text());
+        assert!(
+            refused > 0,
+            "run {run}: no request saw the failure\n{}",
+            log_text()
+        );
         let mut srv = srv;
         let t0 = Instant::now();
         let status = loop {

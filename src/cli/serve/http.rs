@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{channel, Receiver};
 
 use super::api::{parse_body, ApiError, ChatRequest, CompletionRequest, Params, PromptInput};
 use super::chat::ChatTemplate;
@@ -29,6 +29,11 @@ use super::msg::{Cmd, SeqEvent};
 use super::stats::Stats;
 use super::Args;
 use crate::cli::model_api::Runner;
+
+/// Events a stream's handler may hold unread before its sequences are cancelled: a
+/// client that does not read its stream (far past the socket's buffers) costs the server
+/// this much, not its whole output.
+pub const STREAM_BACKLOG: usize = 1024;
 
 pub struct AppState {
     tx: std::sync::mpsc::Sender<Cmd>,
@@ -223,7 +228,14 @@ impl AppState {
             ),
             ));
         }
-        let (tx, rx) = unbounded_channel();
+        // A plain response's handler reads every event as it comes (the response holds
+        // them all anyway); a stream's reads only as fast as its client does.
+        let backlog = if p.stream {
+            STREAM_BACKLOG
+        } else {
+            total.saturating_mul(p.max_tokens.saturating_add(3))
+        };
+        let (tx, rx) = channel(backlog.max(1));
         let mut choices = Vec::with_capacity(total);
         let score = p.prompt_logprobs || (p.echo && p.logprobs.is_some());
         for (pi, prompt) in prompts.into_iter().enumerate() {
@@ -345,7 +357,7 @@ impl ChoiceState {
 }
 
 pub struct Job {
-    rx: UnboundedReceiver<(usize, SeqEvent)>,
+    rx: Receiver<(usize, SeqEvent)>,
     choices: Vec<ChoiceState>,
     p: Params,
     chat: bool,
@@ -371,9 +383,19 @@ impl Job {
 
     async fn next(&mut self) -> Result<Update, ApiError> {
         let Some((i, ev)) = self.rx.recv().await else {
+            // The engine let go of every sequence without finishing some: it cancelled
+            // them because this handler fell too far behind, or it stopped.
+            let behind = self
+                .choices
+                .iter()
+                .any(|c| c.finish.is_none() && c.cancel.load(Ordering::SeqCst));
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "the engine has stopped",
+                if behind {
+                    format!("cancelled: the client left more than {STREAM_BACKLOG} events of its stream unread")
+                } else {
+                    "the engine has stopped".to_string()
+                },
             ));
         };
         let Some(c) = self.choices.get_mut(i) else {

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use arbor_collective::Communicator;
 use arbor_model::engine::{Event, PlanMsg, Scheduler, SchedulerConfig, SeqId, StepPlan};
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::mpsc::Sender;
 
 use super::http::{self, AppState};
 use super::msg::{Cmd, SeqEvent};
@@ -103,7 +104,7 @@ fn broadcast(comm: &dyn Communicator, msg: &PlanMsg) -> Result<()> {
 /// A sequence the engine runs for a handler.
 struct Live {
     tag: usize,
-    events: UnboundedSender<(usize, SeqEvent)>,
+    events: Sender<(usize, SeqEvent)>,
     cancel: Arc<AtomicBool>,
 }
 
@@ -122,8 +123,8 @@ fn engine_loop(
     let result = run_engine(runner, comm, sched, &rx, stats, drain_timeout, &mut live);
     if let Err(e) = &result {
         let msg = format!("the server stopped: {e:#}");
-        let refuse = |events: &UnboundedSender<(usize, SeqEvent)>, tag: usize| {
-            let _ = events.send((
+        let refuse = |events: &Sender<(usize, SeqEvent)>, tag: usize| {
+            let _ = events.try_send((
                 tag,
                 SeqEvent::Refused {
                     shutting_down: true,
@@ -179,7 +180,7 @@ fn run_engine(
                     cancel,
                 } => {
                     if drain_deadline.is_some() {
-                        let _ = events.send((
+                        let _ = events.try_send((
                             tag,
                             SeqEvent::Refused {
                                 shutting_down: true,
@@ -200,7 +201,7 @@ fn run_engine(
                             );
                         }
                         Err(e) => {
-                            let _ = events.send((
+                            let _ = events.try_send((
                                 tag,
                                 SeqEvent::Refused {
                                     shutting_down: false,
@@ -235,7 +236,7 @@ fn run_engine(
             for (seq, l) in live.drain() {
                 sched.cancel(seq);
                 stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                let _ = l.events.send((
+                let _ = l.events.try_send((
                     l.tag,
                     SeqEvent::Refused {
                         shutting_down: true,
@@ -259,6 +260,7 @@ fn run_engine(
         let (prompt_rows, sampled) = counts(&plan);
         stats.record_step(dt, plan.n_tokens(), prompt_rows, sampled);
         step_no += 1;
+        let mut unread = Vec::new();
         for ev in events {
             let (seq, msg) = match ev {
                 Event::Scored { seq, records } => (seq, SeqEvent::Scored(records)),
@@ -267,10 +269,23 @@ fn run_engine(
             };
             let done = matches!(msg, SeqEvent::Finished(_));
             if let Some(l) = live.get(&seq) {
-                let _ = l.events.send((l.tag, msg));
+                // Closed: the handler is gone, and the next pass cancels the sequence.
+                if let Err(TrySendError::Full(_)) = l.events.try_send((l.tag, msg)) {
+                    // Tells the handler why its sequence ends unfinished.
+                    l.cancel.store(true, Ordering::SeqCst);
+                    unread.push((seq, done));
+                }
             }
             if done {
                 live.remove(&seq);
+            }
+        }
+        // A handler this far behind has a client that does not read its stream: stop its
+        // sequences instead of holding their events (and KV) for it.
+        for (seq, done) in unread {
+            if live.remove(&seq).is_some() && !done {
+                sched.cancel(seq);
+                stats.cancelled.fetch_add(1, Ordering::Relaxed);
             }
         }
         stats.set_from(&sched);

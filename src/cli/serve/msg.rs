@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use arbor_model::engine::{Record, SeqSpec};
 use arbor_model::FinishReason;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::Sender;
 
 /// From the HTTP side to the engine loop.
 pub enum Cmd {
@@ -14,8 +14,11 @@ pub enum Cmd {
         spec: SeqSpec,
         /// Which choice of its request (events carry it back).
         tag: usize,
-        events: UnboundedSender<(usize, SeqEvent)>,
-        /// Set by the handler to stop the sequence (a stop string matched).
+        /// Bounded: a request whose handler falls that far behind (a streaming client
+        /// that does not read) has its sequences cancelled, never waited for.
+        events: Sender<(usize, SeqEvent)>,
+        /// Set by the handler to stop the sequence (a stop string matched); set by the
+        /// engine when it cancelled the sequence because `events` was full.
         cancel: Arc<AtomicBool>,
     },
     /// SIGTERM: finish what runs (up to the drain timeout), then stop.
