@@ -245,3 +245,65 @@ fn a_rank_that_dies_before_the_rendezvous_stops_the_group_quickly() {
     assert!(stderr.contains("rank 3 exited with code 7"), "{stderr}");
     assert!(took < Duration::from_secs(10), "took {took:?}");
 }
+
+/// Idle connections to the rendezvous port (anyone on the host can open them, token or
+/// not) must not keep the real rank out: 100 of them, held open, more than rank 0 handles
+/// at once, and more arriving while rank 1 joins (issue 31: the real rank was dropped,
+/// "64 handshakes already in progress", and the job never formed).
+#[test]
+fn idle_connections_cannot_keep_a_rank_out_of_the_rendezvous() {
+    let port = free_port();
+    let token = "idle-connections-test-token";
+    let start = |r: usize| {
+        let mut cmd = Command::new(ARBOR);
+        clean(&mut cmd)
+            .args(["collective-check", "--sizes", "8"])
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("ARBOR_TIMEOUT_SECS", "60")
+            .env("ARBOR_JOB_TOKEN", token)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let zero = start(0);
+    let t0 = Instant::now();
+    let mut idle = Vec::new();
+    while idle.len() < 100 {
+        match TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => idle.push(s),
+            Err(_) if idle.is_empty() && t0.elapsed() < Duration::from_secs(20) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("connection {} to rank 0: {e}", idle.len()),
+        }
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut more = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && more.len() < 200 {
+                if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
+                    more.push(s);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            more
+        })
+    };
+    let t1 = Instant::now();
+    let one = start(1).wait_with_output().unwrap();
+    let took = t1.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let out = zero.wait_with_output().unwrap();
+    drop(flood.join().unwrap());
+    drop(idle);
+    assert!(one.status.success(), "rank 1:\n{}", text(&one.stderr));
+    assert!(out.status.success(), "rank 0:\n{}", text(&out.stderr));
+    // Well within the 10 s an idle connection may take: it got in past them, not after.
+    assert!(took < Duration::from_secs(8), "rank 1 took {took:?}");
+}

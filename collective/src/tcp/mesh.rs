@@ -4,9 +4,8 @@ use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Instant;
 
-use super::gate::{auth_connect, Gate};
+use super::gate::{connect_authenticated, Gate};
 use super::link::read_error;
-use super::net::connect_until;
 use super::TcpComm;
 use crate::auth::{Purpose, Security};
 use crate::env::Timeouts;
@@ -33,14 +32,15 @@ impl TcpComm {
                 detail: format!("welcome gives rank {i} the address {addr:?}"),
             })?;
             let name = format!("rank {i} at {addr}");
-            let mut s = connect_until(rank, &[target], &name, deadline, timeouts.rendezvous)?;
-            auth_connect(
-                &mut s,
+            let mut s = connect_authenticated(
                 rank,
+                &[target],
+                &name,
                 &name,
                 Purpose::Mesh,
                 security.token.as_ref(),
                 deadline,
+                timeouts.rendezvous,
             )?;
             wire::write_msg(
                 &mut s,

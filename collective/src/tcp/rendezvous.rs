@@ -5,10 +5,10 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::gate::{auth_connect, Gate};
+use super::gate::{connect_authenticated, Gate};
 use super::link::read_error;
 use super::mesh::abort_links;
-use super::net::{connect_until, resolve, split_host_port};
+use super::net::{resolve, split_host_port};
 use super::TcpComm;
 use crate::auth::{self, Purpose, Security};
 use crate::env::{RankInfo, Timeouts};
@@ -137,7 +137,17 @@ impl TcpComm {
         let deadline = Instant::now() + timeouts.rendezvous;
         let (host, port) = split_host_port(rank, master)?;
         let addrs = resolve(rank, host, port)?;
-        let mut stream = connect_until(rank, &addrs, master, deadline, timeouts.rendezvous)?;
+        let peer0 = format!("rank 0 at {master}");
+        let mut stream = connect_authenticated(
+            rank,
+            &addrs,
+            master,
+            &peer0,
+            Purpose::Rendezvous,
+            security.token.as_ref(),
+            deadline,
+            timeouts.rendezvous,
+        )?;
         let io_err = |context: String, e: io::Error| CommError::Io {
             rank,
             context,
@@ -160,15 +170,6 @@ impl TcpComm {
             .local_addr()
             .map_err(|e| io_err("reading the data listener's port".into(), e))?
             .port();
-        let peer0 = format!("rank 0 at {master}");
-        auth_connect(
-            &mut stream,
-            rank,
-            &peer0,
-            Purpose::Rendezvous,
-            security.token.as_ref(),
-            deadline,
-        )?;
         let hello = Hello {
             world_size: world as u32,
             data_port,

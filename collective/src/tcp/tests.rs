@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Shutdown, TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::gate::{auth_connect, handshake, Handshake};
+use super::gate::{connect_authenticated, handshake, Handshake};
 use super::rendezvous::bind_rendezvous;
 use super::TcpComm;
 use crate::auth::{self, AuthChallenge, AuthHello, AuthProof, JobToken, Purpose, Security};
@@ -261,7 +261,8 @@ fn acceptor(token: Option<&str>) -> (String, thread::JoinHandle<Result<(), Strin
     let h = thread::spawn(move || {
         let (s, a) = l.accept().unwrap();
         let until = Instant::now() + Duration::from_secs(5);
-        match handshake(s, a, 0, Purpose::Rendezvous, token.as_ref(), until) {
+        let spoke = std::sync::atomic::AtomicBool::new(false);
+        match handshake(s, a, 0, Purpose::Rendezvous, token.as_ref(), until, &spoke) {
             Handshake::Passed(..) => Ok(()),
             Handshake::Refused(_, why) => Err(why),
         }
@@ -270,22 +271,22 @@ fn acceptor(token: Option<&str>) -> (String, thread::JoinHandle<Result<(), Strin
 }
 
 fn connector(addr: &str, token: Option<&str>) -> Result<(), CommError> {
-    let mut s = TcpStream::connect(addr).unwrap();
     let token = sec(token).token;
     let until = Instant::now() + Duration::from_secs(5);
-    let r = auth_connect(
-        &mut s,
+    let addrs = [addr.parse().unwrap()];
+    let mut s = connect_authenticated(
         1,
+        &addrs,
+        addr,
         "rank 0",
         Purpose::Rendezvous,
         token.as_ref(),
         until,
-    );
-    if r.is_ok() {
-        // The acceptor reads one protocol frame after the handshake.
-        wire::write_frame(&mut s, Kind::Barrier, 1, 0, 0, &[]).unwrap();
-    }
-    r
+        Duration::from_secs(5),
+    )?;
+    // The acceptor reads one protocol frame after the handshake.
+    wire::write_frame(&mut s, Kind::Barrier, 1, 0, 0, &[]).unwrap();
+    Ok(())
 }
 
 #[test]
@@ -409,16 +410,17 @@ fn wrong_world_size_from_a_real_rank_still_fails_the_group() {
         let addr = addr.clone();
         thread::spawn(move || {
             thread::sleep(Duration::from_millis(200));
-            let mut s = TcpStream::connect(&addr).unwrap();
             let token = sec(Some("k")).token;
             let until = Instant::now() + Duration::from_secs(5);
-            auth_connect(
-                &mut s,
+            let mut s = connect_authenticated(
                 2,
+                &[addr.parse().unwrap()],
+                &addr,
                 "rank 0",
                 Purpose::Rendezvous,
                 token.as_ref(),
                 until,
+                Duration::from_secs(5),
             )
             .unwrap();
             let hello = Hello {
@@ -495,4 +497,53 @@ fn a_dead_peer_fails_the_next_operation_naming_it() {
     for msg in [zero.unwrap(), rest[0].clone().unwrap()] {
         assert!(msg.contains("rank 2"), "{msg}");
     }
+}
+
+/// More idle and stalled connections than the gate handles at once, and more arriving:
+/// the real rank still joins at once (the gate drops the longest-silent ones to make room;
+/// a rank dropped unanswered connects again), well before their 10 s run out.
+#[test]
+fn idle_and_stalled_connections_cannot_keep_a_rank_out() {
+    let (l, addr) = listener();
+    let t = timeouts(30.0);
+    let zero = thread::spawn(move || TcpComm::serve(l, 2, t, &sec(Some("k"))).map(|c| c.barrier()));
+    let mut hello = Vec::new();
+    wire::write_msg(
+        &mut hello,
+        Kind::AuthHello,
+        1,
+        &AuthHello {
+            nonce: [7; 32],
+            has_token: true,
+        },
+    )
+    .unwrap();
+    let mut held = Vec::new();
+    for i in 0..140 {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        if i % 2 == 0 {
+            // Says hello, then never proves anything.
+            s.write_all(&hello).unwrap();
+        }
+        held.push(s);
+    }
+    let flood = {
+        let addr = addr.clone();
+        thread::spawn(move || {
+            (0..100)
+                .filter_map(|_| {
+                    thread::sleep(Duration::from_millis(2));
+                    TcpStream::connect(&addr).ok()
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let t0 = Instant::now();
+    let one = TcpComm::join(1, 2, &addr, t, &sec(Some("k"))).map(|c| c.barrier());
+    let took = t0.elapsed();
+    one.unwrap().unwrap();
+    zero.join().unwrap().unwrap().unwrap();
+    assert!(took < Duration::from_secs(5), "rank 1 took {took:?}");
+    drop(flood.join().unwrap());
+    drop(held);
 }
