@@ -15,6 +15,10 @@ use crate::signals;
 const POLL: Duration = Duration::from_millis(20);
 /// How long to wait for the last output of finished ranks.
 const OUTPUT_GRACE: Duration = Duration::from_secs(2);
+/// Ranks that failed by themselves within this long of the first failure seen are
+/// candidates for its cause: a peer that notices a death can exit before the kernel shows
+/// the dead rank as ended.
+const CAUSE_WINDOW: Duration = Duration::from_millis(500);
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -106,9 +110,11 @@ struct Rank {
     remote: bool,
     /// The agent's stdin of a remote rank: the rank is stopped when this closes.
     agent_stdin: Option<ChildStdin>,
-    /// arbor-launch had signalled it (forwarded a signal, or stopped it) before it ended:
-    /// a death by signal is then ours, not news.
-    signalled: bool,
+    /// The signals arbor-launch sent it (forwarded, or to stop it): a death by one of
+    /// them is ours, not news.
+    sent: Vec<i32>,
+    /// When arbor-launch saw it end.
+    ended_at: Option<Instant>,
 }
 
 impl Rank {
@@ -116,7 +122,7 @@ impl Rank {
     fn failed_by_itself(&self) -> bool {
         match self.ending {
             Some(Ending::Code(c)) => c != 0,
-            Some(Ending::Signal(_)) => !self.signalled,
+            Some(Ending::Signal(s)) => !self.sent.contains(&s),
             None => false,
         }
     }
@@ -124,8 +130,27 @@ impl Rank {
 
 /// Why the group ended early.
 enum Stop {
-    Failed { rank: usize, ending: Ending },
+    /// A rank failed by itself, first seen at this time ([`cause`] names the rank).
+    Failed(Instant),
     Signalled(i32),
+}
+
+/// The rank whose failure stopped the group, first seen at `first`: of the ranks that
+/// failed by themselves within [`CAUSE_WINDOW`] of it, one killed by a signal (its peers'
+/// exits, a broken connection, usually follow from its death, and may be seen first),
+/// then the first seen, then the lowest.
+fn cause(ranks: &[Rank], first: Instant) -> Option<&Rank> {
+    ranks
+        .iter()
+        .filter(|r| r.failed_by_itself())
+        .filter(|r| r.ended_at.is_some_and(|t| t <= first + CAUSE_WINDOW))
+        .min_by_key(|r| {
+            (
+                !matches!(r.ending, Some(Ending::Signal(_))),
+                r.ended_at,
+                r.rank,
+            )
+        })
 }
 
 /// Runs the plan to the end; returns arbor-launch's exit code.
@@ -183,19 +208,8 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
         }
         let ended = reap(&mut ranks);
         if stop.is_none() {
-            // Of the ranks found failed in one look, the one killed by a signal is named:
-            // its peers' exits (a broken connection) usually follow from its death, and
-            // one look can find both.
-            let first = ended
-                .iter()
-                .map(|&i| &ranks[i])
-                .filter(|r| r.failed_by_itself())
-                .min_by_key(|r| (!matches!(r.ending, Some(Ending::Signal(_))), r.rank));
-            if let Some(r) = first {
-                stop = Some(Stop::Failed {
-                    rank: r.rank,
-                    ending: r.ending.unwrap_or(Ending::Code(-1)),
-                });
+            if ended.iter().any(|&i| ranks[i].failed_by_itself()) {
+                stop = Some(Stop::Failed(Instant::now()));
                 kill_at = Some(Instant::now() + plan.kill_grace);
                 signal_live(&mut ranks, libc::SIGTERM);
             }
@@ -220,9 +234,12 @@ pub fn run(plan: &Plan) -> anyhow::Result<i32> {
                     if live.len() == 1 { "rank" } else { "ranks" },
                     live.join(", "),
                     plan.kill_grace.as_secs_f64(),
-                    match stop {
-                        Some(Stop::Failed { rank, .. }) => format!("rank {rank} failed"),
-                        _ => "another rank stopped".to_string(),
+                    match stop.as_ref().and_then(|s| match s {
+                        Stop::Failed(t) => cause(&ranks, *t),
+                        Stop::Signalled(_) => None,
+                    }) {
+                        Some(r) => format!("rank {} failed", r.rank),
+                        None => "another rank stopped".to_string(),
                     }
                 );
                 signal_live(&mut ranks, libc::SIGKILL);
@@ -267,6 +284,7 @@ fn reap(ranks: &mut [Rank]) -> Vec<usize> {
                     }
                 }
                 r.ending = Some(ending);
+                r.ended_at = Some(Instant::now());
                 tracing::debug!(rank = r.rank, %ending, "rank ended");
                 ended.push(i);
             }
@@ -296,7 +314,11 @@ fn stop_all(ranks: &mut [Rank], grace: Duration) {
 
 fn signal_live(ranks: &mut [Rank], sig: i32) {
     for r in ranks.iter_mut().filter(|r| r.ending.is_none()) {
-        r.signalled = true;
+        if r.remote && sig != libc::SIGKILL {
+            // The remote side stops it with SIGTERM.
+            r.sent.push(libc::SIGTERM);
+        }
+        r.sent.push(sig);
         if r.remote && sig != libc::SIGKILL {
             // [issue 8] A signal would reach the agent (ssh), not the rank; closing the
             // agent's stdin makes the remote side stop the rank with SIGTERM (see `remote`).
@@ -454,7 +476,8 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
             stderr_tail,
             remote: remote_host.is_some(),
             agent_stdin,
-            signalled: false,
+            sent: Vec::new(),
+            ended_at: None,
         },
         pumps,
     ))
@@ -477,7 +500,17 @@ fn report(ranks: &[Rank], stop: Option<Stop>) -> i32 {
     };
     match stop {
         None => 0,
-        Some(Stop::Failed { rank, ending }) => {
+        Some(Stop::Failed(first)) => {
+            // The failure that set `first` is among the ranks, so there is a cause.
+            let Some((rank, ending)) =
+                cause(ranks, first).and_then(|r| r.ending.map(|e| (r.rank, e)))
+            else {
+                eprintln!(
+                    "arbor-launch: a rank failed; stopped the others{}",
+                    others(None)
+                );
+                return 1;
+            };
             eprintln!(
                 "arbor-launch: rank {rank} {ending}; stopped the other {} rank(s){}",
                 ranks.len() - 1,
