@@ -103,6 +103,51 @@ mod tests {
         e.expect("the file should be refused")
     }
 
+    /// A non-finite weight is refused when it is read, naming the tensor and the element
+    /// (issue 31: NaN weights loaded silently and log-probs came back null).
+    #[test]
+    fn non_finite_weights_are_refused() {
+        let p = Builder::llama()
+            .tensor("blk.0.ffn_down.weight", |t| {
+                t.data[4 * 37..4 * 38].copy_from_slice(&f32::NAN.to_le_bytes())
+            })
+            .tensor("output_norm.weight", |t| {
+                t.data[4 * 3..4 * 4].copy_from_slice(&f32::INFINITY.to_le_bytes())
+            })
+            .write("nan");
+        let m = GgufModel::open(&p).expect("the file itself is well formed");
+        let _ = std::fs::remove_file(&p);
+        // Rows and columns of a matrix, and a vector.
+        for e in [
+            m.weights
+                .rows("model.layers.0.mlp.down_proj.weight", HIDDEN, FF, 0..HIDDEN),
+            m.weights
+                .cols("model.layers.0.mlp.down_proj.weight", HIDDEN, FF, 0..FF),
+        ] {
+            let e = e.err().expect("refused").to_string();
+            assert!(
+                e.contains("blk.0.ffn_down.weight")
+                    && e.contains("element 37")
+                    && e.contains("NaN"),
+                "{e}"
+            );
+        }
+        let e = m
+            .weights
+            .vector("model.norm.weight", HIDDEN, 0..HIDDEN)
+            .err();
+        let e = e.expect("refused").to_string();
+        assert!(
+            e.contains("output_norm.weight") && e.contains("element 3") && e.contains("inf"),
+            "{e}"
+        );
+        // Other tensors read as before.
+        assert!(m
+            .weights
+            .rows("model.layers.0.mlp.up_proj.weight", FF, HIDDEN, 0..FF)
+            .is_ok());
+    }
+
     #[test]
     fn the_test_model_opens_with_its_tokenizer_and_template() {
         let p = Builder::llama().write("ok");

@@ -190,15 +190,32 @@ impl GgufWeights {
         &self.file.data(info)[row * rb..(row + 1) * rb]
     }
 
+    /// Appends the values of `bytes` (whole blocks of type `ty`, starting at element
+    /// `first` of the tensor in file order) to `out`. A value that is not finite is
+    /// refused, naming the tensor and the element: it would make every log-prob that
+    /// depends on it NaN.
     fn dequant(
         &self,
         src: &Source,
         ty: GgmlType,
         bytes: &[u8],
+        first: usize,
         scratch: &mut Vec<f32>,
         out: &mut Vec<bf16>,
     ) -> MResult<()> {
-        dequant::dequantize_bf16(ty, bytes, scratch, out).map_err(|m| self.err(&src.gguf, m))
+        let from = out.len();
+        dequant::dequantize_bf16(ty, bytes, scratch, out).map_err(|m| self.err(&src.gguf, m))?;
+        match out[from..].iter().position(|v| !v.is_finite()) {
+            None => Ok(()),
+            Some(j) => Err(self.err(
+                &src.gguf,
+                format!(
+                    "element {} (in file order) is {}; the weights must be finite in bf16",
+                    first + j,
+                    out[from + j]
+                ),
+            )),
+        }
     }
 
     /// Rows `rows` (all columns) of the `[n, k]` matrix `name`, in HF row order.
@@ -213,6 +230,7 @@ impl GgufWeights {
                 src,
                 info.ty,
                 self.row_bytes(info, k, g),
+                g * k,
                 &mut scratch,
                 &mut out,
             )?;
@@ -236,7 +254,7 @@ impl GgufWeights {
             let g = src.permuted_head_dim.map_or(r, |hd| permuted_row(r, hd));
             let bytes = &self.row_bytes(info, k, g)[b0 * bb..b1 * bb];
             row.clear();
-            self.dequant(src, info.ty, bytes, &mut scratch, &mut row)?;
+            self.dequant(src, info.ty, bytes, g * k + b0 * be, &mut scratch, &mut row)?;
             out.extend_from_slice(&row[skip..skip + cols.len()]);
         }
         Ok(out)
@@ -248,7 +266,14 @@ impl GgufWeights {
         let (src, info) = self.get(name, &[len])?;
         let mut all = Vec::with_capacity(len);
         let mut scratch = Vec::new();
-        self.dequant(src, info.ty, self.file.data(info), &mut scratch, &mut all)?;
+        self.dequant(
+            src,
+            info.ty,
+            self.file.data(info),
+            0,
+            &mut scratch,
+            &mut all,
+        )?;
         Ok(range
             .map(|i| {
                 let g = src.permuted_head_dim.map_or(i, |hd| permuted_row(i, hd));
