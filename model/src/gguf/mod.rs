@@ -124,7 +124,7 @@ mod tests {
             m.weights
                 .cols("model.layers.0.mlp.down_proj.weight", HIDDEN, FF, 0..FF),
         ] {
-            let e = e.err().expect("refused").to_string();
+            let e = e.expect_err("refused").to_string();
             assert!(
                 e.contains("blk.0.ffn_down.weight")
                     && e.contains("element 37")
