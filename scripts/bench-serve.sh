@@ -22,7 +22,7 @@ l8b_model "$OUT/serve-make.log"
 for num in invariant fast; do
     # shellcheck disable=SC2086 # EXTRA is a list of flags on purpose
     step "serve $num" "$OUT/serve-$num.log" 260 "$ARBOR" bench serve --model "$L8B" --device cuda \
-        --requests "$REQUESTS" --clients "$CLIENTS" --prompt-len "$PROMPTS" --output-len "$OUTPUTS" \
+        --requests "$REQUESTS" --concurrency "$CLIENTS" --prompt-len "$PROMPTS" --output-len "$OUTPUTS" \
         --repeat "$REPEATS" --temperature 0.8 --server-args "--numerics $num ${EXTRA:-}" \
         --json "$OUT/serve-$num.json"
     grep -E "listening|capacity|KV cache|^requests|^throughput|^TTFT|^inter-token|^end-to-end|^distinct" \
