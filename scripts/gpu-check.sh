@@ -2,7 +2,7 @@
 # The GPU check of the CUDA backend, in one device call. Run ON the GPU machine from the repo
 # root, with binaries staged by scripts/build-device.sh (device tool: carry [".device"]):
 #
-#   scripts/gpu-check.sh [smoke|full|timing]      (default: full)
+#   scripts/gpu-check.sh [smoke|full|timing|shared]      (default: full)
 #
 # smoke: nvidia-smi, the GPU kernel tests (NVRTC compile of every kernel for the device's
 #        arch, bit-identity across batch / TP split / prefill-decode), the model tests (CPU vs
@@ -17,6 +17,22 @@
 #        with decode steps from CUDA graphs vs op by op (byte-identical), then decode
 #        timing at the largest TP (this run's GEMM vs the simple kernel).
 # timing: only the llama3-8b-shape decode timing, at every TP in $TPS.
+# shared: every TP size in $TPS (default 1,2,4,8) on whatever GPUs there are, with
+#        ARBOR_RANKS_PER_GPU=auto exported for every launch: on one GPU all ranks share it
+#        (collectives staged through the host); on >= 8 GPUs one rank per GPU, the normal
+#        path. Parts ($PARTS, default tests,tiny,l8b,serve,ipc,extra, run in that order while
+#        the budget lasts): tests = the GPU kernel and model tests (as in smoke);
+#        tiny = without the flag TP 2 on one GPU is refused naming it, tiny
+#        generate at each TP, `check` greedy and seeded at TP $TPS x batch 1,8,32;
+#        l8b = `check` greedy on the llama3-8b shape at TP $TPS x batch $L8B_BATCH (default
+#        1,8; L8B_PROMPTS default 4, L8B_TOKENS 32); serve = `arbor serve` at TP 4 under
+#        concurrent load, a request alone == under load (scripts/serve-alone-vs-load.py),
+#        then `arbor bench serve`; ipc (only where ranks share a GPU) = `bench allreduce` at
+#        TP 2 and 8 with the one-shot / two-shot IPC kernels next to the host-staged tree
+#        (watchdog $IPC_SPIN_MS ms), and tiny decode at TP 4 and 8 with
+#        ARBOR_GPU_ALLREDUCE=oneshot vs the default (records identical, step times);
+#        extra = the tiny temperature / top-k checks, graphs vs op by op and --shadow-tp1
+#        at the largest TP, then the llama3-8b seeded check, graphs vs op by op, shadow.
 #
 # Prints the unique-output / divergence tables LAST; full logs go to $OUT (default
 # ./gpu-check-out): summary.txt, tests.log, tiny.log, l8b.log, reports.tar.
@@ -29,9 +45,29 @@ cd "$(dirname "$0")/.."
 MODE=${1:-full}
 OUT=${OUT:-./gpu-check-out}
 BIN=${ARBOR_DEVICE_DIR:-.device}
+if [[ $MODE == shared ]]; then
+    TPS=${TPS:-1,2,4,8}
+    L8B_PROMPTS=${L8B_PROMPTS:-4}
+    L8B_TOKENS=${L8B_TOKENS:-32}
+    L8B_BATCH=${L8B_BATCH:-1,8}
+    PARTS=${PARTS:-tests,tiny,l8b,serve,ipc,extra}
+    IPC_SPIN_MS=${IPC_SPIN_MS:-10000}
+    # Every launch below, arbor check's included, inherits it: ranks share a GPU only
+    # where there are fewer GPUs than ranks.
+    export ARBOR_RANKS_PER_GPU=auto
+elif [[ $MODE != smoke && $MODE != full && $MODE != timing ]]; then
+    echo "gpu-check: unknown mode '$MODE' (smoke, full, timing or shared)" >&2
+    exit 2
+fi
 TPS=${TPS:-1,2,4}
 L8B_PROMPTS=${L8B_PROMPTS:-8}
 L8B_TOKENS=${L8B_TOKENS:-64}
+PARTS=${PARTS:-}
+CHECK_BATCH=${CHECK_BATCH:-1,8,32}
+part() { [[ ,$PARTS, == *,$1,* ]]; }
+if [[ $MODE == shared ]] && ! part l8b && ! part extra; then
+    SKIP_L8B=1
+fi
 L8B_DIR=${L8B_DIR:-/tmp/arbor-l8b}
 BUDGET_S=${BUDGET_S:-570}
 WORK=${WORK:-/tmp/arbor-gpu-check}
@@ -54,6 +90,8 @@ source scripts/device-lib.sh
 TESTS_LOG=$OUT/tests.log
 TINY_LOG=$OUT/tiny.log
 L8B_LOG=$OUT/l8b.log
+SERVE_LOG=$OUT/serve.log
+IPC_LOG=$OUT/ipc.log
 REPORTS=$WORK/reports
 rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
@@ -61,7 +99,7 @@ mkdir -p "$REPORTS"
 {
     echo "gpu-check $MODE on $(hostname) at $(date -u +%FT%TZ)"
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE ARBOR_GPU_ALLREDUCE=${ARBOR_GPU_ALLREDUCE:-auto (default)} ARBOR_GPU_GEMM=${ARBOR_GPU_GEMM:-auto (default)}"
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>} NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE ARBOR_GPU_ALLREDUCE=${ARBOR_GPU_ALLREDUCE:-auto (default)} ARBOR_GPU_GEMM=${ARBOR_GPU_GEMM:-auto (default)} ARBOR_RANKS_PER_GPU=${ARBOR_RANKS_PER_GPU:-<unset>}"
 } 2>&1 | tee -a "$SUMMARY"
 
 # The 8B model is written by the CPU while the GPU tests and the tiny checks run.
@@ -84,9 +122,9 @@ elif [[ -f $L8B_OK ]]; then
 fi
 
 # --- tests: kernels (NVRTC + invariance on the GPU) and model (CPU vs GPU, prefill == decode)
-[[ $MODE == timing ]] || step "kernel tests (NVRTC sm_90a compile, bit-identity on GPU)" "$TESTS_LOG" 120 \
+[[ $MODE == timing ]] || { [[ $MODE == shared ]] && ! part tests; } || step "kernel tests (NVRTC sm_90a compile, bit-identity on GPU)" "$TESTS_LOG" 120 \
     "$BIN/tests/kernels-gpu" --test-threads=1 --nocapture cuda::
-[[ $MODE == timing ]] || step "model tests (CPU vs GPU logits, prefill == decode, batch)" "$TESTS_LOG" 180 \
+[[ $MODE == timing ]] || { [[ $MODE == shared ]] && ! part tests; } || step "model tests (CPU vs GPU logits, prefill == decode, batch)" "$TESTS_LOG" 180 \
     "$BIN/tests/model-gpu" --test-threads=1 --nocapture
 grep -s -h -o "CPU vs GPU logits (.*" "$TESTS_LOG" | tee -a "$SUMMARY"
 # On the GPU machine a skipped GPU test means the GPU was not used: that is a failure.
@@ -129,15 +167,32 @@ graphs_vs_eager() {
     fi
 }
 
-run_check() { # run_check NAME LOG MODEL TIMEOUT EXTRA...
+run_check() { # run_check NAME LOG MODEL TIMEOUT EXTRA... (batches: $CHECK_BATCH)
     local name=$1 log=$2 model=$3 limit=$4
     shift 4
     step "check $name" "$log" "$limit" "$ARBOR" check --model "$model" --device cuda \
-        --tp "$TPS" --batch 1,8,32 --json "$REPORTS/$name.json" "$@"
+        --tp "$TPS" --batch "$CHECK_BATCH" --json "$REPORTS/$name.json" "$@"
+}
+
+# wait_l8b: waits (within the budget) for the background make of the llama3-8b model.
+wait_l8b() {
+    [[ -n $MAKE_PID ]] || return 0
+    local left=$((BUDGET_S - $(elapsed)))
+    if ((left > 30)); then
+        (sleep "$left"; kill "$MAKE_PID" 2>/dev/null) &
+        local waiter=$!
+        wait "$MAKE_PID"
+        kill "$waiter" 2>/dev/null
+    else
+        kill "$MAKE_PID" 2>/dev/null
+    fi
+    cat "$WORK/make-l8b.log" >>"$L8B_LOG" 2>/dev/null
+    note "make llama3-8b: $(tail -n 1 "$WORK/make-l8b.log" 2>/dev/null) (at $(elapsed) s)"
+    MAKE_PID=
 }
 
 # --- tiny model
-if [[ $MODE != timing ]]; then
+if [[ $MODE != timing && $MODE != shared ]]; then
     TINY=$WORK/tiny
     rm -rf "$TINY"
     step "make tiny model" "$TINY_LOG" 60 "$ARBOR" make-model --out "$TINY"
@@ -168,21 +223,14 @@ if [[ $MODE != timing ]]; then
     fi
 fi
 
+# --- shared: every TP on the GPUs there are (ranks share a GPU where needed)
+[[ $MODE == shared ]] && source scripts/gpu-check-shared.sh
+
 # --- llama3-8b-shape model
-if [[ -n $MAKE_PID ]]; then
-    left=$((BUDGET_S - $(elapsed)))
-    if ((left > 30)); then
-        (sleep "$left"; kill "$MAKE_PID" 2>/dev/null) &
-        waiter=$!
-        wait "$MAKE_PID"
-        kill "$waiter" 2>/dev/null
-    else
-        kill "$MAKE_PID" 2>/dev/null
-    fi
-    cat "$WORK/make-l8b.log" >>"$L8B_LOG" 2>/dev/null
-    note "make llama3-8b: $(tail -n 1 "$WORK/make-l8b.log" 2>/dev/null) (at $(elapsed) s)"
-fi
-if [[ ${SKIP_L8B:-0} == 1 ]]; then
+[[ $MODE == shared ]] || wait_l8b
+if [[ $MODE == shared ]]; then
+    :
+elif [[ ${SKIP_L8B:-0} == 1 ]]; then
     note "SKIP  llama3-8b (SKIP_L8B=1)"
 elif [[ -f $L8B_OK ]]; then
     vocab=$(grep -o '"vocab_size": *[0-9]*' "$L8B_DIR/config.json" | grep -o '[0-9]*$')
@@ -222,7 +270,7 @@ tar -C "$WORK" -cf "$OUT/reports.tar" reports 2>/dev/null
 echo
 echo "==================== gpu-check $MODE: results (TP $TPS; $(elapsed) s) ===================="
 cat "$SUMMARY"
-for log in "$TINY_LOG" "$L8B_LOG"; do
+for log in "$TINY_LOG" "$L8B_LOG" "$SERVE_LOG" "$IPC_LOG"; do
     [[ -f $log ]] || continue
     # Each check's table: from its "N prompts x M configurations" line through RESULT.
     awk '/^=== check /{name=$3} /prompts x [0-9]+ configurations/{p=1; print "\n--- " name} p{print} /^RESULT:/{p=0}' "$log" |

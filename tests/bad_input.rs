@@ -256,6 +256,46 @@ fn make_model_refuses_a_non_empty_dir() {
 
 /// Only rank 1 gets a broken model: rank 0 loads fine and waits for it in the first
 /// collective; the group must still end promptly, with rank 1's error shown.
+/// A bad `--ranks-per-gpu` value set by hand (as under mpirun) is named before any GPU is
+/// touched, on a machine with or without one; `arbor check` passes its flag on to
+/// arbor-launch, whose refusal it shows.
+#[test]
+fn bad_ranks_per_gpu_values_are_named() {
+    let model = pristine();
+    let o = std::process::Command::new(launcher())
+        .args(["-n", "2", "--"])
+        .arg(arbor())
+        .args([
+            "generate", "--device", "cuda", "--prompt", "hello", "--model",
+        ])
+        .arg(model)
+        .env("ARBOR_RANKS_PER_GPU", "zero")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("ARBOR_RANKS_PER_GPU=\"zero\""), "{err}");
+    let o = run_arbor(&[
+        "check",
+        "--model",
+        model.to_str().unwrap(),
+        "--tp",
+        "2",
+        "--batch",
+        "1",
+        "--ranks-per-gpu=-3",
+        "--launcher",
+        launcher().to_str().unwrap(),
+    ]);
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}{err}");
+    assert!(
+        err.contains("--ranks-per-gpu") && err.contains("\"-3\""),
+        "{err}"
+    );
+}
+
 #[test]
 fn one_failing_rank_does_not_hang_the_others() {
     let s = Scratch::new("bad-one-rank");

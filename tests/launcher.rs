@@ -118,6 +118,58 @@ fn environment_passes_through_and_options_apply() {
     assert_eq!(text(&out.stdout), "[rank 0] r0\n");
 }
 
+/// `--ranks-per-gpu` reaches every rank as ARBOR_RANKS_PER_GPU (the variable the ranks'
+/// device map reads), over an inherited value; without the flag an inherited value passes
+/// through (set by hand, as under mpirun); a bad value stops the launch before any rank.
+#[test]
+fn ranks_per_gpu_reaches_every_rank() {
+    assert_eq!(
+        arbor_launch::RANKS_PER_GPU_ENV,
+        arbor_collective::device_map::RANKS_PER_GPU_ENV
+    );
+    let run = |flag: Option<&str>, inherited: Option<&str>| {
+        let mut cmd = Command::new(LAUNCH);
+        cmd.args(["-n", "4"]);
+        if let Some(f) = flag {
+            cmd.args(["--ranks-per-gpu", f]);
+        }
+        cmd.args([
+            "--",
+            "sh",
+            "-c",
+            "echo \"$LOCAL_RANK ${ARBOR_RANKS_PER_GPU-unset}\"",
+        ]);
+        match inherited {
+            Some(v) => cmd.env("ARBOR_RANKS_PER_GPU", v),
+            None => cmd.env_remove("ARBOR_RANKS_PER_GPU"),
+        };
+        let out = cmd.stdin(Stdio::null()).output().unwrap();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    for (flag, inherited, want) in [
+        (Some("4"), None, "4"),
+        (Some("auto"), Some("2"), "auto"),
+        (None, Some("2"), "2"),
+        (None, None, "unset"),
+    ] {
+        let (code, stdout, stderr) = run(flag, inherited);
+        assert_eq!(code, Some(0), "{stderr}");
+        for r in 0..4 {
+            assert!(
+                stdout.contains(&format!("[rank {r}] {r} {want}\n")),
+                "{flag:?} {inherited:?}: {stdout}"
+            );
+        }
+    }
+    let (code, stdout, stderr) = run(Some("0"), None);
+    assert_eq!(code, Some(2), "{stdout}{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(
+        stderr.contains("--ranks-per-gpu") && stderr.contains("\"auto\""),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_crashing_rank_stops_everyone_quickly_and_is_named() {
     // A 20 s SIGKILL grace: finishing within 10 s shows that SIGTERM stopped the others.

@@ -42,6 +42,7 @@ pub struct RankInfo {
 }
 
 /// The variable names of one launcher family.
+#[derive(Debug, PartialEq, Eq)]
 struct Family {
     name: &'static str,
     rank: &'static str,
@@ -91,28 +92,36 @@ fn parse_usize(var: &str, v: &str) -> Result<usize, CommError> {
         .map_err(|_| config(format!("{var}={v:?} is not a non-negative integer")))
 }
 
-impl RankInfo {
-    /// Reads the process environment (see the module docs).
-    pub fn from_env() -> Result<RankInfo, CommError> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+/// Where this process sits among the ranks, without the rendezvous address: what the GPU
+/// choice needs (see [`crate::device_map`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    family: &'static Family,
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+}
+
+impl Position {
+    /// Reads the launcher's variables; `None` when none are set (a single rank).
+    pub fn from_env() -> Result<Option<Position>, CommError> {
+        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        Self::from_lookup(&get)
     }
 
-    /// Like [`RankInfo::from_env`] over any variable lookup (tests pass a map).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<RankInfo, CommError> {
-        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+    /// The variable the local rank came from (for messages).
+    pub fn local_rank_var(&self) -> &'static str {
+        self.family.local_rank
+    }
+
+    /// `get` returns `None` for unset and for blank variables.
+    fn from_lookup(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Position>, CommError> {
         let Some(fam) = FAMILIES
             .iter()
             .find(|f| get(f.rank).is_some() || get(f.size).is_some())
         else {
-            return Ok(RankInfo {
-                rank: 0,
-                world_size: 1,
-                local_rank: 0,
-                local_world_size: 1,
-                master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
-                master_port: DEFAULT_MASTER_PORT,
-                source: "default",
-            });
+            return Ok(None);
         };
         let need = |var: &str| -> Result<usize, CommError> {
             let v = get(var).ok_or_else(|| {
@@ -144,7 +153,7 @@ impl RankInfo {
             None => rank,
         };
         let local_world_size = if fam.name == "slurm" {
-            slurm_local_size(&get, world_size)?
+            slurm_local_size(get, world_size)?
         } else {
             match get(fam.local_size) {
                 Some(v) => parse_usize(fam.local_size, &v)?,
@@ -163,6 +172,44 @@ impl RankInfo {
                 fam.local_rank
             )));
         }
+        Ok(Some(Position {
+            family: fam,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        }))
+    }
+}
+
+impl RankInfo {
+    /// Reads the process environment (see the module docs).
+    pub fn from_env() -> Result<RankInfo, CommError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Like [`RankInfo::from_env`] over any variable lookup (tests pass a map).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<RankInfo, CommError> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let Some(Position {
+            family,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        }) = Position::from_lookup(&get)?
+        else {
+            return Ok(RankInfo {
+                rank: 0,
+                world_size: 1,
+                local_rank: 0,
+                local_world_size: 1,
+                master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+                master_port: DEFAULT_MASTER_PORT,
+                source: "default",
+            });
+        };
+        let fam = family;
         let all_local = local_world_size == world_size;
         let master_addr = match get("MASTER_ADDR") {
             Some(a) => a.trim().to_string(),
@@ -374,6 +421,34 @@ mod tests {
             (i.rank, i.local_rank, i.local_world_size, i.source),
             (2, 0, 2, "pmi")
         );
+    }
+
+    /// The GPU choice reads only the positions: a group spanning hosts without
+    /// MASTER_ADDR (fine under mpirun, whose transport needs none) still gets them, with
+    /// the name of the local-rank variable for messages.
+    #[test]
+    fn positions_need_no_rendezvous_address() {
+        let vars: HashMap<String, String> = [
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let get = |k: &str| vars.get(k).cloned();
+        assert!(
+            RankInfo::from_lookup(get).is_err(),
+            "MASTER_ADDR is needed there"
+        );
+        let p = Position::from_lookup(&get).unwrap().unwrap();
+        assert_eq!(
+            (p.rank, p.world_size, p.local_rank, p.local_world_size),
+            (5, 8, 1, 4)
+        );
+        assert_eq!(p.local_rank_var(), "OMPI_COMM_WORLD_LOCAL_RANK");
+        assert_eq!(Position::from_lookup(&|_: &str| None).unwrap(), None);
     }
 
     #[test]

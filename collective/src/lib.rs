@@ -11,6 +11,7 @@
 
 pub mod auth;
 pub mod comm;
+pub mod device_map;
 mod engine;
 pub mod env;
 mod error;
@@ -52,6 +53,22 @@ pub fn init_from_env() -> Result<(Arc<dyn Communicator>, RankInfo), CommError> {
     let security = Security::from_env()?;
     let comm = connect(&info, timeouts, &security)?;
     Ok((comm, info))
+}
+
+/// A second group of `parent`'s ranks over TCP sockets of its own, for traffic sent from
+/// another thread than `parent`'s (see [`tcp::TcpComm::side_channel`]); the rendezvous
+/// host, timeouts and job token come from the same variables as [`init_from_env`]'s.
+/// Collective: every rank of `parent` calls it.
+pub fn side_channel(parent: &dyn Communicator) -> Result<Arc<dyn Communicator>, CommError> {
+    if parent.world_size() == 1 {
+        return Ok(Arc::new(SingleComm));
+    }
+    let info = RankInfo::from_env()?;
+    let timeouts = Timeouts::from_env()?;
+    let security = Security::from_env()?;
+    Ok(Arc::new(TcpComm::side_channel(
+        parent, &info, timeouts, &security,
+    )?))
 }
 
 /// Like [`init_from_env`] with the rank, timeouts and security settings given.

@@ -22,6 +22,13 @@ struct Signal {
     u32 mid[ARBOR_MAX_BLOCKS][ARBOR_MAX_RANKS];
     u32 calls;  // completed calls of the IPC kernels on this rank
     u32 done;   // blocks of the running call that have finished
+    // Watchdog (set by the host once, before any call): a barrier gives up after waiting
+    // this long for a peer (0: waits for ever) and writes 1 + that peer into `stalled`.
+    // For ranks time-sliced on one GPU, where a peer's kernel may not run for a while;
+    // the host reads `stalled` after the step and fails it (its outputs are garbage).
+    u64 spin_limit_ns;
+    u32 stalled;
+    u32 pad;
 };
 
 // Base addresses of every rank's registered allocation, in this process's address space.
@@ -39,6 +46,12 @@ __device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
     return v;
 }
 
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 __device__ __forceinline__ Signal* sig_of(const Peers& peers, int r) {
     return reinterpret_cast<Signal*>(peers.base[r]);
 }
@@ -46,6 +59,7 @@ __device__ __forceinline__ Signal* sig_of(const Peers& peers, int r) {
 // Block-level barrier with the same block index on every rank. The block's earlier writes
 // are released (bar.sync then st.release.sys is cumulative), the peers' are acquired.
 // Flags only grow, so a fast peer that already wrote the next call's flag still passes.
+// With a spin limit (the watchdog), a wait that exceeds it ends and is recorded.
 __device__ __forceinline__ void block_barrier(const Peers& peers, int rank, int world,
                                               bool mid, u32 flag) {
     __syncthreads();
@@ -56,7 +70,18 @@ __device__ __forceinline__ void block_barrier(const Peers& peers, int rank, int 
         u32* out = mid ? &remote->mid[blockIdx.x][rank] : &remote->start[blockIdx.x][rank];
         const u32* in = mid ? &self->mid[blockIdx.x][p] : &self->start[blockIdx.x][p];
         st_release_sys(out, flag);
-        while ((int)(ld_acquire_sys(in) - flag) < 0) {
+        const u64 limit = self->spin_limit_ns;
+        if (limit == 0) {
+            while ((int)(ld_acquire_sys(in) - flag) < 0) {
+            }
+        } else {
+            const u64 t0 = global_ns();
+            while ((int)(ld_acquire_sys(in) - flag) < 0) {
+                if (global_ns() - t0 > limit) {
+                    atomicCAS(&self->stalled, 0u, (u32)p + 1u);
+                    break;
+                }
+            }
         }
     }
     __syncthreads();

@@ -38,7 +38,8 @@ pub enum Output {
     about = "Start one process per rank of a tensor-parallel group (torchrun/mpirun style)",
     long_about = "Start one process per rank of a tensor-parallel group (torchrun/mpirun style).\n\n\
         Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and \
-        MASTER_PORT in its environment, on top of everything arbor-launch inherited \
+        MASTER_PORT in its environment (and ARBOR_RANKS_PER_GPU with --ranks-per-gpu), \
+        on top of everything arbor-launch inherited \
         (NCCL_*, CUDA_*, RUST_LOG ... pass through untouched), and ARBOR_JOB_TOKEN: a \
         fresh random secret per job (unless ARBOR_JOB_TOKEN or ARBOR_JOB_TOKEN_FILE is \
         already set), so that only this job's ranks can join its rendezvous. Output lines are prefixed \
@@ -108,6 +109,14 @@ pub struct Args {
     #[arg(long)]
     pub no_prefix: bool,
 
+    /// Let N ranks share each GPU, or `auto`: as many per GPU as it takes to place this
+    /// host's ranks on its visible GPUs (one each where there are enough). Sets
+    /// ARBOR_RANKS_PER_GPU for every rank, which then takes GPU LOCAL_RANK / N. For checking
+    /// TP 2, 4, 8 with fewer GPUs: the collectives of ranks that share a GPU go through the
+    /// host, so it is slow. Without it, more ranks than GPUs on a host is an error.
+    #[arg(long, value_name = "N|auto", value_parser = parse_ranks_per_gpu)]
+    pub ranks_per_gpu: Option<String>,
+
     /// Seconds between SIGTERM and SIGKILL when stopping the ranks after one failed; after a
     /// forwarded signal, the seconds the other ranks get to follow the first that ended.
     #[arg(long, value_name = "SECS", default_value_t = 3.0)]
@@ -116,6 +125,23 @@ pub struct Args {
     /// The program each rank runs, and its arguments (after "--").
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<OsString>,
+}
+
+/// The variable `--ranks-per-gpu` sets (read by arbor's `device_map`).
+pub const RANKS_PER_GPU_ENV: &str = "ARBOR_RANKS_PER_GPU";
+
+/// `--ranks-per-gpu`: a whole number of at least 1, or `auto` (as the ranks parse it).
+fn parse_ranks_per_gpu(s: &str) -> Result<String, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("auto") {
+        return Ok("auto".into());
+    }
+    match t.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n.to_string()),
+        _ => Err(format!(
+            "{s:?} is not a number of ranks per GPU (1 or more) or \"auto\""
+        )),
+    }
 }
 
 /// Entry point of the `arbor-launch` binary; returns the process exit code.
@@ -219,6 +245,7 @@ pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
         kill_grace: Duration::from_secs_f64(args.kill_grace),
         job_token,
         bind_all: args.bind_all,
+        ranks_per_gpu: args.ranks_per_gpu.clone(),
     })
 }
 
@@ -335,6 +362,29 @@ mod tests {
         assert_eq!(p.world_size, 4);
         assert_ne!(p.master_port, 0);
         assert!(Args::try_parse_from(["arbor-launch", "-n", "2"]).is_err());
+    }
+
+    #[test]
+    fn ranks_per_gpu_takes_a_count_or_auto() {
+        let p = |v: &[&str]| Args::try_parse_from(v).map(|a| a.ranks_per_gpu);
+        assert_eq!(p(&["l", "-n", "2", "--", "x"]).unwrap(), None);
+        assert_eq!(
+            p(&["l", "-n", "8", "--ranks-per-gpu", "8", "--", "x"]).unwrap(),
+            Some("8".into())
+        );
+        assert_eq!(
+            p(&["l", "-n", "8", "--ranks-per-gpu", "AUTO", "--", "x"]).unwrap(),
+            Some("auto".into())
+        );
+        for bad in ["0", "-2", "two", ""] {
+            let flag = format!("--ranks-per-gpu={bad}");
+            let e = p(&["l", "-n", "2", &flag, "--", "x"])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--ranks-per-gpu"), "{bad}: {e}");
+        }
+        let a = args(&["l", "-n", "4", "--ranks-per-gpu", "auto", "--", "x"]);
+        assert_eq!(plan(&a).unwrap().ranks_per_gpu.as_deref(), Some("auto"));
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct Plan {
     pub job_token: Option<JobToken>,
     /// Ranks listen on every interface (ARBOR_BIND_ALL=1).
     pub bind_all: bool,
+    /// `--ranks-per-gpu`: ARBOR_RANKS_PER_GPU for every rank.
+    pub ranks_per_gpu: Option<String>,
 }
 
 /// The job's secret; kept out of `Debug` output so that no log of a plan shows it.
@@ -347,6 +349,9 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
     ];
     if plan.bind_all {
         rank_env.push(("ARBOR_BIND_ALL", "1".to_string()));
+    }
+    if let Some(n) = &plan.ranks_per_gpu {
+        rank_env.push((crate::RANKS_PER_GPU_ENV, n.clone()));
     }
     // [issue 8] A rank on another host: the agent runs it there, its variables on the
     // command line; the agent's stdin is a pipe held until the rank ends.

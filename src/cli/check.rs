@@ -39,6 +39,11 @@ pub struct Args {
     /// The arbor-launch binary (default: next to this executable).
     #[arg(long)]
     pub launcher: Option<PathBuf>,
+    /// Passed to arbor-launch: let N ranks share each GPU, or `auto` (as many as it takes,
+    /// one per GPU where there are enough), so that every TP size runs on fewer GPUs, with
+    /// the collectives staged through the host (see `arbor-launch --help`).
+    #[arg(long, value_name = "N|auto", value_parser = common::parse_ranks_per_gpu)]
+    pub ranks_per_gpu: Option<String>,
     /// Also write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -141,14 +146,22 @@ impl Launcher {
         Ok(common::find_launcher(None).map_or(Launcher::InProcess, Launcher::External))
     }
 
-    /// Runs `arbor <sub_args>` as `tp` ranks; the error holds the ranks' stderr.
-    fn run(&self, tp: usize, sub_args: &[OsString], what: &str) -> Result<()> {
+    /// Runs `arbor <sub_args>` as `tp` ranks (with `launch_args` for arbor-launch); the
+    /// error holds the ranks' stderr.
+    fn run(
+        &self,
+        tp: usize,
+        launch_args: &[OsString],
+        sub_args: &[OsString],
+        what: &str,
+    ) -> Result<()> {
         let arbor = std::env::current_exe().context("cannot find the path of this executable")?;
         match self {
             Launcher::External(launcher) => {
                 let out = Command::new(launcher)
                     .arg("-n")
                     .arg(tp.to_string())
+                    .args(launch_args)
                     .arg("--")
                     .arg(&arbor)
                     .args(sub_args)
@@ -160,12 +173,10 @@ impl Launcher {
                 }
             }
             Launcher::InProcess => {
-                let mut argv: Vec<OsString> = vec![
-                    "arbor-launch".into(),
-                    "-n".into(),
-                    tp.to_string().into(),
-                    "--".into(),
-                ];
+                let mut argv: Vec<OsString> =
+                    vec!["arbor-launch".into(), "-n".into(), tp.to_string().into()];
+                argv.extend(launch_args.iter().cloned());
+                argv.push("--".into());
                 argv.push(arbor.into_os_string());
                 argv.extend(sub_args.iter().cloned());
                 let args = <arbor_launch::Args as clap::Parser>::try_parse_from(argv)
@@ -239,6 +250,10 @@ pub fn run_check(args: &Args) -> Result<Report> {
         );
     }
     let launcher = Launcher::find(args.launcher.as_deref())?;
+    let launch_args: Vec<OsString> = match &args.ranks_per_gpu {
+        Some(n) => vec!["--ranks-per-gpu".into(), n.into()],
+        None => Vec::new(),
+    };
     let work = WorkDir::new(args.keep_dir.as_deref())?;
     let prompts = match &args.prompts {
         Some(p) => p.clone(),
@@ -265,10 +280,13 @@ pub fn run_check(args: &Args) -> Result<Report> {
         }
     }
     eprintln!(
-        "arbor check: {} configurations, {} new tokens, {sampling}, device {}",
+        "arbor check: {} configurations, {} new tokens, {sampling}, device {}{}",
         configs.len(),
         args.max_tokens,
-        args.device.as_str()
+        args.device.as_str(),
+        args.ranks_per_gpu
+            .as_ref()
+            .map_or(String::new(), |n| format!(", {n} ranks per GPU"))
     );
 
     let mut runs = Vec::with_capacity(configs.len());
@@ -312,7 +330,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
         ];
         eprint!("[{:>2}/{}] {name:<16} generate ... ", i + 1, configs.len());
         let t0 = Instant::now();
-        launcher.run(tp, &sub, &format!("generate at {name}"))?;
+        launcher.run(tp, &launch_args, &sub, &format!("generate at {name}"))?;
         eprintln!("ok ({:.1} s)", t0.elapsed().as_secs_f64());
         runs.push(ConfigRun {
             name,
@@ -341,7 +359,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
     ];
     eprint!("[score] TP=1 batch={max_batch:<8} score ... ");
     let t0 = Instant::now();
-    launcher.run(1, &sub, "score at TP=1")?;
+    launcher.run(1, &launch_args, &sub, "score at TP=1")?;
     eprintln!("ok ({:.1} s)", t0.elapsed().as_secs_f64());
     let scores = read_records::<ScoreRecord>(&score_out)?;
 

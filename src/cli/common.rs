@@ -123,6 +123,37 @@ impl SamplingArgs {
     }
 }
 
+/// `--ranks-per-gpu N|auto` of the commands that start arbor-launch, checked here so that a
+/// bad value fails before anything starts.
+pub fn parse_ranks_per_gpu(s: &str) -> std::result::Result<String, String> {
+    use arbor_collective::device_map::RanksPerGpu;
+    match RanksPerGpu::parse(Some(s)) {
+        Ok(RanksPerGpu::Fixed(n)) => Ok(n.to_string()),
+        Ok(RanksPerGpu::Auto) => Ok("auto".into()),
+        _ => Err(format!(
+            "{s:?} is not a number of ranks per GPU (1 or more) or \"auto\""
+        )),
+    }
+}
+
+/// What benchmarks print when ranks share a GPU (`arbor-launch --ranks-per-gpu`).
+pub fn shared_gpu_note(ordinal: usize, ranks: usize) -> String {
+    format!(
+        "ranks share GPU {ordinal} ({ranks} ranks on it): collectives staged through the host; \
+         timings are not representative"
+    )
+}
+
+/// This rank's GPU where it shares it with other ranks of this host (from the launcher's
+/// variables, ARBOR_RANKS_PER_GPU and the visible devices): (ordinal, ranks on it).
+pub fn shared_gpu() -> Result<Option<(usize, usize)>> {
+    let visible = arbor_kernels::cuda::probe::driver().context("no usable CUDA driver")?;
+    let slot = arbor_collective::device_map::from_env(visible)?;
+    Ok(slot
+        .shared()
+        .then_some((slot.ordinal, slot.ranks_on_device)))
+}
+
 /// This process's rank in its TP group, from the launcher's environment (a group of
 /// one when started directly).
 pub fn init_comm() -> Result<Arc<dyn Communicator>> {

@@ -36,6 +36,10 @@ pub struct Args {
     /// Skip the real model even when it is in the cache.
     #[arg(long)]
     pub no_real: bool,
+    /// With `--device cuda` on fewer than 8 GPUs: let N ranks share each GPU, or `auto`
+    /// (collectives staged through the host; see `arbor-launch --help`).
+    #[arg(long, value_name = "N|auto", value_parser = common::parse_ranks_per_gpu)]
+    pub ranks_per_gpu: Option<String>,
 }
 
 /// The question the demo asks the real model.
@@ -83,6 +87,7 @@ pub fn run(args: Args) -> Result<()> {
         sampling: SamplingArgs::default(),
         device: args.device,
         launcher: args.launcher.clone(),
+        ranks_per_gpu: args.ranks_per_gpu.clone(),
         json: None,
         keep_dir: None,
         perturb_seed_of: None,
@@ -173,6 +178,7 @@ fn real_weights(path: &Path, args: &Args) -> Result<()> {
         sampling: SamplingArgs::default(),
         device: args.device,
         launcher: args.launcher.clone(),
+        ranks_per_gpu: args.ranks_per_gpu.clone(),
         json: None,
         keep_dir: None,
         perturb_seed_of: None,

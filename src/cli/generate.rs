@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 
 use super::common::{self, DeviceArg, JsonlSink, NumericsArg, SamplingArgs};
-use super::model_api::{FinishReason, GenOutput, GenRequest, Runner, Sampling};
+use super::model_api::{Device, FinishReason, GenOutput, GenRequest, Runner, Sampling};
 use super::records::{Finish, GenRecord, PromptLine, TopEntry};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -242,11 +242,19 @@ pub fn run(args: Args) -> Result<()> {
         Ok(())
     })?;
     if rank0 {
+        let shared = match args.device.resolve() {
+            Device::Cuda if runner.tp() > 1 => common::shared_gpu().ok().flatten(),
+            _ => None,
+        };
         // On stderr, so that --jsonl output stays machine-readable.
         eprintln!(
-            "timing (rank 0, TP {}): {}",
+            "timing (rank 0, TP {}): {}{}",
             runner.tp(),
-            runner.timing().summary()
+            runner.timing().summary(),
+            shared.map_or(String::new(), |(ordinal, ranks)| format!(
+                " [{}]",
+                common::shared_gpu_note(ordinal, ranks)
+            ))
         );
     }
     match sink {

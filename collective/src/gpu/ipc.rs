@@ -14,7 +14,7 @@
 
 use cudarc::driver::{result as dres, sys as dsys, DeviceRepr};
 
-use super::kernels::{MAX_RANKS, SIGNAL_BYTES};
+use super::kernels::{MAX_RANKS, SIGNAL_BYTES, SPIN_LIMIT_OFFSET, STALLED_OFFSET};
 use super::mem::DeviceBuf;
 use super::GpuError;
 use crate::Communicator;
@@ -235,5 +235,32 @@ impl IpcBuffers {
 impl IpcBuffers {
     pub fn own_bytes(&self) -> usize {
         self.own.bytes()
+    }
+
+    /// Arms the kernels' watchdog: a barrier of this rank gives up after waiting `ns` for
+    /// a peer (0: never). Call before any IPC kernel runs; the context is bound.
+    pub fn set_spin_limit(&self, rank: usize, ns: u64) -> Result<(), GpuError> {
+        // SAFETY: the field lies inside the signal region of the own allocation, and no
+        // kernel runs yet.
+        unsafe { dres::memcpy_htod_sync(self.own.ptr() + SPIN_LIMIT_OFFSET as u64, &[ns]) }.map_err(
+            |e| GpuError::Cuda {
+                rank,
+                msg: format!("setting the all-reduce watchdog: {e:?}"),
+            },
+        )
+    }
+
+    /// The peer a barrier of this rank gave up on, if any. Call with the stream idle and
+    /// the context bound.
+    pub fn stalled_on(&self, rank: usize) -> Result<Option<usize>, GpuError> {
+        let mut v = [0u32];
+        // SAFETY: the field lies inside the signal region of the own allocation.
+        unsafe { dres::memcpy_dtoh_sync(&mut v, self.own.ptr() + STALLED_OFFSET as u64) }.map_err(
+            |e| GpuError::Cuda {
+                rank,
+                msg: format!("reading the all-reduce watchdog: {e:?}"),
+            },
+        )?;
+        Ok(v[0].checked_sub(1).map(|p| p as usize))
     }
 }

@@ -25,7 +25,11 @@ pub const ENTRY_POINTS: &[&str] = &[
 /// Must match `ARBOR_MAX_BLOCKS` / `ARBOR_MAX_RANKS` and `struct Signal` in the source.
 pub const MAX_BLOCKS: usize = 128;
 pub const MAX_RANKS: usize = 8;
-pub const SIGNAL_BYTES: usize = 2 * MAX_BLOCKS * MAX_RANKS * 4 + 8;
+/// `Signal::spin_limit_ns` (u64) and `Signal::stalled` (u32): after the two flag arrays and
+/// the `calls` and `done` counters.
+pub const SPIN_LIMIT_OFFSET: usize = 2 * MAX_BLOCKS * MAX_RANKS * 4 + 8;
+pub const STALLED_OFFSET: usize = SPIN_LIMIT_OFFSET + 8;
+pub const SIGNAL_BYTES: usize = STALLED_OFFSET + 8;
 
 pub struct Kernels {
     pub tree_combine_f32: CudaFunction,
@@ -141,6 +145,23 @@ mod tests {
     fn signal_layout_matches_the_source() {
         assert!(SOURCE.contains(&format!("#define ARBOR_MAX_BLOCKS {MAX_BLOCKS}")));
         assert!(SOURCE.contains(&format!("#define ARBOR_MAX_RANKS {MAX_RANKS}")));
+        // The watchdog fields follow the counters, in this order.
+        let sig = &SOURCE[SOURCE.find("struct Signal {").unwrap()..];
+        let sig = &sig[..sig.find("};").unwrap()];
+        let fields: Vec<&str> = [
+            "u32 calls;",
+            "u32 done;",
+            "u64 spin_limit_ns;",
+            "u32 stalled;",
+            "u32 pad;",
+        ]
+        .into_iter()
+        .filter(|f| sig.contains(f))
+        .collect();
+        assert_eq!(fields.len(), 5, "{sig}");
+        let pos: Vec<usize> = fields.iter().map(|f| sig.find(f).unwrap()).collect();
+        assert!(pos.windows(2).all(|w| w[0] < w[1]), "{sig}");
+        assert_eq!(SPIN_LIMIT_OFFSET % 8, 0);
         for k in ENTRY_POINTS {
             assert!(
                 SOURCE.contains(&format!("__global__ void {k}(")),
@@ -167,6 +188,8 @@ mod tests {
                 // The barrier's memory ordering made it into the code.
                 assert!(text.contains("st.release.sys.global.u32"));
                 assert!(text.contains("ld.acquire.sys.global.u32"));
+                // The watchdog reads the global timer.
+                assert!(text.contains("%globaltimer"));
             }
         }
     }

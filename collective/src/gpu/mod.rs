@@ -30,7 +30,16 @@
 //!
 //! All work goes on the stream given at construction; nothing here synchronises it, so
 //! calls can be captured in a CUDA graph once the scratch buffer of the all-gather
-//! algorithm is large enough ([`GpuCollective::reserve`]). IPC algorithms need 16-byte
+//! algorithm is large enough ([`GpuCollective::reserve`]).
+//!
+//! **Ranks sharing a GPU** ([`crate::device_map`], `arbor-launch --ranks-per-gpu`): NCCL
+//! refuses two ranks on one device, so when the ranks' device UUIDs show that any two of
+//! the group share one (and every rank allowed it, [`GpuOptions::allow_shared`]), the
+//! all-gather is staged through the host ([`staged`]) and `Auto` runs all-gather + tree
+//! on it: the same bits, still capturable in a graph, slow. The IPC kernels still run
+//! when asked for by name; a watchdog ([`GpuOptions::spin_limit`]) ends a barrier that
+//! waits too long for a time-sliced peer, and [`GpuCollective::check`] turns that into an
+//! error. A checking mode, not for speed. IPC algorithms need 16-byte
 //! aligned pointers and a length that is a multiple of 4 f32 / 8 bf16, and at most
 //! `ipc_capacity_bytes`; `Auto` falls back to the all-gather otherwise.
 
@@ -42,8 +51,10 @@ pub mod mem;
 pub mod nvls;
 pub mod reference;
 pub mod select;
+pub mod staged;
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::{
     result as dres, sys as dsys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
@@ -58,6 +69,12 @@ use ipc::{IpcBuffers, Mapped, Peers, DATA_OFFSET};
 use kernels::{Kernels, MAX_BLOCKS};
 use mem::DeviceBuf;
 pub use select::{select, Fit, Thresholds};
+use staged::Staged;
+
+/// Milliseconds an IPC kernel's barrier waits for a peer before it gives up (0: for ever).
+pub const SPIN_TIMEOUT_ENV: &str = "ARBOR_IPC_SPIN_TIMEOUT_MS";
+/// The watchdog's default where ranks share a GPU.
+pub const SHARED_SPIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The all-reduce algorithms; all give the tree's bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -106,6 +123,18 @@ pub struct GpuOptions {
     /// Grid caps (blocks of 512 threads) of the one-shot and two-shot kernels.
     pub oneshot_blocks: usize,
     pub twoshot_blocks: usize,
+    /// Ranks may share a GPU (the user asked for it: `device_map::RanksPerGpu`); then
+    /// every collective goes through the host. Without it on every rank, two ranks on one
+    /// GPU is an error.
+    pub allow_shared: bool,
+    /// Where ranks share a GPU, register the IPC buffers too (for an algorithm asked for
+    /// by name: `Auto` never picks them there).
+    pub shared_ipc: bool,
+    /// How long an IPC kernel's barrier waits for a peer before it gives up and the call
+    /// fails ([`GpuCollective::check`]); `Some(ZERO)`: for ever. `None`: from
+    /// [`SPIN_TIMEOUT_ENV`], else [`SHARED_SPIN_TIMEOUT`] where ranks share a GPU and for
+    /// ever otherwise.
+    pub spin_limit: Option<Duration>,
 }
 
 impl Default for GpuOptions {
@@ -115,8 +144,93 @@ impl Default for GpuOptions {
             thresholds: Thresholds::default(),
             oneshot_blocks: 64,
             twoshot_blocks: MAX_BLOCKS,
+            allow_shared: false,
+            shared_ipc: true,
+            spin_limit: None,
         }
     }
+}
+
+/// The IPC watchdog's limit: `given`, else the value of [`SPIN_TIMEOUT_ENV`] (`env`), else
+/// the default for the mode; zero means no limit.
+pub fn spin_limit(
+    given: Option<Duration>,
+    env: Option<&str>,
+    shared: bool,
+) -> Result<Duration, String> {
+    if let Some(d) = given {
+        return Ok(d);
+    }
+    match env.map(str::trim).filter(|v| !v.is_empty()) {
+        Some(v) => v
+            .parse::<u64>()
+            .map(Duration::from_millis)
+            .map_err(|_| format!("{SPIN_TIMEOUT_ENV}={v:?}: expected milliseconds (0: no limit)")),
+        None if shared => Ok(SHARED_SPIN_TIMEOUT),
+        None => Ok(Duration::ZERO),
+    }
+}
+
+/// How the ranks' GPUs relate, agreed by all ranks at construction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sharing {
+    /// For each rank, the ranks on its GPU (itself included), in rank order.
+    pub groups: Vec<Vec<usize>>,
+}
+
+impl Sharing {
+    /// From every rank's (device UUID, sharing allowed), in rank order: the groups, or the
+    /// error every rank reports when ranks share a GPU that not all of them allowed.
+    pub fn from_devices(devices: &[([u8; 16], bool)]) -> Result<Sharing, String> {
+        let groups: Vec<Vec<usize>> = devices
+            .iter()
+            .map(|(u, _)| (0..devices.len()).filter(|&r| devices[r].0 == *u).collect())
+            .collect();
+        let sharing = Sharing { groups };
+        if let Some(g) = sharing.groups.iter().find(|g| g.len() > 1) {
+            if let Some(r) = g.iter().find(|&&r| !devices[r].1) {
+                return Err(format!(
+                    "ranks {} use the same GPU ({}), which NCCL refuses, and rank {r} was not \
+                     told that ranks may share a GPU: start the ranks with `arbor-launch \
+                     --ranks-per-gpu N` (or auto), or set ARBOR_RANKS_PER_GPU on every rank, \
+                     to run them there with collectives staged through the host (a checking \
+                     mode, slow), or give each rank its own GPU (CUDA_VISIBLE_DEVICES / \
+                     LOCAL_RANK)",
+                    g.iter()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    format_uuid(&devices[g[0]].0),
+                ));
+            }
+        }
+        Ok(sharing)
+    }
+
+    /// Whether any two ranks of the group share a GPU.
+    pub fn any(&self) -> bool {
+        self.groups.iter().any(|g| g.len() > 1)
+    }
+}
+
+/// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi shows it.
+pub fn format_uuid(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// How the all-gather travels.
+enum Transport {
+    Nccl(NcclComm),
+    /// Ranks share a GPU: through the host (staged.rs).
+    Staged(Staged),
 }
 
 const THREADS: u32 = 512;
@@ -132,7 +246,10 @@ struct UserBuf {
 pub struct GpuCollective {
     host: Arc<dyn Communicator>,
     stream: Arc<CudaStream>,
-    nccl: NcclComm,
+    transport: Transport,
+    sharing: Sharing,
+    /// The IPC watchdog's limit (zero: none).
+    spin_limit: Duration,
     kernels: Kernels,
     ipc: Option<IpcBuffers>,
     scratch: Mutex<Option<DeviceBuf>>,
@@ -156,7 +273,7 @@ impl GpuCollective {
         stream: Arc<CudaStream>,
         opts: GpuOptions,
     ) -> Result<Self, GpuError> {
-        crate::nccl::probe_nccl()?;
+        probe_driver()?;
         let rank = host.rank();
         let world = host.world_size();
         if !arbor_kernels::tree::is_valid_world(world) {
@@ -183,14 +300,41 @@ impl GpuCollective {
             rank,
             msg: format!("binding the context: {e:?}"),
         })?;
+        let sharing = Self::agree_on_devices(host.as_ref(), &ctx, opts.allow_shared)?;
+        let shared = sharing.any();
+        let spin_limit = spin_limit(
+            opts.spin_limit,
+            std::env::var(SPIN_TIMEOUT_ENV).ok().as_deref(),
+            shared,
+        )
+        .map_err(|msg| GpuError::Invalid { rank, msg })?;
         let kernels = Kernels::load(&ctx, rank)?;
-        let nccl = NcclComm::new(host.clone(), stream.clone())?;
-        let ipc = if world > 1 && opts.ipc_capacity_bytes > 0 {
+        let transport = if shared {
+            if rank == 0 {
+                let g = &sharing.groups[0];
+                tracing::warn!(
+                    "ranks share a GPU (ranks {g:?} on rank 0's): collectives are staged \
+                     through the host, a checking mode; timings are not representative"
+                );
+            }
+            let side = crate::side_channel(host.as_ref()).map_err(|e| GpuError::Host {
+                rank,
+                msg: format!("opening the host channel of the staged collectives: {e}"),
+            })?;
+            Transport::Staged(Staged::new(side, stream.clone()))
+        } else {
+            crate::nccl::probe_nccl()?;
+            Transport::Nccl(NcclComm::new(host.clone(), stream.clone())?)
+        };
+        let ipc = if world > 1 && opts.ipc_capacity_bytes > 0 && (!shared || opts.shared_ipc) {
             IpcBuffers::register(host.as_ref(), opts.ipc_capacity_bytes)?
         } else {
             None
         };
-        if world > 1 && ipc.is_none() {
+        if let Some(b) = &ipc {
+            b.set_spin_limit(rank, spin_limit.as_nanos().min(u64::MAX as u128) as u64)?;
+        }
+        if world > 1 && ipc.is_none() && opts.ipc_capacity_bytes > 0 && !shared {
             tracing::warn!(
                 rank,
                 "CUDA IPC unavailable: all-reduce falls back to all-gather + tree"
@@ -199,7 +343,9 @@ impl GpuCollective {
         Ok(Self {
             host,
             stream,
-            nccl,
+            transport,
+            sharing,
+            spin_limit,
             kernels,
             ipc,
             scratch: Mutex::new(None),
@@ -209,6 +355,48 @@ impl GpuCollective {
             rank,
             world,
         })
+    }
+
+    /// Collective: every rank's device UUID and whether it may share it, all-gathered;
+    /// the same answer (or the same error) on every rank.
+    fn agree_on_devices(
+        host: &dyn Communicator,
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        allow: bool,
+    ) -> Result<Sharing, GpuError> {
+        let rank = host.rank();
+        let uuid = ctx.uuid().map_err(|e| GpuError::Cuda {
+            rank,
+            msg: format!("cuDeviceGetUuid: {e:?}"),
+        })?;
+        let mut mine = [0u8; 17];
+        for (d, s) in mine.iter_mut().zip(uuid.bytes.iter()) {
+            *d = *s as u8;
+        }
+        mine[16] = u8::from(allow);
+        let all = host.all_gather_bytes(&mine).map_err(|e| GpuError::Host {
+            rank,
+            msg: format!("all-gather of the ranks' GPU ids: {e}"),
+        })?;
+        if all.len() != 17 * host.world_size() {
+            return Err(GpuError::Host {
+                rank,
+                msg: format!(
+                    "all-gather of the ranks' GPU ids gave {} bytes for {} ranks",
+                    all.len(),
+                    host.world_size()
+                ),
+            });
+        }
+        let devices: Vec<([u8; 16], bool)> = all
+            .chunks_exact(17)
+            .map(|c| {
+                let mut u = [0u8; 16];
+                u.copy_from_slice(&c[..16]);
+                (u, c[16] == 1)
+            })
+            .collect();
+        Sharing::from_devices(&devices).map_err(|msg| GpuError::Invalid { rank, msg })
     }
 
     pub fn rank(&self) -> usize {
@@ -223,8 +411,123 @@ impl GpuCollective {
         &self.stream
     }
 
-    pub fn nccl(&self) -> &NcclComm {
-        &self.nccl
+    /// The NCCL communicator; `None` where ranks share a GPU (NCCL cannot run there).
+    pub fn nccl(&self) -> Option<&NcclComm> {
+        match &self.transport {
+            Transport::Nccl(c) => Some(c),
+            Transport::Staged(_) => None,
+        }
+    }
+
+    /// How the all-gather travels: "nccl" or "host-staged".
+    pub fn transport(&self) -> &'static str {
+        match &self.transport {
+            Transport::Nccl(_) => "nccl",
+            Transport::Staged(_) => "host-staged",
+        }
+    }
+
+    /// The ranks on each rank's GPU (agreed by all ranks).
+    pub fn sharing(&self) -> &Sharing {
+        &self.sharing
+    }
+
+    /// Whether any two ranks of the group share a GPU (collectives staged through the host).
+    pub fn shared(&self) -> bool {
+        self.sharing.any()
+    }
+
+    /// All-gather of `n` elements per rank from `src` into `dst` (`world * n`, rank order),
+    /// through NCCL or, where ranks share a GPU, through the host.
+    ///
+    /// # Safety
+    /// `src` and `dst` are device pointers on this rank's GPU holding `n` and `world * n`
+    /// elements of `dtype`, valid until the stream's work completes. Every rank makes the
+    /// same call.
+    pub unsafe fn all_gather_raw(
+        &self,
+        src: u64,
+        dst: u64,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<(), GpuError> {
+        match &self.transport {
+            // SAFETY: forwarded from the caller.
+            Transport::Nccl(c) => unsafe { c.all_gather_raw(src, dst, n, dtype) },
+            // SAFETY: forwarded from the caller.
+            Transport::Staged(s) => unsafe { s.all_gather_raw(src, dst, n * dtype.size()) },
+        }
+    }
+
+    /// The sum all-reduce of `--numerics fast`: NCCL's own, or where ranks share a GPU
+    /// (no NCCL) the tree through the host. Returns what ran ("nccl" or "tree").
+    ///
+    /// # Safety
+    /// As [`GpuCollective::all_reduce_raw`].
+    pub unsafe fn sum_all_reduce_raw(
+        &self,
+        src: u64,
+        dst: u64,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<&'static str, GpuError> {
+        match &self.transport {
+            Transport::Nccl(c) => {
+                // SAFETY: forwarded from the caller.
+                unsafe { c.all_reduce_raw(src, dst, n, dtype) }?;
+                Ok("nccl")
+            }
+            Transport::Staged(_) => {
+                // SAFETY: forwarded from the caller.
+                unsafe { self.all_reduce_raw(Algo::AllGatherTree, src, dst, n, dtype) }?;
+                Ok("tree")
+            }
+        }
+    }
+
+    /// Errors of earlier calls that the stream could not report: a failed host-staged
+    /// exchange, an IPC barrier that gave up (watchdog). Synchronises the stream; call
+    /// where the results of a step reach the host. Every call since the failure produced
+    /// garbage.
+    pub fn check(&self) -> Result<(), GpuError> {
+        let staged = match &self.transport {
+            Transport::Staged(s) => Some(s),
+            Transport::Nccl(_) => None,
+        };
+        let watchdog = self.ipc.as_ref().filter(|_| !self.spin_limit.is_zero());
+        if staged.is_none() && watchdog.is_none() {
+            return Ok(());
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| self.cuda("binding the context", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| self.cuda("synchronizing the stream", e))?;
+        if let Some(msg) = staged.and_then(Staged::failure) {
+            return Err(GpuError::Host {
+                rank: self.rank,
+                msg: format!("host-staged all-gather failed: {msg}"),
+            });
+        }
+        if let Some(b) = watchdog {
+            if let Some(peer) = b.stalled_on(self.rank)? {
+                return Err(self.invalid(format!(
+                    "an IPC all-reduce kernel (one-shot / two-shot) waited {:.1} s for rank \
+                     {peer} and gave up: the kernels spin on their peers' flags, and {}. \
+                     Unset ARBOR_GPU_ALLREDUCE for the default algorithm (host-staged where \
+                     ranks share a GPU), or raise {SPIN_TIMEOUT_ENV}",
+                    self.spin_limit.as_secs_f64(),
+                    if self.shared() {
+                        "with ranks time-sliced on one GPU the peer's kernel did not run in that time"
+                    } else {
+                        "the peer never arrived"
+                    }
+                )));
+            }
+        }
+        Ok(())
     }
 
     pub fn host(&self) -> &Arc<dyn Communicator> {
@@ -295,8 +598,12 @@ impl GpuCollective {
         }
     }
 
-    /// The algorithm `Algo::Auto` runs for this call (same on every rank).
+    /// The algorithm `Algo::Auto` runs for this call (same on every rank). Where ranks
+    /// share a GPU, always all-gather + tree: the IPC kernels only when asked for by name.
     pub fn choose(&self, src: u64, dst: u64, n: usize, dtype: Dtype) -> Algo {
+        if self.shared() {
+            return Algo::AllGatherTree;
+        }
         select(
             n * dtype.size(),
             self.world,
@@ -428,7 +735,8 @@ impl GpuCollective {
                 .map(DeviceBuf::ptr)
                 .ok_or_else(|| self.invalid("no scratch".into()))?
         };
-        self.nccl.all_gather_raw(src, scratch, n, dtype)?;
+        // SAFETY: `scratch` holds world * n elements (reserved above); `src` per the caller.
+        unsafe { self.all_gather_raw(src, scratch, n, dtype) }?;
         let f = match dtype {
             Dtype::F32 => &self.kernels.tree_combine_f32,
             Dtype::Bf16 => &self.kernels.tree_combine_bf16,
@@ -583,6 +891,49 @@ mod tests {
             assert_eq!(a.name().parse::<Algo>(), Ok(a));
         }
         assert!("ring".parse::<Algo>().unwrap_err().contains("ring"));
+    }
+
+    #[test]
+    fn ranks_on_one_gpu_are_found_and_need_permission() {
+        let a = [1u8; 16];
+        let b = [2u8; 16];
+        // One rank per GPU: no sharing, permission or not.
+        let s = Sharing::from_devices(&[(a, false), (b, false)]).unwrap();
+        assert!(!s.any());
+        assert_eq!(s.groups, vec![vec![0], vec![1]]);
+        // Four ranks on one GPU, all allowed.
+        let s = Sharing::from_devices(&[(a, true); 4]).unwrap();
+        assert!(s.any());
+        assert_eq!(s.groups[3], vec![0, 1, 2, 3]);
+        // Two GPUs, two ranks each.
+        let s = Sharing::from_devices(&[(a, true), (a, true), (b, true), (b, true)]).unwrap();
+        assert_eq!(
+            s.groups,
+            vec![vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]]
+        );
+        // A rank that was not told: the same error on every rank, naming the fix.
+        let e = Sharing::from_devices(&[(a, true), (b, true), (a, false)]).unwrap_err();
+        assert!(
+            e.contains("ranks 0, 2 use the same GPU (GPU-01010101-0101-")
+                && e.contains("rank 2 was not told")
+                && e.contains("--ranks-per-gpu"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_watchdog_limit_comes_from_the_caller_the_variable_or_the_mode() {
+        let s = Duration::from_secs(3);
+        assert_eq!(spin_limit(Some(s), Some("5"), true), Ok(s));
+        assert_eq!(
+            spin_limit(None, Some("250"), false),
+            Ok(Duration::from_millis(250))
+        );
+        assert_eq!(spin_limit(None, Some("0"), true), Ok(Duration::ZERO));
+        assert_eq!(spin_limit(None, None, true), Ok(SHARED_SPIN_TIMEOUT));
+        assert_eq!(spin_limit(None, Some(" "), false), Ok(Duration::ZERO));
+        let e = spin_limit(None, Some("10s"), true).unwrap_err();
+        assert!(e.contains("ARBOR_IPC_SPIN_TIMEOUT_MS=\"10s\""), "{e}");
     }
 
     /// Without a GPU (CI), construction reports that clearly instead of panicking.

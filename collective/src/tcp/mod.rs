@@ -28,13 +28,15 @@
 //! Files: the rendezvous (rendezvous.rs: rank 0 serves it, the others join), the mesh of
 //! links between ranks > 0 (mesh.rs), the gate every incoming connection passes and the
 //! job-token handshake (gate.rs), the links after setup (link.rs: framing, the reader
-//! threads, the errors a read maps to), and addressing (net.rs).
+//! threads, the errors a read maps to), addressing (net.rs), and a second group of the same
+//! ranks set up through a first one (side.rs).
 
 mod gate;
 mod link;
 mod mesh;
 mod net;
 mod rendezvous;
+mod side;
 #[cfg(test)]
 mod tests;
 

@@ -547,3 +547,86 @@ fn idle_and_stalled_connections_cannot_keep_a_rank_out() {
     drop(flood.join().unwrap());
     drop(held);
 }
+
+/// A side channel set up through a first group carries its own traffic: used at the same
+/// time as the parent from another thread, neither sees the other's messages.
+#[test]
+fn side_channel_is_a_second_independent_group() {
+    let world = 4;
+    let info = move |rank: usize| RankInfo {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+        master_addr: "127.0.0.1".into(),
+        master_port: 1,
+        source: "test",
+    };
+    let handles: Vec<_> = crate::InProcGroup::new(world)
+        .into_iter()
+        .map(|parent| {
+            thread::spawn(move || {
+                let rank = parent.rank();
+                let side =
+                    TcpComm::side_channel(&parent, &info(rank), timeouts(20.0), &sec(Some("s")))
+                        .unwrap();
+                assert_eq!((side.rank(), side.world_size()), (rank, world));
+                let on_side = thread::spawn(move || {
+                    let mut got = Vec::new();
+                    for i in 0..50u8 {
+                        got.push(side.all_gather_bytes(&[rank as u8, i, 1]).unwrap());
+                    }
+                    got
+                });
+                let mut on_parent = Vec::new();
+                for i in 0..50u8 {
+                    on_parent.push(parent.all_gather_bytes(&[rank as u8, i, 2]).unwrap());
+                }
+                (on_parent, on_side.join().unwrap())
+            })
+        })
+        .collect();
+    for h in handles {
+        let (parent, side) = h.join().unwrap();
+        for (i, (p, s)) in parent.iter().zip(&side).enumerate() {
+            let want =
+                |tag: u8| -> Vec<u8> { (0..world as u8).flat_map(|r| [r, i as u8, tag]).collect() };
+            assert_eq!(p, &want(2));
+            assert_eq!(s, &want(1));
+        }
+    }
+}
+
+/// Rank 0 failing to open the listener ends every rank with an error, at once.
+#[test]
+fn side_channel_reports_a_listener_rank_0_could_not_open() {
+    let handles: Vec<_> = crate::InProcGroup::new(2)
+        .into_iter()
+        .map(|parent| {
+            thread::spawn(move || {
+                let rank = parent.rank();
+                let info = RankInfo {
+                    rank,
+                    world_size: 2,
+                    local_rank: rank,
+                    local_world_size: 2,
+                    // Not an address of this host: rank 0 cannot bind it.
+                    master_addr: "192.0.2.1".into(),
+                    master_port: 1,
+                    source: "test",
+                };
+                let t0 = Instant::now();
+                let r = TcpComm::side_channel(&parent, &info, timeouts(30.0), &sec(None));
+                (r.err().map(|e| e.to_string()), t0.elapsed())
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (err, took) = h.join().unwrap();
+        let err = err.unwrap_or_else(|| panic!("rank {rank} joined a side channel"));
+        assert!(took < Duration::from_secs(10), "rank {rank} took {took:?}");
+        if rank == 1 {
+            assert!(err.contains("could not open the side channel"), "{err}");
+        }
+    }
+}

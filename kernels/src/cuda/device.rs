@@ -38,11 +38,12 @@ impl GpuDevice {
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         let count = probe::driver()?;
         if ordinal >= count {
-            return Err(CudaError::NoDriver(format!(
-                "device ordinal {ordinal} requested but only {count} CUDA device(s) are visible \
-                 (CUDA_VISIBLE_DEVICES={})",
-                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
-            )));
+            return Err(CudaError::NoSuchDevice {
+                ordinal,
+                visible: count,
+                cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES")
+                    .unwrap_or_else(|_| "<unset>".into()),
+            });
         }
         let drv = |what: &str| {
             let what = what.to_string();

@@ -5,6 +5,16 @@ pub enum CudaError {
     NoDriver(String),
     #[error("NVRTC (libnvrtc) cannot be loaded: {0}")]
     NoNvrtc(String),
+    /// The driver works but has no device of this ordinal.
+    #[error(
+        "CUDA device {ordinal} requested but {visible} CUDA device(s) are visible \
+         (CUDA_VISIBLE_DEVICES={cuda_visible_devices})"
+    )]
+    NoSuchDevice {
+        ordinal: usize,
+        visible: usize,
+        cuda_visible_devices: String,
+    },
     #[error("CUDA device {ordinal}: {what}: {source}")]
     Driver {
         ordinal: usize,

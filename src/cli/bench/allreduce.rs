@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use arbor_collective::device_map::{self, RanksPerGpu};
 use arbor_collective::gpu::mem::DeviceBuf;
 use arbor_collective::gpu::reference::{f32_to_bf16, tree_reference_bf16, tree_reference_f32};
 use arbor_collective::gpu::{probe_driver, Algo, GpuCollective, GpuOptions};
@@ -113,6 +114,9 @@ struct Row {
 struct Report<'a> {
     device: String,
     world: usize,
+    /// Ranks on rank 0's GPU where ranks share GPUs (collectives staged through the host;
+    /// the times are not representative).
+    shared_gpu_ranks: Option<usize>,
     nccl_nvls_enable: Option<String>,
     input_registered: bool,
     iters: usize,
@@ -183,12 +187,11 @@ impl Bench {
         unsafe {
             match which {
                 Which::Nccl => {
-                    self.coll.nccl().all_reduce_raw(
-                        self.input.ptr(),
-                        self.output.ptr(),
-                        n,
-                        dtype,
+                    let nccl = self.coll.nccl().context(
+                        "NCCL cannot run with ranks sharing a GPU (the collectives are staged \
+                         through the host)",
                     )?;
+                    nccl.all_reduce_raw(self.input.ptr(), self.output.ptr(), n, dtype)?;
                     Ok("nccl")
                 }
                 Which::Tree(a) => Ok(self
@@ -316,6 +319,23 @@ impl Bench {
             .fold(f64::MIN, f64::max))
     }
 
+    /// A failed host-staged exchange or an IPC barrier that gave up (watchdog) leaves
+    /// garbage, not an error on the stream: asked on every rank, and agreed, so that all
+    /// ranks fail the row together (a watchdog may fire on some ranks only).
+    fn check_all(&self) -> anyhow::Result<()> {
+        let mine = self.coll.check();
+        if self.all_ranks_agree(mine.is_ok())? {
+            return Ok(());
+        }
+        match mine {
+            Err(e) => Err(e.into()),
+            Ok(()) => bail!(
+                "another rank's collective failed (its log says why; after an IPC watchdog \
+                 fires, the IPC kernels of this run stay failed)"
+            ),
+        }
+    }
+
     fn all_ranks_agree(&self, ok: bool) -> anyhow::Result<bool> {
         let all = self.host.all_gather_bytes(&[u8::from(ok)])?;
         Ok(all.iter().all(|&b| b == 1))
@@ -353,11 +373,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let graph_max = parse_size(&args.graph_max)?;
     let max_bytes = *sizes.iter().max().unwrap_or(&0);
 
-    let (host, info) = arbor_collective::init_from_env().context("joining the rank group")?;
+    let (host, _info) = arbor_collective::init_from_env().context("joining the rank group")?;
     let rank = host.rank();
     let world = host.world_size();
-    let ctx = CudaContext::new(info.local_rank)
-        .map_err(|e| anyhow::anyhow!("opening GPU {} (local rank): {e:?}", info.local_rank))?;
+    let visible = probe_driver()?;
+    let slot = device_map::from_env(visible)?;
+    let allow_shared = RanksPerGpu::from_env()
+        .map_err(anyhow::Error::msg)?
+        .allows_sharing();
+    let ctx = CudaContext::new(slot.ordinal)
+        .map_err(|e| anyhow::anyhow!("opening GPU {}: {e:?}", slot.ordinal))?;
     // One stream for everything: cudarc's cross-stream event tracking would put waits on
     // events recorded outside a graph capture into the capture.
     // SAFETY: called before any buffer or stream of this context exists.
@@ -370,6 +395,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ipc_capacity_bytes: max_bytes,
         oneshot_blocks: args.oneshot_blocks,
         twoshot_blocks: args.twoshot_blocks,
+        allow_shared,
         ..GpuOptions::default()
     };
     let t0 = Instant::now();
@@ -383,6 +409,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     if rank == 0 && !coll.ipc_enabled() {
         eprintln!("warning: CUDA IPC could not be set up; oneshot/twoshot rows will fail");
+    }
+    let shared_note = shared_gpu_note(&coll, rank, slot.ordinal);
+    if let Some(note) = &shared_note {
+        eprintln!("{note}");
     }
     ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let bench = Bench {
@@ -498,6 +528,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let report = Report {
             device,
             world,
+            shared_gpu_ranks: bench
+                .coll
+                .shared()
+                .then(|| bench.coll.sharing().groups[0].len()),
             nccl_nvls_enable: std::env::var("NCCL_NVLS_ENABLE").ok(),
             input_registered: registered,
             iters: args.iters,
@@ -512,6 +546,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "all-reduce, {world} x {} (times: median per call, max over ranks)",
             report.device
         );
+        if let Some(note) = &shared_note {
+            println!("{note}");
+        }
         println!("{}", header());
         for r in &rows {
             println!("{}", format_row(r));
@@ -540,12 +577,15 @@ fn measure(
     b.poison_output(bytes)?;
     let ran = b.launch(which, n, dtype)?;
     let first = b.read_output(bytes)?;
+    // A kernel that gave up (watchdog) fails its row here, before the timed calls.
+    b.check_all()?;
     for _ in 0..3 {
         b.launch(which, n, dtype)?;
     }
     b.sync_all()?;
     let (t, graph) = b.time(which, n, dtype, use_graph, args)?;
     let last = b.read_output(bytes)?;
+    b.check_all()?;
     let local_tree = first == reference && last == reference;
     let bits_tree = b.all_ranks_agree(local_tree)?;
     let hash = fnv(&last);
@@ -585,6 +625,16 @@ fn measure(
         bits_ok: bits_tree && bits_ranks,
         graph,
         error: None,
+    })
+}
+
+/// The line every output of a run on shared GPUs carries.
+fn shared_gpu_note(coll: &GpuCollective, rank: usize, ordinal: usize) -> Option<String> {
+    coll.shared().then(|| {
+        crate::cli::common::shared_gpu_note(
+            ordinal,
+            coll.sharing().groups.get(rank).map_or(1, Vec::len),
+        )
     })
 }
 

@@ -85,6 +85,9 @@ struct Row {
     graph_steps: u64,
     /// `--rank-of-tp`: the row-parallel layers reduced as one rank of this TP size.
     rank_of_tp: Option<usize>,
+    /// Ranks on rank 0's GPU where ranks share GPUs (`--ranks-per-gpu`): collectives
+    /// staged through the host, the times are not representative.
+    shared_gpu_ranks: Option<usize>,
 }
 
 /// " T=.. top-k .. top-p .." for a sampled run, empty for greedy.
@@ -162,6 +165,13 @@ pub fn run(a: Args) -> Result<()> {
     let device = a.device.resolve_name();
     let numerics = a.numerics.resolve().as_str();
     let bytes = weight_bytes_per_rank(runner.as_ref());
+    let shared = match (device, runner.tp()) {
+        ("cuda", tp) if tp > 1 => common::shared_gpu()?,
+        _ => None,
+    };
+    if let (0, Some((ordinal, ranks))) = (rank, shared) {
+        eprintln!("bench decode: {}", common::shared_gpu_note(ordinal, ranks));
+    }
 
     let t = Instant::now();
     let mut warm = prompts(1, a.prompt_len.min(16), vocab, 1 << 40);
@@ -211,6 +221,7 @@ pub fn run(a: Args) -> Result<()> {
             prefill_tokens: after.prefill_tokens - before.prefill_tokens,
             weight_bytes_per_rank: bytes,
             rank_of_tp: a.rank_of_tp,
+            shared_gpu_ranks: shared.map(|(_, n)| n),
             cuda_graphs: rec_after.is_some(),
             graph_steps: match (rec_before, rec_after) {
                 (Some((_, r0)), Some((_, r1))) => r1 - r0,
@@ -219,7 +230,7 @@ pub fn run(a: Args) -> Result<()> {
         };
         if rank == 0 {
             println!(
-                "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step, {}); prefill {:>9.1} ms for {} tokens",
+                "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step, {}); prefill {:>9.1} ms for {} tokens{}",
                 row.tp,
                 numerics,
                 sampling_label(a.temperature, a.top_k, a.top_p),
@@ -234,7 +245,12 @@ pub fn run(a: Args) -> Result<()> {
                     "no CUDA graphs".to_string()
                 },
                 row.prefill_ms,
-                row.prefill_tokens
+                row.prefill_tokens,
+                if shared.is_some() {
+                    " [ranks share a GPU: not representative]"
+                } else {
+                    ""
+                }
             );
         }
         rows.push(row);

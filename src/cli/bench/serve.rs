@@ -33,6 +33,10 @@ pub struct Args {
     /// arbor-launch binary (default: next to this executable).
     #[arg(long)]
     pub launcher: Option<PathBuf>,
+    /// Passed to arbor-launch for the started server: let N ranks share each GPU, or
+    /// `auto` (collectives staged through the host: a checking mode).
+    #[arg(long, value_name = "N|auto", value_parser = common::parse_ranks_per_gpu)]
+    pub ranks_per_gpu: Option<String>,
     /// Requests in all.
     #[arg(long, default_value_t = 200)]
     pub requests: usize,
@@ -191,7 +195,11 @@ fn start_server(args: &Args, model: &PathBuf) -> Result<(Started, String)> {
         .context("no free loopback port")?
         .port();
     let mut cmd = Command::new(launcher);
-    cmd.args(["-n", &args.tp.to_string(), "--"])
+    cmd.args(["-n", &args.tp.to_string()]);
+    if let Some(n) = &args.ranks_per_gpu {
+        cmd.args(["--ranks-per-gpu", n]);
+    }
+    cmd.arg("--")
         .arg(exe)
         .args(["serve", "--model"])
         .arg(model)

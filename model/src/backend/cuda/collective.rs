@@ -27,12 +27,19 @@ pub(super) fn allreduce_algo(var: Option<&str>) -> Result<Algo, String> {
     }
 }
 
+/// `allow_shared`: the user let ranks share a GPU (`ARBOR_RANKS_PER_GPU`); where they do,
+/// the collectives go through the host and the IPC kernels run only when named.
 pub(super) fn gpu_collective(
     comm: &Arc<dyn Communicator>,
     dev: &GpuDevice,
     algo: Algo,
+    allow_shared: bool,
 ) -> Result<GpuCollective, String> {
-    let mut opts = GpuOptions::default();
+    let mut opts = GpuOptions {
+        allow_shared,
+        shared_ipc: matches!(algo, Algo::OneShot | Algo::TwoShot),
+        ..GpuOptions::default()
+    };
     if algo == Algo::AllGatherTree {
         // No CUDA IPC buffers when only the all-gather path runs.
         opts.ipc_capacity_bytes = 0;
@@ -58,6 +65,7 @@ impl CudaBackend {
         let gathered = self.all_gather_cols_untimed(&x)?;
         let reduced = self.all_reduce_untimed(x)?;
         self.dev.synchronize().map_err(|e| self.dev_err(e))?;
+        self.check_collectives()?;
         drop((gathered, reduced));
         tracing::info!(
             rank = self.comm.rank(),
@@ -65,6 +73,17 @@ impl CudaBackend {
             "collectives warmed up"
         );
         Ok(())
+    }
+
+    /// Errors the stream could not report (a failed host-staged exchange, an IPC barrier
+    /// that gave up): checked where a step's results reach the host.
+    pub(super) fn check_collectives(&self) -> BResult<()> {
+        match &self.coll {
+            Some(c) => c
+                .check()
+                .map_err(|e| self.coll_err("collective of an earlier op", e)),
+            None => Ok(()),
+        }
     }
 
     fn coll(&self) -> BResult<&GpuCollective> {
@@ -105,8 +124,8 @@ impl CudaBackend {
                 let (src, dst, n) = (dev_ptr(&partial.buf, s), dev_ptr(&out, s), out.len());
                 // SAFETY: both buffers hold n f32 on this rank's device and stay alive
                 // until the stream's work is done (stream-ordered frees).
-                unsafe { coll.nccl().all_reduce_raw(src, dst, n, Dtype::F32) }
-                    .map_err(|e| self.coll_err("NCCL all-reduce (--numerics fast)", e))?
+                unsafe { coll.sum_all_reduce_raw(src, dst, n, Dtype::F32) }
+                    .map_err(|e| self.coll_err("sum all-reduce (--numerics fast)", e))?;
             }
             None => {
                 coll.tree_all_reduce_into(self.algo, &partial.buf, &mut out)
@@ -135,7 +154,7 @@ impl CudaBackend {
             let s = &self.dev.stream;
             // SAFETY: x holds n f32, `gathered` world·n, both on this rank's device.
             unsafe {
-                self.coll()?.nccl().all_gather_raw(
+                self.coll()?.all_gather_raw(
                     dev_ptr(&x.buf, s),
                     dev_ptr(&gathered, s),
                     n,

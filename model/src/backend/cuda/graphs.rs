@@ -9,7 +9,9 @@
 //! this shape needs; the second is captured into a graph that reads its inputs from a
 //! buffer of its own and writes its results into another; every later one is one upload,
 //! one graph launch and one download. The graph holds kernel nodes only: no allocation
-//! and no host work inside a step.
+//! and no host work inside a step, except where ranks share a GPU: there each all-gather
+//! is a copy to pinned host memory, a host function that exchanges it over TCP and a copy
+//! back (`arbor_collective::gpu::staged`), which a graph holds as memcpy and host nodes.
 //!
 //! `ARBOR_CUDA_GRAPHS=0` runs every step eagerly (same bits: for measuring what the graphs
 //! buy); `ARBOR_PROFILE=1` does too, since it synchronises around every op.

@@ -3,6 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use arbor_collective::device_map::{self, DeviceSlot, RanksPerGpu};
 use arbor_collective::gpu::Algo;
 use arbor_collective::Communicator;
 use arbor_kernels::cuda::cublas::Blas;
@@ -15,15 +16,11 @@ use super::profile::Profiler;
 use super::CudaBackend;
 use crate::backend::{BackendError, Numerics};
 
-/// The GPU ordinal of this rank: `LOCAL_RANK`, else the rank.
-fn ordinal_for(rank: usize) -> Result<usize, String> {
-    match std::env::var("LOCAL_RANK") {
-        Ok(s) => s
-            .trim()
-            .parse::<usize>()
-            .map_err(|_| format!("LOCAL_RANK={s:?} is not a GPU index")),
-        Err(_) => Ok(rank),
-    }
+/// This rank's GPU ([`device_map`]): its local rank (`LOCAL_RANK`, or the MPI / Slurm
+/// equivalent) within CUDA_VISIBLE_DEVICES, or local rank / N with `ARBOR_RANKS_PER_GPU=N`.
+fn device_slot() -> Result<DeviceSlot, String> {
+    let visible = arbor_kernels::cuda::probe::driver().map_err(|e| e.to_string())?;
+    device_map::from_env(visible).map_err(|e| e.to_string())
 }
 
 impl CudaBackend {
@@ -34,8 +31,9 @@ impl CudaBackend {
         let err = |msg: String| BackendError::Device { rank, msg };
         // Checked before the device is opened, so a bad value is reported on any machine.
         let kind = GemmKind::from_env().map_err(err)?;
-        let ordinal = ordinal_for(rank).map_err(err)?;
-        let dev = GpuDevice::open(ordinal).map_err(|e| err(e.to_string()))?;
+        let allow_shared = RanksPerGpu::from_env().map_err(err)?.allows_sharing();
+        let slot = device_slot().map_err(err)?;
+        let dev = GpuDevice::open(slot.ordinal).map_err(|e| err(e.to_string()))?;
         let (major, _) = dev
             .ctx
             .compute_capability()
@@ -49,10 +47,27 @@ impl CudaBackend {
             GemmKind::Tensor => Some(TensorGemm::new(&dev).map_err(|e| err(e.to_string()))?),
         };
         let coll = if comm.world_size() > 1 {
-            Some(gpu_collective(&comm, &dev, algo).map_err(err)?)
+            Some(gpu_collective(&comm, &dev, algo, allow_shared).map_err(err)?)
         } else {
             None
         };
+        if let Some(c) = coll.as_ref().filter(|c| c.shared()) {
+            let on_mine = c.sharing().groups.get(rank).map_or(1, Vec::len);
+            tracing::info!(
+                rank,
+                ordinal = slot.ordinal,
+                ranks_on_gpu = on_mine,
+                allreduce = algo.name(),
+                "ranks share GPUs: all-gathers staged through the host (a recorded decode \
+                 step holds them as memcpy and host nodes)"
+            );
+            if numerics == Numerics::Fast && rank == 0 {
+                tracing::warn!(
+                    "--numerics fast with ranks sharing a GPU: NCCL cannot run there, so its \
+                     all-reduce is replaced by the tree through the host"
+                );
+            }
+        }
         let blas = match numerics {
             Numerics::Invariant => None,
             Numerics::Fast => Some(Blas::new(&dev.stream).map_err(err)?),
@@ -68,6 +83,7 @@ impl CudaBackend {
         }
         let backend = Self {
             comm,
+            slot,
             dev: Arc::new(dev),
             coll,
             algo,
@@ -87,6 +103,11 @@ impl CudaBackend {
     pub fn solo(dev: Arc<GpuDevice>) -> Self {
         Self {
             comm: Arc::new(arbor_collective::SingleComm),
+            slot: DeviceSlot {
+                ordinal: dev.ordinal,
+                ranks_per_gpu: 1,
+                ranks_on_device: 1,
+            },
             dev,
             coll: None,
             algo: Algo::AllGatherTree,
@@ -104,6 +125,7 @@ impl CudaBackend {
     pub fn tp1_shadow(&self) -> Self {
         Self {
             gemm: self.gemm.as_ref().map(TensorGemm::sibling),
+            slot: self.slot,
             ..Self::solo(self.dev.clone())
         }
     }

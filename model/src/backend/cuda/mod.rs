@@ -2,7 +2,9 @@
 //! collective (NCCL all-gather of f32 subtree roots + the fixed tree as a GPU kernel).
 //!
 //! Each rank takes GPU `LOCAL_RANK` (else its rank), counted as the driver counts, i.e.
-//! relative to `CUDA_VISIBLE_DEVICES`. Every kernel fixes each output element's order of
+//! relative to `CUDA_VISIBLE_DEVICES`; with `ARBOR_RANKS_PER_GPU=N` (`arbor-launch
+//! --ranks-per-gpu`) N ranks share each GPU and the collectives go through the host
+//! (`arbor_collective::device_map`, `arbor_collective::gpu::staged`). Every kernel fixes each output element's order of
 //! roundings independently of rows, TP and launch shape, so the contract's invariances hold
 //! on the GPU as on the CPU; the two backends agree within bf16 tolerance only.
 //!
@@ -24,6 +26,7 @@ pub mod step;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use arbor_collective::device_map::DeviceSlot;
 use arbor_collective::gpu::{Algo, GpuCollective};
 use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
@@ -61,6 +64,8 @@ pub struct CudaMat {
 
 pub struct CudaBackend {
     comm: Arc<dyn Communicator>,
+    /// This rank's GPU and how many ranks of this host share it.
+    slot: DeviceSlot,
     dev: Arc<GpuDevice>,
     /// The TP group's GPU collective (None at world size 1).
     coll: Option<GpuCollective>,
@@ -110,6 +115,18 @@ impl CudaBackend {
 
     pub fn device(&self) -> &Arc<GpuDevice> {
         &self.dev
+    }
+
+    /// This rank's GPU and the ranks of this host on it: a rank may plan for
+    /// 1 / `ranks_on_device` of the device's memory (e.g. when sizing the KV cache).
+    pub fn device_slot(&self) -> DeviceSlot {
+        self.slot
+    }
+
+    /// Whether the TP group's collectives are staged through the host because ranks
+    /// share a GPU.
+    pub fn collectives_staged(&self) -> bool {
+        self.coll.as_ref().is_some_and(GpuCollective::shared)
     }
 
     fn dev_err(&self, e: CudaError) -> BackendError {
@@ -212,8 +229,13 @@ impl Backend for CudaBackend {
         self.comm.world_size()
     }
     fn device_name(&self) -> String {
+        let shared = if self.slot.shared() {
+            format!(", shared by {} ranks", self.slot.ranks_on_device)
+        } else {
+            String::new()
+        };
         format!(
-            "cuda:{} {} ({})",
+            "cuda:{} {} ({}{shared})",
             self.dev.ordinal,
             self.dev.name(),
             self.dev.arch
@@ -243,9 +265,11 @@ impl Backend for CudaBackend {
     }
 
     fn act_to_host(&self, a: &CudaAct) -> BResult<Vec<f32>> {
-        self.timed("download", a.rows, || {
+        let v = self.timed("download", a.rows, || {
             self.dev.download_f32(&a.buf).map_err(|e| self.dev_err(e))
-        })
+        })?;
+        self.check_collectives()?;
+        Ok(v)
     }
 
     fn shape(&self, a: &CudaAct) -> (usize, usize) {

@@ -155,6 +155,7 @@ impl CudaBackend {
                 .download("downloading step results", out, ol.words())
                 .map_err(|e| self.dev_err(e))
         })?;
+        self.check_collectives()?;
         step::decode_outputs(&words, ol, keep).map_err(|m| self.shape_err(m))
     }
 
