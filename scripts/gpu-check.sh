@@ -33,12 +33,15 @@
 #        ARBOR_GPU_ALLREDUCE=oneshot vs the default (records identical, step times);
 #        extra = the tiny temperature / top-k checks, graphs vs op by op and --shadow-tp1
 #        at the largest TP, then the llama3-8b seeded check, graphs vs op by op, shadow.
+#        The steps are in scripts/gpu-check-shared.sh.
 #
 # Prints the unique-output / divergence tables LAST; full logs go to $OUT (default
-# ./gpu-check-out): summary.txt, tests.log, tiny.log, l8b.log, reports.tar.
-# Environment: TPS (default 1,2,4), L8B_PROMPTS (default 8), L8B_TOKENS (default 64),
-# L8B_DIR (default /tmp/arbor-l8b; reused if it holds a model), SKIP_L8B=1 (tiny only),
-# BUDGET_S (default 570: steps that would start after it are skipped and reported).
+# ./gpu-check-out): summary.txt, tests.log, tiny.log, l8b.log, reports.tar (shared: also
+# serve.log, ipc.log).
+# Environment: TPS (default 1,2,4; shared 1,2,4,8), L8B_PROMPTS (default 8; shared 4),
+# L8B_TOKENS (default 64; shared 32), L8B_DIR (default /tmp/arbor-l8b; reused if it holds a
+# model), SKIP_L8B=1 (tiny only), BUDGET_S (default 570: steps that would start after it are
+# skipped and reported); shared only: PARTS, L8B_BATCH (default 1,8), IPC_SPIN_MS (10000).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
