@@ -160,6 +160,134 @@ impl NcclComm {
         })
     }
 
+    /// Joins a group whose unique id another process made (a trainer that broadcasts
+    /// weights: `docs/rl.md`), as `rank` of `world`, on the device of `stream`. Blocks
+    /// until every member has joined: call it where a wait is bounded (`join_within`).
+    pub fn join(
+        unique_id: &[u8],
+        world: usize,
+        rank: usize,
+        stream: Arc<CudaStream>,
+    ) -> Result<Self, GpuError> {
+        probe_nccl()?;
+        if unique_id.len() != 128 {
+            return Err(GpuError::Invalid {
+                rank,
+                msg: format!(
+                    "a NCCL unique id has 128 bytes, this one {}",
+                    unique_id.len()
+                ),
+            });
+        }
+        if rank >= world {
+            return Err(GpuError::Invalid {
+                rank,
+                msg: format!("rank {rank} is outside a group of {world}"),
+            });
+        }
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (d, s) in internal.iter_mut().zip(unique_id) {
+            *d = *s as std::ffi::c_char;
+        }
+        let id = nsys::ncclUniqueId { internal };
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| GpuError::Cuda {
+                rank,
+                msg: format!("binding the context: {e:?}"),
+            })?;
+        let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; the id has the size of an ncclUniqueId.
+        unsafe { nres::comm_init_rank(&mut comm, world as i32, id, rank as i32) }.map_err(|e| {
+            nccl_err(
+                rank,
+                &format!("ncclCommInitRank (rank {rank} of {world})"),
+                e,
+            )
+        })?;
+        Ok(Self {
+            comm,
+            stream,
+            rank,
+            world,
+        })
+    }
+
+    /// [`NcclComm::join`] on a thread of its own, waiting at most `timeout`: a member that
+    /// never comes must not hold the caller forever. On a timeout the joining thread is
+    /// left blocked (NCCL offers no way to cancel an init) and the error says so.
+    pub fn join_within(
+        unique_id: &[u8],
+        world: usize,
+        rank: usize,
+        stream: Arc<CudaStream>,
+        timeout: std::time::Duration,
+    ) -> Result<Self, GpuError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let id = unique_id.to_vec();
+        std::thread::Builder::new()
+            .name("nccl-join".into())
+            .spawn(move || {
+                let _ = tx.send(Self::join(&id, world, rank, stream));
+            })
+            .map_err(|e| GpuError::Host {
+                rank,
+                msg: format!("starting the NCCL join thread: {e}"),
+            })?;
+        match rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(_) => Err(GpuError::Nccl {
+                rank,
+                msg: format!(
+                    "the other members of the group (world {world}) did not join within {:.0} s",
+                    timeout.as_secs_f64()
+                ),
+            }),
+        }
+    }
+
+    /// `ncclBroadcast` of `bytes` bytes from `root` (in place: `buf` is sent on the root
+    /// and received elsewhere), enqueued on the stream.
+    ///
+    /// # Safety
+    /// `buf` must be a device pointer on this rank's GPU, valid for `bytes` bytes for the
+    /// stream's work.
+    pub unsafe fn broadcast_raw(
+        &self,
+        buf: u64,
+        bytes: usize,
+        root: usize,
+    ) -> Result<(), GpuError> {
+        nres::broadcast(
+            buf as *const _,
+            buf as *mut _,
+            bytes,
+            nsys::ncclDataType_t::ncclUint8,
+            root as i32,
+            self.comm,
+            self.cu_stream(),
+        )
+        .map(|_| ())
+        .map_err(|e| {
+            nccl_err(
+                self.rank,
+                &format!("ncclBroadcast of {bytes} bytes from rank {root}"),
+                e,
+            )
+        })
+    }
+
+    /// Aborts the communicator's outstanding work (a broadcast whose sender never came):
+    /// the kernels waiting on it return. The communicator is unusable after.
+    pub fn abort(self) {
+        // SAFETY: `comm` is live; it is not destroyed again (Drop is skipped).
+        if let Err(e) = unsafe { nres::comm_abort(self.comm) } {
+            tracing::warn!(rank = self.rank, "ncclCommAbort failed: {:?}", e.0);
+        }
+        std::mem::forget(self);
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }

@@ -49,7 +49,7 @@ impl Checkpoint {
             return Ok(Checkpoint {
                 config: g.config,
                 config_path: path.to_path_buf(),
-                weights: WeightStore::Gguf(g.weights),
+                weights: WeightStore::gguf(g.weights),
                 tokenizer,
                 tokenizer_config,
                 generation_config: None,

@@ -18,7 +18,7 @@ use crate::error::{MResult, ModelError};
 /// Header sizes beyond this are refused before parsing (real headers are a few MB).
 const MAX_HEADER: u64 = 100 << 20;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum DType {
     BF16,
     F16,
@@ -39,6 +39,17 @@ impl DType {
             DType::F32 => "F32",
         }
     }
+    /// A dtype named as safetensors ("BF16") or torch ("bfloat16", "torch.bfloat16")
+    /// names it: what a trainer lists for the tensors it broadcasts.
+    pub fn from_any_name(s: &str) -> Option<Self> {
+        match s.strip_prefix("torch.").unwrap_or(s) {
+            "bfloat16" => Some(DType::BF16),
+            "float16" | "half" => Some(DType::F16),
+            "float32" | "float" => Some(DType::F32),
+            other => Self::parse(&other.to_ascii_uppercase()),
+        }
+    }
+
     fn parse(s: &str) -> Option<Self> {
         match s {
             "BF16" => Some(DType::BF16),
@@ -58,10 +69,28 @@ pub struct TensorInfo {
 }
 
 pub struct SafeFile {
+    /// The file, or for bytes received over the network a label naming where they came
+    /// from (errors name it as they name a file).
     pub path: PathBuf,
-    mmap: Mmap,
+    data: Storage,
     data_start: usize,
     pub tensors: HashMap<String, TensorInfo>,
+}
+
+/// A file's bytes: mapped from disk, or held in memory (a checkpoint pushed by a trainer).
+enum Storage {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Storage {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
 }
 
 fn st_err(path: &Path, msg: String) -> ModelError {
@@ -91,16 +120,72 @@ impl SafeFile {
         let (data_start, tensors) = parse_header(&mmap, path)?;
         Ok(SafeFile {
             path: path.to_path_buf(),
-            mmap,
+            data: Storage::Mapped(mmap),
             data_start,
             tensors,
         })
     }
 
+    /// A whole safetensors image held in memory (validated as [`SafeFile::open`] does);
+    /// `label` names it in errors.
+    pub fn from_bytes(label: &Path, bytes: Vec<u8>) -> MResult<Self> {
+        let (data_start, tensors) = parse_header(&bytes, label)?;
+        Ok(SafeFile {
+            path: label.to_path_buf(),
+            data: Storage::Owned(bytes),
+            data_start,
+            tensors,
+        })
+    }
+
+    /// One tensor's raw little-endian bytes (`shape` × `dtype`), held in memory.
+    pub fn from_tensor(
+        label: &Path,
+        name: &str,
+        dtype: DType,
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+    ) -> MResult<Self> {
+        let want = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
+        if want != Some(bytes.len()) {
+            return Err(st_err(
+                label,
+                format!(
+                    "tensor {name:?}: {} bytes, but shape {shape:?} × {} needs {want:?}",
+                    bytes.len(),
+                    dtype.name()
+                ),
+            ));
+        }
+        let info = TensorInfo {
+            dtype,
+            shape,
+            data: 0..bytes.len(),
+        };
+        Ok(SafeFile {
+            path: label.to_path_buf(),
+            data: Storage::Owned(bytes),
+            data_start: 0,
+            tensors: HashMap::from([(name.to_string(), info)]),
+        })
+    }
+
+    /// The raw little-endian bytes of tensor `info`.
+    pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
+        self.bytes(info, 0..info.data.len())
+    }
+
+    /// Bytes held (the whole image for an in-memory file, the mapping for a file).
+    pub fn len_bytes(&self) -> usize {
+        self.data.len()
+    }
+
     /// Raw bytes of `range` (relative to the tensor's data) of tensor `info`.
     fn bytes(&self, info: &TensorInfo, range: Range<usize>) -> &[u8] {
         let base = self.data_start + info.data.start;
-        &self.mmap[base + range.start..base + range.end]
+        &self.data[base + range.start..base + range.end]
     }
 
     /// Elements `[r0..r1) × [c0..c1)` of the 2-D tensor `name` `[n, k]` (or of a 1-D

@@ -3,9 +3,10 @@
 //! names. Tensors are read slice by slice (a rank's rows or columns), converted to bf16;
 //! the checkpoint is never materialised whole.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use half::bf16;
 
@@ -13,7 +14,14 @@ use crate::error::{MResult, ModelError};
 use crate::gguf::GgufWeights;
 use crate::safetensors::{SafeFile, TensorInfo};
 
-pub enum WeightStore {
+pub struct WeightStore {
+    source: Source,
+    /// Every tensor a load asked for, with the shape it expected: what a later weight
+    /// update must provide (runner/weights_update.rs).
+    read: Mutex<BTreeMap<String, Vec<usize>>>,
+}
+
+enum Source {
     Safetensors(SafeStore),
     Gguf(GgufWeights),
 }
@@ -21,37 +29,69 @@ pub enum WeightStore {
 impl WeightStore {
     /// The safetensors checkpoint of model directory `dir`.
     pub fn open(dir: &Path) -> MResult<Self> {
-        SafeStore::open(dir).map(WeightStore::Safetensors)
+        SafeStore::open(dir).map(|s| Self::with(Source::Safetensors(s)))
+    }
+
+    /// A GGUF file's tensors.
+    pub fn gguf(g: GgufWeights) -> Self {
+        Self::with(Source::Gguf(g))
+    }
+
+    /// A checkpoint held in memory (tensors a trainer pushed); `label` stands for the
+    /// directory in errors.
+    pub fn from_files(label: &Path, files: Vec<SafeFile>) -> MResult<Self> {
+        SafeStore::from_files(label, files).map(|s| Self::with(Source::Safetensors(s)))
+    }
+
+    fn with(source: Source) -> Self {
+        WeightStore {
+            source,
+            read: Mutex::default(),
+        }
+    }
+
+    /// The tensors read so far and the shapes they were read as, by name.
+    pub fn tensors_read(&self) -> BTreeMap<String, Vec<usize>> {
+        self.read.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    fn note(&self, name: &str, shape: &[usize]) {
+        if let Ok(mut m) = self.read.lock() {
+            m.insert(name.to_string(), shape.to_vec());
+        }
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        match self {
-            WeightStore::Safetensors(s) => s.contains(name),
-            WeightStore::Gguf(g) => g.contains(name),
+        match &self.source {
+            Source::Safetensors(s) => s.contains(name),
+            Source::Gguf(g) => g.contains(name),
         }
     }
 
     /// Rows `rows` (all columns) of the `[n, k]` matrix `name`.
     pub fn rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<Vec<bf16>> {
-        match self {
-            WeightStore::Safetensors(s) => s.rows(name, n, k, rows),
-            WeightStore::Gguf(g) => g.rows(name, n, k, rows),
+        self.note(name, &[n, k]);
+        match &self.source {
+            Source::Safetensors(s) => s.rows(name, n, k, rows),
+            Source::Gguf(g) => g.rows(name, n, k, rows),
         }
     }
 
     /// Columns `cols` of every row of the `[n, k]` matrix `name` (a strided read).
     pub fn cols(&self, name: &str, n: usize, k: usize, cols: Range<usize>) -> MResult<Vec<bf16>> {
-        match self {
-            WeightStore::Safetensors(s) => s.cols(name, n, k, cols),
-            WeightStore::Gguf(g) => g.cols(name, n, k, cols),
+        self.note(name, &[n, k]);
+        match &self.source {
+            Source::Safetensors(s) => s.cols(name, n, k, cols),
+            Source::Gguf(g) => g.cols(name, n, k, cols),
         }
     }
 
     /// Elements `range` of the vector `name` of length `len`, as f32 (via bf16).
     pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
-        match self {
-            WeightStore::Safetensors(s) => s.vector(name, len, range),
-            WeightStore::Gguf(g) => g.vector(name, len, range),
+        self.note(name, &[len]);
+        match &self.source {
+            Source::Safetensors(s) => s.vector(name, len, range),
+            Source::Gguf(g) => g.vector(name, len, range),
         }
     }
 }
@@ -130,6 +170,29 @@ impl SafeStore {
         }
         Ok(SafeStore {
             dir: dir.to_path_buf(),
+            files,
+            index,
+        })
+    }
+
+    /// A checkpoint held in memory (tensors a trainer pushed); `label` stands for the
+    /// directory in errors. A tensor in two of the files is refused, naming both.
+    pub fn from_files(label: &Path, files: Vec<SafeFile>) -> MResult<Self> {
+        let mut index = HashMap::new();
+        for (fi, f) in files.iter().enumerate() {
+            for name in f.tensors.keys() {
+                if let Some(&other) = index.get(name) {
+                    let other: &SafeFile = &files[other];
+                    return Err(ModelError::Safetensors {
+                        path: f.path.clone(),
+                        msg: format!("tensor {name:?} was also given in {}", other.path.display()),
+                    });
+                }
+                index.insert(name.clone(), fi);
+            }
+        }
+        Ok(SafeStore {
+            dir: label.to_path_buf(),
             files,
             index,
         })

@@ -13,6 +13,9 @@ pub enum BackendError {
     },
     #[error("shape error: {0}")]
     Shape(String),
+    /// What this backend cannot do at all (a request to change that is the caller's).
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 pub type BResult<T> = Result<T, BackendError>;

@@ -346,6 +346,36 @@ pub trait Backend {
     fn recorded_steps(&self) -> Option<(u64, u64)> {
         None
     }
+
+    /// Drops every recorded step: a recording reads the weights and writes the cache it
+    /// was made with, so it must never run after either is replaced or freed.
+    fn forget_recordings(&self) {}
+
+    /// Joins the NCCL group of a trainer process that broadcasts new weights (the trainer
+    /// is rank 0 of `world`; this backend's rank is `rank` in it). `unique_id` is the
+    /// 128-byte `ncclUniqueId` the trainer made. Collective with the trainer: fails when
+    /// it has not joined within `timeout`. GPU backends only.
+    fn join_weights_group(
+        &self,
+        _unique_id: &[u8],
+        _world: usize,
+        _rank: usize,
+        _timeout: std::time::Duration,
+    ) -> BResult<Box<dyn WeightsGroup>> {
+        Err(BackendError::Unsupported(format!(
+            "rank {}: a NCCL weight-update group needs GPU ranks (--device cuda); this rank runs on {}: push the weights over HTTP (update_weights_from_tensor) or from disk instead",
+            self.rank(),
+            self.device_name()
+        )))
+    }
+}
+
+/// A NCCL group joined with a trainer (`Backend::join_weights_group`).
+pub trait WeightsGroup: Send {
+    /// Receives one broadcast of `bytes` bytes from the trainer (the group's rank 0) into
+    /// host memory. Fails, leaving the group unusable, when it has not arrived within
+    /// `timeout`.
+    fn receive(&mut self, bytes: usize, timeout: std::time::Duration) -> BResult<Vec<u8>>;
 }
 
 /// The output rows `want_row` asks for, in order.

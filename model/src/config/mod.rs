@@ -343,6 +343,96 @@ impl ModelConfig {
         }
     }
 
+    /// Whether `other` (a checkpoint's config) describes the same model: the same
+    /// architecture, every shape, and every constant of the math, so that its weights can
+    /// replace these in a running server. The context length, token ids and dtype may
+    /// differ (the server keeps its own). Names the first field that differs.
+    pub fn same_model_as(&self, other: &ModelConfig) -> Result<(), String> {
+        let fields: [(&str, String, String); 15] = [
+            (
+                "architectures",
+                self.arch_name.clone(),
+                other.arch_name.clone(),
+            ),
+            (
+                "hidden_size",
+                self.hidden_size.to_string(),
+                other.hidden_size.to_string(),
+            ),
+            (
+                "intermediate_size",
+                self.intermediate_size.to_string(),
+                other.intermediate_size.to_string(),
+            ),
+            (
+                "num_hidden_layers",
+                self.num_layers.to_string(),
+                other.num_layers.to_string(),
+            ),
+            (
+                "num_attention_heads",
+                self.num_heads.to_string(),
+                other.num_heads.to_string(),
+            ),
+            (
+                "num_key_value_heads",
+                self.num_kv_heads.to_string(),
+                other.num_kv_heads.to_string(),
+            ),
+            (
+                "head_dim",
+                self.head_dim.to_string(),
+                other.head_dim.to_string(),
+            ),
+            (
+                "vocab_size",
+                self.vocab_size.to_string(),
+                other.vocab_size.to_string(),
+            ),
+            (
+                "rms_norm_eps",
+                format!("{:e}", self.rms_norm_eps),
+                format!("{:e}", other.rms_norm_eps),
+            ),
+            (
+                "rope_theta",
+                self.rope_theta.to_string(),
+                other.rope_theta.to_string(),
+            ),
+            (
+                "rope_scaling",
+                format!("{:?}", self.rope_scaling),
+                format!("{:?}", other.rope_scaling),
+            ),
+            (
+                "tie_word_embeddings",
+                self.tie_word_embeddings.to_string(),
+                other.tie_word_embeddings.to_string(),
+            ),
+            (
+                "attention_bias",
+                self.attention_bias.to_string(),
+                other.attention_bias.to_string(),
+            ),
+            (
+                "mlp_bias",
+                self.mlp_bias.to_string(),
+                other.mlp_bias.to_string(),
+            ),
+            (
+                "sliding_window",
+                format!("{:?}", self.sliding_window),
+                format!("{:?}", other.sliding_window),
+            ),
+        ];
+        match fields.iter().find(|(_, a, b)| a != b) {
+            Some((name, a, b)) => Err(format!(
+                "{name} is {b} in the new checkpoint but {a} in the running model"
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Total query width `num_heads · head_dim`.
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim

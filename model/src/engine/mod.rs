@@ -7,10 +7,12 @@
 //! what else is in the plan: admission order, chunk sizes and load cannot change them.
 //! Offline `generate` and `score` are the same scheduler with one step's worth of budget.
 
+pub mod control;
 pub mod kv;
 pub mod plan;
 pub mod scheduler;
 
+pub use control::{ControlMsg, TensorMeta, UpdateSource};
 pub use kv::{BlockPool, SlotPool};
 pub use plan::{PlanMsg, PlanRow, Record, RowResult, StepPlan};
 pub use scheduler::{Event, FinishReason, Scheduler, SchedulerConfig, SeqId, SeqSpec};

@@ -53,6 +53,9 @@ pub enum PlanMsg {
     /// Nothing to run; keeps the followers' collective wait short of its timeout.
     Idle,
     Shutdown,
+    /// New weights, memory released or resumed, caches dropped: every rank runs it
+    /// (`runner::weights_update::run_control`) between steps.
+    Control(crate::engine::ControlMsg),
 }
 
 impl PlanMsg {

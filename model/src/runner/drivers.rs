@@ -1,12 +1,13 @@
 //! The [`Runner`] API on an [`Engine`]: `generate` and `score` as static batches driven
 //! through the scheduler, and the serving session's `execute`.
 
+use super::weights_update::WeightsState;
 use super::{
     Engine, FinishReason, GenOutput, GenRequest, GenTiming, Runner, ScoreOutput, ScoreRequest,
 };
 use crate::backend::Backend;
 use crate::config::ModelConfig;
-use crate::engine::{Event, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan};
+use crate::engine::{ControlMsg, Event, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan};
 use crate::error::{MResult, ModelError};
 use crate::generation_config::GenerationConfig;
 use crate::sampling::Sampling;
@@ -20,7 +21,7 @@ impl<B: Backend> Runner for Engine<B> {
         self.backend.rank()
     }
     fn config(&self) -> &ModelConfig {
-        &self.model.cfg
+        &self.cfg
     }
     fn tokenizer(&self) -> Option<&tokenizers::Tokenizer> {
         self.tokenizer.as_ref()
@@ -211,16 +212,33 @@ impl<B: Backend> Runner for Engine<B> {
             )));
         }
         self.session = None;
+        self.backend.forget_recordings();
         let caches = self.caches(slots, max_len)?;
         self.session = Some((caches, slots, max_len));
+        self.session_shape = Some((slots, max_len));
         Ok(())
+    }
+
+    fn control_prepare(&mut self, msg: &mut ControlMsg) -> MResult<()> {
+        Engine::control_prepare(self, msg)
+    }
+
+    fn control_finish(&mut self, msg: &ControlMsg, apply: bool) {
+        Engine::control_finish(self, msg, apply)
+    }
+
+    fn weights_state(&self) -> WeightsState {
+        Engine::weights_state(self)
     }
 
     fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>> {
         let Some((mut caches, slots, max_len)) = self.session.take() else {
-            return Err(ModelError::Plan(
-                "execute called before start_session".into(),
-            ));
+            return Err(match self.session_shape {
+                Some(_) => ModelError::Unavailable(
+                    "the KV cache is released (release_memory_occupation): resume it first".into(),
+                ),
+                None => ModelError::Plan("execute called before start_session".into()),
+            });
         };
         let res = self
             .check_plan(plan, slots, max_len)

@@ -109,7 +109,7 @@ impl<B: Backend> Engine<B> {
         }
         let t0 = std::time::Instant::now();
         let out = self.step(caches, &ids, &seqs, &out_rows, &ids_of, &tasks)?;
-        let vocab = self.model.cfg.vocab_size.max(1);
+        let vocab = self.cfg.vocab_size.max(1);
         let host_ok = match &out.host {
             HostRows::All(l) => l.len() == out_rows.len() * vocab,
             HostRows::Some(rows) => rows.is_empty() || rows.len() == out_rows.len(),

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use arbor_collective::Communicator;
 
+use super::weights_update::Updates;
 use super::{Device, Engine, GenTiming, LoadOptions, Runner};
 use crate::backend::cpu::{default_threads, CpuBackend};
 use crate::backend::cuda::CudaBackend;
@@ -112,17 +113,22 @@ impl<B: Backend> Engine<B> {
                 eos_token_ids.push(*id);
             }
         }
+        let updates = Updates::new(store.tensors_read(), dir);
         Ok(Engine {
             tokenizer,
             tokenizer_config,
             generation_config,
             eos_token_ids,
             backend,
-            model,
+            cfg,
+            model: Some(model),
+            row_tp,
+            updates,
             max_seq_len,
             shadow: None,
             timing: GenTiming::default(),
             session: None,
+            session_shape: None,
         })
     }
 

@@ -11,12 +11,13 @@ mod execute;
 mod load;
 mod records;
 mod step;
+pub mod weights_update;
 
 use std::path::PathBuf;
 
 use crate::backend::{Backend, Numerics};
 use crate::config::ModelConfig;
-use crate::engine::{RowResult, StepPlan};
+use crate::engine::{ControlMsg, RowResult, StepPlan};
 use crate::error::{MResult, ModelError};
 use crate::forward::Model;
 use crate::generation_config::GenerationConfig;
@@ -162,12 +163,29 @@ pub trait Runner {
     /// Runs one step of the continuous-batching engine on the session's cache. Every rank
     /// of the group must execute the same plans in the same order.
     fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>>;
+    /// Phase one of a weight or memory command on this rank: everything that can fail,
+    /// nothing that changes what the rank serves with (`weights_update::run_control`
+    /// drives both phases on every rank).
+    /// A payload it consumes (pushed bytes) is taken out of `msg`.
+    fn control_prepare(&mut self, msg: &mut ControlMsg) -> MResult<()>;
+    /// Phase two: apply phase one's result (every rank succeeded), or undo it.
+    fn control_finish(&mut self, msg: &ControlMsg, apply: bool);
+    /// The weights, KV cache and staged tensors this rank holds.
+    fn weights_state(&self) -> weights_update::WeightsState;
 }
 
 /// The model of one rank on backend `B`, optionally with a TP=1 shadow.
 pub struct Engine<B: Backend> {
     backend: B,
-    model: Model<B>,
+    /// The model's config (kept while the weights are released).
+    cfg: ModelConfig,
+    /// The weights on the device; None while released (`release_memory`).
+    model: Option<Model<B>>,
+    /// The TP size the row-parallel layers reduce as (`LoadCtx::row_tp`).
+    row_tp: usize,
+    /// Weight updates: the tensors a checkpoint must hold, staged tensors, a prepared
+    /// model, where the weights came from (runner/weights_update.rs).
+    updates: weights_update::Updates<B>,
     tokenizer: Option<tokenizers::Tokenizer>,
     tokenizer_config: Option<TokenizerConfig>,
     generation_config: Option<GenerationConfig>,
@@ -177,6 +195,8 @@ pub struct Engine<B: Backend> {
     timing: GenTiming,
     /// The persistent cache of `start_session`, with its slots and positions per slot.
     session: Option<(Caches<B>, usize, usize)>,
+    /// The shape of the last session, to allocate again after `release_memory`.
+    session_shape: Option<(usize, usize)>,
 }
 
 /// A batch's KV caches: the model's and, with a shadow, the shadow's.
@@ -198,15 +218,20 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// The weights, or why there are none.
+    fn model(&self) -> MResult<&Model<B>> {
+        self.model.as_ref().ok_or_else(released)
+    }
+
     fn caches(&self, slots: usize, max_len: usize) -> MResult<Caches<B>> {
         let main = self
             .backend
-            .kv_cache(self.model.kv_spec(slots, max_len))
+            .kv_cache(self.kv_spec(slots, max_len)?)
             .map_err(|e| self.berr(e))?;
         let shadow = match &self.shadow {
             Some(s) => Some(
                 s.backend
-                    .kv_cache(s.model.kv_spec(slots, max_len))
+                    .kv_cache(s.model()?.kv_spec(slots, max_len))
                     .map_err(|e| s.berr(e))?,
             ),
             None => None,
@@ -215,7 +240,7 @@ impl<B: Backend> Engine<B> {
     }
 
     fn check_tokens(&self, id: u64, tokens: &[u32]) -> MResult<()> {
-        let vocab = self.model.cfg.vocab_size;
+        let vocab = self.cfg.vocab_size;
         if let Some((index, &token)) = tokens
             .iter()
             .enumerate()
@@ -230,6 +255,13 @@ impl<B: Backend> Engine<B> {
         }
         Ok(())
     }
+}
+
+/// The error of a step while the weights are released.
+fn released() -> ModelError {
+    ModelError::Unavailable(
+        "the weights are released (release_memory_occupation): resume them first".into(),
+    )
 }
 
 /// A step's row stats, its logits on the host (when a row needs them or the shadow

@@ -30,6 +30,7 @@ impl<B: Backend> Engine<B> {
         let ks: Vec<usize> = tasks.iter().map(RowTask::candidates).collect();
         let need_host = tasks.iter().any(RowTask::needs_row);
         let (pick, draws, ks) = (&pick[..], &draws[..], &ks[..]);
+        let model = self.model.as_ref().ok_or_else(super::released)?;
         if !need_host && self.shadow.is_none() {
             // The device program: the backend may record it and replay the recording.
             let inputs = StepInputs {
@@ -39,10 +40,9 @@ impl<B: Backend> Engine<B> {
                 pick,
                 draws,
                 ks,
-                vocab: self.model.vocab(),
+                vocab: model.vocab(),
                 cache: self.backend.cache_key(&caches.main),
             };
-            let model = &self.model;
             let cache = &mut caches.main;
             let want_row = |r: usize, st: &RowStats, c: &[(u32, f32)]| {
                 tasks.get(r).is_some_and(|t| t.wants_row(st, c))
@@ -66,8 +66,7 @@ impl<B: Backend> Engine<B> {
         // The rows come to the host (top-N beyond the candidates' limit, a sampling over
         // the whole row, or the shadow's comparison): the draws use them.
         let mut trace = self.shadow.as_ref().map(|_| Trace::new());
-        let dev_logits = self
-            .model
+        let dev_logits = model
             .forward_logits(
                 &self.backend,
                 &mut caches.main,
@@ -80,12 +79,10 @@ impl<B: Backend> Engine<B> {
         let Some(dev_logits) = dev_logits else {
             return Ok(StepOut::default());
         };
-        let stats = self
-            .model
+        let stats = model
             .row_stats(&self.backend, &dev_logits, pick, draws)
             .map_err(|e| self.berr(e))?;
-        let logits = self
-            .model
+        let logits = model
             .logits_to_host(&self.backend, &dev_logits)
             .map_err(|e| self.berr(e))?;
         if let (Some(shadow), Some(scache), Some(trace)) =
@@ -94,6 +91,8 @@ impl<B: Backend> Engine<B> {
             let mut strace = Trace::new();
             let slogits = shadow
                 .model
+                .as_ref()
+                .ok_or_else(super::released)?
                 .forward(
                     &shadow.backend,
                     scache,
@@ -104,7 +103,7 @@ impl<B: Backend> Engine<B> {
                 )
                 .map_err(|e| shadow.berr(e))?;
             let rank = self.backend.rank();
-            let hidden = self.model.cfg.hidden_size;
+            let hidden = self.cfg.hidden_size;
             let position_of_row = |row: usize| -> (usize, u64) {
                 seqs.iter()
                     .zip(ids_of)
@@ -126,7 +125,7 @@ impl<B: Backend> Engine<B> {
                     });
                 }
             }
-            let vocab = self.model.cfg.vocab_size;
+            let vocab = self.cfg.vocab_size;
             if let Some(i) = first_diff_row(&logits, &slogits, vocab) {
                 let (position, id) = position_of_row(out_rows[i]);
                 return Err(ModelError::ShadowDivergence {

@@ -86,6 +86,7 @@ const COMMON_FIELDS: &[&str] = &[
     "ignore_eos",
     "sample_id",
     "prompt_logprobs",
+    "rid",
 ];
 
 impl Body for CompletionRequest {
@@ -182,6 +183,8 @@ pub struct Common {
     /// Extension: teacher-forced log-probs of the prompt (= `arbor score`).
     #[serde(default)]
     pub prompt_logprobs: bool,
+    /// Extension: the request's id (the response's `id`), which `/abort_request` names.
+    pub rid: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -226,7 +229,11 @@ pub struct Params {
     pub ignore_eos: bool,
     pub sample_id: u64,
     pub prompt_logprobs: bool,
+    pub rid: Option<String>,
 }
+
+/// Longest `rid`.
+pub const MAX_RID_LEN: usize = 256;
 
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
@@ -334,6 +341,14 @@ impl Common {
                 "stop takes at most 4 non-empty strings",
             ));
         }
+        if let Some(rid) = &self.rid {
+            if rid.is_empty() || rid.len() > MAX_RID_LEN || rid.chars().any(|c| c.is_control()) {
+                return Err(ApiError::bad(
+                    "rid",
+                    format!("rid must be 1 to {MAX_RID_LEN} bytes without control characters"),
+                ));
+            }
+        }
         if logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
             return Err(ApiError::bad(
                 "logprobs",
@@ -360,6 +375,7 @@ impl Common {
             ignore_eos: self.ignore_eos,
             sample_id: self.sample_id.unwrap_or(0),
             prompt_logprobs: self.prompt_logprobs,
+            rid: self.rid.clone(),
         })
     }
 }

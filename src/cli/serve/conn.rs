@@ -34,6 +34,8 @@ pub struct Limits {
     pub header_timeout: Duration,
     pub body_timeout: Duration,
     pub max_body: usize,
+    /// The body limit of `/update_weights_from_tensor` (a part of a checkpoint).
+    pub max_upload: usize,
 }
 
 impl Limits {
@@ -54,6 +56,7 @@ impl Limits {
             header_timeout: Duration::from_secs_f64(args.header_timeout_s),
             body_timeout: Duration::from_secs_f64(args.body_timeout_s),
             max_body: args.max_body_bytes,
+            max_upload: args.max_weight_upload_bytes,
         }
     }
 }
@@ -141,13 +144,16 @@ pub async fn serve(
 /// `body_timeout` and `max_body` bytes (413 at once when Content-Length says more).
 pub async fn read_body(State(limits): State<Limits>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
+    // A pushed part of a checkpoint has a limit of its own (docs/rl.md).
+    let (max_body, flag) = if parts.uri.path() == super::admin::UPLOAD_PATH {
+        (limits.max_upload, "--max-weight-upload-bytes")
+    } else {
+        (limits.max_body, "--max-body-bytes")
+    };
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
-            format!(
-                "the request body is too large (more than {} bytes, --max-body-bytes)",
-                limits.max_body
-            ),
+            format!("the request body is too large (more than {max_body} bytes, {flag})"),
         )
     };
     let declared = parts
@@ -155,10 +161,10 @@ pub async fn read_body(State(limits): State<Limits>, req: Request, next: Next) -
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limits.max_body as u64) {
+    if declared.is_some_and(|n| n > max_body as u64) {
         return close(too_large().into_response());
     }
-    let read = tokio::time::timeout(limits.body_timeout, collect(body, limits.max_body)).await;
+    let read = tokio::time::timeout(limits.body_timeout, collect(body, max_body)).await;
     let bytes = match read {
         Ok(Ok(b)) => b,
         Ok(Err(BodyError::TooLarge)) => return close(too_large().into_response()),

@@ -25,7 +25,7 @@ use tokio::sync::mpsc::{channel, Receiver};
 use super::api::{parse_body, ApiError, ChatRequest, CompletionRequest, Params, PromptInput};
 use super::chat::ChatTemplate;
 use super::conn::{self, Limits};
-use super::msg::{Cmd, SeqEvent};
+use super::msg::{Cmd, SeqEvent, Submission, SubmitChoice};
 use super::stats::Stats;
 use super::Args;
 use crate::cli::model_api::Runner;
@@ -36,7 +36,7 @@ use crate::cli::model_api::Runner;
 pub const STREAM_BACKLOG: usize = 1024;
 
 pub struct AppState {
-    tx: std::sync::mpsc::Sender<Cmd>,
+    pub(super) tx: std::sync::mpsc::Sender<Cmd>,
     tokenizer: Option<tokenizers::Tokenizer>,
     tokenizer_config: Option<arbor_model::TokenizerConfig>,
     chat: Option<ChatTemplate>,
@@ -44,13 +44,17 @@ pub struct AppState {
     max_len: usize,
     vocab: usize,
     api_key: Option<String>,
-    draining: AtomicBool,
+    pub(super) draining: AtomicBool,
     inflight: AtomicUsize,
     max_queue: usize,
     max_n: usize,
     max_body: usize,
     limits: Limits,
-    stats: Arc<Stats>,
+    pub(super) max_upload: usize,
+    /// The whole model in f32: no push may list more.
+    pub(super) max_push_bytes: usize,
+    pub(super) tp: usize,
+    pub(super) stats: Arc<Stats>,
     next_id: AtomicU64,
     /// Set by the leader once the engine loop has ended: the server then shuts down.
     pub stop: Arc<tokio::sync::watch::Sender<bool>>,
@@ -84,13 +88,16 @@ impl AppState {
             max_n: args.max_n,
             max_body: args.max_body_bytes,
             limits: Limits::from_args(args),
+            max_upload: args.max_weight_upload_bytes,
+            max_push_bytes: runner.weights_state().model_elements.saturating_mul(4),
+            tp: runner.tp(),
             stats,
             next_id: AtomicU64::new(0),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
         })
     }
 
-    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+    pub(super) fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let Some(key) = &self.api_key else {
             return Ok(());
         };
@@ -108,12 +115,25 @@ impl AppState {
         .with_code("invalid_api_key"))
     }
 
-    fn accepting(&self) -> Result<(), ApiError> {
+    pub(super) fn accepting(&self) -> Result<(), ApiError> {
         if self.draining.load(Ordering::SeqCst) {
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the server is shutting down",
             ));
+        }
+        Ok(())
+    }
+
+    /// Generation needs the weights and the KV cache in memory.
+    fn generating(&self) -> Result<(), ApiError> {
+        self.accepting()?;
+        if self.stats.released.load(Ordering::SeqCst) {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server has released its memory (release_memory_occupation): call resume_memory_occupation first",
+            )
+            .with_code("memory_released"));
         }
         Ok(())
     }
@@ -230,13 +250,16 @@ impl AppState {
         }
         // A plain response's handler reads every event as it comes (the response holds
         // them all anyway); a stream's reads only as fast as its client does.
+        // Room for a whole run of every choice twice (an update with policy retract
+        // re-runs it) and its version, restart and finish events.
         let backlog = if p.stream {
             STREAM_BACKLOG
         } else {
-            total.saturating_mul(p.max_tokens.saturating_add(3))
+            total.saturating_mul(p.max_tokens.saturating_add(6).saturating_mul(2))
         };
         let (tx, rx) = channel(backlog.max(1));
         let mut choices = Vec::with_capacity(total);
+        let mut subs = Vec::with_capacity(total);
         let score = p.prompt_logprobs || (p.echo && p.logprobs.is_some());
         for (pi, prompt) in prompts.into_iter().enumerate() {
             let prompt = Arc::new(prompt);
@@ -252,26 +275,34 @@ impl AppState {
                     n_top: p.logprobs.unwrap_or(0),
                     ignore_eos: p.ignore_eos,
                 };
-                let cmd = Cmd::Submit {
+                subs.push(SubmitChoice {
                     spec,
-                    tag: index,
-                    events: tx.clone(),
                     cancel: cancel.clone(),
-                };
-                self.tx.send(cmd).map_err(|_| {
-                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
-                })?;
+                });
                 choices.push(ChoiceState::new(index, prompt.clone(), cancel));
             }
         }
-        self.stats.requests.fetch_add(1, Ordering::Relaxed);
         let prefix = if chat { "chatcmpl" } else { "cmpl" };
+        let id = match &p.rid {
+            Some(rid) => rid.clone(),
+            None => format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed)),
+        };
+        // One command for the whole request: its choices run on one weight version.
+        let cmd = Cmd::Submit(Submission {
+            rid: id.clone(),
+            choices: subs,
+            events: tx,
+        });
+        self.tx.send(cmd).map_err(|_| {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
+        })?;
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
         Ok(Job {
             rx,
             choices,
             p,
             chat,
-            id: format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed)),
+            id,
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
@@ -309,6 +340,10 @@ struct ChoiceState {
     sent: usize,
     emitted: String,
     finish: Option<&'static str>,
+    /// The weights it ran on (from its first step).
+    version: Option<Arc<str>>,
+    /// Something of it was streamed (a restart cannot take that back).
+    streamed: bool,
 }
 
 impl ChoiceState {
@@ -323,7 +358,21 @@ impl ChoiceState {
             sent: 0,
             emitted: String::new(),
             finish: None,
+            version: None,
+            streamed: false,
         }
+    }
+
+    /// Back to before its first event: it runs again from its prompt.
+    fn reset(&mut self, cancel: Arc<AtomicBool>) {
+        self.cancel = cancel;
+        self.records.clear();
+        self.prompt_records.clear();
+        self.text.clear();
+        self.sent = 0;
+        self.emitted.clear();
+        self.finish = None;
+        self.version = None;
     }
 
     fn tokens(&self) -> Vec<u32> {
@@ -376,6 +425,9 @@ enum Update {
     Nothing,
 }
 
+/// The choice's `finish_reason` when it was aborted.
+const ABORT: &str = "abort";
+
 impl Job {
     fn done(&self) -> bool {
         self.choices.iter().all(|c| c.finish.is_some())
@@ -398,13 +450,39 @@ impl Job {
                 },
             ));
         };
+        let stream = self.p.stream;
         let Some(c) = self.choices.get_mut(i) else {
             return Ok(Update::Nothing);
         };
+        if let SeqEvent::Restart { cancel } = ev {
+            if stream && c.streamed {
+                // What was streamed came from the weights being replaced and cannot be
+                // taken back: the choice ends instead of running again.
+                cancel.store(true, Ordering::SeqCst);
+                c.cancel = cancel;
+                if c.finish.is_none() {
+                    c.finish = Some(ABORT);
+                    return Ok(Update::Finished(i));
+                }
+                return Ok(Update::Nothing);
+            }
+            c.reset(cancel);
+            return Ok(Update::Nothing);
+        }
         if c.finish.is_some() {
             return Ok(Update::Nothing);
         }
         match ev {
+            SeqEvent::Started { weight_version } => {
+                c.version = Some(weight_version);
+                Ok(Update::Nothing)
+            }
+            SeqEvent::Aborted { weight_version } => {
+                c.version.get_or_insert(weight_version);
+                c.finish = Some(ABORT);
+                Ok(Update::Finished(i))
+            }
+            SeqEvent::Restart { .. } => Ok(Update::Nothing),
             SeqEvent::Scored(recs) => {
                 c.prompt_records.extend(recs.iter().cloned());
                 Ok(Update::Scored(i, recs))
@@ -517,6 +595,9 @@ impl Job {
 
     /// arbor's extensions on a choice: token ids and logits digests (and prompt log-probs).
     fn extensions(&self, v: &mut Value, c: &ChoiceState, recs: &[Record], with_prompt: bool) {
+        if let Some(ver) = &c.version {
+            v["weight_version"] = json!(&**ver);
+        }
         v["token_ids"] = json!(recs.iter().map(|r| r.token).collect::<Vec<_>>());
         v["logits_digest"] = json!(recs.iter().map(|r| hex(r.digest)).collect::<Vec<_>>());
         if with_prompt {
@@ -555,14 +636,20 @@ impl Job {
                 v
             })
             .collect();
-        json!({
+        let mut body = json!({
             "id": self.id,
             "object": if self.chat { "chat.completion" } else { "text_completion" },
             "created": self.created,
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
-        })
+        });
+        // Every choice that ran, ran on one version (docs/rl.md).
+        if let Some(v) = self.choices.iter().find_map(|c| c.version.as_deref()) {
+            body["weight_version"] = json!(v);
+            body["metadata"] = json!({"weight_version": v});
+        }
+        body
     }
 
     fn chunk(&self, choices: Vec<Value>) -> Event {
@@ -603,7 +690,7 @@ impl Job {
     }
 }
 
-fn body_error(e: BytesRejection) -> ApiError {
+pub(super) fn body_error(e: BytesRejection) -> ApiError {
     let status = e.status();
     let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
         "the request body is too large".to_string()
@@ -620,7 +707,7 @@ async fn completions(
 ) -> Response {
     let r = async {
         st.authorize(&headers)?;
-        st.accepting()?;
+        st.generating()?;
         let bytes = body.map_err(body_error)?;
         let req: CompletionRequest = parse_body(&bytes)?;
         st.check_model(req.common.model.as_deref())?;
@@ -664,7 +751,7 @@ async fn chat_completions(
 ) -> Response {
     let r = async {
         st.authorize(&headers)?;
-        st.accepting()?;
+        st.generating()?;
         let bytes = body.map_err(body_error)?;
         let req: ChatRequest = parse_body(&bytes)?;
         st.check_model(req.common.model.as_deref())?;
@@ -772,18 +859,24 @@ fn stream_job(job: Job) -> Sse<impl futures_util::Stream<Item = Result<Event, In
             }
             match s.job.next().await {
                 Ok(Update::Token(i, rec)) => {
+                    s.job.choices[i].streamed = true;
                     let e = s.job.choice_chunk(i, vec![rec], false);
                     s.pending.push_back(e);
                 }
                 Ok(Update::Finished(i)) => {
+                    s.job.choices[i].streamed = true;
                     let e = s.job.choice_chunk(i, Vec::new(), false);
                     s.pending.push_back(e);
                 }
                 Ok(Update::Scored(i, recs)) if s.job.p.prompt_logprobs => {
+                    s.job.choices[i].streamed = true;
                     let c = &s.job.choices[i];
-                    let v = json!({"index": c.index, "text": "", "finish_reason": null,
+                    let mut v = json!({"index": c.index, "text": "", "finish_reason": null,
                         "prompt_logprobs": recs.iter().map(|r| r.logprob).collect::<Vec<_>>(),
                         "prompt_logits_digest": recs.iter().map(|r| hex(r.digest)).collect::<Vec<_>>()});
+                    if let Some(ver) = &c.version {
+                        v["weight_version"] = json!(&**ver);
+                    }
                     s.pending.push_back(s.job.chunk(vec![v]));
                 }
                 Ok(_) => {}
@@ -810,7 +903,13 @@ async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     match st.accepting() {
-        Ok(()) => Json(json!({"status": "ok"})).into_response(),
+        Ok(()) => Json(json!({
+            "status": "ok",
+            "weight_version": st.stats.weight_version(),
+            "paused": st.stats.paused.load(Ordering::Relaxed),
+            "memory_released": st.stats.released.load(Ordering::Relaxed),
+        }))
+        .into_response(),
         Err(e) => e.into_response(),
     }
 }
@@ -839,6 +938,7 @@ fn router(st: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .merge(super::admin::routes(st.max_upload))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(

@@ -1,21 +1,19 @@
 //! Rank 0: the engine loop (scheduler, plan broadcast, step, results to the HTTP side) on
 //! this thread, the HTTP server on a tokio runtime beside it.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use arbor_collective::Communicator;
-use arbor_model::engine::{Event, PlanMsg, Scheduler, SchedulerConfig, SeqId, StepPlan};
-use tokio::sync::mpsc::error::TrySendError;
-use tokio::sync::mpsc::Sender;
+use arbor_model::engine::{PlanMsg, Scheduler, SchedulerConfig, StepPlan};
 
+use super::control::{Control, ControlConfig, Ctx};
 use super::http::{self, AppState};
 use super::msg::{Cmd, SeqEvent};
+use super::registry::Registry;
 use super::stats::Stats;
 use super::Args;
 use crate::cli::model_api::Runner;
@@ -74,7 +72,23 @@ pub fn lead(
         args.kv_block_size
     );
     let drain = Duration::from_secs_f64(args.drain_timeout_s);
-    let result = engine_loop(runner.as_mut(), comm.as_ref(), sched, rx, &stats, drain);
+    let ctl = Control::new(
+        args.weight_version.clone(),
+        ControlConfig {
+            update_wait: Duration::from_secs_f64(args.weight_update_wait_s),
+            upload_idle: Duration::from_secs_f64(args.weight_upload_idle_s),
+        },
+        &stats,
+    );
+    let result = engine_loop(
+        runner.as_mut(),
+        comm.as_ref(),
+        sched,
+        rx,
+        &stats,
+        drain,
+        ctl,
+    );
     // The other ranks stop whatever happened here; a failed broadcast means one is gone.
     let bcast = broadcast(comm.as_ref(), &PlanMsg::Shutdown);
     // Every handler has its answer by now (its result, or a 503 naming the failure): the
@@ -101,155 +115,158 @@ fn broadcast(comm: &dyn Communicator, msg: &PlanMsg) -> Result<()> {
         .context("broadcasting the step plan to the other ranks")
 }
 
-/// A sequence the engine runs for a handler.
-struct Live {
-    tag: usize,
-    events: Sender<(usize, SeqEvent)>,
-    cancel: Arc<AtomicBool>,
-}
-
 /// Runs the engine until it is drained (or its command channel closes); when it fails (a
-/// rank gone, a step's error), every running or queued request is refused with the
-/// reason before the error is returned.
+/// rank gone, a step's error), every running, queued or held request and every waiting
+/// command is answered with the reason before the error is returned.
 fn engine_loop(
     runner: &mut dyn Runner,
     comm: &dyn Communicator,
-    sched: Scheduler,
+    mut sched: Scheduler,
     rx: Receiver<Cmd>,
     stats: &Stats,
     drain_timeout: Duration,
+    mut ctl: Control,
 ) -> Result<()> {
-    let mut live: HashMap<SeqId, Live> = HashMap::new();
-    let result = run_engine(runner, comm, sched, &rx, stats, drain_timeout, &mut live);
+    let mut reqs = Registry::default();
+    let result = run_engine(
+        runner,
+        comm,
+        &mut sched,
+        &rx,
+        stats,
+        drain_timeout,
+        &mut reqs,
+        &mut ctl,
+    );
     if let Err(e) = &result {
         let msg = format!("the server stopped: {e:#}");
-        let refuse = |events: &Sender<(usize, SeqEvent)>, tag: usize| {
-            let _ = events.try_send((
-                tag,
-                SeqEvent::Refused {
-                    shutting_down: true,
-                    msg: msg.clone(),
-                },
-            ));
-        };
-        for (_, l) in live.drain() {
-            refuse(&l.events, l.tag);
-        }
+        reqs.refuse_all(&mut sched, &msg, stats);
+        ctl.refuse_waiting(&msg);
         for cmd in rx.try_iter() {
-            if let Cmd::Submit { events, tag, .. } = cmd {
-                refuse(&events, tag);
+            match cmd {
+                Cmd::Submit(sub) => refuse_submission(&sub, &msg),
+                Cmd::Control { reply, .. } => {
+                    let _ = reply.send(Err((503, msg.clone())));
+                }
+                Cmd::Drain => {}
             }
         }
     }
     result
 }
 
+fn refuse_submission(sub: &super::msg::Submission, msg: &str) {
+    for tag in 0..sub.choices.len() {
+        let _ = sub.events.try_send((
+            tag,
+            SeqEvent::Refused {
+                shutting_down: true,
+                msg: msg.to_string(),
+            },
+        ));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_engine(
     runner: &mut dyn Runner,
     comm: &dyn Communicator,
-    mut sched: Scheduler,
+    sched: &mut Scheduler,
     rx: &Receiver<Cmd>,
     stats: &Stats,
     drain_timeout: Duration,
-    live: &mut HashMap<SeqId, Live>,
+    reqs: &mut Registry,
+    ctl: &mut Control,
 ) -> Result<()> {
     let mut drain_deadline: Option<Instant> = None;
     let mut step_no = 0u64;
     loop {
         let mut cmds = Vec::new();
-        if sched.is_idle() {
-            if drain_deadline.is_some() {
+        if sched.is_idle() || !ctl.can_step() {
+            if drain_deadline.is_some() && reqs.is_empty() {
                 return Ok(());
             }
-            match rx.recv_timeout(IDLE_TICK) {
+            let wait = if ctl.busy() {
+                IDLE_TICK / 10
+            } else {
+                IDLE_TICK
+            };
+            match rx.recv_timeout(wait) {
                 Ok(c) => cmds.push(c),
                 Err(RecvTimeoutError::Timeout) => {
                     broadcast(comm, &PlanMsg::Idle)?;
+                    let mut cx = Ctx {
+                        runner: &mut *runner,
+                        comm,
+                        sched: &mut *sched,
+                        reqs: &mut *reqs,
+                        stats,
+                    };
+                    cx.reqs.sweep(cx.sched, cx.stats);
+                    ctl.tick(&mut cx)?;
+                    if drain_deadline.is_some_and(|d| Instant::now() >= d) {
+                        reqs.refuse_all(sched, "cancelled: the server is shutting down", stats);
+                    }
+                    stats.set_from(sched);
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => return Ok(()),
             }
         }
         cmds.extend(rx.try_iter());
+        let mut cx = Ctx {
+            runner: &mut *runner,
+            comm,
+            sched: &mut *sched,
+            reqs: &mut *reqs,
+            stats,
+        };
         for cmd in cmds {
             match cmd {
-                Cmd::Submit {
-                    spec,
-                    tag,
-                    events,
-                    cancel,
-                } => {
+                Cmd::Submit(sub) => {
                     if drain_deadline.is_some() {
-                        let _ = events.try_send((
-                            tag,
-                            SeqEvent::Refused {
-                                shutting_down: true,
-                                msg: "the server is shutting down".into(),
-                            },
-                        ));
+                        refuse_submission(&sub, "the server is shutting down");
                         continue;
                     }
-                    match sched.submit(spec) {
-                        Ok(seq) => {
-                            live.insert(
-                                seq,
-                                Live {
-                                    tag,
-                                    events,
-                                    cancel,
-                                },
-                            );
-                        }
-                        Err(e) => {
-                            let _ = events.try_send((
-                                tag,
-                                SeqEvent::Refused {
-                                    shutting_down: false,
-                                    msg: e.to_string(),
-                                },
-                            ));
-                        }
+                    ctl.submit(&mut cx, sub);
+                }
+                Cmd::Control { op, reply } => {
+                    if drain_deadline.is_some() {
+                        let _ = reply.send(Err((503, "the server is shutting down".into())));
+                        continue;
                     }
+                    ctl.handle(&mut cx, op, reply)?;
                 }
                 Cmd::Drain => {
                     if drain_deadline.is_none() {
                         tracing::info!(
-                            running = sched.running(),
-                            waiting = sched.waiting(),
+                            running = cx.sched.running(),
+                            waiting = cx.sched.waiting(),
                             "draining"
                         );
                         drain_deadline = Some(Instant::now() + drain_timeout);
+                        ctl.refuse_waiting("the server is shutting down");
                     }
                 }
             }
         }
-        // A handler that is gone (client disconnected, stop string) frees its KV now.
-        live.retain(|&seq, l| {
-            let keep = !l.events.is_closed() && !l.cancel.load(Ordering::SeqCst);
-            if !keep {
-                sched.cancel(seq);
-                stats.cancelled.fetch_add(1, Ordering::Relaxed);
-            }
-            keep
-        });
+        // A handler that is gone (client disconnected, stop string, too far behind) frees
+        // its KV now.
+        cx.reqs.sweep(cx.sched, cx.stats);
+        ctl.tick(&mut cx)?;
         if drain_deadline.is_some_and(|d| Instant::now() >= d) {
-            for (seq, l) in live.drain() {
-                sched.cancel(seq);
-                stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                let _ = l.events.try_send((
-                    l.tag,
-                    SeqEvent::Refused {
-                        shutting_down: true,
-                        msg: "cancelled: the server is shutting down".into(),
-                    },
-                ));
-            }
+            reqs.refuse_all(sched, "cancelled: the server is shutting down", stats);
+        }
+        if !ctl.can_step() {
+            stats.set_from(sched);
+            continue;
         }
         let plan = sched.plan();
         if plan.is_empty() {
-            stats.set_from(&sched);
+            stats.set_from(sched);
             continue;
         }
+        reqs.on_plan(&plan, &ctl.version);
         let t0 = Instant::now();
         broadcast(comm, &PlanMsg::Step(plan.clone()))?;
         let results = runner
@@ -260,35 +277,13 @@ fn run_engine(
         let (prompt_rows, sampled) = counts(&plan);
         stats.record_step(dt, plan.n_tokens(), prompt_rows, sampled);
         step_no += 1;
-        let mut unread = Vec::new();
         for ev in events {
-            let (seq, msg) = match ev {
-                Event::Scored { seq, records } => (seq, SeqEvent::Scored(records)),
-                Event::Token { seq, record } => (seq, SeqEvent::Token(record)),
-                Event::Finished { seq, reason } => (seq, SeqEvent::Finished(reason)),
-            };
-            let done = matches!(msg, SeqEvent::Finished(_));
-            if let Some(l) = live.get(&seq) {
-                // Closed: the handler is gone, and the next pass cancels the sequence.
-                if let Err(TrySendError::Full(_)) = l.events.try_send((l.tag, msg)) {
-                    // Tells the handler why its sequence ends unfinished.
-                    l.cancel.store(true, Ordering::SeqCst);
-                    unread.push((seq, done));
-                }
-            }
-            if done {
-                live.remove(&seq);
-            }
+            reqs.dispatch(ev);
         }
         // A handler this far behind has a client that does not read its stream: stop its
         // sequences instead of holding their events (and KV) for it.
-        for (seq, done) in unread {
-            if live.remove(&seq).is_some() && !done {
-                sched.cancel(seq);
-                stats.cancelled.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        stats.set_from(&sched);
+        reqs.sweep(sched, stats);
+        stats.set_from(sched);
     }
 }
 

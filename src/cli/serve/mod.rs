@@ -2,14 +2,17 @@
 //! engine. Every rank executes the step plans rank 0's scheduler broadcasts, so a request's
 //! tokens and log-probs do not depend on what else the server is doing.
 
+pub mod admin;
 pub mod api;
 pub mod chat;
 pub mod client;
 pub mod conn;
+pub mod control;
 pub mod http;
 pub mod leader;
 pub mod msg;
 pub mod options;
+pub mod registry;
 pub mod stats;
 
 use std::path::PathBuf;
@@ -93,6 +96,20 @@ pub struct Args {
     /// them with 503 (at most a day).
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout_s: f64,
+    /// The weight version responses report until the first update (docs/rl.md).
+    #[arg(long, default_value = "0")]
+    pub weight_version: String,
+    /// Largest body of one /update_weights_from_tensor call (a safetensors image; push a
+    /// larger checkpoint in several parts).
+    #[arg(long, default_value_t = 512 << 20)]
+    pub max_weight_upload_bytes: usize,
+    /// How long an update with policy "wait" waits for the started requests to finish
+    /// before it is refused (nothing changes).
+    #[arg(long, default_value_t = 300.0)]
+    pub weight_update_wait_s: f64,
+    /// Tensors staged by a push are dropped after this long without a new part or commit.
+    #[arg(long, default_value_t = 600.0)]
+    pub weight_upload_idle_s: f64,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -152,6 +169,12 @@ fn follow(runner: &mut dyn Runner, comm: &dyn Communicator) -> Result<()> {
                 steps += 1;
             }
             PlanMsg::Idle => {}
+            PlanMsg::Control(msg) => {
+                // Rank 0 reports the outcome (the same on every rank).
+                let what = msg.what();
+                let _ = arbor_model::runner::weights_update::run_control(runner, comm, msg)
+                    .with_context(|| format!("rank {rank}: {what}"))?;
+            }
             PlanMsg::Shutdown => {
                 tracing::info!(rank, steps, "shutdown from rank 0");
                 return Ok(());

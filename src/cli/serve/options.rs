@@ -45,6 +45,19 @@ pub fn check_flags(args: &Args) -> Result<SocketAddr> {
             super::conn::MAX_CONNECTIONS
         );
     }
+    for (flag, v) in [
+        ("--weight-update-wait-s", args.weight_update_wait_s),
+        ("--weight-upload-idle-s", args.weight_upload_idle_s),
+    ] {
+        if !(v.is_finite() && v > 0.0 && v <= MAX_DRAIN_TIMEOUT_S) {
+            bail!("{flag} {v:?}: give a number of seconds in (0, {MAX_DRAIN_TIMEOUT_S}]");
+        }
+    }
+    if args.max_weight_upload_bytes == 0 {
+        bail!("--max-weight-upload-bytes 0: a push needs at least one byte");
+    }
+    super::admin::check_version(&args.weight_version)
+        .map_err(|e| anyhow::anyhow!("--weight-version: {e}"))?;
     if let Some(key) = &args.api_key {
         if key.trim().is_empty() {
             bail!("--api-key (or ARBOR_API_KEY) is empty: every request would be refused; give a key, or unset ARBOR_API_KEY to serve without one");

@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,14 @@ pub struct Stats {
     pub cancelled: AtomicU64,
     pub preemptions: AtomicU64,
     recent: Mutex<VecDeque<(Instant, u64)>>,
+    /// The weights serving now (control.rs sets it).
+    weight_version: Mutex<String>,
+    pub weight_updates: AtomicU64,
+    weight_update_seconds_bits: AtomicU64,
+    /// `/pause_generation` in effect.
+    pub paused: AtomicBool,
+    /// Weights or KV cache released (`/release_memory_occupation`): requests get 503.
+    pub released: AtomicBool,
 }
 
 /// Generated tokens per second are measured over this window.
@@ -72,6 +80,25 @@ impl Stats {
         self.set_gauges(sched.waiting(), sched.running(), sched.kv_blocks());
         self.preemptions
             .store(sched.preemptions(), Ordering::Relaxed);
+    }
+
+    pub fn set_weight_version(&self, v: &str) {
+        if let Ok(mut w) = self.weight_version.lock() {
+            *w = v.to_string();
+        }
+    }
+
+    pub fn weight_version(&self) -> String {
+        self.weight_version
+            .lock()
+            .map(|w| w.clone())
+            .unwrap_or_default()
+    }
+
+    /// One weight update applied, taking `seconds`.
+    pub fn record_update(&self, seconds: f64) {
+        self.weight_updates.fetch_add(1, Ordering::Relaxed);
+        add_f64(&self.weight_update_seconds_bits, seconds);
     }
 
     fn tokens_per_second(&self) -> f64 {
@@ -199,6 +226,40 @@ impl Stats {
             "counter",
             "Sequences cancelled (client gone, stop string, shutdown).",
             g(&self.cancelled).to_string(),
+        );
+        metric(
+            "arbor_weight_updates_total",
+            "counter",
+            "Weight updates applied.",
+            g(&self.weight_updates).to_string(),
+        );
+        metric(
+            "arbor_weight_update_seconds_total",
+            "counter",
+            "Time spent applying weight updates (reading, cutting and swapping the shards).",
+            format!("{:.6}", f64::from_bits(g(&self.weight_update_seconds_bits))),
+        );
+        metric(
+            "arbor_generation_paused",
+            "gauge",
+            "1 while /pause_generation is in effect.",
+            u8::from(self.paused.load(Ordering::Relaxed)).to_string(),
+        );
+        metric(
+            "arbor_memory_released",
+            "gauge",
+            "1 while the weights or the KV cache are released.",
+            u8::from(self.released.load(Ordering::Relaxed)).to_string(),
+        );
+        // The version is a label (any string): the value is always 1.
+        let v = self
+            .weight_version()
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
+        let _ = writeln!(
+            out,
+            "# HELP arbor_weight_version_info The weight version serving now (label version).\n# TYPE arbor_weight_version_info gauge\narbor_weight_version_info{{version=\"{v}\"}} 1"
         );
         out
     }

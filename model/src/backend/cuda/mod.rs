@@ -23,6 +23,7 @@ mod ops;
 mod profile;
 mod run_step;
 pub mod step;
+mod weights_group;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -640,5 +641,19 @@ impl Backend for CudaBackend {
     fn recorded_steps(&self) -> Option<(u64, u64)> {
         let g = self.graphs();
         g.enabled.then_some((g.recorded, g.replays))
+    }
+
+    fn forget_recordings(&self) {
+        self.graphs().clear();
+    }
+
+    fn join_weights_group(
+        &self,
+        unique_id: &[u8],
+        world: usize,
+        rank: usize,
+        timeout: std::time::Duration,
+    ) -> BResult<Box<dyn super::WeightsGroup>> {
+        self.join_group(unique_id, world, rank, timeout)
     }
 }

@@ -1,0 +1,114 @@
+//! The NCCL group a trainer opens with the GPU ranks to broadcast new weights
+//! (`Backend::join_weights_group`, docs/rl.md): the trainer is rank 0 and sends each
+//! tensor whole; this rank receives it on a stream of its own into a device buffer and
+//! brings it to the host, where the update cuts this rank's shard as a load does.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arbor_collective::nccl::NcclComm;
+use cudarc::driver::sys::{cuStreamQuery, CUresult};
+use cudarc::driver::{CudaStream, DevicePtrMut};
+
+use super::CudaBackend;
+use crate::backend::{BResult, BackendError, WeightsGroup};
+
+pub struct CudaWeightsGroup {
+    /// None once aborted (a broadcast that never came).
+    comm: Option<NcclComm>,
+    stream: Arc<CudaStream>,
+    rank: usize,
+}
+
+impl CudaBackend {
+    pub(super) fn join_group(
+        &self,
+        unique_id: &[u8],
+        world: usize,
+        rank: usize,
+        timeout: Duration,
+    ) -> BResult<Box<dyn WeightsGroup>> {
+        let me = self.comm.rank();
+        let err = |msg: String| BackendError::Device { rank: me, msg };
+        // A stream of its own: a wait for the trainer never blocks the serving stream.
+        let stream = self
+            .dev
+            .ctx
+            .new_stream()
+            .map_err(|e| err(format!("creating the weight-update stream: {e:?}")))?;
+        let comm = NcclComm::join_within(unique_id, world, rank, stream.clone(), timeout)
+            .map_err(|e| err(e.to_string()))?;
+        tracing::info!(
+            rank = me,
+            group_rank = rank,
+            world,
+            "joined the weight-update group"
+        );
+        Ok(Box::new(CudaWeightsGroup {
+            comm: Some(comm),
+            stream,
+            rank: me,
+        }))
+    }
+}
+
+impl CudaWeightsGroup {
+    fn err(&self, msg: String) -> BackendError {
+        BackendError::Device {
+            rank: self.rank,
+            msg,
+        }
+    }
+
+    /// Waits for the stream's work, at most `timeout`.
+    fn wait(&self, timeout: Duration) -> Result<(), String> {
+        let t0 = Instant::now();
+        loop {
+            // SAFETY: the stream is live for `self`'s lifetime.
+            match unsafe { cuStreamQuery(self.stream.cu_stream()) } {
+                CUresult::CUDA_SUCCESS => return Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                other => return Err(format!("the weight-update stream failed: {other:?}")),
+            }
+            if t0.elapsed() > timeout {
+                return Err(format!(
+                    "no broadcast from the trainer within {:.0} s",
+                    timeout.as_secs_f64()
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+impl WeightsGroup for CudaWeightsGroup {
+    fn receive(&mut self, bytes: usize, timeout: Duration) -> BResult<Vec<u8>> {
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let Some(comm) = self.comm.as_ref() else {
+            return Err(self.err(
+                "the weight-update group was aborted after a failed broadcast: destroy it and init a new one"
+                    .into(),
+            ));
+        };
+        // SAFETY: fully written by the broadcast before it is read.
+        let mut buf = unsafe { self.stream.alloc::<u8>(bytes) }
+            .map_err(|e| self.err(format!("allocating {bytes} bytes to receive into: {e:?}")))?;
+        {
+            let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
+            unsafe { comm.broadcast_raw(ptr, bytes, 0) }.map_err(|e| self.err(e.to_string()))?;
+        }
+        if let Err(msg) = self.wait(timeout) {
+            // The receive may still be pending inside NCCL: abort it so the buffer can go.
+            if let Some(c) = self.comm.take() {
+                c.abort();
+            }
+            return Err(self.err(msg));
+        }
+        self.stream
+            .clone_dtoh(&buf)
+            .map_err(|e| self.err(format!("copying {bytes} received bytes to the host: {e:?}")))
+    }
+}

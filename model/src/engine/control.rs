@@ -1,0 +1,94 @@
+//! Commands that change what every rank serves with, not what it computes: new weights
+//! (from disk, pushed over HTTP, or broadcast over NCCL by a trainer), memory released
+//! and resumed, caches dropped. Rank 0 broadcasts each one in place of a step plan
+//! (`PlanMsg::Control`), every rank runs it in two phases (`runner::weights_update`), and
+//! all ranks end in the same state.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::safetensors::DType;
+
+/// Where the weights of an update come from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UpdateSource {
+    /// An HF model directory (config.json and safetensors), as `--model` takes.
+    Disk(PathBuf),
+    /// The tensors staged by `Stage` / `Receive` since the last update.
+    Staged,
+}
+
+/// One tensor a trainer broadcasts over the NCCL group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl TensorMeta {
+    /// Bytes on the wire (`None` on overflow).
+    pub fn bytes(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ControlMsg {
+    /// Stage the tensors of a safetensors image (one part of a push); `label` names it
+    /// in errors.
+    Stage { label: String, bytes: Vec<u8> },
+    /// Receive `tensors`, in order, from the trainer over the NCCL group `group`, and
+    /// stage them.
+    Receive {
+        group: String,
+        tensors: Vec<TensorMeta>,
+        timeout_s: f64,
+    },
+    /// Drop the staged tensors.
+    Discard,
+    /// Replace the weights (every tensor the model reads) and drop the caches.
+    Update(UpdateSource),
+    /// Free the weights and/or the KV cache.
+    Release { weights: bool, kv: bool },
+    /// Load the weights again (from `from`, else from the directory they last came from)
+    /// and/or allocate the KV cache again; what is already there stays.
+    Resume {
+        weights: bool,
+        kv: bool,
+        from: Option<PathBuf>,
+    },
+    /// Drop cached state that depends on the weights (recorded steps; a prefix cache).
+    FlushCache,
+    /// Join the trainer's NCCL group `name` as rank `rank_offset + rank` of `world`.
+    JoinGroup {
+        name: String,
+        unique_id: Vec<u8>,
+        world: usize,
+        rank_offset: usize,
+        timeout_s: f64,
+    },
+    /// Leave the NCCL group `name`.
+    LeaveGroup { name: String },
+}
+
+impl ControlMsg {
+    /// A short name for logs and errors.
+    pub fn what(&self) -> &'static str {
+        match self {
+            ControlMsg::Stage { .. } => "staging pushed tensors",
+            ControlMsg::Receive { .. } => "receiving tensors over NCCL",
+            ControlMsg::Discard => "discarding staged tensors",
+            ControlMsg::Update(UpdateSource::Disk(_)) => "updating the weights from disk",
+            ControlMsg::Update(UpdateSource::Staged) => "updating the weights from pushed tensors",
+            ControlMsg::Release { .. } => "releasing memory",
+            ControlMsg::Resume { .. } => "resuming memory",
+            ControlMsg::FlushCache => "flushing the cache",
+            ControlMsg::JoinGroup { .. } => "joining the weight-update group",
+            ControlMsg::LeaveGroup { .. } => "leaving the weight-update group",
+        }
+    }
+}

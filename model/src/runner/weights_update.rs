@@ -1,0 +1,643 @@
+//! Weights that change while a server runs (RL rollouts): a checkpoint from disk, tensors
+//! a trainer pushes over HTTP, or tensors it broadcasts over NCCL replace every rank's
+//! shard, atomically across the ranks (docs/rl.md).
+//!
+//! Every command ([`ControlMsg`]) runs in two phases on every rank ([`run_control`]):
+//! 1. **prepare**: the rank does everything that can fail without touching what it serves
+//!    with: it reads the checkpoint (or the staged tensors) and cuts its shard into new
+//!    buffers (a second copy of its weights, [`Model::load`] exactly as at start), checks
+//!    names, shapes and dtypes, allocates, joins a group;
+//! 2. the ranks exchange their outcomes (an all-gather), and **finish**: all of them apply
+//!    (swap the prepared model in, drop the recorded steps) or all of them undo.
+//!
+//! A failure on any rank therefore leaves the old weights serving on every rank, and all
+//! ranks report the same error.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use arbor_collective::Communicator;
+
+use super::Engine;
+use crate::backend::{Backend, KvSpec, WeightsGroup};
+use crate::config::ModelConfig;
+use crate::engine::{ControlMsg, TensorMeta, UpdateSource};
+use crate::error::{MResult, ModelError};
+use crate::forward::{HeadPlan, Model};
+use crate::layers::LoadCtx;
+use crate::safetensors::{DType, SafeFile};
+use crate::weights::WeightStore;
+
+/// Where the serving weights came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A model directory: `resume_memory` can read it again.
+    Disk(PathBuf),
+    /// Tensors a trainer pushed: there is no copy to read again.
+    Pushed,
+}
+
+/// What a rank holds, for reports (identical on every rank after every command).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightsState {
+    pub weights_loaded: bool,
+    pub kv_loaded: bool,
+    pub origin: Origin,
+    pub staged_tensors: usize,
+    pub staged_bytes: usize,
+    /// The NCCL group joined with a trainer, if any.
+    pub group: Option<String>,
+    /// Elements of every tensor the model reads (the size of a full push).
+    pub model_elements: usize,
+}
+
+/// An engine's weight-update state.
+pub(super) struct Updates<B: Backend> {
+    /// Every tensor the model reads and the shape it reads it as (recorded by the load).
+    expected: BTreeMap<String, Vec<usize>>,
+    origin: Origin,
+    /// Tensors pushed for the next update, whole (each rank cuts its shard at `Update`).
+    staged: Vec<SafeFile>,
+    staged_names: HashSet<String>,
+    staged_bytes: usize,
+    /// Phase one's result, until phase two.
+    candidate: Option<(Model<B>, Origin)>,
+    new_session: Option<(super::Caches<B>, usize, usize)>,
+    new_group: Option<(String, Box<dyn WeightsGroup>)>,
+    group: Option<(String, Box<dyn WeightsGroup>)>,
+}
+
+impl<B: Backend> Updates<B> {
+    pub(super) fn new(expected: BTreeMap<String, Vec<usize>>, dir: &Path) -> Self {
+        Updates {
+            expected,
+            origin: Origin::Disk(dir.to_path_buf()),
+            staged: Vec::new(),
+            staged_names: HashSet::new(),
+            staged_bytes: 0,
+            candidate: None,
+            new_session: None,
+            new_group: None,
+            group: None,
+        }
+    }
+
+    fn discard_staged(&mut self) {
+        self.staged.clear();
+        self.staged_names.clear();
+        self.staged_bytes = 0;
+    }
+}
+
+/// Tensors a pushed checkpoint may hold that the model does not read: dropped, not
+/// refused (a trainer's `state_dict()` lists a tied head twice, and older transformers
+/// stored RoPE's inverse frequencies).
+fn ignorable(name: &str, cfg: &ModelConfig) -> bool {
+    (cfg.tie_word_embeddings && name == "lm_head.weight") || name.ends_with("rotary_emb.inv_freq")
+}
+
+/// The index of the first value that is not finite once rounded to bf16 (what the model
+/// computes with), if any.
+fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
+    match dtype {
+        DType::BF16 => bytes.chunks_exact(2).position(|c| {
+            let b = u16::from_le_bytes([c[0], c[1]]);
+            b & 0x7f80 == 0x7f80
+        }),
+        DType::F16 => bytes.chunks_exact(2).position(|c| {
+            let b = u16::from_le_bytes([c[0], c[1]]);
+            b & 0x7c00 == 0x7c00
+        }),
+        DType::F32 => bytes.chunks_exact(4).position(|c| {
+            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            !half::bf16::from_f32(v).is_finite()
+        }),
+    }
+}
+
+/// How a phase-one failure should be reported to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The input (checkpoint, tensors, request) is wrong: a 4xx.
+    Input,
+    /// The command does not fit the server's state (weights released, no group): 409.
+    State,
+    /// The device or the transport failed: 5xx.
+    Server,
+}
+
+impl FailureKind {
+    fn of(e: &ModelError) -> Self {
+        match e {
+            ModelError::Io { .. }
+            | ModelError::Config { .. }
+            | ModelError::UnknownArch { .. }
+            | ModelError::Safetensors { .. }
+            | ModelError::MissingTensor { .. }
+            | ModelError::ShapeMismatch { .. }
+            | ModelError::DtypeUnsupported { .. }
+            | ModelError::BadRequest { .. }
+            | ModelError::Backend {
+                source: crate::backend::BackendError::Unsupported(_),
+                ..
+            } => FailureKind::Input,
+            ModelError::Unavailable(_) => FailureKind::State,
+            _ => FailureKind::Server,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            FailureKind::Input => 1,
+            FailureKind::State => 2,
+            FailureKind::Server => 3,
+        }
+    }
+
+    fn from_code(c: u8) -> Self {
+        match c {
+            1 => FailureKind::Input,
+            2 => FailureKind::State,
+            _ => FailureKind::Server,
+        }
+    }
+}
+
+/// A command that did not apply: nothing changed on any rank. One entry per rank that
+/// failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlError {
+    pub kind: FailureKind,
+    pub failures: Vec<(usize, String)>,
+}
+
+impl std::fmt::Display for ControlError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Every rank usually fails the same way: say it once.
+        let first = &self.failures[0].1;
+        if self.failures.len() > 1 && self.failures.iter().all(|(_, m)| m == first) {
+            let ranks: Vec<String> = self.failures.iter().map(|(r, _)| r.to_string()).collect();
+            return write!(f, "{first} (ranks {})", ranks.join(", "));
+        }
+        let parts: Vec<String> = self
+            .failures
+            .iter()
+            .map(|(r, m)| format!("rank {r}: {m}"))
+            .collect();
+        write!(f, "{}", parts.join("; "))
+    }
+}
+
+impl std::error::Error for ControlError {}
+
+/// The two phases of `msg` on this rank, with every rank of `comm` doing the same:
+/// `Ok` when all ranks applied it, else the failures of every rank (nothing changed
+/// anywhere). `Err(ModelError)` only when the ranks could not exchange their outcomes
+/// (a rank is gone): the group is then broken.
+pub fn run_control(
+    runner: &mut dyn super::Runner,
+    comm: &dyn Communicator,
+    mut msg: ControlMsg,
+) -> MResult<Result<(), ControlError>> {
+    let local = runner.control_prepare(&mut msg);
+    let msg = &msg;
+    if let Err(e) = &local {
+        tracing::warn!(rank = comm.rank(), what = msg.what(), "{e}");
+    }
+    let all = gather_outcomes(comm, local.as_ref().err())?;
+    let ok = all.iter().all(Option::is_none);
+    runner.control_finish(msg, ok);
+    if ok {
+        return Ok(Ok(()));
+    }
+    let kind = all
+        .iter()
+        .flatten()
+        .map(|(k, _)| *k)
+        .max_by_key(|k| k.code())
+        .unwrap_or(FailureKind::Server);
+    let failures = all
+        .into_iter()
+        .enumerate()
+        .filter_map(|(r, o)| o.map(|(_, m)| (r, m)))
+        .collect();
+    Ok(Err(ControlError { kind, failures }))
+}
+
+/// Every rank's phase-one outcome, in rank order (`None`: succeeded).
+fn gather_outcomes(
+    comm: &dyn Communicator,
+    local: Option<&ModelError>,
+) -> MResult<Vec<Option<(FailureKind, String)>>> {
+    let rank = comm.rank();
+    let coll = |source| ModelError::Backend {
+        rank,
+        source: crate::backend::BackendError::Collective { rank, source },
+    };
+    // The all-gather takes equal lengths: first the lengths, then the padded messages.
+    let (code, text) = match local {
+        None => (0u8, String::new()),
+        Some(e) => (FailureKind::of(e).code(), e.to_string()),
+    };
+    let text = text.into_bytes();
+    let heads = comm
+        .all_gather_u64(((code as u64) << 32) | text.len() as u64)
+        .map_err(coll)?;
+    let width = heads
+        .iter()
+        .map(|h| (h & 0xffff_ffff) as usize)
+        .max()
+        .unwrap_or(0);
+    let mut padded = text.clone();
+    padded.resize(width, 0);
+    let texts = comm.all_gather_bytes(&padded).map_err(coll)?;
+    Ok(heads
+        .iter()
+        .enumerate()
+        .map(|(r, &h)| {
+            let code = (h >> 32) as u8;
+            let len = (h & 0xffff_ffff) as usize;
+            (code != 0).then(|| {
+                let bytes = texts.get(r * width..r * width + len).unwrap_or_default();
+                (
+                    FailureKind::from_code(code),
+                    String::from_utf8_lossy(bytes).into_owned(),
+                )
+            })
+        })
+        .collect())
+}
+
+impl<B: Backend> Engine<B> {
+    pub(super) fn weights_state(&self) -> WeightsState {
+        WeightsState {
+            weights_loaded: self.model.is_some(),
+            kv_loaded: self.session.is_some(),
+            origin: self.updates.origin.clone(),
+            staged_tensors: self.updates.staged_names.len(),
+            staged_bytes: self.updates.staged_bytes,
+            group: self.updates.group.as_ref().map(|(n, _)| n.clone()),
+            model_elements: self
+                .updates
+                .expected
+                .values()
+                .map(|s| s.iter().product::<usize>())
+                .sum(),
+        }
+    }
+
+    /// The KV cache's shape on this rank (the weights are not needed for it).
+    pub(super) fn kv_spec(&self, slots: usize, max_len: usize) -> MResult<KvSpec> {
+        let heads = HeadPlan::new(&self.cfg, self.backend.rank(), self.backend.world_size())?;
+        Ok(KvSpec {
+            layers: self.cfg.num_layers,
+            slots,
+            max_len,
+            n_kv_heads: heads.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+        })
+    }
+
+    /// Phase one of `msg` on this rank.
+    pub(super) fn control_prepare(&mut self, msg: &mut ControlMsg) -> MResult<()> {
+        if self.shadow.is_some() {
+            return Err(ModelError::Unavailable(
+                "weights cannot change under --shadow-tp1".into(),
+            ));
+        }
+        match msg {
+            ControlMsg::Stage { label, bytes } => {
+                let file = SafeFile::from_bytes(Path::new(label), std::mem::take(bytes))?;
+                self.stage(vec![file])
+            }
+            ControlMsg::Receive {
+                group,
+                tensors,
+                timeout_s,
+            } => self.receive(group, tensors, Duration::from_secs_f64(*timeout_s)),
+            ControlMsg::Discard | ControlMsg::FlushCache => Ok(()),
+            ControlMsg::Update(src) => self.prepare_model(src),
+            ControlMsg::Release { .. } => Ok(()),
+            ControlMsg::Resume { weights, kv, from } => {
+                if *weights && self.model.is_none() {
+                    let src = match (from, &self.updates.origin) {
+                        (Some(dir), _) => UpdateSource::Disk(dir.clone()),
+                        (None, Origin::Disk(dir)) => UpdateSource::Disk(dir.clone()),
+                        (None, Origin::Pushed) => {
+                            return Err(ModelError::Unavailable(
+                                "the released weights came from a push and have no copy on disk: give model_path, or push new weights (update_weights_from_tensor / _distributed) before resuming"
+                                    .into(),
+                            ))
+                        }
+                    };
+                    self.prepare_model(&src)?;
+                }
+                if *kv && self.session.is_none() {
+                    let Some((slots, max_len)) = self.session_shape else {
+                        return Ok(());
+                    };
+                    if self.model.is_none() && self.updates.candidate.is_none() {
+                        return Err(ModelError::Unavailable(
+                            "the KV cache cannot come back before the weights: resume the weights too (or push new ones)".into(),
+                        ));
+                    }
+                    let spec = self.kv_spec(slots, max_len)?;
+                    let main = self.backend.kv_cache(spec).map_err(|e| self.berr(e))?;
+                    self.updates.new_session =
+                        Some((super::Caches { main, shadow: None }, slots, max_len));
+                }
+                Ok(())
+            }
+            ControlMsg::JoinGroup {
+                name,
+                unique_id,
+                world,
+                rank_offset,
+                timeout_s,
+            } => {
+                if let Some((g, _)) = &self.updates.group {
+                    return Err(ModelError::Unavailable(format!(
+                        "already in the weight-update group {g:?}: destroy it first"
+                    )));
+                }
+                let rank = *rank_offset + self.backend.rank();
+                if rank >= *world {
+                    return Err(ModelError::BadRequest {
+                        id: 0,
+                        msg: format!(
+                            "rank_offset {rank_offset} + this rank {} is outside a group of world_size {world}",
+                            self.backend.rank()
+                        ),
+                    });
+                }
+                let g = self
+                    .backend
+                    .join_weights_group(
+                        unique_id,
+                        *world,
+                        rank,
+                        Duration::from_secs_f64(*timeout_s),
+                    )
+                    .map_err(|e| self.berr(e))?;
+                self.updates.new_group = Some((name.clone(), g));
+                Ok(())
+            }
+            ControlMsg::LeaveGroup { name } => match &self.updates.group {
+                Some((g, _)) if g == name => Ok(()),
+                Some((g, _)) => Err(ModelError::BadRequest {
+                    id: 0,
+                    msg: format!("no weight-update group {name:?} (the group is {g:?})"),
+                }),
+                None => Err(ModelError::Unavailable(format!(
+                    "no weight-update group {name:?} (none was initialised)"
+                ))),
+            },
+        }
+    }
+
+    /// Phase two of `msg`: `apply` when every rank's phase one succeeded, else undo.
+    pub(super) fn control_finish(&mut self, msg: &ControlMsg, apply: bool) {
+        let u = &mut self.updates;
+        match msg {
+            ControlMsg::Stage { .. } | ControlMsg::Receive { .. } => {
+                // A part that failed anywhere makes the whole push start over: no rank
+                // may hold tensors another rank does not.
+                if !apply {
+                    u.discard_staged();
+                }
+            }
+            ControlMsg::Discard => u.discard_staged(),
+            ControlMsg::FlushCache => {
+                if apply {
+                    self.backend.forget_recordings();
+                }
+            }
+            ControlMsg::Update(_) => {
+                // The staged tensors went into the candidate (or were refused): gone
+                // either way.
+                u.discard_staged();
+                let cand = u.candidate.take();
+                if let (true, Some((model, origin))) = (apply, cand) {
+                    // Recordings read the old weights: drop them before the weights go.
+                    self.backend.forget_recordings();
+                    self.model = Some(model);
+                    self.updates.origin = origin;
+                }
+            }
+            ControlMsg::Release { weights, kv } => {
+                if apply {
+                    self.backend.forget_recordings();
+                    if *kv {
+                        self.session = None;
+                    }
+                    if *weights {
+                        self.model = None;
+                    }
+                }
+            }
+            ControlMsg::Resume { .. } => {
+                let cand = u.candidate.take();
+                let session = u.new_session.take();
+                if apply {
+                    if let Some((model, origin)) = cand {
+                        self.backend.forget_recordings();
+                        self.model = Some(model);
+                        self.updates.origin = origin;
+                    }
+                    if session.is_some() {
+                        self.session = session;
+                    }
+                }
+            }
+            ControlMsg::JoinGroup { .. } => {
+                let g = u.new_group.take();
+                if apply {
+                    u.group = g;
+                }
+            }
+            ControlMsg::LeaveGroup { .. } => {
+                if apply {
+                    u.group = None;
+                }
+            }
+        }
+    }
+
+    /// Phase one of an update: the new model, loaded beside the serving one.
+    fn prepare_model(&mut self, src: &UpdateSource) -> MResult<()> {
+        let (store, origin) = match src {
+            UpdateSource::Disk(path) => {
+                // What --model takes: an HF directory, or a GGUF file.
+                let (cfg, cfg_path, store) = if crate::gguf::is_gguf(path) {
+                    let c = crate::checkpoint::Checkpoint::open(path)?;
+                    (c.config, c.config_path, c.weights)
+                } else {
+                    let cfg = ModelConfig::from_dir(path)?;
+                    (cfg, path.join("config.json"), WeightStore::open(path)?)
+                };
+                self.cfg
+                    .same_model_as(&cfg)
+                    .map_err(|msg| ModelError::Config {
+                        path: cfg_path.clone(),
+                        msg: format!("not the served model: {msg}"),
+                    })?;
+                cfg.check_context(self.max_seq_len, &cfg_path)?;
+                if self.max_seq_len > cfg.max_position_embeddings {
+                    return Err(ModelError::Config {
+                        path: cfg_path,
+                        msg: format!(
+                            "max_position_embeddings {} is below the served context length {}",
+                            cfg.max_position_embeddings, self.max_seq_len
+                        ),
+                    });
+                }
+                (store, Origin::Disk(path.clone()))
+            }
+            UpdateSource::Staged => {
+                let missing: Vec<&String> = self
+                    .updates
+                    .expected
+                    .keys()
+                    .filter(|n| !self.updates.staged_names.contains(*n))
+                    .collect();
+                if let Some(first) = missing.first() {
+                    return Err(ModelError::MissingTensor {
+                        dir: PathBuf::from(format!(
+                            "the pushed tensors ({} of {} the model reads; {} missing)",
+                            self.updates.staged_names.len(),
+                            self.updates.expected.len(),
+                            missing.len()
+                        )),
+                        tensor: first.to_string(),
+                    });
+                }
+                let files = std::mem::take(&mut self.updates.staged);
+                let store = WeightStore::from_files(Path::new("pushed tensors"), files)?;
+                (store, Origin::Pushed)
+            }
+        };
+        let t0 = std::time::Instant::now();
+        let ctx = LoadCtx {
+            backend: &self.backend,
+            store: &store,
+            rank: self.backend.rank(),
+            tp: self.backend.world_size(),
+            row_tp: self.row_tp,
+        };
+        let model = Model::load(&ctx, &self.cfg, self.max_seq_len)?;
+        tracing::info!(
+            rank = self.backend.rank(),
+            seconds = t0.elapsed().as_secs_f64(),
+            "new weights prepared"
+        );
+        self.updates.candidate = Some((model, origin));
+        Ok(())
+    }
+
+    /// Checks pushed tensors against the model and stages them: known names (or ones the
+    /// model ignores), each once, the shapes the model reads, bf16/f16/f32, finite.
+    fn stage(&mut self, files: Vec<SafeFile>) -> MResult<()> {
+        let u = &mut self.updates;
+        let mut names = HashSet::new();
+        let mut kept = Vec::new();
+        for mut f in files {
+            let mut drop_names = Vec::new();
+            let mut list: Vec<(&String, &crate::safetensors::TensorInfo)> =
+                f.tensors.iter().collect();
+            list.sort_by(|a, b| a.0.cmp(b.0));
+            for (name, t) in list {
+                let bad = |msg: String| ModelError::Safetensors {
+                    path: f.path.clone(),
+                    msg: format!("tensor {name:?}: {msg}"),
+                };
+                let Some(shape) = u.expected.get(name) else {
+                    if ignorable(name, &self.cfg) {
+                        drop_names.push(name.clone());
+                        continue;
+                    }
+                    return Err(bad(
+                        "the model has no such tensor (names as in the HF checkpoint, e.g. model.layers.0.mlp.down_proj.weight)"
+                            .into(),
+                    ));
+                };
+                if &t.shape != shape {
+                    return Err(ModelError::ShapeMismatch {
+                        path: f.path.clone(),
+                        tensor: name.clone(),
+                        expected: shape.clone(),
+                        found: t.shape.clone(),
+                    });
+                }
+                if u.staged_names.contains(name) || !names.insert(name.clone()) {
+                    return Err(bad(
+                        "given twice (already staged since the last update)".into()
+                    ));
+                }
+                if let Some(i) = first_non_finite(t.dtype, f.tensor_bytes(t)) {
+                    return Err(bad(format!(
+                        "element {i} is not finite in bf16; the weights must be finite"
+                    )));
+                }
+            }
+            for n in drop_names {
+                f.tensors.remove(&n);
+            }
+            kept.push(f);
+        }
+        for f in kept {
+            u.staged_bytes += f.len_bytes();
+            u.staged_names.extend(f.tensors.keys().cloned());
+            u.staged.push(f);
+        }
+        Ok(())
+    }
+
+    /// Receives `tensors` from the trainer over the NCCL group and stages them. Every
+    /// tensor is received before any is checked, so the trainer's broadcasts never wait
+    /// on a refusal.
+    fn receive(&mut self, group: &str, tensors: &[TensorMeta], timeout: Duration) -> MResult<()> {
+        let rank = self.backend.rank();
+        let g = match &mut self.updates.group {
+            Some((name, g)) if name == group => g,
+            Some((name, _)) => {
+                return Err(ModelError::BadRequest {
+                    id: 0,
+                    msg: format!("no weight-update group {group:?} (the group is {name:?})"),
+                })
+            }
+            None => {
+                return Err(ModelError::Unavailable(format!(
+                    "no weight-update group {group:?}: init_weights_update_group first"
+                )))
+            }
+        };
+        let t0 = std::time::Instant::now();
+        let mut files = Vec::with_capacity(tensors.len());
+        let mut total = 0usize;
+        for t in tensors {
+            let bytes = t.bytes().ok_or_else(|| ModelError::BadRequest {
+                id: 0,
+                msg: format!("tensor {:?}: shape {:?} overflows", t.name, t.shape),
+            })?;
+            let data = g
+                .receive(bytes, timeout)
+                .map_err(|source| ModelError::Backend { rank, source })?;
+            total += bytes;
+            files.push((t, data));
+        }
+        tracing::info!(
+            rank,
+            tensors = tensors.len(),
+            bytes = total,
+            seconds = t0.elapsed().as_secs_f64(),
+            "received tensors from the trainer"
+        );
+        let label = Path::new("tensors received over NCCL");
+        let files = files
+            .into_iter()
+            .map(|(t, data)| SafeFile::from_tensor(label, &t.name, t.dtype, t.shape.clone(), data))
+            .collect::<MResult<Vec<_>>>()?;
+        self.stage(files)
+    }
+}

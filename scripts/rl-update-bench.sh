@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One device call (carry [".device"]): how long an RL weight update takes on a
+# llama3-8b-shape model (docs/rl.md). Run from the repo root after
+# `bash scripts/build-device.sh`:
+#   bash scripts/rl-update-bench.sh          # writes $OUT/rl-summary.txt and logs
+# On nvidia-h200-x2 (or any 2+ GPU kind) it times both paths; on one GPU, the disk path
+# only (a NCCL group needs a GPU per member: the trainer's and arbor's).
+#   1. `arbor serve --device cuda` (TP 1, GPU 0) on the 8B model; a greedy probe.
+#   2. POST /update_weights_from_disk of the same checkpoint (page cache warm), then again
+#      after dropping the page cache where allowed (cold read): wall time and arbor's
+#      own `seconds`; the probe's bits must not change (same weights).
+#   3. examples/rl_push_nccl.py on GPU 1 (PyTorch) joins the group and broadcasts all the
+#      tensors twice: first with model.norm.weight scaled by 1.01 (the probe's bits must
+#      change), then exact (they must come back). Broadcast time and time until arbor
+#      answered (receive, copy to the host, cut, upload, swap).
+#   4. release_memory_occupation / resume_memory_occupation: GPU memory before and after,
+#      and the resume time.
+# Every step's raw output is in $OUT/rl-*.log; PASS/FAIL lines in the summary.
+set -uo pipefail
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-580}
+source scripts/device-lib.sh
+script_start rl-summary.txt
+WORK=/tmp/arbor-rl-bench
+mkdir -p "$WORK"
+GPUS=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1 | tee -a "$SUMMARY"
+note "GPUs $GPUS"
+LOG=$OUT/rl-steps.log
+
+l8b_model "$OUT/rl-make.log"
+[[ -f $L8B.complete ]] || { note "FAIL  no model"; exit 1; }
+
+# arbor and the trainer must load the same libnccl: torch's, first in the loader path.
+NCCL_DIR=$(python3 - <<'PY'
+import glob, os, torch
+base = os.path.dirname(os.path.dirname(torch.__file__))
+hits = sorted(glob.glob(os.path.join(base, "nvidia/nccl/lib/libnccl.so*")))
+print(os.path.dirname(hits[0]) if hits else "")
+PY
+)
+if [[ -n $NCCL_DIR ]]; then
+    # cudarc opens "libnccl.so": give it the wheel's library under that name.
+    mkdir -p "$WORK/nccl"
+    ln -sf "$(ls "$NCCL_DIR"/libnccl.so* | head -n 1)" "$WORK/nccl/libnccl.so"
+    export LD_LIBRARY_PATH=$WORK/nccl:$NCCL_DIR:$LD_LIBRARY_PATH
+    note "libnccl: torch's, from $NCCL_DIR"
+fi
+
+PORT=${PORT:-18700}
+ADDR=127.0.0.1:$PORT
+CUDA_VISIBLE_DEVICES=0 RUST_LOG=info "$ARBOR" serve --model "$L8B" --device cuda --port "$PORT" \
+    --max-seq-len 1024 >"$OUT/rl-serve.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; sleep 3; kill -KILL $SERVER 2>/dev/null' EXIT
+t=$(date +%s)
+until curl -sf "$ADDR/health" >/dev/null; do
+    if ! kill -0 $SERVER 2>/dev/null; then note "FAIL  arbor serve exited; see rl-serve.log"; exit 1; fi
+    if (($(date +%s) - t > 240)); then note "FAIL  arbor serve not ready in 240 s"; exit 1; fi
+    sleep 1
+done
+note "PASS  arbor serve up in $(($(date +%s) - t)) s (load + NVRTC)"
+
+PROBE='{"prompt":[128000,9906,11,1917,0,1226,374,264],"max_tokens":16,"temperature":0,"logprobs":1}'
+probe() { # probe NAME: greedy log-prob bits and the version, one line
+    curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 -c '
+import json, struct, sys
+r = json.load(sys.stdin); c = r["choices"][0]
+bits = "".join(f"{struct.unpack(\"<I\", struct.pack(\"<f\", x))[0]:08x}" for x in c["logprobs"]["token_logprobs"])
+print(r["weight_version"], c["token_ids"][:4], bits[:24] + "..", hash(bits))'
+}
+P0=$(probe); note "probe v0: $P0"
+same_bits() { [[ ${1##* } == "${P0##* }" ]]; }
+
+timed_update() { # timed_update NAME BODY
+    local t0 t1 r
+    t0=$(date +%s.%N)
+    r=$(curl -s "$ADDR/update_weights_from_disk" -d "$2")
+    t1=$(date +%s.%N)
+    echo "$1: $r" >>"$LOG"
+    note "TIMED $1: wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s, arbor $(echo "$r" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(f"{r[\"seconds\"]:.2f} s, version {r[\"weight_version\"]}" if r.get("success") else r)')"
+}
+timed_update "update_weights_from_disk (page cache warm)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm\"}"
+P=$(probe); note "probe: $P"; same_bits "$P" && note "PASS  same bits after the disk update" || note "FAIL  bits changed (same weights)"
+if sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
+    timed_update "update_weights_from_disk (page cache dropped)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-cold\"}"
+    P=$(probe); same_bits "$P" && note "PASS  same bits after the cold disk update" || note "FAIL  bits changed"
+else
+    note "SKIP  cold read (cannot drop the page cache here)"
+fi
+
+if ((GPUS >= 2)); then
+    step "NCCL push from PyTorch (GPU 1), 2 updates" "$OUT/rl-nccl.log" 300 python3 examples/rl_push_nccl.py \
+        --server "$ADDR" --model "$L8B" --device cuda:1 --updates 1 --version-prefix nccl-scaled \
+        --scale model.norm.weight=1.01
+    P=$(probe); note "probe after the scaled push: $P"
+    same_bits "$P" && note "FAIL  the scaled push did not change the bits" || note "PASS  the scaled push changed the bits"
+    step "NCCL push, exact weights" "$OUT/rl-nccl.log" 240 python3 examples/rl_push_nccl.py \
+        --server "$ADDR" --model "$L8B" --device cuda:1 --updates 1 --version-prefix nccl-exact
+    P=$(probe); note "probe after the exact push: $P"
+    same_bits "$P" && note "PASS  the exact push restored the bits" || note "FAIL  bits differ after the exact push"
+    grep -h '"update"' "$OUT/rl-nccl.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line); a = r["answer"]
+    print(f"TIMED NCCL {r[\"update\"]}: {r[\"bytes\"]/1e9:.1f} GB broadcast in {r[\"broadcast_seconds\"]:.2f} s ({r[\"broadcast_GBps\"]} GB/s); arbor answered after {r[\"seconds_until_answer\"]:.2f} s (apply {a.get(\"seconds\", float(\"nan\")):.2f} s)")' | tee -a "$SUMMARY"
+    grep -h 'received tensors\|new weights prepared' "$OUT/rl-serve.log" | tail -n 4 | tee -a "$SUMMARY"
+else
+    note "SKIP  NCCL push: one GPU (the trainer needs a GPU of its own: run on nvidia-h200-x2)"
+fi
+
+mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0; }
+note "GPU 0 memory used: $(mem)"
+r=$(curl -s "$ADDR/release_memory_occupation" -d '{}'); echo "release: $r" >>"$LOG"
+sleep 2
+note "after release_memory_occupation: $(mem) ($r)"
+t0=$(date +%s.%N)
+r=$(curl -s "$ADDR/resume_memory_occupation" -d '{}'); echo "resume: $r" >>"$LOG"
+note "TIMED resume_memory_occupation: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.2f", b-a}') s; $(mem) ($r)"
+P=$(probe); same_bits "$P" && note "PASS  same bits after release + resume" || note "FAIL  bits changed after resume: $P"
+note "done in $(elapsed) s"

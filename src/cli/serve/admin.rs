@@ -1,0 +1,755 @@
+//! The RL and operations routes (docs/rl.md): weight updates (from disk, pushed over
+//! HTTP, broadcast over NCCL), the weight version, generation pause / continue / abort,
+//! memory release / resume and cache flush. The names are SGLang's (vLLM's `/sleep`,
+//! `/wake_up`, `/is_sleeping` and `/reset_prefix_cache` are aliases). Every route needs
+//! the API key when one is set; bodies are bounded; the engine loop answers each command,
+//! and a command it cannot apply changes nothing.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use arbor_model::engine::TensorMeta;
+use arbor_model::DType;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::api::ApiError;
+use super::http::{body_error, AppState};
+use super::msg::{Cmd, ControlOp, PauseMode, Policy, UpdateReq};
+
+/// Longest weight version and group name.
+const MAX_NAME: usize = 128;
+/// Most tensors one `/update_weights_from_distributed` call may list.
+const MAX_TENSORS: usize = 1 << 16;
+/// Default and largest wait for the trainer in the NCCL group (join, each broadcast).
+const GROUP_TIMEOUT_S: f64 = 120.0;
+const MAX_GROUP_TIMEOUT_S: f64 = 3600.0;
+
+/// A weight version: what responses report. Printable, at most 128 bytes.
+pub fn check_version(v: &str) -> Result<(), String> {
+    if v.is_empty() || v.len() > MAX_NAME || v.chars().any(char::is_control) {
+        return Err(format!(
+            "a weight version is 1 to {MAX_NAME} bytes without control characters, got {v:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// The route whose body is a part of a checkpoint (its own size limit: conn.rs).
+pub const UPLOAD_PATH: &str = "/update_weights_from_tensor";
+
+pub fn routes(max_upload: usize) -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/update_weights_from_disk", post(from_disk))
+        .route(
+            UPLOAD_PATH,
+            post(from_tensor).layer(DefaultBodyLimit::max(max_upload)),
+        )
+        .route("/init_weights_update_group", post(init_group))
+        .route("/update_weights_from_distributed", post(from_distributed))
+        .route("/destroy_weights_update_group", post(destroy_group))
+        .route("/get_weight_version", get(weight_version))
+        .route("/pause_generation", post(pause))
+        .route("/continue_generation", post(continue_generation))
+        .route("/abort_request", post(abort))
+        .route("/release_memory_occupation", post(release))
+        .route("/resume_memory_occupation", post(resume))
+        .route("/flush_cache", get(flush_cache).post(flush_cache))
+        // vLLM's names.
+        .route("/sleep", post(sleep))
+        .route("/wake_up", post(wake_up))
+        .route("/is_sleeping", get(is_sleeping))
+        .route("/reset_prefix_cache", post(flush_cache))
+}
+
+/// An admin error: the OpenAI error body with SGLang's `success` / `message` beside it.
+fn fail(e: ApiError) -> Response {
+    let mut body = e.body();
+    body["success"] = json!(false);
+    body["message"] = json!(e.message);
+    (e.status, Json(body)).into_response()
+}
+
+/// A JSON body of `T` (unknown fields refused); an empty body is `{}`.
+fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        bytes
+    };
+    let v: Value = serde_json::from_slice(text)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the request body must be a JSON object",
+        ));
+    }
+    serde_json::from_value(v).map_err(|e| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("invalid request: {e}"),
+        )
+    })
+}
+
+/// Authorises, then hands `op` to the engine loop and waits for its answer.
+async fn command(st: &AppState, op: ControlOp) -> Response {
+    if let Err(e) = st.accepting() {
+        return fail(e);
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if st.tx.send(Cmd::Control { op, reply: tx }).is_err() {
+        return fail(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine has stopped",
+        ));
+    }
+    match rx.await {
+        Ok(Ok(body)) => Json(body).into_response(),
+        Ok(Err((status, msg))) => fail(ApiError::new(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            msg,
+        )),
+        Err(_) => fail(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine stopped before answering",
+        )),
+    }
+}
+
+/// Runs `f` (which parses and validates) after the API key check, then the command.
+async fn guarded(
+    st: Arc<AppState>,
+    headers: HeaderMap,
+    f: impl FnOnce() -> Result<ControlOp, ApiError>,
+) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return fail(e);
+    }
+    match f() {
+        Ok(op) => command(&st, op).await,
+        Err(e) => fail(e),
+    }
+}
+
+fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    b.map_err(body_error)
+}
+
+/// The requests in flight during an update: `policy`, or SGLang's `abort_all_requests`.
+fn update_req(
+    version: Option<String>,
+    policy: Option<&str>,
+    abort_all: Option<bool>,
+) -> Result<UpdateReq, ApiError> {
+    if let Some(v) = &version {
+        check_version(v).map_err(|m| ApiError::bad("weight_version", m))?;
+    }
+    let policy = match (policy, abort_all) {
+        (None, Some(true)) | (Some("abort"), _) => Policy::Abort,
+        (Some("wait") | None, None | Some(false)) => Policy::Wait,
+        (Some("retract"), None | Some(false)) => Policy::Retract,
+        (Some(p @ ("wait" | "retract")), Some(true)) => {
+            return Err(ApiError::bad(
+                "abort_all_requests",
+                format!("abort_all_requests: true contradicts policy {p:?}"),
+            ))
+        }
+        (Some(other), _) => {
+            return Err(ApiError::bad(
+                "policy",
+                format!("policy must be \"wait\", \"retract\" or \"abort\", got {other:?}"),
+            ))
+        }
+    };
+    Ok(UpdateReq { version, policy })
+}
+
+fn model_path(p: &str) -> Result<PathBuf, ApiError> {
+    let path = PathBuf::from(p);
+    if !path.exists() {
+        return Err(ApiError::bad(
+            "model_path",
+            format!(
+                "{p:?} does not exist on the server (what --model takes: an HF model directory with config.json and *.safetensors, or a GGUF file)"
+            ),
+        ));
+    }
+    Ok(path)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FromDisk {
+    model_path: String,
+    weight_version: Option<String>,
+    policy: Option<String>,
+    abort_all_requests: Option<bool>,
+    /// Accepted for SGLang's clients: the cache is always dropped.
+    #[allow(dead_code)]
+    flush_cache: Option<bool>,
+    load_format: Option<String>,
+}
+
+async fn from_disk(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let r: FromDisk = parse(&body(b)?)?;
+        if let Some(f) = r.load_format.as_deref() {
+            if !matches!(f, "auto" | "safetensors") {
+                return Err(ApiError::bad(
+                    "load_format",
+                    format!(
+                        "load_format {f:?}: arbor reads safetensors (\"auto\" or \"safetensors\")"
+                    ),
+                ));
+            }
+        }
+        Ok(ControlOp::FromDisk {
+            path: model_path(&r.model_path)?,
+            update: update_req(r.weight_version, r.policy.as_deref(), r.abort_all_requests)?,
+        })
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TensorQuery {
+    commit: Option<bool>,
+    discard: Option<bool>,
+    weight_version: Option<String>,
+    policy: Option<String>,
+    abort_all_requests: Option<bool>,
+}
+
+/// The body is one safetensors image (a part of the checkpoint); `?commit=false` stages
+/// it and waits for more, `?commit=true` (the default) stages it and applies everything
+/// staged; an empty body with `commit=true` applies what is staged; `?discard=true` drops
+/// it.
+async fn from_tensor(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    q: Result<Query<TensorQuery>, axum::extract::rejection::QueryRejection>,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let Query(q) = q.map_err(|e| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("invalid query: {}", e.body_text()),
+            )
+        })?;
+        let bytes = body(b)?;
+        if q.discard == Some(true) {
+            if !bytes.is_empty() || q.commit == Some(true) {
+                return Err(ApiError::bad(
+                    "discard",
+                    "discard=true takes no body and no commit",
+                ));
+            }
+            return Ok(ControlOp::Discard);
+        }
+        let commit = match q.commit.unwrap_or(true) {
+            true => Some(update_req(
+                q.weight_version,
+                q.policy.as_deref(),
+                q.abort_all_requests,
+            )?),
+            false => {
+                if q.weight_version.is_some() || q.policy.is_some() {
+                    return Err(ApiError::bad(
+                        "commit",
+                        "weight_version and policy go with the call that commits (commit=true)",
+                    ));
+                }
+                None
+            }
+        };
+        Ok(match (bytes.is_empty(), commit) {
+            (true, Some(u)) => ControlOp::Commit(u),
+            (true, None) => {
+                return Err(ApiError::bad(
+                    "body",
+                    "the body is empty: send a safetensors image of some of the tensors",
+                ))
+            }
+            (false, commit) => ControlOp::Stage {
+                bytes: bytes.to_vec(),
+                commit,
+            },
+        })
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InitGroup {
+    /// SGLang's trainer rendezvous: arbor takes the NCCL id itself (`unique_id`).
+    master_address: Option<String>,
+    master_port: Option<u16>,
+    rank_offset: usize,
+    world_size: usize,
+    group_name: String,
+    backend: Option<String>,
+    /// The trainer's `ncclUniqueId`: 256 hex digits, or a list of 128 bytes.
+    unique_id: Option<Value>,
+    timeout_s: Option<f64>,
+}
+
+fn unique_id(v: &Value) -> Result<Vec<u8>, ApiError> {
+    let bad = || {
+        ApiError::bad(
+            "unique_id",
+            "unique_id is the trainer's 128-byte ncclUniqueId: 256 hex digits or a list of 128 integers 0..=255",
+        )
+    };
+    let bytes: Vec<u8> = match v {
+        Value::String(s) => {
+            if s.len() != 256 || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+                return Err(bad());
+            }
+            (0..128)
+                .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16))
+                .collect::<Result<_, _>>()
+                .map_err(|_| bad())?
+        }
+        Value::Array(a) => a
+            .iter()
+            .map(|x| x.as_u64().and_then(|x| u8::try_from(x).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(bad)?,
+        _ => return Err(bad()),
+    };
+    if bytes.len() != 128 {
+        return Err(bad());
+    }
+    Ok(bytes)
+}
+
+fn group_name(n: &str) -> Result<String, ApiError> {
+    if n.is_empty() || n.len() > MAX_NAME || n.chars().any(char::is_control) {
+        return Err(ApiError::bad(
+            "group_name",
+            format!("group_name is 1 to {MAX_NAME} bytes without control characters"),
+        ));
+    }
+    Ok(n.to_string())
+}
+
+fn timeout(t: Option<f64>) -> Result<f64, ApiError> {
+    let t = t.unwrap_or(GROUP_TIMEOUT_S);
+    if !(t.is_finite() && t > 0.0 && t <= MAX_GROUP_TIMEOUT_S) {
+        return Err(ApiError::bad(
+            "timeout_s",
+            format!("timeout_s must be in (0, {MAX_GROUP_TIMEOUT_S}], got {t}"),
+        ));
+    }
+    Ok(t)
+}
+
+async fn init_group(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    let tp = st.tp;
+    guarded(st, headers, || {
+        let r: InitGroup = parse(&body(b)?)?;
+        if let Some(be) = r.backend.as_deref() {
+            if be != "nccl" {
+                return Err(ApiError::bad(
+                    "backend",
+                    format!("backend {be:?}: arbor's weight-update group is NCCL (\"nccl\")"),
+                ));
+            }
+        }
+        let Some(id) = r.unique_id.as_ref() else {
+            return Err(ApiError::bad(
+                "unique_id",
+                format!(
+                    "arbor does not join a torch TCPStore ({}): make the NCCL id in the trainer (ncclGetUniqueId, rank 0 of the group) and pass it as unique_id (docs/rl.md)",
+                    match (&r.master_address, r.master_port) {
+                        (Some(a), Some(p)) => format!("{a}:{p}"),
+                        _ => "master_address/master_port".into(),
+                    }
+                ),
+            ));
+        };
+        if r.rank_offset == 0 {
+            return Err(ApiError::bad(
+                "rank_offset",
+                "rank_offset must be at least 1: the trainer is rank 0 of the group",
+            ));
+        }
+        if r.world_size < r.rank_offset + tp || r.world_size > 1 << 16 {
+            return Err(ApiError::bad(
+                "world_size",
+                format!(
+                    "world_size {} cannot hold ranks {}..{} (arbor's {tp} ranks after rank_offset)",
+                    r.world_size,
+                    r.rank_offset,
+                    r.rank_offset + tp
+                ),
+            ));
+        }
+        Ok(ControlOp::InitGroup {
+            name: group_name(&r.group_name)?,
+            unique_id: unique_id(id)?,
+            world: r.world_size,
+            rank_offset: r.rank_offset,
+            timeout_s: timeout(r.timeout_s)?,
+        })
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FromDistributed {
+    names: Vec<String>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    group_name: String,
+    weight_version: Option<String>,
+    /// False: stage these and wait for more calls (the last one commits).
+    commit: Option<bool>,
+    policy: Option<String>,
+    abort_all_requests: Option<bool>,
+    #[allow(dead_code)]
+    flush_cache: Option<bool>,
+    timeout_s: Option<f64>,
+}
+
+async fn from_distributed(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    let max_bytes = st.max_push_bytes;
+    guarded(st, headers, || {
+        let r: FromDistributed = parse(&body(b)?)?;
+        let n = r.names.len();
+        if n == 0 || n > MAX_TENSORS || r.dtypes.len() != n || r.shapes.len() != n {
+            return Err(ApiError::bad(
+                "names",
+                format!(
+                    "names, dtypes and shapes must list the same 1..={MAX_TENSORS} tensors (got {}, {}, {})",
+                    n,
+                    r.dtypes.len(),
+                    r.shapes.len()
+                ),
+            ));
+        }
+        let mut tensors = Vec::with_capacity(n);
+        let mut total = 0usize;
+        for ((name, dtype), shape) in r.names.into_iter().zip(&r.dtypes).zip(r.shapes) {
+            let dt = DType::from_any_name(dtype).ok_or_else(|| {
+                ApiError::bad(
+                    "dtypes",
+                    format!("tensor {name:?}: dtype {dtype:?} (bfloat16, float16 or float32)"),
+                )
+            })?;
+            let t = TensorMeta {
+                name,
+                dtype: dt,
+                shape,
+            };
+            let bytes = t.bytes().filter(|_| t.shape.len() <= 8).ok_or_else(|| {
+                ApiError::bad("shapes", format!("tensor {:?}: shape {:?}", t.name, t.shape))
+            })?;
+            total = total.saturating_add(bytes);
+            tensors.push(t);
+        }
+        if total > max_bytes {
+            return Err(ApiError::bad(
+                "shapes",
+                format!(
+                    "the tensors hold {total} bytes, more than the whole model in float32 ({max_bytes})"
+                ),
+            ));
+        }
+        let commit = match r.commit.unwrap_or(true) {
+            true => Some(update_req(
+                r.weight_version,
+                r.policy.as_deref(),
+                r.abort_all_requests,
+            )?),
+            false => None,
+        };
+        Ok(ControlOp::Receive {
+            group: group_name(&r.group_name)?,
+            tensors,
+            timeout_s: timeout(r.timeout_s)?,
+            commit,
+        })
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DestroyGroup {
+    group_name: String,
+}
+
+async fn destroy_group(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let r: DestroyGroup = parse(&body(b)?)?;
+        Ok(ControlOp::DestroyGroup {
+            name: group_name(&r.group_name)?,
+        })
+    })
+    .await
+}
+
+async fn weight_version(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return fail(e);
+    }
+    Json(json!({"weight_version": st.stats.weight_version()})).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Pause {
+    mode: Option<String>,
+}
+
+async fn pause(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let r: Pause = parse(&body(b)?)?;
+        let mode = match r.mode.as_deref().unwrap_or("abort") {
+            "abort" => PauseMode::Abort,
+            "retract" => PauseMode::Retract,
+            "in_place" => PauseMode::InPlace,
+            other => {
+                return Err(ApiError::bad(
+                    "mode",
+                    format!("mode must be \"abort\", \"retract\" or \"in_place\", got {other:?}"),
+                ))
+            }
+        };
+        Ok(ControlOp::Pause(mode))
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Empty {}
+
+async fn continue_generation(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let _: Empty = parse(&body(b)?)?;
+        Ok(ControlOp::Continue)
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Abort {
+    rid: Option<String>,
+    abort_all: Option<bool>,
+}
+
+async fn abort(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let r: Abort = parse(&body(b)?)?;
+        match (r.rid, r.abort_all.unwrap_or(false)) {
+            (Some(_), true) => Err(ApiError::bad("rid", "give rid or abort_all, not both")),
+            (None, false) => Err(ApiError::bad(
+                "rid",
+                "give the request's rid (its response id), or abort_all: true",
+            )),
+            (rid, _) => Ok(ControlOp::Abort { rid }),
+        }
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Memory {
+    tags: Option<Vec<String>>,
+    model_path: Option<String>,
+    weight_version: Option<String>,
+}
+
+/// (weights, kv) named by SGLang's tags (none: both).
+fn tags(t: Option<&[String]>) -> Result<(bool, bool), ApiError> {
+    let Some(t) = t else {
+        return Ok((true, true));
+    };
+    let mut out = (false, false);
+    for tag in t {
+        match tag.as_str() {
+            "weights" => out.0 = true,
+            "kv_cache" => out.1 = true,
+            other => {
+                return Err(ApiError::bad(
+                    "tags",
+                    format!("tag {other:?}: arbor holds \"weights\" and \"kv_cache\""),
+                ))
+            }
+        }
+    }
+    if out == (false, false) {
+        return Err(ApiError::bad("tags", "tags is empty"));
+    }
+    Ok(out)
+}
+
+async fn release(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let r: Memory = parse(&body(b)?)?;
+        if r.model_path.is_some() || r.weight_version.is_some() {
+            return Err(ApiError::bad(
+                "model_path",
+                "model_path and weight_version go with resume_memory_occupation",
+            ));
+        }
+        let (weights, kv) = tags(r.tags.as_deref())?;
+        Ok(ControlOp::Release { weights, kv })
+    })
+    .await
+}
+
+async fn resume(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let r: Memory = parse(&body(b)?)?;
+        let (weights, kv) = tags(r.tags.as_deref())?;
+        if let Some(v) = &r.weight_version {
+            check_version(v).map_err(|m| ApiError::bad("weight_version", m))?;
+        }
+        Ok(ControlOp::Resume {
+            weights,
+            kv,
+            from: r.model_path.as_deref().map(model_path).transpose()?,
+            version: r.weight_version,
+        })
+    })
+    .await
+}
+
+async fn flush_cache(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let _: Empty = parse(&body(b)?)?;
+        Ok(ControlOp::FlushCache)
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SleepQuery {
+    /// vLLM's levels (1: weights kept on the host, 2: discarded); arbor frees both and
+    /// reads the weights again on wake-up.
+    level: Option<u8>,
+    tags: Option<String>,
+}
+
+async fn sleep(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    q: Result<Query<SleepQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let Query(q) = q.map_err(|e| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("invalid query: {}", e.body_text()),
+            )
+        })?;
+        if q.level.is_some_and(|l| !(1..=2).contains(&l)) || q.tags.is_some() {
+            return Err(ApiError::bad(
+                "level",
+                "sleep takes level 1 or 2 and no tags",
+            ));
+        }
+        Ok(ControlOp::Release {
+            weights: true,
+            kv: true,
+        })
+    })
+    .await
+}
+
+async fn wake_up(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    q: Result<Query<SleepQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    guarded(st, headers, || {
+        let Query(q) = q.map_err(|e| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("invalid query: {}", e.body_text()),
+            )
+        })?;
+        if q.level.is_some() {
+            return Err(ApiError::bad("level", "wake_up takes tags, not a level"));
+        }
+        let named: Option<Vec<String>> = q
+            .tags
+            .map(|t| t.split(',').map(|s| s.trim().to_string()).collect());
+        let (weights, kv) = tags(named.as_deref())?;
+        Ok(ControlOp::Resume {
+            weights,
+            kv,
+            from: None,
+            version: None,
+        })
+    })
+    .await
+}
+
+async fn is_sleeping(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return fail(e);
+    }
+    Json(json!({"is_sleeping": st.stats.released.load(Ordering::Relaxed)})).into_response()
+}
