@@ -753,7 +753,14 @@ fn pause_abort_release_and_limits() {
     let s = Server::start(
         2,
         &m.a,
-        &["--api-key", key, "--max-weight-upload-bytes", "200000"],
+        &[
+            "--api-key",
+            key,
+            "--max-weight-upload-bytes",
+            "200000",
+            "--max-body-bytes",
+            "65536",
+        ],
         "ctl",
     );
     // Every route needs the key.
@@ -781,13 +788,22 @@ fn pause_abort_release_and_limits() {
     assert_serves(&s, "0");
 
     // Uploads above --max-weight-upload-bytes: 413, nothing staged.
-    let whole = m.c_tensors.image(&m.c_tensors.names());
-    assert!(whole.len() > 200_000);
-    let (st, v) = s.push("commit=true", &whole);
+    let big: Vec<&String> = m
+        .c_tensors
+        .names()
+        .into_iter()
+        .filter(|n| m.c_tensors.0[*n].2.len() > 80_000)
+        .take(3)
+        .collect();
+    let over = m.c_tensors.image(&big);
+    assert!(over.len() > 200_000 && over.len() < 400_000);
+    let (st, v) = s.push("commit=true", &over);
     assert_eq!(st, 413, "{v}");
-    // Parts below it work (a 1.6 MB checkpoint in parts of < 200 KB).
+    // Parts below it work (a 1.6 MB checkpoint in parts of < 200 KB), larger than the
+    // JSON routes' --max-body-bytes.
     let parts = m.c_tensors.parts_below(200_000);
     assert!(parts.len() > 8 && parts.iter().all(|p| p.len() <= 200_000));
+    assert!(parts.iter().any(|p| p.len() > 65536));
     for p in &parts {
         let (st, v) = s.push("commit=false", p);
         assert_eq!(st, 200, "{v}");

@@ -49,7 +49,16 @@ fn send_bytes(
     req.push_str("\r\n");
     s.write_all(req.as_bytes())?;
     if let Some((b, _)) = body {
-        s.write_all(b)?;
+        // A server that refuses a body (413) answers and closes before reading it all:
+        // its answer is still there to read.
+        if let Err(e) = s.write_all(b) {
+            if !matches!(
+                e.kind(),
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+            ) {
+                return Err(e);
+            }
+        }
     }
     let mut r = BufReader::new(s);
     let mut line = String::new();

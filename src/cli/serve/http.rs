@@ -249,9 +249,9 @@ impl AppState {
             ));
         }
         // A plain response's handler reads every event as it comes (the response holds
-        // them all anyway); a stream's reads only as fast as its client does.
-        // Room for a whole run of every choice twice (an update with policy retract
-        // re-runs it) and its version, restart and finish events.
+        // them all anyway: room for a whole run of every choice twice, as an update with
+        // policy retract re-runs it, with its version, restart and finish events); a
+        // stream's reads only as fast as its client does.
         let backlog = if p.stream {
             STREAM_BACKLOG
         } else {
