@@ -15,7 +15,7 @@ size, the batch or the load (docs/rl.md).
 Run from the repository root:
 
     cargo build --release
-    python3 -m pip install torch safetensors     # CPU wheels are enough
+    python3 -m pip install torch safetensors numpy     # CPU wheels are enough
     python3 examples/rl_loop.py --steps 3
 
 It makes a tiny random Llama with `arbor make-model` (or takes --model DIR), starts the

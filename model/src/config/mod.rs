@@ -623,6 +623,41 @@ pub fn in_memory_path() -> PathBuf {
 mod tests {
     use super::*;
 
+    #[test]
+    fn same_model_ignores_context_and_tokens_and_names_the_first_difference() {
+        let p = in_memory_path();
+        let base = ModelConfig::from_json_str(LLAMA3, &p).unwrap();
+        let other = ModelConfig::from_json_str(
+            &LLAMA3
+                .replace("131072", "8192")
+                .replace("[128001, 128008, 128009]", "128001"),
+            &p,
+        )
+        .unwrap();
+        assert_eq!(base.same_model_as(&other), Ok(()));
+        for (from, to, field) in [
+            (
+                "\"rms_norm_eps\": 1e-05",
+                "\"rms_norm_eps\": 1e-06",
+                "rms_norm_eps",
+            ),
+            (
+                "\"num_key_value_heads\": 8",
+                "\"num_key_value_heads\": 4",
+                "num_key_value_heads",
+            ),
+            ("500000.0", "10000.0", "rope_theta"),
+            ("\"factor\": 8.0", "\"factor\": 4.0", "rope_scaling"),
+            ("\"mlp_bias\": false", "\"mlp_bias\": true", "mlp_bias"),
+        ] {
+            let text = LLAMA3.replace(from, to);
+            assert_ne!(text, LLAMA3, "{from}");
+            let other = ModelConfig::from_json_str(&text, &p).unwrap();
+            let e = base.same_model_as(&other).unwrap_err();
+            assert!(e.starts_with(field), "{field}: {e}");
+        }
+    }
+
     const LLAMA3: &str = r#"{
       "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -641,3 +641,61 @@ impl<B: Backend> Engine<B> {
         self.stage(files)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_values_are_found_in_every_dtype() {
+        let bf16 = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
+        let mut b: Vec<u8> = [1.0f32, -2.5, 0.0].iter().flat_map(|&v| bf16(v)).collect();
+        assert_eq!(first_non_finite(DType::BF16, &b), None);
+        b.extend(bf16(f32::NAN));
+        assert_eq!(first_non_finite(DType::BF16, &b), Some(3));
+        let f16: Vec<u8> = [1.0f32, f32::INFINITY]
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
+        assert_eq!(first_non_finite(DType::F16, &f16), Some(1));
+        // An f32 beyond bf16's range is not finite once rounded.
+        let f32s: Vec<u8> = [1.0f32, 3.0e38, f32::MAX]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(first_non_finite(DType::F32, &f32s), Some(2));
+    }
+
+    #[test]
+    fn errors_say_once_what_every_rank_said() {
+        let same = ControlError {
+            kind: FailureKind::Input,
+            failures: vec![(0, "bad".into()), (1, "bad".into())],
+        };
+        assert_eq!(same.to_string(), "bad (ranks 0, 1)");
+        let one = ControlError {
+            kind: FailureKind::Server,
+            failures: vec![(3, "out of memory".into())],
+        };
+        assert_eq!(one.to_string(), "rank 3: out of memory");
+    }
+
+    #[test]
+    fn a_tied_head_and_rope_buffers_are_ignorable() {
+        let text = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "vocab_size": 10, "max_position_embeddings": 64, "tie_word_embeddings": true}"#;
+        let cfg = ModelConfig::from_json_str(text, &crate::config::in_memory_path()).unwrap();
+        assert!(ignorable("lm_head.weight", &cfg));
+        assert!(ignorable(
+            "model.layers.0.self_attn.rotary_emb.inv_freq",
+            &cfg
+        ));
+        assert!(!ignorable("model.layers.0.mlp.typo.weight", &cfg));
+        let untied = ModelConfig {
+            tie_word_embeddings: false,
+            ..cfg
+        };
+        assert!(!ignorable("lm_head.weight", &untied));
+    }
+}

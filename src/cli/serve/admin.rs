@@ -753,3 +753,61 @@ async fn is_sleeping(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Res
     }
     Json(json!({"is_sleeping": st.stats.released.load(Ordering::Relaxed)})).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_ids_are_hex_or_bytes() {
+        let hex = "0a".repeat(128);
+        assert_eq!(unique_id(&json!(hex)).unwrap(), vec![10u8; 128]);
+        assert_eq!(
+            unique_id(&json!(vec![255u8; 128])).unwrap(),
+            vec![255u8; 128]
+        );
+        for bad in [
+            json!("0a".repeat(127)),
+            json!("zz".repeat(128)),
+            json!(vec![1u8; 127]),
+            json!(vec![256u32; 128]),
+            json!(7),
+        ] {
+            assert_eq!(
+                unique_id(&bad).unwrap_err().param,
+                Some("unique_id"),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn policies_and_sglang_abort_all() {
+        let p = |policy: Option<&str>, abort: Option<bool>| {
+            update_req(None, policy, abort).map(|u| u.policy)
+        };
+        assert_eq!(p(None, None).unwrap(), Policy::Wait);
+        assert_eq!(p(None, Some(true)).unwrap(), Policy::Abort);
+        assert_eq!(p(Some("retract"), Some(false)).unwrap(), Policy::Retract);
+        assert_eq!(p(Some("abort"), Some(true)).unwrap(), Policy::Abort);
+        assert_eq!(
+            p(Some("retract"), Some(true)).unwrap_err().param,
+            Some("abort_all_requests")
+        );
+        assert_eq!(p(Some("later"), None).unwrap_err().param, Some("policy"));
+        assert!(update_req(Some("".into()), None, None).is_err());
+        assert!(update_req(Some("step\n1".into()), None, None).is_err());
+        assert!(update_req(Some("step-1".into()), None, None).is_ok());
+    }
+
+    #[test]
+    fn memory_tags() {
+        assert_eq!(tags(None).unwrap(), (true, true));
+        assert_eq!(
+            tags(Some(&["kv_cache".to_string()])).unwrap(),
+            (false, true)
+        );
+        assert!(tags(Some(&[])).is_err());
+        assert!(tags(Some(&["cuda_graph".to_string()])).is_err());
+    }
+}
