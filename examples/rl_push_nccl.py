@@ -56,13 +56,26 @@ class Nccl:
     def __init__(self, path):
         self.lib = ctypes.CDLL(path)
         self.path = path
+        c_int, c_void_p, c_size_t = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+        lib = self.lib
+        lib.ncclGetVersion.argtypes = [ctypes.POINTER(c_int)]
+        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
+        # The unique id goes by value, as the C signature says.
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(c_void_p), c_int, UniqueId, c_int]
+        lib.ncclBroadcast.argtypes = [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p,
+                                      c_void_p]
+        lib.ncclCommDestroy.argtypes = [c_void_p]
+        lib.ncclGetErrorString.argtypes = [c_int]
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        for f in (lib.ncclGetVersion, lib.ncclGetUniqueId, lib.ncclCommInitRank,
+                  lib.ncclBroadcast, lib.ncclCommDestroy):
+            f.restype = c_int
         v = ctypes.c_int()
         self.check(self.lib.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
         self.version = v.value
 
     def check(self, rc, what):
         if rc != 0:
-            self.lib.ncclGetErrorString.restype = ctypes.c_char_p
             raise RuntimeError(f"{what}: {self.lib.ncclGetErrorString(rc).decode()} ({rc})")
 
     def unique_id(self):
@@ -77,9 +90,10 @@ class Nccl:
         return comm
 
     def broadcast(self, t, comm, stream):
+        assert t.is_contiguous(), "a broadcast sends contiguous memory"
         ptr = ctypes.c_void_p(t.data_ptr())
-        self.check(self.lib.ncclBroadcast(ptr, ptr, ctypes.c_size_t(t.numel() * t.element_size()),
-                                          NCCL_UINT8, 0, comm, ctypes.c_void_p(stream)),
+        self.check(self.lib.ncclBroadcast(ptr, ptr, t.numel() * t.element_size(), NCCL_UINT8, 0,
+                                          comm, ctypes.c_void_p(stream)),
                    "ncclBroadcast")
 
     def destroy(self, comm):

@@ -49,7 +49,9 @@ fi
 
 PORT=${PORT:-18700}
 ADDR=127.0.0.1:$PORT
-CUDA_VISIBLE_DEVICES=0 RUST_LOG=info "$ARBOR" serve --model "$L8B" --device cuda --port "$PORT" \
+# arbor is rank 0 of its own group (GPU 0: LOCAL_RANK unset); every GPU stays visible, so
+# NCCL can reach the trainer's GPU directly.
+RUST_LOG=info "$ARBOR" serve --model "$L8B" --device cuda --port "$PORT" \
     --max-seq-len 1024 >"$OUT/rl-serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; sleep 3; kill -KILL $SERVER 2>/dev/null' EXIT
@@ -62,12 +64,33 @@ done
 note "PASS  arbor serve up in $(($(date +%s) - t)) s (load + NVRTC)"
 
 PROBE='{"prompt":[128000,9906,11,1917,0,1226,374,264],"max_tokens":16,"temperature":0,"logprobs":1}'
-probe() { # probe NAME: greedy log-prob bits and the version, one line
-    curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 -c '
-import json, struct, sys
-r = json.load(sys.stdin); c = r["choices"][0]
-bits = "".join(f"{struct.unpack(\"<I\", struct.pack(\"<f\", x))[0]:08x}" for x in c["logprobs"]["token_logprobs"])
-print(r["weight_version"], c["token_ids"][:4], bits[:24] + "..", hash(bits))'
+# Helpers that read arbor's answers (files, so that no quoting gets in the way).
+cat >"$WORK/probe.py" <<'PY'
+import hashlib, json, struct, sys
+r = json.load(sys.stdin)
+c = r["choices"][0]
+bits = "".join("%08x" % struct.unpack("<I", struct.pack("<f", x))[0] for x in c["logprobs"]["token_logprobs"])
+print(r["weight_version"], c["token_ids"][:4], hashlib.sha256(bits.encode()).hexdigest()[:16])
+PY
+cat >"$WORK/answer.py" <<'PY'
+import json, sys
+r = json.load(sys.stdin)
+if r.get("success"):
+    print("%.2f s, version %s" % (r["seconds"], r["weight_version"]))
+else:
+    print(r)
+PY
+cat >"$WORK/nccl-report.py" <<'PY'
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    a = r["answer"]
+    print("TIMED NCCL %s: %.1f GB broadcast in %.2f s (%s GB/s); arbor answered after %.2f s (apply %s s)"
+          % (r["update"], r["bytes"] / 1e9, r["broadcast_seconds"], r["broadcast_GBps"],
+             r["seconds_until_answer"], a.get("seconds", "n/a")))
+PY
+probe() { # greedy: the version, the first tokens, a hash of the log-prob bits
+    curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 "$WORK/probe.py"
 }
 P0=$(probe); note "probe v0: $P0"
 same_bits() { [[ ${1##* } == "${P0##* }" ]]; }
@@ -78,7 +101,7 @@ timed_update() { # timed_update NAME BODY
     r=$(curl -s "$ADDR/update_weights_from_disk" -d "$2")
     t1=$(date +%s.%N)
     echo "$1: $r" >>"$LOG"
-    note "TIMED $1: wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s, arbor $(echo "$r" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(f"{r[\"seconds\"]:.2f} s, version {r[\"weight_version\"]}" if r.get("success") else r)')"
+    note "TIMED $1: wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s, arbor $(echo "$r" | python3 "$WORK/answer.py")"
 }
 timed_update "update_weights_from_disk (page cache warm)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm\"}"
 P=$(probe); note "probe: $P"; same_bits "$P" && note "PASS  same bits after the disk update" || note "FAIL  bits changed (same weights)"
@@ -90,7 +113,7 @@ else
 fi
 
 if ((GPUS >= 2)); then
-    step "NCCL push from PyTorch (GPU 1), 2 updates" "$OUT/rl-nccl.log" 300 python3 examples/rl_push_nccl.py \
+    step "NCCL push from PyTorch (GPU 1), model.norm.weight scaled" "$OUT/rl-nccl.log" 300 python3 examples/rl_push_nccl.py \
         --server "$ADDR" --model "$L8B" --device cuda:1 --updates 1 --version-prefix nccl-scaled \
         --scale model.norm.weight=1.01
     P=$(probe); note "probe after the scaled push: $P"
@@ -99,11 +122,7 @@ if ((GPUS >= 2)); then
         --server "$ADDR" --model "$L8B" --device cuda:1 --updates 1 --version-prefix nccl-exact
     P=$(probe); note "probe after the exact push: $P"
     same_bits "$P" && note "PASS  the exact push restored the bits" || note "FAIL  bits differ after the exact push"
-    grep -h '"update"' "$OUT/rl-nccl.log" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    r = json.loads(line); a = r["answer"]
-    print(f"TIMED NCCL {r[\"update\"]}: {r[\"bytes\"]/1e9:.1f} GB broadcast in {r[\"broadcast_seconds\"]:.2f} s ({r[\"broadcast_GBps\"]} GB/s); arbor answered after {r[\"seconds_until_answer\"]:.2f} s (apply {a.get(\"seconds\", float(\"nan\")):.2f} s)")' | tee -a "$SUMMARY"
+    grep -h '"update"' "$OUT/rl-nccl.log" | python3 "$WORK/nccl-report.py" | tee -a "$SUMMARY"
     grep -h 'received tensors\|new weights prepared' "$OUT/rl-serve.log" | tail -n 4 | tee -a "$SUMMARY"
 else
     note "SKIP  NCCL push: one GPU (the trainer needs a GPU of its own: run on nvidia-h200-x2)"

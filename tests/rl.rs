@@ -686,7 +686,7 @@ fn bad_checkpoints(s: &Server, tp: usize) {
         v["message"]
             .as_str()
             .expect("message")
-            .contains("not finite"),
+            .contains("must be finite"),
         "{v}"
     );
     let mut t = m.c_tensors.clone();

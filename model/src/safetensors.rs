@@ -172,11 +172,6 @@ impl SafeFile {
         })
     }
 
-    /// The raw little-endian bytes of tensor `info`.
-    pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
-        self.bytes(info, 0..info.data.len())
-    }
-
     /// Bytes held (the whole image for an in-memory file, the mapping for a file).
     pub fn len_bytes(&self) -> usize {
         self.data.len()

@@ -5,8 +5,9 @@
 //! Every command ([`ControlMsg`]) runs in two phases on every rank ([`run_control`]):
 //! 1. **prepare**: the rank does everything that can fail without touching what it serves
 //!    with: it reads the checkpoint (or the staged tensors) and cuts its shard into new
-//!    buffers (a second copy of its weights, [`Model::load`] exactly as at start), checks
-//!    names, shapes and dtypes, allocates, joins a group;
+//!    buffers (a second copy of its weights, [`Model::load`] exactly as at start, which
+//!    checks names, shapes, dtypes and that every value is finite), allocates, joins a
+//!    group;
 //! 2. the ranks exchange their outcomes (an all-gather), and **finish**: all of them apply
 //!    (swap the prepared model in, drop the recorded steps) or all of them undo.
 //!
@@ -26,7 +27,7 @@ use crate::engine::{ControlMsg, TensorMeta, UpdateSource};
 use crate::error::{MResult, ModelError};
 use crate::forward::{HeadPlan, Model};
 use crate::layers::LoadCtx;
-use crate::safetensors::{DType, SafeFile};
+use crate::safetensors::SafeFile;
 use crate::weights::WeightStore;
 
 /// Where the serving weights came from.
@@ -95,25 +96,6 @@ impl<B: Backend> Updates<B> {
 /// stored RoPE's inverse frequencies).
 fn ignorable(name: &str, cfg: &ModelConfig) -> bool {
     (cfg.tie_word_embeddings && name == "lm_head.weight") || name.ends_with("rotary_emb.inv_freq")
-}
-
-/// The index of the first value that is not finite once rounded to bf16 (what the model
-/// computes with), if any.
-fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
-    match dtype {
-        DType::BF16 => bytes.chunks_exact(2).position(|c| {
-            let b = u16::from_le_bytes([c[0], c[1]]);
-            b & 0x7f80 == 0x7f80
-        }),
-        DType::F16 => bytes.chunks_exact(2).position(|c| {
-            let b = u16::from_le_bytes([c[0], c[1]]);
-            b & 0x7c00 == 0x7c00
-        }),
-        DType::F32 => bytes.chunks_exact(4).position(|c| {
-            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            !half::bf16::from_f32(v).is_finite()
-        }),
-    }
 }
 
 /// How a phase-one failure should be reported to the client.
@@ -536,7 +518,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Checks pushed tensors against the model and stages them: known names (or ones the
-    /// model ignores), each once, the shapes the model reads, bf16/f16/f32, finite.
+    /// model ignores), each once, the shapes the model reads, bf16/f16/f32. Values are
+    /// checked (finite in bf16) when the update cuts the shards, as a load checks them.
     fn stage(&mut self, files: Vec<SafeFile>) -> MResult<()> {
         let u = &mut self.updates;
         let mut names = HashSet::new();
@@ -573,11 +556,6 @@ impl<B: Backend> Engine<B> {
                     return Err(bad(
                         "given twice (already staged since the last update)".into()
                     ));
-                }
-                if let Some(i) = first_non_finite(t.dtype, f.tensor_bytes(t)) {
-                    return Err(bad(format!(
-                        "element {i} is not finite in bf16; the weights must be finite"
-                    )));
                 }
             }
             for n in drop_names {
@@ -645,26 +623,6 @@ impl<B: Backend> Engine<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn non_finite_values_are_found_in_every_dtype() {
-        let bf16 = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
-        let mut b: Vec<u8> = [1.0f32, -2.5, 0.0].iter().flat_map(|&v| bf16(v)).collect();
-        assert_eq!(first_non_finite(DType::BF16, &b), None);
-        b.extend(bf16(f32::NAN));
-        assert_eq!(first_non_finite(DType::BF16, &b), Some(3));
-        let f16: Vec<u8> = [1.0f32, f32::INFINITY]
-            .iter()
-            .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
-            .collect();
-        assert_eq!(first_non_finite(DType::F16, &f16), Some(1));
-        // An f32 beyond bf16's range is not finite once rounded.
-        let f32s: Vec<u8> = [1.0f32, 3.0e38, f32::MAX]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        assert_eq!(first_non_finite(DType::F32, &f32s), Some(2));
-    }
 
     #[test]
     fn errors_say_once_what_every_rank_said() {
