@@ -38,10 +38,13 @@ impl CudaBackend {
             .map_err(|e| err(format!("creating the weight-update stream: {e:?}")))?;
         let comm = NcclComm::join_within(unique_id, world, rank, stream.clone(), timeout)
             .map_err(|e| err(e.to_string()))?;
+        // Every member must run the same NCCL: the log says which one this rank loaded.
+        let version = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
         tracing::info!(
             rank = me,
             group_rank = rank,
             world,
+            nccl_version = version,
             "joined the weight-update group"
         );
         Ok(Box::new(CudaWeightsGroup {
