@@ -30,6 +30,12 @@ impl CudaBackend {
     ) -> BResult<Box<dyn WeightsGroup>> {
         let me = self.comm.rank();
         let err = |msg: String| BackendError::Device { rank: me, msg };
+        if self.slot.ranks_on_device > 1 {
+            return Err(BackendError::Unsupported(format!(
+                "rank {me}: {} ranks share GPU {} (--ranks-per-gpu), and a NCCL group holds one member per GPU: push the weights over HTTP (update_weights_from_tensor) or from disk instead",
+                self.slot.ranks_on_device, self.slot.ordinal
+            )));
+        }
         // A stream of its own: a wait for the trainer never blocks the serving stream.
         let stream = self
             .dev
