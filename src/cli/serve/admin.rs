@@ -288,7 +288,7 @@ async fn from_tensor(
                 ))
             }
             (false, commit) => ControlOp::Stage {
-                bytes: bytes.to_vec(),
+                bytes: Vec::from(bytes),
                 commit,
             },
         })
