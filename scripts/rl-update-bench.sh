@@ -3,8 +3,8 @@
 # llama3-8b-shape model (docs/rl.md). Run from the repo root after
 # `bash scripts/build-device.sh`:
 #   bash scripts/rl-update-bench.sh          # writes $OUT/rl-summary.txt and logs
-# On nvidia-h200-x2 (or any 2+ GPU kind) it times both paths; on one GPU, the disk path
-# only (a NCCL group needs a GPU per member: the trainer's and arbor's).
+# On nvidia-h200-x2 (or any 2+ GPU kind) it times every path; on one GPU, the disk and
+# HTTP-push paths (a NCCL group needs a GPU per member: the trainer's and arbor's).
 #   1. `arbor serve --device cuda` (TP 1, GPU 0) on the 8B model; a greedy probe.
 #   2. POST /update_weights_from_disk of the same checkpoint (page cache warm), then again
 #      after dropping the page cache where allowed (cold read): wall time and arbor's
@@ -111,6 +111,13 @@ if sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
 else
     note "SKIP  cold read (cannot drop the page cache here)"
 fi
+
+# The HTTP push path (no NCCL: any trainer, one GPU): a separate process cuts the checkpoint
+# into safetensors parts and posts them, then commits.
+step "HTTP push (update_weights_from_tensor, 512 MiB parts)" "$OUT/rl-http.log" 300 python3 examples/rl_push_http.py \
+    --addr "${ADDR#http://}" --model "$L8B" --weight-version http-push
+grep -h '^pushed' "$OUT/rl-http.log" | tail -n 1 | sed 's/^/TIMED HTTP push: /' | tee -a "$SUMMARY"
+P=$(probe); same_bits "$P" && note "PASS  same bits after the HTTP push (same weights)" || note "FAIL  bits changed after the HTTP push: $P"
 
 if ((GPUS >= 2)); then
     step "NCCL push from PyTorch (GPU 1), model.norm.weight scaled" "$OUT/rl-nccl.log" 300 python3 examples/rl_push_nccl.py \
