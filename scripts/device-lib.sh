@@ -49,6 +49,23 @@ prompts() {
     }' >"$file"
 }
 
+# long_prompts FILE COUNT VOCAB MIN MAX SHARED: token-id prompts of MIN..MAX tokens
+# (deterministic), the even-numbered ones starting with the same SHARED tokens (a system
+# prompt: the prefix cache shares its blocks), the odd ones all their own.
+long_prompts() {
+    local file=$1 count=$2 vocab=$3 min=$4 max=$5 shared=$6
+    awk -v n="$count" -v v="$vocab" -v lo="$min" -v hi="$max" -v sh="$shared" 'BEGIN {
+        for (i = 0; i < n; i++) {
+            len = lo + (i * 7919) % (hi - lo + 1); s = "";
+            for (j = 0; j < len; j++) {
+                k = (i % 2 == 0 && j < sh) ? (j * 104729 + 7) : (i * 7919 + j * 104729 + 13);
+                s = s (j ? "," : "") (k % (v - 1)) + 1;
+            }
+            printf "{\"id\":%d,\"tokens\":[%s]}\n", i, s;
+        }
+    }' >"$file"
+}
+
 # Wall-clock timing of `generate` runs (decode cost = the N-token run minus the 1-token run,
 # which has the same load and prefill). WALL[KEY] seconds, TOKS[KEY] new tokens.
 declare -A WALL TOKS

@@ -15,7 +15,11 @@
 #        machine; the same four, >= 64 new tokens), each with
 #        score == generate, plus `generate --shadow-tp1` at the largest TP, generate records
 #        with decode steps from CUDA graphs vs op by op (byte-identical), then decode
-#        timing at the largest TP (this run's GEMM vs the simple kernel).
+#        timing at the largest TP (this run's GEMM vs the simple kernel). On the tiny model
+#        also prompts of 600-1100 tokens (attention splits of 512, the prefill kernel's
+#        tiles, decode steps recorded at split buckets of 2 and 4), half of them sharing a
+#        300-token prefix: `arbor check` on them, CUDA graphs vs op by op, and records with
+#        the prefix cache vs without it (byte-identical). LONG=0 skips these.
 # timing: only the llama3-8b-shape decode timing, at every TP in $TPS.
 # shared: every TP size in $TPS (default 1,2,4,8) on whatever GPUs there are, with
 #        ARBOR_RANKS_PER_GPU=auto exported for every launch: on one GPU all ranks share it
@@ -170,6 +174,30 @@ graphs_vs_eager() {
     fi
 }
 
+# cached_vs_recomputed NAME LOG MODEL PROMPTS BATCH EXTRA...: generate at the largest TP with
+# the prefix cache (the default; a small cache, so blocks are evicted too) and without it
+# (--no-prefix-cache): the records must be byte-identical.
+cached_vs_recomputed() {
+    local name=$1 log=$2 model=$3 prompts=$4 batch=$5 tp=${TPS##*,}
+    shift 5
+    local a=$WORK/$name-cached.jsonl b=$WORK/$name-recomputed.jsonl c=$WORK/$name-small.jsonl
+    rm -f "$a" "$b" "$c"
+    step "$name: generate TP=$tp, prefix cache" "$log" 150 "$LAUNCH" -n "$tp" --output rank0 -- \
+        "$ARBOR" generate --model "$model" --device cuda --prompts "$prompts" --batch "$batch" \
+        --out "$a" "$@" || return
+    step "$name: generate TP=$tp, prefix cache, 40 KV blocks" "$log" 150 "$LAUNCH" -n "$tp" \
+        --output rank0 -- "$ARBOR" generate --model "$model" --device cuda --prompts "$prompts" \
+        --batch "$batch" --kv-blocks 40 --out "$c" "$@" || return
+    step "$name: generate TP=$tp, no prefix cache" "$log" 150 "$LAUNCH" -n "$tp" --output rank0 -- \
+        "$ARBOR" generate --model "$model" --device cuda --prompts "$prompts" --batch "$batch" \
+        --no-prefix-cache --out "$b" "$@" || return
+    if [[ -s $a ]] && cmp -s "$a" "$b" && cmp -s "$c" "$b"; then
+        note "PASS  $name: prefix-cached records byte-identical to recomputed ($(wc -l <"$a") records)"
+    else
+        note "FAIL  $name: prefix-cached records differ from recomputed (see $a, $c, $b)"
+    fi
+}
+
 run_check() { # run_check NAME LOG MODEL TIMEOUT EXTRA... (batches: $CHECK_BATCH)
     local name=$1 log=$2 model=$3 limit=$4
     shift 4
@@ -223,6 +251,15 @@ if [[ $MODE != timing && $MODE != shared ]]; then
         step "tiny generate --shadow-tp1 (TP=${TPS##*,})" "$TINY_LOG" 60 \
             "$LAUNCH" -n "${TPS##*,}" -- "$ARBOR" generate --model "$TINY" --device cuda --shadow-tp1 \
             --prompts "$WORK/tiny-prompts.jsonl" --batch 8 --max-tokens 16
+        if [[ ${LONG:-1} != 0 ]]; then
+            long_prompts "$WORK/tiny-long.jsonl" 12 250 600 1100 300
+            run_check tiny-long "$TINY_LOG" "$TINY" 150 --prompts "$WORK/tiny-long.jsonl" --max-tokens 16 \
+                --temperature 0.8 --top-p 0.9 --seed 7
+            graphs_vs_eager tiny-long-graphs "$TINY_LOG" "$TINY" "$WORK/tiny-long.jsonl" 5 \
+                --max-tokens 24 --logprobs 2
+            cached_vs_recomputed tiny-long-prefix "$TINY_LOG" "$TINY" "$WORK/tiny-long.jsonl" 4 \
+                --max-tokens 16 --logprobs 2 --temperature 0.8 --seed 5
+        fi
     fi
 fi
 

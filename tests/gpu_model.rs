@@ -4,7 +4,9 @@
 //!   error is printed), for the Llama and Qwen3 tiny models, with invariant and with fast
 //!   (cuBLAS) numerics;
 //! - on the GPU, prefill and decode give bit-identical logits, and so does a row's
-//!   position inside a batch.
+//!   position inside a batch (each sequence's blocks in reverse order in the paged cache);
+//! - decode steps from CUDA graphs, long prompts and the prefix cache give the bits of
+//!   op by op recomputation.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use std::sync::Arc;
 use arbor_collective::{Communicator, SingleComm};
 use arbor_model::backend::cpu::CpuBackend;
 use arbor_model::backend::cuda::CudaBackend;
-use arbor_model::backend::{Backend, SeqRows};
+use arbor_model::backend::{Backend, KvRows, SeqRows};
 use arbor_model::forward::Model;
 use arbor_model::layers::LoadCtx;
 use arbor_model::weights::WeightStore;
@@ -48,40 +50,63 @@ fn load<B: Backend>(b: &B, dir: &Path) -> Model<B> {
     Model::load(&ctx, &cfg, 256).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
 
+/// Blocks of the caches below: 4 per sequence (256 positions), sequence i's in reverse
+/// order from block 4·i + 3, so no sequence's positions lie in block order.
+const BLOCKS_PER_SEQ: usize = 4;
+
+fn table_of(i: usize) -> Vec<u32> {
+    (0..BLOCKS_PER_SEQ as u32)
+        .rev()
+        .map(|b| (i * BLOCKS_PER_SEQ) as u32 + b)
+        .collect()
+}
+
 /// Logits of every position of every sequence, all sequences prefilled as one batch.
 fn prefill<B: Backend>(b: &B, m: &Model<B>, seqs_tokens: &[Vec<u32>]) -> Vec<f32> {
     let mut cache = b
-        .kv_cache(m.kv_spec(seqs_tokens.len(), 256))
+        .kv_cache(m.kv_spec(seqs_tokens.len() * BLOCKS_PER_SEQ))
         .expect("kv cache");
     let mut ids = Vec::new();
     let mut seqs = Vec::new();
-    for (slot, t) in seqs_tokens.iter().enumerate() {
+    let mut table = Vec::new();
+    for (i, t) in seqs_tokens.iter().enumerate() {
         seqs.push(SeqRows {
-            slot,
             row0: ids.len(),
             len: t.len(),
             pos0: 0,
+            table0: table.len(),
         });
+        let blocks = arbor_kernels::paged::blocks_for(t.len());
+        table.extend_from_slice(&table_of(i)[..blocks]);
         ids.extend_from_slice(t);
     }
     let rows: Vec<usize> = (0..ids.len()).collect();
-    m.forward(b, &mut cache, &ids, &seqs, &rows, None)
+    let kv = KvRows {
+        seqs: &seqs,
+        table: &table,
+    };
+    m.forward(b, &mut cache, &ids, kv, &rows, None)
         .expect("forward")
 }
 
 /// Logits of every position of one sequence, produced one token at a time.
 fn decode<B: Backend>(b: &B, m: &Model<B>, tokens: &[u32]) -> Vec<f32> {
-    let mut cache = b.kv_cache(m.kv_spec(1, 256)).expect("kv cache");
+    let mut cache = b.kv_cache(m.kv_spec(2 * BLOCKS_PER_SEQ)).expect("kv cache");
+    let table = table_of(1);
     let mut out = Vec::new();
     for (p, &t) in tokens.iter().enumerate() {
         let seqs = [SeqRows {
-            slot: 0,
             row0: 0,
             len: 1,
             pos0: p,
+            table0: 0,
         }];
+        let kv = KvRows {
+            seqs: &seqs,
+            table: &table[..arbor_kernels::paged::blocks_for(p + 1)],
+        };
         out.extend(
-            m.forward(b, &mut cache, &[t], &seqs, &[0], None)
+            m.forward(b, &mut cache, &[t], kv, &[0], None)
                 .expect("decode step"),
         );
     }
@@ -225,6 +250,11 @@ fn gpu_recorded_decode_steps_match_op_by_op() {
                 shadow_tp1: false,
                 numerics: Numerics::Invariant,
                 rank_of_tp: None,
+                // Two engines share the GPU: a small cache each.
+                kv: arbor_model::KvOptions {
+                    blocks: Some(64),
+                    ..Default::default()
+                },
             };
             Engine::new(b, &opts).unwrap_or_else(|e| panic!("{tag}: loading: {e}"))
         };
@@ -284,4 +314,94 @@ fn gpu_recorded_decode_steps_match_op_by_op() {
         assert_eq!(ops.backend().recorded_steps(), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// Long prompts on the GPU (issue 25): prompts of 600 to 1100 tokens, half of them sharing
+/// a 300-token prefix (prefill tiles, keys in up to three splits of 512), generated with
+/// CUDA graphs and the prefix cache give the bits of op by op without it, cold and warm,
+/// and of each request alone; their decode steps are recorded (at a split bucket of 4),
+/// and the prefix cache served blocks.
+#[test]
+fn gpu_long_prompts_with_the_prefix_cache_match_recomputation() {
+    use arbor_model::runner::{Device, Engine, GenRequest, LoadOptions, Runner};
+    use arbor_model::{KvOptions, Sampling};
+    if !gpu_usable() {
+        return;
+    }
+    let dir = tiny(Arch::Llama, "llama-long");
+    let engine = |record: bool, prefix_cache: bool| {
+        let b = CudaBackend::new(Arc::new(SingleComm), Numerics::Invariant)
+            .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+        b.set_recording(record);
+        let opts = LoadOptions {
+            model_dir: dir.clone(),
+            device: Device::Cuda,
+            max_seq_len: Some(1200),
+            shadow_tp1: false,
+            numerics: Numerics::Invariant,
+            rank_of_tp: None,
+            // Two engines share the GPU: 1024 blocks each (a few MiB on the tiny model).
+            kv: KvOptions {
+                blocks: Some(1024),
+                prefix_cache,
+                ..Default::default()
+            },
+        };
+        Engine::new(b, &opts).unwrap_or_else(|e| panic!("loading: {e}"))
+    };
+    let shared: Vec<u32> = (0..300).map(|j| ((j * 131 + 7) % 250) as u32).collect();
+    let reqs: Vec<GenRequest> = [600usize, 1100, 700, 1000, 513, 900]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let mut prompt: Vec<u32> = if i % 2 == 0 {
+                shared.clone()
+            } else {
+                Vec::new()
+            };
+            prompt.extend((prompt.len()..len).map(|j| ((j * 31 + i * 7 + 3) % 250) as u32));
+            GenRequest {
+                id: 200 + i as u64,
+                prompt,
+                max_new_tokens: 30,
+            }
+        })
+        .collect();
+    let (mut rec, mut ops) = (engine(true, true), engine(false, false));
+    let s = Sampling {
+        temperature: 0.8,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 4,
+    };
+    let got = rec
+        .generate(&reqs, &s, 2)
+        .expect("generate, graphs + prefix cache");
+    let want = ops
+        .generate(&reqs, &s, 2)
+        .expect("generate, op by op, no cache");
+    assert_eq!(
+        out_bits(&got),
+        out_bits(&want),
+        "graphs + prefix cache differ from op by op without it"
+    );
+    // Again on the warm cache: every shared prefix is found now.
+    let again = rec.generate(&reqs, &s, 2).expect("generate, warm cache");
+    assert_eq!(out_bits(&again), out_bits(&want), "the warm prefix cache");
+    for (i, r) in reqs.iter().enumerate().step_by(2) {
+        let alone = ops.generate(std::slice::from_ref(r), &s, 2).expect("alone");
+        assert_eq!(out_bits(&alone), out_bits(&got[i..=i]), "request {i} alone");
+    }
+    let (stats, cached) = rec.prefix_cache_stats().expect("the cache ran");
+    println!(
+        "long prompts: {} of {} prompt positions from the prefix cache, {cached} blocks cached",
+        stats.hits, stats.queried
+    );
+    assert!(stats.hits >= 2 * 4 * 64, "{stats:?}");
+    let (recorded, replays) = rec.backend().recorded_steps().expect("recording is on");
+    assert!(
+        recorded >= 2 && replays > recorded,
+        "{recorded} / {replays}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -450,3 +450,57 @@ fn logs_to_a_pipe_have_no_colour_codes() {
     assert!(err.contains("INFO"), "no log lines to look at:\n{err}");
     assert!(!err.contains('\u{1b}'), "colour codes in logs:\n{err:?}");
 }
+
+/// `generate`'s JSONL records are the same bytes with and without the prefix cache and at
+/// TP 1 and 4, for prompts of 600 to 1000 tokens (attention splits of 512) that share a
+/// long prefix, in batches whose later ones reuse the earlier ones' blocks.
+#[test]
+fn long_shared_prompts_generate_the_same_bytes_with_and_without_the_prefix_cache() {
+    let s = Scratch::new("model-cli-prefix");
+    let shared: Vec<u32> = (0..520u32).map(|i| 3 + (i * 37 + 11) % 250).collect();
+    let mut lines = String::new();
+    for k in 0..5u32 {
+        let mut t = shared.clone();
+        t.extend((0..100 * k + 80).map(|i| 3 + (i * 13 + k * 7) % 250));
+        lines.push_str(&serde_json::json!({"id": k, "tokens": t}).to_string());
+        lines.push('\n');
+    }
+    let prompts = s.path().join("long.jsonl");
+    std::fs::write(&prompts, lines).expect("write prompts");
+    let run = |tp: usize, extra: &[&str], tag: &str| -> Vec<u8> {
+        let out = s.path().join(format!("{tag}.jsonl"));
+        let mut args = generate_args(&[
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-tokens",
+            "5",
+            "--logprobs",
+            "2",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "3",
+            "--batch",
+            "2",
+            "--max-seq-len",
+            "1100",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        args.extend_from_slice(extra);
+        let o = run_launched(tp, &args);
+        let (so, se) = text(&o);
+        assert!(o.status.success(), "{tag}: {so}\n{se}");
+        std::fs::read(&out).expect("read records")
+    };
+    let want = run(1, &["--no-prefix-cache"], "tp1-off");
+    assert_eq!(want.iter().filter(|&&b| b == b'\n').count(), 5);
+    assert_eq!(run(1, &[], "tp1-on"), want, "TP 1 with the prefix cache");
+    assert_eq!(run(4, &[], "tp4-on"), want, "TP 4 with the prefix cache");
+    // A cache of 20 blocks: batches wait for blocks, cached ones are evicted.
+    assert_eq!(
+        run(2, &["--kv-blocks", "20"], "tp2-small"),
+        want,
+        "TP 2 with a small cache"
+    );
+}

@@ -349,6 +349,22 @@ fn generate_probes(dir: &Path, probes: &[&Value], flags: &[&str]) -> Vec<Value> 
         .collect()
 }
 
+/// /metrics once the engine has caught up with the requests that finished: the gauges
+/// are updated after the step that finished the last request, which its client may see
+/// first (at most 2 s of waiting).
+fn settled_metrics(srv: &Server) -> String {
+    let mut m = String::new();
+    for _ in 0..100 {
+        let (_, v) = srv.call("GET", "/metrics", None, &[]);
+        m = v.as_str().expect("metrics text").to_string();
+        if metric(&m, "arbor_kv_blocks_used") == 0 && metric(&m, "arbor_running_sequences") == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    m
+}
+
 /// Reads a counter or gauge from /metrics text.
 fn metric(m: &str, name: &str) -> u64 {
     m.lines()
@@ -360,23 +376,21 @@ fn metric(m: &str, name: &str) -> u64 {
 #[test]
 fn preempted_requests_keep_their_bits() {
     let s = Scratch::new("serve-preempt");
-    // 12 blocks of 4 positions; four requests that each grow to 32 positions (8 blocks):
-    // any two running together outgrow the cache, so the newest is preempted and
+    // 3 blocks of 64 positions; four requests that each grow to 124 positions (2
+    // blocks): any two running together outgrow the cache, so the newest is preempted and
     // recomputed.
     let flags = [
         "--max-num-seqs",
         "4",
         "--kv-blocks",
-        "12",
-        "--kv-block-size",
-        "4",
+        "3",
         "--prefill-chunk",
         "4",
     ];
     let srv = Server::start(1, &flags, s.path().join("preempt.log"));
     let reqs: Vec<Value> = (0..4u64)
         .map(|k| {
-            let mut v = json!({"prompt": [5 + k as u32, 9, 11, 13], "max_tokens": 28,
+            let mut v = json!({"prompt": [5 + k as u32, 9, 11, 13], "max_tokens": 120,
                                "ignore_eos": true, "logprobs": 1, "sample_id": 50 + k});
             if k % 2 == 1 {
                 v["temperature"] = json!(0.9);
@@ -403,22 +417,110 @@ fn preempted_requests_keep_their_bits() {
         metric(&m, "arbor_preemptions_total") > 0,
         "nothing was preempted: {m}"
     );
-    // The gauges are updated after the step that finished the last request.
-    let freed = (0..100).any(|_| {
-        let (_, m) = srv.call("GET", "/metrics", None, &[]);
-        let done = metric(m.as_str().unwrap(), "arbor_kv_blocks_used") == 0;
-        if !done {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        done
-    });
-    assert!(freed, "KV blocks still in use after every request finished");
+    let m = settled_metrics(&srv);
+    assert_eq!(
+        metric(&m, "arbor_kv_blocks_used"),
+        0,
+        "KV blocks still in use after every request finished: {m}"
+    );
     assert_eq!(
         alone, together,
         "preemption changed tokens, log-prob bits or digests"
     );
     let (st, log) = srv.terminate();
     assert!(st.success(), "{st}\n{log}");
+}
+
+/// The prefix cache gives the bits of recomputation (issue 25): a repeated system prompt,
+/// `n` samples of one prompt, prompt log-probs over a cached prefix, and a second turn
+/// that continues the first, served with the cache at TP 2 and with a cache too small to
+/// keep everything (blocks evicted, requests preempted and recomputed) give the records of
+/// a server without it.
+#[test]
+fn the_prefix_cache_gives_the_bits_of_recomputation() {
+    let s = Scratch::new("serve-prefix");
+    let mut rng = Rng(25);
+    let mut toks = |n: usize| -> Vec<u32> { (0..n).map(|_| 3 + rng.below(250) as u32).collect() };
+    let system = toks(200);
+    let shared = toks(150);
+    let mut reqs: Vec<Value> = (0..4u64)
+        .map(|k| {
+            let mut p = system.clone();
+            p.extend(toks(10 * k as usize + 3));
+            let mut v = json!({"prompt": p, "max_tokens": 140, "logprobs": 1, "ignore_eos": true,
+                               "sample_id": 300 + k, "temperature": 0.0});
+            if k % 2 == 1 {
+                v["temperature"] = json!(0.9);
+                v["seed"] = json!(11);
+            }
+            if k == 2 {
+                v["prompt_logprobs"] = json!(true);
+            }
+            v
+        })
+        .collect();
+    reqs.push(
+        json!({"prompt": shared, "max_tokens": 100, "logprobs": 1, "ignore_eos": true,
+                     "n": 3, "sample_id": 400, "temperature": 0.8, "seed": 5}),
+    );
+    let run = |tp: usize, flags: &[&str], tag: &str| {
+        let mut args = vec!["--max-num-seqs", "4"];
+        args.extend_from_slice(flags);
+        let srv = Server::start_with(tp, &[], 512, &args, s.path().join(format!("{tag}.log")));
+        let first: Vec<Value> = std::thread::scope(|scope| {
+            let hs: Vec<_> = reqs
+                .iter()
+                .map(|r| scope.spawn(|| srv.completion(r)))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("client")).collect()
+        });
+        // The second turn: the first conversation so far and a new message.
+        let mut turn: Vec<u32> = serde_json::from_value(reqs[0]["prompt"].clone()).unwrap();
+        turn.extend(
+            first[0]["choices"][0]["token_ids"]
+                .as_array()
+                .expect("token_ids")
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32),
+        );
+        turn.extend([7, 8, 9, 10, 11]);
+        let second = srv.completion(&json!({"prompt": turn, "max_tokens": 8, "logprobs": 1,
+                                            "sample_id": 500, "temperature": 0.0}));
+        let mut keys: Vec<Vec<String>> = first.iter().map(key).collect();
+        keys.push(key(&second));
+        // Prompt log-probs too (computed rows, never skipped for the cache).
+        keys.push(vec![first[2]["choices"][0]["prompt_logprobs"].to_string()]);
+        let m = settled_metrics(&srv);
+        let (st, log) = srv.terminate();
+        assert!(st.success(), "{tag}: {st}\n{log}");
+        (keys, m)
+    };
+    let (want, m) = run(1, &["--no-prefix-cache"], "off");
+    assert_eq!(metric(&m, "arbor_prefix_cache_hits_total"), 0, "{m}");
+    assert!(
+        want.last().is_some_and(|p| p[0].len() > 200),
+        "no prompt log-probs: {want:?}"
+    );
+    let (got, m) = run(2, &[], "on-tp2");
+    assert_eq!(got, want, "the prefix cache changed records (TP 2)");
+    let hits = metric(&m, "arbor_prefix_cache_hits_total");
+    // The system prompt's 3 blocks for at least two requests, the shared prompt's 2
+    // blocks for two of its samples, the first turn's blocks for the second.
+    assert!(
+        hits >= (2 * 3 + 2 * 2 + 3) * 64,
+        "{hits} positions from the cache:\n{m}"
+    );
+    assert!(m.contains("arbor_prefix_cache_hit_rate 0."), "{m}");
+    // 8 blocks for sequences of up to 6: requests wait, cached blocks are evicted and
+    // running ones preempted (their shared blocks stay with the others).
+    let (tight, m) = run(1, &["--kv-blocks", "8", "--prefill-chunk", "32"], "tight");
+    assert_eq!(tight, want, "a small cache changed records");
+    let preempted = metric(&m, "arbor_preemptions_total");
+    println!(
+        "tight cache: {preempted} preemptions, {} positions from the cache",
+        metric(&m, "arbor_prefix_cache_hits_total")
+    );
+    assert!(preempted > 0, "nothing was preempted:\n{m}");
 }
 
 #[test]
@@ -429,9 +531,7 @@ fn outputs_do_not_depend_on_load_tp_or_path() {
         "--max-num-seqs",
         "6",
         "--kv-blocks",
-        "40",
-        "--kv-block-size",
-        "8",
+        "4",
         "--prefill-chunk",
         "8",
         "--max-num-batched-tokens",
@@ -448,8 +548,7 @@ fn outputs_do_not_depend_on_load_tp_or_path() {
         assert_eq!(a, &key(b), "probe {i}: alone vs under load at TP 1");
     }
     // The load really queued and chunked: more steps than requests, KV full at times.
-    let (_, metrics) = tp1.call("GET", "/metrics", None, &[]);
-    let m = metrics.as_str().expect("metrics text").to_string();
+    let m = settled_metrics(&tp1);
     assert!(m.contains("arbor_requests_total 212\n"), "{m}");
     assert!(
         m.contains("arbor_kv_blocks_used 0\n") && m.contains("arbor_running_sequences 0\n"),
@@ -1094,22 +1193,23 @@ fn refused_at_start(tp: usize, flags: &[&str], env: &[(&str, &str)], needles: &[
 }
 
 /// Flags that cannot work are refused before the server starts, naming the flag and the
-/// value (issue 31): a KV cache beyond memory (was an allocation abort), a drain timeout
+/// value (issue 31): a KV cache beyond memory (was an allocation abort; the cache is one
+/// pool of blocks now, `--max-num-seqs` takes no memory of its own), a drain timeout
 /// beyond a Duration (was a panic after "listening"), an empty API key (a server that
 /// refuses everything), no KV blocks (every request refused).
 #[test]
 fn bad_flags_are_refused_before_anything_starts() {
     refused_at_start(
         1,
-        &["--max-num-seqs", "100000000"],
+        &["--kv-cache-gib", "100000"],
         &[],
-        &["--max-num-seqs 100000000", "KV cache", "bytes", "fit"],
+        &["--kv-cache-gib 100000", "KV cache", "bytes", "fit"],
     );
     refused_at_start(
         2,
-        &["--max-num-seqs", "100000000", "--max-seq-len", "64"],
+        &["--kv-blocks", "100000000", "--max-seq-len", "64"],
         &[],
-        &["--max-num-seqs 100000000", "KV cache", "bytes"],
+        &["--kv-blocks 100000000", "KV cache", "bytes"],
     );
     refused_at_start(
         1,
@@ -1404,6 +1504,8 @@ fn bench_serve_reports_one_output_per_repeated_prompt() {
         "4",
         "--prompt-len",
         "2:8",
+        "--shared-prefix",
+        "130",
         "--output-len",
         "2:6",
         "--repeat",
@@ -1411,7 +1513,7 @@ fn bench_serve_reports_one_output_per_repeated_prompt() {
         "--json",
         &json_s,
         "--server-args",
-        "--max-num-seqs 4 --kv-blocks 8 --kv-block-size 4",
+        "--max-num-seqs 4 --kv-blocks 8",
     ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
@@ -1425,4 +1527,13 @@ fn bench_serve_reports_one_output_per_repeated_prompt() {
     assert_eq!(v["distinct_prompts"], 8);
     assert_eq!(v["max_distinct_outputs_per_prompt"], 1);
     assert!(v["ttft_ms_p50"].as_f64().unwrap() > 0.0);
+    // Every prompt starts with the same 2 full blocks: the cache serves them.
+    assert!(
+        stdout.contains("prefix cache       hit rate 0."),
+        "{stdout}"
+    );
+    assert!(
+        v["prefix_cache_hit_tokens"].as_f64().unwrap() >= 128.0,
+        "{v}"
+    );
 }

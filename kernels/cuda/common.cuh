@@ -52,3 +52,17 @@ __device__ __forceinline__ float tree8(const float v[8], int n) {
     if (n == 4) return (v[0] + v[1]) + (v[2] + v[3]);
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
+
+// The paged KV cache (arbor_kernels::paged): K and V pools of [layers, blocks, n_kv,
+// KV_BLOCK, head_dim] bf16; position p of a sequence is row p % KV_BLOCK of block
+// table[p / KV_BLOCK]. KV_BLOCK is paged_attention.cu's PA_BLOCK.
+#define KV_BLOCK 64
+
+// Index of the first value of (layer, the block of position `pos` in the row's table,
+// KV head 0, the position's row): KV head h is KV_BLOCK · head_dim further per head.
+__device__ __forceinline__ size_t kv_row_at(const unsigned int* __restrict__ table, unsigned int table_off,
+                                            unsigned int pos, int layer, int blocks, int n_kv, int head_dim) {
+    const unsigned int block = table[table_off + pos / KV_BLOCK];
+    return ((((size_t)layer * blocks + block) * n_kv) * KV_BLOCK + pos % KV_BLOCK) * (size_t)head_dim;
+}
+

@@ -82,18 +82,23 @@ extern "C" __global__ void interleave_cols_kernel(const float* __restrict__ gath
     out[((size_t)r * world + w) * cols + c] = gathered[i];
 }
 
-// Write K and V rows (rounded to bf16) into the cache of one layer.
-// cache layout: [layers, slots, max_len, width], width = n_kv_heads * head_dim.
+// Write K and V rows ([rows, n_kv·head_dim], rounded to bf16) into one layer of the paged
+// cache: row r at position row_pos[r] of the sequence whose block table starts at
+// table[row_toff[r]].
 extern "C" __global__ void kv_write_kernel(bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                            const float* __restrict__ k, const float* __restrict__ v,
-                                           const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos,
-                                           int rows, int width, int layer, int slots, int max_len) {
+                                           const unsigned int* __restrict__ row_pos, const unsigned int* __restrict__ row_toff,
+                                           const unsigned int* __restrict__ table, int rows, int n_kv, int head_dim,
+                                           int layer, int blocks) {
     pdl_enter();
+    const int width = n_kv * head_dim;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * width) return;
     const int r = (int)(i / width);
     const int c = (int)(i % width);
-    const size_t dst = (((size_t)layer * slots + row_slot[r]) * max_len + row_pos[r]) * width + c;
+    const int h = c / head_dim;
+    const size_t dst = kv_row_at(table, row_toff[r], row_pos[r], layer, blocks, n_kv, head_dim) +
+                       (size_t)h * KV_BLOCK * head_dim + (c % head_dim);
     kc[dst] = f32_to_bf16(k[i]);
     vc[dst] = f32_to_bf16(v[i]);
 }

@@ -56,7 +56,7 @@ __device__ __forceinline__ void store_bf16s(bf16_t* p, const float* v) {
 
 // The fused q/k/v output [rows, (n_heads + 2·n_kv)·head_dim] (q, k, v column blocks) →
 // q rotated into q_out [rows, n_heads·head_dim], k rotated and v as they are into the
-// bf16 cache at the row's (slot, position). Each value goes through rope_kernel's and
+// paged bf16 cache at the row's position, in the block its table names (kv_row_at). Each value goes through rope_kernel's and
 // kv_write_kernel's arithmetic (the split is a copy), so the bits are theirs; one launch
 // instead of four. Needs 2·half == head_dim. One thread per (row, head, PER consecutive
 // i < half): PER = 4 (half % 4 == 0) makes every access 16 or 8 bytes, a quarter of the
@@ -64,8 +64,9 @@ __device__ __forceinline__ void store_bf16s(bf16_t* p, const float* v) {
 #define QKV_ROPE_ARGS                                                                                  \
     const float* __restrict__ qkv, float* __restrict__ q_out, bf16_t* __restrict__ kc,                  \
         bf16_t* __restrict__ vc, const float* __restrict__ cos_t, const float* __restrict__ sin_t,     \
-        const unsigned int* __restrict__ row_slot, const unsigned int* __restrict__ row_pos, int rows, \
-        int n_heads, int n_kv, int head_dim, int half, int layer, int slots, int max_len
+        const unsigned int* __restrict__ row_pos, const unsigned int* __restrict__ row_toff,           \
+        const unsigned int* __restrict__ table, int rows, int n_heads, int n_kv, int head_dim, int half, \
+        int layer, int blocks
 template <int PER>
 __device__ __forceinline__ void qkv_rope_kv_body(QKV_ROPE_ARGS) {
     const int heads = n_heads + 2 * n_kv;
@@ -80,11 +81,10 @@ __device__ __forceinline__ void qkv_rope_kv_body(QKV_ROPE_ARGS) {
     float x1[PER], x2[PER];
     load_f32s<PER>(src + j, x1);
     load_f32s<PER>(src + j + half, x2);
-    const int width = n_kv * head_dim;
-    const size_t cache_row =
-        (((size_t)layer * slots + row_slot[r]) * max_len + row_pos[r]) * width;
+    const size_t head_stride = (size_t)KV_BLOCK * head_dim;
     if (h >= n_heads + n_kv) {
-        bf16_t* dst = vc + cache_row + (size_t)(h - n_heads - n_kv) * head_dim;
+        const size_t cache_row = kv_row_at(table, row_toff[r], row_pos[r], layer, blocks, n_kv, head_dim);
+        bf16_t* dst = vc + cache_row + (size_t)(h - n_heads - n_kv) * head_stride;
         store_bf16s<PER>(dst + j, x1);
         store_bf16s<PER>(dst + j + half, x2);
         return;
@@ -100,13 +100,14 @@ __device__ __forceinline__ void qkv_rope_kv_body(QKV_ROPE_ARGS) {
         store_f32s<PER>(dst + j, y1);
         store_f32s<PER>(dst + j + half, y2);
     } else {
-        bf16_t* dst = kc + cache_row + (size_t)(h - n_heads) * head_dim;
+        const size_t cache_row = kv_row_at(table, row_toff[r], row_pos[r], layer, blocks, n_kv, head_dim);
+        bf16_t* dst = kc + cache_row + (size_t)(h - n_heads) * head_stride;
         store_bf16s<PER>(dst + j, y1);
         store_bf16s<PER>(dst + j + half, y2);
     }
 }
 
-#define QKV_ROPE_PASS qkv, q_out, kc, vc, cos_t, sin_t, row_slot, row_pos, rows, n_heads, n_kv, head_dim, half, layer, slots, max_len
+#define QKV_ROPE_PASS qkv, q_out, kc, vc, cos_t, sin_t, row_pos, row_toff, table, rows, n_heads, n_kv, head_dim, half, layer, blocks
 extern "C" __global__ void qkv_rope_kv_kernel(QKV_ROPE_ARGS) {
     pdl_enter();
     qkv_rope_kv_body<1>(QKV_ROPE_PASS);

@@ -10,7 +10,7 @@
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::tree::is_valid_world;
 
-use crate::backend::{BResult, Backend, HeadSpec, KvSpec, SeqRows};
+use crate::backend::{BResult, Backend, HeadSpec, KvRows, KvSpec};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{MResult, ModelError};
 use crate::layers::{
@@ -251,11 +251,11 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    pub fn kv_spec(&self, slots: usize, max_len: usize) -> KvSpec {
+    /// This rank's paged KV cache of `blocks` blocks.
+    pub fn kv_spec(&self, blocks: usize) -> KvSpec {
         KvSpec {
             layers: self.cfg.num_layers,
-            slots,
-            max_len,
+            blocks,
             n_kv_heads: self.heads.n_kv_heads,
             head_dim: self.cfg.head_dim,
         }
@@ -279,19 +279,19 @@ impl<B: Backend> Model<B> {
         b.reshape(y, rows, cols)
     }
 
-    /// Runs `ids` (the sequences' new tokens, concatenated as `seqs` says) through the
-    /// model, writing their K/V into `cache`; returns the full logits `[out_rows.len(),
+    /// Runs `ids` (the sequences' new tokens, concatenated as `rows.seqs` says) through the
+    /// model, writing their K/V into `cache` (the blocks of their tables); returns the full logits `[out_rows.len(),
     /// vocab]` of the rows `out_rows` on the host. With `trace`, pushes every layer's output.
     pub fn forward(
         &self,
         b: &B,
         cache: &mut B::KvCache,
         ids: &[u32],
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         out_rows: &[usize],
         trace: Option<&mut Trace>,
     ) -> BResult<Vec<f32>> {
-        match self.forward_logits(b, cache, ids, seqs, out_rows, trace)? {
+        match self.forward_logits(b, cache, ids, rows, out_rows, trace)? {
             Some(l) => self.head.to_host(b, &l),
             None => Ok(Vec::new()),
         }
@@ -304,7 +304,7 @@ impl<B: Backend> Model<B> {
         b: &B,
         cache: &mut B::KvCache,
         ids: &[u32],
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         out_rows: &[usize],
         mut trace: Option<&mut Trace>,
     ) -> BResult<Option<B::Act>> {
@@ -330,15 +330,15 @@ impl<B: Backend> Model<B> {
                     })?;
                 let mut q = self.head_norm(b, q, hs.n_heads, qn)?;
                 let mut k = self.head_norm(b, k, hs.n_kv_heads, kn)?;
-                b.rope(&mut q, seqs, hs.n_heads, &self.rope)?;
-                b.rope(&mut k, seqs, hs.n_kv_heads, &self.rope)?;
-                b.kv_write(cache, li, &k, &v, seqs)?;
+                b.rope(&mut q, rows.seqs, hs.n_heads, &self.rope)?;
+                b.rope(&mut k, rows.seqs, hs.n_kv_heads, &self.rope)?;
+                b.kv_write(cache, li, &k, &v, rows)?;
                 q
             } else {
                 let qkv = l.qkv.forward(b, &n)?;
-                b.qkv_rope_kv(&qkv, cache, li, seqs, hs, &self.rope)?
+                b.qkv_rope_kv(&qkv, cache, li, rows, hs, &self.rope)?
             };
-            let a = b.attention(&q, cache, li, seqs, hs)?;
+            let a = b.attention(&q, cache, li, rows, hs)?;
             let o = l.o.forward(b, &a)?;
             let n = b.add_rms_norm(&mut x, &o, &l.post_norm.w, eps)?;
             let m = l.gate_up.forward(b, &n)?;

@@ -215,7 +215,8 @@ fn release_and_resume_give_back_the_same_bits() {
     let want_b = fresh(b.path());
     let b_dir = b.path().to_path_buf();
     let outs = group(2, a.path(), move |_, r, comm| {
-        r.start_session(2, 64).expect("session");
+        // The KV cache is made at load; generate runs on it.
+        assert!(r.weights_state().kv_loaded);
         let before = generate(r);
         let release = ControlMsg::Release {
             weights: true,

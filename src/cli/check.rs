@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use super::common::{self, DeviceArg, SamplingArgs};
+use super::common::{self, DeviceArg, KvArgs, SamplingArgs};
 use super::metrics::{self, ConfigRun, Report, TOP_N};
 use super::records::{GenRecord, ScoreRecord};
 
@@ -51,6 +51,9 @@ pub struct Args {
     /// directory, removed afterwards).
     #[arg(long)]
     pub keep_dir: Option<PathBuf>,
+    /// The KV cache's size, passed on to every `generate` and `score`.
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// TEST ONLY: run configuration TP:BATCH with seed+1, so its outputs really differ;
     /// shows that the check can fail.
     #[arg(long, hide = true, value_parser = parse_config)]
@@ -303,7 +306,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
             args.sampling.seed
         };
         // OS strings: paths need not be UTF-8.
-        let sub: Vec<OsString> = vec![
+        let mut sub: Vec<OsString> = vec![
             "generate".into(),
             "--model".into(),
             args.model.clone().into(),
@@ -328,6 +331,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
             "--out".into(),
             out.clone().into(),
         ];
+        sub.extend(args.kv.to_args().into_iter().map(OsString::from));
         eprint!("[{:>2}/{}] {name:<16} generate ... ", i + 1, configs.len());
         let t0 = Instant::now();
         launcher.run(tp, &launch_args, &sub, &format!("generate at {name}"))?;
@@ -344,7 +348,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
         configs[0].0, configs[0].1
     ));
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);
-    let sub: Vec<OsString> = vec![
+    let mut sub: Vec<OsString> = vec![
         "score".into(),
         "--model".into(),
         args.model.clone().into(),
@@ -357,6 +361,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
         "--out".into(),
         score_out.clone().into(),
     ];
+    sub.extend(args.kv.to_args().into_iter().map(OsString::from));
     eprint!("[score] TP=1 batch={max_batch:<8} score ... ");
     let t0 = Instant::now();
     launcher.run(1, &launch_args, &sub, "score at TP=1")?;

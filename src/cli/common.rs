@@ -154,6 +154,87 @@ pub fn shared_gpu() -> Result<Option<(usize, usize)>> {
         .then_some((slot.ordinal, slot.ranks_on_device)))
 }
 
+/// The KV cache's size flags (every subcommand that runs the model).
+#[derive(clap::Args, Debug, Clone, Copy, PartialEq)]
+pub struct KvArgs {
+    /// CUDA: the fraction of the GPU memory free after loading the weights that the KV
+    /// cache and the steps' working memory may take.
+    #[arg(long, default_value_t = model_api::DEFAULT_GPU_MEMORY_UTILIZATION)]
+    pub gpu_memory_utilization: f64,
+    /// CPU: GiB of host memory for the KV cache (its pages are used as it fills; default:
+    /// 4, or half the host's available memory shared by its ranks where that is less).
+    #[arg(long)]
+    pub kv_cache_gib: Option<f64>,
+    /// KV blocks of 64 positions, exactly (instead of sizing the cache from memory).
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// Compute every sequence's KV itself instead of sharing the full blocks of equal
+    /// prefixes (the prefix cache gives the same bits; this is for comparing).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+}
+
+impl Default for KvArgs {
+    /// The flags' defaults.
+    fn default() -> Self {
+        Self {
+            gpu_memory_utilization: model_api::DEFAULT_GPU_MEMORY_UTILIZATION,
+            kv_cache_gib: None,
+            kv_blocks: None,
+            no_prefix_cache: false,
+        }
+    }
+}
+
+impl KvArgs {
+    /// The cache options for steps of at most `step_tokens` rows and `step_outputs` logits
+    /// rows; flags out of range are errors naming them.
+    pub fn to_options(
+        self,
+        step_tokens: usize,
+        step_outputs: usize,
+    ) -> Result<model_api::KvOptions> {
+        let o = model_api::KvOptions {
+            blocks: self.kv_blocks,
+            gpu_memory_utilization: self.gpu_memory_utilization,
+            cpu_cache_gib: self.kv_cache_gib,
+            step_tokens,
+            step_outputs,
+            prefix_cache: !self.no_prefix_cache,
+        };
+        if let Err(e) = o.validate() {
+            bail!("--gpu-memory-utilization / --kv-cache-gib / --kv-blocks: {e}");
+        }
+        Ok(o)
+    }
+
+    /// The cache options of an offline run (`generate`, `score`, `bench decode`).
+    pub fn offline(self) -> Result<model_api::KvOptions> {
+        self.to_options(
+            model_api::DEFAULT_STEP_TOKENS,
+            model_api::DEFAULT_STEP_OUTPUTS,
+        )
+    }
+
+    /// The flags as arguments, to pass on to a child process.
+    pub fn to_args(self) -> Vec<String> {
+        let mut a = vec![
+            "--gpu-memory-utilization".to_string(),
+            self.gpu_memory_utilization.to_string(),
+        ];
+        if let Some(g) = self.kv_cache_gib {
+            a.extend(["--kv-cache-gib".to_string(), g.to_string()]);
+        }
+        if let Some(n) = self.kv_blocks {
+            a.extend(["--kv-blocks".to_string(), n.to_string()]);
+        }
+        if self.no_prefix_cache {
+            a.push("--no-prefix-cache".to_string());
+        }
+        a
+    }
+}
+
 /// This process's rank in its TP group, from the launcher's environment (a group of
 /// one when started directly).
 pub fn init_comm() -> Result<Arc<dyn Communicator>> {
@@ -168,13 +249,14 @@ pub fn init_comm() -> Result<Arc<dyn Communicator>> {
     Ok(comm)
 }
 
-/// Joins the TP group and loads this rank's shard of the model.
+/// Joins the TP group and loads this rank's shard of the model (and makes its KV cache).
 pub fn load_runner(
     model_dir: &Path,
     device: DeviceArg,
     max_seq_len: Option<usize>,
     shadow_tp1: bool,
     numerics: NumericsArg,
+    kv: model_api::KvOptions,
 ) -> Result<Box<dyn Runner>> {
     load_runner_with(LoadOptions {
         model_dir: model_dir.to_path_buf(),
@@ -183,6 +265,7 @@ pub fn load_runner(
         shadow_tp1,
         numerics: numerics.resolve(),
         rank_of_tp: None,
+        kv,
     })
 }
 

@@ -90,6 +90,7 @@ pub fn run(args: Args) -> Result<()> {
         ranks_per_gpu: args.ranks_per_gpu.clone(),
         json: None,
         keep_dir: None,
+        kv: Default::default(),
         perturb_seed_of: None,
     })?;
     let real = if args.no_real {
@@ -118,8 +119,14 @@ fn real_weights(path: &Path, args: &Args) -> Result<()> {
         "\nReal weights: {} (SmolLM2-135M-Instruct, Q4_1, dequantized to bf16 at load)",
         path.display()
     );
-    let mut runner =
-        common::load_runner(path, args.device, Some(512), false, NumericsArg::Invariant)?;
+    let mut runner = common::load_runner(
+        path,
+        args.device,
+        Some(512),
+        false,
+        NumericsArg::Invariant,
+        common::KvArgs::default().offline()?,
+    )?;
     let template = ChatTemplate::from_config(runner.tokenizer_config())?
         .context("the real model has no chat template")?;
     let messages: Vec<Message> = vec![serde_json::from_value(
@@ -181,6 +188,7 @@ fn real_weights(path: &Path, args: &Args) -> Result<()> {
         ranks_per_gpu: args.ranks_per_gpu.clone(),
         json: None,
         keep_dir: None,
+        kv: Default::default(),
         perturb_seed_of: None,
     })
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::common::{self, DeviceArg, JsonlSink, NumericsArg, SamplingArgs};
+use super::common::{self, DeviceArg, JsonlSink, KvArgs, NumericsArg, SamplingArgs};
 use super::model_api::{Device, FinishReason, GenOutput, GenRequest, Runner, Sampling};
 use super::records::{Finish, GenRecord, PromptLine, TopEntry};
 
@@ -50,6 +50,8 @@ pub struct Args {
     /// measuring the price of determinism.
     #[arg(long, value_enum, default_value_t = NumericsArg::Invariant)]
     pub numerics: NumericsArg,
+    #[command(flatten)]
+    pub kv: KvArgs,
 }
 
 /// A prompt before tokenisation.
@@ -207,6 +209,7 @@ pub fn run(args: Args) -> Result<()> {
         args.max_seq_len,
         args.shadow_tp1,
         args.numerics,
+        args.kv.offline()?,
     )?;
     let ids = tokenize(runner.as_ref(), &prompts, &args.model)?;
     let reqs: Vec<GenRequest> = prompts

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
-use super::common::{self, DeviceArg, JsonlSink, NumericsArg};
+use super::common::{self, DeviceArg, JsonlSink, KvArgs, NumericsArg};
 use super::generate::run_batches;
 use super::model_api::ScoreRequest;
 use super::records::{ScoreLine, ScoreRecord, TopEntry};
@@ -36,6 +36,8 @@ pub struct Args {
     /// measuring the price of determinism.
     #[arg(long, value_enum, default_value_t = NumericsArg::Invariant)]
     pub numerics: NumericsArg,
+    #[command(flatten)]
+    pub kv: KvArgs,
 }
 
 /// The scoring requests of an input file, ids defaulting to the record's index.
@@ -69,6 +71,7 @@ pub fn run(args: Args) -> Result<()> {
         args.max_seq_len,
         false,
         args.numerics,
+        args.kv.offline()?,
     )?;
     // Rank 0 writes each batch as it finishes.
     let mut sink = match runner.rank() {

@@ -19,7 +19,7 @@ pub mod threads;
 #[cfg(test)]
 mod testutil;
 
-pub use attention::{attention, attention_on, AttnShape, ATTN_BLOCK};
+pub use attention::{attention, attention_on, AttnShape, PagedKv, ATTN_BLOCK};
 pub use digest::{digest, DIGEST_CHUNK, DIGEST_GROUP};
 pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
 pub use gumbel::{gumbel_argmax, tempered_sum, GumbelDraw, RowDraw};

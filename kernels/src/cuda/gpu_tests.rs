@@ -5,7 +5,7 @@
 
 use half::bf16;
 
-use super::{GpuDevice, KvLayout};
+use super::GpuDevice;
 use crate::tree::{SegmentLayout, SEGMENTS};
 
 fn device() -> Option<GpuDevice> {
@@ -301,7 +301,7 @@ fn rope_matches_the_host_table_bitwise() {
         dev.upload_f32(&table.sin).unwrap(),
     );
     let pos32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-    let meta = dev.row_meta(&vec![0; pos32.len()], &pos32).unwrap();
+    let meta = dev.row_meta(&pos32, &vec![0; pos32.len()], &[0]).unwrap();
     dev.rope(&mut dx, &cos, &sin, hd / 2, &meta, n_heads, hd)
         .unwrap();
     // Same formula, no fused operations on either side: the same bits.
@@ -364,15 +364,17 @@ fn check_qkv_rope_kv(dev: &GpuDevice, hd: usize) {
         dev.upload_f32(&table.cos).unwrap(),
         dev.upload_f32(&table.sin).unwrap(),
     );
-    let layout = KvLayout {
+    let layout = crate::paged::PagedKvLayout {
         layers: 2,
-        slots: 3,
-        max_len: max_pos,
-        width: n_kv * hd,
+        blocks: 4,
+        n_kv_heads: n_kv,
+        head_dim: hd,
     };
-    let (slots, pos) = ([2u32, 2, 0, 1], [5u32, 6, 0, 39]);
-    let meta = dev.row_meta(&slots, &pos).unwrap();
-    let rows = slots.len();
+    // Two rows of one sequence (table [3]), one at position 0 of another ([1]), one at 39
+    // of a third ([0]).
+    let (pos, toff, tables) = ([5u32, 6, 0, 39], [0u32, 0, 1, 2], [3u32, 1, 0]);
+    let meta = dev.row_meta(&pos, &toff, &tables).unwrap();
+    let rows = pos.len();
     let (qd, kd) = (n_heads * hd, n_kv * hd);
     let cols = qd + 2 * kd;
     let qkv = dev.upload_f32(&Rng(12).vec(rows * cols, 2.0)).unwrap();
@@ -487,196 +489,135 @@ fn elementwise_kernels() {
     }
 }
 
-/// Host reference of causal attention for one query (f64 softmax over bf16 keys/values).
-fn attn_reference(q: &[f32], keys: &[Vec<f32>], vals: &[Vec<f32>], scale: f64) -> Vec<f64> {
-    let s: Vec<f64> = keys
-        .iter()
-        .map(|k| {
-            q.iter()
-                .zip(k)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum::<f64>()
-                * scale
-        })
-        .collect();
-    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let p: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
-    let l: f64 = p.iter().sum();
-    (0..q.len())
-        .map(|d| {
-            p.iter()
-                .zip(vals)
-                .map(|(pj, v)| pj * v[d] as f64)
-                .sum::<f64>()
-                / l
-        })
-        .collect()
-}
-
+/// The paged KV write (fused with RoPE) into shuffled blocks, then the paged attention
+/// kernels over them: within bf16 tolerance of the CPU backend's attention over the same
+/// (downloaded) pool, and the same bits whether the rows come as one prefill or one by one.
 #[test]
-fn attention_prefill_equals_decode_and_batch() {
+fn paged_kv_write_then_attention_agrees_with_the_cpu() {
     let Some(dev) = device() else { return };
-    // 70 keys: chunks of 32, 32, 6 on three warps.
-    check_attention(&dev, 4, 2, 64, 70, 7);
-    // 300 keys: ten chunks, so states 0 and 1 walk two each. The 300-row prefill puts 4
-    // heads on a block (a GQA group of 6 heads is two blocks, the second holding 2 heads);
-    // a row alone puts one head on each block (ops/attention.rs, attention_group), and a row
-    // of at most 4 chunks runs on 4 warps instead of 8 (ops/attention.rs, attention_warps):
-    // the same bits.
-    check_attention(&dev, 12, 2, 128, 300, 8);
-    // head_dim 20: the scalar key loads (not a multiple of 8).
-    check_attention(&dev, 6, 3, 20, 75, 9);
+    for (n_heads, n_kv, hd, len) in [(4usize, 2usize, 64usize, 700usize), (6, 3, 32, 130)] {
+        check_paged_write_attention(&dev, n_heads, n_kv, hd, len);
+    }
 }
 
-fn check_attention(dev: &GpuDevice, n_heads: usize, n_kv: usize, hd: usize, len: usize, seed: u64) {
-    let width = n_kv * hd;
-    let layout = KvLayout {
+fn check_paged_write_attention(
+    dev: &GpuDevice,
+    n_heads: usize,
+    n_kv: usize,
+    hd: usize,
+    len: usize,
+) {
+    use crate::cpu::{AttnShape, PagedKv};
+    use crate::cuda::paged_attention::SeqSpan;
+    use crate::paged::{blocks_for, PagedKvLayout};
+    let nb = blocks_for(len);
+    let layout = PagedKvLayout {
         layers: 2,
-        slots: 3,
-        max_len: len + 26,
-        width,
+        blocks: nb + 2,
+        n_kv_heads: n_kv,
+        head_dim: hd,
     };
-    let (layer, slot) = (1usize, 2u32);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut rng = Rng(seed);
-    let q = rng.vec(len * n_heads * hd, 1.0);
-    let k = rng.vec(len * width, 1.0);
-    let v = rng.vec(len * width, 1.0);
-    let mut kc = dev.zeros_bf16(layout.len()).unwrap();
-    let mut vc = dev.zeros_bf16(layout.len()).unwrap();
-    let slots = vec![slot; len];
+    // Blocks in reverse order, block 0 left out: the table decides where positions live.
+    let table: Vec<u32> = (1..=nb as u32).rev().collect();
+    let rope = crate::cpu::RopeTable::new(hd, len, 10000.0, None);
+    let (cos, sin) = (
+        dev.upload_f32(&rope.cos).unwrap(),
+        dev.upload_f32(&rope.sin).unwrap(),
+    );
     let pos: Vec<u32> = (0..len as u32).collect();
-    dev.kv_write(
-        &mut kc,
-        &mut vc,
-        layout,
-        layer,
-        &dev.upload_f32(&k).unwrap(),
-        &dev.upload_f32(&v).unwrap(),
-        &dev.row_meta(&slots, &pos).unwrap(),
-    )
-    .unwrap();
-
-    let dq = dev.upload_f32(&q).unwrap();
+    let toff = vec![0u32; len];
+    let meta = dev.row_meta(&pos, &toff, &table).unwrap();
+    let cols = (n_heads + 2 * n_kv) * hd;
+    let qkv = dev.upload_f32(&Rng(21).vec(len * cols, 2.0)).unwrap();
+    let (mut kc, mut vc) = (
+        dev.zeros_bf16(layout.len()).unwrap(),
+        dev.zeros_bf16(layout.len()).unwrap(),
+    );
+    let q = dev
+        .qkv_rope_kv(
+            &qkv, &mut kc, &mut vc, layout, 1, &cos, &sin, &meta, n_heads, n_kv, hd,
+        )
+        .unwrap();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let span = [SeqSpan {
+        row0: 0,
+        len,
+        pos0: 0,
+        table0: 0,
+    }];
+    let routing = dev.attn_routing(&span, hd).unwrap();
     let prefill = dev
-        .download_f32(
-            &dev.attention(
-                &dq,
+        .paged_attention(
+            &q,
+            &kc,
+            &vc,
+            layout,
+            1,
+            &meta.paged(),
+            &routing,
+            n_heads,
+            scale,
+            None,
+        )
+        .unwrap();
+    let prefill = dev.download_f32(&prefill).unwrap();
+
+    // The CPU's attention over the GPU's pool and q.
+    let (hq, hk, hv) = (
+        dev.download_f32(&q).unwrap(),
+        dev.download_bf16(&kc).unwrap(),
+        dev.download_bf16(&vc).unwrap(),
+    );
+    let kv = PagedKv {
+        k: &hk,
+        v: &hv,
+        layout,
+        layer: 1,
+        table: &table,
+    };
+    let shape = AttnShape {
+        n_heads,
+        n_kv_heads: n_kv,
+        head_dim: hd,
+        scale,
+    };
+    let mut cpu = vec![0.0f32; hq.len()];
+    crate::cpu::attention(&hq, 0, &kv, shape, &mut cpu);
+    let cpu64: Vec<f64> = cpu.iter().map(|&x| x as f64).collect();
+    let err = rel_err(&prefill, &cpu64, 1e-2);
+    assert!(
+        err < 2e-2,
+        "{n_heads}/{n_kv} heads of {hd}, {len} rows: GPU vs CPU {err}"
+    );
+
+    // The last rows one by one (the decode kernel, splits past 512) against the prefill.
+    let w = n_heads * hd;
+    for p in [len - 1, len / 2, 0] {
+        let one = dev.row_meta(&[p as u32], &[0], &table).unwrap();
+        let r = dev.attn_routing_decode(
+            1,
+            crate::cuda::paged_attention::AttnRouting::split_bucket(p + 1),
+        );
+        let qp = dev.upload_f32(&hq[p * w..(p + 1) * w]).unwrap();
+        let got = dev
+            .paged_attention(
+                &qp,
                 &kc,
                 &vc,
                 layout,
-                layer,
-                &dev.row_meta(&slots, &pos).unwrap(),
+                1,
+                &one.paged(),
+                &r,
                 n_heads,
-                n_kv,
-                hd,
                 scale,
                 None,
-            )
-            .unwrap(),
-        )
-        .unwrap();
-    let row = n_heads * hd;
-
-    // Decode: each position alone (later keys also in the cache: they must be ignored).
-    let probes = [0usize, 31, 32, 33, 63, 64, 255, 256, 257, len - 1];
-    for p in probes.into_iter().filter(|&p| p < len) {
-        let one = dev.upload_f32(&q[p * row..(p + 1) * row]).unwrap();
-        let got = dev
-            .download_f32(
-                &dev.attention(
-                    &one,
-                    &kc,
-                    &vc,
-                    layout,
-                    layer,
-                    &dev.row_meta(&[slot], &[p as u32]).unwrap(),
-                    n_heads,
-                    n_kv,
-                    hd,
-                    scale,
-                    None,
-                )
-                .unwrap(),
             )
             .unwrap();
         assert_eq!(
-            bits(&got),
-            bits(&prefill[p * row..(p + 1) * row]),
-            "position {p}: decode ≠ prefill"
+            bits(&dev.download_f32(&got).unwrap()),
+            bits(&prefill[p * w..(p + 1) * w]),
+            "position {p}: decode vs prefill"
         );
-    }
-
-    // Batch: the same rows with another sequence's rows around them (other slot).
-    let other = rng.vec(10 * width, 1.0);
-    let oslots = vec![0u32; 10];
-    let opos: Vec<u32> = (0..10).collect();
-    let od = dev.upload_f32(&other).unwrap();
-    dev.kv_write(
-        &mut kc,
-        &mut vc,
-        layout,
-        layer,
-        &od,
-        &od,
-        &dev.row_meta(&oslots, &opos).unwrap(),
-    )
-    .unwrap();
-    let oq = rng.vec(10 * row, 1.0);
-    let mixed_q: Vec<f32> = oq[..5 * row]
-        .iter()
-        .chain(&q[(len - 10) * row..len * row])
-        .chain(&oq[5 * row..])
-        .copied()
-        .collect();
-    let mut ms = vec![0u32; 5];
-    ms.extend(vec![slot; 10]);
-    ms.extend(vec![0u32; 5]);
-    let mut mp: Vec<u32> = (0..5).collect();
-    mp.extend(len as u32 - 10..len as u32);
-    mp.extend(5..10);
-    let mixed = dev
-        .download_f32(
-            &dev.attention(
-                &dev.upload_f32(&mixed_q).unwrap(),
-                &kc,
-                &vc,
-                layout,
-                layer,
-                &dev.row_meta(&ms, &mp).unwrap(),
-                n_heads,
-                n_kv,
-                hd,
-                scale,
-                None,
-            )
-            .unwrap(),
-        )
-        .unwrap();
-    assert_eq!(
-        bits(&mixed[5 * row..15 * row]),
-        bits(&prefill[(len - 10) * row..len * row]),
-        "batch changed rows"
-    );
-
-    // Tolerance against the f64 reference (keys/values rounded to bf16 as stored).
-    let kb: Vec<f32> = k.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
-    let vb: Vec<f32> = v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
-    for p in [0usize, 40, len - 1] {
-        for h in 0..n_heads {
-            let kvh = h / (n_heads / n_kv);
-            let keys: Vec<Vec<f32>> = (0..=p)
-                .map(|j| kb[j * width + kvh * hd..j * width + (kvh + 1) * hd].to_vec())
-                .collect();
-            let vals: Vec<Vec<f32>> = (0..=p)
-                .map(|j| vb[j * width + kvh * hd..j * width + (kvh + 1) * hd].to_vec())
-                .collect();
-            let qh = &q[p * row + h * hd..p * row + (h + 1) * hd];
-            let reference = attn_reference(qh, &keys, &vals, scale as f64);
-            let got = &prefill[p * row + h * hd..p * row + (h + 1) * hd];
-            let err = rel_err(got, &reference, 1e-2);
-            assert!(err < 1e-4, "position {p} head {h}: relative error {err}");
-        }
     }
 }
 

@@ -26,7 +26,7 @@ pub use compile::{arch_for, compile_ptx};
 pub use device::GpuDevice;
 pub use error::CudaError;
 pub use ops::paged_attention;
-pub use ops::{DevBf16, DevF32, DevU32, KvLayout, RowMeta};
+pub use ops::{DevBf16, DevF32, DevU32, RowMeta};
 
 #[cfg(test)]
 mod gpu_tests;

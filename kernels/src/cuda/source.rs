@@ -9,7 +9,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("norm.cu", include_str!("../../cuda/norm.cu")),
     ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
     ("rope.cu", include_str!("../../cuda/rope.cu")),
-    ("attention.cu", include_str!("../../cuda/attention.cu")),
     (
         "paged_attention.cu",
         include_str!("../../cuda/paged_attention.cu"),
@@ -39,10 +38,6 @@ pub const KERNELS: &[&str] = &[
     "rope_kernel",
     "qkv_rope_kv_kernel",
     "qkv_rope_kv4_kernel",
-    "attention_kernel",
-    "attention_hd64_kernel",
-    "attention_hd128_kernel",
-    "attention_hd256_kernel",
     "pa_prefill_hd16",
     "pa_prefill_hd32",
     "pa_prefill_hd64",

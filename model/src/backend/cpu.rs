@@ -3,10 +3,11 @@
 use std::sync::Arc;
 
 use arbor_collective::Communicator;
-use arbor_kernels::cpu::{self as k, AttnShape, RopeTable, TreeMatmul};
+use arbor_kernels::cpu::{self as k, AttnShape, PagedKv, RopeTable, TreeMatmul};
+use arbor_kernels::paged::KV_BLOCK;
 use half::bf16;
 
-use super::{BResult, Backend, BackendError, HeadSpec, KvSpec, SeqRows, TreeSpec};
+use super::{BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, SeqRows, TreeSpec};
 
 /// f32 activations `[rows, cols]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,7 +25,8 @@ pub struct CpuMat {
     pub k: usize,
 }
 
-/// K and V of every layer and slot: `[layer][slot][pos][n_kv_heads·head_dim]`, bf16.
+/// The paged K and V pools, `[layers, blocks, n_kv_heads, KV_BLOCK, head_dim]` bf16 each
+/// (`arbor_kernels::paged`).
 pub struct CpuKv {
     spec: KvSpec,
     k: Vec<bf16>,
@@ -35,9 +37,13 @@ impl CpuKv {
     fn width(&self) -> usize {
         self.spec.n_kv_heads * self.spec.head_dim
     }
-    fn base(&self, layer: usize, slot: usize) -> usize {
-        (layer * self.spec.slots + slot) * self.spec.max_len * self.width()
-    }
+}
+
+/// `n` zero values, from zeroed memory: the pages of a large pool are not touched (nor
+/// resident) until blocks in them are written.
+fn zeroed_bf16(n: usize) -> Vec<bf16> {
+    use half::vec::HalfBitsVecExt as _;
+    vec![0u16; n].reinterpret_into()
 }
 
 pub struct CpuBackend {
@@ -338,11 +344,11 @@ impl Backend for CpuBackend {
     }
 
     fn kv_cache(&self, spec: KvSpec) -> BResult<CpuKv> {
-        let n = spec.layers * spec.slots * spec.max_len * spec.n_kv_heads * spec.head_dim;
+        let n = spec.len();
         Ok(CpuKv {
             spec,
-            k: vec![bf16::ZERO; n],
-            v: vec![bf16::ZERO; n],
+            k: zeroed_bf16(n),
+            v: zeroed_bf16(n),
         })
     }
     fn kv_write(
@@ -351,35 +357,44 @@ impl Backend for CpuBackend {
         layer: usize,
         kx: &CpuAct,
         vx: &CpuAct,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
     ) -> BResult<()> {
         let w = cache.width();
+        let hd = cache.spec.head_dim;
         self.check_rows("kv_write k", kx, w)?;
         self.check_rows("kv_write v", vx, w)?;
-        self.check_seqs("kv_write", kx.rows, seqs)?;
-        for s in seqs {
-            if s.slot >= cache.spec.slots
-                || s.pos0 + s.len > cache.spec.max_len
-                || layer >= cache.spec.layers
-            {
-                return Err(self.shape_err(format!(
-                    "kv_write: layer {layer} slot {} positions {}..{} outside the cache {:?}",
-                    s.slot,
-                    s.pos0,
-                    s.pos0 + s.len,
-                    cache.spec
-                )));
-            }
-            let dst = cache.base(layer, s.slot) + s.pos0 * w;
-            let src = s.row0 * w..(s.row0 + s.len) * w;
-            for (d, &x) in cache.k[dst..dst + s.len * w]
-                .iter_mut()
-                .zip(&kx.data[src.clone()])
-            {
-                *d = bf16::from_f32(x);
-            }
-            for (d, &x) in cache.v[dst..dst + s.len * w].iter_mut().zip(&vx.data[src]) {
-                *d = bf16::from_f32(x);
+        self.check_seqs("kv_write", kx.rows, rows.seqs)?;
+        if layer >= cache.spec.layers {
+            return Err(self.shape_err(format!(
+                "kv_write: layer {layer} of a cache of {} layers",
+                cache.spec.layers
+            )));
+        }
+        rows.check(cache.spec.blocks)
+            .map_err(|m| self.shape_err(format!("kv_write: {m}")))?;
+        for s in rows.seqs {
+            let table = rows
+                .table_of(s)
+                .map_err(|m| self.shape_err(format!("kv_write: {m}")))?;
+            for i in 0..s.len {
+                let p = s.pos0 + i;
+                let block = table[p / KV_BLOCK] as usize;
+                for h in 0..cache.spec.n_kv_heads {
+                    let dst = cache.spec.at(layer, block, h, p % KV_BLOCK);
+                    let src = (s.row0 + i) * w + h * hd;
+                    for (d, &x) in cache.k[dst..dst + hd]
+                        .iter_mut()
+                        .zip(&kx.data[src..src + hd])
+                    {
+                        *d = bf16::from_f32(x);
+                    }
+                    for (d, &x) in cache.v[dst..dst + hd]
+                        .iter_mut()
+                        .zip(&vx.data[src..src + hd])
+                    {
+                        *d = bf16::from_f32(x);
+                    }
+                }
             }
         }
         Ok(())
@@ -389,19 +404,23 @@ impl Backend for CpuBackend {
         q: &CpuAct,
         cache: &CpuKv,
         layer: usize,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         heads: HeadSpec,
     ) -> BResult<CpuAct> {
         let qw = heads.n_heads * heads.head_dim;
         self.check_rows("attention", q, qw)?;
-        self.check_seqs("attention", q.rows, seqs)?;
-        if heads.n_kv_heads != cache.spec.n_kv_heads || heads.head_dim != cache.spec.head_dim {
+        self.check_seqs("attention", q.rows, rows.seqs)?;
+        if heads.n_kv_heads != cache.spec.n_kv_heads
+            || heads.head_dim != cache.spec.head_dim
+            || layer >= cache.spec.layers
+        {
             return Err(self.shape_err(format!(
-                "attention: heads {heads:?} do not match the cache {:?}",
+                "attention: heads {heads:?} at layer {layer} do not match the cache {:?}",
                 cache.spec
             )));
         }
-        let w = cache.width();
+        rows.check(cache.spec.blocks)
+            .map_err(|m| self.shape_err(format!("attention: {m}")))?;
         let shape = AttnShape {
             n_heads: heads.n_heads,
             n_kv_heads: heads.n_kv_heads,
@@ -409,26 +428,33 @@ impl Backend for CpuBackend {
             scale: heads.scale,
         };
         let mut out = vec![0.0; q.data.len()];
-        for s in seqs {
-            let len = s.pos0 + s.len;
-            if s.slot >= cache.spec.slots || len > cache.spec.max_len {
-                return Err(self.shape_err(format!(
-                    "attention: slot {} length {len} outside the cache {:?}",
-                    s.slot, cache.spec
-                )));
-            }
-            let base = cache.base(layer, s.slot);
-            let rows = s.row0 * qw..(s.row0 + s.len) * qw;
-            k::attention(
-                &q.data[rows.clone()],
-                s.pos0,
-                &cache.k[base..base + len * w],
-                &cache.v[base..base + len * w],
-                shape,
-                &mut out[rows],
-            );
+        for s in rows.seqs {
+            let table = rows
+                .table_of(s)
+                .map_err(|m| self.shape_err(format!("attention: {m}")))?;
+            let kv = PagedKv {
+                k: &cache.k,
+                v: &cache.v,
+                layout: cache.spec,
+                layer,
+                table,
+            };
+            let span = s.row0 * qw..(s.row0 + s.len) * qw;
+            k::attention(&q.data[span.clone()], s.pos0, &kv, shape, &mut out[span]);
         }
         Ok(CpuAct { data: out, ..*q })
+    }
+
+    fn min_over_ranks(&self, value: u64) -> BResult<u64> {
+        if self.comm.world_size() == 1 {
+            return Ok(value);
+        }
+        let rank = self.comm.rank();
+        let all = self
+            .comm
+            .all_gather_u64(value)
+            .map_err(|source| BackendError::Collective { rank, source })?;
+        Ok(all.into_iter().min().unwrap_or(value))
     }
 
     fn tree_all_reduce(&self, partial: CpuAct) -> BResult<CpuAct> {

@@ -2,8 +2,9 @@
 //!
 //! A `Backend` owns device buffers, runs the kernels and the collectives of one rank.
 //! Activations are f32 matrices; weights are bf16 `[n, k]` matrices as HF stores them; the
-//! KV cache is bf16. Rows of a batch are the sequences' new tokens concatenated with no
-//! padding (`SeqRows` says which rows belong to which sequence and at which positions), so
+//! KV cache is a bf16 pool of blocks (`arbor_kernels::paged`). Rows of a batch are the
+//! sequences' new tokens concatenated with no padding (`SeqRows` says which rows belong to
+//! which sequence and at which positions, `KvRows` adds the sequences' block tables), so
 //! padding can never change a row's numbers.
 //!
 //! Interface drafted by the lead; the model work owns it and may extend it (the CUDA
@@ -14,6 +15,7 @@ pub mod cuda;
 pub mod error;
 
 use arbor_kernels::cpu::RopeTable;
+use arbor_kernels::paged::{blocks_for, PagedKvLayout};
 
 pub use error::{BResult, BackendError};
 
@@ -55,14 +57,59 @@ impl std::str::FromStr for Numerics {
 /// The rows of one sequence inside a ragged batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqRows {
-    /// KV-cache slot of the sequence.
-    pub slot: usize,
     /// First row of this sequence in the batch's activations.
     pub row0: usize,
     /// Number of new tokens (rows).
     pub len: usize,
     /// Position of the first new token (= tokens already in the cache).
     pub pos0: usize,
+    /// Where the sequence's block table starts in the step's tables (`KvRows::table`):
+    /// its `blocks_for(pos0 + len)` entries from there.
+    pub table0: usize,
+}
+
+/// A step's rows as the KV cache sees them: the sequences, and their block tables
+/// concatenated (position p of a sequence is row `p % KV_BLOCK` of block
+/// `table[table0 + p / KV_BLOCK]`, `arbor_kernels::paged`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvRows<'a> {
+    pub seqs: &'a [SeqRows],
+    pub table: &'a [u32],
+}
+
+impl<'a> KvRows<'a> {
+    /// The block table of `s` (one of `seqs`): the blocks of its positions `0..pos0+len`.
+    pub fn table_of(&self, s: &SeqRows) -> Result<&'a [u32], String> {
+        let n = blocks_for(s.pos0 + s.len);
+        s.table0
+            .checked_add(n)
+            .and_then(|end| self.table.get(s.table0..end))
+            .ok_or_else(|| {
+                format!(
+                    "positions {}..{} need block-table entries {}..{}+{n}, the step has {}",
+                    s.pos0,
+                    s.pos0 + s.len,
+                    s.table0,
+                    s.table0,
+                    self.table.len()
+                )
+            })
+    }
+
+    /// Checks that every sequence's table lies in `table` and names blocks below `blocks`.
+    pub fn check(&self, blocks: usize) -> Result<(), String> {
+        for s in self.seqs {
+            let t = self.table_of(s)?;
+            if let Some(b) = t.iter().find(|&&b| b as usize >= blocks) {
+                return Err(format!(
+                    "the sequence at rows {}..{} names block {b} of a cache of {blocks} blocks",
+                    s.row0,
+                    s.row0 + s.len
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Shape of the local attention heads of one rank.
@@ -74,15 +121,8 @@ pub struct HeadSpec {
     pub scale: f32,
 }
 
-/// Size of a KV cache: `layers × slots × max_len × n_kv_heads × head_dim`, K and V.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvSpec {
-    pub layers: usize,
-    pub slots: usize,
-    pub max_len: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-}
+/// Size of a paged KV cache: `layers × blocks × n_kv_heads × KV_BLOCK × head_dim`, K and V.
+pub type KvSpec = PagedKvLayout;
 
 /// Which part of the 8-segment tree a matmul computes: the weight's local K consists of
 /// `n_seg` segments of `seg_len` columns (see `arbor_kernels::tree::SegmentLayout`).
@@ -103,6 +143,8 @@ pub struct StepInputs<'a> {
     /// The rows' token ids, sequences concatenated as `seqs` says.
     pub ids: &'a [u32],
     pub seqs: &'a [SeqRows],
+    /// The sequences' block tables, concatenated (`SeqRows::table0`).
+    pub table: &'a [u32],
     /// The rows whose logits the step computes, in order.
     pub out_rows: &'a [usize],
     /// Per output row: the index whose value its stats report (`u32::MAX`: none).
@@ -121,6 +163,14 @@ pub struct StepInputs<'a> {
 }
 
 impl StepInputs<'_> {
+    /// The rows and their block tables.
+    pub fn kv_rows(&self) -> KvRows<'_> {
+        KvRows {
+            seqs: self.seqs,
+            table: self.table,
+        }
+    }
+
     /// One row per sequence, and every row's logits in row order: the shape of a decode
     /// step (whatever its size), which a backend may record once and replay.
     pub fn is_decode_shaped(&self) -> bool {
@@ -227,32 +277,42 @@ pub trait Backend {
         qkv: &Self::Act,
         cache: &mut Self::KvCache,
         layer: usize,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         heads: HeadSpec,
         table: &RopeTable,
     ) -> BResult<Self::Act> {
-        qkv_rope_kv_unfused(self, qkv, cache, layer, seqs, heads, table)
+        qkv_rope_kv_unfused(self, qkv, cache, layer, rows, heads, table)
     }
 
     fn kv_cache(&self, spec: KvSpec) -> BResult<Self::KvCache>;
-    /// Write K and V (`[rows, n_kv_heads*head_dim]`, rounded to bf16) at the positions `seqs` give.
+    /// Write K and V (`[rows, n_kv_heads*head_dim]`, rounded to bf16) at the positions
+    /// `rows` give, into the blocks their tables name.
     fn kv_write(
         &self,
         cache: &mut Self::KvCache,
         layer: usize,
         k: &Self::Act,
         v: &Self::Act,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
     ) -> BResult<()>;
-    /// Causal attention of `q` against the cache (which already holds this batch's keys).
+    /// Causal attention of `q` against the cache (which already holds this batch's keys),
+    /// each sequence's keys read through its block table.
     fn attention(
         &self,
         q: &Self::Act,
         cache: &Self::KvCache,
         layer: usize,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         heads: HeadSpec,
     ) -> BResult<Self::Act>;
+    /// The smallest of every rank's `value` (an all-gather): what all ranks agree on, e.g.
+    /// the KV blocks that fit on every rank.
+    fn min_over_ranks(&self, value: u64) -> BResult<u64>;
+    /// Device memory free now that this rank may plan for (its share, where ranks share
+    /// the device), in bytes; `None` where the cache lives in host memory.
+    fn free_device_memory(&self) -> BResult<Option<u64>> {
+        Ok(None)
+    }
 
     /// The row-parallel all-reduce: every rank passes the subtree root of its segments;
     /// every rank gets the full tree's root (same bits on all ranks and at every TP).
@@ -395,7 +455,7 @@ pub fn qkv_rope_kv_unfused<B: Backend + ?Sized>(
     qkv: &B::Act,
     cache: &mut B::KvCache,
     layer: usize,
-    seqs: &[SeqRows],
+    rows: KvRows<'_>,
     heads: HeadSpec,
     table: &RopeTable,
 ) -> BResult<B::Act> {
@@ -407,8 +467,8 @@ pub fn qkv_rope_kv_unfused<B: Backend + ?Sized>(
         .split_cols(qkv, &[q_dim, kv_dim, kv_dim])?
         .try_into()
         .map_err(|_| BackendError::Shape("q/k/v split into other than 3 parts".into()))?;
-    b.rope(&mut q, seqs, heads.n_heads, table)?;
-    b.rope(&mut k, seqs, heads.n_kv_heads, table)?;
-    b.kv_write(cache, layer, &k, &v, seqs)?;
+    b.rope(&mut q, rows.seqs, heads.n_heads, table)?;
+    b.rope(&mut k, rows.seqs, heads.n_kv_heads, table)?;
+    b.kv_write(cache, layer, &k, &v, rows)?;
     Ok(q)
 }

@@ -17,10 +17,6 @@ use serde_json::{Map, Value};
 
 use crate::error::{MResult, ModelError};
 
-/// Context length used when neither `--max-seq-len` nor a smaller
-/// `max_position_embeddings` bounds it (the RoPE table and KV cache scale with it).
-pub const DEFAULT_MAX_SEQ_LEN: usize = 4096;
-
 pub use keys::ALLOW_ENV;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -301,10 +297,10 @@ impl ModelConfig {
     }
 
     /// The context length a run uses: `requested` (`--max-seq-len`) when given and at most
-    /// `max_position_embeddings`, else the longest of at most [`DEFAULT_MAX_SEQ_LEN`]
-    /// positions within the model's exact context; refused where the model's math is not
-    /// what arbor computes ([`ModelConfig::check_context`]). `path`: config.json, for
-    /// errors.
+    /// `max_position_embeddings`, else the model's whole context where its math is exact
+    /// (a sliding window may cover less); refused where the model's math is not what arbor
+    /// computes ([`ModelConfig::check_context`]). The KV cache bounds it further (the
+    /// runner's `init_cache`). `path`: config.json, for errors.
     pub fn context_len(&self, requested: Option<usize>, path: &Path) -> MResult<usize> {
         let n = match requested {
             Some(0) => return Err(cfg_err(path, "requested max_seq_len 0".into())),
@@ -318,12 +314,10 @@ impl ModelConfig {
                 ))
             }
             Some(n) => n,
-            // By default also stay where the model's math is exact (a sliding window, say).
             None => self
                 .exact_context_limit()
                 .map_or(usize::MAX, |(n, _)| n)
-                .min(self.max_position_embeddings)
-                .min(DEFAULT_MAX_SEQ_LEN),
+                .min(self.max_position_embeddings),
         };
         self.check_context(n, path)?;
         Ok(n)

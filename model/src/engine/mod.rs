@@ -2,10 +2,12 @@
 //!
 //! Rank 0's [`Scheduler`] decides each step's [`StepPlan`] (which sequences, which new
 //! rows at which positions, which rows need outputs); every rank executes the same plan
-//! (`Runner::execute`) on a persistent, slot-addressed KV cache. Because every kernel is
-//! batch invariant and prefill equals decode bit for bit, a row's results do not depend on
-//! what else is in the plan: admission order, chunk sizes and load cannot change them.
-//! Offline `generate` and `score` are the same scheduler with one step's worth of budget.
+//! (`Runner::execute`) on a persistent, paged KV cache: each row of the plan carries its
+//! sequence's block table. Because every kernel is batch invariant, prefill equals decode
+//! bit for bit and attention reads a sequence's keys in an order fixed by positions alone,
+//! a row's results do not depend on what else is in the plan or where its blocks lie:
+//! admission order, chunk sizes, block ids and load cannot change them. Offline `generate`
+//! and `score` are the same scheduler with a budget for whole prompts.
 
 pub mod control;
 pub mod kv;
@@ -13,6 +15,6 @@ pub mod plan;
 pub mod scheduler;
 
 pub use control::{ControlMsg, TensorMeta, UpdateSource};
-pub use kv::{BlockPool, SlotPool};
+pub use kv::BlockPool;
 pub use plan::{PlanMsg, PlanRow, Record, RowResult, StepPlan};
 pub use scheduler::{Event, FinishReason, Scheduler, SchedulerConfig, SeqId, SeqSpec};

@@ -11,11 +11,12 @@ pub struct PlanRow {
     /// The scheduler's handle of the sequence (unique among live sequences).
     pub seq: u64,
     /// The id the sampling draw is keyed by, with `sampling.seed` and the position (for
-    /// `generate`, the request id): never the slot or the step, so load cannot move it.
+    /// `generate`, the request id): never a block or the step, so load cannot move it.
     pub sample_key: u64,
-    /// KV-cache slot. A paged layout would add the sequence's block table here
-    /// (`Vec<u32>` of block ids, from `BlockPool`) for the attention kernels to read.
-    pub slot: usize,
+    /// The sequence's block table: the KV blocks of its positions `0..pos0 + tokens.len()`
+    /// (`blocks_for` of that many), in position order. Its bits do not depend on which
+    /// blocks they are.
+    pub blocks: Vec<u32>,
     /// Position of `tokens[0]` (= tokens already in the cache for this sequence).
     pub pos0: usize,
     pub tokens: Vec<u32>,
@@ -102,7 +103,7 @@ mod tests {
             rows: vec![PlanRow {
                 seq: 3,
                 sample_key: 9,
-                slot: 1,
+                blocks: vec![4],
                 pos0: 4,
                 tokens: vec![5, 6],
                 targets: vec![(0, 6)],

@@ -3,7 +3,8 @@
 
 use super::weights_update::WeightsState;
 use super::{
-    Engine, FinishReason, GenOutput, GenRequest, GenTiming, Runner, ScoreOutput, ScoreRequest,
+    Engine, FinishReason, GenOutput, GenRequest, GenTiming, KvCapacity, Runner, ScoreOutput,
+    ScoreRequest,
 };
 use crate::backend::Backend;
 use crate::config::ModelConfig;
@@ -36,7 +37,14 @@ impl<B: Backend> Runner for Engine<B> {
         &self.eos_token_ids
     }
     fn max_seq_len(&self) -> usize {
-        self.max_seq_len
+        match &self.kv_shape {
+            Some(cap) => cap.max_seq_len,
+            None => self.max_seq_len,
+        }
+    }
+
+    fn kv_capacity(&self) -> Option<&KvCapacity> {
+        self.kv_shape.as_ref()
     }
 
     fn generate(
@@ -46,6 +54,8 @@ impl<B: Backend> Runner for Engine<B> {
         n_top: usize,
     ) -> MResult<Vec<GenOutput>> {
         s.validate()?;
+        self.check_offline()?;
+        let max_len = self.max_seq_len();
         for r in reqs {
             if r.prompt.is_empty() {
                 return Err(ModelError::BadRequest {
@@ -55,11 +65,11 @@ impl<B: Backend> Runner for Engine<B> {
             }
             self.check_tokens(r.id, &r.prompt)?;
             let needed = r.prompt.len().saturating_add(r.max_new_tokens);
-            if needed > self.max_seq_len {
+            if needed > max_len {
                 return Err(ModelError::ContextTooLong {
                     id: r.id,
                     needed,
-                    max: self.max_seq_len,
+                    max: max_len,
                     prompt_len: r.prompt.len(),
                 });
             }
@@ -82,14 +92,7 @@ impl<B: Backend> Runner for Engine<B> {
         if active.is_empty() {
             return Ok(outs);
         }
-        let max_len = active
-            .iter()
-            .map(|&i| reqs[i].prompt.len() + reqs[i].max_new_tokens)
-            .max()
-            .unwrap_or(1);
-        let mut caches = self.caches(active.len(), max_len)?;
-        let cfg = SchedulerConfig::offline(active.len(), max_len, self.eos_token_ids.clone());
-        let mut sched = Scheduler::new(cfg)?;
+        let mut sched = self.offline_scheduler(self.eos_token_ids.clone())?;
         let mut out_of = std::collections::HashMap::new();
         for &i in &active {
             let r = &reqs[i];
@@ -104,7 +107,7 @@ impl<B: Backend> Runner for Engine<B> {
             })?;
             out_of.insert(seq, i);
         }
-        self.drive(&mut caches, &mut sched, |ev| match ev {
+        self.drive_offline(sched, |ev| match ev {
             Event::Token { seq, record } => {
                 if let Some(o) = out_of.get(&seq).map(|&i| &mut outs[i]) {
                     o.tokens.push(record.token);
@@ -132,6 +135,8 @@ impl<B: Backend> Runner for Engine<B> {
     }
 
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>> {
+        self.check_offline()?;
+        let max_len = self.max_seq_len();
         for r in reqs {
             if r.prompt_len == 0 || r.prompt_len > r.tokens.len() {
                 return Err(ModelError::BadRequest {
@@ -144,11 +149,11 @@ impl<B: Backend> Runner for Engine<B> {
                 });
             }
             self.check_tokens(r.id, &r.tokens)?;
-            if r.tokens.len() > self.max_seq_len {
+            if r.tokens.len() > max_len {
                 return Err(ModelError::ContextTooLong {
                     id: r.id,
                     needed: r.tokens.len(),
-                    max: self.max_seq_len,
+                    max: max_len,
                     prompt_len: r.prompt_len,
                 });
             }
@@ -168,14 +173,7 @@ impl<B: Backend> Runner for Engine<B> {
         if active.is_empty() {
             return Ok(outs);
         }
-        let max_len = active
-            .iter()
-            .map(|&i| reqs[i].tokens.len())
-            .max()
-            .unwrap_or(1);
-        let mut caches = self.caches(active.len(), max_len)?;
-        let cfg = SchedulerConfig::offline(active.len(), max_len, Vec::new());
-        let mut sched = Scheduler::new(cfg)?;
+        let mut sched = self.offline_scheduler(Vec::new())?;
         let mut out_of = std::collections::HashMap::new();
         for &i in &active {
             let r = &reqs[i];
@@ -190,7 +188,7 @@ impl<B: Backend> Runner for Engine<B> {
             })?;
             out_of.insert(seq, i);
         }
-        self.drive(&mut caches, &mut sched, |ev| {
+        self.drive_offline(sched, |ev| {
             if let Event::Scored { seq, records } = ev {
                 if let Some(o) = out_of.get(&seq).map(|&i| &mut outs[i]) {
                     for rec in records {
@@ -204,18 +202,12 @@ impl<B: Backend> Runner for Engine<B> {
         Ok(outs)
     }
 
-    fn start_session(&mut self, slots: usize, max_len: usize) -> MResult<()> {
-        if max_len > self.max_seq_len {
-            return Err(ModelError::Plan(format!(
-                "a session of {max_len} positions per slot exceeds the context length {}",
-                self.max_seq_len
-            )));
-        }
-        self.session = None;
-        self.backend.forget_recordings();
-        let caches = self.caches(slots, max_len)?;
-        self.session = Some((caches, slots, max_len));
-        self.session_shape = Some((slots, max_len));
+    fn start_session(&mut self) -> MResult<()> {
+        // Made now if it was not: every rank starts its session together.
+        let (caches, cap) = self.take_cache()?;
+        self.cache = Some((caches, cap));
+        self.session = true;
+        self.offline_pool = None;
         Ok(())
     }
 
@@ -231,19 +223,64 @@ impl<B: Backend> Runner for Engine<B> {
         Engine::weights_state(self)
     }
 
+    fn drop_prefix_cache(&mut self) {
+        self.offline_pool = None;
+    }
+
+    fn prefix_cache_stats(&self) -> Option<(crate::engine::kv::PrefixStats, usize)> {
+        self.offline_pool.as_ref().map(|p| (p.stats(), p.cached()))
+    }
+
     fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>> {
-        let Some((mut caches, slots, max_len)) = self.session.take() else {
-            return Err(match self.session_shape {
-                Some(_) => ModelError::Unavailable(
-                    "the KV cache is released (release_memory_occupation): resume it first".into(),
-                ),
-                None => ModelError::Plan("execute called before start_session".into()),
-            });
-        };
+        if !self.session {
+            return Err(ModelError::Plan(
+                "execute called before start_session".into(),
+            ));
+        }
+        let (mut caches, cap) = self.take_cache()?;
         let res = self
-            .check_plan(plan, slots, max_len)
+            .check_plan(plan, cap.blocks, cap.max_seq_len)
             .and_then(|()| self.execute_on(&mut caches, plan));
-        self.session = Some((caches, slots, max_len));
+        self.cache = Some((caches, cap));
+        res
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// `generate` and `score` own the cache's blocks while they run: not during a session.
+    fn check_offline(&self) -> MResult<()> {
+        if self.session {
+            return Err(ModelError::Plan(
+                "generate/score after start_session: the KV cache's blocks belong to the serving session's plans".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The scheduler of a static batch on the whole cache (made now if it was not), with
+    /// the blocks the last call cached.
+    fn offline_scheduler(&mut self, eos: Vec<u32>) -> MResult<Scheduler> {
+        let (caches, cap) = self.take_cache()?;
+        let mut cfg =
+            SchedulerConfig::offline(cap.max_seq_len, cap.blocks, self.kv_opts.step_tokens, eos);
+        cfg.step_outputs = self.kv_opts.step_outputs;
+        cfg.prefix_cache = self.kv_opts.prefix_cache;
+        self.cache = Some((caches, cap));
+        match self.offline_pool.take() {
+            Some(pool) => Scheduler::with_pool(cfg.clone(), pool).or_else(|_| Scheduler::new(cfg)),
+            None => Scheduler::new(cfg),
+        }
+    }
+
+    /// `drive` on the engine's cache; the blocks it cached are kept for the next call
+    /// when it ran to the end.
+    fn drive_offline(&mut self, mut sched: Scheduler, on_event: impl FnMut(Event)) -> MResult<()> {
+        let (mut caches, cap) = self.take_cache()?;
+        let res = self.drive(&mut caches, &mut sched, on_event);
+        self.cache = Some((caches, cap));
+        if res.is_ok() {
+            self.offline_pool = sched.into_pool();
+        }
         res
     }
 }

@@ -1,9 +1,11 @@
 //! A step plan executed: its rows as one ragged batch, checked first when it came from
 //! another rank, and the records of the rows that asked for them.
 
+use arbor_kernels::paged::{blocks_for, KV_BLOCK};
+
 use super::records::{records_parallel, RowTask};
 use super::{Caches, Engine, HostRows};
-use crate::backend::{Backend, SeqRows};
+use crate::backend::{Backend, KvRows, SeqRows};
 use crate::engine::{Event, Record, RowResult, Scheduler, StepPlan};
 use crate::error::{MResult, ModelError};
 
@@ -27,26 +29,42 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// A plan from another rank is checked before it touches the cache.
-    pub(super) fn check_plan(&self, plan: &StepPlan, slots: usize, max_len: usize) -> MResult<()> {
-        let mut used = std::collections::HashSet::new();
+    /// A plan from another rank is checked before it touches the cache: its rows fit the
+    /// context, their tables cover them and name blocks of the cache, and no two rows
+    /// write the same position of a block.
+    pub(super) fn check_plan(&self, plan: &StepPlan, blocks: usize, max_len: usize) -> MResult<()> {
+        let mut written = std::collections::HashSet::new();
         for r in &plan.rows {
             let bad = |msg: String| ModelError::BadRequest {
                 id: r.sample_key,
                 msg: format!("step plan row of sequence {}: {msg}", r.seq),
             };
-            if r.slot >= slots || !used.insert(r.slot) {
-                return Err(bad(format!(
-                    "slot {} is out of range (0..{slots}) or used twice",
-                    r.slot
-                )));
-            }
-            if r.tokens.is_empty() || r.pos0 + r.tokens.len() > max_len {
+            let end = r.pos0.saturating_add(r.tokens.len());
+            if r.tokens.is_empty() || end > max_len {
                 return Err(bad(format!(
                     "{} tokens at position {} do not fit {max_len} positions",
                     r.tokens.len(),
                     r.pos0
                 )));
+            }
+            if r.blocks.len() != blocks_for(end) {
+                return Err(bad(format!(
+                    "a block table of {} blocks for positions 0..{end} (needs {})",
+                    r.blocks.len(),
+                    blocks_for(end)
+                )));
+            }
+            if let Some(b) = r.blocks.iter().find(|&&b| b as usize >= blocks) {
+                return Err(bad(format!("block {b} of a cache of {blocks} blocks")));
+            }
+            for p in r.pos0..end {
+                let at = (r.blocks[p / KV_BLOCK], p % KV_BLOCK);
+                if !written.insert(at) {
+                    return Err(bad(format!(
+                        "position {p} writes row {} of block {}, which another row of the step writes",
+                        at.1, at.0
+                    )));
+                }
             }
             self.check_tokens(r.sample_key, &r.tokens)?;
             r.sampling.validate()?;
@@ -62,15 +80,17 @@ impl<B: Backend> Engine<B> {
     ) -> MResult<Vec<RowResult>> {
         let mut ids = Vec::with_capacity(plan.n_tokens());
         let mut seqs = Vec::with_capacity(plan.rows.len());
+        let mut table = Vec::with_capacity(plan.rows.iter().map(|r| r.blocks.len()).sum());
         let mut out_rows = Vec::new();
         for r in &plan.rows {
             let row0 = ids.len();
             seqs.push(SeqRows {
-                slot: r.slot,
                 row0,
                 len: r.tokens.len(),
                 pos0: r.pos0,
+                table0: table.len(),
             });
+            table.extend_from_slice(&r.blocks);
             ids.extend_from_slice(&r.tokens);
             for &(off, _) in &r.targets {
                 if off as usize >= r.tokens.len()
@@ -108,7 +128,11 @@ impl<B: Backend> Engine<B> {
             }
         }
         let t0 = std::time::Instant::now();
-        let out = self.step(caches, &ids, &seqs, &out_rows, &ids_of, &tasks)?;
+        let rows = KvRows {
+            seqs: &seqs,
+            table: &table,
+        };
+        let out = self.step(caches, &ids, rows, &out_rows, &ids_of, &tasks)?;
         let vocab = self.cfg.vocab_size.max(1);
         let host_ok = match &out.host {
             HostRows::All(l) => l.len() == out_rows.len() * vocab,

@@ -36,6 +36,7 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
                 )?;
                 engine = engine.with_shadow(shadow);
             }
+            engine.init_cache()?;
             Ok(Box::new(engine))
         }
         Device::Cuda if opts.numerics == Numerics::Fast && opts.shadow_tp1 => {
@@ -62,6 +63,7 @@ fn load_cuda(
         let shadow = Engine::new(shadow, opts)?;
         engine = engine.with_shadow(shadow);
     }
+    engine.init_cache()?;
     Ok(Box::new(engine))
 }
 
@@ -125,10 +127,13 @@ impl<B: Backend> Engine<B> {
             row_tp,
             updates,
             max_seq_len,
+            kv_opts: opts.kv.clone(),
             shadow: None,
             timing: GenTiming::default(),
-            session: None,
-            session_shape: None,
+            cache: None,
+            kv_shape: None,
+            session: false,
+            offline_pool: None,
         })
     }
 

@@ -6,6 +6,7 @@
 //! (execute.rs → step.rs), each output row's record comes from its stats, candidates or
 //! host row (records.rs), and `generate` / `score` drive the scheduler (drivers.rs).
 
+pub mod capacity;
 mod drivers;
 mod execute;
 mod load;
@@ -19,16 +20,15 @@ use crate::backend::{Backend, Numerics};
 use crate::config::ModelConfig;
 use crate::engine::{ControlMsg, RowResult, StepPlan};
 use crate::error::{MResult, ModelError};
-use crate::forward::Model;
+use crate::forward::{HeadPlan, Model};
 use crate::generation_config::GenerationConfig;
 use crate::sampling::{RowStats, Sampling, TokenLogprob};
 use crate::tokenizer_config::TokenizerConfig;
 
 pub use crate::checkpoint::load_tokenizer;
 pub use crate::engine::FinishReason;
+pub use capacity::{KvCapacity, KvOptions};
 pub use load::load;
-
-pub use crate::config::DEFAULT_MAX_SEQ_LEN;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -36,12 +36,13 @@ pub enum Device {
     Cuda,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LoadOptions {
     pub model_dir: PathBuf,
     pub device: Device,
-    /// Context length; default `min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN)`, and no
-    /// longer than the model's exact context (`ModelConfig::exact_context_limit`).
+    /// Context length (prompt + generated); default the model's `max_position_embeddings`,
+    /// no longer than its exact context (`ModelConfig::exact_context_limit`); in any case
+    /// at most what the KV cache holds.
     pub max_seq_len: Option<usize>,
     /// Also hold a TP=1 copy and compare every step bit for bit.
     pub shadow_tp1: bool,
@@ -53,6 +54,8 @@ pub struct LoadOptions {
     /// runs exactly one rank's kernels (the all-reduces aside); its outputs are not a
     /// model's.
     pub rank_of_tp: Option<usize>,
+    /// How the paged KV cache (made at load, used by every call) is sized.
+    pub kv: KvOptions,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,8 +143,13 @@ pub trait Runner {
     fn generation_config(&self) -> Option<&GenerationConfig>;
     /// The ids that end a sequence: config.json's and generation_config.json's together.
     fn eos_token_ids(&self) -> &[u32];
-    /// The context length requests must fit in.
+    /// The context length requests must fit in: the model's, at most what the KV cache
+    /// holds.
     fn max_seq_len(&self) -> usize;
+    /// The KV cache made at load (the same number of blocks on every rank; the size it
+    /// comes back with after a release); `None` before it is made (an `Engine` built by
+    /// hand makes it on first use).
+    fn kv_capacity(&self) -> Option<&KvCapacity>;
     /// All requests run as ONE static batch (ragged, no padding); sampling is keyed by
     /// (seed, request id, position), so results depend on neither batch nor TP.
     fn generate(
@@ -157,9 +165,10 @@ pub trait Runner {
     /// Decode shapes recorded (CUDA graphs) and steps replayed from them so far; `None`
     /// where steps are not recorded (the CPU backend, `ARBOR_CUDA_GRAPHS=0`).
     fn recorded_steps(&self) -> Option<(u64, u64)>;
-    /// Allocates the persistent KV cache (`slots` sequences of `max_len` positions) that
-    /// `execute` runs on; replaces any earlier one.
-    fn start_session(&mut self, slots: usize, max_len: usize) -> MResult<()>;
+    /// Hands the KV cache to the plans of `execute` (a serving session, whose scheduler on
+    /// rank 0 owns the blocks from now on): `generate` and `score` refuse to run after it,
+    /// since their blocks would be the session's.
+    fn start_session(&mut self) -> MResult<()>;
     /// Runs one step of the continuous-batching engine on the session's cache. Every rank
     /// of the group must execute the same plans in the same order.
     fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>>;
@@ -172,6 +181,13 @@ pub trait Runner {
     fn control_finish(&mut self, msg: &ControlMsg, apply: bool);
     /// The weights, KV cache and staged tensors this rank holds.
     fn weights_state(&self) -> weights_update::WeightsState;
+    /// Forgets the prefix cache of `generate` and `score` (call it when the weights change:
+    /// the cached blocks hold the old model's KV). A serving session's cache is its
+    /// scheduler's: `Scheduler::drop_prefix_cache`.
+    fn drop_prefix_cache(&mut self);
+    /// The prefix cache of `generate` and `score` so far: positions looked up and found,
+    /// and the blocks it holds (`None` before the first call, or after a failed one).
+    fn prefix_cache_stats(&self) -> Option<(crate::engine::kv::PrefixStats, usize)>;
 }
 
 /// The model of one rank on backend `B`, optionally with a TP=1 shadow.
@@ -190,13 +206,22 @@ pub struct Engine<B: Backend> {
     tokenizer_config: Option<TokenizerConfig>,
     generation_config: Option<GenerationConfig>,
     eos_token_ids: Vec<u32>,
+    /// The context limit of the model (before the cache bounds it).
     max_seq_len: usize,
+    kv_opts: KvOptions,
     shadow: Option<Box<Engine<B>>>,
     timing: GenTiming,
-    /// The persistent cache of `start_session`, with its slots and positions per slot.
-    session: Option<(Caches<B>, usize, usize)>,
-    /// The shape of the last session, to allocate again after `release_memory`.
-    session_shape: Option<(usize, usize)>,
+    /// The paged KV cache (made by `init_cache` at load) and its size; None before it is
+    /// made and while it is released (`release_memory`).
+    cache: Option<(Caches<B>, KvCapacity)>,
+    /// The size chosen when the cache was made: a resumed cache has the same blocks (the
+    /// serving scheduler's).
+    kv_shape: Option<KvCapacity>,
+    /// `start_session` was called: the plans of `execute` own the cache's blocks.
+    session: bool,
+    /// The blocks of the cache between `generate` / `score` calls, with their prefix
+    /// cache (None: none cached).
+    offline_pool: Option<crate::engine::BlockPool>,
 }
 
 /// A batch's KV caches: the model's and, with a shadow, the shadow's.
@@ -218,25 +243,104 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// The weights, or why there are none.
-    fn model(&self) -> MResult<&Model<B>> {
-        self.model.as_ref().ok_or_else(released)
+    /// Sizes and makes the KV cache (the model's and the shadow's, with the same blocks):
+    /// from `--kv-blocks`, else from the memory left after loading, the same number of
+    /// blocks on every rank (a collective: every rank calls it). `load` calls it; an
+    /// engine built by hand makes its cache on first use.
+    pub fn init_cache(&mut self) -> MResult<()> {
+        self.cache = None;
+        self.offline_pool = None;
+        let opts = &self.kv_opts;
+        opts.validate()
+            .map_err(|m| ModelError::Plan(format!("KV cache: {m}")))?;
+        let mut bpb = self.kv_spec(0)?.bytes_per_block();
+        if let Some(s) = &self.shadow {
+            bpb += s.kv_spec(0)?.bytes_per_block();
+        }
+        // Every rank's weights are on its device before any rank measures what is left
+        // (ranks may share a device): a barrier.
+        self.backend.min_over_ranks(0).map_err(|e| self.berr(e))?;
+        let free = self
+            .backend
+            .free_device_memory()
+            .map_err(|e| self.berr(e))?;
+        let (rank, tp) = (self.backend.rank(), self.backend.world_size());
+        let heads = HeadPlan::new(&self.cfg, rank, tp)?;
+        let mut reserve =
+            capacity::step_reserve_bytes(&self.cfg, &heads, tp, opts, self.max_seq_len);
+        if let Some(s) = &self.shadow {
+            let sh = HeadPlan::new(&s.cfg, 0, 1)?;
+            reserve += capacity::step_reserve_bytes(&s.cfg, &sh, 1, opts, s.max_seq_len);
+        }
+        let cpu_default = match (free, opts.cpu_cache_gib, opts.blocks) {
+            (None, None, None) => capacity::default_cpu_cache_bytes(
+                capacity::host_available_bytes(),
+                capacity::local_ranks(),
+            ),
+            _ => 0,
+        };
+        let (mine, source) = capacity::blocks_that_fit(opts, free, cpu_default, bpb, reserve)
+            .map_err(|m| ModelError::Plan(format!("rank {rank}: {m}")))?;
+        let blocks = self
+            .backend
+            .min_over_ranks(mine as u64)
+            .map_err(|e| self.berr(e))? as usize;
+        let caches = self.alloc_caches(blocks)?;
+        let cap = KvCapacity {
+            blocks,
+            bytes_per_block: bpb,
+            max_seq_len: self
+                .max_seq_len
+                .min(blocks * arbor_kernels::paged::KV_BLOCK),
+            source: if blocks < mine {
+                format!("{source}; the smallest of the ranks'")
+            } else {
+                source
+            },
+        };
+        tracing::info!(
+            rank,
+            blocks,
+            gib = cap.gib(),
+            max_seq_len = cap.max_seq_len,
+            source = %cap.source,
+            "KV cache"
+        );
+        self.kv_shape = Some(cap.clone());
+        self.cache = Some((caches, cap));
+        Ok(())
     }
 
-    fn caches(&self, slots: usize, max_len: usize) -> MResult<Caches<B>> {
+    /// The model's (and the shadow's) cache of `blocks` blocks.
+    fn alloc_caches(&self, blocks: usize) -> MResult<Caches<B>> {
         let main = self
             .backend
-            .kv_cache(self.kv_spec(slots, max_len)?)
+            .kv_cache(self.kv_spec(blocks)?)
             .map_err(|e| self.berr(e))?;
         let shadow = match &self.shadow {
             Some(s) => Some(
                 s.backend
-                    .kv_cache(s.model()?.kv_spec(slots, max_len))
+                    .kv_cache(s.kv_spec(blocks)?)
                     .map_err(|e| s.berr(e))?,
             ),
             None => None,
         };
         Ok(Caches { main, shadow })
+    }
+
+    /// The cache and its size, for a call that runs on it (made now if it never was).
+    fn take_cache(&mut self) -> MResult<(Caches<B>, KvCapacity)> {
+        if self.cache.is_none() {
+            if self.kv_shape.is_some() {
+                return Err(ModelError::Unavailable(
+                    "the KV cache is released (release_memory_occupation): resume it first".into(),
+                ));
+            }
+            self.init_cache()?;
+        }
+        self.cache
+            .take()
+            .ok_or_else(|| ModelError::Plan("the KV cache was not made".into()))
     }
 
     fn check_tokens(&self, id: u64, tokens: &[u32]) -> MResult<()> {

@@ -3,7 +3,7 @@
 
 use super::records::RowTask;
 use super::{Caches, Engine, HostRows, StepOut};
-use crate::backend::{Backend, SeqRows, StepInputs};
+use crate::backend::{Backend, KvRows, StepInputs};
 use crate::error::{MResult, ModelError};
 use crate::forward::Trace;
 use crate::sampling::{RowDraw, RowStats};
@@ -20,7 +20,7 @@ impl<B: Backend> Engine<B> {
         &mut self,
         caches: &mut Caches<B>,
         ids: &[u32],
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         out_rows: &[usize],
         ids_of: &[u64],
         tasks: &[RowTask],
@@ -35,7 +35,8 @@ impl<B: Backend> Engine<B> {
             // The device program: the backend may record it and replay the recording.
             let inputs = StepInputs {
                 ids,
-                seqs,
+                seqs: rows.seqs,
+                table: rows.table,
                 out_rows,
                 pick,
                 draws,
@@ -52,7 +53,7 @@ impl<B: Backend> Engine<B> {
                 .run_step(
                     &inputs,
                     &mut |b, inp| {
-                        model.forward_logits(b, cache, inp.ids, inp.seqs, inp.out_rows, None)
+                        model.forward_logits(b, cache, inp.ids, inp.kv_rows(), inp.out_rows, None)
                     },
                     &want_row,
                 )
@@ -71,7 +72,7 @@ impl<B: Backend> Engine<B> {
                 &self.backend,
                 &mut caches.main,
                 ids,
-                seqs,
+                rows,
                 out_rows,
                 trace.as_mut(),
             )
@@ -97,7 +98,7 @@ impl<B: Backend> Engine<B> {
                     &shadow.backend,
                     scache,
                     ids,
-                    seqs,
+                    rows,
                     out_rows,
                     Some(&mut strace),
                 )
@@ -105,7 +106,8 @@ impl<B: Backend> Engine<B> {
             let rank = self.backend.rank();
             let hidden = self.cfg.hidden_size;
             let position_of_row = |row: usize| -> (usize, u64) {
-                seqs.iter()
+                rows.seqs
+                    .iter()
                     .zip(ids_of)
                     .find(|(s, _)| (s.row0..s.row0 + s.len).contains(&row))
                     .map_or((0, 0), |(s, &id)| (s.pos0 + row - s.row0, id))

@@ -64,7 +64,8 @@ pub(super) struct Updates<B: Backend> {
     staged_bytes: usize,
     /// Phase one's result, until phase two.
     candidate: Option<(Model<B>, Origin)>,
-    new_session: Option<(super::Caches<B>, usize, usize)>,
+    /// A resumed KV cache (the size it had), until phase two.
+    new_session: Option<(super::Caches<B>, super::KvCapacity)>,
     new_group: Option<(String, Box<dyn WeightsGroup>)>,
     group: Option<(String, Box<dyn WeightsGroup>)>,
 }
@@ -255,7 +256,7 @@ impl<B: Backend> Engine<B> {
     pub(super) fn weights_state(&self) -> WeightsState {
         WeightsState {
             weights_loaded: self.model.is_some(),
-            kv_loaded: self.session.is_some(),
+            kv_loaded: self.cache.is_some(),
             origin: self.updates.origin.clone(),
             staged_tensors: self.updates.staged_names.len(),
             staged_bytes: self.updates.staged_bytes,
@@ -269,13 +270,12 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// The KV cache's shape on this rank (the weights are not needed for it).
-    pub(super) fn kv_spec(&self, slots: usize, max_len: usize) -> MResult<KvSpec> {
+    /// This rank's paged KV cache of `blocks` blocks (the weights are not needed for it).
+    pub(super) fn kv_spec(&self, blocks: usize) -> MResult<KvSpec> {
         let heads = HeadPlan::new(&self.cfg, self.backend.rank(), self.backend.world_size())?;
         Ok(KvSpec {
             layers: self.cfg.num_layers,
-            slots,
-            max_len,
+            blocks,
             n_kv_heads: heads.n_kv_heads,
             head_dim: self.cfg.head_dim,
         })
@@ -315,8 +315,9 @@ impl<B: Backend> Engine<B> {
                     };
                     self.prepare_model(&src)?;
                 }
-                if *kv && self.session.is_none() {
-                    let Some((slots, max_len)) = self.session_shape else {
+                if *kv && self.cache.is_none() {
+                    // The same blocks as before: the serving scheduler's pool.
+                    let Some(cap) = self.kv_shape.clone() else {
                         return Ok(());
                     };
                     if self.model.is_none() && self.updates.candidate.is_none() {
@@ -324,10 +325,8 @@ impl<B: Backend> Engine<B> {
                             "the KV cache cannot come back before the weights: resume the weights too (or push new ones)".into(),
                         ));
                     }
-                    let spec = self.kv_spec(slots, max_len)?;
-                    let main = self.backend.kv_cache(spec).map_err(|e| self.berr(e))?;
-                    self.updates.new_session =
-                        Some((super::Caches { main, shadow: None }, slots, max_len));
+                    let caches = self.alloc_caches(cap.blocks)?;
+                    self.updates.new_session = Some((caches, cap));
                 }
                 Ok(())
             }
@@ -393,6 +392,8 @@ impl<B: Backend> Engine<B> {
             ControlMsg::FlushCache => {
                 if apply {
                     self.backend.forget_recordings();
+                    // The prefix cache of generate / score; a session's is its scheduler's.
+                    self.offline_pool = None;
                 }
             }
             ControlMsg::Update(_) => {
@@ -401,8 +402,10 @@ impl<B: Backend> Engine<B> {
                 u.discard_staged();
                 let cand = u.candidate.take();
                 if let (true, Some((model, origin))) = (apply, cand) {
-                    // Recordings read the old weights: drop them before the weights go.
+                    // Recordings read the old weights: drop them before the weights go;
+                    // the cached prefixes are the old model's KV.
                     self.backend.forget_recordings();
+                    self.offline_pool = None;
                     self.model = Some(model);
                     self.updates.origin = origin;
                 }
@@ -410,8 +413,9 @@ impl<B: Backend> Engine<B> {
             ControlMsg::Release { weights, kv } => {
                 if apply {
                     self.backend.forget_recordings();
+                    self.offline_pool = None;
                     if *kv {
-                        self.session = None;
+                        self.cache = None;
                     }
                     if *weights {
                         self.model = None;
@@ -424,11 +428,12 @@ impl<B: Backend> Engine<B> {
                 if apply {
                     if let Some((model, origin)) = cand {
                         self.backend.forget_recordings();
+                        self.offline_pool = None;
                         self.model = Some(model);
                         self.updates.origin = origin;
                     }
                     if session.is_some() {
-                        self.session = session;
+                        self.cache = session;
                     }
                 }
             }

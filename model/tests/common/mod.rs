@@ -60,6 +60,7 @@ pub fn opts(dir: &Path) -> LoadOptions {
         shadow_tp1: false,
         numerics: Default::default(),
         rank_of_tp: None,
+        kv: Default::default(),
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use crate::cli::common::{self, DeviceArg, NumericsArg};
+use crate::cli::common::{self, DeviceArg, KvArgs, NumericsArg};
 use crate::cli::model_api::{GenRequest, LoadOptions, Runner, Sampling};
 
 #[derive(clap::Args)]
@@ -31,7 +31,8 @@ pub struct Args {
     /// Batch sizes (sequences decoding together).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
     batch: Vec<usize>,
-    /// Prompt tokens per sequence.
+    /// Prompt tokens per sequence (up to the model's context; prompts longer than 8192
+    /// tokens are prefilled in chunks, with the same bits).
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
     /// New tokens per sequence (decode steps = steps - 1: the first token comes from the
@@ -58,6 +59,8 @@ pub struct Args {
     /// outputs are not a model's: for timing only.
     #[arg(long, value_name = "N")]
     rank_of_tp: Option<usize>,
+    #[command(flatten)]
+    kv: KvArgs,
 }
 
 #[derive(Serialize)]
@@ -119,13 +122,15 @@ fn weight_bytes_per_rank(runner: &dyn Runner) -> u64 {
     2 * params / runner.tp() as u64
 }
 
-/// Prompt ids that are the same on every rank and in every run.
-fn prompts(batch: usize, len: usize, vocab: usize, id0: u64) -> Vec<GenRequest> {
+/// Prompt ids that are the same on every rank and in every run; `salt` makes each batch
+/// size's prompts its own, so that no run finds another's blocks in the prefix cache (every
+/// prompt token is computed).
+fn prompts(batch: usize, len: usize, vocab: usize, id0: u64, salt: usize) -> Vec<GenRequest> {
     (0..batch)
         .map(|b| GenRequest {
             id: id0 + b as u64,
             prompt: (0..len)
-                .map(|j| ((b * 7919 + j * 104_729 + 13) % (vocab - 1)) as u32 + 1)
+                .map(|j| (((salt * 1009 + b) * 7919 + j * 104_729 + 13) % (vocab - 1)) as u32 + 1)
                 .collect(),
             max_new_tokens: 0,
         })
@@ -156,8 +161,23 @@ pub fn run(a: Args) -> Result<()> {
         shadow_tp1: false,
         numerics: a.numerics.resolve(),
         rank_of_tp: a.rank_of_tp,
+        kv: a.kv.offline()?,
     })?;
     let rank = runner.rank();
+    let cap = runner
+        .kv_capacity()
+        .cloned()
+        .context("the runner made no KV cache")?;
+    // Every sequence of a batch must fit at once, or the batch would decode in waves.
+    let per_seq = arbor_kernels::paged::blocks_for(max_seq_len);
+    if let Some(&b) = a.batch.iter().find(|&&b| b * per_seq > cap.blocks) {
+        bail!(
+            "batch {b} of {max_seq_len} positions needs {} KV blocks, the cache holds {} ({}): lower --batch or --prompt-len, or give the cache more memory",
+            b * per_seq,
+            cap.blocks,
+            cap.source
+        );
+    }
     let vocab = runner.config().vocab_size;
     if vocab < 2 {
         bail!("model {} has a vocabulary of {vocab}", a.model.display());
@@ -174,22 +194,25 @@ pub fn run(a: Args) -> Result<()> {
     }
 
     let t = Instant::now();
-    let mut warm = prompts(1, a.prompt_len.min(16), vocab, 1 << 40);
+    let mut warm = prompts(1, a.prompt_len.min(16), vocab, 1 << 40, a.batch.len());
     warm[0].max_new_tokens = 4;
     runner
         .generate(&warm, &sampling, 0)
         .context("warm-up generate")?;
     if rank == 0 {
         eprintln!(
-            "bench decode: TP {} {device} {numerics}, warm-up {:.2} s, {:.2} GB of weights per rank",
+            "bench decode: TP {} {device} {numerics}, warm-up {:.2} s, {:.2} GB of weights per rank; KV cache {} blocks ({} tokens, {:.2} GiB per rank)",
             runner.tp(),
             t.elapsed().as_secs_f64(),
-            bytes as f64 / 1e9
+            bytes as f64 / 1e9,
+            cap.blocks,
+            cap.tokens(),
+            cap.gib()
         );
     }
     let mut rows = Vec::new();
     for (i, &b) in a.batch.iter().enumerate() {
-        let mut reqs = prompts(b, a.prompt_len, vocab, (i as u64) << 20);
+        let mut reqs = prompts(b, a.prompt_len, vocab, (i as u64) << 20, i);
         for r in &mut reqs {
             r.max_new_tokens = a.steps;
         }
@@ -269,12 +292,14 @@ mod tests {
 
     #[test]
     fn prompts_are_in_vocabulary_and_distinct_per_row() {
-        let p = prompts(3, 5, 10, 7);
+        let p = prompts(3, 5, 10, 7, 0);
         assert_eq!(p.iter().map(|r| r.id).collect::<Vec<_>>(), [7, 8, 9]);
         for r in &p {
             assert_eq!(r.prompt.len(), 5);
             assert!(r.prompt.iter().all(|&t| (1..10).contains(&t)));
         }
         assert_ne!(p[0].prompt, p[1].prompt);
+        let (a, b) = (prompts(2, 64, 128_256, 0, 0), prompts(2, 64, 128_256, 0, 1));
+        assert!(a.iter().all(|x| b.iter().all(|y| x.prompt != y.prompt)));
     }
 }

@@ -46,9 +46,13 @@ pub struct Args {
     /// Mean arrival rate in requests/s (exponential gaps); 0 = as fast as the clients go.
     #[arg(long, default_value_t = 0.0)]
     pub rate: f64,
-    /// Prompt length range in tokens, MIN:MAX (uniform).
+    /// Prompt length range in tokens, MIN:MAX (uniform), after the shared prefix.
     #[arg(long, default_value = "4:64")]
     pub prompt_len: String,
+    /// Tokens every prompt starts with (a system prompt): what the server's prefix cache
+    /// shares between requests.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
     /// Output length range in tokens, MIN:MAX (uniform).
     #[arg(long, default_value = "4:32")]
     pub output_len: String,
@@ -88,6 +92,17 @@ struct Summary {
     distinct_prompts: usize,
     repeat: usize,
     max_distinct_outputs_per_prompt: usize,
+    /// From the server's /metrics after the run (None: not reported).
+    prefix_cache_hit_rate: Option<f64>,
+    prefix_cache_hit_tokens: Option<f64>,
+    preemptions: Option<f64>,
+}
+
+/// The value of `name` in Prometheus text.
+fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 fn range(s: &str, what: &str) -> Result<(usize, usize)> {
@@ -322,10 +337,14 @@ pub fn run(args: Args) -> Result<()> {
     // Distinct prompts, each sent `repeat` times at random moments of the run.
     let mut rng = Rng(args.seed ^ 0x5EED);
     let distinct = args.requests.div_ceil(args.repeat);
+    let shared: Vec<u32> = (0..args.shared_prefix)
+        .map(|_| 3 + (rng.next() % 250) as u32)
+        .collect();
     let prompts: Vec<(Vec<u32>, usize)> = (0..distinct)
         .map(|_| {
             let len = rng.uniform(plo, phi);
-            let toks = (0..len).map(|_| 3 + (rng.next() % 250) as u32).collect();
+            let mut toks = shared.clone();
+            toks.extend((0..len).map(|_| 3 + (rng.next() % 250) as u32));
             (toks, rng.uniform(olo, ohi))
         })
         .collect();
@@ -349,12 +368,13 @@ pub fn run(args: Args) -> Result<()> {
         })
         .collect();
     eprintln!(
-        "arbor bench serve: {} requests ({} distinct prompts x {}), {} clients, rate {}, prompt {plo}-{phi} tokens, output {olo}-{ohi} tokens, against {addr}",
+        "arbor bench serve: {} requests ({} distinct prompts x {}), {} clients, rate {}, prompt {}{plo}-{phi} tokens, output {olo}-{ohi} tokens, against {addr}",
         args.requests,
         distinct,
         args.repeat,
         args.concurrency,
-        if args.rate > 0.0 { format!("{} req/s", args.rate) } else { "unlimited".into() }
+        if args.rate > 0.0 { format!("{} req/s", args.rate) } else { "unlimited".into() },
+        if args.shared_prefix > 0 { format!("{} shared + ", args.shared_prefix) } else { String::new() }
     );
     let planned = Arc::new(planned);
     let next = Arc::new(AtomicUsize::new(0));
@@ -404,6 +424,11 @@ pub fn run(args: Args) -> Result<()> {
             .insert(o.key.as_str());
     }
     let max_distinct = by_prompt.values().map(|s| s.len()).max().unwrap_or(0);
+    let metrics = client::get(&addr, "/metrics")
+        .ok()
+        .filter(|r| r.status == 200)
+        .map(|r| r.body)
+        .unwrap_or_default();
     let ms = |v: f64| v * 1e3;
     let sum = Summary {
         requests_ok: outcomes.len() - failed.len(),
@@ -422,6 +447,9 @@ pub fn run(args: Args) -> Result<()> {
         distinct_prompts: by_prompt.len(),
         repeat: args.repeat,
         max_distinct_outputs_per_prompt: max_distinct,
+        prefix_cache_hit_rate: metric_value(&metrics, "arbor_prefix_cache_hit_rate"),
+        prefix_cache_hit_tokens: metric_value(&metrics, "arbor_prefix_cache_hits_total"),
+        preemptions: metric_value(&metrics, "arbor_preemptions_total"),
     };
     println!(
         "requests           {} ok, {} failed, in {wall:.2} s",
@@ -448,6 +476,12 @@ pub fn run(args: Args) -> Result<()> {
         by_prompt.len(),
         args.repeat
     );
+    if let (Some(rate), Some(hits)) = (sum.prefix_cache_hit_rate, sum.prefix_cache_hit_tokens) {
+        println!(
+            "prefix cache       hit rate {rate:.3} ({hits:.0} prompt tokens reused); {} preemptions",
+            sum.preemptions.unwrap_or(0.0)
+        );
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&sum)? + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;

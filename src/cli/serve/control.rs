@@ -133,6 +133,14 @@ impl Control {
     /// Broadcasts `msg` to the other ranks and runs it here; the outcome is every rank's.
     fn run(&self, cx: &mut Ctx<'_>, msg: ControlMsg) -> Result<Result<(), ControlError>> {
         let what = msg.what();
+        // What changes the weights or the KV memory makes the cached prefixes stale.
+        let stale = matches!(
+            msg,
+            ControlMsg::Update(_)
+                | ControlMsg::FlushCache
+                | ControlMsg::Release { .. }
+                | ControlMsg::Resume { .. }
+        );
         let msg = if cx.comm.world_size() > 1 {
             // Encoded in place: a pushed part is not copied for the broadcast.
             let plan = PlanMsg::Control(msg);
@@ -156,6 +164,9 @@ impl Control {
             seconds = t0.elapsed().as_secs_f64(),
             "command"
         );
+        if stale && r.is_ok() {
+            cx.sched.drop_prefix_cache();
+        }
         Ok(r)
     }
 

@@ -28,19 +28,21 @@ pub fn lead(
     mut runner: Box<dyn Runner>,
     comm: Arc<dyn Communicator>,
 ) -> Result<()> {
-    let max_len = runner.max_seq_len();
-    let kv_blocks = args
-        .kv_blocks
-        .unwrap_or(args.max_num_seqs * max_len.div_ceil(args.kv_block_size));
+    let cap = runner
+        .kv_capacity()
+        .cloned()
+        .context("the runner made no KV cache")?;
     let sched_cfg = SchedulerConfig {
-        slots: args.max_num_seqs,
-        max_seq_len: max_len,
+        max_running: args.max_num_seqs,
+        max_seq_len: cap.max_seq_len,
         chunk: args.prefill_chunk,
         step_tokens: args.max_num_batched_tokens,
-        block_size: args.kv_block_size,
-        kv_blocks,
+        step_outputs: super::step_outputs(args),
+        kv_blocks: cap.blocks,
         eos: runner.eos_token_ids().to_vec(),
         preempt: !args.no_preempt,
+        prefill_first: false,
+        prefix_cache: !args.kv.no_prefix_cache,
     };
     let sched = Scheduler::new(sched_cfg)?;
     let stats = Arc::new(Stats::default());
@@ -66,10 +68,21 @@ pub fn lead(
     };
     tracing::info!(%bound, tp = comm.world_size(), "serving");
     eprintln!(
-        "arbor serve: listening on http://{bound} (TP {}, {} slots of {max_len} positions, {kv_blocks} KV blocks of {})",
-        comm.world_size(),
+        "arbor serve: listening on http://{bound} (TP {})",
+        comm.world_size()
+    );
+    eprintln!(
+        "arbor serve: KV cache {} blocks of {} = {} tokens, {:.2} GiB per rank ({}); max context {}; up to {} running sequences; {} tokens per step, prefill chunks of {}; prefix cache {}",
+        cap.blocks,
+        arbor_kernels::paged::KV_BLOCK,
+        cap.tokens(),
+        cap.gib(),
+        cap.source,
+        cap.max_seq_len,
         args.max_num_seqs,
-        args.kv_block_size
+        args.max_num_batched_tokens,
+        args.prefill_chunk,
+        if args.kv.no_prefix_cache { "off" } else { "on" }
     );
     let drain = Duration::from_secs_f64(args.drain_timeout_s);
     let ctl = Control::new(

@@ -21,8 +21,8 @@ use anyhow::{Context, Result};
 use arbor_collective::Communicator;
 use arbor_model::engine::PlanMsg;
 
-use super::common::{self, DeviceArg, NumericsArg};
-use super::model_api::{self, LoadOptions, Runner};
+use super::common::{self, DeviceArg, KvArgs, NumericsArg};
+use super::model_api::{self, LoadOptions, Runner, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
@@ -48,26 +48,21 @@ pub struct Args {
     /// The model name /v1/models reports and requests may give (default: the directory's or file's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Context length per sequence (default: the model's, at most 4096). The KV cache is
-    /// --max-num-seqs × this many positions, checked against the host's available memory
-    /// (CPU) at start.
-    #[arg(long)]
+    /// Context length per sequence, prompt and generated tokens (default: the model's
+    /// `max_position_embeddings`, at most what the KV cache holds).
+    #[arg(long, alias = "max-model-len")]
     pub max_seq_len: Option<usize>,
-    /// Sequences that run at once (KV-cache slots).
-    #[arg(long, default_value_t = 16)]
+    /// Most sequences running at once (each holds the KV blocks of its positions only).
+    #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     /// New tokens (rows) per engine step; decode rows are served first.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = DEFAULT_STEP_TOKENS)]
     pub max_num_batched_tokens: usize,
     /// Largest prompt chunk one sequence prefills per step.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 2048)]
     pub prefill_chunk: usize,
-    /// Positions per KV block (the unit of KV accounting).
-    #[arg(long, default_value_t = 16)]
-    pub kv_block_size: usize,
-    /// KV blocks in all (default: enough for every slot at full context).
-    #[arg(long)]
-    pub kv_blocks: Option<usize>,
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// Reserve KV for every position a request may use when it is admitted, instead of
     /// growing it per token and preempting (then recomputing, with the same bits) the
     /// newest sequence when it runs out.
@@ -123,6 +118,9 @@ pub fn run(args: Args) -> Result<()> {
         info.local_world_size,
         options::host_available_bytes(),
     )?;
+    let kv = args
+        .kv
+        .to_options(args.max_num_batched_tokens, step_outputs(&args))?;
     let comm = common::init_comm()?;
     let rank = comm.rank();
     let opts = LoadOptions {
@@ -132,14 +130,14 @@ pub fn run(args: Args) -> Result<()> {
         shadow_tp1: false,
         numerics: args.numerics.resolve(),
         rank_of_tp: None,
+        kv,
     };
     tracing::info!(rank, world = comm.world_size(), model = %args.model.display(), "loading");
     let mut runner = model_api::load(&opts, comm.clone())
         .with_context(|| format!("loading model {} on rank {rank}", args.model.display()))?;
-    let max_len = runner.max_seq_len();
     runner
-        .start_session(args.max_num_seqs, max_len)
-        .with_context(|| format!("allocating the KV cache on rank {rank}"))?;
+        .start_session()
+        .with_context(|| format!("starting the serving session on rank {rank}"))?;
     if rank != 0 {
         // The launcher forwards SIGTERM/SIGINT to every rank; only rank 0 drains, and the
         // others stop when it says so (or when it is gone).
@@ -151,6 +149,14 @@ pub fn run(args: Args) -> Result<()> {
         return follow(runner.as_mut(), comm.as_ref());
     }
     leader::lead(&args, listen, runner, comm)
+}
+
+/// Logits rows per step: every running sequence's sampled row, at least the default (room
+/// for scoring rows), at most the step's rows.
+pub fn step_outputs(args: &Args) -> usize {
+    args.max_num_seqs
+        .max(DEFAULT_STEP_OUTPUTS)
+        .min(args.max_num_batched_tokens)
 }
 
 /// Ranks other than 0: execute every plan rank 0 broadcasts, until it says stop.

@@ -10,6 +10,8 @@ use arbor_model::ModelConfig;
 
 use super::Args;
 
+pub use arbor_model::runner::capacity::host_available_bytes;
+
 /// Longest `--drain-timeout-s`, `--header-timeout-s` or `--body-timeout-s` (a day): a
 /// Duration and an Instant hold it.
 pub const MAX_DRAIN_TIMEOUT_S: f64 = 86_400.0;
@@ -20,11 +22,27 @@ pub fn check_flags(args: &Args) -> Result<SocketAddr> {
     if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 || args.prefill_chunk == 0 {
         bail!("--max-num-seqs, --max-num-batched-tokens and --prefill-chunk must be at least 1");
     }
-    if args.kv_block_size == 0 || args.max_queue == 0 || args.max_n == 0 {
-        bail!("--kv-block-size, --max-queue and --max-n must be at least 1");
+    if args.max_queue == 0 || args.max_n == 0 {
+        bail!("--max-queue and --max-n must be at least 1");
     }
-    if args.kv_blocks == Some(0) {
-        bail!("--kv-blocks 0: the KV cache needs at least one block");
+    match args.kv.kv_blocks {
+        Some(0) => bail!("--kv-blocks 0: the KV cache needs at least one block"),
+        Some(b) if b > u32::MAX as usize => {
+            bail!(
+                "--kv-blocks {b}: block ids are 32-bit, at most {}",
+                u32::MAX
+            )
+        }
+        _ => {}
+    }
+    let u = args.kv.gpu_memory_utilization;
+    if !(u.is_finite() && u > 0.0 && u <= 1.0) {
+        bail!("--gpu-memory-utilization {u:?}: give a fraction in (0, 1]");
+    }
+    if let Some(g) = args.kv.kv_cache_gib {
+        if !(g.is_finite() && g > 0.0) {
+            bail!("--kv-cache-gib {g:?}: give a number of GiB above 0");
+        }
     }
     let d = args.drain_timeout_s;
     if !(d.is_finite() && (0.0..=MAX_DRAIN_TIMEOUT_S).contains(&d)) {
@@ -86,46 +104,27 @@ pub fn listen_addr(host: &str, port: u16) -> Result<SocketAddr> {
         .with_context(|| format!("--host {host}: the name resolves to no address"))
 }
 
-/// Bytes of the KV cache one rank allocates for `slots` sequences of `max_len` positions
-/// at TP `tp` (K and V, bf16, every layer, the rank's KV heads); None past u64.
-pub fn kv_cache_bytes(
-    cfg: &ModelConfig,
-    tp: usize,
-    slots: usize,
-    max_len: usize,
-) -> Result<Option<u64>> {
+/// Bytes of one KV block (64 positions, K and V, bf16, every layer, the rank's KV heads)
+/// on one rank at TP `tp`.
+pub fn kv_block_bytes(cfg: &ModelConfig, tp: usize) -> Result<u64> {
     let heads = HeadPlan::new(cfg, 0, tp)?;
     Ok([
         2 * 2,
         cfg.num_layers,
         heads.n_kv_heads,
         cfg.head_dim,
-        max_len,
-        slots,
+        arbor_kernels::paged::KV_BLOCK,
     ]
     .into_iter()
-    .try_fold(1u64, |acc, x| acc.checked_mul(x as u64)))
+    .fold(1u64, |acc, x| acc.saturating_mul(x as u64)))
 }
 
-/// Memory the OS says new allocations can have (Linux MemAvailable), in bytes.
-pub fn host_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse()
-        .ok()?;
-    kib.checked_mul(1024)
-}
-
-/// Checks the KV cache the flags ask for against the model (its config.json, or a GGUF
-/// file's metadata)
-/// and, on the CPU, against the host's available memory shared by its `local_ranks`
-/// ranks (`available`: [`host_available_bytes`]). A CUDA device's memory is known only once
-/// the rank has opened it; there an allocation that does not fit fails with CUDA's error.
+/// Checks the flags' context against the model (its config.json, or a GGUF file's
+/// metadata) and a KV cache size given on the command line (`--kv-blocks`,
+/// `--kv-cache-gib`) of a CPU run against the host's available memory shared by its
+/// `local_ranks` ranks (`available`: [`host_available_bytes`]). The running sequences
+/// (`--max-num-seqs`) take no memory of their own: each holds the blocks of its positions.
+/// A CUDA cache is sized from the device's free memory when the rank has opened it.
 pub fn check_kv(
     args: &Args,
     device: Device,
@@ -134,44 +133,37 @@ pub fn check_kv(
     available: Option<u64>,
 ) -> Result<()> {
     let (cfg, path) = arbor_model::checkpoint::read_config(&args.model)?;
-    let max_len = cfg.context_len(args.max_seq_len, &path)?;
-    let per_slot = kv_cache_bytes(&cfg, tp, 1, max_len)
-        .with_context(|| format!("sizing the KV cache of {} at TP {tp}", args.model.display()))?
-        .unwrap_or(u64::MAX);
-    let need = kv_cache_bytes(&cfg, tp, args.max_num_seqs, max_len)?;
-    let blocks_per_slot = max_len.div_ceil(args.kv_block_size);
-    let cache_blocks = args.max_num_seqs.saturating_mul(blocks_per_slot);
-    if let Some(b) = args.kv_blocks {
-        if b > cache_blocks {
-            bail!(
-                "--kv-blocks {b} is more than the KV cache holds: {} sequences (--max-num-seqs) of {max_len} positions are {cache_blocks} blocks of {} positions",
-                args.max_num_seqs,
-                args.kv_block_size
-            );
-        }
-    }
-    let what = format!(
-        "--max-num-seqs {} with {max_len} positions each (--max-seq-len) needs a KV cache of",
-        args.max_num_seqs
-    );
-    let Some(need) = need else {
-        bail!("{what} more than 2^64 bytes per rank");
-    };
+    cfg.context_len(args.max_seq_len, &path)?;
+    let per_block = kv_block_bytes(&cfg, tp)
+        .with_context(|| format!("sizing the KV cache of {} at TP {tp}", args.model.display()))?;
     if device != Device::Cpu {
         return Ok(());
     }
+    let (what, need) = match (args.kv.kv_blocks, args.kv.kv_cache_gib) {
+        (Some(b), _) => (
+            format!("--kv-blocks {b}"),
+            (b as u64).saturating_mul(per_block),
+        ),
+        (None, Some(g)) => (
+            format!("--kv-cache-gib {g}"),
+            (g * (1u64 << 30) as f64) as u64,
+        ),
+        // The default fits the host by construction.
+        (None, None) => return Ok(()),
+    };
     let Some(available) = available else {
         return Ok(());
     };
     let local = local_ranks.max(1) as u64;
     let share = available / local;
     if need > share {
-        let fit = share / per_slot.max(1);
+        let fit = share / per_block.max(1);
         bail!(
-            "{what} {need} bytes ({}) per rank, {} for the {local} rank(s) on this host, which has {available} bytes ({}) available; {fit} sequences of {max_len} positions fit: lower --max-num-seqs or --max-seq-len",
+            "{what} asks for a KV cache of {need} bytes ({}) per rank, {} for the {local} rank(s) on this host, which has {available} bytes ({}) available; {fit} blocks of {} positions ({per_block} bytes each) fit",
             gib(need),
             gib(need.saturating_mul(local)),
-            gib(available)
+            gib(available),
+            arbor_kernels::paged::KV_BLOCK
         );
     }
     Ok(())
@@ -225,6 +217,12 @@ mod tests {
             (&["--api-key", ""], "empty"),
             (&["--api-key", "a b"], "whitespace"),
             (&["--kv-blocks", "0"], "--kv-blocks 0"),
+            (&["--kv-blocks", "99999999999"], "--kv-blocks 99999999999"),
+            (
+                &["--gpu-memory-utilization", "1.5"],
+                "--gpu-memory-utilization 1.5",
+            ),
+            (&["--kv-cache-gib", "0"], "--kv-cache-gib 0.0"),
             (&["--max-num-seqs", "0"], "--max-num-seqs"),
             (&["--header-timeout-s", "0"], "--header-timeout-s 0.0"),
             (&["--body-timeout-s", "inf"], "--body-timeout-s inf"),
@@ -242,7 +240,7 @@ mod tests {
     }
 
     #[test]
-    fn kv_bytes_count_k_and_v_of_every_layer_and_the_ranks_heads() {
+    fn kv_blocks_count_k_and_v_of_every_layer_and_the_ranks_heads() {
         let dir = std::env::temp_dir().join(format!("arbor-serve-kv-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         arbor_model::make_model(&arbor_model::SynthOptions::new(
@@ -253,27 +251,40 @@ mod tests {
         ))
         .unwrap();
         let cfg = ModelConfig::from_dir(&dir).unwrap();
-        let per = 2 * 2 * cfg.num_layers * cfg.head_dim;
-        let b = |tp| kv_cache_bytes(&cfg, tp, 3, 100).unwrap().unwrap();
-        assert_eq!(b(1), (per * cfg.num_kv_heads * 300) as u64);
-        assert_eq!(b(2), (per * cfg.num_kv_heads / 2 * 300) as u64);
-        assert_eq!(kv_cache_bytes(&cfg, 1, usize::MAX, 100).unwrap(), None);
-        let mut a = args(&["--max-num-seqs", "1000", "--max-seq-len", "100"]);
+        let per = 2 * 2 * cfg.num_layers * cfg.head_dim * 64;
+        assert_eq!(
+            kv_block_bytes(&cfg, 1).unwrap(),
+            (per * cfg.num_kv_heads) as u64
+        );
+        assert_eq!(
+            kv_block_bytes(&cfg, 2).unwrap(),
+            (per * cfg.num_kv_heads / 2) as u64
+        );
+        // Any number of running sequences: they take no memory of their own.
+        let mut a = args(&["--max-num-seqs", "100000000"]);
         a.model = dir.clone();
-        let need = kv_cache_bytes(&cfg, 1, 1000, 100).unwrap().unwrap();
-        assert!(check_kv(&a, Device::Cpu, 1, 1, Some(need)).is_ok());
-        let e = check_kv(&a, Device::Cpu, 1, 2, Some(need)).unwrap_err();
+        assert!(check_kv(&a, Device::Cpu, 1, 1, Some(1 << 20)).is_ok());
+        // A cache given on the command line is checked against the host's memory.
+        let block = kv_block_bytes(&cfg, 1).unwrap();
+        a.kv.kv_blocks = Some(1000);
+        assert!(check_kv(&a, Device::Cpu, 1, 1, Some(1000 * block)).is_ok());
+        let e = check_kv(&a, Device::Cpu, 1, 2, Some(1000 * block)).unwrap_err();
         let e = format!("{e:#}");
         assert!(
-            e.contains(&format!("{need} bytes"))
-                && e.contains("500 sequences of 100 positions fit"),
+            e.contains("--kv-blocks 1000") && e.contains("500 blocks of 64 positions"),
             "{e}"
         );
         // A device's memory is checked where it is opened.
-        assert!(check_kv(&a, Device::Cuda, 1, 2, Some(need)).is_ok());
-        a.kv_blocks = Some(1000 * 7 + 1);
-        let e = check_kv(&a, Device::Cpu, 1, 1, None).unwrap_err();
-        assert!(format!("{e:#}").contains("--kv-blocks 7001"), "{e:#}");
+        assert!(check_kv(&a, Device::Cuda, 1, 2, Some(block)).is_ok());
+        a.kv.kv_blocks = None;
+        a.kv.kv_cache_gib = Some(2.0);
+        let e = check_kv(&a, Device::Cpu, 1, 1, Some(1 << 30)).unwrap_err();
+        assert!(format!("{e:#}").contains("--kv-cache-gib 2"), "{e:#}");
+        a.max_seq_len = Some(1 << 30);
+        assert!(
+            check_kv(&a, Device::Cuda, 1, 1, None).is_err(),
+            "a context past the model's"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -25,6 +25,9 @@ pub struct Stats {
     pub rejected: AtomicU64,
     pub cancelled: AtomicU64,
     pub preemptions: AtomicU64,
+    pub prefix_queried: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub prefix_cached_blocks: AtomicU64,
     recent: Mutex<VecDeque<(Instant, u64)>>,
     /// The weights serving now (control.rs sets it).
     weight_version: Mutex<String>,
@@ -75,11 +78,21 @@ impl Stats {
         self.kv_blocks_total.store(kv.1 as u64, Ordering::Relaxed);
     }
 
-    /// The gauges and the preemption count, as the scheduler has them now.
+    /// The gauges, the preemption count and the prefix cache's counters, as the scheduler
+    /// has them now.
     pub fn set_from(&self, sched: &Scheduler) {
         self.set_gauges(sched.waiting(), sched.running(), sched.kv_blocks());
         self.preemptions
             .store(sched.preemptions(), Ordering::Relaxed);
+        let p = sched.prefix_stats();
+        self.set_prefix(p.queried, p.hits, sched.cached_blocks());
+    }
+
+    pub fn set_prefix(&self, queried: u64, hits: u64, cached_blocks: usize) {
+        self.prefix_queried.store(queried, Ordering::Relaxed);
+        self.prefix_hits.store(hits, Ordering::Relaxed);
+        self.prefix_cached_blocks
+            .store(cached_blocks as u64, Ordering::Relaxed);
     }
 
     pub fn set_weight_version(&self, v: &str) {
@@ -135,13 +148,13 @@ impl Stats {
         metric(
             "arbor_running_sequences",
             "gauge",
-            "Sequences holding a KV slot.",
+            "Sequences running (holding KV blocks).",
             g(&self.running).to_string(),
         );
         metric(
             "arbor_kv_blocks_used",
             "gauge",
-            "KV blocks reserved by running sequences.",
+            "KV blocks held by running sequences.",
             used.to_string(),
         );
         metric(
@@ -160,6 +173,38 @@ impl Stats {
             "counter",
             "Sequences preempted for KV and recomputed.",
             g(&self.preemptions).to_string(),
+        );
+        let (queried, hits) = (g(&self.prefix_queried), g(&self.prefix_hits));
+        metric(
+            "arbor_prefix_cache_queries_total",
+            "counter",
+            "Prompt positions of admitted sequences looked up in the prefix cache.",
+            queried.to_string(),
+        );
+        metric(
+            "arbor_prefix_cache_hits_total",
+            "counter",
+            "Of those, positions found cached (their KV reused, not computed).",
+            hits.to_string(),
+        );
+        metric(
+            "arbor_prefix_cache_hit_rate",
+            "gauge",
+            "Prefix cache hits over queries so far.",
+            format!(
+                "{:.6}",
+                if queried > 0 {
+                    hits as f64 / queried as f64
+                } else {
+                    0.0
+                }
+            ),
+        );
+        metric(
+            "arbor_prefix_cache_blocks",
+            "gauge",
+            "KV blocks whose contents the prefix cache holds (in use or idle).",
+            g(&self.prefix_cached_blocks).to_string(),
         );
         metric(
             "arbor_kv_usage_ratio",
@@ -274,7 +319,12 @@ mod tests {
         let s = Stats::default();
         s.set_gauges(3, 2, (5, 20));
         s.record_step(0.5, 10, 8, 2);
+        s.set_prefix(400, 100, 7);
         let t = s.render();
+        assert!(t.contains("arbor_prefix_cache_queries_total 400\n"), "{t}");
+        assert!(t.contains("arbor_prefix_cache_hits_total 100\n"), "{t}");
+        assert!(t.contains("arbor_prefix_cache_hit_rate 0.250000\n"), "{t}");
+        assert!(t.contains("arbor_prefix_cache_blocks 7\n"), "{t}");
         assert!(
             t.contains("# TYPE arbor_queue_depth gauge\narbor_queue_depth 3\n"),
             "{t}"

@@ -3,10 +3,10 @@
 //!
 //! One file per kernel family: device memory (memory.rs), the simple tree matmul
 //! (matmul.rs), norms, element-wise ops, gathers (embedding, row selection, column
-//! copies), per-row stats and top-k selection (row_stats.rs), the rows' KV map
-//! (row_meta.rs), RoPE and the KV write (rope_kv.rs), and attention.
+//! copies), per-row stats and top-k selection (row_stats.rs), the rows' map into the paged
+//! KV cache (row_meta.rs), RoPE and the KV write (rope_kv.rs), and attention over the
+//! paged cache (paged_attention.rs).
 
-mod attention;
 mod elementwise;
 mod gather;
 mod matmul;
@@ -24,7 +24,7 @@ use super::buf::DevBuf;
 use super::launch::Launch;
 use super::{CudaError, GpuDevice};
 
-pub use row_meta::{end_of, KvLayout, RowMeta};
+pub use row_meta::{row_bounds, RowMeta};
 pub use row_stats::{
     decode_row_stats, decode_top_k, row_stats_params, ROW_STATS_F32, ROW_STATS_U64, TOP_K_MAX,
 };

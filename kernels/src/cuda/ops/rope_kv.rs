@@ -1,16 +1,18 @@
-//! RoPE and the KV-cache write, alone and fused with the q/k/v split.
+//! RoPE and the paged KV-cache write, alone and fused with the q/k/v split.
 
-use super::{check, elementwise_cfg, i32_of, DevBf16, DevF32, KvLayout, RowMeta};
+use super::{check, elementwise_cfg, i32_of, DevBf16, DevF32, RowMeta};
 use crate::cuda::{CudaError, GpuDevice};
+use crate::paged::PagedKvLayout;
 
 impl GpuDevice {
-    /// Writes K and V rows (`[rows, width]`, rounded to bf16) at (slot, position) per row.
+    /// Writes K and V rows (`[rows, n_kv_heads·head_dim]`, rounded to bf16) into layer
+    /// `layer` of the paged cache, at each row's position in its table's block.
     #[allow(clippy::too_many_arguments)]
     pub fn kv_write(
         &self,
         kc: &mut DevBf16,
         vc: &mut DevBf16,
-        layout: KvLayout,
+        layout: PagedKvLayout,
         layer: usize,
         k: &DevF32,
         v: &DevF32,
@@ -19,6 +21,7 @@ impl GpuDevice {
         const K: &str = "kv_write_kernel";
         meta.check_cache(K, layout, layer)?;
         let rows = meta.rows;
+        let width = layout.n_kv_heads * layout.head_dim;
         check(
             K,
             kc.len() == layout.len() && vc.len() == layout.len(),
@@ -26,29 +29,29 @@ impl GpuDevice {
         )?;
         check(
             K,
-            k.len() == rows * layout.width && v.len() == rows * layout.width,
+            k.len() == rows * width && v.len() == rows * width,
             || {
                 format!(
-                    "k/v have {}/{} values, expected {rows}×{}",
+                    "k/v have {}/{} values, expected {rows}×{width}",
                     k.len(),
                     v.len(),
-                    layout.width
                 )
             },
         )?;
-        if rows == 0 || layout.width == 0 {
+        if rows == 0 || width == 0 {
             return Ok(());
         }
-        let (ds, dp) = (meta.slots, meta.positions);
-        let ri = rows as i32;
-        let wi = i32_of(K, "width", layout.width)?;
-        let li = layer as i32;
-        let si = i32_of(K, "slots", layout.slots)?;
-        let mi = i32_of(K, "max_len", layout.max_len)?;
+        let (dp, dt, tb) = (meta.positions, meta.table_off, meta.table);
+        let ri = i32_of(K, "rows", rows)?;
+        i32_of(K, "width", width)?;
+        let kvi = i32_of(K, "n_kv_heads", layout.n_kv_heads)?;
+        let di = i32_of(K, "head_dim", layout.head_dim)?;
+        let li = i32_of(K, "layer", layer)?;
+        let bi = i32_of(K, "blocks", layout.blocks)?;
         let mut b = self.launch(self.func(K)?);
-        b.out(kc).out(vc).arg(k).arg(v).arg(&ds).arg(&dp);
-        b.arg(&ri).arg(&wi).arg(&li).arg(&si).arg(&mi);
-        self.launched(K, unsafe { b.launch(elementwise_cfg(rows * layout.width)) })
+        b.out(kc).out(vc).arg(k).arg(v).arg(&dp).arg(&dt).arg(&tb);
+        b.arg(&ri).arg(&kvi).arg(&di).arg(&li).arg(&bi);
+        self.launched(K, unsafe { b.launch(elementwise_cfg(rows * width)) })
     }
 
     /// Rotates `x` (`[rows, n_heads·head_dim]`) in place; row r at position `row_pos[r]`.
@@ -107,7 +110,7 @@ impl GpuDevice {
     }
 
     /// The fused q/k/v output `qkv` (`[rows, (n_heads + 2·n_kv)·head_dim]`): returns q
-    /// rotated; writes k rotated and v into the cache at each row's (slot, position). The
+    /// rotated; writes k rotated and v into the paged cache at each row's position. The
     /// bits of `copy_cols`, `rope` and `kv_write`, in one launch. `cos`/`sin`:
     /// `[max_pos, head_dim / 2]`.
     #[allow(clippy::too_many_arguments)]
@@ -116,7 +119,7 @@ impl GpuDevice {
         qkv: &DevF32,
         kc: &mut DevBf16,
         vc: &mut DevBf16,
-        layout: KvLayout,
+        layout: PagedKvLayout,
         layer: usize,
         cos: &DevF32,
         sin: &DevF32,
@@ -132,12 +135,16 @@ impl GpuDevice {
         check(K, half > 0 && 2 * half == head_dim, || {
             format!("head_dim {head_dim} is not even")
         })?;
-        check(K, layout.width == n_kv * head_dim, || {
-            format!(
-                "cache width {} ≠ {n_kv} KV heads × {head_dim}",
-                layout.width
-            )
-        })?;
+        check(
+            K,
+            layout.n_kv_heads == n_kv && layout.head_dim == head_dim,
+            || {
+                format!(
+                    "a cache of {} KV heads of {} for {n_kv} KV heads of {head_dim}",
+                    layout.n_kv_heads, layout.head_dim
+                )
+            },
+        )?;
         check(
             K,
             qkv.len() == rows * (n_heads + 2 * n_kv) * head_dim,
@@ -161,32 +168,32 @@ impl GpuDevice {
         if rows == 0 {
             return Ok(q);
         }
-        let (ds, dp) = (meta.slots, meta.positions);
+        let (dp, dt, tb) = (meta.positions, meta.table_off, meta.table);
         let (ri, hi, kvi, di, hf) = (
-            rows as i32,
+            i32_of(K, "rows", rows)?,
             i32_of(K, "n_heads", n_heads)?,
             i32_of(K, "n_kv_heads", n_kv)?,
             i32_of(K, "head_dim", head_dim)?,
             half as i32,
         );
-        let (li, si, mi) = (
-            layer as i32,
-            i32_of(K, "slots", layout.slots)?,
-            i32_of(K, "max_len", layout.max_len)?,
+        let (li, bi) = (
+            i32_of(K, "layer", layer)?,
+            i32_of(K, "blocks", layout.blocks)?,
         );
         // Four values a thread where the rows allow 16-byte accesses (same bits).
         let per = if half.is_multiple_of(4) { 4 } else { 1 };
         let kernel = if per == 4 { "qkv_rope_kv4_kernel" } else { K };
         let mut b = self.launch(self.func(kernel)?);
         b.arg(qkv).out(&mut q).out(kc).out(vc).arg(cos).arg(sin);
-        b.arg(&ds)
-            .arg(&dp)
+        b.arg(&dp)
+            .arg(&dt)
+            .arg(&tb)
             .arg(&ri)
             .arg(&hi)
             .arg(&kvi)
             .arg(&di)
             .arg(&hf);
-        b.arg(&li).arg(&si).arg(&mi);
+        b.arg(&li).arg(&bi);
         let units = rows * (n_heads + 2 * n_kv) * (half / per);
         self.launched(K, unsafe { b.launch(elementwise_cfg(units)) })?;
         Ok(q)

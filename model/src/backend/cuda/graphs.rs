@@ -3,8 +3,12 @@
 //!
 //! A decode-shaped step (one new row per sequence, every row's logits) of n rows is padded
 //! to the bucket b ≥ n ([`bucket`]) with copies of row 0 (step.rs, `Padded`): every
-//! kernel is batch invariant, so the real rows' bits are those of the unpadded step. Per
-//! (bucket, top-k stride) on one KV cache, the first step runs eagerly with the device's
+//! kernel is batch invariant, so the real rows' bits are those of the unpadded step.
+//! Attention runs every row through the split decode kernel at a grid depth of a power of
+//! two of splits that covers the step's longest context (`AttnRouting::split_bucket`), so a
+//! recording serves while contexts grow up to it; its input buffer holds the block tables
+//! of that many splits for every row. Per (bucket, top-k stride, split bucket) on one KV
+//! cache, the first step runs eagerly with the device's
 //! allocations lent by its workspace (buf.rs), which grows every scratch buffer to what
 //! this shape needs; the second is captured into a graph that reads its inputs from a
 //! buffer of its own and writes its results into another; every later one is one upload,
@@ -54,11 +58,21 @@ pub fn enabled(var: Option<&str>) -> Result<bool, String> {
     }
 }
 
-/// One recorded shape: the padded batch and the top-k stride.
+/// One recorded shape: the padded batch, the top-k stride and the attention's split
+/// bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Key {
     pub rows: usize,
     pub stride: usize,
+    pub splits: usize,
+}
+
+impl Key {
+    /// Block-table words a step of this shape can need: every row's table up to its
+    /// split bucket's positions (one sequence per row; padding rows share row 0's).
+    pub fn table_capacity(&self) -> usize {
+        self.rows * self.splits * arbor_kernels::paged::ATTN_SPLIT_BLOCKS
+    }
 }
 
 pub enum State {
@@ -66,7 +80,7 @@ pub enum State {
     New,
     /// Run once: the next step of this shape is captured.
     Warm,
-    /// `limits`: the (slots, positions) bounds its ops were checked against at capture; a
+    /// `limits`: the (positions, blocks) bounds its ops were checked against at capture; a
     /// step whose rows reach beyond them runs eagerly (and is checked there).
     Recorded {
         graph: CudaGraph,

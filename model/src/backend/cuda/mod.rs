@@ -35,7 +35,7 @@ use arbor_kernels::cuda::cublas::Blas;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
 
 use super::{
-    BResult, Backend, BackendError, HeadSpec, KvSpec, SeqRows, StepForward, StepInputs,
+    BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, SeqRows, StepForward, StepInputs,
     StepResults, TreeSpec, WantRow,
 };
 use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
@@ -480,7 +480,7 @@ impl Backend for CudaBackend {
         n_heads: usize,
         table: &RopeTable,
     ) -> BResult<()> {
-        let meta = self.step_meta(seqs, x.rows)?;
+        let meta = self.step_meta(seqs, None, x.rows)?;
         let meta = self.meta_of(&meta)?;
         self.timed("rope", x.rows, || {
             self.rope_untimed(x, meta, n_heads, table)
@@ -525,7 +525,7 @@ impl Backend for CudaBackend {
         qkv: &CudaAct,
         cache: &mut CudaKv,
         layer: usize,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         heads: HeadSpec,
         table: &RopeTable,
     ) -> BResult<CudaAct> {
@@ -533,10 +533,10 @@ impl Backend for CudaBackend {
         if table.head_dim != hd || !hd.is_multiple_of(2) {
             // The fused kernel rotates whole heads; anything else takes the four ops.
             return crate::backend::qkv_rope_kv_unfused(
-                self, qkv, cache, layer, seqs, heads, table,
+                self, qkv, cache, layer, rows, heads, table,
             );
         }
-        let meta = self.step_meta(seqs, qkv.rows)?;
+        let meta = self.step_meta(rows.seqs, Some(rows.table), qkv.rows)?;
         let meta = self.meta_of(&meta)?;
         let tables = self.rope_tables(table)?;
         let Some(t) = tables.as_ref() else {
@@ -574,9 +574,9 @@ impl Backend for CudaBackend {
         layer: usize,
         k: &CudaAct,
         v: &CudaAct,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
     ) -> BResult<()> {
-        let meta = self.step_meta(seqs, k.rows)?;
+        let meta = self.step_meta(rows.seqs, Some(rows.table), k.rows)?;
         let meta = self.meta_of(&meta)?;
         self.timed("kv_write", k.rows, || {
             self.kv_write_untimed(cache, layer, k, v, meta)
@@ -588,14 +588,41 @@ impl Backend for CudaBackend {
         q: &CudaAct,
         cache: &CudaKv,
         layer: usize,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
         heads: HeadSpec,
     ) -> BResult<CudaAct> {
-        let meta = self.step_meta(seqs, q.rows)?;
-        let meta = self.meta_of(&meta)?;
+        let mut meta = self.step_meta(rows.seqs, Some(rows.table), q.rows)?;
+        let meta = meta
+            .as_mut()
+            .ok_or_else(|| self.shape_err("row map missing after upload".into()))?;
         self.timed("attention", q.rows, || {
             self.attention_untimed(q, cache, layer, meta, heads)
         })
+    }
+
+    fn min_over_ranks(&self, value: u64) -> BResult<u64> {
+        if self.comm.world_size() == 1 {
+            return Ok(value);
+        }
+        let rank = self.comm.rank();
+        let all = self
+            .comm
+            .all_gather_u64(value)
+            .map_err(|source| BackendError::Collective { rank, source })?;
+        Ok(all.into_iter().min().unwrap_or(value))
+    }
+
+    fn free_device_memory(&self) -> BResult<Option<u64>> {
+        // Stream-ordered frees (the load's temporaries) go back to the driver at a
+        // synchronisation: measure after it.
+        self.dev.synchronize().map_err(|e| self.dev_err(e))?;
+        let (free, _total) = self
+            .dev
+            .ctx
+            .mem_get_info()
+            .map_err(|e| self.dev_err_msg("querying free device memory", e))?;
+        // Ranks sharing the GPU plan for their share of it each.
+        Ok(Some(free as u64 / self.slot.ranks_on_device.max(1) as u64))
     }
 
     fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {
@@ -621,9 +648,16 @@ impl Backend for CudaBackend {
         want_row: &WantRow<'_>,
     ) -> BResult<StepResults> {
         let key = if self.records_steps() && inputs.is_decode_shaped() {
+            let pos_end = inputs
+                .seqs
+                .iter()
+                .map(|s| s.pos0 + s.len)
+                .max()
+                .unwrap_or(0);
             graphs::bucket(inputs.ids.len()).map(|rows| Key {
                 rows,
                 stride: step::stride_for(inputs.ks),
+                splits: arbor_kernels::cuda::paged_attention::AttnRouting::split_bucket(pos_end),
             })
         } else {
             None

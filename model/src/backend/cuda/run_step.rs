@@ -12,24 +12,50 @@ use super::graphs::{Entry, Key, State};
 use super::step::{self, InLayout, OutLayout, Padded, StepMeta};
 use super::{CudaAct, CudaBackend};
 use crate::backend::{
-    wanted_rows, BResult, SeqRows, StepForward, StepInputs, StepResults, WantRow,
+    wanted_rows, BResult, KvRows, SeqRows, StepForward, StepInputs, StepResults, WantRow,
 };
 
 impl CudaBackend {
     /// The device row map of this batch: the current step's when the batch is the one
-    /// `run_step` uploaded, else uploaded now (an op called outside `run_step`).
+    /// `run_step` uploaded, else uploaded now (an op called outside `run_step`). `table`:
+    /// the rows' block tables, `None` for an op that reads positions only (RoPE), which
+    /// takes any row map of these rows.
     pub(super) fn step_meta(
         &self,
         seqs: &[SeqRows],
+        table: Option<&[u32]>,
         rows: usize,
     ) -> BResult<std::sync::MutexGuard<'_, Option<StepMeta>>> {
         let mut guard = self.meta.lock().unwrap_or_else(|e| e.into_inner());
-        let fresh = matches!(guard.as_ref(), Some(m) if m.rows == rows && m.seqs == seqs);
+        let fresh = matches!(guard.as_ref(), Some(m) if m.rows == rows
+            && m.seqs == seqs
+            && table.is_none_or(|t| m.table.as_deref() == Some(t)));
         if !fresh {
-            let layout = InLayout { rows, outs: 0 };
+            // Without tables (RoPE alone): every sequence's table is block 0, enough for
+            // the row map's checks; an op that writes or reads the cache uploads the real
+            // ones.
+            let zeros;
+            let t = match table {
+                Some(t) => t,
+                None => {
+                    let n = seqs
+                        .iter()
+                        .map(|s| s.table0 + arbor_kernels::paged::blocks_for(s.pos0 + s.len))
+                        .max()
+                        .unwrap_or(0);
+                    zeros = vec![0u32; n];
+                    &zeros
+                }
+            };
+            let kv = KvRows { seqs, table: t };
+            let layout = InLayout {
+                rows,
+                outs: 0,
+                table: t.len(),
+            };
             let mut words = vec![0u32; layout.words()];
             let ends =
-                step::fill_row_map(&mut words, layout, seqs).map_err(|msg| self.shape_err(msg))?;
+                step::fill_row_map(&mut words, layout, kv).map_err(|msg| self.shape_err(msg))?;
             let buf = self.timed("upload row map", rows, || {
                 self.dev.upload_u32(&words).map_err(|e| self.dev_err(e))
             })?;
@@ -37,11 +63,12 @@ impl CudaBackend {
             *guard = Some(StepMeta::new(
                 &self.dev.stream,
                 Vec::new(),
-                seqs,
+                kv,
+                table.is_some(),
                 layout,
                 Arc::new(buf),
                 ends,
-                false,
+                None,
             ));
         }
         Ok(guard)
@@ -61,11 +88,12 @@ impl CudaBackend {
 
     /// Uploads a step's inputs (one copy into a new buffer) and makes them current.
     fn upload_step(&self, inputs: &StepInputs<'_>) -> BResult<InLayout> {
-        let (words, slot_end, pos_end) =
+        let (words, pos_end, block_end) =
             step::pack_inputs(inputs).map_err(|m| self.shape_err(m))?;
         let layout = InLayout {
             rows: inputs.ids.len(),
             outs: inputs.out_rows.len(),
+            table: inputs.table.len(),
         };
         let buf = self.timed("upload step", layout.rows, || {
             self.dev.upload_u32(&words).map_err(|e| self.dev_err(e))
@@ -73,11 +101,12 @@ impl CudaBackend {
         self.set_meta(StepMeta::new(
             &self.dev.stream,
             inputs.ids.to_vec(),
-            inputs.seqs,
+            inputs.kv_rows(),
+            true,
             layout,
             Arc::new(buf),
-            (slot_end, pos_end),
-            false,
+            (pos_end, block_end),
+            None,
         ));
         Ok(layout)
     }
@@ -227,11 +256,17 @@ impl CudaBackend {
         let n = inputs.ids.len();
         let padded = Padded::new(inputs, key.rows).map_err(|m| self.shape_err(m))?;
         let pin = padded.inputs(inputs);
-        let (words, slot_end, pos_end) = step::pack_inputs(&pin).map_err(|m| self.shape_err(m))?;
+        let (words, pos_end, block_end) = step::pack_inputs(&pin).map_err(|m| self.shape_err(m))?;
         let layout = InLayout {
             rows: key.rows,
             outs: key.rows,
+            table: key.table_capacity(),
         };
+        if pin.table.len() > layout.table {
+            // More table than this shape holds (tables longer than the rows need): run it
+            // op by op, where it is checked.
+            return self.step_eager(inputs, forward, want_row);
+        }
         let ol = OutLayout {
             outs: key.rows,
             stride: key.stride,
@@ -249,8 +284,9 @@ impl CudaBackend {
             })
             .map_err(|m| self.shape_err(m))?;
         let s = &self.dev.stream;
-        // SAFETY: the entry's input buffer holds the layout's words; stream-ordered after
-        // every earlier step that read it.
+        // SAFETY: the entry's input buffer holds the layout's words, of which `words` are
+        // the first (their tables within the capacity, checked above); stream-ordered
+        // after every earlier step that read it.
         unsafe { self.dev.write_raw(dev_ptr(&entry.inputs, s), &words) }
             .map_err(|e| self.dev_err(e))?;
         // The current meta may describe this buffer's old contents (the step that was
@@ -259,7 +295,7 @@ impl CudaBackend {
         let (mut replayed, mut recorded) = (false, false);
         match &entry.state {
             State::Recorded { graph, limits } => {
-                if slot_end > limits.0 || pos_end > limits.1 {
+                if pos_end > limits.0 || block_end > limits.1 {
                     // Beyond what the recording's ops were checked for: run (and check)
                     // this step op by op.
                     drop(graphs);
@@ -279,11 +315,12 @@ impl CudaBackend {
                 self.set_meta(StepMeta::new(
                     s,
                     padded.ids.clone(),
-                    &padded.seqs,
+                    pin.kv_rows(),
+                    true,
                     layout,
                     entry.inputs.clone(),
-                    (slot_end, pos_end),
-                    true,
+                    (pos_end, block_end),
+                    Some(key.splits),
                 ));
                 let scope = self.dev.workspace.scope();
                 if capture {
@@ -324,6 +361,7 @@ impl CudaBackend {
                                 rank = self.comm.rank(),
                                 rows = key.rows,
                                 stride = key.stride,
+                                splits = key.splits,
                                 "decode step recorded"
                             );
                             entry.state = State::Recorded { graph, limits };

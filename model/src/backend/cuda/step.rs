@@ -1,8 +1,11 @@
 //! A step's inputs and outputs on the device: one upload before the step, one download
 //! after it (docs/engine.md, "The device-resident step").
 //!
-//! Inputs, as u32 words: `[ids; R] [slots; R] [positions; R] [ks; O] (pad) [params; 6·O]`
-//! (R rows, O output rows; the row-stats parameters are 3 u64 per row, 8-byte aligned).
+//! Inputs, as u32 words: `[ids; R] [positions; R] [table offsets; R] [ks; O] (pad)
+//! [params; 6·O] [block tables; T]` (R rows, O output rows; the row-stats parameters are 3
+//! u64 per row, 8-byte aligned; the sequences' block tables concatenated, each row's table
+//! offset pointing at its sequence's, last so that a recorded step's buffer can hold longer
+//! tables than the step that recorded it).
 //! Outputs: `[stats f32; 4·O] [stats u64; 3·O as 6·O words] [counts; O] [indices; O·S]
 //! [values; O·S]` (S: the top-k stride, 0 when no row asks for candidates).
 //!
@@ -12,12 +15,14 @@
 use std::sync::Arc;
 
 use arbor_kernels::cuda::ops::{
-    decode_row_stats, decode_top_k, dev_ptr, end_of, row_stats_params, ROW_STATS_F32, ROW_STATS_U64,
+    decode_row_stats, decode_top_k, dev_ptr, row_bounds, row_stats_params, ROW_STATS_F32,
+    ROW_STATS_U64,
 };
+use arbor_kernels::cuda::paged_attention::AttnRouting;
 use arbor_kernels::cuda::{DevU32, RowMeta};
 use cudarc::driver::CudaStream;
 
-use crate::backend::{SeqRows, StepInputs, StepResults};
+use crate::backend::{KvRows, SeqRows, StepInputs, StepResults};
 use crate::sampling::RowDraw;
 
 /// Where each part of a step's input words lies.
@@ -25,16 +30,18 @@ use crate::sampling::RowDraw;
 pub struct InLayout {
     pub rows: usize,
     pub outs: usize,
+    /// Block-table words the buffer holds (a recorded step's: its capacity).
+    pub table: usize,
 }
 
 impl InLayout {
     pub fn ids(&self) -> usize {
         0
     }
-    pub fn slots(&self) -> usize {
+    pub fn positions(&self) -> usize {
         self.rows
     }
-    pub fn positions(&self) -> usize {
+    pub fn table_offs(&self) -> usize {
         2 * self.rows
     }
     pub fn ks(&self) -> usize {
@@ -44,8 +51,13 @@ impl InLayout {
     pub fn params(&self) -> usize {
         (3 * self.rows + self.outs).next_multiple_of(2)
     }
-    pub fn words(&self) -> usize {
+    /// Word offset of the block tables (after everything else: it does not move with
+    /// their length).
+    pub fn tables(&self) -> usize {
         self.params() + 2 * ROW_STATS_U64 * self.outs
+    }
+    pub fn words(&self) -> usize {
+        self.tables() + self.table
     }
 }
 
@@ -93,8 +105,8 @@ pub fn stride_for(ks: &[usize]) -> usize {
     }
 }
 
-/// The input words of a step (see the module comment), and one past its largest slot and
-/// position.
+/// The input words of a step (see the module comment; its tables exactly), and one past
+/// its largest position and block id.
 pub fn pack_inputs(inputs: &StepInputs<'_>) -> Result<(Vec<u32>, usize, usize), String> {
     let rows = inputs.ids.len();
     let outs = inputs.out_rows.len();
@@ -109,10 +121,14 @@ pub fn pack_inputs(inputs: &StepInputs<'_>) -> Result<(Vec<u32>, usize, usize), 
     if let Some(&r) = inputs.out_rows.iter().find(|&&r| r >= rows) {
         return Err(format!("output row {r} of a step of {rows} rows"));
     }
-    let l = InLayout { rows, outs };
+    let l = InLayout {
+        rows,
+        outs,
+        table: inputs.table.len(),
+    };
     let mut w = vec![0u32; l.words()];
     w[..rows].copy_from_slice(inputs.ids);
-    let ends = fill_row_map(&mut w, l, inputs.seqs)?;
+    let ends = fill_row_map(&mut w, l, inputs.kv_rows())?;
     for (d, &k) in w[l.ks()..l.ks() + outs].iter_mut().zip(inputs.ks) {
         *d = u32::try_from(k).map_err(|_| format!("top-k {k} out of range"))?;
     }
@@ -126,24 +142,34 @@ pub fn pack_inputs(inputs: &StepInputs<'_>) -> Result<(Vec<u32>, usize, usize), 
     Ok((w, ends.0, ends.1))
 }
 
-/// Writes the row map of `seqs` (layout `l`'s rows) into its slots and positions of `w`;
-/// returns one past the largest slot and position.
+/// Writes the row map of `rows` (layout `l`'s rows) into its positions, table offsets and
+/// tables of `w` (which holds `l.words()`; the tables must fit `l.table`); returns one past
+/// the largest position and block id, after checking that every row's table covers it.
 pub fn fill_row_map(
     w: &mut [u32],
     l: InLayout,
-    seqs: &[SeqRows],
+    rows: KvRows<'_>,
 ) -> Result<(usize, usize), String> {
-    let (slots, pos) = row_map(seqs, l.rows)?;
-    w[l.slots()..l.slots() + l.rows].copy_from_slice(&slots);
+    let (pos, toff) = row_map(rows.seqs, l.rows)?;
+    if rows.table.len() > l.table {
+        return Err(format!(
+            "{} block-table entries for a buffer of {}",
+            rows.table.len(),
+            l.table
+        ));
+    }
+    let ends = row_bounds(&pos, &toff, rows.table)?;
     w[l.positions()..l.positions() + l.rows].copy_from_slice(&pos);
-    Ok((end_of(&slots), end_of(&pos)))
+    w[l.table_offs()..l.table_offs() + l.rows].copy_from_slice(&toff);
+    w[l.tables()..l.tables() + rows.table.len()].copy_from_slice(rows.table);
+    Ok(ends)
 }
 
-/// Per-row (slot, position) of a ragged batch of `rows` rows; every row must belong to
-/// exactly one sequence.
+/// Per-row (position, table offset) of a ragged batch of `rows` rows; every row must
+/// belong to exactly one sequence.
 pub fn row_map(seqs: &[SeqRows], rows: usize) -> Result<(Vec<u32>, Vec<u32>), String> {
-    let mut slot = vec![u32::MAX; rows];
     let mut pos = vec![u32::MAX; rows];
+    let mut toff = vec![u32::MAX; rows];
     for s in seqs {
         let end = s
             .row0
@@ -151,38 +177,44 @@ pub fn row_map(seqs: &[SeqRows], rows: usize) -> Result<(Vec<u32>, Vec<u32>), St
             .filter(|&e| e <= rows)
             .ok_or_else(|| {
                 format!(
-                    "sequence in slot {} covers rows {}..{}+{} of a batch of {rows} rows",
-                    s.slot, s.row0, s.row0, s.len
+                    "a sequence covers rows {}..{}+{} of a batch of {rows} rows",
+                    s.row0, s.row0, s.len
                 )
             })?;
         for (i, r) in (s.row0..end).enumerate() {
-            if slot[r] != u32::MAX {
+            if toff[r] != u32::MAX {
                 return Err(format!("row {r} belongs to two sequences"));
             }
             let p = s.pos0 + i;
-            match (u32::try_from(s.slot), u32::try_from(p)) {
-                (Ok(a), Ok(b)) if a != u32::MAX => {
-                    slot[r] = a;
-                    pos[r] = b;
+            match (u32::try_from(p), u32::try_from(s.table0)) {
+                (Ok(a), Ok(b)) if a != u32::MAX && b != u32::MAX => {
+                    pos[r] = a;
+                    toff[r] = b;
                 }
-                _ => return Err(format!("slot {} / position {p} out of range", s.slot)),
+                _ => {
+                    return Err(format!(
+                        "position {p} / table offset {} out of range",
+                        s.table0
+                    ))
+                }
             }
         }
     }
-    if let Some(r) = slot.iter().position(|&s| s == u32::MAX) {
+    if let Some(r) = toff.iter().position(|&t| t == u32::MAX) {
         return Err(format!("row {r} belongs to no sequence"));
     }
-    Ok((slot, pos))
+    Ok((pos, toff))
 }
 
 /// A decode-shaped step (`StepInputs::is_decode_shaped`) of `n` rows padded to `to`
-/// rows: every padding row is a copy of row 0 (same token, slot and position). Each row's
-/// arithmetic is independent of the others, so a copy computes row 0's bits and writes
-/// row 0's K and V, identical bytes to the same place: the cache is unchanged by it.
-/// Padding rows draw nothing, report no pick and select no candidates.
+/// rows: every padding row is a copy of row 0 (same token, position and block table).
+/// Each row's arithmetic is independent of the others, so a copy computes row 0's bits
+/// and writes row 0's K and V, identical bytes to the same place: the cache is unchanged
+/// by it. Padding rows draw nothing, report no pick and select no candidates.
 pub struct Padded {
     pub ids: Vec<u32>,
     pub seqs: Vec<SeqRows>,
+    pub table: Vec<u32>,
     pub out_rows: Vec<usize>,
     pub pick: Vec<u32>,
     pub draws: Vec<RowDraw>,
@@ -213,6 +245,7 @@ impl Padded {
         Ok(Padded {
             ids: pad(inputs.ids, inputs.ids[0]),
             seqs,
+            table: inputs.table.to_vec(),
             out_rows: (0..to).collect(),
             pick: pad(inputs.pick, u32::MAX),
             draws,
@@ -224,6 +257,7 @@ impl Padded {
         StepInputs {
             ids: &self.ids,
             seqs: &self.seqs,
+            table: &self.table,
             out_rows: &self.out_rows,
             pick: &self.pick,
             draws: &self.draws,
@@ -283,44 +317,58 @@ pub fn decode_outputs(words: &[u32], l: OutLayout, keep: usize) -> Result<StepRe
 pub struct StepMeta {
     pub ids: Vec<u32>,
     pub seqs: Vec<SeqRows>,
+    /// The block tables (`None`: a row map made for RoPE alone, without the tables).
+    pub table: Option<Vec<u32>>,
     pub rows: usize,
     pub layout: InLayout,
     pub buf: Arc<DevU32>,
     pub meta: RowMeta,
+    /// A recorded decode step's split bucket: attention runs every row through the
+    /// decode kernel at this grid depth (`AttnRouting::split_bucket`).
+    pub split_bucket: Option<usize>,
+    /// Which rows which attention kernel computes, made by the first attention of the step.
+    pub routing: Option<AttnRouting>,
 }
 
 impl StepMeta {
-    /// Over `buf`, which holds the words of `pack_inputs` (ids first when `ids` is given).
+    /// Over `buf`, which holds the words of `pack_inputs` (ids first when `ids` is given);
+    /// `ends`: one past the largest position and block id (`fill_row_map`'s check).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         stream: &CudaStream,
         ids: Vec<u32>,
-        seqs: &[SeqRows],
+        rows: KvRows<'_>,
+        has_table: bool,
         layout: InLayout,
         buf: Arc<DevU32>,
         ends: (usize, usize),
-        fixed_shape: bool,
+        split_bucket: Option<usize>,
     ) -> Self {
         let base = dev_ptr(&buf, stream);
         let at = |w: usize| base + 4 * w as u64;
-        // SAFETY: `buf` holds the layout's words (the caller uploaded them), and the meta
+        // SAFETY: `buf` holds the layout's words, written by `fill_row_map`, which checked
+        // that every row's table lies in the tables and that `ends` bound them; the meta
         // keeps `buf` alive.
         let meta = unsafe {
             RowMeta::from_device(
-                at(layout.slots()),
                 at(layout.positions()),
+                at(layout.table_offs()),
+                at(layout.tables()),
                 layout.rows,
                 ends.0,
                 ends.1,
-                fixed_shape,
             )
         };
         StepMeta {
             ids,
-            seqs: seqs.to_vec(),
+            seqs: rows.seqs.to_vec(),
+            table: has_table.then(|| rows.table.to_vec()),
             rows: layout.rows,
             layout,
             buf,
             meta,
+            split_bucket,
+            routing: None,
         }
     }
 
@@ -334,19 +382,19 @@ impl StepMeta {
 mod tests {
     use super::*;
 
-    fn seq(slot: usize, row0: usize, len: usize, pos0: usize) -> SeqRows {
+    fn seq(table0: usize, row0: usize, len: usize, pos0: usize) -> SeqRows {
         SeqRows {
-            slot,
             row0,
             len,
             pos0,
+            table0,
         }
     }
 
     #[test]
-    fn row_map_maps_each_row_to_its_slot_and_position() {
-        let (slot, pos) = row_map(&[seq(2, 0, 3, 5), seq(0, 3, 1, 0)], 4).unwrap();
-        assert_eq!(slot, [2, 2, 2, 0]);
+    fn row_map_maps_each_row_to_its_position_and_table() {
+        let (pos, toff) = row_map(&[seq(2, 0, 3, 5), seq(0, 3, 1, 0)], 4).unwrap();
+        assert_eq!(toff, [2, 2, 2, 0]);
         assert_eq!(pos, [5, 6, 7, 0]);
     }
 
@@ -375,6 +423,7 @@ mod tests {
         StepInputs {
             ids,
             seqs,
+            table: &[7, 8, 9, 5, 6, 70, 71],
             out_rows,
             pick,
             draws,
@@ -404,15 +453,21 @@ mod tests {
             &draws,
             &[0, 3, 8],
         );
-        let (w, slot_end, pos_end) = pack_inputs(&s).unwrap();
-        let l = InLayout { rows: 3, outs: 3 };
+        let (w, pos_end, block_end) = pack_inputs(&s).unwrap();
+        let l = InLayout {
+            rows: 3,
+            outs: 3,
+            table: 7,
+        };
         assert_eq!(w.len(), l.words());
         assert_eq!(l.params() % 2, 0);
         assert_eq!(&w[l.ids()..l.ids() + 3], &[11, 12, 13]);
-        assert_eq!(&w[l.slots()..l.slots() + 3], &[4, 1, 2]);
+        assert_eq!(&w[l.table_offs()..l.table_offs() + 3], &[4, 1, 2]);
         assert_eq!(&w[l.positions()..l.positions() + 3], &[9, 3, 0]);
         assert_eq!(&w[l.ks()..l.ks() + 3], &[0, 3, 8]);
-        assert_eq!((slot_end, pos_end), (5, 10));
+        assert_eq!(&w[l.tables()..], &[7, 8, 9, 5, 6, 70, 71]);
+        // Blocks 6, 8 and 9 are the rows'; 70 and 71 belong to none.
+        assert_eq!((pos_end, block_end), (10, 10));
         let u = |j: usize| w[l.params() + 2 * j] as u64 | (w[l.params() + 2 * j + 1] as u64) << 32;
         let want = row_stats_params(s.pick, s.draws);
         assert_eq!((0..9).map(u).collect::<Vec<_>>(), want);
@@ -424,6 +479,12 @@ mod tests {
         assert!(pack_inputs(&bad).unwrap_err().contains("0 picks"));
         let bad = decode_step(&[1], &seqs[..1], &[1], &[0], &[RowDraw::None], &[0]);
         assert!(pack_inputs(&bad).unwrap_err().contains("output row 1"));
+        // A table that does not cover a row is named.
+        let far = [seq(6, 0, 1, 64)];
+        let bad = decode_step(&[1], &far, &[0], &[0], &[RowDraw::None], &[0]);
+        assert!(pack_inputs(&bad)
+            .unwrap_err()
+            .contains("needs block-table entries 6..8, the step has 7"));
     }
 
     #[test]
@@ -443,10 +504,15 @@ mod tests {
         assert_eq!(p.ks, [4, 0, 0, 0]);
         let padded = p.inputs(&s);
         assert!(padded.is_decode_shaped());
-        let (w, slot_end, pos_end) = pack_inputs(&padded).unwrap();
-        assert_eq!((slot_end, pos_end), (4, 18));
-        let l = InLayout { rows: 4, outs: 4 };
-        assert_eq!(&w[l.slots()..l.slots() + 4], &[3, 0, 3, 3]);
+        let (w, pos_end, block_end) = pack_inputs(&padded).unwrap();
+        assert_eq!((pos_end, block_end), (18, 8));
+        let l = InLayout {
+            rows: 4,
+            outs: 4,
+            table: 7,
+        };
+        assert_eq!(&w[l.table_offs()..l.table_offs() + 4], &[3, 0, 3, 3]);
+        assert_eq!(&w[l.positions()..l.positions() + 4], &[17, 4, 17, 17]);
         // Not decode-shaped (a prefill chunk): refused.
         let chunk = [seq(0, 0, 2, 0)];
         let pre = decode_step(&[1, 2], &chunk, &[1], &[0], &[RowDraw::None], &[0]);

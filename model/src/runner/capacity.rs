@@ -1,0 +1,312 @@
+//! How many KV blocks a rank's cache gets: from free GPU memory (after the weights) times
+//! `gpu_memory_utilization`, less what a step still needs beside the cache; from a host
+//! memory budget on the CPU; or as given (`--kv-blocks`). Every rank takes the smallest
+//! of the ranks' numbers (the plan names block ids, the same on every rank).
+
+use arbor_kernels::paged::{splits_of, KV_BLOCK};
+
+use crate::config::ModelConfig;
+use crate::engine::scheduler::{DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
+use crate::forward::HeadPlan;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// How the KV cache is sized.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvOptions {
+    /// Exactly this many blocks (overrides the memory-based sizing).
+    pub blocks: Option<usize>,
+    /// CUDA: the fraction of the device memory free after loading the weights that the
+    /// cache and the steps' working memory may use.
+    pub gpu_memory_utilization: f64,
+    /// CPU: GiB of host memory for the cache (its pages are touched only as blocks fill);
+    /// `None`: [`default_cpu_cache_bytes`].
+    pub cpu_cache_gib: Option<f64>,
+    /// Most rows and most logits rows in one step: the working memory kept beside the cache.
+    pub step_tokens: usize,
+    pub step_outputs: usize,
+    /// Share full blocks between sequences with the same tokens up to them (`generate` and
+    /// `score`; a serving session's scheduler has its own flag).
+    pub prefix_cache: bool,
+}
+
+pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+/// The CPU cache's size by default: at most this, and at most half of the host's
+/// available memory shared by the ranks on the host.
+pub const DEFAULT_CPU_CACHE_GIB: f64 = 4.0;
+
+/// Memory the OS says new allocations can have (Linux MemAvailable), in bytes.
+pub fn host_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Ranks on this host (`LOCAL_WORLD_SIZE`, else 1).
+pub fn local_ranks() -> usize {
+    std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1)
+}
+
+/// The CPU cache's bytes per rank when no size is given: [`DEFAULT_CPU_CACHE_GIB`], or half
+/// of `available` (the host's) split over `local` ranks where that is less.
+pub fn default_cpu_cache_bytes(available: Option<u64>, local: usize) -> u64 {
+    let cap = (DEFAULT_CPU_CACHE_GIB * GIB) as u64;
+    match available {
+        Some(a) => cap.min(a / 2 / local.max(1) as u64),
+        None => cap,
+    }
+}
+
+impl Default for KvOptions {
+    fn default() -> Self {
+        KvOptions {
+            blocks: None,
+            gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
+            cpu_cache_gib: None,
+            step_tokens: DEFAULT_STEP_TOKENS,
+            step_outputs: DEFAULT_STEP_OUTPUTS,
+            prefix_cache: true,
+        }
+    }
+}
+
+impl KvOptions {
+    /// The options' own limits, named.
+    pub fn validate(&self) -> Result<(), String> {
+        let u = self.gpu_memory_utilization;
+        if !(u.is_finite() && u > 0.0 && u <= 1.0) {
+            return Err(format!("gpu_memory_utilization {u} must be in (0, 1]"));
+        }
+        if let Some(g) = self.cpu_cache_gib {
+            if !(g.is_finite() && g > 0.0) {
+                return Err(format!("the CPU KV cache size {g} GiB must be above 0"));
+            }
+        }
+        if self.blocks == Some(0) {
+            return Err("a KV cache of 0 blocks holds nothing".into());
+        }
+        if self.step_tokens == 0 || self.step_outputs == 0 {
+            return Err(format!(
+                "step tokens {} and step outputs {} must be at least 1",
+                self.step_tokens, self.step_outputs
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The cache a rank made, as every rank made it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvCapacity {
+    pub blocks: usize,
+    /// Bytes of one block on this rank: K and V of every layer (and of a shadow's).
+    pub bytes_per_block: usize,
+    /// The longest sequence (prompt + generated): the model's context limit, at most
+    /// what the cache holds.
+    pub max_seq_len: usize,
+    /// How the size was chosen, for the log.
+    pub source: String,
+}
+
+impl KvCapacity {
+    /// Positions the cache holds.
+    pub fn tokens(&self) -> usize {
+        self.blocks * KV_BLOCK
+    }
+
+    /// Bytes of the cache on this rank.
+    pub fn bytes(&self) -> usize {
+        self.blocks * self.bytes_per_block
+    }
+
+    pub fn gib(&self) -> f64 {
+        self.bytes() as f64 / GIB
+    }
+}
+
+/// The blocks this rank can hold (before the ranks agree on the smallest) and how that
+/// was chosen. `free`: device memory free now (None: the cache is in host memory, of
+/// `cpu_default` bytes unless the options say); `reserve`: bytes a step still needs beside
+/// the cache.
+pub fn blocks_that_fit(
+    opts: &KvOptions,
+    free: Option<u64>,
+    cpu_default: u64,
+    bytes_per_block: usize,
+    reserve: u64,
+) -> Result<(usize, String), String> {
+    if let Some(n) = opts.blocks {
+        return Ok((n, format!("--kv-blocks {n}")));
+    }
+    let bpb = bytes_per_block.max(1) as f64;
+    match free {
+        Some(free) => {
+            let budget = free as f64 * opts.gpu_memory_utilization - reserve as f64;
+            let n = (budget / bpb).floor();
+            if n < 1.0 {
+                return Err(format!(
+                    "no GPU memory left for the KV cache: {:.2} GiB free × {} − {:.2} GiB for a step's working memory is below one block of {:.2} MiB (lower --max-num-batched-tokens, raise --gpu-memory-utilization, or use more GPUs)",
+                    free as f64 / GIB,
+                    opts.gpu_memory_utilization,
+                    reserve as f64 / GIB,
+                    bpb / (1u64 << 20) as f64
+                ));
+            }
+            Ok((
+                n.min(u32::MAX as f64) as usize,
+                format!(
+                    "{:.0}% of {:.2} GiB free, less {:.2} GiB for the steps",
+                    100.0 * opts.gpu_memory_utilization,
+                    free as f64 / GIB,
+                    reserve as f64 / GIB
+                ),
+            ))
+        }
+        None => {
+            let (bytes, why) = match opts.cpu_cache_gib {
+                Some(g) => (g * GIB, format!("--kv-cache-gib {g}")),
+                None => (
+                    cpu_default as f64,
+                    format!("the default --kv-cache-gib {:.2}", cpu_default as f64 / GIB),
+                ),
+            };
+            let n = (bytes / bpb).floor();
+            if n < 1.0 {
+                return Err(format!(
+                    "{why} is below one KV block ({:.3} MiB)",
+                    bpb / (1u64 << 20) as f64
+                ));
+            }
+            Ok((n.min(u32::MAX as f64) as usize, why))
+        }
+    }
+}
+
+/// Headroom beside the estimate below: CUDA graphs, NCCL and cuBLAS buffers, allocator
+/// slack.
+const FIXED_RESERVE: u64 = 1 << 30;
+/// Decode rows of a recorded step, at most (the CUDA backend's largest graph bucket).
+const DECODE_ROWS: usize = 256;
+
+/// An upper estimate of the device memory one step of `opts.step_tokens` rows (and
+/// `opts.step_outputs` logits rows) allocates beside the KV cache on one rank of TP `tp`,
+/// with contexts up to `max_seq_len`: activations of a layer (f32 and their bf16 copies,
+/// the all-reduce's gathered partials, the GEMMs' bf16 inputs), the logits, the split
+/// attention's partial states of a full decode step, and a fixed headroom.
+pub fn step_reserve_bytes(
+    cfg: &ModelConfig,
+    heads: &HeadPlan,
+    tp: usize,
+    opts: &KvOptions,
+    max_seq_len: usize,
+) -> u64 {
+    let h = cfg.hidden_size;
+    let hd = cfg.head_dim;
+    let q = heads.n_heads * hd;
+    let kv = heads.n_kv_heads * hd;
+    let inter = cfg.intermediate_size.div_ceil(tp);
+    let widest = h.max(q + 2 * kv).max(2 * inter);
+    // f32 values alive per row at the peak of a layer, doubled for what the allocator
+    // has not reused yet: the residual, norms, q/k/v, attention, o and down with their
+    // gathered partials, gate/up and SiLU·mul; then bf16 copies and a GEMM's input.
+    let f32_per_row = 2 * (4 * h + 2 * tp * h + 2 * (q + 2 * kv) + 2 * q + 3 * inter);
+    let bf16_per_row = 2 * h + q + inter + widest;
+    let rows = opts.step_tokens as u64;
+    let acts = rows * (4 * f32_per_row + 2 * bf16_per_row) as u64;
+    // Logits: the local shard, the gathered rows and a copy.
+    let vocab_local = cfg.vocab_size.div_ceil(tp);
+    let logits = opts.step_outputs as u64 * 4 * (2 * vocab_local + cfg.vocab_size) as u64;
+    // The decode kernel's split states: rows × heads × splits × (head_dim + 2) f32.
+    let splits = splits_of(max_seq_len.saturating_sub(1)).next_power_of_two();
+    let decode = (DECODE_ROWS * heads.n_heads * splits * (hd + 2) * 4) as u64;
+    acts + logits + decode + FIXED_RESERVE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::in_memory_path;
+
+    #[test]
+    fn blocks_follow_the_memory_and_the_override() {
+        let o = KvOptions::default();
+        let (n, why) = blocks_that_fit(&o, Some(10 << 30), 0, 1 << 20, 1 << 30).unwrap();
+        // 10 GiB × 0.9 − 1 GiB = 8 GiB of 1 MiB blocks.
+        assert_eq!(n, 8192);
+        assert!(why.contains("90% of 10.00 GiB free"), "{why}");
+        let e = blocks_that_fit(&o, Some(1 << 30), 0, 1 << 20, 1 << 30).unwrap_err();
+        assert!(e.contains("no GPU memory left for the KV cache"), "{e}");
+        let (n, why) = blocks_that_fit(&o, None, 3 << 30, 1 << 20, 0).unwrap();
+        assert_eq!(n, 3072);
+        assert!(why.contains("the default --kv-cache-gib 3.00"), "{why}");
+        let four = KvOptions {
+            cpu_cache_gib: Some(4.0),
+            ..o.clone()
+        };
+        let (n, why) = blocks_that_fit(&four, None, 3 << 30, 1 << 20, 0).unwrap();
+        assert_eq!((n, why.as_str()), (4096, "--kv-cache-gib 4"));
+        let fixed = KvOptions {
+            blocks: Some(7),
+            ..o.clone()
+        };
+        let (n, _) = blocks_that_fit(&fixed, Some(0), 0, 1 << 20, 1 << 40).unwrap();
+        assert_eq!(n, 7);
+        let tiny = KvOptions {
+            cpu_cache_gib: Some(1e-9),
+            ..o
+        };
+        let e = blocks_that_fit(&tiny, None, 0, 1 << 20, 0).unwrap_err();
+        assert!(e.contains("below one KV block"), "{e}");
+        // The default: 4 GiB, or half the available memory over the host's ranks.
+        let gib = 1u64 << 30;
+        assert_eq!(default_cpu_cache_bytes(None, 1), 4 * gib);
+        assert_eq!(default_cpu_cache_bytes(Some(64 * gib), 2), 4 * gib);
+        assert_eq!(default_cpu_cache_bytes(Some(8 * gib), 4), gib);
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let bad = |f: fn(&mut KvOptions)| {
+            let mut o = KvOptions::default();
+            f(&mut o);
+            o.validate().unwrap_err()
+        };
+        assert!(bad(|o| o.gpu_memory_utilization = 0.0).contains("(0, 1]"));
+        assert!(bad(|o| o.gpu_memory_utilization = 1.5).contains("(0, 1]"));
+        assert!(bad(|o| o.cpu_cache_gib = Some(f64::NAN)).contains("above 0"));
+        assert!(bad(|o| o.blocks = Some(0)).contains("0 blocks"));
+        assert!(KvOptions::default().validate().is_ok());
+    }
+
+    #[test]
+    fn the_reserve_grows_with_the_step_and_the_context() {
+        let text = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072}"#;
+        let cfg = ModelConfig::from_json_str(text, &in_memory_path()).unwrap();
+        let heads = HeadPlan::new(&cfg, 0, 1).unwrap();
+        let o = KvOptions::default();
+        let base = step_reserve_bytes(&cfg, &heads, 1, &o, 4096);
+        let long = step_reserve_bytes(&cfg, &heads, 1, &o, 131072);
+        let small = KvOptions {
+            step_tokens: 512,
+            ..o
+        };
+        let less = step_reserve_bytes(&cfg, &heads, 1, &small, 4096);
+        assert!(long > base && base > less && less > FIXED_RESERVE);
+        // A llama3-8b step of 8192 rows: a few GiB, well under an H100's 80.
+        let gib = base as f64 / GIB;
+        assert!((2.0..16.0).contains(&gib), "{gib} GiB");
+    }
+}
