@@ -132,6 +132,13 @@ if part tiny; then
     run_check tiny-greedy "$TINY_LOG" "$TINY" 180 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32
     run_check tiny-seeded "$TINY_LOG" "$TINY" 180 --prompts "$WORK/tiny-prompts.jsonl" --max-tokens 32 \
         --temperature 0.8 --top-p 0.9 --seed 1234
+    # Prompts of 600-1100 tokens (two or three attention splits) sharing a 300-token prefix:
+    # the paged cache, split attention and the prefix cache at every TP. LONG=0 skips.
+    if [[ ${LONG:-1} != 0 ]]; then
+        long_prompts "$WORK/tiny-long.jsonl" 8 250 600 1100 300
+        run_check tiny-long "$TINY_LOG" "$TINY" 180 --prompts "$WORK/tiny-long.jsonl" --max-tokens 16 \
+            --temperature 0.8 --top-p 0.9 --seed 7
+    fi
 fi
 
 if part l8b; then
