@@ -19,10 +19,11 @@ REF=$BIN/long_context_reference.py
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1 | tee -a "$SUMMARY"
 l8b_model "$OUT/long-make.log"
 
-# name, decode context (prompt + new tokens), decode batches, prefill BxT list
+# name, prompt tokens, new tokens, batches, the reference's prefill shapes. arbor's prefill
+# figure of a shape B x T is the prefill of its decode run at batch B (prompts of T).
 cases=()
-[[ $PART == short || $PART == all ]] && cases+=("ctx1k 1024 17 1,64,128,256 8x1024,64x1024")
-[[ $PART == long || $PART == all ]] && cases+=("ctx8k 8192 9 1,32 4x8192" "ctx16k 16384 9 1,16 -")
+[[ $PART == short || $PART == all ]] && cases+=("ctx1k 1024 17 1,8,64,128,256 8x1024,64x1024")
+[[ $PART == long || $PART == all ]] && cases+=("ctx8k 8192 9 1,4,32 4x8192" "ctx16k 16384 9 1,16 -")
 
 for c in "${cases[@]}"; do
     read -r name plen steps batches prefills <<<"$c"
@@ -30,17 +31,7 @@ for c in "${cases[@]}"; do
         step "arbor $num decode $name" "$OUT/long-arbor.log" 200 "$ARBOR" bench decode --model "$L8B" \
             --device cuda --numerics "$num" --batch "$batches" --prompt-len "$plen" --steps "$steps" \
             --out "$OUT/long-decode-$name-$num.json"
-        grep -E "TP 1 $num" "$OUT/long-arbor.log" | tail -n 4 | tee -a "$SUMMARY"
-        if [[ $prefills != - ]]; then
-            IFS=, read -ra pf <<<"$prefills"
-            for p in "${pf[@]}"; do
-                b=${p%x*}
-                t=${p#*x}
-                step "arbor $num prefill $p" "$OUT/long-arbor.log" 150 "$ARBOR" bench decode --model "$L8B" \
-                    --device cuda --numerics "$num" --batch "$b" --prompt-len "$t" --steps 2 \
-                    --out "$OUT/long-prefill-$p-$num.json"
-            done
-        fi
+        grep -E "TP 1 $num" "$OUT/long-arbor.log" | tail -n 5 | tee -a "$SUMMARY"
     done
     if [[ -f $REF ]]; then
         ctx=$((plen + steps - 1))
@@ -76,8 +67,8 @@ for name in ("ctx1k", "ctx8k", "ctx16k"):
         ratio = lambda a, c: "—" if a is None or not c else f"{a / c:.2f}"
         print(f"{f'decode ctx~{ctx} batch {b}':>26} {row(i):>10} {row(f):>9} {row(r):>10} {ratio(i, r):>8} {ratio(i, f):>9}")
     for p, r in sorted((ref.get("prefill") or {}).items()):
-        i = load(os.path.join(d, f"long-prefill-{p}-invariant.json")); f = load(os.path.join(d, f"long-prefill-{p}-fast.json"))
-        i = i[0]["prefill_ms"] if i else None; f = f[0]["prefill_ms"] if f else None
+        b = int(p.split("x")[0])
+        i = inv.get(b, {}).get("prefill_ms"); f = fast.get(b, {}).get("prefill_ms")
         row = lambda x: "—" if x is None else f"{x:.1f}"
         ratio = lambda a, c: "—" if a is None or not c else f"{a / c:.2f}"
         print(f"{'prefill ' + p:>26} {row(i):>10} {row(f):>9} {row(r):>10} {ratio(i, r):>8} {ratio(i, f):>9}")

@@ -398,10 +398,13 @@ fn gpu_long_prompts_with_the_prefix_cache_match_recomputation() {
         stats.hits, stats.queried
     );
     assert!(stats.hits >= 2 * 4 * 64, "{stats:?}");
+    // The six requests start and end together: one batch bucket, one split bucket (their
+    // longest context sets it), so one recorded shape serves the decode steps of both
+    // generate calls (29 each): every one but the recording run is a replay.
     let (recorded, replays) = rec.backend().recorded_steps().expect("recording is on");
     assert!(
-        recorded >= 2 && replays > recorded,
-        "{recorded} / {replays}"
+        recorded >= 1 && recorded + replays >= 2 * 29,
+        "{recorded} shapes recorded, {replays} steps replayed"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -581,14 +581,25 @@ fn check_paged_write_attention(
         head_dim: hd,
         scale,
     };
+    // The GPU rounds q to bf16 before its dot products (paged_attention.cu): the CPU gets
+    // the same q, so what differs is the GPU's bf16 P and its mma sums. Compared as a
+    // relative L2 norm: with scores of ±30 the softmax is sharp, and single small outputs
+    // carry relative errors no norm shows.
+    let hq16: Vec<f32> = hq.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
     let mut cpu = vec![0.0f32; hq.len()];
-    crate::cpu::attention(&hq, 0, &kv, shape, &mut cpu);
-    let cpu64: Vec<f64> = cpu.iter().map(|&x| x as f64).collect();
-    let err = rel_err(&prefill, &cpu64, 1e-2);
+    crate::cpu::attention(&hq16, 0, &kv, shape, &mut cpu);
+    let num: f64 = prefill
+        .iter()
+        .zip(&cpu)
+        .map(|(&g, &c)| (g as f64 - c as f64).powi(2))
+        .sum();
+    let den: f64 = cpu.iter().map(|&c| (c as f64).powi(2)).sum();
+    let err = (num / den.max(1e-30)).sqrt();
     assert!(
-        err < 2e-2,
-        "{n_heads}/{n_kv} heads of {hd}, {len} rows: GPU vs CPU {err}"
+        err < 8e-3,
+        "{n_heads}/{n_kv} heads of {hd}, {len} rows: GPU vs CPU relative L2 {err}"
     );
+    println!("paged write + attention, {n_heads}/{n_kv} heads of {hd}, {len} rows: GPU vs CPU relative L2 {err:.2e}");
 
     // The last rows one by one (the decode kernel, splits past 512) against the prefill.
     let w = n_heads * hd;
