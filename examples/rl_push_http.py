@@ -1,14 +1,16 @@
 """Push a checkpoint to a running `arbor serve` over HTTP (/update_weights_from_tensor), the
 no-NCCL path a trainer without GPUs of its own (or CI) uses. Standard library only: the
 model directory's safetensors files are cut into safetensors images of at most --part-bytes
-(tensors whole, in file order), posted with commit=false, then one empty commit.
+(tensors whole, in file order), posted with commit=false, then one empty commit. A tensor
+larger than --part-bytes goes alone in a part of its own: the server's default
+--max-weight-upload-bytes takes the model's largest tensor.
 
   python3 examples/rl_push_http.py --addr 127.0.0.1:8000 --model DIR [--weight-version V]
         [--part-bytes 536870912] [--api-key KEY] [--policy wait|retract|abort]
 
 Prints the parts, the bytes, the seconds to upload and to apply, and arbor's answer.
 """
-import argparse, glob, json, os, struct, sys, time, urllib.request
+import argparse, glob, json, os, struct, sys, time, urllib.error, urllib.request
 
 
 def tensors(model_dir):
@@ -44,8 +46,20 @@ def post(addr, path, body, key, timeout=3600):
     req.add_header("Content-Type", "application/octet-stream")
     if key:
         req.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        # arbor's error bodies are OpenAI-style JSON.
+        try:
+            msg = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = e.reason
+        return {"success": False, "status": e.code, "message": msg}
+    except (ConnectionError, urllib.error.URLError) as e:
+        # A server refusing a body by its Content-Length may close before reading it.
+        return {"success": False, "message": f"{e} (a part of {len(body)} bytes: is it "
+                "above the server's --max-weight-upload-bytes?)"}
 
 
 def main():
@@ -68,6 +82,9 @@ def main():
         parts.append(cur)
     if not parts:
         sys.exit(f"no safetensors tensors under {a.model}")
+    for p in parts:
+        if len(p) == 1 and p[0][4] > a.part_bytes:
+            print(f"{p[0][0]}: {p[0][4]} bytes, above --part-bytes: sent alone", file=sys.stderr)
     t0 = time.time()
     sent = 0
     for i, p in enumerate(parts):

@@ -156,6 +156,17 @@ impl Arena {
     pub fn lent_bytes(&self) -> usize {
         self.lent_bytes
     }
+
+    /// Forgets every chunk and returns them for the caller to free, when no block is
+    /// lent; `None` (nothing changed) while any is.
+    pub fn take_chunks_if_idle(&mut self) -> Option<Vec<(u64, usize)>> {
+        if self.lent_bytes != 0 {
+            return None;
+        }
+        self.free.clear();
+        self.bump = 0;
+        Some(std::mem::take(&mut self.chunks))
+    }
 }
 
 struct Pool {
@@ -217,6 +228,30 @@ impl Workspace {
         WorkspaceScope {
             pool: self.pool.clone(),
         }
+    }
+
+    /// Gives every chunk back to the driver when nothing is lent and no scope is open
+    /// (`release_memory_occupation`: the recordings that held the blocks' addresses are
+    /// gone). Returns the bytes freed; 0 when blocks are still lent (they are kept).
+    pub fn trim(&self) -> Result<usize, dres::DriverError> {
+        let mut p = lock(&self.pool);
+        if p.scopes != 0 {
+            return Ok(0);
+        }
+        let Some(chunks) = p.arena.take_chunks_if_idle() else {
+            return Ok(0);
+        };
+        p.ctx.bind_to_thread()?;
+        // Work queued on the blocks may still run.
+        p.ctx.synchronize()?;
+        let mut freed = 0;
+        for (base, bytes) in chunks {
+            // SAFETY: each chunk came from cuMemAlloc in `lend` and left the arena above,
+            // so it is freed once; no block of it is lent.
+            unsafe { dres::free_sync(base) }?;
+            freed += bytes;
+        }
+        Ok(freed)
     }
 
     /// Bytes taken from the driver, and bytes lent now.
@@ -315,6 +350,21 @@ mod tests {
         assert_eq!(a.lend(2048), Some(0x20_0000));
         assert_eq!(a.reserved_bytes(), 4096 + 8192);
         assert_eq!(a.lent_bytes(), 1024 * 2 + 512 + 2048);
+    }
+
+    #[test]
+    fn chunks_are_given_up_only_when_nothing_is_lent() {
+        let mut a = Arena::default();
+        a.add_chunk(0x10_0000, 4096);
+        let x = a.lend(1024).unwrap();
+        assert_eq!(a.take_chunks_if_idle(), None, "a block is lent");
+        assert_eq!(a.reserved_bytes(), 4096);
+        a.give_back(x, 1024);
+        assert_eq!(a.take_chunks_if_idle(), Some(vec![(0x10_0000, 4096)]));
+        assert_eq!(a.reserved_bytes(), 0);
+        assert_eq!(a.lend(1024), None, "no chunk and no free block is left");
+        a.add_chunk(0x30_0000, 4096);
+        assert_eq!(a.lend(1024), Some(0x30_0000), "the free lists were cleared");
     }
 
     /// The same sequence of lends and give-backs yields the same addresses: what lets a

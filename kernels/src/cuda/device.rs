@@ -110,6 +110,32 @@ impl GpuDevice {
         })
     }
 
+    /// Gives memory this process holds but does not use back to the driver: the step
+    /// workspace's chunks (when nothing is lent) and what the device's default memory pool
+    /// keeps from stream-ordered frees. The pool returns memory on its own only at a
+    /// synchronisation, and an idle server (released memory, waiting for resume) makes
+    /// none. Returns the workspace bytes freed.
+    pub fn trim_memory(&self) -> Result<usize, CudaError> {
+        let err = |what: &str, source| CudaError::Driver {
+            ordinal: self.ordinal,
+            what: what.into(),
+            source,
+        };
+        self.synchronize()?;
+        let freed = self
+            .workspace
+            .trim()
+            .map_err(|e| err("freeing the step workspace", e))?;
+        // SAFETY: the context's own device; trimming keeps memory that is in use.
+        unsafe {
+            let pool = cudarc::driver::result::device::get_default_mem_pool(self.ctx.cu_device())
+                .map_err(|e| err("getting the default memory pool", e))?;
+            cudarc::driver::result::mem_pool::trim_to(pool, 0)
+                .map_err(|e| err("trimming the default memory pool", e))?;
+        }
+        Ok(freed)
+    }
+
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream
             .synchronize()

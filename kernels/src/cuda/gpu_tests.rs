@@ -585,7 +585,10 @@ fn check_paged_write_attention(
     // the same q, so what differs is the GPU's bf16 P and its mma sums. Compared as a
     // relative L2 norm: with scores of ±30 the softmax is sharp, and single small outputs
     // carry relative errors no norm shows.
-    let hq16: Vec<f32> = hq.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
+    let hq16: Vec<f32> = hq
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect();
     let mut cpu = vec![0.0f32; hq.len()];
     crate::cpu::attention(&hq16, 0, &kv, shape, &mut cpu);
     let num: f64 = prefill

@@ -411,6 +411,13 @@ pub trait Backend {
     /// was made with, so it must never run after either is replaced or freed.
     fn forget_recordings(&self) {}
 
+    /// Gives device memory this rank keeps but no longer uses back to the driver (after
+    /// `release_memory_occupation` dropped the weights or the cache), and returns the
+    /// device's free memory afterwards; `None` where there is no device.
+    fn give_back_memory(&self) -> BResult<Option<u64>> {
+        Ok(None)
+    }
+
     /// Joins the NCCL group of a trainer process that broadcasts new weights (the trainer
     /// is rank 0 of `world`; this backend's rank is `rank` in it). `unique_id` is the
     /// 128-byte `ncclUniqueId` the trainer made. Collective with the trainer: fails when

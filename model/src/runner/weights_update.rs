@@ -51,6 +51,8 @@ pub struct WeightsState {
     pub group: Option<String>,
     /// Elements of every tensor the model reads (the size of a full push).
     pub model_elements: usize,
+    /// Elements of the largest of them (the smallest part a push can be cut into).
+    pub largest_tensor_elements: usize,
 }
 
 /// An engine's weight-update state.
@@ -254,6 +256,12 @@ fn gather_outcomes(
 
 impl<B: Backend> Engine<B> {
     pub(super) fn weights_state(&self) -> WeightsState {
+        let sizes = || {
+            self.updates
+                .expected
+                .values()
+                .map(|s| s.iter().product::<usize>())
+        };
         WeightsState {
             weights_loaded: self.model.is_some(),
             kv_loaded: self.cache.is_some(),
@@ -261,12 +269,8 @@ impl<B: Backend> Engine<B> {
             staged_tensors: self.updates.staged_names.len(),
             staged_bytes: self.updates.staged_bytes,
             group: self.updates.group.as_ref().map(|(n, _)| n.clone()),
-            model_elements: self
-                .updates
-                .expected
-                .values()
-                .map(|s| s.iter().product::<usize>())
-                .sum(),
+            model_elements: sizes().sum(),
+            largest_tensor_elements: sizes().max().unwrap_or(0),
         }
     }
 
@@ -419,6 +423,12 @@ impl<B: Backend> Engine<B> {
                     }
                     if *weights {
                         self.model = None;
+                    }
+                    // Frees are stream-ordered: without this the memory stays in the
+                    // process's pool while the server idles, and the trainer beside it
+                    // cannot have it.
+                    if let Err(e) = self.backend.give_back_memory() {
+                        tracing::warn!("giving released memory back to the driver: {e}");
                     }
                 }
             }

@@ -39,9 +39,10 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// From the (checked) flags; `--max-connections` lowered to fit this process's
+    /// From the (checked) flags and the served model's largest tensor (elements, for the
+    /// default upload limit); `--max-connections` lowered to fit this process's
     /// descriptor limit (`ulimit -n`), with a warning when it is.
-    pub fn from_args(args: &Args) -> Limits {
+    pub fn from_args(args: &Args, largest_tensor: usize) -> Limits {
         let fds = open_files_limit();
         let fit = fds.map_or(usize::MAX, |n| n.saturating_sub(RESERVED_FDS).max(1));
         if args.max_connections > fit {
@@ -56,9 +57,18 @@ impl Limits {
             header_timeout: Duration::from_secs_f64(args.header_timeout_s),
             body_timeout: Duration::from_secs_f64(args.body_timeout_s),
             max_body: args.max_body_bytes,
-            max_upload: args.max_weight_upload_bytes,
+            max_upload: args
+                .max_weight_upload_bytes
+                .unwrap_or_else(|| default_max_upload(largest_tensor)),
         }
     }
+}
+
+/// The upload limit without `--max-weight-upload-bytes`: 512 MiB, raised so that the
+/// largest tensor (`elements`), pushed alone as f32 with its header, fits in one part; a
+/// tensor cannot be split across parts.
+pub fn default_max_upload(elements: usize) -> usize {
+    (512 << 20usize).max(elements.saturating_mul(4).saturating_add(1 << 20))
 }
 
 /// The soft limit on open files (RLIMIT_NOFILE); None when unlimited or unknown.
@@ -220,4 +230,19 @@ async fn collect(body: Body, limit: usize) -> Result<Bytes, BodyError> {
         buf.extend_from_slice(&chunk);
     }
     Ok(Bytes::from(buf))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_max_upload;
+
+    #[test]
+    fn the_default_upload_limit_takes_the_largest_tensor_in_f32() {
+        assert_eq!(default_max_upload(0), 512 << 20);
+        assert_eq!(default_max_upload(1000), 512 << 20, "small models: 512 MiB");
+        // llama3-8b's embedding, 128256 × 4096: 2.1 GB as f32, plus a header's room.
+        let embed = 128_256 * 4096;
+        assert_eq!(default_max_upload(embed), embed * 4 + (1 << 20));
+        assert_eq!(default_max_upload(usize::MAX), usize::MAX, "no overflow");
+    }
 }

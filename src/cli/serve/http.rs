@@ -73,6 +73,7 @@ impl AppState {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| args.model.display().to_string())
         });
+        let limits = Limits::from_args(args, runner.weights_state().largest_tensor_elements);
         Ok(AppState {
             tx,
             tokenizer: runner.tokenizer().cloned(),
@@ -87,8 +88,8 @@ impl AppState {
             max_queue: args.max_queue,
             max_n: args.max_n,
             max_body: args.max_body_bytes,
-            limits: Limits::from_args(args),
-            max_upload: args.max_weight_upload_bytes,
+            limits,
+            max_upload: limits.max_upload,
             max_push_bytes: runner.weights_state().model_elements.saturating_mul(4),
             tp: runner.tp(),
             stats,

@@ -95,9 +95,11 @@ pub struct Args {
     #[arg(long, default_value = "0")]
     pub weight_version: String,
     /// Largest body of one /update_weights_from_tensor call (a safetensors image; push a
-    /// larger checkpoint in several parts).
-    #[arg(long, default_value_t = 512 << 20)]
-    pub max_weight_upload_bytes: usize,
+    /// larger checkpoint in several parts). Default: 512 MiB, or the served model's
+    /// largest tensor in f32 plus 1 MiB when that is more, so every tensor fits in a part
+    /// of its own.
+    #[arg(long)]
+    pub max_weight_upload_bytes: Option<usize>,
     /// How long an update with policy "wait" waits for the started requests to finish
     /// before it is refused (nothing changes).
     #[arg(long, default_value_t = 300.0)]

@@ -71,7 +71,7 @@ pub fn check_flags(args: &Args) -> Result<SocketAddr> {
             bail!("{flag} {v:?}: give a number of seconds in (0, {MAX_DRAIN_TIMEOUT_S}]");
         }
     }
-    if args.max_weight_upload_bytes == 0 {
+    if args.max_weight_upload_bytes == Some(0) {
         bail!("--max-weight-upload-bytes 0: a push needs at least one byte");
     }
     super::admin::check_version(&args.weight_version)

@@ -681,6 +681,26 @@ impl Backend for CudaBackend {
         self.graphs().clear();
     }
 
+    fn give_back_memory(&self) -> BResult<Option<u64>> {
+        let ws = self.dev.trim_memory().map_err(|e| self.dev_err(e))?;
+        // Blocks still lent (long-lived scratch) keep the workspace's chunks.
+        let (kept, _) = self.dev.workspace.usage();
+        let (free, total) = self
+            .dev
+            .ctx
+            .mem_get_info()
+            .map_err(|e| self.dev_err_msg("querying free device memory", e))?;
+        tracing::info!(
+            rank = self.comm.rank(),
+            workspace_freed_mib = ws >> 20,
+            workspace_kept_mib = kept >> 20,
+            free_gib = format!("{:.1}", free as f64 / (1u64 << 30) as f64),
+            total_gib = format!("{:.1}", total as f64 / (1u64 << 30) as f64),
+            "device memory given back"
+        );
+        Ok(Some(free as u64))
+    }
+
     fn join_weights_group(
         &self,
         unique_id: &[u8],
