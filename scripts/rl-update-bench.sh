@@ -114,9 +114,11 @@ fi
 
 # The HTTP push path (no NCCL: any trainer, one GPU): a separate process cuts the checkpoint
 # into safetensors parts and posts them, then commits.
-step "HTTP push (update_weights_from_tensor, 512 MiB parts)" "$OUT/rl-http.log" 300 python3 examples/rl_push_http.py \
+step "HTTP push (update_weights_from_tensor, 512 MiB parts; a larger tensor alone)" "$OUT/rl-http.log" 300 python3 examples/rl_push_http.py \
     --addr "${ADDR#http://}" --model "$L8B" --weight-version http-push
 grep -h '^pushed' "$OUT/rl-http.log" | tail -n 1 | sed 's/^/TIMED HTTP push: /' | tee -a "$SUMMARY"
+# What bounds an update: the host's reading and converting vs the rest (cut, upload, swap).
+grep -h 'model loaded\|new weights prepared' "$OUT/rl-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tee -a "$SUMMARY"
 P=$(probe); same_bits "$P" && note "PASS  same bits after the HTTP push (same weights)" || note "FAIL  bits changed after the HTTP push: $P"
 
 if ((GPUS >= 2)); then
@@ -140,6 +142,7 @@ note "GPU 0 memory used: $(mem)"
 r=$(curl -s "$ADDR/release_memory_occupation" -d '{}'); echo "release: $r" >>"$LOG"
 sleep 2
 note "after release_memory_occupation: $(mem) ($r)"
+grep -h 'device memory given back' "$OUT/rl-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 1 | tee -a "$SUMMARY"
 t0=$(date +%s.%N)
 r=$(curl -s "$ADDR/resume_memory_occupation" -d '{}'); echo "resume: $r" >>"$LOG"
 note "TIMED resume_memory_occupation: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.2f", b-a}') s; $(mem) ($r)"

@@ -6,7 +6,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use half::bf16;
 
@@ -19,6 +21,9 @@ pub struct WeightStore {
     /// Every tensor a load asked for, with the shape it expected: what a later weight
     /// update must provide (runner/weights_update.rs).
     read: Mutex<BTreeMap<String, Vec<usize>>>,
+    /// Nanoseconds spent reading and converting blocks to bf16 (on the host): with a
+    /// load's total time, what bounds it.
+    read_ns: AtomicU64,
 }
 
 enum Source {
@@ -47,7 +52,21 @@ impl WeightStore {
         WeightStore {
             source,
             read: Mutex::default(),
+            read_ns: AtomicU64::new(0),
         }
+    }
+
+    /// Seconds spent so far reading blocks and converting them to bf16.
+    pub fn read_seconds(&self) -> f64 {
+        self.read_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t0 = Instant::now();
+        let out = f();
+        self.read_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
     }
 
     /// The tensors read so far and the shapes they were read as, by name.
@@ -71,28 +90,28 @@ impl WeightStore {
     /// Rows `rows` (all columns) of the `[n, k]` matrix `name`.
     pub fn rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<Vec<bf16>> {
         self.note(name, &[n, k]);
-        match &self.source {
+        self.timed(|| match &self.source {
             Source::Safetensors(s) => s.rows(name, n, k, rows),
             Source::Gguf(g) => g.rows(name, n, k, rows),
-        }
+        })
     }
 
     /// Columns `cols` of every row of the `[n, k]` matrix `name` (a strided read).
     pub fn cols(&self, name: &str, n: usize, k: usize, cols: Range<usize>) -> MResult<Vec<bf16>> {
         self.note(name, &[n, k]);
-        match &self.source {
+        self.timed(|| match &self.source {
             Source::Safetensors(s) => s.cols(name, n, k, cols),
             Source::Gguf(g) => g.cols(name, n, k, cols),
-        }
+        })
     }
 
     /// Elements `range` of the vector `name` of length `len`, as f32 (via bf16).
     pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
         self.note(name, &[len]);
-        match &self.source {
+        self.timed(|| match &self.source {
             Source::Safetensors(s) => s.vector(name, len, range),
             Source::Gguf(g) => g.vector(name, len, range),
-        }
+        })
     }
 }
 

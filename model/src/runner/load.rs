@@ -100,9 +100,12 @@ impl<B: Backend> Engine<B> {
             tp: backend.world_size(),
             row_tp,
         };
+        let t0 = std::time::Instant::now();
         let model = Model::load(&ctx, &cfg, max_seq_len)?;
         tracing::info!(
             rank = ctx.rank,
+            seconds = format!("{:.2}", t0.elapsed().as_secs_f64()),
+            host_read_seconds = format!("{:.2}", store.read_seconds()),
             tp = ctx.tp,
             device = %backend.device_name(),
             arch = %cfg.arch_name,

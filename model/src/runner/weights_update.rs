@@ -526,7 +526,8 @@ impl<B: Backend> Engine<B> {
         tracing::info!(
             rank = self.backend.rank(),
             seconds = t0.elapsed().as_secs_f64(),
-            "new weights prepared"
+            host_read_seconds = store.read_seconds(),
+            "new weights prepared (host_read: reading and converting to bf16; the rest: cutting, uploading)"
         );
         self.updates.candidate = Some((model, origin));
         Ok(())
