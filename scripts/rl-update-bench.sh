@@ -13,7 +13,8 @@
 #      tensors twice: first with model.norm.weight scaled by 1.01 (the probe's bits must
 #      change), then exact (they must come back). Broadcast time and time until arbor
 #      answered (receive, copy to the host, cut, upload, swap).
-#   4. release_memory_occupation / resume_memory_occupation: GPU memory before and after,
+#   4. release_memory_occupation / resume_memory_occupation (from the checkpoint on disk:
+#      the last weights were pushed): GPU memory before and after,
 #      and the resume time.
 # Every step's raw output is in $OUT/rl-*.log; PASS/FAIL lines in the summary.
 set -uo pipefail
@@ -144,7 +145,8 @@ sleep 2
 note "after release_memory_occupation: $(mem) ($r)"
 grep -h 'device memory given back' "$OUT/rl-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 1 | tee -a "$SUMMARY"
 t0=$(date +%s.%N)
-r=$(curl -s "$ADDR/resume_memory_occupation" -d '{}'); echo "resume: $r" >>"$LOG"
+# The serving weights came from the push (no copy on disk): resume names the checkpoint.
+r=$(curl -s "$ADDR/resume_memory_occupation" -d "{\"model_path\":\"$L8B\"}"); echo "resume: $r" >>"$LOG"
 note "TIMED resume_memory_occupation: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.2f", b-a}') s; $(mem) ($r)"
 P=$(probe); same_bits "$P" && note "PASS  same bits after release + resume" || note "FAIL  bits changed after resume: $P"
 note "done in $(elapsed) s"
