@@ -22,9 +22,10 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::api::ApiError;
-use super::http::{body_error, AppState};
+use super::api::{body_error, ApiError};
+use super::conn::UPLOAD_PATH;
 use super::msg::{Cmd, ControlOp, PauseMode, Policy, UpdateReq};
+use super::state::AppState;
 
 /// Longest weight version and group name.
 const MAX_NAME: usize = 128;
@@ -43,9 +44,6 @@ pub fn check_version(v: &str) -> Result<(), String> {
     }
     Ok(())
 }
-
-/// The route whose body is a part of a checkpoint (its own size limit: conn.rs).
-pub const UPLOAD_PATH: &str = "/update_weights_from_tensor";
 
 pub fn routes(max_upload: usize) -> Router<Arc<AppState>> {
     Router::new()

@@ -1,5 +1,6 @@
 //! The OpenAI request bodies arbor accepts, their validation, and the error body.
 
+use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -109,6 +110,17 @@ impl Body for ChatRequest {
         "top_logprobs",
         "add_generation_prompt",
     ];
+}
+
+/// The error for a request body axum could not read (over the size limit, or cut off).
+pub fn body_error(e: BytesRejection) -> ApiError {
+    let status = e.status();
+    let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        "the request body is too large".to_string()
+    } else {
+        format!("cannot read the request body: {}", e.body_text())
+    };
+    ApiError::new(status, msg)
 }
 
 /// Parses a JSON body: malformed JSON is 400; a body of the wrong shape (not an object,

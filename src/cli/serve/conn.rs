@@ -27,6 +27,10 @@ use super::Args;
 /// files, the links to the other ranks, the runtime's own).
 const RESERVED_FDS: usize = 64;
 
+/// The route whose body is a part of a checkpoint (admin.rs): it has a size limit of its
+/// own, `Limits::max_upload`.
+pub const UPLOAD_PATH: &str = "/update_weights_from_tensor";
+
 /// What one client may hold.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -155,7 +159,7 @@ pub async fn serve(
 pub async fn read_body(State(limits): State<Limits>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
     // A pushed part of a checkpoint has a limit of its own (docs/rl.md).
-    let (max_body, flag) = if parts.uri.path() == super::admin::UPLOAD_PATH {
+    let (max_body, flag) = if parts.uri.path() == UPLOAD_PATH {
         (limits.max_upload, "--max-weight-upload-bytes")
     } else {
         (limits.max_body, "--max-body-bytes")

@@ -11,9 +11,10 @@ use arbor_collective::Communicator;
 use arbor_model::engine::{PlanMsg, Scheduler, SchedulerConfig, StepPlan};
 
 use super::control::{Control, ControlConfig, Ctx};
-use super::http::{self, AppState};
+use super::http;
 use super::msg::{Cmd, SeqEvent};
 use super::registry::Registry;
+use super::state::AppState;
 use super::stats::Stats;
 use super::Args;
 use crate::cli::model_api::Runner;

@@ -5,14 +5,19 @@
 pub mod admin;
 pub mod api;
 pub mod chat;
+pub mod choice;
 pub mod client;
 pub mod conn;
 pub mod control;
 pub mod http;
+pub mod job;
 pub mod leader;
 pub mod msg;
+pub mod openai;
 pub mod options;
 pub mod registry;
+pub mod response;
+pub mod state;
 pub mod stats;
 
 use std::path::PathBuf;

@@ -12,207 +12,30 @@
 //!   queue with the tokens it has generated, and on readmission it recomputes them as a
 //!   prefill. Prefill equals decode bit for bit and sampling is keyed by position, so a
 //!   preempted request's tokens and log-probs are the ones it would have had anyway.
+//!
+//! The requests and events are in `request`, the limits in `config`, a sequence's state
+//! (waiting or running) in `sequence`, and the scheduler's side of the prefix cache
+//! (lookup, blocks in flight, registration) in `prefix`.
 
-use std::borrow::Cow;
-use std::collections::{HashMap, VecDeque};
+mod config;
+mod prefix;
+mod request;
+mod sequence;
+#[cfg(test)]
+mod testing;
+
+use std::collections::VecDeque;
 
 use arbor_kernels::paged::{blocks_for, KV_BLOCK};
 
-use crate::engine::kv::{block_hash, chain_hashes, BlockPool, PrefixStats};
-use crate::engine::plan::{PlanRow, Record, RowResult, StepPlan};
+pub use config::{SchedulerConfig, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
+pub use request::{Event, FinishReason, SeqId, SeqSpec};
+
+use crate::engine::kv::BlockPool;
+use crate::engine::plan::{PlanRow, RowResult, StepPlan};
 use crate::error::{MResult, ModelError};
-use crate::sampling::Sampling;
-
-pub type SeqId = u64;
-
-#[derive(Debug, Clone)]
-pub struct SchedulerConfig {
-    /// Most sequences running at once.
-    pub max_running: usize,
-    /// Positions a request may use: it needs `prompt + max_new` of them (the context limit).
-    pub max_seq_len: usize,
-    /// Largest prefill chunk per sequence and step.
-    pub chunk: usize,
-    /// Most new tokens (rows) in one step; decode rows are served first.
-    pub step_tokens: usize,
-    /// Most rows whose logits one step computes (scoring targets and sampled rows): bounds
-    /// the step's logits memory; a scoring prompt's chunk is cut to fit.
-    pub step_outputs: usize,
-    /// KV blocks in the cache (of `arbor_kernels::paged::KV_BLOCK` positions).
-    pub kv_blocks: usize,
-    /// Generation ends when one of these is sampled.
-    pub eos: Vec<u32>,
-    /// Grow KV per token and preempt by recompute when it runs out, instead of reserving
-    /// every position a request may use at admission (see the module doc).
-    pub preempt: bool,
-    /// Plan no decode row while a sequence still has prompt to prefill (offline: a static
-    /// batch prefills every prompt, then decodes, so prefill and decode time apart).
-    pub prefill_first: bool,
-    /// Share full KV blocks between sequences whose tokens up to them are equal (the
-    /// prefix cache, `engine::kv`): a new sequence starts computing at its first position
-    /// not cached.
-    pub prefix_cache: bool,
-}
-
-/// Rows per step of offline `generate` / `score`, and of `arbor serve` by default: prompts
-/// in chunks of at most this many rows (the same bits as whole).
-pub const DEFAULT_STEP_TOKENS: usize = 8192;
-/// Logits rows per step by default (see `SchedulerConfig::step_outputs`).
-pub const DEFAULT_STEP_OUTPUTS: usize = 1024;
-
-impl SchedulerConfig {
-    /// A static batch over a cache of `kv_blocks` blocks: as many requests as their blocks
-    /// allow run at once, every position reserved at admission; their prompts are
-    /// prefilled (within `step_tokens` rows a step) before any decodes, then one decode
-    /// row per live sequence each step.
-    pub fn offline(
-        max_seq_len: usize,
-        kv_blocks: usize,
-        step_tokens: usize,
-        eos: Vec<u32>,
-    ) -> Self {
-        SchedulerConfig {
-            max_running: usize::MAX,
-            max_seq_len,
-            chunk: step_tokens,
-            step_tokens,
-            step_outputs: DEFAULT_STEP_OUTPUTS,
-            kv_blocks,
-            eos,
-            preempt: false,
-            prefill_first: true,
-            prefix_cache: true,
-        }
-    }
-}
-
-/// What a request asks of the engine.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SeqSpec {
-    /// The id the sampling draw is keyed by (see `PlanRow::sample_key`).
-    pub sample_key: u64,
-    /// The prompt (for scoring, the whole sequence).
-    pub tokens: Vec<u32>,
-    /// Teacher-forced records for the prompt positions `>= score_from` (≥ 1).
-    pub score_from: Option<usize>,
-    pub max_new: usize,
-    pub sampling: Sampling,
-    pub n_top: usize,
-    /// Keep generating past end-of-sequence tokens.
-    pub ignore_eos: bool,
-}
-
-/// Why a sequence stopped generating.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    Length,
-    Eos,
-}
-
-/// What a step did to a sequence, in plan order.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// Teacher-forced records of prompt positions, in position order.
-    Scored {
-        seq: SeqId,
-        records: Vec<Record>,
-    },
-    Token {
-        seq: SeqId,
-        record: Record,
-    },
-    Finished {
-        seq: SeqId,
-        reason: FinishReason,
-    },
-}
-
-#[derive(Debug)]
-struct Running {
-    id: SeqId,
-    spec: SeqSpec,
-    /// The block table: the blocks of positions `0..64·len`, in order.
-    blocks: Vec<u32>,
-    /// Tokens already in the cache.
-    fed: usize,
-    generated: Vec<u32>,
-    /// Positions below this are fed as prefill chunks: the prompt, and after a preemption
-    /// the tokens generated before it.
-    prefill_to: usize,
-    /// Prompt positions whose scoring target was already reported (a recompute after a
-    /// preemption does not report them again).
-    scored_below: usize,
-    /// The chain hashes of its full blocks known so far (`engine::kv::chain_hashes`).
-    hashes: Vec<u64>,
-    /// Blocks registered in the prefix cache (or found there), from the first.
-    registered: usize,
-    /// Blocks `registered..pending_end` are ones this sequence computes that others wait
-    /// for (`Scheduler::pending`).
-    pending_end: usize,
-    /// Whether its blocks go to the prefix cache (not after the cache was dropped).
-    cacheable: bool,
-}
-
-/// A request in the queue: new, or preempted with what it had generated.
-#[derive(Debug)]
-struct Waiting {
-    id: SeqId,
-    spec: SeqSpec,
-    generated: Vec<u32>,
-    scored_below: usize,
-    /// The chain hashes of its known tokens' full blocks, once looked up.
-    hashes: Option<Vec<u64>>,
-}
-
-impl Waiting {
-    fn known_len(&self) -> usize {
-        self.spec.tokens.len() + self.generated.len()
-    }
-
-    /// The prompt and what was generated before a preemption.
-    fn known(&self) -> Cow<'_, [u32]> {
-        if self.generated.is_empty() {
-            Cow::Borrowed(&self.spec.tokens)
-        } else {
-            Cow::Owned([&self.spec.tokens[..], &self.generated[..]].concat())
-        }
-    }
-
-    /// Positions a prefix-cache hit may cover: all known but the last (its row gives the
-    /// logits to sample from), and none whose scoring record is still owed.
-    fn reusable(&self) -> usize {
-        let all = self.known_len().saturating_sub(1);
-        match target_range(&self.spec, self.scored_below) {
-            (lo, hi) if lo < hi => all.min(lo),
-            _ => all,
-        }
-    }
-}
-
-/// The prompt positions whose rows a sequence must still score: `[lo, hi)`.
-fn target_range(spec: &SeqSpec, scored_below: usize) -> (usize, usize) {
-    match spec.score_from {
-        Some(from) => (
-            from.saturating_sub(1).max(scored_below),
-            spec.tokens.len().saturating_sub(1),
-        ),
-        None => (0, 0),
-    }
-}
-
-impl Running {
-    fn known(&self, i: usize) -> u32 {
-        if i < self.spec.tokens.len() {
-            self.spec.tokens[i]
-        } else {
-            self.generated[i - self.spec.tokens.len()]
-        }
-    }
-
-    fn known_len(&self) -> usize {
-        self.spec.tokens.len() + self.generated.len()
-    }
-}
+use prefix::{register_computed, Pending};
+use sequence::{target_range, Running, Waiting};
 
 pub struct Scheduler {
     cfg: SchedulerConfig,
@@ -221,10 +44,8 @@ pub struct Scheduler {
     preemptions: u64,
     running: Vec<Running>,
     next_id: SeqId,
-    /// Chain hashes of blocks running sequences are computing and will register, with how
-    /// many compute each: a waiting request whose next uncached block is one of them waits
-    /// for it (the `n` samples of one prompt share its prefill) instead of computing it too.
-    pending: HashMap<u64, usize>,
+    /// Blocks running sequences compute that waiting requests wait for (`Pending`).
+    pending: Pending,
 }
 
 impl Scheduler {
@@ -262,7 +83,7 @@ impl Scheduler {
         }
         Ok(Scheduler {
             blocks: pool,
-            pending: HashMap::new(),
+            pending: Pending::default(),
             cfg,
             waiting: VecDeque::new(),
             preemptions: 0,
@@ -353,7 +174,7 @@ impl Scheduler {
     fn release(&mut self, r: &Running) {
         self.blocks.release(&r.blocks);
         for h in &r.hashes[r.registered.min(r.pending_end)..r.pending_end] {
-            unpend(&mut self.pending, *h);
+            self.pending.done(*h);
         }
     }
 
@@ -372,28 +193,6 @@ impl Scheduler {
     /// (used, total) KV blocks: held by running sequences, in the cache.
     pub fn kv_blocks(&self) -> (usize, usize) {
         (self.blocks.used(), self.blocks.total())
-    }
-
-    /// Blocks whose contents the prefix cache holds (held or idle).
-    pub fn cached_blocks(&self) -> usize {
-        self.blocks.cached()
-    }
-
-    /// Positions looked up in the prefix cache and found there, so far.
-    pub fn prefix_stats(&self) -> PrefixStats {
-        self.blocks.stats()
-    }
-
-    /// Forgets every cached block: to call when the weights change (the cached blocks hold
-    /// the old model's KV). Running sequences keep their blocks, and register none any
-    /// more; nothing cached before is found again.
-    pub fn drop_prefix_cache(&mut self) {
-        self.blocks.drop_cache();
-        self.pending.clear();
-        for r in &mut self.running {
-            r.cacheable = false;
-            r.pending_end = r.registered;
-        }
     }
 
     /// Sequences preempted so far (each recomputed on readmission).
@@ -422,22 +221,8 @@ impl Scheduler {
         let mut i = 0;
         while i < self.waiting.len() && self.running.len() < self.cfg.max_running {
             let prefix = self.blocks.prefix_cache();
-            let (hashes, hits, reusable) = {
-                let w = &self.waiting[i];
-                let known = w.known();
-                let hashes = match (&w.hashes, prefix) {
-                    (_, false) => Vec::new(),
-                    (Some(h), true) => h.clone(),
-                    (None, true) => chain_hashes(&known, known.len() / KV_BLOCK),
-                };
-                let reusable = (w.reusable() / KV_BLOCK).min(hashes.len());
-                let hits = self.blocks.lookup(&known, &hashes[..reusable]);
-                (hashes, hits, reusable)
-            };
-            if prefix && self.waiting[i].hashes.is_none() {
-                self.waiting[i].hashes = Some(hashes.clone());
-            }
-            if hits.len() < reusable && self.pending.contains_key(&hashes[hits.len()]) {
+            let (hashes, hits, reusable) = self.cached_prefix(i);
+            if hits.len() < reusable && self.pending.computing(hashes[hits.len()]) {
                 i += 1;
                 continue;
             }
@@ -464,9 +249,7 @@ impl Scheduler {
                 if prefix { w.known_len() } else { 0 },
                 hits.len() * KV_BLOCK,
             );
-            for h in &hashes[hits.len()..] {
-                *self.pending.entry(*h).or_insert(0) += 1;
-            }
+            self.pending.add(&hashes[hits.len()..]);
             let mut blocks = hits.clone();
             blocks.extend(taken);
             let prefill_to = w.known_len();
@@ -672,101 +455,10 @@ impl Scheduler {
     }
 }
 
-/// One fewer sequence computes the block of chain hash `h`.
-fn unpend(pending: &mut HashMap<u64, usize>, h: u64) {
-    if let Some(n) = pending.get_mut(&h) {
-        *n -= 1;
-        if *n == 0 {
-            pending.remove(&h);
-        }
-    }
-}
-
-/// Registers the full blocks of `r` computed since the last call in the prefix cache.
-/// Where the cache already holds a block of the same tokens after the same prefix, `r`
-/// takes that one instead of its own (the same bits: a prefix's KV does not depend on how
-/// it was computed), so that later sequences find one chain.
-fn register_computed(pool: &mut BlockPool, pending: &mut HashMap<u64, usize>, r: &mut Running) {
-    if !r.cacheable || !pool.prefix_cache() {
-        return;
-    }
-    while r.registered < r.fed / KV_BLOCK {
-        let b = r.registered;
-        let tokens: Vec<u32> = (b * KV_BLOCK..(b + 1) * KV_BLOCK)
-            .map(|p| r.known(p))
-            .collect();
-        let h = match r.hashes.get(b) {
-            Some(&h) => h,
-            None => {
-                let h = block_hash(b.checked_sub(1).map(|p| r.hashes[p]), &tokens);
-                r.hashes.push(h);
-                h
-            }
-        };
-        let parent = b.checked_sub(1).map(|p| r.blocks[p]);
-        if let Some(other) = pool.register(r.blocks[b], h, parent, &tokens) {
-            pool.acquire(&[other]);
-            pool.release(&[r.blocks[b]]);
-            r.blocks[b] = other;
-        }
-        if b < r.pending_end {
-            unpend(pending, h);
-        }
-        r.registered += 1;
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::testing::{cfg, drive, rec, run, spec};
     use super::*;
-
-    fn spec(key: u64, prompt: usize, max_new: usize) -> SeqSpec {
-        SeqSpec {
-            sample_key: key,
-            tokens: (1..=prompt as u32).collect(),
-            score_from: None,
-            max_new,
-            sampling: Sampling::greedy(),
-            n_top: 0,
-            ignore_eos: false,
-        }
-    }
-
-    fn rec(token: u32) -> Record {
-        Record {
-            token,
-            logprob: -1.0,
-            top: Vec::new(),
-            digest: 0,
-        }
-    }
-
-    /// Fake execution: every sampled token is `7`, every target is echoed.
-    fn run(plan: &StepPlan) -> Vec<RowResult> {
-        plan.rows
-            .iter()
-            .map(|r| RowResult {
-                seq: r.seq,
-                scored: r.targets.iter().map(|&(_, t)| rec(t)).collect(),
-                sampled: r.sample.then(|| rec(7)),
-            })
-            .collect()
-    }
-
-    fn cfg(running: usize, chunk: usize, step: usize, blocks: usize) -> SchedulerConfig {
-        SchedulerConfig {
-            max_running: running,
-            max_seq_len: 1024,
-            chunk,
-            step_tokens: step,
-            step_outputs: 1024,
-            kv_blocks: blocks,
-            eos: vec![2],
-            preempt: false,
-            prefill_first: false,
-            prefix_cache: false,
-        }
-    }
 
     #[test]
     fn chunked_prefill_mixes_with_decode_under_the_budget() {
@@ -868,48 +560,6 @@ mod tests {
         );
     }
 
-    /// Runs to idle with a fake model whose token at a position depends only on the
-    /// request and the position (as the real engine's does); returns each sequence's
-    /// tokens as reported by Token events, and every plan row's (seq, pos0, tokens).
-    #[allow(clippy::type_complexity)]
-    fn drive(
-        s: &mut Scheduler,
-    ) -> (
-        std::collections::BTreeMap<SeqId, Vec<u32>>,
-        Vec<(SeqId, usize, Vec<u32>)>,
-    ) {
-        let mut out = std::collections::BTreeMap::new();
-        let mut rows = Vec::new();
-        for _ in 0..10_000 {
-            let p = s.plan();
-            if p.is_empty() {
-                break;
-            }
-            let res: Vec<RowResult> = p
-                .rows
-                .iter()
-                .map(|r| {
-                    rows.push((r.seq, r.pos0, r.tokens.clone()));
-                    let pos = (r.pos0 + r.tokens.len()) as u32;
-                    RowResult {
-                        seq: r.seq,
-                        scored: r.targets.iter().map(|&(_, t)| rec(t)).collect(),
-                        sampled: r
-                            .sample
-                            .then(|| rec(3 + (r.sample_key as u32 * 31 + pos) % 50)),
-                    }
-                })
-                .collect();
-            for ev in s.apply(&p, &res).unwrap() {
-                if let Event::Token { seq, record } = ev {
-                    out.entry(seq).or_insert_with(Vec::new).push(record.token);
-                }
-            }
-        }
-        assert!(s.is_idle());
-        (out, rows)
-    }
-
     #[test]
     fn preempted_sequences_recompute_and_end_with_the_same_tokens() {
         let specs = [spec(0, 5, 150), spec(1, 6, 150), spec(2, 3, 150)];
@@ -984,219 +634,5 @@ mod tests {
             "the scoring request was never preempted"
         );
         assert_eq!(targets, (2..=256).collect::<Vec<u32>>());
-    }
-
-    fn prompt(seed: u32, n: usize) -> Vec<u32> {
-        (0..n as u32)
-            .map(|i| 3 + (seed * 131 + i * 7) % 50)
-            .collect()
-    }
-
-    fn with_prompt(key: u64, tokens: Vec<u32>, max_new: usize) -> SeqSpec {
-        SeqSpec {
-            tokens,
-            ..spec(key, 1, max_new)
-        }
-    }
-
-    fn cached_cfg(blocks: usize) -> SchedulerConfig {
-        SchedulerConfig {
-            prefix_cache: true,
-            ..cfg(8, 64, 256, blocks)
-        }
-    }
-
-    #[test]
-    fn n_samples_share_the_prompt_blocks() {
-        // Three samples of one prompt of 3 full blocks and 8 more tokens.
-        let p = prompt(1, 3 * KV_BLOCK + 8);
-        let specs: Vec<SeqSpec> = (0..3).map(|k| with_prompt(k, p.clone(), 5)).collect();
-        let run = |cache: bool| {
-            let mut s = Scheduler::new(SchedulerConfig {
-                prefix_cache: cache,
-                ..cfg(8, 64, 256, 64)
-            })
-            .unwrap();
-            for sp in &specs {
-                s.submit(sp.clone()).unwrap();
-            }
-            let (tokens, rows) = drive(&mut s);
-            (tokens, rows, s.prefix_stats(), s.cached_blocks())
-        };
-        let (want, _, none, _) = run(false);
-        assert_eq!(none, PrefixStats::default());
-        let (got, rows, stats, cached) = run(true);
-        assert_eq!(got, want, "the cache changed the tokens");
-        // The first sample computes the prompt; the others wait for its blocks, then start
-        // at the first position not cached.
-        let first_row = |seq: SeqId| rows.iter().find(|r| r.0 == seq).map(|r| r.1);
-        assert_eq!(first_row(0), Some(0));
-        assert_eq!(first_row(1), Some(3 * KV_BLOCK));
-        assert_eq!(first_row(2), Some(3 * KV_BLOCK));
-        assert_eq!(stats.hits, 2 * 3 * KV_BLOCK as u64);
-        assert_eq!(stats.queried, 3 * p.len() as u64);
-        assert!(cached >= 3, "{cached} blocks cached");
-    }
-
-    #[test]
-    fn a_prefix_ending_on_a_block_boundary_still_computes_its_last_token() {
-        let p = prompt(2, 2 * KV_BLOCK);
-        let mut s = Scheduler::new(cached_cfg(16)).unwrap();
-        s.submit(with_prompt(0, p.clone(), 2)).unwrap();
-        drive(&mut s);
-        s.submit(with_prompt(1, p.clone(), 2)).unwrap();
-        let plan = s.plan();
-        // Block 1 is cached too, but position 127's row gives the logits to sample from.
-        assert_eq!(plan.rows.len(), 1);
-        assert_eq!(plan.rows[0].pos0, KV_BLOCK);
-        assert_eq!(plan.rows[0].tokens, p[KV_BLOCK..]);
-        assert!(plan.rows[0].sample);
-    }
-
-    #[test]
-    fn scoring_requests_compute_the_rows_they_score() {
-        let p = prompt(3, 4 * KV_BLOCK);
-        let mut s = Scheduler::new(cached_cfg(16)).unwrap();
-        s.submit(with_prompt(0, p.clone(), 1)).unwrap();
-        drive(&mut s);
-        // Scored from position 100: only block 0 (positions 0..64) may come from the cache.
-        let mut sc = with_prompt(1, p.clone(), 0);
-        sc.score_from = Some(101);
-        s.submit(sc).unwrap();
-        let mut targets = Vec::new();
-        let mut first = None;
-        loop {
-            let plan = s.plan();
-            if plan.is_empty() {
-                break;
-            }
-            first.get_or_insert(plan.rows[0].pos0);
-            for r in &plan.rows {
-                targets.extend(r.targets.iter().map(|&(o, _)| r.pos0 + o as usize));
-            }
-            s.apply(&plan, &run(&plan)).unwrap();
-        }
-        assert_eq!(first, Some(KV_BLOCK));
-        assert_eq!(targets, (100..p.len() - 1).collect::<Vec<_>>());
-        assert_eq!(
-            s.prefix_stats().hits,
-            (2 * KV_BLOCK) as u64 - KV_BLOCK as u64
-        );
-    }
-
-    #[test]
-    fn cached_blocks_are_evicted_before_anyone_is_preempted() {
-        // 6 blocks: a finished sequence leaves 3 cached, then two others need 3 each.
-        let mut c = cached_cfg(6);
-        c.preempt = true;
-        let mut s = Scheduler::new(c).unwrap();
-        s.submit(with_prompt(0, prompt(4, 3 * KV_BLOCK - 1), 1))
-            .unwrap();
-        drive(&mut s);
-        assert_eq!((s.cached_blocks(), s.kv_blocks().0), (2, 0));
-        s.submit(with_prompt(1, prompt(5, 2 * KV_BLOCK), 60))
-            .unwrap();
-        s.submit(with_prompt(2, prompt(6, 2 * KV_BLOCK), 60))
-            .unwrap();
-        drive(&mut s);
-        assert_eq!(s.preemptions(), 0);
-        assert!(s.cached_blocks() <= 6);
-    }
-
-    #[test]
-    fn preemption_with_the_prefix_cache_keeps_the_tokens_and_reuses_blocks() {
-        let specs: Vec<SeqSpec> = (0..3)
-            .map(|k| with_prompt(k, prompt(7 + k as u32, 70), 150))
-            .collect();
-        let mut roomy = Scheduler::new(cached_cfg(64)).unwrap();
-        for sp in &specs {
-            roomy.submit(sp.clone()).unwrap();
-        }
-        let (want, _) = drive(&mut roomy);
-        let mut c = cached_cfg(10);
-        c.preempt = true;
-        let mut tight = Scheduler::new(c).unwrap();
-        for sp in &specs {
-            tight.submit(sp.clone()).unwrap();
-        }
-        let (got, _) = drive(&mut tight);
-        assert!(tight.preemptions() > 0, "the cache was never short");
-        assert_eq!(
-            got, want,
-            "preemption with the prefix cache changed the tokens"
-        );
-        assert!(
-            tight.prefix_stats().hits > 0,
-            "a readmitted sequence found none of its blocks"
-        );
-        assert_eq!(tight.kv_blocks().0, 0);
-    }
-
-    #[test]
-    fn a_later_turn_reuses_the_earlier_turns_blocks() {
-        let p = prompt(8, 100);
-        let mut s = Scheduler::new(cached_cfg(16)).unwrap();
-        s.submit(with_prompt(5, p.clone(), 60)).unwrap();
-        let (out, _) = drive(&mut s);
-        // The next turn: the conversation so far and a new message.
-        let mut next = p.clone();
-        next.extend(&out[&0]);
-        next.extend(prompt(9, 30));
-        s.submit(with_prompt(6, next.clone(), 1)).unwrap();
-        let plan = s.plan();
-        // 160 known positions of the first turn: blocks 0 and 1 (128 positions) cached.
-        assert_eq!(plan.rows[0].pos0, 2 * KV_BLOCK);
-        assert_eq!(plan.rows[0].tokens, next[2 * KV_BLOCK..]);
-    }
-
-    #[test]
-    fn dropping_the_prefix_cache_forgets_every_block() {
-        let p = prompt(10, 3 * KV_BLOCK);
-        let mut s = Scheduler::new(cached_cfg(16)).unwrap();
-        s.submit(with_prompt(0, p.clone(), 1)).unwrap();
-        drive(&mut s);
-        assert!(s.cached_blocks() > 0);
-        s.drop_prefix_cache();
-        assert_eq!(s.cached_blocks(), 0);
-        s.submit(with_prompt(1, p.clone(), 1)).unwrap();
-        assert_eq!(
-            s.plan().rows[0].pos0,
-            0,
-            "nothing cached is found after the drop"
-        );
-    }
-
-    #[test]
-    fn block_tables_cover_the_rows_and_no_block_is_written_twice() {
-        let mut c = cached_cfg(12);
-        c.preempt = true;
-        let mut s = Scheduler::new(c).unwrap();
-        let shared = prompt(11, 150);
-        for k in 0..5u64 {
-            let mut t = shared.clone();
-            t.extend(prompt(20 + k as u32, 10 * k as usize));
-            s.submit(with_prompt(k, t, 40)).unwrap();
-        }
-        for _ in 0..10_000 {
-            let plan = s.plan();
-            if plan.is_empty() {
-                break;
-            }
-            let mut written = std::collections::HashSet::new();
-            for r in &plan.rows {
-                let end = r.pos0 + r.tokens.len();
-                assert_eq!(r.blocks.len(), blocks_for(end));
-                for p in r.pos0..end {
-                    assert!(
-                        written.insert((r.blocks[p / KV_BLOCK], p % KV_BLOCK)),
-                        "position {p} of sequence {} written twice",
-                        r.seq
-                    );
-                }
-            }
-            s.apply(&plan, &run(&plan)).unwrap();
-        }
-        assert!(s.is_idle());
-        assert_eq!(s.kv_blocks().0, 0);
     }
 }

@@ -1,0 +1,63 @@
+//! The scheduler's limits and policies (`SchedulerConfig`), and the step budgets offline
+//! runs and `arbor serve` use by default.
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Most sequences running at once.
+    pub max_running: usize,
+    /// Positions a request may use: it needs `prompt + max_new` of them (the context limit).
+    pub max_seq_len: usize,
+    /// Largest prefill chunk per sequence and step.
+    pub chunk: usize,
+    /// Most new tokens (rows) in one step; decode rows are served first.
+    pub step_tokens: usize,
+    /// Most rows whose logits one step computes (scoring targets and sampled rows): bounds
+    /// the step's logits memory; a scoring prompt's chunk is cut to fit.
+    pub step_outputs: usize,
+    /// KV blocks in the cache (of `arbor_kernels::paged::KV_BLOCK` positions).
+    pub kv_blocks: usize,
+    /// Generation ends when one of these is sampled.
+    pub eos: Vec<u32>,
+    /// Grow KV per token and preempt by recompute when it runs out, instead of reserving
+    /// every position a request may use at admission (see the module doc).
+    pub preempt: bool,
+    /// Plan no decode row while a sequence still has prompt to prefill (offline: a static
+    /// batch prefills every prompt, then decodes, so prefill and decode time apart).
+    pub prefill_first: bool,
+    /// Share full KV blocks between sequences whose tokens up to them are equal (the
+    /// prefix cache, `engine::kv`): a new sequence starts computing at its first position
+    /// not cached.
+    pub prefix_cache: bool,
+}
+
+/// Rows per step of offline `generate` / `score`, and of `arbor serve` by default: prompts
+/// in chunks of at most this many rows (the same bits as whole).
+pub const DEFAULT_STEP_TOKENS: usize = 8192;
+/// Logits rows per step by default (see `SchedulerConfig::step_outputs`).
+pub const DEFAULT_STEP_OUTPUTS: usize = 1024;
+
+impl SchedulerConfig {
+    /// A static batch over a cache of `kv_blocks` blocks: as many requests as their blocks
+    /// allow run at once, every position reserved at admission; their prompts are
+    /// prefilled (within `step_tokens` rows a step) before any decodes, then one decode
+    /// row per live sequence each step.
+    pub fn offline(
+        max_seq_len: usize,
+        kv_blocks: usize,
+        step_tokens: usize,
+        eos: Vec<u32>,
+    ) -> Self {
+        SchedulerConfig {
+            max_running: usize::MAX,
+            max_seq_len,
+            chunk: step_tokens,
+            step_tokens,
+            step_outputs: DEFAULT_STEP_OUTPUTS,
+            kv_blocks,
+            eos,
+            preempt: false,
+            prefill_first: true,
+            prefix_cache: true,
+        }
+    }
+}

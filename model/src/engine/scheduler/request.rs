@@ -1,0 +1,48 @@
+//! What callers hand the scheduler (a request: `SeqSpec`) and what it hands back at each
+//! step (`Event`s of the sequence it made of the request).
+
+use crate::engine::plan::Record;
+use crate::sampling::Sampling;
+
+pub type SeqId = u64;
+
+/// What a request asks of the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqSpec {
+    /// The id the sampling draw is keyed by (see `PlanRow::sample_key`).
+    pub sample_key: u64,
+    /// The prompt (for scoring, the whole sequence).
+    pub tokens: Vec<u32>,
+    /// Teacher-forced records for the prompt positions `>= score_from` (≥ 1).
+    pub score_from: Option<usize>,
+    pub max_new: usize,
+    pub sampling: Sampling,
+    pub n_top: usize,
+    /// Keep generating past end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+/// Why a sequence stopped generating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Length,
+    Eos,
+}
+
+/// What a step did to a sequence, in plan order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Teacher-forced records of prompt positions, in position order.
+    Scored {
+        seq: SeqId,
+        records: Vec<Record>,
+    },
+    Token {
+        seq: SeqId,
+        record: Record,
+    },
+    Finished {
+        seq: SeqId,
+        reason: FinishReason,
+    },
+}

@@ -1,0 +1,84 @@
+//! One choice of a request as its engine events arrive: its records, its text, and the
+//! part of the text a stream may send now.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use arbor_model::engine::Record;
+
+/// One choice as its events arrive.
+pub(super) struct ChoiceState {
+    pub(super) index: usize,
+    pub(super) prompt: Arc<Vec<u32>>,
+    pub(super) cancel: Arc<AtomicBool>,
+    pub(super) records: Vec<Record>,
+    pub(super) prompt_records: Vec<Record>,
+    pub(super) text: String,
+    /// Bytes of `text` already streamed, and that text.
+    pub(super) sent: usize,
+    pub(super) emitted: String,
+    pub(super) finish: Option<&'static str>,
+    /// The weights it ran on (from its first step).
+    pub(super) version: Option<Arc<str>>,
+    /// Something of it was streamed (a restart cannot take that back).
+    pub(super) streamed: bool,
+}
+
+impl ChoiceState {
+    pub(super) fn new(index: usize, prompt: Arc<Vec<u32>>, cancel: Arc<AtomicBool>) -> Self {
+        ChoiceState {
+            index,
+            prompt,
+            cancel,
+            records: Vec::new(),
+            prompt_records: Vec::new(),
+            text: String::new(),
+            sent: 0,
+            emitted: String::new(),
+            finish: None,
+            version: None,
+            streamed: false,
+        }
+    }
+
+    /// Back to before its first event: it runs again from its prompt.
+    pub(super) fn reset(&mut self, cancel: Arc<AtomicBool>) {
+        self.cancel = cancel;
+        self.records.clear();
+        self.prompt_records.clear();
+        self.text.clear();
+        self.sent = 0;
+        self.emitted.clear();
+        self.finish = None;
+        self.version = None;
+    }
+
+    pub(super) fn tokens(&self) -> Vec<u32> {
+        self.records.iter().map(|r| r.token).collect()
+    }
+
+    /// Text that can be streamed now. Held back: a trailing U+FFFD (the bytes of a
+    /// character may still be arriving; decoding them later changes that text) and, with
+    /// stop strings, the last bytes a stop string could start in.
+    pub(super) fn take_delta(&mut self, holdback: usize) -> String {
+        let settled = match self.finish {
+            Some(_) => self.text.len(),
+            None => self
+                .text
+                .trim_end_matches('\u{FFFD}')
+                .len()
+                .saturating_sub(holdback),
+        };
+        let mut end = settled;
+        while end > self.sent && !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end <= self.sent || !self.text.starts_with(self.emitted.as_str()) {
+            return String::new();
+        }
+        let d = self.text[self.sent..end].to_string();
+        self.emitted.push_str(&d);
+        self.sent = end;
+        d
+    }
+}

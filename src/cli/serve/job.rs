@@ -1,0 +1,239 @@
+//! A request in flight on rank 0 (`Job`): its choices handed to the engine as sequences,
+//! the bound on the queue, and the engine's events folded into each choice as they arrive
+//! (stop strings, restarts after a weight update, aborts).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use arbor_model::engine::{Record, SeqSpec};
+use arbor_model::FinishReason;
+use axum::http::StatusCode;
+use tokio::sync::mpsc::{channel, Receiver};
+
+use super::api::{ApiError, Params};
+use super::choice::ChoiceState;
+use super::msg::{Cmd, SeqEvent, Submission, SubmitChoice};
+use super::state::AppState;
+
+/// Events a stream's handler may hold unread before its sequences are cancelled: a
+/// client that does not read its stream (far past the socket's buffers) costs the server
+/// this much, not its whole output.
+pub const STREAM_BACKLOG: usize = 1024;
+
+/// A request's choices on their way through the engine, as one response or stream.
+pub struct Job {
+    rx: Receiver<(usize, SeqEvent)>,
+    pub(super) choices: Vec<ChoiceState>,
+    pub(super) p: Params,
+    pub(super) chat: bool,
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) st: Arc<AppState>,
+    _guard: InflightGuard,
+}
+
+/// What one engine event did to a choice (for streaming).
+pub(super) enum Update {
+    Scored(usize, Vec<Record>),
+    Token(usize, Record),
+    Finished(usize),
+    Nothing,
+}
+
+/// The choice's `finish_reason` when it was aborted.
+const ABORT: &str = "abort";
+
+impl Job {
+    /// Hands every (prompt, choice) to the engine as one sequence.
+    pub(super) fn submit(
+        st: &Arc<AppState>,
+        prompts: Vec<Vec<u32>>,
+        p: Params,
+        chat: bool,
+    ) -> Result<Job, ApiError> {
+        let total = p.sequences(prompts.len(), st.max_queue)?;
+        let before = st.inflight.fetch_add(total, Ordering::SeqCst);
+        let guard = InflightGuard {
+            st: st.clone(),
+            n: total,
+        };
+        if before + total > st.max_queue {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                "the queue is full ({before} sequences waiting or running, limit {}); retry later",
+                st.max_queue
+            ),
+            ));
+        }
+        // A plain response's handler reads every event as it comes (the response holds
+        // them all anyway: room for a whole run of every choice twice, as an update with
+        // policy retract re-runs it, with its version, restart and finish events); a
+        // stream's reads only as fast as its client does.
+        let backlog = if p.stream {
+            STREAM_BACKLOG
+        } else {
+            total.saturating_mul(p.max_tokens.saturating_add(6).saturating_mul(2))
+        };
+        let (tx, rx) = channel(backlog.max(1));
+        let mut choices = Vec::with_capacity(total);
+        let mut subs = Vec::with_capacity(total);
+        let score = p.prompt_logprobs || (p.echo && p.logprobs.is_some());
+        for (pi, prompt) in prompts.into_iter().enumerate() {
+            let prompt = Arc::new(prompt);
+            for j in 0..p.n {
+                let index = pi * p.n + j;
+                let cancel = Arc::new(AtomicBool::new(false));
+                let spec = SeqSpec {
+                    sample_key: p.sample_id.wrapping_add(index as u64),
+                    tokens: prompt.to_vec(),
+                    score_from: score.then_some(1),
+                    max_new: p.max_tokens,
+                    sampling: p.sampling,
+                    n_top: p.logprobs.unwrap_or(0),
+                    ignore_eos: p.ignore_eos,
+                };
+                subs.push(SubmitChoice {
+                    spec,
+                    cancel: cancel.clone(),
+                });
+                choices.push(ChoiceState::new(index, prompt.clone(), cancel));
+            }
+        }
+        let prefix = if chat { "chatcmpl" } else { "cmpl" };
+        let id = match &p.rid {
+            Some(rid) => rid.clone(),
+            None => format!("{prefix}-{}", st.next_id.fetch_add(1, Ordering::Relaxed)),
+        };
+        // One command for the whole request: its choices run on one weight version.
+        let cmd = Cmd::Submit(Submission {
+            rid: id.clone(),
+            choices: subs,
+            events: tx,
+        });
+        st.tx.send(cmd).map_err(|_| {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
+        })?;
+        st.stats.requests.fetch_add(1, Ordering::Relaxed);
+        Ok(Job {
+            rx,
+            choices,
+            p,
+            chat,
+            id,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: st.model_name.clone(),
+            st: st.clone(),
+            _guard: guard,
+        })
+    }
+
+    pub(super) fn done(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    pub(super) async fn next(&mut self) -> Result<Update, ApiError> {
+        let Some((i, ev)) = self.rx.recv().await else {
+            // The engine let go of every sequence without finishing some: it cancelled
+            // them because this handler fell too far behind, or it stopped.
+            let behind = self
+                .choices
+                .iter()
+                .any(|c| c.finish.is_none() && c.cancel.load(Ordering::SeqCst));
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                if behind {
+                    format!("cancelled: the client left more than {STREAM_BACKLOG} events of its stream unread")
+                } else {
+                    "the engine has stopped".to_string()
+                },
+            ));
+        };
+        let stream = self.p.stream;
+        let Some(c) = self.choices.get_mut(i) else {
+            return Ok(Update::Nothing);
+        };
+        if let SeqEvent::Restart { cancel } = ev {
+            if stream && c.streamed {
+                // What was streamed came from the weights being replaced and cannot be
+                // taken back: the choice ends instead of running again.
+                cancel.store(true, Ordering::SeqCst);
+                c.cancel = cancel;
+                if c.finish.is_none() {
+                    c.finish = Some(ABORT);
+                    return Ok(Update::Finished(i));
+                }
+                return Ok(Update::Nothing);
+            }
+            c.reset(cancel);
+            return Ok(Update::Nothing);
+        }
+        if c.finish.is_some() {
+            return Ok(Update::Nothing);
+        }
+        match ev {
+            SeqEvent::Started { weight_version } => {
+                c.version = Some(weight_version);
+                Ok(Update::Nothing)
+            }
+            SeqEvent::Aborted { weight_version } => {
+                c.version.get_or_insert(weight_version);
+                c.finish = Some(ABORT);
+                Ok(Update::Finished(i))
+            }
+            SeqEvent::Restart { .. } => Ok(Update::Nothing),
+            SeqEvent::Scored(recs) => {
+                c.prompt_records.extend(recs.iter().cloned());
+                Ok(Update::Scored(i, recs))
+            }
+            SeqEvent::Token(rec) => {
+                c.records.push(rec.clone());
+                c.text = self.st.decode(&c.tokens());
+                let hit = self
+                    .p
+                    .stop
+                    .iter()
+                    .filter_map(|s| c.text.find(s.as_str()))
+                    .min();
+                if let Some(at) = hit {
+                    c.text.truncate(at);
+                    c.finish = Some("stop");
+                    // The engine frees the sequence at its next step.
+                    c.cancel.store(true, Ordering::SeqCst);
+                }
+                Ok(Update::Token(i, rec))
+            }
+            SeqEvent::Finished(reason) => {
+                c.finish = Some(match reason {
+                    FinishReason::Eos => "stop",
+                    FinishReason::Length => "length",
+                });
+                Ok(Update::Finished(i))
+            }
+            SeqEvent::Refused { shutting_down, msg } => Err(if shutting_down {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, msg)
+            } else {
+                ApiError::new(StatusCode::BAD_REQUEST, msg)
+            }),
+        }
+    }
+
+    pub(super) fn holdback(&self) -> usize {
+        self.p.stop.iter().map(|s| s.len()).max().unwrap_or(1) - 1
+    }
+}
+
+/// Counts a job's sequences against `--max-queue` for as long as the job lives.
+struct InflightGuard {
+    st: Arc<AppState>,
+    n: usize,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.st.inflight.fetch_sub(self.n, Ordering::SeqCst);
+    }
+}

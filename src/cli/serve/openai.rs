@@ -1,0 +1,131 @@
+//! The OpenAI routes: `/v1/completions`, `/v1/chat/completions` (a request's prompts
+//! checked, tokenised or rendered with the chat template, and run as a job) and
+//! `/v1/models`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::api::{body_error, parse_body, ApiError, ChatRequest, CompletionRequest, PromptInput};
+use super::job::Job;
+use super::response::run_job;
+use super::state::AppState;
+
+pub(super) async fn completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r = async {
+        st.authorize(&headers)?;
+        st.generating()?;
+        let bytes = body.map_err(body_error)?;
+        let req: CompletionRequest = parse_body(&bytes)?;
+        st.check_model(req.common.model.as_deref())?;
+        if req.suffix.is_some() {
+            return Err(ApiError::bad("suffix", "suffix is not supported"));
+        }
+        let prompts = match req.prompt {
+            PromptInput::Text(t) => vec![st.encode(&t, true)?],
+            PromptInput::Texts(v) => v
+                .iter()
+                .map(|t| st.encode(t, true))
+                .collect::<Result<_, _>>()?,
+            PromptInput::Tokens(t) => vec![t],
+            PromptInput::TokenLists(v) => v,
+        };
+        if prompts.is_empty() {
+            return Err(ApiError::bad("prompt", "no prompt given"));
+        }
+        let max_tokens = req.max_tokens.unwrap_or(16);
+        let mut p = req.common.params(max_tokens, req.logprobs, st.max_n)?;
+        if req.best_of.is_some_and(|b| b != p.n) {
+            return Err(ApiError::bad(
+                "best_of",
+                "best_of is not supported (other than equal to n)",
+            ));
+        }
+        p.echo = req.echo;
+        for prompt in &prompts {
+            st.check_prompt(prompt, max_tokens)?;
+        }
+        run_job(Job::submit(&st, prompts, p, false)?).await
+    }
+    .await;
+    finish_response(&st, r)
+}
+
+pub(super) async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let r = async {
+        st.authorize(&headers)?;
+        st.generating()?;
+        let bytes = body.map_err(body_error)?;
+        let req: ChatRequest = parse_body(&bytes)?;
+        st.check_model(req.common.model.as_deref())?;
+        let tmpl = st.chat.as_ref().ok_or_else(|| {
+            ApiError::bad(
+                "messages",
+                "this model has no chat template (tokenizer_config.json chat_template)",
+            )
+        })?;
+        if req.messages.is_empty() {
+            return Err(ApiError::bad("messages", "messages is empty"));
+        }
+        let text = tmpl
+            .render(&req.messages, req.add_generation_prompt.unwrap_or(true))
+            .map_err(|e| ApiError::bad("messages", e))?;
+        // The template writes the special tokens itself.
+        let prompt = st.encode(&text, false)?;
+        let max_tokens = req
+            .max_completion_tokens
+            .or(req.max_tokens)
+            .unwrap_or_else(|| st.max_len.saturating_sub(prompt.len()));
+        let logprobs = match (req.logprobs, req.top_logprobs) {
+            (true, k) => Some(k.unwrap_or(0)),
+            (false, None) => None,
+            (false, Some(_)) => {
+                return Err(ApiError::bad(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ))
+            }
+        };
+        let p = req.common.params(max_tokens, logprobs, st.max_n)?;
+        st.check_prompt(&prompt, max_tokens)?;
+        run_job(Job::submit(&st, vec![prompt], p, true)?).await
+    }
+    .await;
+    finish_response(&st, r)
+}
+
+fn finish_response(st: &AppState, r: Result<Response, ApiError>) -> Response {
+    match r {
+        Ok(r) => r,
+        Err(e) => {
+            st.stats.rejected.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(status = %e.status, msg = %e.message, "request refused");
+            e.into_response()
+        }
+    }
+}
+
+pub(super) async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return e.into_response();
+    }
+    Json(json!({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": 0, "owned_by": "arbor", "max_model_len": st.max_len,
+    }]}))
+    .into_response()
+}

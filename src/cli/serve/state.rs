@@ -1,0 +1,210 @@
+//! The state the HTTP handlers share on rank 0 (`AppState`): the engine's command channel,
+//! the tokenizer and chat template, the limits, and the checks every request goes through
+//! (API key, draining, memory released, model name, prompt against the context length).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use anyhow::Result;
+use axum::http::{HeaderMap, StatusCode};
+
+use super::api::ApiError;
+use super::chat::ChatTemplate;
+use super::conn::Limits;
+use super::msg::Cmd;
+use super::stats::Stats;
+use super::Args;
+use crate::cli::model_api::Runner;
+
+pub struct AppState {
+    pub(super) tx: std::sync::mpsc::Sender<Cmd>,
+    tokenizer: Option<tokenizers::Tokenizer>,
+    tokenizer_config: Option<arbor_model::TokenizerConfig>,
+    pub(super) chat: Option<ChatTemplate>,
+    pub(super) model_name: String,
+    pub(super) max_len: usize,
+    vocab: usize,
+    api_key: Option<String>,
+    pub(super) draining: AtomicBool,
+    pub(super) inflight: AtomicUsize,
+    pub(super) max_queue: usize,
+    pub(super) max_n: usize,
+    pub(super) max_body: usize,
+    pub(super) limits: Limits,
+    pub(super) max_upload: usize,
+    /// The whole model in f32: no push may list more.
+    pub(super) max_push_bytes: usize,
+    pub(super) tp: usize,
+    pub(super) stats: Arc<Stats>,
+    pub(super) next_id: AtomicU64,
+    /// Set by the leader once the engine loop has ended: the server then shuts down.
+    pub stop: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl AppState {
+    pub fn new(
+        args: &Args,
+        runner: &dyn Runner,
+        tx: std::sync::mpsc::Sender<Cmd>,
+        stats: Arc<Stats>,
+    ) -> Result<Self> {
+        let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+            args.model
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| args.model.display().to_string())
+        });
+        let limits = Limits::from_args(args, runner.weights_state().largest_tensor_elements);
+        Ok(AppState {
+            tx,
+            tokenizer: runner.tokenizer().cloned(),
+            chat: ChatTemplate::from_config(runner.tokenizer_config())?,
+            tokenizer_config: runner.tokenizer_config().cloned(),
+            model_name,
+            max_len: runner.max_seq_len(),
+            vocab: runner.config().vocab_size,
+            api_key: args.api_key.clone(),
+            draining: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
+            max_queue: args.max_queue,
+            max_n: args.max_n,
+            max_body: args.max_body_bytes,
+            limits,
+            max_upload: limits.max_upload,
+            max_push_bytes: runner.weights_state().model_elements.saturating_mul(4),
+            tp: runner.tp(),
+            stats,
+            next_id: AtomicU64::new(0),
+            stop: Arc::new(tokio::sync::watch::channel(false).0),
+        })
+    }
+
+    pub(super) fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(key) = &self.api_key else {
+            return Ok(());
+        };
+        let given = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given == Some(key.as_str()) {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong API key (Authorization: Bearer KEY)",
+        )
+        .with_code("invalid_api_key"))
+    }
+
+    pub(super) fn accepting(&self) -> Result<(), ApiError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Generation needs the weights and the KV cache in memory.
+    pub(super) fn generating(&self) -> Result<(), ApiError> {
+        self.accepting()?;
+        if self.stats.released.load(Ordering::SeqCst) {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server has released its memory (release_memory_occupation): call resume_memory_occupation first",
+            )
+            .with_code("memory_released"));
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.model_name => Err(ApiError {
+                param: Some("model"),
+                ..ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "model {m:?} does not exist (this server serves {:?})",
+                        self.model_name
+                    ),
+                )
+            }
+            .with_code("model_not_found")),
+            _ => Ok(()),
+        }
+    }
+
+    pub(super) fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
+        let tok = self.tokenizer.as_ref().ok_or_else(|| {
+            ApiError::bad(
+                "prompt",
+                "this model has no tokenizer.json: give the prompt as token ids",
+            )
+        })?;
+        // As `arbor generate` encodes a prompt (tokenizer_config.json's add_bos_token too).
+        let encoder = arbor_model::PromptEncoder {
+            tokenizer: tok,
+            config: self.tokenizer_config.as_ref(),
+        };
+        encoder
+            .encode(text, special)
+            .map_err(|e| ApiError::bad("prompt", format!("cannot tokenise the prompt: {e}")))
+    }
+
+    pub(super) fn decode(&self, ids: &[u32]) -> String {
+        match &self.tokenizer {
+            Some(t) => t.decode(ids, true).unwrap_or_default(),
+            None => String::new(),
+        }
+    }
+
+    pub(super) fn token_str(&self, id: u32) -> String {
+        self.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&[id], false).ok())
+            .unwrap_or_else(|| format!("<{id}>"))
+    }
+
+    pub(super) fn check_prompt(&self, prompt: &[u32], max_tokens: usize) -> Result<(), ApiError> {
+        if prompt.is_empty() {
+            return Err(ApiError::bad(
+                "prompt",
+                "the prompt is empty (it needs at least one token)",
+            ));
+        }
+        if let Some((i, t)) = prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= self.vocab)
+        {
+            return Err(ApiError::bad(
+                "prompt",
+                format!(
+                    "token id {t} at index {i} is outside the vocabulary (size {})",
+                    self.vocab
+                ),
+            ));
+        }
+        if max_tokens > self.max_len {
+            return Err(ApiError::bad(
+                "max_tokens",
+                format!(
+                    "max_tokens {max_tokens} exceeds the context length {}",
+                    self.max_len
+                ),
+            ));
+        }
+        if prompt.len() + max_tokens > self.max_len {
+            return Err(ApiError::bad("prompt", format!(
+                "the prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the context length {}",
+                prompt.len(),
+                self.max_len
+            ))
+            .with_code("context_length_exceeded"));
+        }
+        Ok(())
+    }
+}
