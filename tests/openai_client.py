@@ -1,4 +1,4 @@
-"""The official openai client against `arbor serve` (run by tests/serve.rs).
+"""The official openai client against `arbor serve` (run by tests/serve/api.rs).
 
 usage: openai_client.py BASE_URL API_KEY MODEL
 """
