@@ -508,7 +508,15 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
 // launch is q row rows[i] (rows == nullptr: row i); its position and block-table offset
 // are row_pos / row_table at that q row. A row of one split writes its output; a row of
 // more writes each split's state to part[i][h][split][head_dim + 2] (acc, m, l) for
-// pa_combine. Two K/V stages. Dynamic shared memory: see paged_attention.rs.
+// pa_combine. Dynamic shared memory: see paged_tiles.rs.
+//
+// STAGES is a speed choice only (the arithmetic of a block is the same): 2, two K/V stages
+// (the next block loads during this one); 1, one K and one V tile (the next K loads during
+// this block's P·V, the next V during the next scores, as the prefill kernel does): five
+// CTAs per SM at head_dim 128 where two stages fit three, which pays once CTAs queue for
+// SMs (H200: 4 × 8192 context 0.86 of two stages' time). Four stages were slower
+// everywhere (docs/attention.md): a lone warp's block is bound by its own instructions,
+// not by its wait for the next block.
 #define PA_DECODE_ARGS                                                                                           \
     const float *__restrict__ q, const bf16_t *__restrict__ kpool, const bf16_t *__restrict__ vpool,               \
         float *__restrict__ out, bf16_t *__restrict__ outb, float *__restrict__ part,                              \
@@ -518,8 +526,9 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
 #define PA_DECODE_PASS \
     q, kpool, vpool, out, outb, part, rows, row_pos, row_table, table, n_heads, n_kv_heads, head_dim, sl, layer_blocks, max_splits
 
-template <int HD>
+template <int HD, int STAGES>
 __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
+    static_assert(STAGES == 1 || STAGES == 2, "1 or 2 stages");
     extern __shared__ uint4 pa_shm[];
     bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
     bf16_t* skv = sq + pa_tile_elems<HD>(16);
@@ -539,17 +548,33 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     const int width = n_heads * head_dim;
     const int b0 = split * PA_SPLIT_BLOCKS;
     const int b1 = min(b0 + PA_SPLIT_BLOCKS, pos / PA_BLOCK + 1);
+    constexpr int TILE = pa_tile_elems<HD>(PA_BLOCK);
 
-    auto load_block = [&](int blk) {
-        bf16_t* st = skv + (blk & 1) * 2 * pa_tile_elems<HD>(PA_BLOCK);
+    // K (v = 0) or V (v = 1) of block blk into a tile; the caller commits.
+    auto load = [&](bf16_t* dst, int v, int blk) {
         const int nvalid = min(PA_BLOCK, pos - blk * PA_BLOCK + 1);
         const unsigned id = table[tab + blk];
-        pa_load_kv<HD, 32>(st, pa_kv_at(kpool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim, nvalid, lane);
-        pa_load_kv<HD, 32>(st + pa_tile_elems<HD>(PA_BLOCK), pa_kv_at(vpool, id, layer_blocks, n_kv_heads, kvh, head_dim),
-                           head_dim, nvalid, lane);
-        pa_commit();
+        pa_load_kv<HD, 32>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
+                           nvalid, lane);
     };
-    load_block(b0);
+    // Stage of block blk: its K tile, then its V tile.
+    auto stage = [&](int blk) { return skv + ((blk - b0) % STAGES) * 2 * TILE; };
+
+    if constexpr (STAGES == 1) {
+        load(skv, 0, b0);
+        pa_commit();
+        load(skv + TILE, 1, b0);
+        pa_commit();
+    } else {
+#pragma unroll
+        for (int s = 0; s + 1 < STAGES; ++s) {
+            if (b0 + s < b1) {
+                load(stage(b0 + s), 0, b0 + s);
+                load(stage(b0 + s) + TILE, 1, b0 + s);
+            }
+            pa_commit();  // empty past the split's end: the wait count stays uniform
+        }
+    }
     pa_load_q<HD, 32>(
         sq, 16, nh, head_dim, [&](int r) { return q + (size_t)row * width + (size_t)(h0 + r) * head_dim; }, lane);
 
@@ -558,18 +583,34 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     PaState<HD> spl;
     pa_reset(spl);
     for (int blk = b0; blk < b1; ++blk) {
-        if (blk + 1 < b1) {
-            load_block(blk + 1);
-            pa_wait<1>();
-        } else {
-            pa_wait<0>();
-        }
-        __syncwarp();
-        const bf16_t* st = skv + (blk & 1) * 2 * pa_tile_elems<HD>(PA_BLOCK);
         float s[8][4];
-        pa_scores<HD>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
-        pa_pv<HD>(spl, s, st + pa_tile_elems<HD>(PA_BLOCK), lane);
-        __syncwarp();
+        if constexpr (STAGES == 1) {
+            const bool more = blk + 1 < b1;
+            pa_wait<1>();  // K(blk) has landed (V(blk) may be in flight)
+            __syncwarp();
+            pa_scores<HD>(spl, s, sq, skv, blk * PA_BLOCK, rowpos, sl, lane);
+            __syncwarp();  // every lane is done with K(blk)
+            if (more) load(skv, 0, blk + 1);
+            pa_commit();
+            pa_wait<1>();  // V(blk) has landed
+            __syncwarp();
+            pa_pv<HD>(spl, s, skv + TILE, lane);
+            __syncwarp();  // every lane is done with V(blk)
+            if (more) load(skv + TILE, 1, blk + 1);
+            pa_commit();
+        } else {
+            pa_wait<STAGES - 2>();  // block blk has landed
+            __syncwarp();           // and every lane is done with the stage loaded next
+            const int nb = blk + STAGES - 1;
+            if (nb < b1) {
+                load(stage(nb), 0, nb);
+                load(stage(nb) + TILE, 1, nb);
+            }
+            pa_commit();
+            const bf16_t* st = stage(blk);
+            pa_scores<HD>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
+            pa_pv<HD>(spl, s, st + TILE, lane);
+        }
     }
     if (n_splits == 1) {
         pa_store<HD>(
@@ -600,15 +641,18 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     }
 }
 
+#define PA_DECODE_ENTRY(NAME, HD, STAGES)                                  \
+    extern "C" __global__ void __launch_bounds__(32) NAME(PA_DECODE_ARGS) { \
+        pdl_enter();                                                       \
+        pa_decode_body<HD, STAGES>(PA_DECODE_PASS);                        \
+    }
 #define PA_ENTRIES(HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(PA_PREFILL_THREADS) pa_prefill_hd##HD(PA_PREFILL_ARGS) { \
         pdl_enter();                                                                                   \
         pa_prefill_body<HD>(PA_PREFILL_PASS);                                                          \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32) pa_decode_hd##HD(PA_DECODE_ARGS) {               \
-        pdl_enter();                                                                                   \
-        pa_decode_body<HD>(PA_DECODE_PASS);                                                            \
-    }
+    PA_DECODE_ENTRY(pa_decode_hd##HD, HD, 2)                                                           \
+    PA_DECODE_ENTRY(pa_decode1_hd##HD, HD, 1)
 
 PA_ENTRIES(16)
 PA_ENTRIES(32)
@@ -617,10 +661,8 @@ PA_ENTRIES(128)
 
 // HD 256 decodes only (its prefill state would not fit in registers); the host routes
 // every row of such a model through the decode kernel, which gives the same bits.
-extern "C" __global__ void __launch_bounds__(32) pa_decode_hd256(PA_DECODE_ARGS) {
-    pdl_enter();
-    pa_decode_body<256>(PA_DECODE_PASS);
-}
+PA_DECODE_ENTRY(pa_decode_hd256, 256, 2)
+PA_DECODE_ENTRY(pa_decode1_hd256, 256, 1)
 
 // ---------------------------------------------------------------------------------------
 // Combine: grid (rows, n_heads), any block size. Folds the splits pa_decode wrote for rows

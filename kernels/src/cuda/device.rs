@@ -20,6 +20,8 @@ pub struct GpuDevice {
     pub pdl: bool,
     /// Lends the buffers of a recorded step (buf.rs).
     pub workspace: Workspace,
+    /// Streaming multiprocessors: how many CTAs run at once, for launch-size choices.
+    pub sms: usize,
     funcs: HashMap<&'static str, CudaFunction>,
 }
 
@@ -87,6 +89,12 @@ impl GpuDevice {
         // synchronisation with other streams PDL gains nothing from.
         let stream = ctx.new_stream().map_err(drv("creating the stream"))?;
         let pdl = super::launch::pdl_enabled(&ctx);
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv("reading the multiprocessor count"))?
+            .max(1) as usize;
         tracing::info!(ordinal, arch = %arch, pdl, "CUDA device ready");
         Ok(Self {
             ordinal,
@@ -95,6 +103,7 @@ impl GpuDevice {
             stream,
             arch,
             pdl,
+            sms,
             funcs,
         })
     }

@@ -47,6 +47,11 @@ pub const KERNELS: &[&str] = &[
     "pa_decode_hd64",
     "pa_decode_hd128",
     "pa_decode_hd256",
+    "pa_decode1_hd16",
+    "pa_decode1_hd32",
+    "pa_decode1_hd64",
+    "pa_decode1_hd128",
+    "pa_decode1_hd256",
     "pa_combine",
 ];
 

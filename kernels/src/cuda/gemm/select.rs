@@ -48,6 +48,24 @@ pub fn shard_whole_tile(m: usize, n_seg: usize) -> Option<usize> {
     (m <= 64 && n_seg <= 2).then_some(64)
 }
 
+/// The `wgwhole` tile width a call of 65 ≤ M ≤ 128 (decode at batch 128, short prefills)
+/// takes instead of `wgtma128`, whose one row of 128×128 tiles leaves most SMs idle on a
+/// narrow layer: the widest of 112 and 64 whose two rows of blocks make one wave of at
+/// least 3/4 of the SMs. `sweep-gemm-paths.sh` on an H200 at M = 128 (session 27): q/k/v
+/// 4096 × 6144 26.3 µs (wgwhole112) against 37.2, o 4096 × 4096 22.1 (wgwhole64) against
+/// 35.7, down 14336 × 4096 56.6 against 87.5; gate/up (4096 × 28672, 512 blocks) and the
+/// LM head stay on `wgtma128` (87.7 against 126.2 for wgwhole112), as does every layer at
+/// M = 256.
+pub fn one_wave_whole_tile(m: usize, n: usize, sms: usize) -> Option<usize> {
+    if !(65..=128).contains(&m) {
+        return None;
+    }
+    [112, 64].into_iter().find(|&bn| {
+        let blocks = n.div_ceil(bn) * m.div_ceil(64);
+        blocks <= sms && fills_waves(blocks, sms)
+    })
+}
+
 /// Whether an M ≤ 32 call takes the 64×256 two-segment cluster tiles: where they make at
 /// least 56 blocks. Fewer (a narrow q/k/v at TP 2 to 8, a row-parallel shard of four
 /// segments at TP 2) leave most SMs idle, and the 128-column one-segment clusters are
@@ -83,6 +101,14 @@ pub fn default_path_for(
     has: impl Fn(Path) -> bool,
 ) -> Path {
     let path = Path::for_shape(shape, family);
+    if path == Path::WgTma128 {
+        if let Some(p) = one_wave_whole_tile(shape.m, shape.n, sms)
+            .map(|bn| Path::WgWhole { bn })
+            .filter(|&p| has(p))
+        {
+            return p;
+        }
+    }
     if path == Path::WgCluster64 {
         let whole = shard_whole_tile(shape.m, shape.n_seg)
             .or_else(|| whole_tile(shape.m, shape.n, sms))
@@ -143,6 +169,15 @@ mod tests {
             (64, 6144, 8, "wgquad96"),
             (8, 28672, 8, "wgwhole224"),
             (64, 28672, 8, "wgwhole112"),
+            // TP 1 at M = 128: q/k/v, o and down on whole-K tiles, gate/up and the LM head
+            // on wgtma128, as everything at M = 256.
+            (128, 6144, 8, "wgwhole112"),
+            (128, 4096, 8, "wgwhole64"),
+            (96, 4096, 8, "wgwhole64"),
+            (128, 28672, 8, "wgtma128"),
+            (128, 128256, 8, "wgtma128"),
+            (256, 4096, 8, "wgtma128"),
+            (256, 6144, 8, "wgtma128"),
             // TP 2: q/k/v (3072), o and down (four segments), gate/up (14336).
             (1, 3072, 8, "wgcluster64"),
             (32, 3072, 8, "wgcluster64"),

@@ -11,7 +11,10 @@ use super::{arg_bf16_out, check, check_bf16_out, i32_of, DevBf16, DevF32, DevU32
 use crate::cuda::{CudaError, GpuDevice};
 use crate::paged::{splits_of, PagedKvLayout, ATTN_SPLIT, KV_BLOCK};
 
-use super::paged_tiles::{padded_head_dim, smem_bytes, PREFILL_TILE_ROWS};
+use super::paged_tiles::{
+    decode_kernel, decode_smem_bytes, padded_head_dim, prefill_smem_bytes, DecodeStages,
+    PREFILL_TILE_ROWS,
+};
 
 const PREFILL_THREADS: u32 = 128;
 /// A sequence with at least this many rows in a step goes to the prefill kernel; fewer
@@ -109,6 +112,9 @@ pub struct AttnRouting {
     n_decode: usize,
     /// Grid depth of the decode kernel: at least the splits of its longest row.
     max_splits: usize,
+    /// The decode kernel's variant; `None`: by the launch's size
+    /// ([`DecodeStages::for_launch`], or `ARBOR_ATTN_DECODE_STAGES`).
+    decode_stages: Option<DecodeStages>,
 }
 
 impl AttnRouting {
@@ -121,6 +127,26 @@ impl AttnRouting {
     pub fn max_splits(&self) -> usize {
         self.max_splits
     }
+
+    /// The same routing with the decode kernel's variant fixed (tests, A/B benchmarks).
+    pub fn with_decode_stages(mut self, stages: DecodeStages) -> Self {
+        self.decode_stages = Some(stages);
+        self
+    }
+}
+
+/// `ARBOR_ATTN_DECODE_STAGES` (1 or 2): the decode kernel's variant for every launch,
+/// for A/B benchmarks; read once.
+fn stages_override() -> Option<DecodeStages> {
+    static S: std::sync::OnceLock<Option<DecodeStages>> = std::sync::OnceLock::new();
+    *S.get_or_init(|| {
+        let v = std::env::var("ARBOR_ATTN_DECODE_STAGES").ok()?;
+        let st = DecodeStages::parse(&v);
+        if st.is_none() {
+            tracing::warn!(value = %v, "ARBOR_ATTN_DECODE_STAGES is not 1 or 2: ignored");
+        }
+        st
+    })
 }
 
 impl GpuDevice {
@@ -168,6 +194,7 @@ impl GpuDevice {
                 .transpose()?,
             n_decode,
             max_splits: splits_of(max_pos),
+            decode_stages: None,
         })
     }
 
@@ -180,6 +207,7 @@ impl GpuDevice {
             decode: None,
             n_decode: rows,
             max_splits: max_splits.max(1),
+            decode_stages: None,
         }
     }
 
@@ -273,21 +301,26 @@ impl GpuDevice {
             let cfg = LaunchConfig {
                 grid_dim: (routing.n_tiles as u32, n_heads as u32, 1),
                 block_dim: (PREFILL_THREADS, 1, 1),
-                shared_mem_bytes: smem_bytes(hd, true) as u32,
+                shared_mem_bytes: prefill_smem_bytes(hd) as u32,
             };
             self.launched(name, unsafe { b.launch(cfg) })?;
         }
 
         if routing.n_decode > 0 {
-            let name = match hd {
-                16 => "pa_decode_hd16",
-                32 => "pa_decode_hd32",
-                64 => "pa_decode_hd64",
-                128 => "pa_decode_hd128",
-                _ => "pa_decode_hd256",
-            };
             let ms = routing.max_splits;
             let msi = i32_of(K, "splits", ms)?;
+            let group = n_heads / n_kv_heads;
+            let htiles = group.div_ceil(16);
+            let ctas = routing.n_decode * n_kv_heads * htiles * ms;
+            let stages = routing
+                .decode_stages
+                .or_else(stages_override)
+                .filter(|&st| decode_kernel(hd, st).is_some())
+                .unwrap_or_else(|| DecodeStages::for_launch(ctas, self.sms));
+            let name = decode_kernel(hd, stages).ok_or_else(|| CudaError::Launch {
+                kernel: K,
+                msg: format!("no decode kernel for head_dim {head_dim} with {stages:?} stages"),
+            })?;
             // Split states: [decode rows][n_heads][splits][head_dim + 2] (acc, m, l).
             let part_len = if ms > 1 {
                 routing.n_decode * n_heads * ms * (head_dim + 2)
@@ -296,8 +329,6 @@ impl GpuDevice {
             };
             let mut part: DevF32 = self.alloc(part_len)?;
             let no_rows = 0u64;
-            let group = n_heads / n_kv_heads;
-            let htiles = group.div_ceil(16);
             let mut b = self.launch(self.func(name)?);
             b.arg(q).arg(k).arg(v).out(&mut out);
             arg_bf16_out(&mut b, outb.as_deref_mut());
@@ -320,7 +351,7 @@ impl GpuDevice {
                     ms as u32,
                 ),
                 block_dim: (32, 1, 1),
-                shared_mem_bytes: smem_bytes(hd, false) as u32,
+                shared_mem_bytes: decode_smem_bytes(hd, stages) as u32,
             };
             self.launched(name, unsafe { b.launch(cfg) })?;
             if ms > 1 {

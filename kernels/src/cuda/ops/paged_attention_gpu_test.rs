@@ -141,6 +141,7 @@ fn run(
     positions: &[usize],
     spans: &[SeqSpan],
     decode_only: bool,
+    stages: Option<DecodeStages>,
 ) -> (Vec<f32>, Vec<u16>) {
     let w = c.n_heads * c.layout.head_dim;
     let q: Vec<f32> = positions
@@ -169,7 +170,11 @@ fn run(
             .map(|&p| crate::paged::splits_of(p))
             .max()
             .unwrap_or(1);
-        dev.attn_routing_decode(positions.len(), ms)
+        let r = dev.attn_routing_decode(positions.len(), ms);
+        match stages {
+            Some(st) => r.with_decode_stages(st),
+            None => r,
+        }
     } else {
         dev.attn_routing(spans, c.layout.head_dim).unwrap()
     };
@@ -211,7 +216,7 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         pos0: 0,
         table0: 0,
     }];
-    let (pre, preb) = run(&dev, &c, &kv, &all, &whole, false);
+    let (pre, preb) = run(&dev, &c, &kv, &all, &whole, false, None);
     assert!(
         pre.iter().all(|x| x.is_finite()),
         "hd {head_dim}: non-finite output (read past the keys?)"
@@ -232,18 +237,24 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
     }
     assert!(worst < 8e-3, "hd {head_dim}: relative error {worst} vs f64");
 
-    // Every row through the decode kernel (splits, combine): the same bits.
-    let (dec, decb) = run(&dev, &c, &kv, &all, &whole, true);
-    if let Some(i) = (0..pre.len()).find(|&i| pre[i].to_bits() != dec[i].to_bits()) {
-        panic!(
-            "hd {head_dim}: decode differs from prefill at row {}, value {} ({} vs {})",
-            i / w,
-            i % w,
-            dec[i],
-            pre[i]
+    // Every row through the decode kernel (splits, combine), in each of its variants
+    // (how far ahead it loads): the same bits.
+    for stages in [DecodeStages::One, DecodeStages::Two] {
+        let (dec, decb) = run(&dev, &c, &kv, &all, &whole, true, Some(stages));
+        if let Some(i) = (0..pre.len()).find(|&i| pre[i].to_bits() != dec[i].to_bits()) {
+            panic!(
+                "hd {head_dim}: decode ({stages:?} stages) differs from prefill at row {}, value {} ({} vs {})",
+                i / w,
+                i % w,
+                dec[i],
+                pre[i]
+            );
+        }
+        assert_eq!(
+            preb, decb,
+            "hd {head_dim}: bf16 outputs differ ({stages:?} stages)"
         );
     }
-    assert_eq!(preb, decb, "hd {head_dim}: bf16 outputs differ");
 
     // A chunk at an unaligned offset (a chunked prefill after a cached prefix), and the
     // rows of several sequences in one batch in another order.
@@ -255,7 +266,7 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         pos0: a,
         table0: 0,
     }];
-    let (ch, _) = run(&dev, &c, &kv, &chunk, &span, false);
+    let (ch, _) = run(&dev, &c, &kv, &chunk, &span, false, None);
     assert_eq!(
         bits(&ch),
         bits(&pre[a * w..b * w]),
@@ -285,7 +296,7 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         }
         v
     };
-    let (mx, _) = run(&dev, &c, &kv, &mixed_pos, &spans, false);
+    let (mx, _) = run(&dev, &c, &kv, &mixed_pos, &spans, false, None);
     for (i, &p) in mixed_pos.iter().enumerate() {
         assert_eq!(
             bits(&mx[i * w..(i + 1) * w]),
