@@ -123,10 +123,9 @@ impl CudaBackend {
     /// The TP=1 shadow of this backend: world size 1 on the same device, the same GEMM
     /// choice (sharing its compiled kernels, with scratch buffers of its own).
     pub fn tp1_shadow(&self) -> Self {
-        Self {
-            gemm: self.gemm.as_ref().map(TensorGemm::sibling),
-            slot: self.slot,
-            ..Self::solo(self.dev.clone())
-        }
+        let mut shadow = Self::solo(self.dev.clone());
+        shadow.gemm = self.gemm.as_ref().map(TensorGemm::sibling);
+        shadow.slot = self.slot;
+        shadow
     }
 }

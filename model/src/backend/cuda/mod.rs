@@ -218,6 +218,23 @@ impl CudaBackend {
     }
 }
 
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // NCCL (2.26 and later) destroys a communicator only after every CUDA graph that
+        // captured one of its collectives is gone: ncclCommDestroy waits for the graphs'
+        // destructors. Fields drop in declaration order, the collective before the
+        // recordings, so without this every TP > 1 process with NCCL that recorded a decode
+        // step hung on exit (seen on nvidia-h200-x4, 2026-11-26). Graphs go first.
+        if self.dev.ctx.bind_to_thread().is_ok() {
+            let _ = self.dev.stream.synchronize();
+        }
+        self.graphs().clear();
+        // Then the collective (and its communicator), explicitly: the order must not
+        // depend on where the fields happen to be declared.
+        drop(self.coll.take());
+    }
+}
+
 impl Backend for CudaBackend {
     type Act = CudaAct;
     type Mat = CudaMat;
