@@ -13,6 +13,8 @@
 # PROFILE=1 adds ARBOR_PROFILE=1 runs (per-op device time) at TP 1, batch 1 and 64;
 # REFERENCE=0 skips the reference loop (its compile takes ~2 minutes per TP); PREFILL=0
 # skips the 8 × 1024-token prefill runs; SAMPLED=0 skips the sampled-decode runs.
+# REF_TPS (default: TPS) picks the reference loop's TPs; TP1_NUMERICS (default: NUMERICS) the
+# numerics run at TP 1 (a multi-GPU call that only needs TP 1 as the baseline of TP N).
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-580}
@@ -44,8 +46,12 @@ PY
 tail -n 1 "$OUT/decode-copy.log" | tee -a "$SUMMARY"
 
 l8b_model "$WORK/make.log"
+REF_TPS=${REF_TPS:-$TPS}
+TP1_NUMERICS=${TP1_NUMERICS:-$NUMERICS}
 for tp in $TPS; do
-    for num in $NUMERICS; do
+    nums=$NUMERICS
+    ((tp == 1)) && nums=$TP1_NUMERICS
+    for num in $nums; do
         launch=("$BIN/arbor-launch" -n "$tp" --)
         ((tp == 1)) && launch=()
         step "arbor TP $tp $num" "$OUT/decode-arbor.log" 150 "${launch[@]}" "$ARBOR" bench decode \
@@ -65,7 +71,7 @@ done
 if [[ ${REFERENCE:-1} != 1 ]]; then
     note "SKIP  reference loop (REFERENCE=0)"
 elif [[ -f $BIN/decode_baseline.py ]]; then
-    for tp in $TPS; do
+    for tp in $REF_TPS; do
         if ((tp == 1)); then
             step "reference TP 1" "$OUT/decode-reference.log" 220 python3 "$BIN/decode_baseline.py" \
                 --compile --batch "$BATCHES" --steps "$STEPS" --out "$OUT/decode-reference-tp1.json"

@@ -5,7 +5,8 @@
 #   bash scripts/bench-serve.sh
 # Environment: CLIENTS (256), REQUESTS (768), PROMPTS (128:2048), OUTPUTS (128:1024),
 # REPEATS (2), SHARED (0: tokens every prompt starts with, for the prefix cache), EXTRA
-# (more server flags for both runs). Prints throughput, TTFT and
+# (more server flags for both runs), TP (1: the server's ranks, one per GPU), NUMERICS
+# ("invariant fast"). Prints throughput, TTFT and
 # inter-token percentiles per numerics and their ratio; distinct outputs per repeated prompt
 # must be 1 for the invariant server. Writes $OUT/serve-*.json|log and serve-summary.txt.
 set -uo pipefail
@@ -19,11 +20,13 @@ PROMPTS=${PROMPTS:-128:2048}
 OUTPUTS=${OUTPUTS:-128:1024}
 REPEATS=${REPEATS:-2}
 SHARED=${SHARED:-0}
+TP=${TP:-1}
+NUMERICS=${NUMERICS:-invariant fast}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1 | tee -a "$SUMMARY"
 l8b_model "$OUT/serve-make.log"
-for num in invariant fast; do
+for num in $NUMERICS; do
     # shellcheck disable=SC2086 # EXTRA is a list of flags on purpose
-    step "serve $num" "$OUT/serve-$num.log" 260 "$ARBOR" bench serve --model "$L8B" --device cuda \
+    step "serve TP $TP $num" "$OUT/serve-$num.log" 260 "$ARBOR" bench serve --model "$L8B" --device cuda --tp "$TP" \
         --requests "$REQUESTS" --concurrency "$CLIENTS" --prompt-len "$PROMPTS" --output-len "$OUTPUTS" \
         --repeat "$REPEATS" --shared-prefix "$SHARED" --temperature 0.8 --server-args "--numerics $num ${EXTRA:-}" \
         --json "$OUT/serve-$num.json"
