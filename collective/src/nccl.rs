@@ -14,7 +14,8 @@
 //! cudarc opens libcuda / libnccl at first use and panics when one is missing, so
 //! [`probe_nccl`] checks first and every entry point returns [`GpuError`] instead.
 
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nres, sys as nsys};
@@ -414,10 +415,54 @@ impl NcclComm {
     }
 }
 
+/// How long `ncclCommDestroy` may take before the wait is reported.
+const DESTROY_WARN_AFTER: Duration = Duration::from_secs(10);
+
+/// Runs `work`; if it has not returned after `after`, calls `report` once (from a watcher
+/// thread) while it goes on waiting.
+fn report_if_slow<T>(
+    after: Duration,
+    report: impl FnOnce() + Send + 'static,
+    work: impl FnOnce() -> T,
+) -> T {
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let watcher = std::thread::Builder::new()
+        .name("slow-call-watch".into())
+        .spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(after) {
+                report();
+            }
+        })
+        .ok();
+    let out = work();
+    drop(done_tx);
+    if let Some(w) = watcher {
+        let _ = w.join();
+    }
+    out
+}
+
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        // ncclCommDestroy (NCCL >= 2.26) blocks until every CUDA graph that captured one of
+        // this communicator's collectives is destroyed: a graph kept alive past the
+        // communicator hangs the process silently (seen at TP > 1, 2026-11-26). The
+        // watcher names the cause while the destroy waits.
+        let rank = self.rank;
+        let report = move || {
+            tracing::error!(
+                rank,
+                seconds = DESTROY_WARN_AFTER.as_secs(),
+                "ncclCommDestroy is still waiting: NCCL destroys a communicator only after \
+                 every CUDA graph that captured its collectives is destroyed (drop the \
+                 recorded graphs first)"
+            );
+        };
         // SAFETY: the communicator was created by ncclCommInitRank and is destroyed once.
-        if let Err(e) = unsafe { nres::comm_destroy(self.comm) } {
+        let r = report_if_slow(DESTROY_WARN_AFTER, report, || unsafe {
+            nres::comm_destroy(self.comm)
+        });
+        if let Err(e) = r {
             tracing::warn!(rank = self.rank, "ncclCommDestroy failed: {:?}", e.0);
         }
     }
@@ -426,6 +471,35 @@ impl Drop for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slow_call_is_reported_once_and_a_quick_one_never() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let reports = Arc::new(AtomicUsize::new(0));
+        let r = reports.clone();
+        let out = report_if_slow(
+            Duration::from_millis(20),
+            move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            },
+            || {
+                std::thread::sleep(Duration::from_millis(200));
+                7
+            },
+        );
+        assert_eq!(out, 7);
+        assert_eq!(reports.load(Ordering::SeqCst), 1);
+        let r = reports.clone();
+        let out = report_if_slow(
+            Duration::from_secs(5),
+            move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            },
+            || 8,
+        );
+        assert_eq!(out, 8);
+        assert_eq!(reports.load(Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn dtype_parses_and_sizes() {
