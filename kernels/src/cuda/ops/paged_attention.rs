@@ -315,7 +315,6 @@ impl GpuDevice {
             let stages = routing
                 .decode_stages
                 .or_else(stages_override)
-                .filter(|&st| decode_kernel(hd, st).is_some())
                 .unwrap_or_else(|| DecodeStages::for_launch(ctas, self.sms));
             let name = decode_kernel(hd, stages).ok_or_else(|| CudaError::Launch {
                 kernel: K,
