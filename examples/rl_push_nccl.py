@@ -220,9 +220,11 @@ def main():
                           "broadcast_GBps": round(total / sent / 1e9, 2), "answer": body}),
               flush=True)
 
+    # ncclCommDestroy returns once every member has called it: destroy here while the
+    # server answers, not after (arbor destroys its side in the background too).
     th, res = in_thread(args.server, "/destroy_weights_update_group", {"group_name": "trainer"})
-    th.join()
     nccl.destroy(comm)
+    th.join()
     print(json.dumps({"destroy_group_status": res[0][0]}), flush=True)
     raise SystemExit(0 if ok else 1)
 

@@ -13,14 +13,16 @@
 #    are not repeated here (gpu-check.sh smoke runs them).
 # 2. speed (DECODE_S, default 300): scripts/bench-decode.sh at TP 1 (invariant) and TP N
 #    (invariant and fast), batches 1,8,64, the reference loop under torchrun at TP N.
+# 2b. profile (PROFILE_S, default 200; only when PARTS names it): scripts/profile-tp-step.sh,
+#    one TP N step split into one rank's compute, the all-reduces and the rest.
 # 3. RL weight updates (what is left, if at least 200 s): scripts/rl-update-bench.sh, whose
 #    NCCL push needs the second GPU (the trainer on GPU 1, arbor on GPU 0).
 # 4. serving (what is left of TOTAL_S, default 580, if at least 150 s): scripts/bench-serve.sh
 #    at TP N, invariant, 256 clients.
 # PARTS (default check,decode,serve) picks the parts, run in the order above: e.g. PARTS=check,decode
 # in one call and PARTS=rl,serve in the next.
-# $OUT receives check-summary.txt, decode-summary.txt, serve-summary.txt, rl-summary.txt,
-# decode-report.json and logs.tar.gz (every log and JSON); the summaries print at the end.
+# $OUT receives check-summary.txt, decode-summary.txt, profile-tp-summary.txt,
+# serve-summary.txt, rl-summary.txt, decode-report.json and logs.tar.gz (every log and JSON); the summaries print at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -72,6 +74,14 @@ if part decode; then
     cp "$WORKDIR/decode/decode-report.json" "$FINAL/decode-report.json" 2>/dev/null
 fi
 
+# 2b. one TP N step, taken apart
+if part profile; then
+    budget=$(left)
+    ((budget > ${PROFILE_S:-200})) && budget=${PROFILE_S:-200}
+    OUT=$WORKDIR/profile TP=$MAXTP BUDGET_S=$budget bash scripts/profile-tp-step.sh >"$WORKDIR/profile.out" 2>&1
+    cp "$WORKDIR/profile/profile-tp-summary.txt" "$FINAL/profile-tp-summary.txt" 2>/dev/null
+fi
+
 # 3. RL weight updates, the NCCL push included (GPU 1 is the trainer's)
 if part rl; then
     budget=$(($(left) - 10))
@@ -98,7 +108,7 @@ fi
 tar -C "$WORKDIR" --exclude='*.safetensors' -czf "$FINAL/logs.tar.gz" . 2>/dev/null
 echo
 echo "==================== multi-gpu-run ($(($(date +%s) - T0)) s) ===================="
-for f in check-summary.txt decode-summary.txt rl-summary.txt serve-summary.txt; do
+for f in check-summary.txt decode-summary.txt profile-tp-summary.txt rl-summary.txt serve-summary.txt; do
     [[ -f $FINAL/$f ]] || continue
     echo "---- $f"
     cat "$FINAL/$f"

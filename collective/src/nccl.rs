@@ -445,17 +445,18 @@ fn report_if_slow<T>(
 impl Drop for NcclComm {
     fn drop(&mut self) {
         // ncclCommDestroy (NCCL >= 2.26) blocks until every CUDA graph that captured one of
-        // this communicator's collectives is destroyed: a graph kept alive past the
-        // communicator hangs the process silently (seen at TP > 1, 2026-11-26). The
-        // watcher names the cause while the destroy waits.
+        // this communicator's collectives is destroyed, and until the other members destroy
+        // theirs: a graph kept alive past the communicator, or a member that waits for this
+        // one first, hangs the process silently (both seen on GPUs, 2026-11-26). The
+        // watcher names the causes while the destroy waits.
         let rank = self.rank;
         let report = move || {
             tracing::error!(
                 rank,
                 seconds = DESTROY_WARN_AFTER.as_secs(),
-                "ncclCommDestroy is still waiting: NCCL destroys a communicator only after \
-                 every CUDA graph that captured its collectives is destroyed (drop the \
-                 recorded graphs first)"
+                "ncclCommDestroy is still waiting: NCCL destroys a communicator once every \
+                 member has called it and every CUDA graph that captured its collectives is \
+                 destroyed (a member that has not left, or a recorded graph still alive)"
             );
         };
         // SAFETY: the communicator was created by ncclCommInitRank and is destroyed once.

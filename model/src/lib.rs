@@ -23,7 +23,7 @@ pub use error::ModelError;
 pub use generation_config::GenerationConfig;
 pub use runner::{
     load, Device, Engine, FinishReason, GenOutput, GenRequest, KvCapacity, KvOptions, LoadOptions,
-    Runner, ScoreOutput, ScoreRequest,
+    Runner, ScoreOutput, ScoreRequest, UpdateMemory,
 };
 pub use safetensors::DType;
 pub use sampling::{Sampling, TokenLogprob};

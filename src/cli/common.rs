@@ -201,6 +201,7 @@ impl KvArgs {
             step_tokens,
             step_outputs,
             prefix_cache: !self.no_prefix_cache,
+            update_memory: model_api::UpdateMemory::default(),
         };
         if let Err(e) = o.validate() {
             bail!("--gpu-memory-utilization / --kv-cache-gib / --kv-blocks: {e}");

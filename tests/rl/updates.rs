@@ -10,9 +10,11 @@ use crate::checkpoint::models;
 use crate::cli_support::*;
 use crate::server::Server;
 
-fn updates_mid_load(tp: usize) {
+/// `extra`: serve flags (TP 2 runs with `--update-memory free-kv-cache`: every update
+/// frees the KV cache and makes it again, failed ones included).
+fn updates_mid_load(tp: usize, extra: &[&str]) {
     let m = models();
-    let s = Server::start(tp, &m.a, &[], &format!("tp{tp}"));
+    let s = Server::start(tp, &m.a, extra, &format!("tp{tp}"));
     assert_serves(&s, "0");
 
     // 1. From disk, policy wait: started requests finish on A, the rest wait for B.
@@ -82,9 +84,19 @@ fn updates_mid_load(tp: usize) {
         assert_eq!(v, "C");
     }
 
-    // 4. Bad checkpoints: refused with a 4xx, nothing changes.
+    // 4. Bad checkpoints: refused with a 4xx, nothing changes. A prompt of a full KV
+    // block and more, served before them, is in the prefix cache; a failed update that freed and
+    // remade the KV cache must not leave it there (its blocks' contents are gone).
+    let long = json!({"prompt": (0..120u64).map(|j| 3 + j * 13 % 250).collect::<Vec<_>>(),
+                      "max_tokens": 4, "logprobs": 1, "temperature": 0.0});
+    let before = choice_bits(&s.ok("/v1/completions", &long)["choices"][0]);
     bad_checkpoints(&s, tp);
     assert_serves(&s, "C");
+    let after = choice_bits(&s.ok("/v1/completions", &long)["choices"][0]);
+    assert_eq!(
+        before, after,
+        "the long prompt's bits changed after refused updates"
+    );
 }
 
 /// Every kind of bad update is refused, naming what is wrong; C keeps serving.
@@ -201,15 +213,15 @@ fn bad_checkpoints(s: &Server, tp: usize) {
 
 #[test]
 fn updates_mid_load_tp1() {
-    updates_mid_load(1);
+    updates_mid_load(1, &[]);
 }
 
 #[test]
 fn updates_mid_load_tp2() {
-    updates_mid_load(2);
+    updates_mid_load(2, &["--update-memory", "free-kv-cache"]);
 }
 
 #[test]
 fn updates_mid_load_tp4() {
-    updates_mid_load(4);
+    updates_mid_load(4, &[]);
 }

@@ -28,6 +28,38 @@ pub struct KvOptions {
     /// Share full blocks between sequences with the same tokens up to them (`generate` and
     /// `score`; a serving session's scheduler has its own flag).
     pub prefix_cache: bool,
+    /// Where a weight update's second copy of the weights finds room (docs/rl.md, Memory).
+    pub update_memory: UpdateMemory,
+}
+
+/// A weight update loads the new weights beside the serving ones and swaps them only
+/// once every rank has them (so a failure changes nothing): it needs room for a second
+/// copy. An update runs only when no request is started, so the KV cache then holds
+/// nothing but the prefix cache, which the update drops anyway: freeing the cache for the
+/// update and making it again after loses nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpdateMemory {
+    /// Keep the KV cache when the device has room for the second copy beside it, else
+    /// free it for the update.
+    #[default]
+    Auto,
+    /// Free the KV cache for every update.
+    FreeKvCache,
+    /// Never free it: an update without room fails (nothing changes).
+    KeepKvCache,
+}
+
+impl UpdateMemory {
+    /// Whether to free the KV cache for an update needing `need` bytes where `free` are
+    /// free (`None`: unknown, a host backend). The margin covers the load's temporaries
+    /// and the allocator's rounding.
+    pub fn frees_cache(self, need: u64, free: Option<u64>) -> bool {
+        match self {
+            UpdateMemory::FreeKvCache => true,
+            UpdateMemory::KeepKvCache => false,
+            UpdateMemory::Auto => free.is_some_and(|f| f < need + need / 20 + (1 << 30)),
+        }
+    }
 }
 
 pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
@@ -77,6 +109,7 @@ impl Default for KvOptions {
             step_tokens: DEFAULT_STEP_TOKENS,
             step_outputs: DEFAULT_STEP_OUTPUTS,
             prefix_cache: true,
+            update_memory: UpdateMemory::Auto,
         }
     }
 }
@@ -308,5 +341,19 @@ mod tests {
         // A llama3-8b step of 8192 rows: a few GiB, well under an H100's 80.
         let gib = base as f64 / GIB;
         assert!((2.0..16.0).contains(&gib), "{gib} GiB");
+    }
+
+    #[test]
+    fn an_update_frees_the_cache_only_without_room_beside_it() {
+        let g = 1u64 << 30;
+        let need = 15 * g;
+        // auto: room for the copy plus the margin keeps the cache, less frees it.
+        assert!(!UpdateMemory::Auto.frees_cache(need, Some(20 * g)));
+        assert!(UpdateMemory::Auto.frees_cache(need, Some(15 * g)));
+        assert!(UpdateMemory::Auto.frees_cache(need, Some(16 * g)));
+        // No device to ask (a host backend): keep it.
+        assert!(!UpdateMemory::Auto.frees_cache(need, None));
+        assert!(UpdateMemory::FreeKvCache.frees_cache(need, Some(80 * g)));
+        assert!(!UpdateMemory::KeepKvCache.frees_cache(need, Some(0)));
     }
 }

@@ -27,7 +27,7 @@ use crate::tokenizer_config::TokenizerConfig;
 
 pub use crate::checkpoint::load_tokenizer;
 pub use crate::engine::FinishReason;
-pub use capacity::{KvCapacity, KvOptions};
+pub use capacity::{KvCapacity, KvOptions, UpdateMemory};
 pub use load::load;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

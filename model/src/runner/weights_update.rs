@@ -70,6 +70,9 @@ pub(super) struct Updates<B: Backend> {
     new_session: Option<(super::Caches<B>, super::KvCapacity)>,
     new_group: Option<(String, Box<dyn WeightsGroup>)>,
     group: Option<(String, Box<dyn WeightsGroup>)>,
+    /// The KV cache was freed to make room for the update's second copy: phase two makes
+    /// it again (`UpdateMemory`).
+    cache_freed: bool,
 }
 
 impl<B: Backend> Updates<B> {
@@ -84,6 +87,7 @@ impl<B: Backend> Updates<B> {
             new_session: None,
             new_group: None,
             group: None,
+            cache_freed: false,
         }
     }
 
@@ -303,7 +307,10 @@ impl<B: Backend> Engine<B> {
                 timeout_s,
             } => self.receive(group, tensors, Duration::from_secs_f64(*timeout_s)),
             ControlMsg::Discard | ControlMsg::FlushCache => Ok(()),
-            ControlMsg::Update(src) => self.prepare_model(src),
+            ControlMsg::Update(src) => {
+                self.make_room_for_update()?;
+                self.prepare_model(src)
+            }
             ControlMsg::Release { .. } => Ok(()),
             ControlMsg::Resume { weights, kv, from } => {
                 if *weights && self.model.is_none() {
@@ -413,6 +420,9 @@ impl<B: Backend> Engine<B> {
                     self.model = Some(model);
                     self.updates.origin = origin;
                 }
+                if std::mem::take(&mut self.updates.cache_freed) {
+                    self.remake_freed_cache();
+                }
             }
             ControlMsg::Release { weights, kv } => {
                 if apply {
@@ -458,6 +468,78 @@ impl<B: Backend> Engine<B> {
                     u.group = None;
                 }
             }
+        }
+    }
+
+    /// Frees the KV cache for the update when `UpdateMemory` says so (the device has no
+    /// room for a second copy of this rank's weights beside it). The update runs with no
+    /// request started, so the cache holds only cached prefixes, which the update drops.
+    fn make_room_for_update(&mut self) -> MResult<()> {
+        if self.cache.is_none() {
+            return Ok(());
+        }
+        let need = self.weights_bytes_estimate();
+        let policy = self.kv_opts.update_memory;
+        let free = match policy {
+            // Memory the process keeps but does not use counts as free: give it back first.
+            crate::runner::UpdateMemory::Auto => {
+                self.backend.give_back_memory().map_err(|e| self.berr(e))?
+            }
+            _ => None,
+        };
+        if !policy.frees_cache(need, free) {
+            return Ok(());
+        }
+        // Recordings write the cache: they go with it.
+        self.backend.forget_recordings();
+        self.offline_pool = None;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        self.cache = None;
+        self.updates.cache_freed = true;
+        let after = self.backend.give_back_memory().map_err(|e| self.berr(e))?;
+        tracing::info!(
+            rank = self.backend.rank(),
+            weights_gib = format!("{:.2}", gib(need)),
+            free_before_gib = free.map(|f| format!("{:.2}", gib(f))),
+            free_after_gib = after.map(|f| format!("{:.2}", gib(f))),
+            ?policy,
+            "KV cache freed for the weight update's second copy of the weights (made again after it)"
+        );
+        Ok(())
+    }
+
+    /// The bytes of this rank's weights, from the configuration (bf16; the embedding and
+    /// the LM head counted whole, an upper bound at TP > 1).
+    fn weights_bytes_estimate(&self) -> u64 {
+        let c = &self.cfg;
+        let (h, q, kv, i) = (
+            c.hidden_size as u64,
+            c.q_dim() as u64,
+            c.kv_dim() as u64,
+            c.intermediate_size as u64,
+        );
+        let per_layer = h * (q + 2 * kv) + q * h + 3 * h * i;
+        let tp = self.backend.world_size().max(1) as u64;
+        2 * (c.num_layers as u64 * per_layer / tp + 2 * c.vocab_size as u64 * h)
+    }
+
+    /// Makes the cache freed by `make_room_for_update` again (the same blocks), after the
+    /// update swapped the weights in or was undone. On failure the cache stays released:
+    /// generation answers 503 until `resume_memory_occupation` brings it back.
+    fn remake_freed_cache(&mut self) {
+        let Some(cap) = self.kv_shape.clone() else {
+            return;
+        };
+        if let Err(e) = self.backend.give_back_memory() {
+            tracing::warn!("giving memory back before remaking the KV cache: {e}");
+        }
+        match self.alloc_caches(cap.blocks) {
+            Ok(c) => self.cache = Some((c, cap)),
+            Err(e) => tracing::error!(
+                rank = self.backend.rank(),
+                "the KV cache freed for the weight update could not be made again: {e}; \
+                 resume_memory_occupation with tags [\"kv_cache\"] brings it back"
+            ),
         }
     }
 

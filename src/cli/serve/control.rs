@@ -141,6 +141,7 @@ impl Control {
                 | ControlMsg::Release { .. }
                 | ControlMsg::Resume { .. }
         );
+        let update = matches!(msg, ControlMsg::Update(_));
         let msg = if cx.comm.world_size() > 1 {
             // Encoded in place: a pushed part is not copied for the broadcast.
             let plan = PlanMsg::Control(msg);
@@ -164,7 +165,9 @@ impl Control {
             seconds = t0.elapsed().as_secs_f64(),
             "command"
         );
-        if stale && r.is_ok() {
+        // A failed update may have freed and remade the KV cache to load beside it
+        // (`--update-memory`): its blocks' contents are gone either way.
+        if stale && (r.is_ok() || update) {
             cx.sched.drop_prefix_cache();
         }
         Ok(r)
@@ -510,6 +513,10 @@ impl Control {
         let pushed = src == UpdateSource::Staged;
         let r = self.run(cx, ControlMsg::Update(src))?;
         self.staged_at = None;
+        // A KV cache freed for the update (`--update-memory`) is made again after it; where
+        // that failed, generation waits for resume_memory_occupation.
+        self.kv = self.kv && cx.runner.weights_state().kv_loaded;
+        self.set_released(cx);
         let seconds = t0.elapsed().as_secs_f64();
         let reply = match r {
             Ok(()) => {

@@ -29,6 +29,24 @@ use arbor_model::engine::PlanMsg;
 use super::common::{self, DeviceArg, KvArgs, NumericsArg};
 use super::model_api::{self, LoadOptions, Runner, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
 
+/// `--update-memory`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpdateMemoryArg {
+    Auto,
+    FreeKvCache,
+    KeepKvCache,
+}
+
+impl UpdateMemoryArg {
+    fn resolve(self) -> model_api::UpdateMemory {
+        match self {
+            UpdateMemoryArg::Auto => model_api::UpdateMemory::Auto,
+            UpdateMemoryArg::FreeKvCache => model_api::UpdateMemory::FreeKvCache,
+            UpdateMemoryArg::KeepKvCache => model_api::UpdateMemory::KeepKvCache,
+        }
+    }
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
     /// Model directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json), or a GGUF file.
@@ -105,6 +123,13 @@ pub struct Args {
     /// of its own.
     #[arg(long)]
     pub max_weight_upload_bytes: Option<usize>,
+    /// Where a weight update's second copy of the weights goes: `auto` keeps the KV cache
+    /// when the GPU has room for the copy beside it and otherwise frees the cache for the
+    /// update (it holds only cached prefixes then) and makes it again after;
+    /// `free-kv-cache` always frees it; `keep-kv-cache` never does (an update without room
+    /// fails, nothing changes).
+    #[arg(long, value_enum, default_value_t = UpdateMemoryArg::Auto)]
+    pub update_memory: UpdateMemoryArg,
     /// How long an update with policy "wait" waits for the started requests to finish
     /// before it is refused (nothing changes).
     #[arg(long, default_value_t = 300.0)]
@@ -125,9 +150,10 @@ pub fn run(args: Args) -> Result<()> {
         info.local_world_size,
         options::host_available_bytes(),
     )?;
-    let kv = args
+    let mut kv = args
         .kv
         .to_options(args.max_num_batched_tokens, step_outputs(&args))?;
+    kv.update_memory = args.update_memory.resolve();
     let comm = common::init_comm()?;
     let rank = comm.rank();
     let opts = LoadOptions {

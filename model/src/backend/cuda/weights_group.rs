@@ -90,6 +90,25 @@ impl CudaWeightsGroup {
     }
 }
 
+impl Drop for CudaWeightsGroup {
+    fn drop(&mut self) {
+        // ncclCommDestroy returns only once the trainer destroys its communicator too, and
+        // a trainer may wait for this server's answer to destroy_weights_update_group
+        // before it does (seen on nvidia-h100-x4, 2026-11-26: 250 s, with generation
+        // stalled). The destroy runs on a thread of its own, so the answer goes out now.
+        if let Some(comm) = self.comm.take() {
+            let rank = self.rank;
+            let spawned = std::thread::Builder::new()
+                .name("weights-group-destroy".into())
+                .spawn(move || drop(comm));
+            if let Err(e) = spawned {
+                // The closure, and the communicator, were dropped here, in place.
+                tracing::warn!(rank, "no thread to destroy the weight-update group on: {e}");
+            }
+        }
+    }
+}
+
 impl WeightsGroup for CudaWeightsGroup {
     fn receive(&mut self, bytes: usize, timeout: Duration) -> BResult<Vec<u8>> {
         if bytes == 0 {
