@@ -436,6 +436,17 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+
+    /// Parameters of one layer's matrices (q, k, v, o, gate, up, down; norms aside).
+    pub fn layer_matrix_params(&self) -> u64 {
+        let (h, q, kv, i) = (
+            self.hidden_size as u64,
+            self.q_dim() as u64,
+            self.kv_dim() as u64,
+            self.intermediate_size as u64,
+        );
+        h * (q + 2 * kv) + q * h + 3 * h * i
+    }
 }
 
 fn cfg_err(path: &Path, msg: String) -> ModelError {

@@ -512,15 +512,9 @@ impl<B: Backend> Engine<B> {
     /// the LM head counted whole, an upper bound at TP > 1).
     fn weights_bytes_estimate(&self) -> u64 {
         let c = &self.cfg;
-        let (h, q, kv, i) = (
-            c.hidden_size as u64,
-            c.q_dim() as u64,
-            c.kv_dim() as u64,
-            c.intermediate_size as u64,
-        );
-        let per_layer = h * (q + 2 * kv) + q * h + 3 * h * i;
         let tp = self.backend.world_size().max(1) as u64;
-        2 * (c.num_layers as u64 * per_layer / tp + 2 * c.vocab_size as u64 * h)
+        let layers = c.num_layers as u64 * c.layer_matrix_params() / tp;
+        2 * (layers + 2 * c.vocab_size as u64 * c.hidden_size as u64)
     }
 
     /// Makes the cache freed by `make_room_for_update` again (the same blocks), after the

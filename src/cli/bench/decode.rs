@@ -111,14 +111,8 @@ fn sampling_label(t: f32, k: usize, p: f32) -> String {
 /// Bytes of the weights one rank reads in a decode step (the embedding is a gather).
 fn weight_bytes_per_rank(runner: &dyn Runner) -> u64 {
     let c = runner.config();
-    let (h, q, kv, i) = (
-        c.hidden_size as u64,
-        c.q_dim() as u64,
-        c.kv_dim() as u64,
-        c.intermediate_size as u64,
-    );
-    let per_layer = h * (q + 2 * kv) + q * h + 3 * h * i;
-    let params = c.num_layers as u64 * per_layer + c.vocab_size as u64 * h;
+    let params =
+        c.num_layers as u64 * c.layer_matrix_params() + c.vocab_size as u64 * c.hidden_size as u64;
     2 * params / runner.tp() as u64
 }
 
