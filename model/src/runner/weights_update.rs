@@ -482,8 +482,12 @@ impl<B: Backend> Engine<B> {
         let policy = self.kv_opts.update_memory;
         let free = match policy {
             // Memory the process keeps but does not use counts as free: give it back first.
+            // Ranks sharing a GPU load at once: each counts its share of the free memory.
             crate::runner::UpdateMemory::Auto => {
-                self.backend.give_back_memory().map_err(|e| self.berr(e))?
+                self.backend.give_back_memory().map_err(|e| self.berr(e))?;
+                self.backend
+                    .free_device_memory()
+                    .map_err(|e| self.berr(e))?
             }
             _ => None,
         };
