@@ -497,10 +497,10 @@ impl<B: Backend> Engine<B> {
         // Recordings write the cache: they go with it.
         self.backend.forget_recordings();
         self.offline_pool = None;
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         self.cache = None;
         self.updates.cache_freed = true;
         let after = self.backend.give_back_memory().map_err(|e| self.berr(e))?;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         tracing::info!(
             rank = self.backend.rank(),
             weights_gib = format!("{:.2}", gib(need)),

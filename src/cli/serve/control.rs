@@ -516,12 +516,11 @@ impl Control {
         // A KV cache freed for the update (`--update-memory`) is made again after it; where
         // that failed, generation waits for resume_memory_occupation.
         self.kv = self.kv && cx.runner.weights_state().kv_loaded;
+        self.weights |= r.is_ok();
         self.set_released(cx);
         let seconds = t0.elapsed().as_secs_f64();
         let reply = match r {
             Ok(()) => {
-                self.weights = true;
-                self.set_released(cx);
                 self.new_version(cx, req.version, seconds);
                 eprintln!(
                     "arbor serve: weights updated in {seconds:.2} s: version {old} -> {}",
