@@ -140,7 +140,7 @@ fn generate_jsonl_schema() {
 
 /// Generate at one TP, score at another; log-probs and digests bit for bit (as text: the
 /// shortest decimal of an f32 is unique, so equal text is equal bits).
-fn score_equals_generate(gen_tp: usize, score_tp: usize) {
+fn score_equals_generate(gen_tp: usize, score_tp: usize, score_flags: &[&str]) {
     let s = Scratch::new("model-cli-score");
     let prompts = prompts_file(s.path());
     let gen = s.path().join("gen.jsonl");
@@ -175,7 +175,10 @@ fn score_equals_generate(gen_tp: usize, score_tp: usize) {
             "1",
             "--out",
             score.to_str().unwrap(),
-        ],
+        ]
+        .into_iter()
+        .chain(score_flags.iter().copied())
+        .collect::<Vec<_>>(),
     );
     assert!(o.status.success(), "{:?}", text(&o));
     let (g, sc) = (read_jsonl(&gen), read_jsonl(&score));
@@ -205,12 +208,42 @@ fn score_equals_generate(gen_tp: usize, score_tp: usize) {
 
 #[test]
 fn score_equals_generate_tp2_to_tp1() {
-    score_equals_generate(2, 1);
+    score_equals_generate(2, 1, &[]);
 }
 
 #[test]
 fn score_equals_generate_tp1_to_tp4() {
-    score_equals_generate(1, 4);
+    // Scored in steps of at most 2 rows: the sequences in chunks, the same bits.
+    score_equals_generate(1, 4, &["--max-num-batched-tokens", "2"]);
+}
+
+/// Offline commands size a step from their work; a smaller step prefills the prompts in
+/// chunks and changes no bit. 0 rows is refused by the flag's name.
+#[test]
+fn a_smaller_step_changes_no_bit() {
+    let s = Scratch::new("model-cli-step");
+    let prompts = prompts_file(s.path());
+    let run = |name: &str, extra: &[&str]| {
+        let out = s.path().join(name);
+        let mut a = generate_args(&["--prompts", &prompts, "--max-tokens", "4", "--batch", "3"]);
+        a.extend_from_slice(extra);
+        a.extend(["--out", out.to_str().unwrap()]);
+        let o = run_launched(2, &a);
+        assert!(o.status.success(), "{:?}", text(&o));
+        read_jsonl(&out)
+    };
+    let whole = run("whole.jsonl", &[]);
+    let chunked = run("chunked.jsonl", &["--max-num-batched-tokens", "3"]);
+    assert_eq!(whole, chunked);
+    let o = run_arbor(&generate_args(&[
+        "--prompt",
+        "a",
+        "--max-num-batched-tokens",
+        "0",
+    ]));
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("--max-num-batched-tokens"), "{err}");
 }
 
 #[test]

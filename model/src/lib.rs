@@ -22,8 +22,8 @@ pub use config::{Arch, ModelConfig};
 pub use error::ModelError;
 pub use generation_config::GenerationConfig;
 pub use runner::{
-    load, Device, Engine, FinishReason, GenOutput, GenRequest, KvCapacity, KvOptions, LoadOptions,
-    Runner, ScoreOutput, ScoreRequest, UpdateMemory,
+    load, BatchWork, Device, Engine, FinishReason, GenOutput, GenRequest, KvCapacity, KvOptions,
+    LoadOptions, Runner, ScoreOutput, ScoreRequest, StepBudget, UpdateMemory,
 };
 pub use safetensors::DType;
 pub use sampling::{Sampling, TokenLogprob};

@@ -8,7 +8,10 @@
 
 mod common;
 
-use arbor_model::{Arch, GenOutput, GenRequest, KvOptions, LoadOptions, Sampling, ScoreRequest};
+use arbor_model::engine::scheduler::DEFAULT_STEP_OUTPUTS;
+use arbor_model::{
+    Arch, GenOutput, GenRequest, KvOptions, LoadOptions, Sampling, ScoreRequest, StepBudget,
+};
 use common::*;
 
 fn sampled() -> Sampling {
@@ -88,7 +91,7 @@ fn long_prompts_cross_attention_splits_with_the_same_bits() {
     }
     // Prefilled in chunks of 200 rows (splits straddle the chunks): the same bits.
     let chunked = KvOptions {
-        step_tokens: 200,
+        step: Some(StepBudget::serving(200, DEFAULT_STEP_OUTPUTS)),
         ..kv.clone()
     };
     let out = generate_calls(

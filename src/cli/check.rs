@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use super::common::{self, DeviceArg, KvArgs, SamplingArgs};
+use super::common::{self, DeviceArg, KvArgs, SamplingArgs, StepArgs};
 use super::metrics::{self, ConfigRun, Report, TOP_N};
 use super::records::{GenRecord, ScoreRecord};
 
@@ -54,6 +54,9 @@ pub struct Args {
     /// The KV cache's size, passed on to every `generate` and `score`.
     #[command(flatten)]
     pub kv: KvArgs,
+    /// Passed on to every `generate` and `score`.
+    #[command(flatten)]
+    pub step: StepArgs,
     /// TEST ONLY: run configuration TP:BATCH with seed+1, so its outputs really differ;
     /// shows that the check can fail.
     #[arg(long, hide = true, value_parser = parse_config)]
@@ -332,6 +335,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
             out.clone().into(),
         ];
         sub.extend(args.kv.to_args().into_iter().map(OsString::from));
+        sub.extend(args.step.to_args().into_iter().map(OsString::from));
         eprint!("[{:>2}/{}] {name:<16} generate ... ", i + 1, configs.len());
         let t0 = Instant::now();
         launcher.run(tp, &launch_args, &sub, &format!("generate at {name}"))?;
@@ -362,6 +366,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
         score_out.clone().into(),
     ];
     sub.extend(args.kv.to_args().into_iter().map(OsString::from));
+    sub.extend(args.step.to_args().into_iter().map(OsString::from));
     eprint!("[score] TP=1 batch={max_batch:<8} score ... ");
     let t0 = Instant::now();
     launcher.run(1, &launch_args, &sub, "score at TP=1")?;

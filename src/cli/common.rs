@@ -194,12 +194,24 @@ impl KvArgs {
         step_tokens: usize,
         step_outputs: usize,
     ) -> Result<model_api::KvOptions> {
+        self.options(Some(model_api::StepBudget::serving(
+            step_tokens,
+            step_outputs,
+        )))
+    }
+
+    /// The cache options of an offline run (`generate`, `score`, `bench decode`): the
+    /// cache is made by `Runner::reserve_steps` once the work is known.
+    pub fn offline(self) -> Result<model_api::KvOptions> {
+        self.options(None)
+    }
+
+    fn options(self, step: Option<model_api::StepBudget>) -> Result<model_api::KvOptions> {
         let o = model_api::KvOptions {
             blocks: self.kv_blocks,
             gpu_memory_utilization: self.gpu_memory_utilization,
             cpu_cache_gib: self.kv_cache_gib,
-            step_tokens,
-            step_outputs,
+            step,
             prefix_cache: !self.no_prefix_cache,
             update_memory: model_api::UpdateMemory::default(),
         };
@@ -207,14 +219,6 @@ impl KvArgs {
             bail!("--gpu-memory-utilization / --kv-cache-gib / --kv-blocks: {e}");
         }
         Ok(o)
-    }
-
-    /// The cache options of an offline run (`generate`, `score`, `bench decode`).
-    pub fn offline(self) -> Result<model_api::KvOptions> {
-        self.to_options(
-            model_api::DEFAULT_STEP_TOKENS,
-            model_api::DEFAULT_STEP_OUTPUTS,
-        )
     }
 
     /// The flags as arguments, to pass on to a child process.
@@ -233,6 +237,38 @@ impl KvArgs {
             a.push("--no-prefix-cache".to_string());
         }
         a
+    }
+}
+
+/// The step size flag of the offline commands (`arbor serve` has its own, with the
+/// server's default).
+#[derive(clap::Args, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepArgs {
+    /// Most prompt tokens one step processes (default: the largest batch's prompt tokens,
+    /// at most 8192; longer prompts are prefilled in chunks, with the same bits). The
+    /// working memory of a step grows with it: lower it to leave more to the KV cache.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_num_batched_tokens: Option<u64>,
+}
+
+impl StepArgs {
+    /// The step budget of offline work run as `batches`.
+    pub fn budget(
+        self,
+        batches: impl IntoIterator<Item = model_api::BatchWork>,
+    ) -> model_api::StepBudget {
+        let cap = self
+            .max_num_batched_tokens
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+        model_api::StepBudget::for_batches(batches, cap)
+    }
+
+    /// The flag as arguments, to pass on to a child process.
+    pub fn to_args(self) -> Vec<String> {
+        match self.max_num_batched_tokens {
+            Some(n) => vec!["--max-num-batched-tokens".into(), n.to_string()],
+            None => Vec::new(),
+        }
     }
 }
 

@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 
 use super::check;
 use super::common::{self, DeviceArg, NumericsArg, SamplingArgs};
+use super::generate::batch_work;
 use super::make_model::{self, ArchArg, PresetArg};
 use super::model_api::{GenRequest, Sampling};
 use super::real_model;
@@ -91,6 +92,7 @@ pub fn run(args: Args) -> Result<()> {
         json: None,
         keep_dir: None,
         kv: Default::default(),
+        step: Default::default(),
         perturb_seed_of: None,
     })?;
     let real = if args.no_real {
@@ -144,16 +146,14 @@ fn real_weights(path: &Path, args: &Args) -> Result<()> {
     }
     .encode(&text, false)
     .map_err(|e| anyhow::anyhow!("tokenizing the chat prompt: {e}"))?;
+    let req = GenRequest {
+        id: 0,
+        prompt,
+        max_new_tokens: 48,
+    };
+    runner.reserve_steps(common::StepArgs::default().budget([batch_work(&[req.clone()])]))?;
     let t0 = std::time::Instant::now();
-    let out = runner.generate(
-        &[GenRequest {
-            id: 0,
-            prompt,
-            max_new_tokens: 48,
-        }],
-        &Sampling::greedy(),
-        0,
-    )?;
+    let out = runner.generate(&[req], &Sampling::greedy(), 0)?;
     let tokens = out.first().map(|o| o.tokens.clone()).unwrap_or_default();
     let answer = runner
         .tokenizer()
@@ -189,6 +189,7 @@ fn real_weights(path: &Path, args: &Args) -> Result<()> {
         json: None,
         keep_dir: None,
         kv: Default::default(),
+        step: Default::default(),
         perturb_seed_of: None,
     })
 }

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::common::{self, DeviceArg, JsonlSink, KvArgs, NumericsArg, SamplingArgs};
-use super::model_api::{Device, FinishReason, GenOutput, GenRequest, Runner, Sampling};
+use super::common::{self, DeviceArg, JsonlSink, KvArgs, NumericsArg, SamplingArgs, StepArgs};
+use super::model_api::{BatchWork, Device, FinishReason, GenOutput, GenRequest, Runner, Sampling};
 use super::records::{Finish, GenRecord, PromptLine, TopEntry};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -52,6 +52,8 @@ pub struct Args {
     pub numerics: NumericsArg,
     #[command(flatten)]
     pub kv: KvArgs,
+    #[command(flatten)]
+    pub step: StepArgs,
 }
 
 /// A prompt before tokenisation.
@@ -176,6 +178,31 @@ fn to_record(runner: &dyn Runner, prompt: &[u32], out: GenOutput, n_top: usize) 
     }
 }
 
+/// What one static batch of `reqs` asks of a step: its prompts prefilled, then one sampled
+/// row per sequence.
+pub fn batch_work(reqs: &[GenRequest]) -> BatchWork {
+    BatchWork {
+        rows: reqs.iter().map(|r| r.prompt.len()).sum(),
+        outputs: reqs.len(),
+        seqs: reqs.len(),
+        longest: reqs
+            .iter()
+            .map(|r| r.prompt.len().saturating_add(r.max_new_tokens))
+            .max()
+            .unwrap_or(0),
+    }
+}
+
+/// The step budget of running `reqs` in static batches of `batch`.
+pub fn budget_of<T>(
+    step: StepArgs,
+    reqs: &[T],
+    batch: usize,
+    work: impl Fn(&[T]) -> BatchWork,
+) -> super::model_api::StepBudget {
+    step.budget(common::batches(reqs.len(), batch).map(|r| work(&reqs[r])))
+}
+
 /// Runs `reqs` in static batches of `batch`, in input order.
 pub fn run_batches<T>(
     reqs: &[T],
@@ -221,6 +248,7 @@ pub fn run(args: Args) -> Result<()> {
             max_new_tokens: args.max_tokens,
         })
         .collect();
+    runner.reserve_steps(budget_of(args.step, &reqs, args.batch, batch_work))?;
 
     // Rank 0 writes each batch as it finishes (a failure later keeps what was done).
     let rank0 = runner.rank() == 0;

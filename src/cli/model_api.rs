@@ -4,8 +4,8 @@
 pub use arbor_model::engine::scheduler::{DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
 pub use arbor_model::runner::capacity::DEFAULT_GPU_MEMORY_UTILIZATION;
 pub use arbor_model::runner::{
-    load, Device, FinishReason, GenOutput, GenRequest, KvOptions, LoadOptions, Runner,
-    ScoreRequest, UpdateMemory,
+    load, BatchWork, Device, FinishReason, GenOutput, GenRequest, KvOptions, LoadOptions, Runner,
+    ScoreRequest, StepBudget, UpdateMemory,
 };
 pub use arbor_model::synth::{
     make_model_with_progress, ConfigFormat, Preset, Progress, SynthOptions,

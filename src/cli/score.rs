@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
-use super::common::{self, DeviceArg, JsonlSink, KvArgs, NumericsArg};
-use super::generate::run_batches;
-use super::model_api::ScoreRequest;
+use super::common::{self, DeviceArg, JsonlSink, KvArgs, NumericsArg, StepArgs};
+use super::generate::{budget_of, run_batches};
+use super::model_api::{BatchWork, ScoreRequest};
 use super::records::{ScoreLine, ScoreRecord, TopEntry};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -38,6 +38,22 @@ pub struct Args {
     pub numerics: NumericsArg,
     #[command(flatten)]
     pub kv: KvArgs,
+    #[command(flatten)]
+    pub step: StepArgs,
+}
+
+/// What one static batch of `reqs` asks of a step: every sequence prefilled, with the
+/// logits of each scored position.
+fn batch_work(reqs: &[ScoreRequest]) -> BatchWork {
+    BatchWork {
+        rows: reqs.iter().map(|r| r.tokens.len()).sum(),
+        outputs: reqs
+            .iter()
+            .map(|r| r.tokens.len().saturating_sub(r.prompt_len))
+            .sum(),
+        seqs: reqs.len(),
+        longest: reqs.iter().map(|r| r.tokens.len()).max().unwrap_or(0),
+    }
 }
 
 /// The scoring requests of an input file, ids defaulting to the record's index.
@@ -73,6 +89,7 @@ pub fn run(args: Args) -> Result<()> {
         args.numerics,
         args.kv.offline()?,
     )?;
+    runner.reserve_steps(budget_of(args.step, &reqs, args.batch, batch_work))?;
     // Rank 0 writes each batch as it finishes.
     let mut sink = match runner.rank() {
         0 => Some(JsonlSink::create(args.out.as_deref())?),

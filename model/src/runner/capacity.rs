@@ -22,9 +22,10 @@ pub struct KvOptions {
     /// CPU: GiB of host memory for the cache (its pages are touched only as blocks fill);
     /// `None`: [`default_cpu_cache_bytes`].
     pub cpu_cache_gib: Option<f64>,
-    /// Most rows and most logits rows in one step: the working memory kept beside the cache.
-    pub step_tokens: usize,
-    pub step_outputs: usize,
+    /// The most one step holds: the working memory kept beside the cache. `None`: not
+    /// known at load (an offline command's work): the cache is made by
+    /// `Runner::reserve_steps` once the work is known.
+    pub step: Option<StepBudget>,
     /// Share full blocks between sequences with the same tokens up to them (`generate` and
     /// `score`; a serving session's scheduler has its own flag).
     pub prefix_cache: bool,
@@ -59,6 +60,87 @@ impl UpdateMemory {
             UpdateMemory::KeepKvCache => false,
             UpdateMemory::Auto => free.is_some_and(|f| f < need + need / 20 + (1 << 30)),
         }
+    }
+}
+
+/// The most one step holds, which sizes the working memory a rank keeps beside its KV
+/// cache. A server takes any request, so it plans for its step limits; an offline command
+/// knows its work, and a budget cut to it leaves the rest of the memory to the cache (ranks
+/// sharing a GPU have little to spare).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepBudget {
+    /// Most rows (new tokens) in one step.
+    pub tokens: usize,
+    /// Most rows whose logits one step computes.
+    pub outputs: usize,
+    /// Most sequences one decode step runs.
+    pub decode_rows: usize,
+    /// The longest sequence (prompt + generated) a step serves; `None`: the context limit.
+    pub context: Option<usize>,
+}
+
+/// One static batch of offline work, as [`StepBudget::for_batches`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchWork {
+    /// Prompt (or scored sequence) tokens of the batch together: its prefill rows.
+    pub rows: usize,
+    /// Rows whose logits a step of the batch needs at most: one per sequence when
+    /// generating, every scored position when scoring.
+    pub outputs: usize,
+    /// Sequences of the batch.
+    pub seqs: usize,
+    /// Its longest sequence, prompt and generated tokens together.
+    pub longest: usize,
+}
+
+impl StepBudget {
+    /// A server's budget: steps of up to `tokens` rows and `outputs` logits rows, decode
+    /// steps as large as the largest recorded one, at any context.
+    pub fn serving(tokens: usize, outputs: usize) -> Self {
+        StepBudget {
+            tokens,
+            outputs,
+            decode_rows: DECODE_ROWS,
+            context: None,
+        }
+    }
+
+    /// The budget of offline work run as `batches`, no larger than a server's default
+    /// step (a longer prompt is prefilled in chunks: the same bits), and at most
+    /// `max_tokens` rows a step where given.
+    pub fn for_batches(
+        batches: impl IntoIterator<Item = BatchWork>,
+        max_tokens: Option<usize>,
+    ) -> Self {
+        let most = batches
+            .into_iter()
+            .fold(BatchWork::default(), |m, b| BatchWork {
+                rows: m.rows.max(b.rows),
+                outputs: m.outputs.max(b.outputs),
+                seqs: m.seqs.max(b.seqs),
+                longest: m.longest.max(b.longest),
+            });
+        let tokens = most
+            .rows
+            .min(DEFAULT_STEP_TOKENS)
+            .min(max_tokens.unwrap_or(usize::MAX));
+        StepBudget {
+            tokens: tokens.max(1),
+            outputs: most.outputs.clamp(1, DEFAULT_STEP_OUTPUTS),
+            decode_rows: most.seqs.max(1).next_power_of_two().min(DECODE_ROWS),
+            context: Some(most.longest.max(1)),
+        }
+    }
+
+    /// The budget's own limits, named.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.tokens == 0 || self.outputs == 0 || self.decode_rows == 0 {
+            return Err(format!(
+                "step tokens {}, step outputs {} and decode rows {} must be at least 1",
+                self.tokens, self.outputs, self.decode_rows
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -106,8 +188,10 @@ impl Default for KvOptions {
             blocks: None,
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             cpu_cache_gib: None,
-            step_tokens: DEFAULT_STEP_TOKENS,
-            step_outputs: DEFAULT_STEP_OUTPUTS,
+            step: Some(StepBudget::serving(
+                DEFAULT_STEP_TOKENS,
+                DEFAULT_STEP_OUTPUTS,
+            )),
             prefix_cache: true,
             update_memory: UpdateMemory::Auto,
         }
@@ -129,13 +213,10 @@ impl KvOptions {
         if self.blocks == Some(0) {
             return Err("a KV cache of 0 blocks holds nothing".into());
         }
-        if self.step_tokens == 0 || self.step_outputs == 0 {
-            return Err(format!(
-                "step tokens {} and step outputs {} must be at least 1",
-                self.step_tokens, self.step_outputs
-            ));
+        match &self.step {
+            Some(step) => step.validate(),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -229,19 +310,20 @@ pub fn blocks_that_fit(
 /// Headroom beside the estimate below: CUDA graphs, NCCL and cuBLAS buffers, allocator
 /// slack.
 const FIXED_RESERVE: u64 = 1 << 30;
-/// Decode rows of a recorded step, at most (the CUDA backend's largest graph bucket).
+/// Decode rows of a recorded step, at most (the CUDA backend's largest graph bucket; a
+/// smaller batch is padded to a bucket no larger than its next power of two).
 const DECODE_ROWS: usize = 256;
 
-/// An upper estimate of the device memory one step of `opts.step_tokens` rows (and
-/// `opts.step_outputs` logits rows) allocates beside the KV cache on one rank of TP `tp`,
-/// with contexts up to `max_seq_len`: activations of a layer (f32 and their bf16 copies,
-/// the all-reduce's gathered partials, the GEMMs' bf16 inputs), the logits, the split
-/// attention's partial states of a full decode step, and a fixed headroom.
+/// An upper estimate of the device memory one step of `step` allocates beside the KV
+/// cache on one rank of TP `tp`, with contexts up to `max_seq_len` (and the step's own
+/// limit): activations of a layer (f32 and their bf16 copies, the all-reduce's gathered
+/// partials, the GEMMs' bf16 inputs), the logits, the split attention's partial states of
+/// its largest decode step, and a fixed headroom.
 pub fn step_reserve_bytes(
     cfg: &ModelConfig,
     heads: &HeadPlan,
     tp: usize,
-    opts: &KvOptions,
+    step: &StepBudget,
     max_seq_len: usize,
 ) -> u64 {
     let h = cfg.hidden_size;
@@ -255,14 +337,15 @@ pub fn step_reserve_bytes(
     // gathered partials, gate/up and SiLU·mul; then bf16 copies and a GEMM's input.
     let f32_per_row = 2 * (4 * h + 2 * tp * h + 2 * (q + 2 * kv) + 2 * q + 3 * inter);
     let bf16_per_row = 2 * h + q + inter + widest;
-    let rows = opts.step_tokens as u64;
+    let rows = step.tokens as u64;
     let acts = rows * (4 * f32_per_row + 2 * bf16_per_row) as u64;
     // Logits: the local shard, the gathered rows and a copy.
     let vocab_local = cfg.vocab_size.div_ceil(tp);
-    let logits = opts.step_outputs as u64 * 4 * (2 * vocab_local + cfg.vocab_size) as u64;
+    let logits = step.outputs as u64 * 4 * (2 * vocab_local + cfg.vocab_size) as u64;
     // The decode kernel's split states: rows × heads × splits × (head_dim + 2) f32.
-    let splits = splits_of(max_seq_len.saturating_sub(1)).next_power_of_two();
-    let decode = (DECODE_ROWS * heads.n_heads * splits * (hd + 2) * 4) as u64;
+    let context = step.context.map_or(max_seq_len, |c| c.min(max_seq_len));
+    let splits = splits_of(context.saturating_sub(1)).next_power_of_two();
+    let decode = (step.decode_rows * heads.n_heads * splits * (hd + 2) * 4) as u64;
     acts + logits + decode + FIXED_RESERVE
 }
 
@@ -329,18 +412,57 @@ mod tests {
             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072}"#;
         let cfg = ModelConfig::from_json_str(text, &in_memory_path()).unwrap();
         let heads = HeadPlan::new(&cfg, 0, 1).unwrap();
-        let o = KvOptions::default();
+        let o = StepBudget::serving(DEFAULT_STEP_TOKENS, DEFAULT_STEP_OUTPUTS);
         let base = step_reserve_bytes(&cfg, &heads, 1, &o, 4096);
         let long = step_reserve_bytes(&cfg, &heads, 1, &o, 131072);
-        let small = KvOptions {
-            step_tokens: 512,
-            ..o
-        };
+        let small = StepBudget { tokens: 512, ..o };
         let less = step_reserve_bytes(&cfg, &heads, 1, &small, 4096);
         assert!(long > base && base > less && less > FIXED_RESERVE);
         // A llama3-8b step of 8192 rows: a few GiB, well under an H100's 80.
         let gib = base as f64 / GIB;
         assert!((2.0..16.0).contains(&gib), "{gib} GiB");
+    }
+
+    #[test]
+    fn offline_work_reserves_what_it_runs() {
+        let text = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072}"#;
+        let cfg = ModelConfig::from_json_str(text, &in_memory_path()).unwrap();
+        // Two batches of a generate: 6 prompts of ~100 tokens, then 2 of 300.
+        let gen = |seqs: usize, prompt: usize| BatchWork {
+            rows: seqs * prompt,
+            outputs: seqs,
+            seqs,
+            longest: prompt + 16,
+        };
+        let work = StepBudget::for_batches([gen(6, 100), gen(2, 300)], None);
+        assert_eq!(
+            work,
+            StepBudget {
+                tokens: 600,
+                outputs: 6,
+                decode_rows: 8,
+                context: Some(316),
+            }
+        );
+        // A flag caps the rows; a huge batch keeps the server's limits.
+        assert_eq!(StepBudget::for_batches([gen(6, 100)], Some(64)).tokens, 64);
+        let huge = StepBudget::for_batches([gen(2000, 100)], None);
+        let serving = StepBudget::serving(DEFAULT_STEP_TOKENS, DEFAULT_STEP_OUTPUTS);
+        assert_eq!(
+            (huge.tokens, huge.outputs, huge.decode_rows),
+            (serving.tokens, serving.outputs, serving.decode_rows)
+        );
+        assert!(StepBudget::for_batches([], None).validate().is_ok());
+        // One rank of TP 8 on the llama3-8b shape: the server's step reserves 7.45 GiB,
+        // which an 80 GB GPU shared by 8 ranks does not have per rank; the work's own
+        // step reserves little beside the fixed headroom.
+        let heads = HeadPlan::new(&cfg, 1, 8).unwrap();
+        let server = step_reserve_bytes(&cfg, &heads, 8, &serving, 131072) as f64 / GIB;
+        let mine = step_reserve_bytes(&cfg, &heads, 8, &work, 131072) as f64 / GIB;
+        assert!(server > 5.0, "{server} GiB");
+        assert!(mine < 1.5, "{mine} GiB");
     }
 
     #[test]

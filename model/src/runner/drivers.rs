@@ -4,7 +4,7 @@
 use super::weights_update::WeightsState;
 use super::{
     Engine, FinishReason, GenOutput, GenRequest, GenTiming, KvCapacity, Runner, ScoreOutput,
-    ScoreRequest,
+    ScoreRequest, StepBudget,
 };
 use crate::backend::Backend;
 use crate::config::ModelConfig;
@@ -45,6 +45,20 @@ impl<B: Backend> Runner for Engine<B> {
 
     fn kv_capacity(&self) -> Option<&KvCapacity> {
         self.kv_shape.as_ref()
+    }
+
+    fn reserve_steps(&mut self, step: StepBudget) -> MResult<()> {
+        self.check_offline()?;
+        step.validate()
+            .map_err(|m| ModelError::Plan(format!("step budget: {m}")))?;
+        if self.kv_opts.step == Some(step) && self.cache.is_some() {
+            return Ok(());
+        }
+        self.kv_opts.step = Some(step);
+        // Free the old cache before measuring what is left for the new one.
+        self.cache = None;
+        self.kv_shape = None;
+        self.init_cache()
     }
 
     fn generate(
@@ -261,9 +275,11 @@ impl<B: Backend> Engine<B> {
     /// the blocks the last call cached.
     fn offline_scheduler(&mut self, eos: Vec<u32>) -> MResult<Scheduler> {
         let (caches, cap) = self.take_cache()?;
-        let mut cfg =
-            SchedulerConfig::offline(cap.max_seq_len, cap.blocks, self.kv_opts.step_tokens, eos);
-        cfg.step_outputs = self.kv_opts.step_outputs;
+        let step = self.kv_opts.step.ok_or_else(|| {
+            ModelError::Plan("the KV cache was made without a step budget".into())
+        })?;
+        let mut cfg = SchedulerConfig::offline(cap.max_seq_len, cap.blocks, step.tokens, eos);
+        cfg.step_outputs = step.outputs;
         cfg.prefix_cache = self.kv_opts.prefix_cache;
         self.cache = Some((caches, cap));
         match self.offline_pool.take() {

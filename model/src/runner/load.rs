@@ -36,7 +36,9 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
                 )?;
                 engine = engine.with_shadow(shadow);
             }
-            engine.init_cache()?;
+            if opts.kv.step.is_some() {
+                engine.init_cache()?;
+            }
             Ok(Box::new(engine))
         }
         Device::Cuda if opts.numerics == Numerics::Fast && opts.shadow_tp1 => {
@@ -63,7 +65,9 @@ fn load_cuda(
         let shadow = Engine::new(shadow, opts)?;
         engine = engine.with_shadow(shadow);
     }
-    engine.init_cache()?;
+    if opts.kv.step.is_some() {
+        engine.init_cache()?;
+    }
     Ok(Box::new(engine))
 }
 

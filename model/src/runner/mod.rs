@@ -27,7 +27,7 @@ use crate::tokenizer_config::TokenizerConfig;
 
 pub use crate::checkpoint::load_tokenizer;
 pub use crate::engine::FinishReason;
-pub use capacity::{KvCapacity, KvOptions, UpdateMemory};
+pub use capacity::{BatchWork, KvCapacity, KvOptions, StepBudget, UpdateMemory};
 pub use load::load;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +54,8 @@ pub struct LoadOptions {
     /// runs exactly one rank's kernels (the all-reduces aside); its outputs are not a
     /// model's.
     pub rank_of_tp: Option<usize>,
-    /// How the paged KV cache (made at load, used by every call) is sized.
+    /// How the paged KV cache is sized: made at load where the step budget is given, else
+    /// by `Runner::reserve_steps` once the work is known.
     pub kv: KvOptions,
 }
 
@@ -150,6 +151,10 @@ pub trait Runner {
     /// comes back with after a release); `None` before it is made (an `Engine` built by
     /// hand makes it on first use).
     fn kv_capacity(&self) -> Option<&KvCapacity>;
+    /// Sizes the steps to come to `step` and makes the KV cache with the memory that
+    /// leaves (again, where it was made for another budget): what an offline command does
+    /// once it knows its work. A collective: every rank calls it with the same budget.
+    fn reserve_steps(&mut self, step: StepBudget) -> MResult<()>;
     /// All requests run as ONE static batch (ragged, no padding); sampling is keyed by
     /// (seed, request id, position), so results depend on neither batch nor TP.
     fn generate(
@@ -253,6 +258,11 @@ impl<B: Backend> Engine<B> {
         let opts = &self.kv_opts;
         opts.validate()
             .map_err(|m| ModelError::Plan(format!("KV cache: {m}")))?;
+        let step = opts.step.ok_or_else(|| {
+            ModelError::Plan(
+                "the KV cache is sized for the work: call reserve_steps before running".into(),
+            )
+        })?;
         let mut bpb = self.kv_spec(0)?.bytes_per_block();
         if let Some(s) = &self.shadow {
             bpb += s.kv_spec(0)?.bytes_per_block();
@@ -267,10 +277,10 @@ impl<B: Backend> Engine<B> {
         let (rank, tp) = (self.backend.rank(), self.backend.world_size());
         let heads = HeadPlan::new(&self.cfg, rank, tp)?;
         let mut reserve =
-            capacity::step_reserve_bytes(&self.cfg, &heads, tp, opts, self.max_seq_len);
+            capacity::step_reserve_bytes(&self.cfg, &heads, tp, &step, self.max_seq_len);
         if let Some(s) = &self.shadow {
             let sh = HeadPlan::new(&s.cfg, 0, 1)?;
-            reserve += capacity::step_reserve_bytes(&s.cfg, &sh, 1, opts, s.max_seq_len);
+            reserve += capacity::step_reserve_bytes(&s.cfg, &sh, 1, &step, s.max_seq_len);
         }
         let cpu_default = match (free, opts.cpu_cache_gib, opts.blocks) {
             (None, None, None) => capacity::default_cpu_cache_bytes(

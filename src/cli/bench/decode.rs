@@ -16,8 +16,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use crate::cli::common::{self, DeviceArg, KvArgs, NumericsArg};
-use crate::cli::model_api::{GenRequest, LoadOptions, Runner, Sampling};
+use crate::cli::common::{self, DeviceArg, KvArgs, NumericsArg, StepArgs};
+use crate::cli::model_api::{BatchWork, GenRequest, LoadOptions, Runner, Sampling};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -61,6 +61,8 @@ pub struct Args {
     rank_of_tp: Option<usize>,
     #[command(flatten)]
     kv: KvArgs,
+    #[command(flatten)]
+    step: StepArgs,
 }
 
 #[derive(Serialize)]
@@ -157,6 +159,13 @@ pub fn run(a: Args) -> Result<()> {
         rank_of_tp: a.rank_of_tp,
         kv: a.kv.offline()?,
     })?;
+    // The warm-up's one short request fits in any of these.
+    runner.reserve_steps(a.step.budget(a.batch.iter().map(|&b| BatchWork {
+        rows: b * a.prompt_len,
+        outputs: b,
+        seqs: b,
+        longest: max_seq_len,
+    })))?;
     let rank = runner.rank();
     let cap = runner
         .kv_capacity()
