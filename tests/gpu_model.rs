@@ -1,5 +1,5 @@
 //! The model on the CUDA backend (skipped with a printed reason where no GPU is usable;
-//! scripts/gpu-check.sh runs this test binary on the lent GPU machines):
+//! scripts/gpu/gpu-check.sh runs this test binary on the lent GPU machines):
 //! - GPU logits match the CPU backend's within bf16 tolerance (the measured relative
 //!   error is printed), for the Llama and Qwen3 tiny models, with invariant and with fast
 //!   (cuBLAS) numerics;

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One device call (carry [".device"]): the price of determinism in the decode step.
-# Run from the repo root after `bash scripts/build-device.sh` and, for the reference, a copy of
+# Run from the repo root after `bash scripts/gpu/build-device.sh` and, for the reference, a copy of
 # the PyTorch reference loop at .device/decode_baseline.py (not part of this repository;
 # docs/engine.md, "The reference loop"):
-#   bash scripts/bench-decode.sh              # writes $OUT/decode-*.json|txt|svg
+#   bash scripts/bench/bench-decode.sh              # writes $OUT/decode-*.json|txt|svg
 # Per TP (TPS, default: 1 and the GPU count) and batch (BATCHES, default 1,8,32,64), on a
 # llama3-8b-shape random model: `arbor bench decode` with --numerics invariant and fast (decode
 # steps replayed from CUDA graphs), invariant with ARBOR_CUDA_GRAPHS=0 (op by op; EAGER=0 skips),
 # the PyTorch reference loop (decode_baseline.py --compile: torch.compile + CUDA graph,
 # cuBLAS, NCCL) and the weights roofline (bf16 weight bytes per rank / device copy
-# bandwidth measured in this run); scripts/decode-report.py prints the ratios side by side.
+# bandwidth measured in this run); scripts/bench/decode-report.py prints the ratios side by side.
 # PROFILE=1 adds ARBOR_PROFILE=1 runs (per-op device time) at TP 1, batch 1 and 64;
 # REFERENCE=0 skips the reference loop (its compile takes ~2 minutes per TP); PREFILL=0
 # skips the 8 × 1024-token prefill runs; SAMPLED=0 skips the sampled-decode runs.
@@ -18,7 +18,7 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-580}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start decode-summary.txt
 WORK=/tmp/arbor-bench-decode
 mkdir -p "$WORK"
@@ -124,5 +124,5 @@ if [[ ${PROFILE:-0} == 1 ]]; then
         grep -A 14 '^profile' "$OUT/decode-profile-$num.log" | tee -a "$SUMMARY"
     done
 fi
-python3 scripts/decode-report.py "$OUT" | tee -a "$SUMMARY"
+python3 scripts/bench/decode-report.py "$OUT" | tee -a "$SUMMARY"
 echo "==== bench-decode ($(elapsed) s)"

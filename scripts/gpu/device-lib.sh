@@ -1,4 +1,5 @@
-# Shared helpers of the device scripts (gpu-check.sh, gpu-gemm-model.sh); sourced, not run.
+# Shared helpers of the device scripts in scripts/gpu/ and scripts/bench/; sourced from the
+# repository root (`source scripts/gpu/device-lib.sh`), not run.
 # The caller sets T0 (start, epoch seconds), BUDGET_S and SUMMARY before calling `step`;
 # STEP_MIN_LEFT (default 15) and STEP_KILL_AFTER (default 10) tune `step`.
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call (carry [".device"]): the paged attention kernels timed (both prefill
 # forms) and under Nsight Compute's full sections, next to PyTorch's flash kernel.
-# Run from the repo root after `bash scripts/build-device.sh`:
-#   bash scripts/profile-attention.sh
+# Run from the repo root after `bash scripts/gpu/build-device.sh`:
+#   bash scripts/bench/profile-attention.sh
 # Writes $OUT/profile-attention-*.txt and profile-attention-summary.txt.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-500}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start profile-attention-summary.txt
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 PREFILL=${PREFILL:-8x1024,4x8192}
@@ -34,7 +34,7 @@ if [[ -n $NCU ]]; then
     done
     step "ncu flash (torch)" "$OUT/profile-attention-torch.txt" 150 "$NCU" --clock-control none --set full \
         -k "regex:flash" --launch-skip 2 --launch-count 1 \
-        python3 scripts/attention-reference.py --prefill 8x1024 --decode "" --iters 3
+        python3 scripts/bench/attention-reference.py --prefill 8x1024 --decode "" --iters 3
     digest "$OUT/profile-attention-torch.txt"
 fi
 echo "==== profile-attention ($(elapsed) s)"

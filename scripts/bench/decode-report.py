@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side-by-side table of scripts/bench-decode.sh's results (no dependencies beyond Python).
+"""Side-by-side table of scripts/bench/bench-decode.sh's results (no dependencies beyond Python).
 
 Reads DIR/decode-arbor-tp*-{invariant,fast,invariant-eager}.json (arbor bench decode; the
 eager run is ARBOR_CUDA_GRAPHS=0: every decode step op by op instead of from CUDA graphs),

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (carry [".device"]): how long an RL weight update takes on a
 # llama3-8b-shape model (docs/rl.md). Run from the repo root after
-# `bash scripts/build-device.sh`:
-#   bash scripts/rl-update-bench.sh          # writes $OUT/rl-summary.txt and logs
+# `bash scripts/gpu/build-device.sh`:
+#   bash scripts/bench/rl-update-bench.sh          # writes $OUT/rl-summary.txt and logs
 # On nvidia-h200-x2 (or any 2+ GPU kind) it times every path; on one GPU, the disk and
 # HTTP-push paths (a NCCL group needs a GPU per member: the trainer's and arbor's).
 #   1. `arbor serve --device cuda` (TP 1, GPU 0) on the 8B model; a greedy probe.
@@ -20,7 +20,7 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-580}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start rl-summary.txt
 WORK=/tmp/arbor-rl-bench
 mkdir -p "$WORK"

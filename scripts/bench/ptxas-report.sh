@@ -4,9 +4,9 @@
 # sm_90a. Needs libnvrtc and ptxas, e.g. from PyPI:
 #   python3 -m pip download --no-deps nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88
 #   unzip both into DIR; NVRTC_LIB=DIR/nvidia/cu13/lib PTXAS=DIR/nvidia/cu13/bin/ptxas
-# Usage: scripts/ptxas-report.sh [kernel-name-filter]
+# Usage: scripts/bench/ptxas-report.sh [kernel-name-filter]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 lib=${NVRTC_LIB:-/opt/cuda13/nvidia/cu13/lib}
 ptxas=${PTXAS:-/opt/cuda13/nvidia/cu13/bin/ptxas}
 out=$(mktemp -d)

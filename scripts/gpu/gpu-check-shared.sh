@@ -1,4 +1,4 @@
-# The `shared` mode of scripts/gpu-check.sh (sourced by it, not run): every TP size in $TPS
+# The `shared` mode of scripts/gpu/gpu-check.sh (sourced by it, not run): every TP size in $TPS
 # on the GPUs there are, ARBOR_RANKS_PER_GPU=auto exported (ranks share a GPU only where
 # there are fewer GPUs than ranks). Uses gpu-check.sh's variables and functions (step,
 # note, run_check, graphs_vs_eager, timed_generate, wait_l8b, part, prompts).
@@ -55,7 +55,7 @@ serve_under_load() {
     local spid=$!
     mkdir -p "$WORK/serve"
     step "serve TP=$tp: a request alone == the same request under load" "$log" 240 \
-        python3 scripts/serve-alone-vs-load.py --addr "127.0.0.1:$port" --vocab "${vocab:-256}" \
+        python3 scripts/gpu/serve-alone-vs-load.py --addr "127.0.0.1:$port" --vocab "${vocab:-256}" \
         --clients 16 --load-requests 96 --probes 4 --wait 180 --out "$WORK/serve"
     grep -h "^serve alone vs under load" "$log" | tail -n 1 | tee -a "$SUMMARY"
     step "serve TP=$tp: arbor bench serve" "$log" 180 "$ARBOR" bench serve \

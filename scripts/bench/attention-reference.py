@@ -1,7 +1,7 @@
 # PyTorch's flash attention (SDPA, FLASH_ATTENTION backend, bf16, GQA) on the shapes of
 # `arbor bench attention`, one layer, median of CUDA-event-timed calls. Not arbor: the
 # non-deterministic reference the paged kernels are measured against (GPU machine only).
-# Usage: python3 scripts/attention-reference.py [--prefill 8x1024,...] [--decode 1x1024,...] [--out f.json]
+# Usage: python3 scripts/bench/attention-reference.py [--prefill 8x1024,...] [--decode 1x1024,...] [--out f.json]
 import argparse, json, torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of the CUDA backend, in one device call. Run ON the GPU machine from the repo
-# root, with binaries staged by scripts/build-device.sh (device tool: carry [".device"]):
+# root, with binaries staged by scripts/gpu/build-device.sh (device tool: carry [".device"]):
 #
-#   scripts/gpu-check.sh [smoke|full|timing|shared]      (default: full)
+#   scripts/gpu/gpu-check.sh [smoke|full|timing|shared]      (default: full)
 #
 # smoke: nvidia-smi, the GPU kernel tests (NVRTC compile of every kernel for the device's
 #        arch, bit-identity across batch / TP split / prefill-decode), the model tests (CPU vs
@@ -30,14 +30,14 @@
 #        generate at each TP, `check` greedy and seeded at TP $TPS x batch 1,8,32;
 #        l8b = `check` greedy on the llama3-8b shape at TP $TPS x batch $L8B_BATCH (default
 #        1,8; L8B_PROMPTS default 4, L8B_TOKENS 32); serve = `arbor serve` at TP 4 under
-#        concurrent load, a request alone == under load (scripts/serve-alone-vs-load.py),
+#        concurrent load, a request alone == under load (scripts/gpu/serve-alone-vs-load.py),
 #        then `arbor bench serve`; ipc (only where ranks share a GPU) = `bench allreduce` at
 #        TP 2 and 8 with the one-shot / two-shot IPC kernels next to the host-staged tree
 #        (watchdog $IPC_SPIN_MS ms), and tiny decode at TP 4 and 8 with
 #        ARBOR_GPU_ALLREDUCE=oneshot vs the default (records identical, step times);
 #        extra = the tiny temperature / top-k checks, graphs vs op by op and --shadow-tp1
 #        at the largest TP, then the llama3-8b seeded check, graphs vs op by op, shadow.
-#        The steps are in scripts/gpu-check-shared.sh.
+#        The steps are in scripts/gpu/gpu-check-shared.sh.
 #
 # Prints the unique-output / divergence tables LAST; full logs go to $OUT (default
 # ./gpu-check-out): summary.txt, tests.log, tiny.log, l8b.log, reports.tar (shared: also
@@ -47,7 +47,7 @@
 # model), SKIP_L8B=1 (tiny only), BUDGET_S (default 570: steps that would start after it are
 # skipped and reported); shared only: PARTS, L8B_BATCH (default 1,8), IPC_SPIN_MS (10000).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 MODE=${1:-full}
 OUT=${OUT:-./gpu-check-out}
@@ -85,14 +85,14 @@ SUMMARY="$OUT/summary.txt"
 
 for f in arbor arbor-launch tests/kernels-gpu tests/model-gpu; do
     if [[ ! -x "$BIN/$f" ]]; then
-        echo "gpu-check: $BIN/$f is missing: run scripts/build-device.sh here first" >&2
+        echo "gpu-check: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
         exit 2
     fi
 done
 ARBOR=$BIN/arbor
 LAUNCH=$BIN/arbor-launch
 
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 
 TESTS_LOG=$OUT/tests.log
 TINY_LOG=$OUT/tiny.log
@@ -264,7 +264,7 @@ if [[ $MODE != timing && $MODE != shared ]]; then
 fi
 
 # --- shared: every TP on the GPUs there are (ranks share a GPU where needed)
-[[ $MODE == shared ]] && source scripts/gpu-check-shared.sh
+[[ $MODE == shared ]] && source scripts/gpu/gpu-check-shared.sh
 
 # --- llama3-8b-shape model
 [[ $MODE == shared ]] || wait_l8b

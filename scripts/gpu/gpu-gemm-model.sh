@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The tensor-core tree GEMM inside the model (ARBOR_GPU_GEMM=tensor), in ONE device call on
 # nvidia-h100-x1 (one GPU). Run ON the GPU machine from the repo root, with binaries staged
-# by scripts/build-device.sh (device tool: carry [".device"]):
+# by scripts/gpu/build-device.sh (device tool: carry [".device"]):
 #
-#   scripts/gpu-gemm-model.sh
+#   scripts/gpu/gpu-gemm-model.sh
 #
 # Steps (each with its own time limit; a summary is printed LAST):
 #   0. the switch: ARBOR_GPU_GEMM=bogus must fail at backend creation naming the variable;
@@ -19,7 +19,7 @@
 #      with simple and with tensor, plus a --max-tokens 1 run of each; generate's own
 #      in-process timing line is noted (TIME), and the wall-clock difference (WALL, noisy:
 #      each run loads the model).
-# Since `tensor` became the default (auto on sm_80+), scripts/gpu-check.sh covers the
+# Since `tensor` became the default (auto on sm_80+), scripts/gpu/gpu-check.sh covers the
 # model at TP 1, 2, 4 with it; this script remains the single-GPU (H100) variant.
 # The 8B model is made by the CPU (~50 s) while steps 0, a and d run.
 #
@@ -27,7 +27,7 @@
 # timing.log, make-l8b.log. Environment: L8B_DIR (default /tmp/arbor-l8b; reused if a make
 # finished there), BUDGET_S (default 320: a step that would start after it is skipped).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-./gpu-gemm-model-out}
 BIN=${ARBOR_DEVICE_DIR:-.device}
@@ -41,14 +41,14 @@ SUMMARY=$OUT/summary.txt
 
 for f in arbor arbor-launch tests/model-gpu; do
     if [[ ! -x "$BIN/$f" ]]; then
-        echo "gpu-gemm-model: $BIN/$f is missing: run scripts/build-device.sh here first" >&2
+        echo "gpu-gemm-model: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
         exit 2
     fi
 done
 ARBOR=$BIN/arbor
 
 STEP_MIN_LEFT=10 STEP_KILL_AFTER=5
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 unset ARBOR_GPU_GEMM
 
 TESTS_LOG=$OUT/tests.log

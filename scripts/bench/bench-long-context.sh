@@ -2,8 +2,8 @@
 # One device call (carry [".device"]): arbor at long contexts next to the PyTorch
 # long-context reference (SDPA flash, cuBLAS, CUDA graph; `.device/long_context_reference.py`,
 # not part of this repository: copy it into .device/ with the binaries), llama3-8b shape,
-# random bf16 weights, one GPU. Run from the repo root after `bash scripts/build-device.sh`:
-#   bash scripts/bench-long-context.sh            # PART=short|long|all (default all)
+# random bf16 weights, one GPU. Run from the repo root after `bash scripts/gpu/build-device.sh`:
+#   bash scripts/bench/bench-long-context.sh            # PART=short|long|all (default all)
 # short: prefill 8 x 1024 and 64 x 1024, decode at ~1040 context, batch 1/64/128/256;
 # long:  prefill 4 x 8192, decode at ~8200 context, batch 1/32, and at ~16400, batch 1/16.
 # Each of arbor invariant, arbor fast and the reference runs the same shapes; the last
@@ -12,7 +12,7 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start long-summary.txt
 PART=${PART:-all}
 REF=$BIN/long_context_reference.py

@@ -4,12 +4,12 @@
 # in all of them) side by side, alone and in the llama3-8b decode step, next to the PyTorch
 # long-context reference at ~1k context; `arbor check` of batch 1 against batch 128 (the
 # GEMMs' M = 128 paths). STAGES="2 1 auto" (attention alone), DECODE_STAGES="2 auto". Run from the repo root after
-# `bash scripts/build-device.sh` (and a copy of long_context_reference.py in .device/):
-#   bash scripts/ab-attention-stages.sh     # writes $OUT/stages-*.json|log, stages-summary.txt
+# `bash scripts/gpu/build-device.sh` (and a copy of long_context_reference.py in .device/):
+#   bash scripts/bench/ab-attention-stages.sh     # writes $OUT/stages-*.json|log, stages-summary.txt
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start stages-summary.txt
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1 | tee -a "$SUMMARY"
 

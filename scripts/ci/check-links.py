@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Check the repository's markdown links: every relative link in README.md and
-docs/**/*.md must resolve to a file or folder that a clone has, and no link may leave the
-repository (../shared/..., /work/..., file://...).
+"""Check the repository's markdown links: every relative link in README.md, docs/**/*.md
+and scripts/**/*.md must resolve to a file or folder that a clone has, and no link may
+leave the repository (../shared/..., /work/..., file://...).
 
-    python3 scripts/check-links.py            # from anywhere inside the repository
-    python3 scripts/check-links.py FILE.md    # only the files given
+    python3 scripts/ci/check-links.py            # from anywhere inside the repository
+    python3 scripts/ci/check-links.py FILE.md    # only the files given
 
 A link's target must be tracked by git (what a clone gets) when git is available, else it
 must exist on disk. A link to a heading (`file.md#some-heading`, `#some-heading`) must
@@ -24,7 +24,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # [text](target "title") and ![alt](target); the target may be wrapped in <...>.
 INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*(<[^>]*>|[^)\s]*)(?:\s+\"[^\"]*\")?\s*\)")
@@ -193,6 +193,7 @@ class Checker:
 def default_files():
     files = [ROOT / "README.md"]
     files += sorted((ROOT / "docs").rglob("*.md"))
+    files += sorted((ROOT / "scripts").rglob("*.md"))
     return [f for f in files if f.is_file()]
 
 

@@ -4,9 +4,9 @@
 #   .device/arbor, .device/arbor-launch        the CLI and the launcher
 #   .device/tests/kernels-gpu                   arbor-kernels unit tests (GPU kernel invariance)
 #   .device/tests/model-gpu                     tests/gpu_model.rs (CPU vs GPU, prefill == decode)
-# Then run scripts/gpu-check.sh there.
+# Then run scripts/gpu/gpu-check.sh there.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # .gitignore lists /.device/ already; the exclude line keeps older checkouts right too.
 info=$(git rev-parse --git-dir)/info
 mkdir -p "$info"

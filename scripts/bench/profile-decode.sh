@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call (carry [".device"]): the decode step kernel by kernel, arbor and the
 # PyTorch reference loop side by side, to see where arbor's step loses time.
-# Run from the repo root after `bash scripts/build-device.sh` (and, for the reference, a copy
+# Run from the repo root after `bash scripts/gpu/build-device.sh` (and, for the reference, a copy
 # of the PyTorch reference loop at .device/decode_baseline.py, not part of this repository:
 # docs/engine.md, "The reference loop"):
-#   bash scripts/profile-decode.sh            # writes $OUT/profile-*.{csv,log,txt}
+#   bash scripts/bench/profile-decode.sh            # writes $OUT/profile-*.{csv,log,txt}
 # arbor: Nsight Compute (`ncu`, the profiler the lent machines have; no nsys there) times
 # every kernel of a short `bench decode` run (one metric, gpu__time_duration, clocks and
-# caches left alone); scripts/profile-report.py splits the launches into steps at the
+# caches left alone); scripts/bench/profile-report.py splits the launches into steps at the
 # row-stats kernel and sums the last decode step by kernel. The step's wall time from an
 # unprofiled run in the same call minus the kernels' sum is what the GPU spends between
 # kernels. Reference: torch.profiler (CUPTI) over graph replays of decode_baseline.py.
@@ -18,7 +18,7 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start profile-summary.txt
 BATCHES=${BATCHES:-1 64}
 NUMERICS=${NUMERICS:-invariant fast}
@@ -45,7 +45,7 @@ if [[ -n $NCU ]]; then
                 --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
                 --log-file "$OUT/profile-ncu-$num-b$b.csv" "$ARBOR" bench decode --model "$L8B" \
                 --device cuda --numerics "$num" --batch "$b" --steps 4
-            python3 scripts/profile-report.py arbor "$OUT/profile-ncu-$num-b$b.csv" \
+            python3 scripts/bench/profile-report.py arbor "$OUT/profile-ncu-$num-b$b.csv" \
                 "$OUT/profile-wall.log" "$num" "$b" | tee -a "$SUMMARY"
         done
     done
@@ -66,7 +66,7 @@ for d in ${DETAIL:-}; do
 done
 if [[ ${REFERENCE:-1} == 1 && -f $BIN/decode_baseline.py ]]; then
     step "reference torch.profiler" "$OUT/profile-reference.log" 240 python3 \
-        scripts/profile-report.py reference "$BIN/decode_baseline.py" --compile \
+        scripts/bench/profile-report.py reference "$BIN/decode_baseline.py" --compile \
         --batch "$(echo "$BATCHES" | tr ' ' ,)" --steps 8
     grep -A 40 '^reference profile' "$OUT/profile-reference.log" | tee -a "$SUMMARY"
 fi

@@ -12,9 +12,9 @@ Prints the strongly connected components of more than one file (the import circl
 cycle path through each, and the files over the line limit. Exits 1 when there is a circle,
 so it can gate a check. No dependencies beyond python3.
 
-    scripts/import-graph.py            # from the repository root
-    scripts/import-graph.py --edges    # also print every edge
-    scripts/import-graph.py --limit 800
+    scripts/ci/import-graph.py            # from the repository root
+    scripts/ci/import-graph.py --edges    # also print every edge
+    scripts/ci/import-graph.py --limit 800
 """
 
 import argparse

@@ -5,7 +5,7 @@
 # for world sizes 2 (CUDA_VISIBLE_DEVICES=0,1) and 4. A short smoke run per world size
 # first (a hang there costs 60 s, not the call). JSON, SVG, full tables and logs go to $OUT
 # (8 files); the per-size summaries print last. About 3 minutes.
-# Usage (device): bash scripts/bench-allreduce.sh [extra bench args...]
+# Usage (device): bash scripts/bench/bench-allreduce.sh [extra bench args...]
 # Env: ARBOR_BIN (binary folder), WORLDS ("2 4"), SIZES, ALGOS, TUNE=1 (grid sweep).
 set -u
 OUT=${OUT:-$(pwd)/bench-out}

@@ -7,11 +7,11 @@
 # layers all-reduces and the logits all-gather: measure those with `arbor bench allreduce`
 # on a machine of N GPUs. `bench decode --rank-of-tp N` reduces the model's o and down as
 # rank 0's shard of TP N (8/N of the segments), the tiles a real rank runs.
-#   RANKS="2 4 8" MODES="graphs eager" BATCHES=1,8,32,64 bash scripts/bench-rank-shape.sh
+#   RANKS="2 4 8" MODES="graphs eager" BATCHES=1,8,32,64 bash scripts/bench/bench-rank-shape.sh
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start rank-shape-summary.txt
 RANKS=${RANKS:-2 4 8}
 MODES=${MODES:-graphs eager}

@@ -2,7 +2,7 @@
 """arbor's teacher-forced log-probs against transformers' own forward (issue 12).
 
 Run on a machine with torch + transformers (the lent GPU machines have both):
-    python3 scripts/hf-compare.py --arbor .device/arbor --out $OUT/hf-compare.json
+    python3 scripts/gpu/hf-compare.py --arbor .device/arbor --out $OUT/hf-compare.json
 
 For each configuration it:
   1. builds the model with transformers' own config class and random weights, rounds the

@@ -13,7 +13,7 @@
 # run it after the default test suite, or set ARBOR_MPI_TARGET_DIR (e.g. target/mpi) to keep
 # the two builds apart at the cost of building every dependency twice.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 missing=()
 command -v mpirun >/dev/null || missing+=("mpirun (openmpi-bin)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (carry [".device"]): `arbor serve` with its DEFAULT engine flags under a
 # long-prompt load, invariant numerics next to --numerics fast, llama3-8b shape, one GPU.
-# Run from the repo root after `bash scripts/build-device.sh`:
-#   bash scripts/bench-serve.sh
+# Run from the repo root after `bash scripts/gpu/build-device.sh`:
+#   bash scripts/bench/bench-serve.sh
 # Environment: CLIENTS (256), REQUESTS (768), PROMPTS (128:2048), OUTPUTS (128:1024),
 # REPEATS (2), SHARED (0: tokens every prompt starts with, for the prefix cache), EXTRA
 # (more server flags for both runs), TP (1: the server's ranks, one per GPU), NUMERICS
@@ -12,7 +12,7 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start serve-summary.txt
 CLIENTS=${CLIENTS:-256}
 REQUESTS=${REQUESTS:-768}

@@ -2,15 +2,15 @@
 # One device call (carry [".device"]): one GEMM shape under Nsight Compute's full sections,
 # arbor's kernel for each path named and cuBLAS's kernel in the same process, so that the
 # two can be read side by side (DRAM throughput, stalls, occupancy, waves).
-# Run from the repo root after `bash scripts/build-device.sh`:
-#   SHAPE=4096x28672 M=64 PATHS="wgcluster64x2 wgcluster64x2n256" bash scripts/profile-gemm.sh
+# Run from the repo root after `bash scripts/gpu/build-device.sh`:
+#   SHAPE=4096x28672 M=64 PATHS="wgcluster64x2 wgcluster64x2n256" bash scripts/bench/profile-gemm.sh
 # Writes $OUT/profile-gemm-*.txt (ncu's report per kernel) and profile-gemm-summary.txt
 # (the lines that say what bounds each kernel). Timings: `arbor bench gemm --path P`
 # for every path first (no profiler attached), so the report sits next to wall figures.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start profile-gemm-summary.txt
 SHAPE=${SHAPE:-4096x28672}
 M=${M:-64}

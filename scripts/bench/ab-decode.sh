@@ -4,15 +4,15 @@
 # neighbours: the same binary measured 6.44 and 6.83 ms/step at batch 1 in one call), so a
 # comparison across calls says little; this interleaves the binaries' `bench decode` runs
 # (A B A B, so drift shows) and then prints Nsight Compute's kernel table of each.
-# Run from the repo root after `bash scripts/build-device.sh` and copying the baseline
+# Run from the repo root after `bash scripts/gpu/build-device.sh` and copying the baseline
 # binary (built from another commit) into .device/:
-#   BINS="base=.device/arbor-base new=.device/arbor" bash scripts/ab-decode.sh
+#   BINS="base=.device/arbor-base new=.device/arbor" bash scripts/bench/ab-decode.sh
 # BATCHES (wall, default 1,8,32,64), NCU_BATCHES (default "1 64"), ROUNDS (default 2),
 # NUMERICS (default invariant); NCU_BATCHES="" skips ncu. Writes $OUT/ab-*.{log,csv} and ab-summary.txt.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start ab-summary.txt
 BINS=${BINS:-base=.device/arbor-base new=.device/arbor}
 BATCHES=${BATCHES:-1,8,32,64}
@@ -46,7 +46,7 @@ if [[ -n $NCU ]]; then
                 --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
                 --log-file "$OUT/ab-ncu-$name-b$nb.csv" "${b#*=}" bench decode --model "$L8B" \
                 --device cuda --numerics "$NUMERICS" --batch "$nb" --steps 4 &&
-                python3 scripts/profile-report.py arbor "$OUT/ab-ncu-$name-b$nb.csv" \
+                python3 scripts/bench/profile-report.py arbor "$OUT/ab-ncu-$name-b$nb.csv" \
                     "$OUT/ab-wall-$name.log" "$NUMERICS" "$nb" | sed "s/^arbor/$name/" | tee -a "$SUMMARY"
         done
     done

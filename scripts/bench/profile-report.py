@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kernel-by-kernel view of one decode step (scripts/profile-decode.sh runs it).
+"""Kernel-by-kernel view of one decode step (scripts/bench/profile-decode.sh runs it).
 
   profile-report.py arbor NCU_CSV WALL_LOG NUMERICS BATCH
       Reads Nsight Compute's CSV (gpu__time_duration per launch), cuts the launches into

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a machine of N >= 2 GPUs (carry [".device"]): where a TP=N decode step's
 # time goes — one rank's compute vs the collectives vs waits and launch gaps — all measured
-# in the same call. Run from the repo root after `bash scripts/build-device.sh`:
-#   bash scripts/profile-tp-step.sh            # TP = every visible GPU; TP=4 to pick
+# in the same call. Run from the repo root after `bash scripts/gpu/build-device.sh`:
+#   bash scripts/bench/profile-tp-step.sh            # TP = every visible GPU; TP=4 to pick
 # 1. The TP=N step: `arbor-launch -n N -- arbor bench decode` (CUDA graphs), BATCHES.
 # 2. One rank's compute alone: the model a rank holds (`make-model --per-rank-of-tp N`) run
 #    at TP 1 on GPU 0 with rank 0's o / down tiles (`--rank-of-tp N`), CUDA graphs.
@@ -17,7 +17,7 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-240}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start profile-tp-summary.txt
 GPUS=$(nvidia-smi -L | grep -c '^GPU')
 TP=${TP:-$GPUS}

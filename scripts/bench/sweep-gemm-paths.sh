@@ -4,13 +4,13 @@
 # (kernels/src/cuda/gemm/select.rs: default_path_for, whole_tile, quad_tile) for shapes that the
 # TP 1 benchmarks never saw. All paths give the same bits (bench gemm checks that on every
 # call), so the rules only move time.
-#   SHAPES="4096x1536 tp4:4096x4096" MS=1,8,32,64 bash scripts/sweep-gemm-paths.sh
+#   SHAPES="4096x1536 tp4:4096x4096" MS=1,8,32,64 bash scripts/bench/sweep-gemm-paths.sh
 # A shape "tpN:KxN" is a row-parallel layer's shard at TP N (`bench gemm --tp N`).
 # Prints "shape M path arbor_us cublas_us" rows and, per (shape, M), the fastest path.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
-source scripts/device-lib.sh
+source scripts/gpu/device-lib.sh
 script_start sweep-summary.txt
 # llama3-8b at TP 4: q/k/v, gate/up, LM head (column-parallel: the whole K), o and down
 # (row-parallel: a rank's K shard).
