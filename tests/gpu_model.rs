@@ -316,7 +316,7 @@ fn gpu_recorded_decode_steps_match_op_by_op() {
     }
 }
 
-/// Long prompts on the GPU (issue 25): prompts of 600 to 1100 tokens, half of them sharing
+/// Long prompts on the GPU: prompts of 600 to 1100 tokens, half of them sharing
 /// a 300-token prefix (prefill tiles, keys in up to three splits of 512), generated with
 /// CUDA graphs and the prefix cache give the bits of op by op without it, cold and warm,
 /// and of each request alone; their decode steps are recorded (at a split bucket of 4),

@@ -103,7 +103,7 @@ if [[ ${SAMPLED:-1} == 1 ]]; then
         done
     done
 fi
-# Prefill at the issue's shape (8 × 1024 tokens), both numerics, every TP: `bench decode`
+# Prefill at 8 × 1024 tokens, both numerics, every TP: `bench decode`
 # with one decode step; its prefill figure is the number.
 if [[ ${PREFILL:-1} == 1 ]]; then
     for tp in $TPS; do

@@ -5,7 +5,7 @@ Reads DIR/decode-arbor-tp*-{invariant,fast,invariant-eager}.json (arbor bench de
 eager run is ARBOR_CUDA_GRAPHS=0: every decode step op by op instead of from CUDA graphs),
 DIR/decode-sampled-tp*-*.json (bench decode --temperature [--top-k]),
 DIR/decode-reference-tp*.json (decode_baseline.py) and DIR/decode-copy.json; prints ms/step
-and the ratios the engine issue's targets are stated in, and writes DIR/decode-report.json
+and the ratios the engine's targets are stated in, and writes DIR/decode-report.json
 and DIR/decode-report.svg (ms/step vs batch, one line per TP and engine).
 """
 import glob, json, os, re, sys

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mpirun and multi-host CI jobs of issue 8, called from .ci/run (as root):
+# The mpirun and multi-host CI jobs, called from .ci/run (as root):
 #   1. the MPI transport's own tests (a singleton world, 4 ranks under mpirun, a failing rank);
 #   2. arbor built with `--features mpi` under `mpirun -np 4 --oversubscribe`: TP=4 output
 #      bit-identical to TP=1, `arbor check` over TP 1/2/4/8 with mpirun as its launcher, and

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""arbor's teacher-forced log-probs against transformers' own forward (issue 12).
+"""arbor's teacher-forced log-probs against transformers' own forward.
 
 Run on a machine with torch + transformers (the lent GPU machines have both):
     python3 scripts/gpu/hf-compare.py --arbor .device/arbor --out $OUT/hf-compare.json
