@@ -14,7 +14,7 @@ torch.distributed process group: arbor does not join a torch TCPStore), as vLLM'
 
 arbor and this process must load the same libnccl: this script prints the path and version
 of the one it loaded; start arbor with that directory first in LD_LIBRARY_PATH
-(scripts/rl-update-bench.sh does). Every rank of a NCCL group needs a GPU of its own.
+(scripts/bench/rl-update-bench.sh does). Every rank of a NCCL group needs a GPU of its own.
 
 Prints one JSON line per update: bytes, seconds to broadcast, seconds until arbor answered,
 and arbor's answer.

@@ -370,8 +370,8 @@ fn poke_bf16(file: &Path, tensor: &str, index: usize, bits: u16) {
     std::fs::write(file, bytes).unwrap();
 }
 
-/// Non-finite weights are refused at load, naming the tensor and the element (issue 31:
-/// they loaded silently and log-probs came back null).
+/// Non-finite weights are refused at load, naming the tensor and the element (they once
+/// loaded silently and log-probs came back null).
 #[test]
 fn non_finite_weights_are_refused() {
     for (tensor, index, bits, what) in [

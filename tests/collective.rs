@@ -248,7 +248,7 @@ fn a_rank_that_dies_before_the_rendezvous_stops_the_group_quickly() {
 
 /// Idle connections to the rendezvous port (anyone on the host can open them, token or
 /// not) must not keep the real rank out: 100 of them, held open, more than rank 0 handles
-/// at once, and more arriving while rank 1 joins (issue 31: the real rank was dropped,
+/// at once, and more arriving while rank 1 joins (the real rank was once dropped,
 /// "64 handshakes already in progress", and the job never formed).
 #[test]
 fn idle_connections_cannot_keep_a_rank_out_of_the_rendezvous() {

@@ -1,6 +1,6 @@
 //! `--device cuda` on a machine without a usable GPU: a clear error naming the cause and a
 //! non-zero exit, never a panic. On a machine with a GPU the test prints why it is skipped
-//! (the GPU path is exercised by scripts/gpu-check.sh on the lent machines).
+//! (the GPU path is exercised by scripts/gpu/gpu-check.sh on the lent machines).
 
 use std::process::Command;
 

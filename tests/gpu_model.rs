@@ -1,5 +1,5 @@
 //! The model on the CUDA backend (skipped with a printed reason where no GPU is usable;
-//! scripts/gpu-check.sh runs this test binary on the lent GPU machines):
+//! scripts/gpu/gpu-check.sh runs this test binary on the lent GPU machines):
 //! - GPU logits match the CPU backend's within bf16 tolerance (the measured relative
 //!   error is printed), for the Llama and Qwen3 tiny models, with invariant and with fast
 //!   (cuBLAS) numerics;
@@ -316,7 +316,7 @@ fn gpu_recorded_decode_steps_match_op_by_op() {
     }
 }
 
-/// Long prompts on the GPU (issue 25): prompts of 600 to 1100 tokens, half of them sharing
+/// Long prompts on the GPU: prompts of 600 to 1100 tokens, half of them sharing
 /// a 300-token prefix (prefill tiles, keys in up to three splits of 512), generated with
 /// CUDA graphs and the prefix cache give the bits of op by op without it, cold and warm,
 /// and of each request alone; their decode steps are recorded (at a split bucket of 4),

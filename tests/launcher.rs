@@ -344,7 +344,7 @@ fn sigterm_is_forwarded_to_the_ranks() {
 }
 
 /// A forwarded SIGTERM leaves the ranks as long as they need to stop by themselves (an
-/// `arbor serve` drain): --kill-grace does not cut it short (issue 31).
+/// `arbor serve` drain): --kill-grace does not cut it short.
 #[test]
 fn a_forwarded_sigterm_waits_for_the_ranks_to_finish() {
     let r = Running::start(
@@ -386,7 +386,7 @@ fn ranks_that_ignore_a_forwarded_signal_are_killed_after_the_others_stop() {
 
 /// Rank 1 is killed; rank 0 notices at once (its read of a pipe rank 1 held ends) and
 /// exits 1. The launcher names rank 1's death as the cause, not rank 0's exit, even when
-/// it sees both ends in the same look (issue 31).
+/// it sees both ends in the same look.
 #[test]
 fn the_rank_that_died_first_is_named_not_the_one_that_noticed() {
     let d = scratch("first-death");
@@ -443,7 +443,7 @@ fn hostfile_errors_name_file_and_line() {
 
     let remote = d.join("remote");
     std::fs::write(&remote, "localhost slots=1\nnode-b.invalid slots=4\n").unwrap();
-    // [issue 8] A remote host is checked through the remote-shell agent before anything
+    // A remote host is checked through the remote-shell agent before anything
     // starts; this agent fails as ssh does for a host it cannot reach.
     let (out, _) = launch(&[
         "--hostfile",

@@ -467,7 +467,7 @@ fn top_k_tokens_do_not_depend_on_whether_the_row_came_to_the_host() {
     }
 }
 
-/// Logs written to a pipe (the launcher's, a file's) carry no ANSI colour codes (issue 31).
+/// Logs written to a pipe (the launcher's, a file's) carry no ANSI colour codes.
 #[test]
 fn logs_to_a_pipe_have_no_colour_codes() {
     let o = std::process::Command::new(launcher())

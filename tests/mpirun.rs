@@ -2,7 +2,7 @@
 //! TP 1/2/4/8 with mpirun as its launcher, and a failing job that ends instead of hanging.
 //!
 //! Built without the `mpi` feature, the ranks find their rank in OMPI_COMM_WORLD_* and
-//! meet at MASTER_ADDR/MASTER_PORT (TCP); built with it (`scripts/ci-mpi.sh`), they bootstrap
+//! meet at MASTER_ADDR/MASTER_PORT (TCP); built with it (`scripts/ci/ci-mpi.sh`), they bootstrap
 //! and all-gather through MPI, and the test checks that they did. Skipped, with a message,
 //! where `mpirun` is not installed.
 

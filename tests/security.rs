@@ -1,4 +1,4 @@
-//! End-to-end tests of the job token and listening addresses (issue 15) with the real
+//! End-to-end tests of the job token and listening addresses with the real
 //! binaries: a rank with the wrong ARBOR_JOB_TOKEN is turned away while the real one
 //! completes the job, every listener of a job on one host is on loopback, and
 //! arbor-launch hands its ranks a fresh token.

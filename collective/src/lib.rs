@@ -43,7 +43,7 @@ pub use tree_allreduce::tree_all_reduce;
 /// World size 1 (nothing set) needs no network. Returns the communicator and where this
 /// process sits (local rank for the GPU choice).
 pub fn init_from_env() -> Result<(Arc<dyn Communicator>, RankInfo), CommError> {
-    // [issue 8, feature `mpi`] Under mpirun: rank, size and every collective through MPI.
+    // With feature `mpi`, under mpirun: rank, size and every collective through MPI.
     #[cfg(feature = "mpi")]
     if mpi::under_mpirun() {
         return mpi::init_from_mpi();

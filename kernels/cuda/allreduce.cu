@@ -1,4 +1,4 @@
-// Deterministic all-reduce kernels (arbor issue 5). Every kernel sums the W ranks' values
+// Deterministic all-reduce kernels. Every kernel sums the W ranks' values
 // of one element with the fixed pairwise tree ((r0+r1)+(r2+r3))+... in f32, in rank
 // order, so every algorithm gives exactly the bits of `arbor_kernels::tree::combine_roots`.
 // bf16 inputs are widened to f32, combined, and rounded once (nearest-even).

@@ -90,8 +90,8 @@ DEVI float ld_cg(const float* p) {
 //
 // The arrival counters live in their own buffer (p.cnt), never inside ws: the sums'
 // extent depends on the call's M, N and n_seg, so a counter placed after them moved with
-// the shape and landed on another shape's sums (issue 6: TP shards and column shards read
-// garbage counters, so no block combined and the output kept stale values). atomicInc
+// the shape and landed on another shape's sums (TP shards and column shards read garbage
+// counters, so no block combined and the output kept stale values). atomicInc
 // with limit n_seg - 1 wraps the last arrival's increment back to 0, so every call
 // leaves its counters at zero for the next call, whatever its shape.
 template <int BM, int BN, int THREADS>

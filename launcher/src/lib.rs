@@ -207,7 +207,7 @@ pub fn plan(args: &Args) -> anyhow::Result<supervise::Plan> {
             args.kill_grace
         );
     }
-    // [issue 8] Where each rank runs; ranks on other hosts start through the agent.
+    // Where each rank runs; ranks on other hosts start through the agent.
     let hosts: Vec<(String, usize)> = match &hostfile {
         Some(h) => h.hosts.iter().map(|x| (x.name.clone(), x.slots)).collect(),
         None => vec![("localhost".to_string(), world_size)],

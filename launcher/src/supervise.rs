@@ -322,7 +322,7 @@ fn signal_live(ranks: &mut [Rank], sig: i32) {
         }
         r.sent.push(sig);
         if r.remote && sig != libc::SIGKILL {
-            // [issue 8] A signal would reach the agent (ssh), not the rank; closing the
+            // A signal would reach the agent (ssh), not the rank; closing the
             // agent's stdin makes the remote side stop the rank with SIGTERM (see `remote`).
             r.agent_stdin = None;
         } else {
@@ -353,7 +353,7 @@ fn spawn(plan: &Plan, rank: usize, done: &mpsc::Sender<()>) -> anyhow::Result<(R
     if let Some(n) = &plan.ranks_per_gpu {
         rank_env.push((crate::RANKS_PER_GPU_ENV, n.clone()));
     }
-    // [issue 8] A rank on another host: the agent runs it there, its variables on the
+    // A rank on another host: the agent runs it there, its variables on the
     // command line; the agent's stdin is a pipe held until the rank ends.
     let remote_host = plan
         .placement

@@ -810,7 +810,7 @@ mod tests {
     #[test]
     fn temperatures_below_the_greedy_bound_are_greedy() {
         // Token 6 is the argmax; 1/T of a tiny T overflows (or scales the logits past
-        // f32), which made the draws pick low-probability tokens (issue 31).
+        // f32), which made the draws pick low-probability tokens.
         let row = [0.0f32, 1.0, -2.0, 3.0, -5.0, 0.5, 3.5, -0.25];
         for t in [f32::from_bits(1), 1e-45, 1e-39, 1e-38, 1e-30, 9.9e-6, 0.0] {
             for (top_k, top_p) in [(0, 1.0f32), (3, 1.0), (0, 0.5), (3, 0.5), (2000, 0.99)] {

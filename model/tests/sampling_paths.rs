@@ -77,8 +77,8 @@ fn top_p_tokens_do_not_depend_on_where_the_draw_was_made() {
 
 /// A temperature below `GREEDY_BELOW` is greedy, on every path a draw can take (the
 /// backend's Gumbel-max draw, top-k candidates, a top-p nucleus, whole rows for top-N):
-/// 1/T overflows f32 below ~3e-39 and the scaled logits long before, which drew
-/// low-probability tokens (issue 31).
+/// 1/T overflows f32 below ~3e-39 and the scaled logits long before, which once drew
+/// low-probability tokens.
 #[test]
 fn tiny_temperatures_are_greedy() {
     let m = wide_vocab();

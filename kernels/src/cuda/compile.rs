@@ -121,7 +121,7 @@ mod tests {
         }
     }
 
-    /// With ARBOR_PTX_OUT set, writes the program's PTX there (scripts/ptxas-report.sh
+    /// With ARBOR_PTX_OUT set, writes the program's PTX there (scripts/bench/ptxas-report.sh
     /// assembles it with ptxas for the registers and spills of every kernel).
     #[test]
     fn write_ptx_when_asked() {

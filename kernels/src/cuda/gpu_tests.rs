@@ -1,7 +1,7 @@
 //! Kernel tests that need a GPU: bit-identity across batch size, row position, TP split
 //! and prefill vs decode, plus agreement with a host f64 reference within bf16 tolerance.
 //! Each test prints why and passes when no usable GPU is present (CI has none); on a GPU
-//! machine they run from the prebuilt test binary (scripts/gpu-check.sh).
+//! machine they run from the prebuilt test binary (scripts/gpu/gpu-check.sh).
 
 use half::bf16;
 

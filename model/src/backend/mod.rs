@@ -6,9 +6,6 @@
 //! sequences' new tokens concatenated with no padding (`SeqRows` says which rows belong to
 //! which sequence and at which positions, `KvRows` adds the sequences' block tables), so
 //! padding can never change a row's numbers.
-//!
-//! Interface drafted by the lead; the model work owns it and may extend it (the CUDA
-//! backend follows it).
 
 pub mod cpu;
 pub mod cuda;

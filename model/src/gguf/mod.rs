@@ -104,7 +104,7 @@ mod tests {
     }
 
     /// A non-finite weight is refused when it is read, naming the tensor and the element
-    /// (issue 31: NaN weights loaded silently and log-probs came back null).
+    /// (loaded silently, NaN weights made the log-probs come back null).
     #[test]
     fn non_finite_weights_are_refused() {
         let p = Builder::llama()

@@ -3,8 +3,8 @@
 //! heads, 8 KV heads, head_dim 128). Per shape: the median time of CUDA-event-timed
 //! launches after a warm-up, the FLOP rate and the KV bytes read per second, and the two
 //! floors (FLOPs at the tensor-core rate, bytes at the copy bandwidth, both given).
-//! `scripts/bench-attention.sh` prints it next to PyTorch's flash attention on the same
-//! shapes (`scripts/attention-reference.py`).
+//! `scripts/bench/bench-attention.sh` prints it next to PyTorch's flash attention on the same
+//! shapes (`scripts/bench/attention-reference.py`).
 
 use std::path::PathBuf;
 

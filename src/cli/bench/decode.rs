@@ -7,7 +7,7 @@
 //! costs (kernel compilation, first collectives, allocator growth) out of the figures. A
 //! step is timed from its plan to its rows' records (tokens chosen, log-probs), so host
 //! sampling is part of it. Rank 0 prints one line per batch and writes JSON;
-//! `scripts/bench-decode.sh` runs this for both numerics and every TP next to the PyTorch
+//! `scripts/bench/bench-decode.sh` runs this for both numerics and every TP next to the PyTorch
 //! reference loop and the weights roofline.
 
 use std::path::PathBuf;

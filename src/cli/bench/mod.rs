@@ -11,11 +11,11 @@ pub enum BenchCommand {
     /// Tree GEMM vs cuBLAS on the GPU (TFLOP/s, ratio, invariance bits).
     Gemm(gemm::Args),
     /// The engine's decode step and prefill per batch size (ms/step, tok/s), model loaded
-    /// once; run under arbor-launch for TP > 1. scripts/bench-decode.sh puts it next to
+    /// once; run under arbor-launch for TP > 1. scripts/bench/bench-decode.sh puts it next to
     /// the PyTorch reference loop and the weights roofline.
     Decode(decode::Args),
     /// The paged attention kernels alone (one layer, prefill and decode shapes, one GPU);
-    /// scripts/bench-attention.sh puts them next to PyTorch's flash attention.
+    /// scripts/bench/bench-attention.sh puts them next to PyTorch's flash attention.
     Attention(attention::Args),
     /// Deterministic all-reduce algorithms vs NCCL (run under arbor-launch).
     Allreduce(allreduce::Args),

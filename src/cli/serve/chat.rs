@@ -219,7 +219,7 @@ mod tests {
     }
 
     /// A template (a hostile checkpoint's) that loops for ever or writes without end is
-    /// stopped: rendering is bounded in work and output (issue 31; was > 30 s and 2.5 GB).
+    /// stopped: rendering is bounded in work and output (unbounded, one took > 30 s and 2.5 GB).
     #[test]
     fn rendering_is_bounded_in_work_and_output() {
         for (src, needle) in [

@@ -1,4 +1,4 @@
-//! GPU test of every path of the tree GEMM (issue 6): calls of different shapes — the full
+//! GPU test of every path of the tree GEMM: calls of different shapes — the full
 //! reduction, TP shards (fewer segments), a column shard of W, another M — share one
 //! workspace and one counter buffer, as they do in the model, and must still give the full
 //! result's bits. Outputs are poisoned (NaN) before every call so that an element a call

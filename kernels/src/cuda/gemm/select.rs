@@ -51,7 +51,7 @@ pub fn shard_whole_tile(m: usize, n_seg: usize) -> Option<usize> {
 /// The `wgwhole` tile width a call of 65 ≤ M ≤ 128 (decode at batch 128, short prefills)
 /// takes instead of `wgtma128`, whose one row of 128×128 tiles leaves most SMs idle on a
 /// narrow layer: the widest of 112 and 64 whose two rows of blocks make one wave of at
-/// least 3/4 of the SMs. `sweep-gemm-paths.sh` on an H200 at M = 128 (session 27): q/k/v
+/// least 3/4 of the SMs. `sweep-gemm-paths.sh` on an H200 at M = 128 (docs/gemm.md run 14): q/k/v
 /// 4096 × 6144 26.3 µs (wgwhole112) against 37.2, o 4096 × 4096 22.1 (wgwhole64) against
 /// 35.7, down 14336 × 4096 56.6 against 87.5; gate/up (4096 × 28672, 512 blocks) and the
 /// LM head stay on `wgtma128` (87.7 against 126.2 for wgwhole112), as does every layer at

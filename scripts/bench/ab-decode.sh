@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call (carry [".device"]): two or more arbor binaries on the same GPU in the
+# same call, to decide whether a change helped. The machine a call lands on varies (clocks,
+# neighbours: the same binary measured 6.44 and 6.83 ms/step at batch 1 in one call), so a
+# comparison across calls says little; this interleaves the binaries' `bench decode` runs
+# (A B A B, so drift shows) and then prints Nsight Compute's kernel table of each.
+# Run from the repo root after `bash scripts/gpu/build-device.sh` and copying the baseline
+# binary (built from another commit) into .device/:
+#   BINS="base=.device/arbor-base new=.device/arbor" bash scripts/bench/ab-decode.sh
+# BATCHES (wall, default 1,8,32,64), NCU_BATCHES (default "1 64"), ROUNDS (default 2),
+# NUMERICS (default invariant); NCU_BATCHES="" skips ncu. Writes $OUT/ab-*.{log,csv} and ab-summary.txt.
+set -uo pipefail
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-560}
+source scripts/gpu/device-lib.sh
+script_start ab-summary.txt
+BINS=${BINS:-base=.device/arbor-base new=.device/arbor}
+BATCHES=${BATCHES:-1,8,32,64}
+NCU_BATCHES=${NCU_BATCHES-1 64}
+ROUNDS=${ROUNDS:-2}
+NUMERICS=${NUMERICS:-invariant}
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+for b in $BINS; do
+    if [[ $b != *=* || ! -x ${b#*=} ]]; then
+        note "ab-decode: '$b' is not NAME=EXECUTABLE"
+        exit 2
+    fi
+done
+note "binaries: $BINS; numerics $NUMERICS; ncu: ${NCU:-not found}"
+
+l8b_model "$OUT/ab-make.log"
+for round in $(seq "$ROUNDS"); do
+    for b in $BINS; do
+        name=${b%%=*}
+        step "wall $name round $round" "$OUT/ab-wall-$name.log" 90 "${b#*=}" bench decode \
+            --model "$L8B" --device cuda --numerics "$NUMERICS" --batch "$BATCHES" --steps 64
+        grep -E "TP 1 $NUMERICS +batch" "$OUT/ab-wall-$name.log" | tail -n "$(echo "$BATCHES" | tr ',' '\n' | wc -l)" |
+            sed "s/^/$name r$round  /" | tee -a "$SUMMARY"
+    done
+done
+if [[ -n $NCU ]]; then
+    for b in $BINS; do
+        name=${b%%=*}
+        for nb in $NCU_BATCHES; do
+            step "ncu $name batch $nb" "$OUT/ab-ncu.log" 120 "$NCU" --clock-control none \
+                --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
+                --log-file "$OUT/ab-ncu-$name-b$nb.csv" "${b#*=}" bench decode --model "$L8B" \
+                --device cuda --numerics "$NUMERICS" --batch "$nb" --steps 4 &&
+                python3 scripts/bench/profile-report.py arbor "$OUT/ab-ncu-$name-b$nb.csv" \
+                    "$OUT/ab-wall-$name.log" "$NUMERICS" "$nb" | sed "s/^arbor/$name/" | tee -a "$SUMMARY"
+        done
+    done
+fi
+echo "==== ab-decode ($(elapsed) s)"
