@@ -156,7 +156,7 @@ fn converted_tiny_models_give_the_hf_directorys_bits() {
         return;
     }
     let s = Scratch::new("gguf-convert");
-    for (arch, ty) in [("llama", "F32"), ("qwen3", "BF16")] {
+    for (arch, ty) in [("llama", "F32"), ("qwen2", "BF16"), ("qwen3", "BF16")] {
         let hf = s.path().join(arch);
         make_tiny(arch, &hf);
         let g = s.path().join(format!("{arch}.gguf"));

@@ -132,6 +132,7 @@ fn gpu_logits_match_cpu_within_bf16_tolerance() {
     }
     for (arch, tag, numerics) in [
         (Arch::Llama, "llama", Numerics::Invariant),
+        (Arch::Qwen2, "qwen2", Numerics::Invariant),
         (Arch::Qwen3, "qwen3", Numerics::Invariant),
         (Arch::Llama, "llama-fast", Numerics::Fast),
         (Arch::Qwen3, "qwen3-fast", Numerics::Fast),

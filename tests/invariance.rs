@@ -90,6 +90,12 @@ fn llama_sampled() {
     );
 }
 
+/// Qwen2: q/k/v biases, KV heads replicated at TP 4 and 8.
+#[test]
+fn qwen2_greedy() {
+    assert_invariant("qwen2", &[]);
+}
+
 #[test]
 fn qwen3_greedy() {
     assert_invariant("qwen3", &[]);

@@ -165,7 +165,6 @@ impl<B: Backend> Model<B> {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
-            let ab = cfg.attention_bias;
             let mb = cfg.mlp_bias;
             let qk_norm = cfg.arch == Arch::Qwen3;
             layers.push(Layer {
@@ -178,7 +177,7 @@ impl<B: Backend> Model<B> {
                         part(&format!("{p}.self_attn.v_proj"), cfg.kv_dim(), &kv_rows),
                     ],
                     h,
-                    ab,
+                    cfg.qkv_bias,
                 )?,
                 q_norm: if qk_norm {
                     Some(Norm::load(
@@ -203,7 +202,7 @@ impl<B: Backend> Model<B> {
                     &format!("{p}.self_attn.o_proj"),
                     h,
                     cfg.q_dim(),
-                    ab,
+                    cfg.o_bias,
                 )?,
                 post_norm: Norm::load(ctx, &format!("{p}.post_attention_layernorm.weight"), h)?,
                 gate_up: GateUpLinear::load(

@@ -43,7 +43,8 @@ pub struct Shape {
     pub rope_theta: f64,
     pub llama3_rope_scaling: bool,
     pub tie_word_embeddings: bool,
-    /// attention_bias and mlp_bias (Llama only; Qwen3 has no such option).
+    /// attention_bias and mlp_bias (Llama only: Qwen2 always has q/k/v biases, Qwen3
+    /// none).
     pub bias: bool,
     pub rms_norm_eps: f64,
 }
@@ -112,6 +113,23 @@ impl Preset {
                 heads: 8,
                 kv_heads: 4,
                 head_dim: 32,
+                intermediate: 344,
+                vocab: SYNTH_TOKENIZER_VOCAB,
+                max_pos: 2048,
+                rope_theta: 1000000.0,
+                llama3_rope_scaling: false,
+                tie_word_embeddings: true,
+                bias: false,
+                rms_norm_eps: 1e-6,
+            },
+            // Tied embeddings and fewer KV heads than TP 8 has ranks (replicated there):
+            // Qwen2.5-0.5B's traits, with heads that split over TP 8.
+            (Preset::Tiny, Arch::Qwen2) => Shape {
+                hidden: 128,
+                layers: 4,
+                heads: 8,
+                kv_heads: 2,
+                head_dim: 16,
                 intermediate: 344,
                 vocab: SYNTH_TOKENIZER_VOCAB,
                 max_pos: 2048,
@@ -247,6 +265,15 @@ fn specs(arch: Arch, s: &Shape) -> Vec<Spec> {
         t(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], lin(h));
         t(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], lin(h));
         t(format!("{p}.self_attn.o_proj.weight"), vec![h, q], lin(q));
+        if arch == Arch::Qwen2 {
+            for (n, len) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                t(
+                    format!("{p}.self_attn.{n}.bias"),
+                    vec![len],
+                    Init::Uniform(0.1),
+                );
+            }
+        }
         if s.bias && arch == Arch::Llama {
             for (n, len) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", h)] {
                 t(
@@ -526,6 +553,14 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> ser
                 serde_json::Value::Null
             };
         }
+        Arch::Qwen2 => {
+            c["architectures"] = json!(["Qwen2ForCausalLM"]);
+            c["model_type"] = json!("qwen2");
+            c["rope_scaling"] = serde_json::Value::Null;
+            c["sliding_window"] = json!(s.max_pos);
+            c["use_sliding_window"] = json!(false);
+            c["max_window_layers"] = json!(s.layers);
+        }
         Arch::Qwen3 => {
             c["architectures"] = json!(["Qwen3ForCausalLM"]);
             c["model_type"] = json!("qwen3");
@@ -558,7 +593,7 @@ fn to_transformers5(c: &mut serde_json::Value, arch: Arch, layers: usize) {
         obj.insert("dtype".into(), d);
     }
     obj.insert("pad_token_id".into(), serde_json::Value::Null);
-    if arch == Arch::Qwen3 {
+    if matches!(arch, Arch::Qwen2 | Arch::Qwen3) {
         obj.insert("layer_types".into(), json!(vec!["full_attention"; layers]));
     }
 }

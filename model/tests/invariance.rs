@@ -112,6 +112,11 @@ fn llama_tp_batch_prefill_invariance() {
 }
 
 #[test]
+fn qwen2_tp_batch_prefill_invariance() {
+    check_arch(Arch::Qwen2);
+}
+
+#[test]
 fn qwen3_tp_batch_prefill_invariance() {
     check_arch(Arch::Qwen3);
 }

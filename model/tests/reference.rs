@@ -24,7 +24,8 @@ struct Cfg {
     scaling: Option<(f64, f64, f64, f64)>,
     tied: bool,
     qk_norm: bool,
-    attn_bias: bool,
+    qkv_bias: bool,
+    o_bias: bool,
     mlp_bias: bool,
 }
 
@@ -54,7 +55,9 @@ fn read_cfg(dir: &Path) -> Cfg {
         scaling,
         tied: b("tie_word_embeddings"),
         qk_norm: v["architectures"][0] == "Qwen3ForCausalLM",
-        attn_bias: b("attention_bias"),
+        // Qwen2's q/k/v biases are implied by its architecture, not written.
+        qkv_bias: b("attention_bias") || v["architectures"][0] == "Qwen2ForCausalLM",
+        o_bias: b("attention_bias"),
         mlp_bias: b("mlp_bias"),
     }
 }
@@ -166,19 +169,19 @@ fn reference(dir: &Path, tokens: &[u32]) -> Vec<Vec<f64>> {
             &n,
             &w.mat(&format!("{p}.self_attn.q_proj.weight"), qd, h),
             qd,
-            bias(c.attn_bias, "self_attn.q_proj", qd).as_deref(),
+            bias(c.qkv_bias, "self_attn.q_proj", qd).as_deref(),
         );
         let mut k = linear(
             &n,
             &w.mat(&format!("{p}.self_attn.k_proj.weight"), kvd, h),
             kvd,
-            bias(c.attn_bias, "self_attn.k_proj", kvd).as_deref(),
+            bias(c.qkv_bias, "self_attn.k_proj", kvd).as_deref(),
         );
         let v = linear(
             &n,
             &w.mat(&format!("{p}.self_attn.v_proj.weight"), kvd, h),
             kvd,
-            bias(c.attn_bias, "self_attn.v_proj", kvd).as_deref(),
+            bias(c.qkv_bias, "self_attn.v_proj", kvd).as_deref(),
         );
         let qn = c
             .qk_norm
@@ -233,7 +236,7 @@ fn reference(dir: &Path, tokens: &[u32]) -> Vec<Vec<f64>> {
             &att,
             &w.mat(&format!("{p}.self_attn.o_proj.weight"), h, qd),
             h,
-            bias(c.attn_bias, "self_attn.o_proj", h).as_deref(),
+            bias(c.o_bias, "self_attn.o_proj", h).as_deref(),
         );
         for (xr, orow) in x.iter_mut().zip(&o) {
             xr.iter_mut().zip(orow).for_each(|(a, b)| *a += b);
@@ -330,6 +333,14 @@ fn check(dir: &Path, tp: usize) {
 fn llama_matches_f64_reference() {
     let m = tiny(Arch::Llama, 21);
     check(m.path(), 1);
+}
+
+/// q/k/v biases, no o bias, tied embeddings, 2 KV heads (replicated at TP 4 and 8).
+#[test]
+fn qwen2_matches_f64_reference() {
+    let m = tiny(Arch::Qwen2, 24);
+    check(m.path(), 1);
+    check(m.path(), 8);
 }
 
 #[test]

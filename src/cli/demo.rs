@@ -151,7 +151,9 @@ fn real_weights(path: &Path, args: &Args) -> Result<()> {
         prompt,
         max_new_tokens: 48,
     };
-    runner.reserve_steps(common::StepArgs::default().budget([batch_work(&[req.clone()])]))?;
+    runner.reserve_steps(
+        common::StepArgs::default().budget([batch_work(std::slice::from_ref(&req))]),
+    )?;
     let t0 = std::time::Instant::now();
     let out = runner.generate(&[req], &Sampling::greedy(), 0)?;
     let tokens = out.first().map(|o| o.tokens.clone()).unwrap_or_default();

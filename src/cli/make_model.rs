@@ -12,6 +12,8 @@ use super::model_api::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ArchArg {
     Llama,
+    /// Qwen2 / Qwen2.5 (q/k/v biases).
+    Qwen2,
     Qwen3,
 }
 
@@ -92,6 +94,7 @@ pub fn make(
     check_out_dir(out, force)?;
     let arch = match arch {
         ArchArg::Llama => Arch::Llama,
+        ArchArg::Qwen2 => Arch::Qwen2,
         ArchArg::Qwen3 => Arch::Qwen3,
     };
     let preset = match preset {

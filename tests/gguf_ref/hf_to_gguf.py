@@ -1,6 +1,6 @@
 """Converts one of arbor's tiny random HF models (config.json, model.safetensors,
-tokenizer.json) to GGUF the way llama.cpp's convert_hf_to_gguf.py does for Llama and
-Qwen3 (its q/k permutation for `llama`, its tensor and metadata names), written by the
+tokenizer.json) to GGUF the way llama.cpp's convert_hf_to_gguf.py does for Llama, Qwen2
+and Qwen3 (its q/k permutation for `llama`, its tensor and metadata names), written by the
 `gguf` package's GGUFWriter. For tests/gguf.rs, which checks that arbor gives the same
 bits from both files.
 
@@ -17,7 +17,9 @@ from gguf.quants import quantize
 
 src, out, ttype = sys.argv[1:4]
 cfg = json.load(open(f"{src}/config.json"))
-arch = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[cfg["architectures"][0]]
+arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+    cfg["architectures"][0]
+]
 
 
 def safetensors(path):
@@ -89,8 +91,11 @@ names = {
 layer = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",

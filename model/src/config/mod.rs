@@ -1,7 +1,8 @@
 //! Hugging Face `config.json` for the decoder architectures arbor runs:
 //! LlamaForCausalLM (Llama 2/3.x), MistralForCausalLM (Llama-shaped; a sliding window only
-//! where it covers the whole context) and dense Qwen3ForCausalLM (per-head q/k RMSNorm,
-//! `head_dim` independent of hidden/heads), as transformers 4 and 5 write them.
+//! where it covers the whole context), Qwen2ForCausalLM (Qwen2 and Qwen2.5: q/k/v biases)
+//! and dense Qwen3ForCausalLM (per-head q/k RMSNorm, `head_dim` independent of
+//! hidden/heads), as transformers 4 and 5 write them.
 //!
 //! Strict by design: every key either is read (and implemented, or refused value by
 //! value), or is known not to change inference; any other key is an error naming it,
@@ -22,6 +23,8 @@ pub use keys::ALLOW_ENV;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
+    /// Qwen2 and Qwen2.5: Llama's layers with biases on q/k/v (none on o).
+    Qwen2,
     Qwen3,
 }
 
@@ -42,7 +45,10 @@ pub struct ModelConfig {
     pub rope_scaling: Option<RopeScaling>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    pub attention_bias: bool,
+    /// Biases on the q/k/v projections (Llama's `attention_bias`; always for Qwen2).
+    pub qkv_bias: bool,
+    /// A bias on the o projection (Llama's `attention_bias`; never for Qwen2).
+    pub o_bias: bool,
     pub mlp_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -116,6 +122,7 @@ impl ModelConfig {
         let (arch, model_types): (Arch, &[&str]) = match arch_name.as_str() {
             "LlamaForCausalLM" => (Arch::Llama, &["llama"]),
             "MistralForCausalLM" => (Arch::Llama, &["mistral"]),
+            "Qwen2ForCausalLM" => (Arch::Qwen2, &["qwen2"]),
             "Qwen3ForCausalLM" => (Arch::Qwen3, &["qwen3"]),
             _ => {
                 return Err(ModelError::UnknownArch {
@@ -166,6 +173,17 @@ impl ModelConfig {
                 None
             };
         let dtype = dtype(&r)?;
+        let attention_bias = r.bool_opt("attention_bias")?;
+        let (qkv_bias, o_bias) = match (arch, attention_bias) {
+            // Qwen2's attention has q/k/v biases and no o bias, with no key to say so.
+            (Arch::Qwen2, None) => (true, false),
+            (Arch::Qwen2, Some(_)) => return Err(cfg_err(
+                path,
+                "\"attention_bias\" is not a Qwen2 key (Qwen2 has q/k/v biases and no o_proj bias)"
+                    .into(),
+            )),
+            (_, b) => (b.unwrap_or(false), b.unwrap_or(false)),
+        };
 
         let hidden_size = r.usize_req("hidden_size")?;
         let num_heads = r.usize_req("num_attention_heads")?;
@@ -197,7 +215,8 @@ impl ModelConfig {
             rope_scaling: rope.scaling,
             max_position_embeddings,
             tie_word_embeddings: r.bool_opt("tie_word_embeddings")?.unwrap_or(false),
-            attention_bias: r.bool_opt("attention_bias")?.unwrap_or(false),
+            qkv_bias,
+            o_bias,
             mlp_bias: r.bool_opt("mlp_bias")?.unwrap_or(false),
             bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id", path)?
                 .first()
@@ -342,7 +361,7 @@ impl ModelConfig {
     /// replace these in a running server. The context length, token ids and dtype may
     /// differ (the server keeps its own). Names the first field that differs.
     pub fn same_model_as(&self, other: &ModelConfig) -> Result<(), String> {
-        let fields: [(&str, String, String); 15] = [
+        let fields: [(&str, String, String); 16] = [
             (
                 "architectures",
                 self.arch_name.clone(),
@@ -404,9 +423,14 @@ impl ModelConfig {
                 other.tie_word_embeddings.to_string(),
             ),
             (
-                "attention_bias",
-                self.attention_bias.to_string(),
-                other.attention_bias.to_string(),
+                "q/k/v biases",
+                self.qkv_bias.to_string(),
+                other.qkv_bias.to_string(),
+            ),
+            (
+                "o_proj bias",
+                self.o_bias.to_string(),
+                other.o_bias.to_string(),
             ),
             (
                 "mlp_bias",
@@ -545,7 +569,7 @@ const MAX_LAYERS: usize = 4096;
 
 /// The type of each layer ("full_attention" or "sliding_attention"): `layer_types` where
 /// written (transformers 5, and Qwen3 in late 4.x), else derived as transformers derives
-/// it: Qwen3 slides layers from `max_window_layers` on when `use_sliding_window`; Llama and
+/// it: Qwen2 and Qwen3 slide layers from `max_window_layers` on when `use_sliding_window`; Llama and
 /// Mistral slide every layer when `sliding_window` is set.
 fn layer_types(r: &Reader, arch: Arch, num_layers: usize) -> MResult<Vec<String>> {
     let path = r.path;
@@ -576,7 +600,7 @@ fn layer_types(r: &Reader, arch: Arch, num_layers: usize) -> MResult<Vec<String>
     let window_set = !matches!(r.obj.get("sliding_window"), None | Some(Value::Null));
     let slides = |i: usize| -> MResult<bool> {
         Ok(match arch {
-            Arch::Qwen3 => {
+            Arch::Qwen2 | Arch::Qwen3 => {
                 window_set
                     && r.bool_opt("use_sliding_window")?.unwrap_or(false)
                     && i >= r.usize_opt("max_window_layers")?.unwrap_or(28)
@@ -661,6 +685,51 @@ mod tests {
             let e = base.same_model_as(&other).unwrap_err();
             assert!(e.starts_with(field), "{field}: {e}");
         }
+    }
+
+    /// Qwen2.5-7B-Instruct's config.json as the Hub has it (transformers 4).
+    const QWEN25_7B: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+      "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+      "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+      "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+      "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": true,
+      "use_sliding_window": false, "vocab_size": 152064
+    }"#;
+
+    #[test]
+    fn qwen2_has_qkv_biases_and_no_o_bias() {
+        let p = in_memory_path();
+        let c = ModelConfig::from_json_str(QWEN25_7B, &p).unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert_eq!((c.qkv_bias, c.o_bias, c.mlp_bias), (true, false, false));
+        assert_eq!(
+            (c.head_dim, c.num_kv_heads, c.sliding_window),
+            (128, 4, None)
+        );
+        assert_eq!(c.rope_theta, 1e6);
+        // The window slides from layer 2 on: layers 2.. need a context the window covers.
+        let sliding = QWEN25_7B
+            .replace(
+                "\"use_sliding_window\": false",
+                "\"use_sliding_window\": true",
+            )
+            .replace("\"max_window_layers\": 28", "\"max_window_layers\": 2");
+        let c = ModelConfig::from_json_str(&sliding, &p).unwrap();
+        assert_eq!(c.sliding_window, Some(131072));
+        // attention_bias is Llama's key: on a Qwen2 config it says something Qwen2 cannot.
+        let text = QWEN25_7B.replace("\"use_cache\"", "\"attention_bias\": true, \"use_cache\"");
+        let e = ModelConfig::from_json_str(&text, &p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("attention_bias") && e.contains("Qwen2"), "{e}");
+        // A model type of another family is refused.
+        let e = ModelConfig::from_json_str(&QWEN25_7B.replace("\"qwen2\"", "\"qwen3\""), &p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model_type"), "{e}");
     }
 
     const LLAMA3: &str = r#"{

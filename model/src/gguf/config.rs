@@ -16,6 +16,8 @@ pub enum GgufArch {
     /// `llama`: Llama 1/2/3, Mistral, SmolLM, TinyLlama... llama.cpp's converter permutes
     /// the q/k rows for GGML's interleaved RoPE.
     Llama,
+    /// `qwen2` (Qwen2, Qwen2.5): q/k/v biases; rows stored as in HF (NEOX RoPE).
+    Qwen2,
     /// `qwen3`: per-head q/k RMSNorm; rows stored as in HF (NEOX RoPE).
     Qwen3,
 }
@@ -24,6 +26,7 @@ impl GgufArch {
     pub fn name(self) -> &'static str {
         match self {
             GgufArch::Llama => "llama",
+            GgufArch::Qwen2 => "qwen2",
             GgufArch::Qwen3 => "qwen3",
         }
     }
@@ -78,11 +81,12 @@ pub fn arch(f: &GgufFile) -> MResult<GgufArch> {
     })?;
     match a.as_str() {
         Some("llama") => Ok(GgufArch::Llama),
+        Some("qwen2") => Ok(GgufArch::Qwen2),
         Some("qwen3") => Ok(GgufArch::Qwen3),
         _ => Err(err(
             &f.path,
             format!(
-                "general.architecture {} is not supported (arbor runs \"llama\" and \"qwen3\" GGUF files)",
+                "general.architecture {} is not supported (arbor runs \"llama\", \"qwen2\" and \"qwen3\" GGUF files)",
                 a.brief()
             ),
         )),
@@ -339,11 +343,19 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
     let has = |name: &str| f.tensors.contains_key(name);
     let attention_bias = has("blk.0.attn_q.bias");
     let mlp_bias = has("blk.0.ffn_up.bias");
-    if attention_bias && arch == GgufArch::Qwen3 {
-        return Err(err(
+    match arch {
+        GgufArch::Qwen3 if attention_bias => {
+            return Err(err(
+                path,
+                "attention biases in a qwen3 file: not supported".into(),
+            ))
+        }
+        GgufArch::Qwen2 if !attention_bias || has("blk.0.attn_output.bias") => return Err(err(
             path,
-            "attention biases in a qwen3 file: not supported".into(),
-        ));
+            "a qwen2 file needs q/k/v biases (blk.N.attn_q.bias) and no o bias (attn_output.bias)"
+                .into(),
+        )),
+        _ => {}
     }
     let tok = |k: &str| {
         f.get(&format!("tokenizer.ggml.{k}"))
@@ -360,6 +372,7 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
     }
     let (arch_name, model_type) = match arch {
         GgufArch::Llama => ("LlamaForCausalLM", "llama"),
+        GgufArch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         GgufArch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
     };
     let mut c = json!({
@@ -377,18 +390,20 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         "rope_scaling": rope_scaling,
         "max_position_embeddings": context,
         "tie_word_embeddings": !has("output.weight"),
-        "attention_bias": attention_bias,
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
     });
     let obj = c.as_object_mut().expect("a JSON object literal");
     if arch == GgufArch::Llama {
+        obj.insert("attention_bias".into(), json!(attention_bias));
         obj.insert("mlp_bias".into(), json!(mlp_bias));
     } else if mlp_bias {
         return Err(err(
             path,
-            "MLP biases in a qwen3 file: not supported".into(),
+            format!("MLP biases in a {} file: not supported", arch.name()),
         ));
+    } else if arch == GgufArch::Qwen3 {
+        obj.insert("attention_bias".into(), json!(false));
     }
     if let Some(b) = tok("bos_token_id") {
         obj.insert("bos_token_id".into(), json!(b));

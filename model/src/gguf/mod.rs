@@ -278,7 +278,7 @@ mod tests {
             ),
             (
                 Builder::llama().set("general.architecture", strv("gpt2")),
-                &["\"gpt2\"", "llama", "qwen3"],
+                &["\"gpt2\"", "llama", "qwen2", "qwen3"],
             ),
             (
                 Builder::llama().set("split.count", u32v(3)),
