@@ -28,7 +28,7 @@ import time
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=512,
@@ -44,6 +44,8 @@ CASES = [
                                           attention_bias=True, mlp_bias=True)),
     ("mistral-default", MistralConfig, dict(rope_theta=1000000.0, sliding_window=None)),
     ("mistral-window", MistralConfig, dict(rope_theta=10000.0, sliding_window=1024)),
+    ("qwen2-default", Qwen2Config, dict(rope_theta=1000000.0)),
+    ("qwen2-tied", Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     ("qwen3-default", Qwen3Config, dict(rope_theta=1000000.0)),
     ("qwen3-yarn", Qwen3Config, dict(rope_theta=1000000.0, rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
@@ -163,11 +165,14 @@ def compare(name, cls, extra, args, root, dev):
     torch.manual_seed(1234)
     cfg = make_config(cls, extra)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # Norm weights are ones at init; perturb them so a wrong norm would show.
+    # Norm weights are ones and biases zeros at init; perturb them so a wrong norm or a
+    # missing bias would show.
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
+            elif n.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     d = os.path.join(root, name)
     model.to(torch.bfloat16).save_pretrained(d)
     del model
