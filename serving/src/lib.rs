@@ -40,3 +40,6 @@ pub use msg::{
     ControlOp, ControlReply, PauseMode, Policy, Refusal, RefusalKind, SeqEvent, UpdateReq,
 };
 pub use stats::Stats;
+
+#[cfg(test)]
+mod tests;
