@@ -23,7 +23,7 @@ import re
 import sys
 from collections import defaultdict
 
-CRATE_DIRS = [".", "collective", "kernels", "model", "launcher"]
+CRATE_DIRS = [".", "collective", "kernels", "model", "serving", "launcher"]
 
 
 def strip(src):

@@ -2,8 +2,9 @@
 //! HTTP, broadcast over NCCL), the weight version, generation pause / continue / abort,
 //! memory release / resume and cache flush. The names are SGLang's (vLLM's `/sleep`,
 //! `/wake_up`, `/is_sleeping` and `/reset_prefix_cache` are aliases). Every route needs
-//! the API key when one is set; bodies are bounded; the engine loop answers each command,
-//! and a command it cannot apply changes nothing.
+//! the API key when one is set; bodies are bounded; each route parses its body into a
+//! `ControlOp`, the serving loop answers it, and an operation it cannot apply changes
+//! nothing.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -11,6 +12,7 @@ use std::sync::Arc;
 
 use arbor_model::engine::TensorMeta;
 use arbor_model::DType;
+use arbor_serving::{ControlOp, PauseMode, Policy, RefusalKind, UpdateReq};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Query, State};
@@ -24,7 +26,6 @@ use serde_json::{json, Value};
 
 use super::api::{body_error, ApiError};
 use super::conn::UPLOAD_PATH;
-use super::msg::{Cmd, ControlOp, PauseMode, Policy, UpdateReq};
 use super::state::AppState;
 
 /// Longest weight version and group name.
@@ -100,28 +101,38 @@ fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     })
 }
 
-/// Authorises, then hands `op` to the engine loop and waits for its answer.
+/// The HTTP status of a refused operation.
+fn status(kind: RefusalKind) -> StatusCode {
+    match kind {
+        RefusalKind::Input => StatusCode::BAD_REQUEST,
+        RefusalKind::Conflict => StatusCode::CONFLICT,
+        RefusalKind::Failed => StatusCode::INTERNAL_SERVER_ERROR,
+        RefusalKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// Hands `op` to the serving loop and waits for its answer.
 async fn command(st: &AppState, op: ControlOp) -> Response {
     if let Err(e) = st.accepting() {
         return fail(e);
     }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    if st.tx.send(Cmd::Control { op, reply: tx }).is_err() {
-        return fail(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the engine has stopped",
-        ));
+    match st.handle.control(op).await {
+        Ok(body) => {
+            log_update(&body);
+            Json(body).into_response()
+        }
+        Err(r) => fail(ApiError::new(status(r.kind), r.message)),
     }
-    match rx.await {
-        Ok(Ok(body)) => Json(body).into_response(),
-        Ok(Err((status, msg))) => fail(ApiError::new(
-            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-            msg,
-        )),
-        Err(_) => fail(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the engine stopped before answering",
-        )),
+}
+
+/// The server's log line for weights that changed.
+fn log_update(body: &Value) {
+    if let (Some(old), Some(new), Some(seconds)) = (
+        body["previous_weight_version"].as_str(),
+        body["weight_version"].as_str(),
+        body["seconds"].as_f64(),
+    ) {
+        eprintln!("arbor serve: weights updated in {seconds:.2} s: version {old} -> {new}");
     }
 }
 

@@ -1,7 +1,6 @@
 //! One choice of a request as its engine events arrive: its records, its text, and the
 //! part of the text a stream may send now.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use arbor_model::engine::Record;
@@ -10,7 +9,6 @@ use arbor_model::engine::Record;
 pub(super) struct ChoiceState {
     pub(super) index: usize,
     pub(super) prompt: Arc<Vec<u32>>,
-    pub(super) cancel: Arc<AtomicBool>,
     pub(super) records: Vec<Record>,
     pub(super) prompt_records: Vec<Record>,
     pub(super) text: String,
@@ -25,11 +23,10 @@ pub(super) struct ChoiceState {
 }
 
 impl ChoiceState {
-    pub(super) fn new(index: usize, prompt: Arc<Vec<u32>>, cancel: Arc<AtomicBool>) -> Self {
+    pub(super) fn new(index: usize, prompt: Arc<Vec<u32>>) -> Self {
         ChoiceState {
             index,
             prompt,
-            cancel,
             records: Vec::new(),
             prompt_records: Vec::new(),
             text: String::new(),
@@ -42,8 +39,7 @@ impl ChoiceState {
     }
 
     /// Back to before its first event: it runs again from its prompt.
-    pub(super) fn reset(&mut self, cancel: Arc<AtomicBool>) {
-        self.cancel = cancel;
+    pub(super) fn reset(&mut self) {
         self.records.clear();
         self.prompt_records.clear();
         self.text.clear();

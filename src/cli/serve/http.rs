@@ -17,7 +17,6 @@ use serde_json::json;
 
 use super::api::ApiError;
 use super::conn;
-use super::msg::Cmd;
 use super::openai::{chat_completions, completions, models};
 use super::state::AppState;
 
@@ -115,7 +114,7 @@ pub fn serve(
             tracing::info!("SIGTERM: draining");
             eprintln!("arbor serve: signal received, draining (new requests get 503)");
             sig.draining.store(true, Ordering::SeqCst);
-            let _ = sig.tx.send(Cmd::Drain);
+            let _ = sig.handle.drain();
         });
         let stop = st.stop.subscribe();
         let mut stop2 = st.stop.subscribe();

@@ -1,18 +1,17 @@
-//! A request in flight on rank 0 (`Job`): its choices handed to the engine as sequences,
-//! the bound on the queue, and the engine's events folded into each choice as they arrive
-//! (stop strings, restarts after a weight update, aborts).
+//! A request in flight on rank 0 (`Job`): its choices handed to the serving loop as
+//! sequences, the bound on the queue, and the loop's events folded into each choice as they
+//! arrive (stop strings, restarts after a weight update, aborts).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use arbor_model::engine::{Record, SeqSpec};
 use arbor_model::FinishReason;
+use arbor_serving::{RequestStream, SeqEvent, Submission};
 use axum::http::StatusCode;
-use tokio::sync::mpsc::{channel, Receiver};
 
 use super::api::{ApiError, Params};
 use super::choice::ChoiceState;
-use super::msg::{Cmd, SeqEvent, Submission, SubmitChoice};
 use super::state::AppState;
 
 /// Events a stream's handler may hold unread before its sequences are cancelled: a
@@ -22,7 +21,7 @@ pub const STREAM_BACKLOG: usize = 1024;
 
 /// A request's choices on their way through the engine, as one response or stream.
 pub struct Job {
-    rx: Receiver<(usize, SeqEvent)>,
+    events: RequestStream,
     pub(super) choices: Vec<ChoiceState>,
     pub(super) p: Params,
     pub(super) chat: bool,
@@ -76,16 +75,14 @@ impl Job {
         } else {
             total.saturating_mul(p.max_tokens.saturating_add(6).saturating_mul(2))
         };
-        let (tx, rx) = channel(backlog.max(1));
         let mut choices = Vec::with_capacity(total);
-        let mut subs = Vec::with_capacity(total);
+        let mut specs = Vec::with_capacity(total);
         let score = p.prompt_logprobs || (p.echo && p.logprobs.is_some());
         for (pi, prompt) in prompts.into_iter().enumerate() {
             let prompt = Arc::new(prompt);
             for j in 0..p.n {
                 let index = pi * p.n + j;
-                let cancel = Arc::new(AtomicBool::new(false));
-                let spec = SeqSpec {
+                specs.push(SeqSpec {
                     sample_key: p.sample_id.wrapping_add(index as u64),
                     tokens: prompt.to_vec(),
                     score_from: score.then_some(1),
@@ -93,12 +90,8 @@ impl Job {
                     sampling: p.sampling,
                     n_top: p.logprobs.unwrap_or(0),
                     ignore_eos: p.ignore_eos,
-                };
-                subs.push(SubmitChoice {
-                    spec,
-                    cancel: cancel.clone(),
                 });
-                choices.push(ChoiceState::new(index, prompt.clone(), cancel));
+                choices.push(ChoiceState::new(index, prompt.clone()));
             }
         }
         let prefix = if chat { "chatcmpl" } else { "cmpl" };
@@ -106,18 +99,18 @@ impl Job {
             Some(rid) => rid.clone(),
             None => format!("{prefix}-{}", st.next_id.fetch_add(1, Ordering::Relaxed)),
         };
-        // One command for the whole request: its choices run on one weight version.
-        let cmd = Cmd::Submit(Submission {
-            rid: id.clone(),
-            choices: subs,
-            events: tx,
-        });
-        st.tx.send(cmd).map_err(|_| {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
-        })?;
+        // One submission for the whole request: its choices run on one weight version.
+        let events = st
+            .handle
+            .submit(Submission {
+                rid: id.clone(),
+                choices: specs,
+                backlog,
+            })
+            .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
         st.stats.requests.fetch_add(1, Ordering::Relaxed);
         Ok(Job {
-            rx,
+            events,
             choices,
             p,
             chat,
@@ -136,13 +129,14 @@ impl Job {
     }
 
     pub(super) async fn next(&mut self) -> Result<Update, ApiError> {
-        let Some((i, ev)) = self.rx.recv().await else {
-            // The engine let go of every sequence without finishing some: it cancelled
-            // them because this handler fell too far behind, or it stopped.
+        let Some((i, ev)) = self.events.next().await else {
+            // The loop let go of every sequence without finishing some: it cancelled them
+            // because this handler fell too far behind, or it stopped.
             let behind = self
                 .choices
                 .iter()
-                .any(|c| c.finish.is_none() && c.cancel.load(Ordering::SeqCst));
+                .enumerate()
+                .any(|(i, c)| c.finish.is_none() && self.events.is_cancelled(i));
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 if behind {
@@ -156,19 +150,18 @@ impl Job {
         let Some(c) = self.choices.get_mut(i) else {
             return Ok(Update::Nothing);
         };
-        if let SeqEvent::Restart { cancel } = ev {
+        if let SeqEvent::Restart = ev {
             if stream && c.streamed {
                 // What was streamed came from the weights being replaced and cannot be
                 // taken back: the choice ends instead of running again.
-                cancel.store(true, Ordering::SeqCst);
-                c.cancel = cancel;
+                self.events.cancel(i);
                 if c.finish.is_none() {
                     c.finish = Some(ABORT);
                     return Ok(Update::Finished(i));
                 }
                 return Ok(Update::Nothing);
             }
-            c.reset(cancel);
+            c.reset();
             return Ok(Update::Nothing);
         }
         if c.finish.is_some() {
@@ -184,7 +177,7 @@ impl Job {
                 c.finish = Some(ABORT);
                 Ok(Update::Finished(i))
             }
-            SeqEvent::Restart { .. } => Ok(Update::Nothing),
+            SeqEvent::Restart => Ok(Update::Nothing),
             SeqEvent::Scored(recs) => {
                 c.prompt_records.extend(recs.iter().cloned());
                 Ok(Update::Scored(i, recs))
@@ -201,8 +194,8 @@ impl Job {
                 if let Some(at) = hit {
                     c.text.truncate(at);
                     c.finish = Some("stop");
-                    // The engine frees the sequence at its next step.
-                    c.cancel.store(true, Ordering::SeqCst);
+                    // The loop frees the sequence at its next step.
+                    self.events.cancel(i);
                 }
                 Ok(Update::Token(i, rec))
             }

@@ -1,6 +1,6 @@
-//! `arbor serve`: an OpenAI-compatible HTTP server on rank 0 over the continuous-batching
-//! engine. Every rank executes the step plans rank 0's scheduler broadcasts, so a request's
-//! tokens and log-probs do not depend on what else the server is doing.
+//! `arbor serve`: an OpenAI-compatible HTTP server on rank 0 over the serving engine
+//! (`arbor_serving`). Every rank executes the step plans rank 0's scheduler broadcasts, so a
+//! request's tokens and log-probs do not depend on what else the server is doing.
 
 pub mod admin;
 pub mod api;
@@ -8,26 +8,20 @@ pub mod chat;
 pub mod choice;
 pub mod client;
 pub mod conn;
-pub mod control;
 pub mod http;
 pub mod job;
 pub mod leader;
-pub mod msg;
 pub mod openai;
 pub mod options;
-pub mod registry;
 pub mod response;
 pub mod state;
-pub mod stats;
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use arbor_collective::Communicator;
-use arbor_model::engine::PlanMsg;
 
 use super::common::{self, DeviceArg, KvArgs, NumericsArg};
-use super::model_api::{self, LoadOptions, Runner, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
+use super::model_api::{self, LoadOptions, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
 
 /// `--update-memory`.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,7 +173,7 @@ pub fn run(args: Args) -> Result<()> {
             libc::signal(libc::SIGTERM, libc::SIG_IGN);
             libc::signal(libc::SIGINT, libc::SIG_IGN);
         }
-        return follow(runner.as_mut(), comm.as_ref());
+        return Ok(arbor_serving::follow(runner.as_mut(), comm.as_ref())?);
     }
     leader::lead(&args, listen, runner, comm)
 }
@@ -190,34 +184,4 @@ pub fn step_outputs(args: &Args) -> usize {
     args.max_num_seqs
         .max(DEFAULT_STEP_OUTPUTS)
         .min(args.max_num_batched_tokens)
-}
-
-/// Ranks other than 0: execute every plan rank 0 broadcasts, until it says stop.
-fn follow(runner: &mut dyn Runner, comm: &dyn Communicator) -> Result<()> {
-    let rank = comm.rank();
-    let mut steps = 0u64;
-    loop {
-        let mut buf = Vec::new();
-        comm.broadcast_bytes(&mut buf, 0)
-            .with_context(|| format!("rank {rank}: receiving step plan {steps} from rank 0"))?;
-        match PlanMsg::decode(&buf)? {
-            PlanMsg::Step(plan) => {
-                runner
-                    .execute(&plan)
-                    .with_context(|| format!("rank {rank}: executing step {steps}"))?;
-                steps += 1;
-            }
-            PlanMsg::Idle => {}
-            PlanMsg::Control(msg) => {
-                // Rank 0 reports the outcome (the same on every rank).
-                let what = msg.what();
-                let _ = arbor_model::runner::weights_update::run_control(runner, comm, msg)
-                    .with_context(|| format!("rank {rank}: {what}"))?;
-            }
-            PlanMsg::Shutdown => {
-                tracing::info!(rank, steps, "shutdown from rank 0");
-                return Ok(());
-            }
-        }
-    }
 }

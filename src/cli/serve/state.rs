@@ -1,4 +1,4 @@
-//! The state the HTTP handlers share on rank 0 (`AppState`): the engine's command channel,
+//! The state the HTTP handlers share on rank 0 (`AppState`): the serving loop's handle,
 //! the tokenizer and chat template, the limits, and the checks every request goes through
 //! (API key, draining, memory released, model name, prompt against the context length).
 
@@ -11,13 +11,13 @@ use axum::http::{HeaderMap, StatusCode};
 use super::api::ApiError;
 use super::chat::ChatTemplate;
 use super::conn::Limits;
-use super::msg::Cmd;
-use super::stats::Stats;
+use arbor_serving::{ServingHandle, Stats};
+
 use super::Args;
 use crate::cli::model_api::Runner;
 
 pub struct AppState {
-    pub(super) tx: std::sync::mpsc::Sender<Cmd>,
+    pub(super) handle: ServingHandle,
     tokenizer: Option<tokenizers::Tokenizer>,
     tokenizer_config: Option<arbor_model::TokenizerConfig>,
     pub(super) chat: Option<ChatTemplate>,
@@ -45,7 +45,7 @@ impl AppState {
     pub fn new(
         args: &Args,
         runner: &dyn Runner,
-        tx: std::sync::mpsc::Sender<Cmd>,
+        handle: ServingHandle,
         stats: Arc<Stats>,
     ) -> Result<Self> {
         let model_name = args.served_model_name.clone().unwrap_or_else(|| {
@@ -56,7 +56,7 @@ impl AppState {
         });
         let limits = Limits::from_args(args, runner.weights_state().largest_tensor_elements);
         Ok(AppState {
-            tx,
+            handle,
             tokenizer: runner.tokenizer().cloned(),
             chat: ChatTemplate::from_config(runner.tokenizer_config())?,
             tokenizer_config: runner.tokenizer_config().cloned(),

@@ -1,8 +1,8 @@
 //! Rank 0's view of the requests in flight: each request's choices, the sequence each one
-//! runs as, whether it has started, and the channel to its handler. The engine loop
-//! dispatches step events through it, and the weight-update machinery (control.rs)
-//! retracts, aborts or holds whole requests through it, so that every choice of a request
-//! runs on one weight version.
+//! runs as, whether it has started, and the channel to its consumer. The loop dispatches
+//! step events through it, and the control operations (control/) retract, abort or hold
+//! whole requests through it, so that every choice of a request runs on one weight
+//! version.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,54 +10,55 @@ use std::sync::Arc;
 
 use arbor_model::engine::{Event, Scheduler, SeqId, StepPlan};
 
-use super::msg::{SeqEvent, Submission, SubmitChoice};
-use super::stats::Stats;
+use crate::handle::{refuse_choices, Delivery, EventTx, Request, SubmitChoice};
+use crate::msg::SeqEvent;
+use crate::stats::Stats;
 
 struct Choice {
     choice: SubmitChoice,
     /// The sequence it runs as; None once finished or cancelled.
     seq: Option<SeqId>,
-    /// Its handler was told the weights it runs on (since its last (re)submission).
+    /// Its consumer was told the weights it runs on (since its last (re)submission).
     announced: bool,
 }
 
-struct Req {
+struct Entry {
     rid: String,
-    events: tokio::sync::mpsc::Sender<(usize, SeqEvent)>,
+    events: EventTx,
     choices: Vec<Choice>,
     /// A step has run one of its choices (on the version then serving): from now on the
     /// weights cannot change until it ends, is re-run or is aborted.
     started: bool,
 }
 
-impl Req {
+impl Entry {
     fn live(&self) -> bool {
         self.choices.iter().any(|c| c.seq.is_some())
     }
 
-    /// Delivers `ev` to choice `tag`'s handler. An event that does not fit (the handler
-    /// is `STREAM_BACKLOG` events behind) cancels the choice: its handler must never see
-    /// a later event without the ones before it (a version, a restart).
+    /// Delivers `ev` to choice `tag`'s consumer. An event that does not fit (the consumer
+    /// is its backlog behind) cancels the choice: its consumer must never see a later
+    /// event without the ones before it (a version, a restart).
     fn send(&self, tag: usize, ev: SeqEvent) {
-        deliver(&self.events, &self.choices[tag].choice.cancel, tag, ev);
+        deliver(
+            &self.events,
+            &self.choices[tag].choice.cancel,
+            tag,
+            Delivery::Event(ev),
+        );
     }
 }
 
-fn deliver(
-    events: &tokio::sync::mpsc::Sender<(usize, SeqEvent)>,
-    cancel: &AtomicBool,
-    tag: usize,
-    ev: SeqEvent,
-) {
+fn deliver(events: &EventTx, cancel: &AtomicBool, tag: usize, ev: Delivery) {
     if let Err(tokio::sync::mpsc::error::TrySendError::Full(_)) = events.try_send((tag, ev)) {
-        // Tells the handler why its choice ends unfinished; the next sweep frees it.
+        // Tells the consumer why its choice ends unfinished; the next sweep frees it.
         cancel.store(true, Ordering::SeqCst);
     }
 }
 
 #[derive(Default)]
 pub struct Registry {
-    reqs: HashMap<u64, Req>,
+    reqs: HashMap<u64, Entry>,
     by_seq: HashMap<SeqId, (u64, usize)>,
     next: u64,
 }
@@ -74,7 +75,7 @@ impl Registry {
 
     /// Queues every choice of `sub`; a choice the scheduler refuses refuses the whole
     /// request (its other choices are withdrawn).
-    pub fn submit(&mut self, sched: &mut Scheduler, sub: Submission) {
+    pub fn submit(&mut self, sched: &mut Scheduler, sub: Request) {
         let key = self.next;
         self.next += 1;
         let n = sub.choices.len();
@@ -96,23 +97,14 @@ impl Registry {
                             self.by_seq.remove(&seq);
                         }
                     }
-                    let msg = e.to_string();
-                    for tag in 0..n {
-                        let _ = sub.events.try_send((
-                            tag,
-                            SeqEvent::Refused {
-                                shutting_down: false,
-                                msg: msg.clone(),
-                            },
-                        ));
-                    }
+                    refuse_choices(&sub.events, n, false, &e.to_string());
                     return;
                 }
             }
         }
         self.reqs.insert(
             key,
-            Req {
+            Entry {
                 rid: sub.rid,
                 events: sub.events,
                 choices,
@@ -121,8 +113,8 @@ impl Registry {
         );
     }
 
-    /// Frees the sequences whose handler is gone (client disconnected) or asked to stop
-    /// (a stop string matched).
+    /// Frees the sequences whose consumer is gone (its stream dropped: a client
+    /// disconnected) or asked to stop (a stop string matched), or fell too far behind.
     pub fn sweep(&mut self, sched: &mut Scheduler, stats: &Stats) {
         let by_seq = &mut self.by_seq;
         self.reqs.retain(|_, r| {
@@ -141,7 +133,7 @@ impl Registry {
         });
     }
 
-    /// Marks the requests of `plan`'s rows started, telling each choice's handler the
+    /// Marks the requests of `plan`'s rows started, telling each choice's consumer the
     /// weights it runs on the first time it runs.
     pub fn on_plan(&mut self, plan: &StepPlan, version: &Arc<str>) {
         for row in &plan.rows {
@@ -164,7 +156,7 @@ impl Registry {
         }
     }
 
-    /// Hands a step's event to its handler.
+    /// Hands a step's event to its consumer.
     pub fn dispatch(&mut self, ev: Event) {
         let (seq, msg) = match ev {
             Event::Scored { seq, records } => (seq, SeqEvent::Scored(records)),
@@ -211,12 +203,7 @@ impl Registry {
                 let cancel = Arc::new(AtomicBool::new(false));
                 c.choice.cancel = cancel.clone();
                 c.announced = false;
-                deliver(
-                    &r.events,
-                    &c.choice.cancel,
-                    tag,
-                    SeqEvent::Restart { cancel },
-                );
+                deliver(&r.events, &c.choice.cancel, tag, Delivery::Restart(cancel));
                 match sched.submit(c.choice.spec.clone()) {
                     Ok(seq) => {
                         c.seq = Some(seq);
@@ -226,10 +213,10 @@ impl Registry {
                     Err(e) => {
                         let _ = r.events.try_send((
                             tag,
-                            SeqEvent::Refused {
+                            Delivery::Event(SeqEvent::Refused {
                                 shutting_down: false,
                                 msg: e.to_string(),
-                            },
+                            }),
                         ));
                     }
                 }
@@ -262,9 +249,9 @@ impl Registry {
                     stats.cancelled.fetch_add(1, Ordering::Relaxed);
                     let _ = r.events.try_send((
                         tag,
-                        SeqEvent::Aborted {
+                        Delivery::Event(SeqEvent::Aborted {
                             weight_version: version.clone(),
-                        },
+                        }),
                     ));
                 }
             }
@@ -275,7 +262,7 @@ impl Registry {
 
     /// Takes the requests that have not started out of the scheduler, to be submitted
     /// again later (`submit`): they will run on the weights serving then.
-    pub fn take_unstarted(&mut self, sched: &mut Scheduler) -> Vec<Submission> {
+    pub fn take_unstarted(&mut self, sched: &mut Scheduler) -> Vec<Request> {
         let keys: Vec<u64> = self
             .reqs
             .iter()
@@ -295,7 +282,7 @@ impl Registry {
                 }
                 choices.push(c.choice);
             }
-            out.push(Submission {
+            out.push(Request {
                 rid: r.rid,
                 choices,
                 events: r.events,

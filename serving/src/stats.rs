@@ -1,4 +1,5 @@
-//! Server metrics the engine loop updates and /metrics renders as Prometheus text.
+//! The serving metrics: the loop updates them, a front end renders them as Prometheus
+//! text (`/metrics`) and counts the requests it accepts or refuses.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -8,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use arbor_model::engine::Scheduler;
 
-/// Gauges and counters; each is written by one side (engine loop or HTTP) only.
+/// Gauges and counters; each is written by one side (the loop or the front end) only.
 #[derive(Default)]
 pub struct Stats {
     pub waiting: AtomicU64,
@@ -29,7 +30,7 @@ pub struct Stats {
     pub prefix_hits: AtomicU64,
     pub prefix_cached_blocks: AtomicU64,
     recent: Mutex<VecDeque<(Instant, u64)>>,
-    /// The weights serving now (control.rs sets it).
+    /// The weights serving now (the control operations set it).
     weight_version: Mutex<String>,
     pub weight_updates: AtomicU64,
     weight_update_seconds_bits: AtomicU64,

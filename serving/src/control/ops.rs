@@ -1,0 +1,279 @@
+//! One method per control operation. Each answers now (`Outcome::Done`) or, for an update
+//! that must wait for the started requests, later (`Outcome::Waits`); `Err` only when the
+//! group broke.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use arbor_model::engine::{ControlMsg, TensorMeta, UpdateSource};
+use arbor_model::runner::weights_update::Origin;
+use serde_json::{json, Value};
+
+use super::{done, done_err, refused, Control, Ctx, Outcome};
+use crate::error::ServeError;
+use crate::msg::{PauseMode, RefusalKind, UpdateReq};
+
+impl Control {
+    /// New weights from a checkpoint on disk.
+    pub(super) fn update_from_disk(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        path: PathBuf,
+        update: UpdateReq,
+    ) -> Result<Outcome, ServeError> {
+        let (n, _) = self.staged(cx);
+        if n > 0 {
+            return done_err(RefusalKind::Conflict, format!("a push is in progress ({n} tensors staged by update_weights_from_tensor / _distributed): commit or discard it first"));
+        }
+        self.update(cx, UpdateSource::Disk(path), update)
+    }
+
+    /// Stages one pushed part; the last one (`commit`) applies everything staged.
+    pub(super) fn stage(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        bytes: Vec<u8>,
+        commit: Option<UpdateReq>,
+    ) -> Result<Outcome, ServeError> {
+        let label = format!("update_weights_from_tensor body ({} bytes)", bytes.len());
+        match self.run(cx, ControlMsg::Stage { label, bytes })? {
+            Ok(()) => self.staged_then(cx, commit),
+            Err(e) => {
+                self.staged_at = None;
+                Ok(Outcome::Done(refused(
+                    &e,
+                    format!("{e}; every tensor staged so far was dropped: push again from the first part"),
+                )))
+            }
+        }
+    }
+
+    /// The staged tensors replace the weights.
+    pub(super) fn commit(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        update: UpdateReq,
+    ) -> Result<Outcome, ServeError> {
+        let (n, _) = self.staged(cx);
+        if n == 0 {
+            return done_err(RefusalKind::Input, "nothing is staged: send the tensors first (update_weights_from_tensor with commit=false)");
+        }
+        self.update(cx, UpdateSource::Staged, update)
+    }
+
+    /// Drops the staged tensors.
+    pub(super) fn discard(&mut self, cx: &mut Ctx<'_>) -> Result<Outcome, ServeError> {
+        self.run(cx, ControlMsg::Discard)?.ok();
+        self.staged_at = None;
+        done(json!({"success": true, "message": "the staged tensors were dropped"}))
+    }
+
+    /// Every rank joins the trainer's NCCL group.
+    pub(super) fn init_group(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        name: String,
+        unique_id: Vec<u8>,
+        world: usize,
+        rank_offset: usize,
+        timeout_s: f64,
+    ) -> Result<Outcome, ServeError> {
+        let msg = ControlMsg::JoinGroup {
+            name: name.clone(),
+            unique_id,
+            world,
+            rank_offset,
+            timeout_s,
+        };
+        Ok(Outcome::Done(match self.run(cx, msg)? {
+            Ok(()) => Ok(
+                json!({"success": true, "message": format!("joined the weight-update group {name:?} as ranks {rank_offset}..{} of {world}", rank_offset + cx.comm.world_size())}),
+            ),
+            Err(e) => refused(&e, e.to_string()),
+        }))
+    }
+
+    /// Receives the tensors a trainer broadcasts and stages them; `commit` then applies
+    /// everything staged.
+    pub(super) fn receive(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        group: String,
+        tensors: Vec<TensorMeta>,
+        timeout_s: f64,
+        commit: Option<UpdateReq>,
+    ) -> Result<Outcome, ServeError> {
+        let n = tensors.len();
+        let msg = ControlMsg::Receive {
+            group,
+            tensors,
+            timeout_s,
+        };
+        match self.run(cx, msg)? {
+            Ok(()) => self.staged_then(cx, commit),
+            Err(e) => {
+                self.staged_at = None;
+                Ok(Outcome::Done(refused(
+                    &e,
+                    format!("{e}; the {n} tensors of this call and every one staged before were dropped"),
+                )))
+            }
+        }
+    }
+
+    /// After a part was staged: commit, or say what is staged.
+    fn staged_then(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        commit: Option<UpdateReq>,
+    ) -> Result<Outcome, ServeError> {
+        self.staged_at = Some(Instant::now());
+        match commit {
+            Some(u) => self.update(cx, UpdateSource::Staged, u),
+            None => done(self.staged_body(cx)),
+        }
+    }
+
+    fn staged_body(&self, cx: &Ctx<'_>) -> Value {
+        let (n, bytes) = self.staged(cx);
+        json!({"success": true, "message": format!("{n} tensors staged ({bytes} bytes); commit to apply them"), "staged_tensors": n, "staged_bytes": bytes})
+    }
+
+    /// Every rank leaves the trainer's group.
+    pub(super) fn destroy_group(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        name: String,
+    ) -> Result<Outcome, ServeError> {
+        let r = self.run(cx, ControlMsg::LeaveGroup { name: name.clone() })?;
+        Ok(Outcome::Done(match r {
+            Ok(()) => Ok(
+                json!({"success": true, "message": format!("left the weight-update group {name:?}")}),
+            ),
+            Err(e) => refused(&e, e.to_string()),
+        }))
+    }
+
+    /// Stops stepping; `mode` says what happens to the requests in flight.
+    pub(super) fn pause(&mut self, cx: &mut Ctx<'_>, mode: PauseMode) -> Outcome {
+        let (aborted, retracted) = match mode {
+            PauseMode::Abort => (cx.reqs.abort(cx.sched, None, &self.version, cx.stats), 0),
+            PauseMode::Retract => (0, cx.reqs.retract_started(cx.sched)),
+            PauseMode::InPlace => (0, 0),
+        };
+        self.paused = Some(mode);
+        cx.stats.paused.store(true, Ordering::Relaxed);
+        Outcome::Done(Ok(
+            json!({"success": true, "message": "generation paused", "aborted": aborted, "retracted": retracted}),
+        ))
+    }
+
+    /// Steps again.
+    pub(super) fn continue_generation(&mut self, cx: &mut Ctx<'_>) -> Outcome {
+        self.paused = None;
+        cx.stats.paused.store(false, Ordering::Relaxed);
+        Outcome::Done(Ok(
+            json!({"success": true, "message": "generation continues"}),
+        ))
+    }
+
+    /// Ends the requests named `rid` (every request when `None`), held ones included.
+    pub(super) fn abort(&mut self, cx: &mut Ctx<'_>, rid: Option<String>) -> Outcome {
+        let mut n = cx
+            .reqs
+            .abort(cx.sched, rid.as_deref(), &self.version, cx.stats);
+        let version = self.version.clone();
+        self.held.retain(|sub| {
+            if rid.as_deref().is_some_and(|r| r != sub.rid) {
+                return true;
+            }
+            n += 1;
+            sub.abort(&version);
+            false
+        });
+        Outcome::Done(Ok(json!({"success": true, "aborted": n})))
+    }
+
+    /// Frees the weights and/or the KV cache on every rank; no request may be running.
+    pub(super) fn release(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        weights: bool,
+        kv: bool,
+    ) -> Result<Outcome, ServeError> {
+        let started = cx.reqs.started();
+        if started > 0 {
+            return done_err(RefusalKind::Conflict, format!("{started} requests are running: pause_generation with mode abort or retract (or abort them) first"));
+        }
+        match self.run(cx, ControlMsg::Release { weights, kv })? {
+            Ok(()) => {
+                self.weights &= !weights;
+                self.kv &= !kv;
+                self.set_released(cx);
+                done(
+                    json!({"success": true, "message": format!("released:{}{}", if weights { " weights" } else { "" }, if kv { " kv_cache" } else { "" })}),
+                )
+            }
+            Err(e) => Ok(Outcome::Done(refused(&e, e.to_string()))),
+        }
+    }
+
+    /// Loads what was released again; weights read from elsewhere than where they came
+    /// from are a new version.
+    pub(super) fn resume(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        weights: bool,
+        kv: bool,
+        from: Option<PathBuf>,
+        version: Option<String>,
+    ) -> Result<Outcome, ServeError> {
+        if from.is_some() && self.weights {
+            return done_err(RefusalKind::Conflict, "model_path reloads released weights, and the weights are in memory: use update_weights_from_disk to change them");
+        }
+        let reload = weights && !self.weights;
+        let origin = cx.runner.weights_state().origin;
+        let t0 = Instant::now();
+        let msg = ControlMsg::Resume {
+            weights,
+            kv,
+            from: from.clone(),
+        };
+        match self.run(cx, msg)? {
+            Ok(()) => {
+                self.weights |= weights;
+                self.kv |= kv;
+                self.set_released(cx);
+                let moved = reload
+                    && from
+                        .as_ref()
+                        .is_some_and(|p| origin != Origin::Disk(p.clone()));
+                if moved || (reload && version.is_some()) {
+                    self.new_version(cx, version, t0.elapsed().as_secs_f64());
+                }
+                done(
+                    json!({"success": true, "message": "resumed", "weight_version": &*self.version}),
+                )
+            }
+            Err(e) => Ok(Outcome::Done(refused(&e, e.to_string()))),
+        }
+    }
+
+    /// Drops the cached state that depends on the weights; no request may be running.
+    pub(super) fn flush_cache(&mut self, cx: &mut Ctx<'_>) -> Result<Outcome, ServeError> {
+        let started = cx.reqs.started();
+        if started > 0 {
+            return done_err(
+                RefusalKind::Conflict,
+                format!("the cache was not flushed: {started} requests are running"),
+            );
+        }
+        Ok(Outcome::Done(
+            match self.run(cx, ControlMsg::FlushCache)? {
+                Ok(()) => Ok(json!({"success": true, "message": "cache flushed"})),
+                Err(e) => refused(&e, e.to_string()),
+            },
+        ))
+    }
+}

@@ -1,0 +1,60 @@
+//! The ranks other than 0: execute every plan and command rank 0 broadcasts, until it says
+//! stop. And rank 0's side of that broadcast.
+
+use arbor_collective::Communicator;
+use arbor_model::engine::PlanMsg;
+use arbor_model::runner::weights_update::run_control;
+use arbor_model::Runner;
+
+use crate::error::ServeError;
+
+/// Sends `msg` from rank 0 to the other ranks (nothing at TP 1).
+pub(crate) fn broadcast(comm: &dyn Communicator, msg: &PlanMsg) -> Result<(), ServeError> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mut bytes = msg.encode()?;
+    comm.broadcast_bytes(&mut bytes, 0)
+        .map_err(ServeError::collective(
+            "broadcasting the step plan to the other ranks",
+        ))
+}
+
+/// Rank 0: tells the other ranks to stop (`Leader::run` does it when it ends; a front end
+/// that fails before the loop runs calls it itself).
+pub fn stop_followers(comm: &dyn Communicator) -> Result<(), ServeError> {
+    broadcast(comm, &PlanMsg::Shutdown)
+}
+
+/// Ranks other than 0: executes every plan rank 0 broadcasts, and runs every command with
+/// it (rank 0 reports the outcome, the same on every rank), until rank 0 says stop or is
+/// gone.
+pub fn follow(runner: &mut dyn Runner, comm: &dyn Communicator) -> Result<(), ServeError> {
+    let rank = comm.rank();
+    let mut steps = 0u64;
+    loop {
+        let mut buf = Vec::new();
+        comm.broadcast_bytes(&mut buf, 0)
+            .map_err(ServeError::collective(format!(
+                "rank {rank}: receiving step plan {steps} from rank 0"
+            )))?;
+        match PlanMsg::decode(&buf)? {
+            PlanMsg::Step(plan) => {
+                runner.execute(&plan).map_err(ServeError::model(format!(
+                    "rank {rank}: executing step {steps}"
+                )))?;
+                steps += 1;
+            }
+            PlanMsg::Idle => {}
+            PlanMsg::Control(msg) => {
+                let what = msg.what();
+                let _ = run_control(runner, comm, msg)
+                    .map_err(ServeError::model(format!("rank {rank}: {what}")))?;
+            }
+            PlanMsg::Shutdown => {
+                tracing::info!(rank, steps, "shutdown from rank 0");
+                return Ok(());
+            }
+        }
+    }
+}
