@@ -253,12 +253,23 @@ pub fn read(f: &GgufFile, vocab_size: usize) -> MResult<Option<GgufTokenizer>> {
             }
         }
         let scores: Vec<f32> = match f.get("tokenizer.ggml.scores").and_then(MetaValue::as_array) {
+            // The scores rank the merges: a NaN or infinite one would rank them arbitrarily.
             Some(a) if a.len() == tokens.len() => a
                 .iter()
-                .map(|v| {
+                .enumerate()
+                .map(|(i, v)| {
                     v.as_f64()
                         .map(|x| x as f32)
-                        .ok_or_else(|| err(path, "tokenizer.ggml.scores holds a non-number".into()))
+                        .filter(|x| x.is_finite())
+                        .ok_or_else(|| {
+                            err(
+                                path,
+                                format!(
+                                    "tokenizer.ggml.scores[{i}] is {}: every score must be a finite number",
+                                    v.brief()
+                                ),
+                            )
+                        })
                 })
                 .collect::<MResult<_>>()?,
             _ => {
