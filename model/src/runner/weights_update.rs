@@ -602,7 +602,7 @@ impl<B: Backend> Engine<B> {
             tp: self.backend.world_size(),
             row_tp: self.row_tp,
         };
-        let model = Model::load(&ctx, &self.cfg, self.max_seq_len)?;
+        let model = Model::load(&ctx, &self.cfg, self.rope_len())?;
         tracing::info!(
             rank = self.backend.rank(),
             seconds = t0.elapsed().as_secs_f64(),
