@@ -170,6 +170,8 @@ mod tests {
         assert_eq!(cfg.bos_token.as_deref(), Some("<|begin|>"));
         assert_eq!(cfg.add_bos_token, Some(false));
         assert!(cfg.chat_template.is_some());
+        let from = cfg.chat_template_source.as_deref().unwrap_or_default();
+        assert!(from.ends_with(".gguf (tokenizer.chat_template)"), "{from}");
         // q/k rows come back in HF order (heads of 8 rows): HF row 1 (head 0, first half,
         // index 1) is file row 2, HF row 4 (second half, index 0) is file row 1; o_proj is
         // read as stored. Seeds 5, 6, 8 made q, k, o (testfile.rs).

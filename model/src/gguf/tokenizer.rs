@@ -411,7 +411,10 @@ pub fn read(f: &GgufFile, vocab_size: usize) -> MResult<Option<GgufTokenizer>> {
         }
     }
     let tokenizer_config_json = Value::Object(tc);
-    let config = TokenizerConfig::from_json_str(&tokenizer_config_json.to_string(), path)?;
+    let mut config = TokenizerConfig::from_json_str(&tokenizer_config_json.to_string(), path)?;
+    if config.chat_template.is_some() {
+        config.chat_template_source = Some(format!("{} (tokenizer.chat_template)", path.display()));
+    }
     Ok(Some(GgufTokenizer {
         tokenizer,
         config,
