@@ -1,6 +1,6 @@
 //! Hostile update sources (TP 2): GGUF files that are damaged, not GGUF at all, or carry
-//! metadata no model has, and pushed safetensors headers that are malformed in ways JSON
-//! parsers forgive. Each is refused as a bad input (400) naming what is wrong, as
+//! metadata no model has, and pushed safetensors headers that break the format in ways
+//! JSON parsers forgive (a repeated key, metadata that are not strings). Each is refused as a bad input (400) naming what is wrong, as
 //! `--model` would name it, and the old weights keep serving.
 
 use serde_json::{json, Value};
@@ -23,7 +23,7 @@ fn refused(s: &Server, path: &std::path::Path, needles: &[&str]) {
 }
 
 #[test]
-fn bad_gguf_sources_are_bad_input() {
+fn hostile_update_sources_are_bad_input() {
     let m = models();
     let s = Server::start(2, &m.a, &[], "sources");
     let scratch = Scratch::new("rl-sources");
@@ -66,5 +66,47 @@ fn bad_gguf_sources_are_bad_input() {
         &file("other.gguf", &good),
         &["not the served model", "hidden_size"],
     );
+    pushed_headers_json_forgives_are_refused(&s);
     assert_serves(&s, "0");
+}
+
+/// A safetensors image of one tensor with `header` (its JSON text) as the header.
+fn image(header: &str, data: &[u8]) -> Vec<u8> {
+    let mut h = header.as_bytes().to_vec();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h);
+    out.extend(data);
+    out
+}
+
+/// A key given twice (JSON parsers keep one of them silently) and `__metadata__` values
+/// that are not strings: refused as the format's rules are broken, nothing staged.
+fn pushed_headers_json_forgives_are_refused(s: &Server) {
+    let t = &models().c_tensors;
+    let name = "model.norm.weight";
+    let (dtype, shape, data) = &t.0[name];
+    let entry = json!({"dtype": dtype, "shape": shape, "data_offsets": [0, data.len()]});
+    let twice = format!("{{\"{name}\":{entry},\"{name}\":{entry}}}");
+    let meta = format!("{{\"__metadata__\":{{\"step\":3}},\"{name}\":{entry}}}");
+    for (header, needle) in [
+        (twice, format!("the key \"{name}\" appears twice")),
+        (
+            meta,
+            "\"__metadata__\" must map strings to strings".to_string(),
+        ),
+    ] {
+        let (st, v) = s.push("commit=false", &image(&header, data));
+        assert_eq!(st, 400, "{header}: {v}");
+        let msg = v["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(&needle), "{needle:?} not in {msg}");
+    }
+    // Well formed, it stages; then dropped.
+    let ok = format!("{{\"__metadata__\":{{\"format\":\"pt\"}},\"{name}\":{entry}}}");
+    let (st, v) = s.push("commit=false", &image(&ok, data));
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = s.push("discard=true", &[]);
+    assert_eq!(st, 200, "{v}");
 }
