@@ -23,6 +23,9 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
             "--numerics fast needs --device cuda (cuBLAS and NCCL); the CPU backend has only the invariant kernels".into(),
         )),
         Device::Cpu => {
+            if comm.rank() == 0 {
+                note_ranks_per_gpu_on_cpu();
+            }
             // An explicit ARBOR_CPU_THREADS wins; otherwise share the cores among the
             // ranks on this host.
             if std::env::var_os(arbor_kernels::cpu::THREADS_ENV).is_none() {
@@ -46,6 +49,18 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
             ))
         }
         Device::Cuda => load_cuda(opts, comm),
+    }
+}
+
+/// `arbor-launch --ranks-per-gpu` (`ARBOR_RANKS_PER_GPU`) places ranks on CUDA devices:
+/// CPU ranks have none to share, so they say that the flag does nothing here.
+fn note_ranks_per_gpu_on_cpu() {
+    use arbor_collective::device_map::RANKS_PER_GPU_ENV;
+    if let Some(v) = std::env::var_os(RANKS_PER_GPU_ENV).filter(|v| !v.is_empty()) {
+        tracing::warn!(
+            "{RANKS_PER_GPU_ENV}={} (arbor-launch --ranks-per-gpu) has no effect: it places ranks on CUDA devices, and these ranks run on the CPU",
+            v.to_string_lossy()
+        );
     }
 }
 
