@@ -3,6 +3,10 @@
 
 mod cli_support;
 
+#[path = "../model/src/gguf/testfile.rs"]
+#[allow(dead_code)]
+mod gguf_testfile;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -219,6 +223,50 @@ fn prompt_longer_than_the_context() {
         &["--prompts", p.to_str().unwrap()],
         &["request 2", &ctx_s],
     );
+}
+
+/// A context length no model has (2^32 − 1) is refused by its key before anything is
+/// sized by it, from config.json or from GGUF metadata. It once aborted the process
+/// (SIGABRT: a RoPE table of 137 GB), even with a cache of 8 blocks.
+#[test]
+fn an_absurd_context_length_is_refused_by_name() {
+    let s = Scratch::new("bad-huge-context");
+    let m = copy_model(&s);
+    edit_config(&m, |v| {
+        v["max_position_embeddings"] = serde_json::json!(4_294_967_295u64)
+    });
+    let kv = ["--kv-blocks", "8"];
+    expect_failure(1, &m, &kv, &["max_position_embeddings", "4294967295"]);
+    let g = s.path().join("huge-context.gguf");
+    let b =
+        gguf_testfile::Builder::llama().set("llama.context_length", gguf_testfile::u32v(u32::MAX));
+    std::fs::write(&g, b.bytes()).unwrap();
+    expect_failure(1, &g, &kv, &["llama.context_length", "4294967295"]);
+}
+
+/// A model may declare a long context: a run pays only for the context its cache holds.
+#[test]
+fn a_long_declared_context_runs_within_its_cache() {
+    let s = Scratch::new("long-context");
+    let m = copy_model(&s);
+    edit_config(&m, |v| {
+        v["max_position_embeddings"] = serde_json::json!(1u64 << 24)
+    });
+    let o = run_launched(
+        1,
+        &[
+            "generate",
+            "--model",
+            m.to_str().unwrap(),
+            "--kv-blocks",
+            "8",
+            "--max-tokens",
+            "2",
+            "--prompt",
+            "hello",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
 }
 
 #[test]

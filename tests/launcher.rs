@@ -2,6 +2,9 @@
 //! prefixes, failure handling (a crashing rank stops the group quickly), signal
 //! forwarding and hostfile errors.
 
+#[path = "cli_support/mod.rs"]
+mod cli_support;
+
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -168,6 +171,43 @@ fn ranks_per_gpu_reaches_every_rank() {
         stderr.contains("--ranks-per-gpu") && stderr.contains("\"auto\""),
         "{stderr}"
     );
+}
+
+/// `--ranks-per-gpu` says what it does: here more per GPU than there are ranks (all on
+/// one GPU), and on CPU ranks nothing, which rank 0 says too. Both started without a word.
+#[test]
+fn ranks_per_gpu_says_what_it_does() {
+    let (out, _) = launch(&["-n", "2", "--ranks-per-gpu", "3", "--", "true"]);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("--ranks-per-gpu 3: 2 ranks on localhost take 1 GPU (all on one")
+            && err.contains("ranks that run on the CPU ignore it"),
+        "{err}"
+    );
+    let model = cli_support::shared_tiny("launcher-rpg", "llama");
+    let out = Command::new(LAUNCH)
+        .args(["-n", "2", "--ranks-per-gpu", "2", "--"])
+        .arg(cli_support::arbor())
+        .args([
+            "generate",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "1",
+            "--prompt",
+            "hi",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("arbor-launch runs");
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let note = "ARBOR_RANKS_PER_GPU=2 (arbor-launch --ranks-per-gpu) has no effect";
+    assert_eq!(err.matches(note).count(), 1, "rank 0 says it once:\n{err}");
 }
 
 #[test]

@@ -144,6 +144,54 @@ fn parse_ranks_per_gpu(s: &str) -> Result<String, String> {
     }
 }
 
+/// What `--ranks-per-gpu value` does to the ranks of `placement`, said when they start:
+/// per host, how many GPUs its ranks take (a value above a host's ranks puts them all on
+/// one GPU), and that the flag places CUDA ranks only (the launcher cannot know where the
+/// ranks run).
+pub fn ranks_per_gpu_note(value: &str, placement: &[remote::Placement]) -> String {
+    const CPU: &str = "it places ranks on CUDA devices: ranks that run on the CPU ignore it";
+    let Ok(per) = value.parse::<usize>() else {
+        return format!(
+            "--ranks-per-gpu {value}: each host's ranks spread over its visible GPUs,              sharing one only where there are fewer GPUs than ranks (each rank decides); {CPU}"
+        );
+    };
+    let per = per.max(1);
+    let mut hosts: Vec<(&str, usize)> = Vec::new();
+    for p in placement {
+        if !hosts.iter().any(|(h, _)| *h == p.host) {
+            hosts.push((&p.host, p.local_world_size));
+        }
+    }
+    let plural = |n: usize, one: &str, many: &str| {
+        if n == 1 {
+            format!("{n} {one}")
+        } else {
+            format!("{n} {many}")
+        }
+    };
+    let each: Vec<String> = hosts
+        .iter()
+        .map(|&(host, ranks)| {
+            let gpus = ranks.div_ceil(per);
+            let mut s = format!(
+                "{} on {host} {} {}",
+                plural(ranks, "rank", "ranks"),
+                if ranks == 1 { "takes" } else { "take" },
+                plural(gpus, "GPU", "GPUs")
+            );
+            if per > ranks && ranks > 1 {
+                s.push_str(&format!(
+                    " (all on one: {per} per GPU is more than the {ranks} ranks there)"
+                ));
+            } else if ranks > 1 && gpus > 1 {
+                s.push_str(&format!(" ({per} per GPU)"));
+            }
+            s
+        })
+        .collect();
+    format!("--ranks-per-gpu {per}: {}; {CPU}", each.join(", "))
+}
+
 /// Entry point of the `arbor-launch` binary; returns the process exit code.
 pub fn main() -> i32 {
     init_logging();
@@ -154,6 +202,13 @@ pub fn main() -> i32 {
             2
         }
         Ok(plan) => {
+            if let Some(note) = plan
+                .ranks_per_gpu
+                .as_deref()
+                .map(|n| ranks_per_gpu_note(n, &plan.placement))
+            {
+                eprintln!("arbor-launch: {note}");
+            }
             if let Err(e) = signals::install() {
                 eprintln!("arbor-launch: error: cannot install signal handlers: {e}");
                 return 2;
@@ -362,6 +417,28 @@ mod tests {
         assert_eq!(p.world_size, 4);
         assert_ne!(p.master_port, 0);
         assert!(Args::try_parse_from(["arbor-launch", "-n", "2"]).is_err());
+    }
+
+    #[test]
+    fn the_ranks_per_gpu_note_says_what_the_flag_does() {
+        let on = |hosts: &[(&str, usize)], world| {
+            let h: Vec<(String, usize)> = hosts.iter().map(|(n, s)| (n.to_string(), *s)).collect();
+            remote::place_ranks(&h, world, |_| true)
+        };
+        let one = on(&[("localhost", 2)], 2);
+        let n = ranks_per_gpu_note("3", &one);
+        assert!(
+            n.starts_with("--ranks-per-gpu 3: 2 ranks on localhost take 1 GPU (all on one: 3 per GPU is more than the 2 ranks there)"),
+            "{n}"
+        );
+        assert!(n.contains("ranks that run on the CPU ignore it"), "{n}");
+        let n = ranks_per_gpu_note("2", &on(&[("a", 5), ("b", 1)], 6));
+        assert!(
+            n.contains("5 ranks on a take 3 GPUs (2 per GPU), 1 rank on b takes 1 GPU;"),
+            "{n}"
+        );
+        let n = ranks_per_gpu_note("auto", &one);
+        assert!(n.contains("auto") && n.contains("CPU ignore it"), "{n}");
     }
 
     #[test]

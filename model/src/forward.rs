@@ -146,12 +146,23 @@ pub struct Model<B: Backend> {
     rope: RopeTable,
 }
 
+/// The RoPE table of `cfg` for positions `0..max_pos`.
+fn rope_table(cfg: &ModelConfig, max_pos: usize) -> MResult<RopeTable> {
+    RopeTable::try_new(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling).map_err(|e| {
+        ModelError::Config {
+            path: "config.json".into(),
+            msg: e.to_string(),
+        }
+    })
+}
+
 /// Per-layer hidden states (host copies, replicated after every all-reduce) for the
 /// TP=1 shadow comparison.
 pub type Trace = Vec<Vec<f32>>;
 
 impl<B: Backend> Model<B> {
-    /// Loads this rank's shard; `max_pos` sizes the RoPE table (the context length).
+    /// Loads this rank's shard; `max_pos` sizes the RoPE table: the positions a run may
+    /// use (0 for none yet: [`Model::fit_rope`] sizes it once the KV cache is known).
     pub fn load(ctx: &LoadCtx<B>, cfg: &ModelConfig, max_pos: usize) -> MResult<Self> {
         let heads = HeadPlan::new(cfg, ctx.rank, ctx.tp)?;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
@@ -241,13 +252,23 @@ impl<B: Backend> Model<B> {
             layers,
             final_norm: Norm::load(ctx, "model.norm.weight", h)?,
             head: VocabParallelHead::load(ctx, head_name, cfg.vocab_size, h)?,
-            rope: RopeTable::try_new(hd, max_pos, cfg.rope_theta, cfg.rope_scaling).map_err(
-                |e| ModelError::Config {
-                    path: "config.json".into(),
-                    msg: e.to_string(),
-                },
-            )?,
+            rope: rope_table(cfg, max_pos)?,
         })
+    }
+
+    /// Sizes the RoPE table to `max_pos` positions (the context of the run: at most what
+    /// the KV cache holds), so that a model declaring a long context costs only what is
+    /// used. Entry (p, i) depends on p and i alone: any size gives the same bits.
+    pub fn fit_rope(&mut self, max_pos: usize) -> MResult<()> {
+        if self.rope.max_pos != max_pos {
+            self.rope = rope_table(&self.cfg, max_pos)?;
+        }
+        Ok(())
+    }
+
+    /// Positions the RoPE table holds.
+    pub fn rope_positions(&self) -> usize {
+        self.rope.max_pos
     }
 
     /// This rank's paged KV cache of `blocks` blocks.

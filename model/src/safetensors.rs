@@ -347,14 +347,16 @@ pub fn parse_header(file: &[u8], path: &Path) -> MResult<(usize, HashMap<String,
     }
     let data_start = 8 + n as usize;
     let data_len = file.len() - data_start;
-    let header: Value = serde_json::from_slice(&file[8..data_start])
-        .map_err(|e| st_err(path, format!("header is not valid JSON: {e}")))?;
+    let header = serde_json::from_slice::<Strict>(&file[8..data_start])
+        .map_err(|e| st_err(path, format!("header is not valid JSON: {e}")))?
+        .0;
     let obj = header
         .as_object()
         .ok_or_else(|| st_err(path, "header is not a JSON object".into()))?;
     let mut tensors = HashMap::with_capacity(obj.len());
     for (name, v) in obj {
         if name == "__metadata__" {
+            check_metadata(v, path)?;
             continue;
         }
         let bad = |msg: String| st_err(path, format!("tensor {name:?}: {msg}"));
@@ -431,6 +433,85 @@ pub fn parse_header(file: &[u8], path: &Path) -> MResult<(usize, HashMap<String,
         }
     }
     Ok((data_start, tensors))
+}
+
+/// The format's `__metadata__`: a map of strings to strings.
+fn check_metadata(v: &Value, path: &Path) -> MResult<()> {
+    let m = v.as_object().ok_or_else(|| {
+        st_err(
+            path,
+            format!("\"__metadata__\" must map strings to strings, got {v}"),
+        )
+    })?;
+    match m.iter().find(|(_, x)| !x.is_string()) {
+        Some((k, x)) => Err(st_err(
+            path,
+            format!("\"__metadata__\" must map strings to strings: {k:?} is {x}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A JSON value in which no object repeats a key. serde_json keeps the last of repeated
+/// keys without a word, so a header could say two things about one tensor, and which one
+/// counts would depend on the reader: such a header is refused.
+struct Strict(Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+        Ok(Value::Bool(b))
+    }
+    fn visit_i64<E>(self, n: i64) -> Result<Value, E> {
+        Ok(Value::from(n))
+    }
+    fn visit_u64<E>(self, n: u64) -> Result<Value, E> {
+        Ok(Value::from(n))
+    }
+    fn visit_f64<E>(self, n: f64) -> Result<Value, E> {
+        Ok(Value::from(n))
+    }
+    fn visit_str<E>(self, s: &str) -> Result<Value, E> {
+        Ok(Value::String(s.to_owned()))
+    }
+    fn visit_string<E>(self, s: String) -> Result<Value, E> {
+        Ok(Value::String(s))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = serde_json::Map::new();
+        while let Some(k) = map.next_key::<String>()? {
+            if out.contains_key(&k) {
+                return Err(serde::de::Error::custom(format!(
+                    "the key {k:?} appears twice in one object"
+                )));
+            }
+            let Strict(v) = map.next_value()?;
+            out.insert(k, v);
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// Serialises a safetensors header for `(name, dtype, shape)` entries laid out back to
@@ -567,6 +648,13 @@ mod tests {
     }
 
     #[test]
+    fn accepts_string_metadata_and_nested_values() {
+        let h = r#"{"__metadata__":{"format":"pt"},"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}"#;
+        let (_, t) = parse_header(&file_with(h, 4), &p()).unwrap();
+        assert_eq!(t["a"].shape, vec![2]);
+    }
+
+    #[test]
     fn rejects_bad_headers() {
         let cases: &[(&str, usize, &str)] = &[
             (
@@ -591,6 +679,25 @@ mod tests {
             ),
             (r#"{"a":{"dtype":"BF16","shape":[2]}}"#, 8, "data_offsets"),
             (r#"{"a": 3"#, 8, "not valid JSON"),
+            // A repeated key, at the top or inside an entry, is read two ways by JSON
+            // parsers (serde_json keeps the last): refused.
+            (
+                r#"{"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},"a":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}"#,
+                8,
+                "the key \"a\" appears twice",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","dtype":"BF16","shape":[2],"data_offsets":[0,4]}}"#,
+                8,
+                "the key \"dtype\" appears twice",
+            ),
+            // The format's metadata maps strings to strings.
+            (
+                r#"{"__metadata__":{"format":"pt","step":3}}"#,
+                0,
+                "\"step\" is 3",
+            ),
+            (r#"{"__metadata__":[1]}"#, 0, "\"__metadata__\" must map"),
         ];
         for (h, n, want) in cases {
             let e = parse_header(&file_with(h, *n), &p())

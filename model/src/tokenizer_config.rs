@@ -12,6 +12,9 @@ use crate::error::{MResult, ModelError};
 pub struct TokenizerConfig {
     /// The chat template (Jinja), from tokenizer_config.json or chat_template.jinja.
     pub chat_template: Option<String>,
+    /// Where the chat template came from, for messages: the file (tokenizer_config.json,
+    /// chat_template.jinja) or a GGUF file's `tokenizer.chat_template`.
+    pub chat_template_source: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub pad_token: Option<String>,
@@ -40,6 +43,7 @@ impl TokenizerConfig {
         };
         if cfg.chat_template.is_none() && jinja.exists() {
             cfg.chat_template = Some(read(&jinja)?);
+            cfg.chat_template_source = Some(jinja.display().to_string());
         }
         Ok(Some(cfg))
     }
@@ -110,6 +114,7 @@ impl TokenizerConfig {
             .filter(|n| (1.0..1e15).contains(n))
             .map(|n| n as usize);
         Ok(TokenizerConfig {
+            chat_template_source: chat_template.as_ref().map(|_| path.display().to_string()),
             chat_template,
             bos_token: token("bos_token")?,
             eos_token: token("eos_token")?,
@@ -173,6 +178,28 @@ impl PromptEncoder<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Messages about a template name the file it came from.
+    #[test]
+    fn the_template_knows_its_source() {
+        let dir = std::env::temp_dir().join(format!("arbor-tc-src-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
+        let c = TokenizerConfig::from_dir(&dir).unwrap().unwrap();
+        let jinja = c.chat_template_source.unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"chat_template": "T"}"#,
+        )
+        .unwrap();
+        let c = TokenizerConfig::from_dir(&dir).unwrap().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(jinja.ends_with("chat_template.jinja"), "{jinja}");
+        assert_eq!(c.chat_template.as_deref(), Some("T"));
+        let json = c.chat_template_source.unwrap();
+        assert!(json.ends_with("tokenizer_config.json"), "{json}");
+    }
 
     #[test]
     fn special_tokens_as_strings_or_objects_and_template_lists() {

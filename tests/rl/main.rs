@@ -17,9 +17,14 @@ mod cli_support;
 #[allow(dead_code)]
 mod client;
 
+#[path = "../../model/src/gguf/testfile.rs"]
+#[allow(dead_code)]
+mod gguf_testfile;
+
 mod bits;
 mod checkpoint;
 mod control;
 mod server;
+mod sources;
 mod trainer;
 mod updates;

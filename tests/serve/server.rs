@@ -44,6 +44,18 @@ impl Server {
         extra: &[&str],
         log: PathBuf,
     ) -> Server {
+        Server::start_on(model(), tp, launcher_flags, max_seq_len, extra, log)
+    }
+
+    /// [`Server::start_with`] on another model.
+    pub(crate) fn start_on(
+        model: &Path,
+        tp: usize,
+        launcher_flags: &[&str],
+        max_seq_len: usize,
+        extra: &[&str],
+        log: PathBuf,
+    ) -> Server {
         let port = free_port();
         let mut cmd = if tp == 1 {
             Command::new(arbor())
@@ -56,7 +68,7 @@ impl Server {
             c
         };
         cmd.args(["serve", "--model"])
-            .arg(model())
+            .arg(model)
             .args(["--port", &port.to_string()])
             .args(["--max-seq-len", &max_seq_len.to_string()])
             .args(extra);

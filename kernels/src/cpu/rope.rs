@@ -97,12 +97,7 @@ impl RopeTable {
         theta: f64,
         scaling: Option<RopeScaling>,
     ) -> Result<Self, RopeError> {
-        if head_dim == 0 || head_dim % 2 == 1 {
-            return Err(RopeError::HeadDim(head_dim));
-        }
-        if !(theta.is_finite() && theta > 1.0) {
-            return Err(RopeError::Theta(theta));
-        }
+        Self::check(head_dim, theta, scaling)?;
         let half = head_dim / 2;
         if max_pos
             .checked_mul(half)
@@ -110,29 +105,27 @@ impl RopeTable {
         {
             return Err(RopeError::TooLarge { max_pos, half });
         }
+        if let Some(RopeScaling::Dynamic {
+            original_max_position_embeddings: original,
+            ..
+        }) = scaling
+        {
+            if max_pos > original {
+                return Err(RopeError::DynamicBeyondOriginal { max_pos, original });
+            }
+        }
         let mut inv_freq = default_inv_freq(head_dim, theta);
         let mut attention_factor = 1.0;
         match scaling {
-            None => {}
+            // Dynamic equals default within its original context, the only one it runs in.
+            None | Some(RopeScaling::Dynamic { .. }) => {}
             Some(RopeScaling::Linear { factor }) => {
-                check_factor("linear", factor)?;
                 inv_freq.iter_mut().for_each(|f| *f /= factor);
             }
-            Some(RopeScaling::Dynamic {
-                factor,
-                original_max_position_embeddings: original,
-            }) => {
-                check_factor("dynamic", factor)?;
-                if max_pos > original {
-                    return Err(RopeError::DynamicBeyondOriginal { max_pos, original });
-                }
-            }
             Some(RopeScaling::Llama3(s)) => {
-                check_llama3(&s)?;
                 inv_freq.iter_mut().for_each(|f| *f = llama3_scale(*f, &s));
             }
             Some(RopeScaling::Yarn(s)) => {
-                check_yarn(&s)?;
                 inv_freq = yarn_inv_freq(head_dim, theta, &s);
                 attention_factor = s.attention_factor;
             }
@@ -152,6 +145,28 @@ impl RopeTable {
             cos,
             sin,
         })
+    }
+
+    /// The parameters' own limits, checked without building anything (a config is
+    /// checked with them when it is read, before any table is sized).
+    pub fn check(
+        head_dim: usize,
+        theta: f64,
+        scaling: Option<RopeScaling>,
+    ) -> Result<(), RopeError> {
+        if head_dim == 0 || head_dim % 2 == 1 {
+            return Err(RopeError::HeadDim(head_dim));
+        }
+        if !(theta.is_finite() && theta > 1.0) {
+            return Err(RopeError::Theta(theta));
+        }
+        match scaling {
+            None => Ok(()),
+            Some(RopeScaling::Linear { factor }) => check_factor("linear", factor),
+            Some(RopeScaling::Dynamic { factor, .. }) => check_factor("dynamic", factor),
+            Some(RopeScaling::Llama3(s)) => check_llama3(&s),
+            Some(RopeScaling::Yarn(s)) => check_yarn(&s),
+        }
     }
 
     /// Rotate `x` ([rows, n_heads * head_dim]) in place; row i is at position `positions[i]`.

@@ -13,7 +13,7 @@ mod rope;
 
 use std::path::{Path, PathBuf};
 
-use arbor_kernels::cpu::RopeScaling;
+use arbor_kernels::cpu::{RopeScaling, RopeTable};
 use serde_json::{Map, Value};
 
 use crate::error::{MResult, ModelError};
@@ -157,6 +157,7 @@ impl ModelConfig {
             ));
         }
         let max_position_embeddings = r.usize_req("max_position_embeddings")?;
+        check_positions("max_position_embeddings", max_position_embeddings, path)?;
         let layer_types = layer_types(&r, arch, num_layers)?;
         let rope = rope::parse(obj, path, &layer_types, max_position_embeddings)?;
         let sliding_window =
@@ -210,7 +211,7 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             vocab_size: r.usize_req("vocab_size")?,
-            rms_norm_eps: r.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            rms_norm_eps: rms_norm_eps(&r)?,
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
             max_position_embeddings,
@@ -266,21 +267,10 @@ impl ModelConfig {
                 format!("vocab_size {} exceeds u32", self.vocab_size),
             ));
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return Err(cfg_err(
-                path,
-                format!(
-                    "rms_norm_eps {} is not a finite non-negative number",
-                    self.rms_norm_eps
-                ),
-            ));
-        }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(cfg_err(
-                path,
-                format!("rope_theta {} must be positive", self.rope_theta),
-            ));
-        }
+        // The RoPE parameters as the table takes them, checked now (nothing is built) so
+        // that a bad value is refused by name when the config is read.
+        RopeTable::check(self.head_dim, self.rope_theta, self.rope_scaling)
+            .map_err(|e| cfg_err(path, e.to_string()))?;
         if let Some(act) = r.obj.get("hidden_act") {
             if act.as_str() != Some("silu") {
                 return Err(cfg_err(
@@ -544,6 +534,27 @@ impl Reader<'_> {
     }
 }
 
+/// Epsilons of RMSNorm in real checkpoints are 1e-6 to 1e-5; one above this swamps the
+/// variance it guards (near-uniform logits) and can only be a corrupt value.
+pub const MAX_RMS_NORM_EPS: f64 = 1.0;
+
+/// `rms_norm_eps` (default 1e-6, as transformers' Llama), finite and in
+/// [0, [`MAX_RMS_NORM_EPS`]], checked before it is rounded to f32.
+fn rms_norm_eps(r: &Reader) -> MResult<f32> {
+    let eps = r.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
+    if !(eps.is_finite() && (0.0..=MAX_RMS_NORM_EPS).contains(&eps)) {
+        let written = r
+            .obj
+            .get("rms_norm_eps")
+            .map_or(eps.to_string(), Value::to_string);
+        return Err(cfg_err(
+            r.path,
+            format!("\"rms_norm_eps\" {written} is outside [0, {MAX_RMS_NORM_EPS}]"),
+        ));
+    }
+    Ok(eps as f32)
+}
+
 /// bos/eos ids may be absent, null, an integer or a list of integers.
 pub(crate) fn token_ids(v: Option<&Value>, key: &str, path: &Path) -> MResult<Vec<u32>> {
     let one = |x: &Value| -> MResult<u32> {
@@ -566,6 +577,25 @@ pub(crate) fn token_ids(v: Option<&Value>, key: &str, path: &Path) -> MResult<Ve
 /// More layers than any checkpoint of the supported families has (≤ 128), so a corrupt
 /// count is refused before it sizes anything.
 const MAX_LAYERS: usize = 4096;
+
+/// The longest context a config may declare: 16 Mi positions. The longest published
+/// contexts are near 10 M positions (Llama 4 Scout's 10,485,760), so this bounds a
+/// corrupt or hostile length field (2^32 − 1, say) without refusing any real model.
+/// Nothing is sized by the declared length itself (the RoPE table follows the context a
+/// run uses: `--max-seq-len` and the KV cache), but a run without `--max-seq-len` plans
+/// for the whole declared context.
+pub const MAX_POSITIONS: usize = 1 << 24;
+
+/// Refuses a context length field (`key`) beyond [`MAX_POSITIONS`].
+pub(crate) fn check_positions(key: &str, n: usize, path: &Path) -> MResult<()> {
+    if n > MAX_POSITIONS {
+        return Err(cfg_err(
+            path,
+            format!("\"{key}\" {n} is beyond the {MAX_POSITIONS} positions arbor accepts (no real model has that many; the field is corrupt)"),
+        ));
+    }
+    Ok(())
+}
 
 /// The type of each layer ("full_attention" or "sliding_attention"): `layer_types` where
 /// written (transformers 5, and Qwen3 in late 4.x), else derived as transformers derives
@@ -783,6 +813,86 @@ mod tests {
             e.contains("num_hidden_layers 1000000000000000 is beyond"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn an_absurd_context_length_is_refused_by_name_before_it_sizes_anything() {
+        // 2^32 − 1 positions once sized a RoPE table of 137 GB, and the process aborted.
+        let s = QWEN3.replace(
+            "\"max_position_embeddings\": 40960",
+            "\"max_position_embeddings\": 4294967295",
+        );
+        let e = parse(&s).unwrap_err().to_string();
+        assert!(
+            e.contains("\"max_position_embeddings\" 4294967295 is beyond"),
+            "{e}"
+        );
+        let at_bound = QWEN3.replace("40960", &MAX_POSITIONS.to_string());
+        assert_eq!(
+            parse(&at_bound).unwrap().max_position_embeddings,
+            MAX_POSITIONS
+        );
+        let e = parse(&LLAMA3.replace(
+            "\"original_max_position_embeddings\": 8192",
+            "\"original_max_position_embeddings\": 4294967295",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("\"original_max_position_embeddings\" 4294967295"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn float_fields_out_of_range_are_refused_by_name() {
+        for (from, to, needle) in [
+            (
+                "\"rms_norm_eps\": 1e-05",
+                "\"rms_norm_eps\": 1e300",
+                "\"rms_norm_eps\" 1e+300",
+            ),
+            (
+                "\"rms_norm_eps\": 1e-05",
+                "\"rms_norm_eps\": -1e-05",
+                "\"rms_norm_eps\" -0.00001",
+            ),
+            (
+                "\"rms_norm_eps\": 1e-05",
+                "\"rms_norm_eps\": 2.0",
+                "\"rms_norm_eps\" 2.0",
+            ),
+            (
+                "500000.0",
+                "0.5",
+                "rope_theta must be finite and > 1, got 0.5",
+            ),
+            (
+                "500000.0",
+                "-3",
+                "rope_theta must be finite and > 1, got -3",
+            ),
+            (
+                "\"factor\": 8.0",
+                "\"factor\": -8.0",
+                "llama3 scaling parameter factor is invalid: -8",
+            ),
+            (
+                "\"high_freq_factor\": 4.0",
+                "\"high_freq_factor\": 0.5",
+                "high_freq_factor is invalid: 0.5",
+            ),
+        ] {
+            let s = LLAMA3.replace(from, to);
+            assert_ne!(s, LLAMA3, "{from}");
+            let e = parse(&s).unwrap_err().to_string();
+            assert!(e.contains(needle), "{to}: {e}");
+        }
+        // A number too large for f64 is not JSON serde_json reads as a number.
+        let e = parse(&LLAMA3.replace("500000.0", "1e400"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not valid JSON"), "{e}");
     }
 
     #[test]

@@ -193,15 +193,19 @@ fn one(
     let original = || -> MResult<usize> {
         match d.get("original_max_position_embeddings") {
             None | Some(Value::Null) => Ok(max_pos),
-            Some(v) => v
-                .as_u64()
-                .and_then(|n| usize::try_from(n).ok())
-                .filter(|&n| n > 0)
-                .ok_or_else(|| {
-                    err(format!(
-                        "original_max_position_embeddings must be a positive integer, got {v}"
-                    ))
-                }),
+            Some(v) => {
+                let n = v
+                    .as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| {
+                        err(format!(
+                            "original_max_position_embeddings must be a positive integer, got {v}"
+                        ))
+                    })?;
+                super::check_positions("original_max_position_embeddings", n, path)?;
+                Ok(n)
+            }
         }
     };
     let scaling = match kind {

@@ -7,7 +7,7 @@ use std::path::Path;
 use serde_json::{json, Map, Value};
 
 use super::reader::{GgufFile, MetaValue};
-use crate::config::{ModelConfig, ALLOW_ENV};
+use crate::config::{ModelConfig, ALLOW_ENV, MAX_POSITIONS, MAX_RMS_NORM_EPS};
 use crate::error::{MResult, ModelError};
 
 /// The GGUF architectures arbor runs.
@@ -138,15 +138,78 @@ impl Meta<'_> {
         })
     }
 
-    fn f64_opt(&self, k: &str) -> MResult<Option<f64>> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                err(
-                    &self.f.path,
-                    format!("{} must be a number, got {}", self.key(k), v.brief()),
-                )
-            }),
+    /// A float key: absent, or a finite number within `range` (described as `what`). A
+    /// value that is present but bad is refused by name, never replaced by a default
+    /// (NaN and ±inf, which JSON cannot hold, would otherwise reach the config as null).
+    fn f64_opt(&self, k: &str, range: FloatRange) -> MResult<Option<f64>> {
+        let Some(v) = self.get(k) else {
+            return Ok(None);
+        };
+        let x = v.as_f64().ok_or_else(|| {
+            err(
+                &self.f.path,
+                format!("{} must be a number, got {}", self.key(k), v.brief()),
+            )
+        })?;
+        if !(x.is_finite() && range.holds(x)) {
+            return Err(err(
+                &self.f.path,
+                format!(
+                    "{} is {}: it must be {}",
+                    self.key(k),
+                    v.brief(),
+                    range.what()
+                ),
+            ));
+        }
+        Ok(Some(x))
+    }
+
+    /// A context length key, within what arbor accepts.
+    fn positions_opt(&self, k: &str) -> MResult<Option<usize>> {
+        let n = self.usize_opt(k)?;
+        if let Some(n) = n.filter(|&n| n > MAX_POSITIONS) {
+            return Err(err(
+                &self.f.path,
+                format!(
+                    "{} {n} is beyond the {MAX_POSITIONS} positions arbor accepts (no real model has that many; the field is corrupt)",
+                    self.key(k)
+                ),
+            ));
+        }
+        Ok(n)
+    }
+}
+
+/// Where a float metadata value must lie.
+#[derive(Debug, Clone, Copy)]
+enum FloatRange {
+    /// RoPE's base: above 1 (frequencies fall with the dimension).
+    AboveOne,
+    /// A scaling factor: above 0.
+    Positive,
+    /// RMSNorm's epsilon: in [0, `MAX_RMS_NORM_EPS`].
+    Epsilon,
+    /// 0 or more.
+    NonNegative,
+}
+
+impl FloatRange {
+    fn holds(self, x: f64) -> bool {
+        match self {
+            FloatRange::AboveOne => x > 1.0,
+            FloatRange::Positive => x > 0.0,
+            FloatRange::Epsilon => (0.0..=MAX_RMS_NORM_EPS).contains(&x),
+            FloatRange::NonNegative => x >= 0.0,
+        }
+    }
+
+    fn what(self) -> String {
+        match self {
+            FloatRange::AboveOne => "a finite number above 1".into(),
+            FloatRange::Positive => "a finite number above 0".into(),
+            FloatRange::Epsilon => format!("a finite number in [0, {MAX_RMS_NORM_EPS}]"),
+            FloatRange::NonNegative => "a finite number of 0 or more".into(),
         }
     }
 }
@@ -293,21 +356,47 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
                 .ok_or_else(|| err(path, "cannot tell the vocabulary size: no vocab_size, tokens or token_embd.weight".into()))?,
         },
     };
-    let theta = m.f64_opt("rope.freq_base")?.unwrap_or(10000.0);
-    let context = m.usize_req("context_length")?;
+    // Absent, the base is llama.cpp's and transformers' default; present, it must be good.
+    let theta = m
+        .f64_opt("rope.freq_base", FloatRange::AboveOne)?
+        .unwrap_or(10000.0);
+    let context = m.positions_opt("context_length")?.ok_or_else(|| {
+        err(
+            path,
+            format!("missing metadata key {}", m.key("context_length")),
+        )
+    })?;
     let mut rope_scaling = match m.get("rope.scaling.type").map(|v| v.as_str()) {
-        None | Some(Some("none")) => Value::Null,
+        None | Some(Some("none")) => {
+            // llama.cpp reads 0 as "unset"; any other factor would scale by a rule the
+            // file does not name (llama.cpp assumes linear without a type).
+            match m.f64_opt("rope.scaling.factor", FloatRange::NonNegative)? {
+                None => {}
+                Some(f) if f == 0.0 || f == 1.0 => {}
+                Some(f) => {
+                    return Err(err(
+                        path,
+                        format!(
+                            "{} {f} without a {} (or with \"none\"): arbor does not guess the scaling it means",
+                            m.key("rope.scaling.factor"),
+                            m.key("rope.scaling.type")
+                        ),
+                    ))
+                }
+            }
+            Value::Null
+        }
         Some(Some("linear")) => json!({
             "rope_type": "linear",
-            "factor": m.f64_opt("rope.scaling.factor")?.ok_or_else(|| err(path, format!("linear RoPE scaling without {}", m.key("rope.scaling.factor"))))?,
+            "factor": m.f64_opt("rope.scaling.factor", FloatRange::Positive)?.ok_or_else(|| err(path, format!("linear RoPE scaling without {}", m.key("rope.scaling.factor"))))?,
         }),
         Some(Some("yarn")) => {
             let mut y = Map::new();
             y.insert("rope_type".into(), json!("yarn"));
-            if let Some(fac) = m.f64_opt("rope.scaling.factor")? {
+            if let Some(fac) = m.f64_opt("rope.scaling.factor", FloatRange::Positive)? {
                 y.insert("factor".into(), json!(fac));
             }
-            if let Some(o) = m.usize_opt("rope.scaling.original_context_length")? {
+            if let Some(o) = m.positions_opt("rope.scaling.original_context_length")? {
                 y.insert("original_max_position_embeddings".into(), json!(o));
             }
             Value::Object(y)
@@ -357,17 +446,26 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         )),
         _ => {}
     }
-    let tok = |k: &str| {
-        f.get(&format!("tokenizer.ggml.{k}"))
-            .and_then(MetaValue::as_u64)
+    // A token id that is present but not an id is refused, not dropped (a file whose EOS
+    // was lost would generate past its end).
+    let tok = |k: &str| -> MResult<Option<u64>> {
+        let key = format!("tokenizer.ggml.{k}");
+        match f.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+                err(
+                    path,
+                    format!("{key} is {} ({}), not a token id", v.brief(), v.type_name()),
+                )
+            }),
+        }
     };
     let mut eos: Vec<u64> = Vec::new();
-    for id in ["eos_token_id", "eot_token_id", "eom_token_id"]
-        .into_iter()
-        .filter_map(tok)
-    {
-        if !eos.contains(&id) {
-            eos.push(id);
+    for k in ["eos_token_id", "eot_token_id", "eom_token_id"] {
+        if let Some(id) = tok(k)? {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
         }
     }
     let (arch_name, model_type) = match arch {
@@ -385,7 +483,7 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "vocab_size": vocab,
-        "rms_norm_eps": m.f64_opt("attention.layer_norm_rms_epsilon")?.ok_or_else(|| err(path, format!("missing metadata key {}", m.key("attention.layer_norm_rms_epsilon"))))?,
+        "rms_norm_eps": m.f64_opt("attention.layer_norm_rms_epsilon", FloatRange::Epsilon)?.ok_or_else(|| err(path, format!("missing metadata key {}", m.key("attention.layer_norm_rms_epsilon"))))?,
         "rope_theta": theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": context,
@@ -405,7 +503,7 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
     } else if arch == GgufArch::Qwen3 {
         obj.insert("attention_bias".into(), json!(false));
     }
-    if let Some(b) = tok("bos_token_id") {
+    if let Some(b) = tok("bos_token_id")? {
         obj.insert("bos_token_id".into(), json!(b));
     }
     if !eos.is_empty() {

@@ -170,6 +170,8 @@ mod tests {
         assert_eq!(cfg.bos_token.as_deref(), Some("<|begin|>"));
         assert_eq!(cfg.add_bos_token, Some(false));
         assert!(cfg.chat_template.is_some());
+        let from = cfg.chat_template_source.as_deref().unwrap_or_default();
+        assert!(from.ends_with(".gguf (tokenizer.chat_template)"), "{from}");
         // q/k rows come back in HF order (heads of 8 rows): HF row 1 (head 0, first half,
         // index 1) is file row 2, HF row 4 (second half, index 0) is file row 1; o_proj is
         // read as stored. Seeds 5, 6, 8 made q, k, o (testfile.rs).
@@ -320,6 +322,70 @@ mod tests {
             for w in words {
                 assert!(e.contains(w), "{w:?} not in: {e}");
             }
+        }
+    }
+
+    /// A float that is NaN, infinite or out of range is refused by its key, never
+    /// replaced by a default (NaN rope.freq_base once ran with theta 10000, and an
+    /// infinite epsilon loaded and gave near-uniform logits); so is a context length no
+    /// model has (2^32 − 1 aborted the process), and a token id that is not one.
+    #[test]
+    fn bad_metadata_values_are_refused_by_key() {
+        const EPS: &str = "llama.attention.layer_norm_rms_epsilon";
+        const BASE: &str = "llama.rope.freq_base";
+        let cases: Vec<(Builder, &[&str])> = vec![
+            (
+                Builder::llama().set(BASE, f32v(f32::NAN)),
+                &[BASE, "is NaN"],
+            ),
+            (
+                Builder::llama().set(BASE, f32v(f32::INFINITY)),
+                &[BASE, "is inf"],
+            ),
+            (Builder::llama().set(BASE, f32v(0.5)), &[BASE, "above 1"]),
+            (
+                Builder::llama().set(EPS, f32v(f32::INFINITY)),
+                &[EPS, "is inf"],
+            ),
+            (Builder::llama().set(EPS, f32v(f32::NAN)), &[EPS, "is NaN"]),
+            (Builder::llama().set(EPS, f32v(-1.0)), &[EPS, "is -1"]),
+            (Builder::llama().set(EPS, f32v(1e30)), &[EPS, "in [0, 1]"]),
+            (
+                Builder::llama()
+                    .set("llama.rope.scaling.type", strv("linear"))
+                    .set("llama.rope.scaling.factor", f32v(f32::NAN)),
+                &["llama.rope.scaling.factor is NaN"],
+            ),
+            (
+                Builder::llama().set("llama.rope.scaling.factor", f32v(4.0)),
+                &["llama.rope.scaling.factor 4 without a llama.rope.scaling.type"],
+            ),
+            (
+                Builder::llama().set("llama.context_length", u32v(u32::MAX)),
+                &["llama.context_length 4294967295 is beyond"],
+            ),
+            (
+                Builder::llama().set("tokenizer.ggml.eos_token_id", strv("</s>")),
+                &["tokenizer.ggml.eos_token_id", "not a token id"],
+            ),
+        ];
+        for (b, words) in cases {
+            let e = open_err(&b);
+            for w in words {
+                assert!(e.contains(w), "{w:?} not in: {e}");
+            }
+        }
+        // Absent, the base is the default; 0 (llama.cpp's "unset") and 1 scale nothing.
+        for b in [
+            Builder::llama().remove(BASE),
+            Builder::llama().set("llama.rope.scaling.factor", f32v(0.0)),
+        ] {
+            let p = b.write("ok");
+            let m = GgufModel::open(&p);
+            let _ = std::fs::remove_file(&p);
+            let m = m.expect("valid");
+            assert_eq!(m.config.rope_theta, 10000.0);
+            assert!(m.config.rope_scaling.is_none());
         }
     }
 

@@ -253,12 +253,23 @@ pub fn read(f: &GgufFile, vocab_size: usize) -> MResult<Option<GgufTokenizer>> {
             }
         }
         let scores: Vec<f32> = match f.get("tokenizer.ggml.scores").and_then(MetaValue::as_array) {
+            // The scores rank the merges: a NaN or infinite one would rank them arbitrarily.
             Some(a) if a.len() == tokens.len() => a
                 .iter()
-                .map(|v| {
+                .enumerate()
+                .map(|(i, v)| {
                     v.as_f64()
                         .map(|x| x as f32)
-                        .ok_or_else(|| err(path, "tokenizer.ggml.scores holds a non-number".into()))
+                        .filter(|x| x.is_finite())
+                        .ok_or_else(|| {
+                            err(
+                                path,
+                                format!(
+                                    "tokenizer.ggml.scores[{i}] is {}: every score must be a finite number",
+                                    v.brief()
+                                ),
+                            )
+                        })
                 })
                 .collect::<MResult<_>>()?,
             _ => {
@@ -400,7 +411,10 @@ pub fn read(f: &GgufFile, vocab_size: usize) -> MResult<Option<GgufTokenizer>> {
         }
     }
     let tokenizer_config_json = Value::Object(tc);
-    let config = TokenizerConfig::from_json_str(&tokenizer_config_json.to_string(), path)?;
+    let mut config = TokenizerConfig::from_json_str(&tokenizer_config_json.to_string(), path)?;
+    if config.chat_template.is_some() {
+        config.chat_template_source = Some(format!("{} (tokenizer.chat_template)", path.display()));
+    }
     Ok(Some(GgufTokenizer {
         tokenizer,
         config,

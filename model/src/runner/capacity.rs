@@ -307,6 +307,24 @@ pub fn blocks_that_fit(
     }
 }
 
+/// The context a step's working memory is planned for: the model's (`max_seq_len`), but
+/// no more positions than the cache can hold: `blocks` when given, else as many blocks as
+/// `free` bytes (a device's) hold, reserve aside. A model declaring millions of positions
+/// then plans for what the memory allows, not for its declared length.
+pub fn reserve_context(
+    max_seq_len: usize,
+    blocks: Option<usize>,
+    free: Option<u64>,
+    bytes_per_block: usize,
+) -> usize {
+    let most = match (blocks, free) {
+        (Some(n), _) => n,
+        (None, Some(f)) => usize::try_from(f / bytes_per_block.max(1) as u64).unwrap_or(usize::MAX),
+        (None, None) => usize::MAX,
+    };
+    max_seq_len.min(most.saturating_mul(KV_BLOCK))
+}
+
 /// Headroom beside the estimate below: CUDA graphs, NCCL and cuBLAS buffers, allocator
 /// slack.
 const FIXED_RESERVE: u64 = 1 << 30;
@@ -463,6 +481,22 @@ mod tests {
         let mine = step_reserve_bytes(&cfg, &heads, 8, &work, 131072) as f64 / GIB;
         assert!(server > 5.0, "{server} GiB");
         assert!(mine < 1.5, "{mine} GiB");
+    }
+
+    #[test]
+    fn the_reserve_plans_for_no_more_context_than_the_cache_holds() {
+        let m = 1 << 24;
+        assert_eq!(
+            reserve_context(m, Some(8), Some(1 << 40), 1 << 20),
+            8 * KV_BLOCK
+        );
+        // 80 GiB of 1 MiB blocks: 81920 blocks at most.
+        assert_eq!(
+            reserve_context(m, None, Some(80 << 30), 1 << 20),
+            81920 * KV_BLOCK
+        );
+        assert_eq!(reserve_context(4096, None, Some(80 << 30), 1 << 20), 4096);
+        assert_eq!(reserve_context(m, None, None, 1 << 20), m);
     }
 
     #[test]

@@ -23,6 +23,9 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
             "--numerics fast needs --device cuda (cuBLAS and NCCL); the CPU backend has only the invariant kernels".into(),
         )),
         Device::Cpu => {
+            if comm.rank() == 0 {
+                note_ranks_per_gpu_on_cpu();
+            }
             // An explicit ARBOR_CPU_THREADS wins; otherwise share the cores among the
             // ranks on this host.
             if std::env::var_os(arbor_kernels::cpu::THREADS_ENV).is_none() {
@@ -48,6 +51,18 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
             ))
         }
         Device::Cuda => load_cuda(opts, comm),
+    }
+}
+
+/// `arbor-launch --ranks-per-gpu` (`ARBOR_RANKS_PER_GPU`) places ranks on CUDA devices:
+/// CPU ranks have none to share, so they say that the flag does nothing here.
+fn note_ranks_per_gpu_on_cpu() {
+    use arbor_collective::device_map::RANKS_PER_GPU_ENV;
+    if let Some(v) = std::env::var_os(RANKS_PER_GPU_ENV).filter(|v| !v.is_empty()) {
+        tracing::warn!(
+            "{RANKS_PER_GPU_ENV}={} (arbor-launch --ranks-per-gpu) has no effect: it places ranks on CUDA devices, and these ranks run on the CPU",
+            v.to_string_lossy()
+        );
     }
 }
 
@@ -105,7 +120,8 @@ impl<B: Backend> Engine<B> {
             row_tp,
         };
         let t0 = std::time::Instant::now();
-        let model = Model::load(&ctx, &cfg, max_seq_len)?;
+        // The RoPE table waits for the KV cache, which bounds the context (`init_cache`).
+        let model = Model::load(&ctx, &cfg, 0)?;
         tracing::info!(
             rank = ctx.rank,
             seconds = format!("{:.2}", t0.elapsed().as_secs_f64()),
@@ -148,5 +164,52 @@ impl<B: Backend> Engine<B> {
     pub fn with_shadow(mut self, shadow: Engine<B>) -> Self {
         self.shadow = Some(Box::new(shadow));
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Arch, MAX_POSITIONS};
+    use crate::runner::{KvOptions, LoadOptions};
+    use crate::synth::{make_model, Preset, Shape, SynthOptions};
+
+    /// A model declaring the longest context arbor accepts, run with a cache of 8 blocks:
+    /// the RoPE table holds the cache's 512 positions, not the declared 16 Mi (which took
+    /// seconds and a GiB per rank, and 2^32 − 1 aborted the process).
+    #[test]
+    fn the_rope_table_follows_the_kv_cache_not_the_declared_context() {
+        let dir = std::env::temp_dir().join(format!("arbor-rope-len-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let shape = Shape {
+            max_pos: MAX_POSITIONS,
+            ..Preset::Tiny.shape(Arch::Llama)
+        };
+        make_model(&SynthOptions {
+            shape: Some(shape),
+            ..SynthOptions::new(Arch::Llama, Preset::Tiny, 3, &dir)
+        })
+        .unwrap();
+        let opts = LoadOptions {
+            model_dir: dir.clone(),
+            device: Device::Cpu,
+            max_seq_len: None,
+            shadow_tp1: false,
+            numerics: Numerics::Invariant,
+            rank_of_tp: None,
+            kv: KvOptions {
+                blocks: Some(8),
+                ..Default::default()
+            },
+        };
+        let comm = Arc::new(arbor_collective::SingleComm);
+        let t0 = std::time::Instant::now();
+        let mut e = Engine::new(CpuBackend::new(comm), &opts).unwrap();
+        e.init_cache().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let model = e.model.as_ref().unwrap();
+        assert_eq!(model.rope_positions(), 8 * arbor_kernels::paged::KV_BLOCK);
+        assert_eq!(e.kv_shape.as_ref().unwrap().max_seq_len, 512);
+        assert!(t0.elapsed().as_secs_f64() < 5.0, "{:?}", t0.elapsed());
     }
 }

@@ -276,11 +276,11 @@ impl<B: Backend> Engine<B> {
             .map_err(|e| self.berr(e))?;
         let (rank, tp) = (self.backend.rank(), self.backend.world_size());
         let heads = HeadPlan::new(&self.cfg, rank, tp)?;
-        let mut reserve =
-            capacity::step_reserve_bytes(&self.cfg, &heads, tp, &step, self.max_seq_len);
+        let context = capacity::reserve_context(self.max_seq_len, opts.blocks, free, bpb);
+        let mut reserve = capacity::step_reserve_bytes(&self.cfg, &heads, tp, &step, context);
         if let Some(s) = &self.shadow {
             let sh = HeadPlan::new(&s.cfg, 0, 1)?;
-            reserve += capacity::step_reserve_bytes(&s.cfg, &sh, 1, &step, s.max_seq_len);
+            reserve += capacity::step_reserve_bytes(&s.cfg, &sh, 1, &step, context);
         }
         let cpu_default = match (free, opts.cpu_cache_gib, opts.blocks) {
             (None, None, None) => capacity::default_cpu_cache_bytes(
@@ -308,6 +308,7 @@ impl<B: Backend> Engine<B> {
                 source
             },
         };
+        self.fit_rope(cap.max_seq_len)?;
         tracing::info!(
             rank,
             blocks,
@@ -319,6 +320,24 @@ impl<B: Backend> Engine<B> {
         self.kv_shape = Some(cap.clone());
         self.cache = Some((caches, cap));
         Ok(())
+    }
+
+    /// Sizes the RoPE tables of the model (and the shadow's) to the context the cache
+    /// allows, `max_seq_len` positions.
+    fn fit_rope(&mut self, max_seq_len: usize) -> MResult<()> {
+        if let Some(m) = &mut self.model {
+            m.fit_rope(max_seq_len)?;
+        }
+        if let Some(s) = &mut self.shadow {
+            s.fit_rope(max_seq_len)?;
+        }
+        Ok(())
+    }
+
+    /// The positions a model loaded now must rotate: the cache's context once the cache
+    /// was sized (0 before: `init_cache` sizes the table then).
+    pub(super) fn rope_len(&self) -> usize {
+        self.kv_shape.as_ref().map_or(0, |c| c.max_seq_len)
     }
 
     /// The model's (and the shadow's) cache of `blocks` blocks.

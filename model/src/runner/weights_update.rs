@@ -122,6 +122,8 @@ impl FailureKind {
             ModelError::Io { .. }
             | ModelError::Config { .. }
             | ModelError::UnknownArch { .. }
+            | ModelError::Gguf { .. }
+            | ModelError::Tokenizer { .. }
             | ModelError::Safetensors { .. }
             | ModelError::MissingTensor { .. }
             | ModelError::ShapeMismatch { .. }
@@ -545,14 +547,9 @@ impl<B: Backend> Engine<B> {
     fn prepare_model(&mut self, src: &UpdateSource) -> MResult<()> {
         let (store, origin) = match src {
             UpdateSource::Disk(path) => {
-                // What --model takes: an HF directory, or a GGUF file.
-                let (cfg, cfg_path, store) = if crate::gguf::is_gguf(path) {
-                    let c = crate::checkpoint::Checkpoint::open(path)?;
-                    (c.config, c.config_path, c.weights)
-                } else {
-                    let cfg = ModelConfig::from_dir(path)?;
-                    (cfg, path.join("config.json"), WeightStore::open(path)?)
-                };
+                // What --model takes (an HF directory, or a GGUF file), read by the same
+                // loader, with the same errors.
+                let (cfg, cfg_path, store) = crate::checkpoint::open_weights(path)?;
                 self.cfg
                     .same_model_as(&cfg)
                     .map_err(|msg| ModelError::Config {
@@ -602,7 +599,7 @@ impl<B: Backend> Engine<B> {
             tp: self.backend.world_size(),
             row_tp: self.row_tp,
         };
-        let model = Model::load(&ctx, &self.cfg, self.max_seq_len)?;
+        let model = Model::load(&ctx, &self.cfg, self.rope_len())?;
         tracing::info!(
             rank = self.backend.rank(),
             seconds = t0.elapsed().as_secs_f64(),

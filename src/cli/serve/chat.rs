@@ -1,8 +1,11 @@
-//! Chat prompts: the model's own template (tokenizer_config.json `chat_template`), rendered
-//! with minijinja and Python-compatible string methods, as transformers does.
+//! Chat prompts: the model's own template (tokenizer_config.json `chat_template`,
+//! chat_template.jinja, or a GGUF file's `tokenizer.chat_template`), rendered with
+//! minijinja and Python-compatible string methods, as transformers does. A template that
+//! cannot be parsed turns chat off, not the server ([`Chat`]).
 
 use anyhow::{Context, Result};
 use arbor_model::TokenizerConfig;
+use minijinja::value::Kwargs;
 use serde::{Deserialize, Serialize};
 
 /// One chat message; `content` may be a string or a list of `{"type":"text","text":..}` parts.
@@ -110,8 +113,33 @@ pub struct ChatTemplate {
     eos_token: String,
 }
 
+/// The chat a server offers: a template, none (the model has no template), or off (its
+/// template cannot be parsed; completions still run).
+pub enum Chat {
+    Ready(Box<ChatTemplate>),
+    Missing,
+    /// Why chat is off, naming where the template came from.
+    Broken(String),
+}
+
+impl Chat {
+    /// The model's template; a parse failure is logged and turns chat off.
+    pub fn from_config(cfg: Option<&TokenizerConfig>) -> Chat {
+        match ChatTemplate::from_config(cfg) {
+            Ok(Some(t)) => Chat::Ready(Box::new(t)),
+            Ok(None) => Chat::Missing,
+            Err(e) => {
+                let why = format!("{e:#}");
+                tracing::warn!("chat is off: {why}; /v1/completions serves as usual");
+                Chat::Broken(why)
+            }
+        }
+    }
+}
+
 impl ChatTemplate {
-    /// The template of the model's tokenizer_config.json; None if it has none.
+    /// The template of the model's tokenizer config; None if it has none. Errors name
+    /// where the template came from.
     pub fn from_config(cfg: Option<&TokenizerConfig>) -> Result<Option<Self>> {
         let Some(cfg) = cfg else {
             return Ok(None);
@@ -119,20 +147,29 @@ impl ChatTemplate {
         let Some(source) = &cfg.chat_template else {
             return Ok(None);
         };
+        let from = cfg
+            .chat_template_source
+            .as_deref()
+            .unwrap_or("tokenizer_config.json");
         Self::new(
             source,
             cfg.bos_token.clone().unwrap_or_default(),
             cfg.eos_token.clone().unwrap_or_default(),
         )
         .map(Some)
-        .context("tokenizer_config.json: chat_template")
+        .with_context(|| format!("the chat template of {from}"))
     }
 
     pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self> {
         let mut env = minijinja::Environment::new();
         env.set_fuel(Some(RENDER_FUEL));
+        // transformers renders with trim_blocks and lstrip_blocks: templates are written
+        // for them (a newline after a block tag is not output).
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, minijinja::Error> {
@@ -142,7 +179,7 @@ impl ChatTemplate {
                 ))
             },
         );
-        env.add_template_owned("chat", source.to_string())
+        env.add_template_owned("chat", without_generation_tags(source))
             .map_err(|e| anyhow::anyhow!("cannot parse the template: {e}"))?;
         Ok(ChatTemplate {
             env,
@@ -192,6 +229,158 @@ impl ChatTemplate {
             (Err(e), None) => Err(format!("chat template: {e}")),
         }
     }
+}
+
+/// transformers' `tojson`: Python's `json.dumps(value, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`, so `{"a": 1}` renders with Python's
+/// spaces and `<` stays `<` (minijinja's own filter is compact and escapes for HTML).
+/// Mappings a template builds have their keys sorted (minijinja keeps no insertion order).
+fn tojson(value: &minijinja::Value, kwargs: Kwargs) -> Result<String, minijinja::Error> {
+    let bad = |msg: String| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg);
+    let indent = match kwargs.get::<Option<minijinja::Value>>("indent")? {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match (v.as_usize(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(n)),
+            (None, Some(s)) => Some(s.to_string()),
+            _ => {
+                return Err(bad(format!(
+                    "tojson: indent {v} is not a number or a string"
+                )))
+            }
+        },
+    };
+    let (item_sep, key_sep) = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
+        Some(s) => return Err(bad(format!("tojson: separators {s:?} is not a pair"))),
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    // serde_json's maps are ordered by key: sort_keys changes nothing more.
+    let _ = kwargs.get::<Option<bool>>("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(value)
+        .map_err(|e| bad(format!("tojson: cannot serialize {value}: {e}")))?;
+    let style = JsonStyle {
+        indent,
+        item_sep,
+        key_sep,
+        ascii,
+    };
+    let mut out = String::new();
+    style.write(&v, 0, &mut out);
+    Ok(out)
+}
+
+/// How Python's `json.dumps` lays out a value.
+struct JsonStyle {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    ascii: bool,
+}
+
+impl JsonStyle {
+    fn write(&self, v: &serde_json::Value, level: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::Array(a) if !a.is_empty() => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    self.separate(i, level + 1, out);
+                    self.write(x, level + 1, out);
+                }
+                self.newline(level, out);
+                out.push(']');
+            }
+            J::Object(o) if !o.is_empty() => {
+                out.push('{');
+                for (i, (k, x)) in o.iter().enumerate() {
+                    self.separate(i, level + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key_sep);
+                    self.write(x, level + 1, out);
+                }
+                self.newline(level, out);
+                out.push('}');
+            }
+            J::String(s) => self.string(s, out),
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    /// Before item `i` of a container at `level`.
+    fn separate(&self, i: usize, level: usize, out: &mut String) {
+        if i > 0 {
+            out.push_str(&self.item_sep);
+        }
+        self.newline(level, out);
+    }
+
+    fn newline(&self, level: usize, out: &mut String) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            out.push_str(&ind.repeat(level));
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        let quoted = serde_json::Value::from(s).to_string();
+        if !self.ascii {
+            out.push_str(&quoted);
+            return;
+        }
+        for c in quoted.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
+    }
+}
+
+/// transformers' `{% generation %}` … `{% endgeneration %}` marks the assistant's text
+/// for training masks and renders its body unchanged. minijinja has no such tag: each
+/// becomes `{% if true %}` / `{% endif %}`, which render the same, whitespace control
+/// (`{%-`, `-%}`) included.
+fn without_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(end) = tag.find("%}") else {
+            // Unclosed: the parser will say so.
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..end];
+        let (open, body) = match inner.strip_prefix(['-', '+']) {
+            Some(b) => (&inner[..1], b),
+            None => ("", inner),
+        };
+        let (body, close) = match body.strip_suffix(['-', '+']) {
+            Some(b) => (b, &body[b.len()..]),
+            None => (body, ""),
+        };
+        let replaced = match body.trim() {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replaced {
+            Some(r) => out.push_str(&format!("{{%{open} {r} {close}%}}")),
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -248,6 +437,98 @@ mod tests {
         }
     }
 
+    /// A tool-calling style template (macros, a recursive one with a default argument,
+    /// `namespace`, reversed slices, `loop.nextitem`, string methods, `tojson`,
+    /// `{% generation %}`, block tags on lines of their own) renders as transformers
+    /// renders it: the expected text is Jinja2's with transformers' environment
+    /// (trim_blocks, lstrip_blocks, its `tojson` and `generation` tag). `{% macro %}` once
+    /// stopped `arbor serve` from starting.
+    #[test]
+    fn a_tool_calling_style_template_renders_as_transformers_does() {
+        let src = r#"{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content | trim -}}
+    {%- else -%}
+        {%- for part in content -%}{{ part.text }}{%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro render_schema(spec, depth=0) -%}
+    {%- if spec is mapping -%}
+        {%- for key, value in spec | items -%}
+            {{- key }}={{ render_schema(value, depth + 1) }}{{ ";" if not loop.last }}
+        {%- endfor -%}
+    {%- else -%}
+        {{- spec | tojson -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages[::-1] -%}
+    {%- if ns.last_user < 0 and m.role == 'user' -%}
+        {%- set ns.last_user = (messages | length - 1) - loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{{ bos_token }}
+{% for m in messages %}
+    {% if m.role not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' ~ m.role) }}
+    {% endif %}
+<|{{ m.role }}|>
+    {% if m.role == 'assistant' %}
+        {% generation %}
+        {{- m.content.split('</think>')[-1].lstrip('\n') -}}
+        {% endgeneration %}
+    {% else %}
+        {{- render_content(m.content) -}}
+    {% endif %}
+    {% if loop.index0 == ns.last_user %}[last user]{% endif %}
+    {% if loop.nextitem is defined and loop.nextitem.role == m.role %}[again]{% endif %}
+{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}
+{{ render_schema({"a": "é<", "b": {"c": [1, "x"]}}) }}
+{{ {"k": [1, 2]} | tojson }}|{{ {"k": 1} | tojson(indent=2) }}|{{ "é" | tojson(ensure_ascii=true) }}"#;
+        let t = ChatTemplate::new(src, "<s>".into(), "</s>".into()).unwrap();
+        let out = t
+            .render(
+                &[
+                    msg("system", " be brief "),
+                    msg("user", "hi"),
+                    msg("user", "again"),
+                    msg("assistant", "<think>hm</think>\n\nhello"),
+                ],
+                true,
+            )
+            .unwrap();
+        let want = r#"<s>
+<|system|>
+be brief</s>
+<|user|>
+hi[again]</s>
+<|user|>
+again[last user]</s>
+<|assistant|>
+hello</s>
+<|assistant|>
+a="é<";b=c=[1, "x"]
+{"k": [1, 2]}|{
+  "k": 1
+}|"\u00e9""#;
+        assert_eq!(out, want);
+        let e = t.render(&[msg("tool", "x")], false).unwrap_err();
+        assert!(e.contains("unknown role tool"), "{e}");
+    }
+
+    #[test]
+    fn generation_tags_become_blocks_that_render_their_body() {
+        assert_eq!(
+            without_generation_tags("a{%- generation -%} b {%+endgeneration%}{% if x %}{{ '{%' }}"),
+            "a{%- if true -%} b {%+ endif %}{% if x %}{{ '{%' }}"
+        );
+        assert_eq!(without_generation_tags("x{% generation"), "x{% generation");
+    }
+
     #[test]
     fn template_from_the_tokenizer_config() {
         let path = std::path::Path::new("tokenizer_config.json");
@@ -261,6 +542,31 @@ mod tests {
         assert!(ChatTemplate::from_config(None).unwrap().is_none());
         let cfg = TokenizerConfig::from_json_str(r#"{"chat_template": "{% if %}"}"#, path).unwrap();
         let e = format!("{:#}", ChatTemplate::from_config(Some(&cfg)).err().unwrap());
-        assert!(e.contains("chat_template"), "{e}");
+        assert!(e.contains("tokenizer_config.json"), "{e}");
+    }
+
+    /// A template that cannot be parsed turns chat off, naming where the template came
+    /// from (it once stopped the server, blamed on tokenizer_config.json whatever its
+    /// source).
+    #[test]
+    fn an_unparsable_template_turns_chat_off_naming_its_source() {
+        let cfg = TokenizerConfig {
+            chat_template: Some("{% frobnicate %}".into()),
+            chat_template_source: Some("m.gguf (tokenizer.chat_template)".into()),
+            ..Default::default()
+        };
+        let Chat::Broken(why) = Chat::from_config(Some(&cfg)) else {
+            panic!("the template should not parse")
+        };
+        assert!(
+            why.contains("m.gguf (tokenizer.chat_template)") && why.contains("frobnicate"),
+            "{why}"
+        );
+        assert!(matches!(Chat::from_config(None), Chat::Missing));
+        let ok = TokenizerConfig {
+            chat_template: Some("{% macro m() %}x{% endmacro %}{{ m() }}".into()),
+            ..Default::default()
+        };
+        assert!(matches!(Chat::from_config(Some(&ok)), Chat::Ready(_)));
     }
 }

@@ -73,12 +73,7 @@ pub(super) async fn chat_completions(
         let bytes = body.map_err(body_error)?;
         let req: ChatRequest = parse_body(&bytes)?;
         st.check_model(req.common.model.as_deref())?;
-        let tmpl = st.chat.as_ref().ok_or_else(|| {
-            ApiError::bad(
-                "messages",
-                "this model has no chat template (tokenizer_config.json chat_template)",
-            )
-        })?;
+        let tmpl = st.chat_template()?;
         if req.messages.is_empty() {
             return Err(ApiError::bad("messages", "messages is empty"));
         }

@@ -9,7 +9,7 @@ use anyhow::Result;
 use axum::http::{HeaderMap, StatusCode};
 
 use super::api::ApiError;
-use super::chat::ChatTemplate;
+use super::chat::{Chat, ChatTemplate};
 use super::conn::Limits;
 use arbor_serving::{ServingHandle, Stats};
 
@@ -20,7 +20,7 @@ pub struct AppState {
     pub(super) handle: ServingHandle,
     tokenizer: Option<tokenizers::Tokenizer>,
     tokenizer_config: Option<arbor_model::TokenizerConfig>,
-    pub(super) chat: Option<ChatTemplate>,
+    chat: Chat,
     pub(super) model_name: String,
     pub(super) max_len: usize,
     vocab: usize,
@@ -58,7 +58,7 @@ impl AppState {
         Ok(AppState {
             handle,
             tokenizer: runner.tokenizer().cloned(),
-            chat: ChatTemplate::from_config(runner.tokenizer_config())?,
+            chat: Chat::from_config(runner.tokenizer_config()),
             tokenizer_config: runner.tokenizer_config().cloned(),
             model_name,
             max_len: runner.max_seq_len(),
@@ -118,6 +118,23 @@ impl AppState {
             .with_code("memory_released"));
         }
         Ok(())
+    }
+
+    /// The chat template, or why `/v1/chat/completions` cannot run.
+    pub(super) fn chat_template(&self) -> Result<&ChatTemplate, ApiError> {
+        match &self.chat {
+            Chat::Ready(t) => Ok(t.as_ref()),
+            Chat::Missing => Err(ApiError::bad(
+                "messages",
+                "this model has no chat template (tokenizer_config.json chat_template, chat_template.jinja or GGUF tokenizer.chat_template): use /v1/completions",
+            )
+            .with_code("chat_unavailable")),
+            Chat::Broken(why) => Err(ApiError::bad(
+                "messages",
+                format!("chat is unavailable on this server: {why}; /v1/completions works"),
+            )
+            .with_code("chat_unavailable")),
+        }
     }
 
     pub(super) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
