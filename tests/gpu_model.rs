@@ -233,7 +233,7 @@ fn out_bits(outs: &[arbor_model::GenOutput]) -> OutBits {
 /// a top-p draw whose rows come to the host.
 #[test]
 fn gpu_recorded_decode_steps_match_op_by_op() {
-    use arbor_model::runner::{Device, Engine, GenRequest, LoadOptions, Runner};
+    use arbor_model::runner::{Device, GenRequest, LoadOptions, OfflineRunner, Worker};
     use arbor_model::Sampling;
     if !gpu_usable() {
         return;
@@ -257,7 +257,7 @@ fn gpu_recorded_decode_steps_match_op_by_op() {
                     ..Default::default()
                 },
             };
-            Engine::new(b, &opts).unwrap_or_else(|e| panic!("{tag}: loading: {e}"))
+            Worker::new(b, &opts).unwrap_or_else(|e| panic!("{tag}: loading: {e}"))
         };
         let (mut rec, mut ops) = (engine(true), engine(false));
         let lens = [45usize, 8, 20, 3, 1];
@@ -324,7 +324,7 @@ fn gpu_recorded_decode_steps_match_op_by_op() {
 /// and the prefix cache served blocks.
 #[test]
 fn gpu_long_prompts_with_the_prefix_cache_match_recomputation() {
-    use arbor_model::runner::{Device, Engine, GenRequest, LoadOptions, Runner};
+    use arbor_model::runner::{Device, GenRequest, LoadOptions, OfflineRunner, Worker};
     use arbor_model::{KvOptions, Sampling};
     if !gpu_usable() {
         return;
@@ -348,7 +348,7 @@ fn gpu_long_prompts_with_the_prefix_cache_match_recomputation() {
                 ..Default::default()
             },
         };
-        Engine::new(b, &opts).unwrap_or_else(|e| panic!("loading: {e}"))
+        Worker::new(b, &opts).unwrap_or_else(|e| panic!("loading: {e}"))
     };
     let shared: Vec<u32> = (0..300).map(|j| ((j * 131 + 7) % 250) as u32).collect();
     let reqs: Vec<GenRequest> = [600usize, 1100, 700, 1000, 513, 900]

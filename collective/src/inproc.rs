@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
-use crate::engine::{engine_communicator, Engine, Incoming, OpKind, Outbox};
+use crate::message_passing::{message_communicator, Incoming, MessageCollectives, OpKind, Outbox};
 use crate::CommError;
 
 /// Builds the ranks of an in-process group.
@@ -43,7 +43,13 @@ impl InProcGroup {
             .zip(receivers)
             .enumerate()
             .map(|(rank, (to, from))| InProcComm {
-                engine: Engine::new(rank, world, timeout, InProcOutbox { rank, to }, from),
+                collectives: MessageCollectives::new(
+                    rank,
+                    world,
+                    timeout,
+                    InProcOutbox { rank, to },
+                    from,
+                ),
             })
             .collect()
     }
@@ -83,10 +89,10 @@ impl Outbox for InProcOutbox {
 
 /// One rank of an [`InProcGroup`].
 pub struct InProcComm {
-    engine: Engine<InProcOutbox>,
+    collectives: MessageCollectives<InProcOutbox>,
 }
 
-engine_communicator!(InProcComm, "inproc");
+message_communicator!(InProcComm, "inproc");
 
 #[cfg(test)]
 mod tests {

@@ -12,11 +12,11 @@
 pub mod auth;
 pub mod comm;
 pub mod device_map;
-mod engine;
 pub mod env;
 mod error;
 pub mod gpu;
 pub mod inproc;
+mod message_passing;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;

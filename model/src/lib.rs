@@ -2,9 +2,9 @@
 //! forward written once against `backend::Backend`, KV cache and seeded sampling.
 
 pub mod backend;
+pub mod batching;
 pub mod checkpoint;
 pub mod config;
-pub mod engine;
 pub mod error;
 pub mod forward;
 pub mod generation_config;
@@ -22,8 +22,9 @@ pub use config::{Arch, ModelConfig};
 pub use error::ModelError;
 pub use generation_config::GenerationConfig;
 pub use runner::{
-    load, BatchWork, Device, Engine, FinishReason, GenOutput, GenRequest, KvCapacity, KvOptions,
-    LoadOptions, Runner, ScoreOutput, ScoreRequest, StepBudget, UpdateMemory,
+    load, BatchWork, Device, FinishReason, GenOutput, GenRequest, KvCapacity, KvOptions,
+    LoadOptions, ModelInfo, OfflineRunner, Runner, ScoreOutput, ScoreRequest, SessionRunner,
+    StepBudget, UpdateMemory, WeightControl, Worker,
 };
 pub use safetensors::DType;
 pub use sampling::{Sampling, TokenLogprob};

@@ -289,7 +289,7 @@ pub fn top_n(row: &[f32], lse: f32, n: usize) -> Vec<TokenLogprob> {
 /// indices. A small `limit` (top-k) keeps a buffer of at most 2·limit candidates and drops
 /// everything below the current k-th best with one comparison: one pass over the row
 /// instead of a selection over all of it (sampled decode with top-k 50 spent 4.5 ms of
-/// host time per batch-64 step here, docs/engine.md).
+/// host time per batch-64 step here, docs/step.md).
 fn sorted_desc(row: &[f32], limit: usize) -> Vec<usize> {
     let limit = limit.min(row.len());
     if limit == 0 {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use arbor_collective::{Communicator, InProcGroup, SingleComm};
 use arbor_model::backend::cpu::CpuBackend;
 use arbor_model::{
-    Arch, DType, Engine, GenRequest, ModelError, Preset, Runner, Sampling, SynthOptions,
+    Arch, DType, GenRequest, ModelError, OfflineRunner, Preset, Sampling, SynthOptions, Worker,
 };
 use common::*;
 
@@ -104,8 +104,8 @@ fn shadow_reports_the_first_divergence() {
             let (oa, ob) = (oa.clone(), ob.clone());
             std::thread::spawn(move || -> Result<(), ModelError> {
                 let c: Arc<dyn Communicator> = Arc::new(c);
-                let main = Engine::new(CpuBackend::new(c), &oa)?;
-                let shadow = Engine::new(CpuBackend::new(Arc::new(SingleComm)), &ob)?;
+                let main = Worker::new(CpuBackend::new(c), &oa)?;
+                let shadow = Worker::new(CpuBackend::new(Arc::new(SingleComm)), &ob)?;
                 let mut e = main.with_shadow(shadow);
                 e.generate(&reqs(), &Sampling::greedy(), 0).map(|_| ())
             })

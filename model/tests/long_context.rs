@@ -8,7 +8,7 @@
 
 mod common;
 
-use arbor_model::engine::scheduler::DEFAULT_STEP_OUTPUTS;
+use arbor_model::batching::scheduler::DEFAULT_STEP_OUTPUTS;
 use arbor_model::{
     Arch, GenOutput, GenRequest, KvOptions, LoadOptions, Sampling, ScoreRequest, StepBudget,
 };

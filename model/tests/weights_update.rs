@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arbor_collective::{Communicator, InProcGroup};
-use arbor_model::engine::{ControlMsg, UpdateSource};
+use arbor_model::batching::{ControlMsg, UpdateSource};
 use arbor_model::runner::weights_update::{run_control, FailureKind, Origin};
 use arbor_model::{load, Arch, GenOutput, GenRequest, Runner, Sampling};
 use common::*;

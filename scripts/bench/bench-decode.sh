@@ -2,7 +2,7 @@
 # One device call (carry [".device"]): the price of determinism in the decode step.
 # Run from the repo root after `bash scripts/gpu/build-device.sh` and, for the reference, a copy of
 # the PyTorch reference loop at .device/decode_baseline.py (not part of this repository;
-# docs/engine.md, "The reference loop"):
+# docs/step.md, "The reference loop"):
 #   bash scripts/bench/bench-decode.sh              # writes $OUT/decode-*.json|txt|svg
 # Per TP (TPS, default: 1 and the GPU count) and batch (BATCHES, default 1,8,32,64), on a
 # llama3-8b-shape random model: `arbor bench decode` with --numerics invariant and fast (decode
@@ -83,7 +83,7 @@ elif [[ -f $BIN/decode_baseline.py ]]; then
         grep "^baseline+compile TP=$tp " "$OUT/decode-reference.log" | tee -a "$SUMMARY"
     done
 else
-    note "SKIP  reference loop (.device/decode_baseline.py missing: it is not part of this repository, see docs/engine.md)"
+    note "SKIP  reference loop (.device/decode_baseline.py missing: it is not part of this repository, see docs/step.md)"
 fi
 # Sampled decode (invariant numerics): a pure temperature draws on the GPU (Gumbel max in
 # the row-stats kernel); top-k 50 selects its candidates on the GPU (select.cu) and draws on

@@ -3,7 +3,7 @@
 # PyTorch reference loop side by side, to see where arbor's step loses time.
 # Run from the repo root after `bash scripts/gpu/build-device.sh` (and, for the reference, a copy
 # of the PyTorch reference loop at .device/decode_baseline.py, not part of this repository:
-# docs/engine.md, "The reference loop"):
+# docs/step.md, "The reference loop"):
 #   bash scripts/bench/profile-decode.sh            # writes $OUT/profile-*.{csv,log,txt}
 # arbor: Nsight Compute (`ncu`, the profiler the lent machines have; no nsys there) times
 # every kernel of a short `bench decode` run (one metric, gpu__time_duration, clocks and

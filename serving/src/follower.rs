@@ -2,7 +2,7 @@
 //! stop. And rank 0's side of that broadcast.
 
 use arbor_collective::Communicator;
-use arbor_model::engine::PlanMsg;
+use arbor_model::batching::PlanMsg;
 use arbor_model::runner::weights_update::run_control;
 use arbor_model::Runner;
 

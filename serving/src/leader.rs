@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arbor_collective::Communicator;
-use arbor_model::engine::{PlanMsg, Scheduler, SchedulerConfig, StepPlan};
+use arbor_model::batching::{PlanMsg, Scheduler, SchedulerConfig, StepPlan};
 use arbor_model::Runner;
 
 use crate::control::{Control, ControlConfig, Ctx};

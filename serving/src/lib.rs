@@ -1,5 +1,5 @@
-//! arbor's serving engine, apart from any transport: rank 0's loop over the
-//! continuous-batching scheduler (`arbor_model::engine`), the requests in flight, the
+//! arbor's serving loop, apart from any transport: rank 0's loop over the
+//! continuous-batching scheduler (`arbor_model::batching`), the requests in flight, the
 //! weight, memory and generation-control commands (docs/rl.md), and the loop of the other
 //! ranks, which execute what rank 0 broadcasts.
 //!

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use arbor_model::engine::{Record, TensorMeta};
+use arbor_model::batching::{Record, TensorMeta};
 use arbor_model::runner::weights_update::FailureKind;
 use arbor_model::FinishReason;
 

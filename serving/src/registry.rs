@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use arbor_model::engine::{Event, Scheduler, SeqId, StepPlan};
+use arbor_model::batching::{Event, Scheduler, SeqId, StepPlan};
 
 use crate::handle::{refuse_choices, Delivery, EventTx, Request, SubmitChoice};
 use crate::msg::SeqEvent;

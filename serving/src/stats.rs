@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use arbor_model::engine::Scheduler;
+use arbor_model::batching::Scheduler;
 
 /// Gauges and counters; each is written by one side (the loop or the front end) only.
 #[derive(Default)]

@@ -1,5 +1,5 @@
 //! A link after setup: frames out through the outbox, a reader thread per link draining
-//! frames into the engine's channel, and what a failed read means.
+//! frames into the collectives' channel, and what a failed read means.
 
 use std::io;
 use std::net::TcpStream;
@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crossbeam::channel::Sender;
 
-use crate::engine::{Incoming, OpKind, Outbox};
+use crate::message_passing::{Incoming, OpKind, Outbox};
 use crate::wire::{self, Kind, ReadError};
 use crate::CommError;
 

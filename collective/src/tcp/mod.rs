@@ -48,15 +48,15 @@ use std::thread;
 use crossbeam::channel::{unbounded, Receiver};
 
 use crate::auth::Security;
-use crate::engine::{engine_communicator, Engine, Incoming};
 use crate::env::{RankInfo, Timeouts};
+use crate::message_passing::{message_communicator, Incoming, MessageCollectives};
 use crate::CommError;
 use link::{read_loop, TcpOutbox};
 use rendezvous::{bind_rendezvous, warn_unauthenticated};
 
 /// One rank of a TCP group.
 pub struct TcpComm {
-    engine: Engine<TcpOutbox>,
+    collectives: MessageCollectives<TcpOutbox>,
     /// The links, kept to shut them down on drop (which ends the reader threads).
     streams: Vec<Option<TcpStream>>,
 }
@@ -115,7 +115,7 @@ impl TcpComm {
             inbox[peer] = Some(rx);
         }
         let comm = TcpComm {
-            engine: Engine::new(
+            collectives: MessageCollectives::new(
                 rank,
                 world,
                 timeouts.op,
@@ -128,7 +128,7 @@ impl TcpComm {
             ),
             streams: links,
         };
-        comm.engine.barrier_within(timeouts.rendezvous)?;
+        comm.collectives.barrier_within(timeouts.rendezvous)?;
         tracing::debug!(rank, world, "tcp mesh ready");
         Ok(comm)
     }
@@ -142,4 +142,4 @@ impl Drop for TcpComm {
     }
 }
 
-engine_communicator!(TcpComm, "tcp");
+message_communicator!(TcpComm, "tcp");

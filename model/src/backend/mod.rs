@@ -134,7 +134,7 @@ pub struct TreeSpec {
 
 /// Everything one step's device work reads that changes from step to step (besides the
 /// KV cache it writes): the backend uploads it once per step, and a step it recorded
-/// reads it from there when replayed (docs/engine.md, "The device-resident step").
+/// reads it from there when replayed (docs/step.md, "The device-resident step").
 #[derive(Debug, Clone, Copy)]
 pub struct StepInputs<'a> {
     /// The rows' token ids, sequences concatenated as `seqs` says.

@@ -5,8 +5,8 @@
 
 use arbor_kernels::paged::{splits_of, KV_BLOCK};
 
+use crate::batching::scheduler::{DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
 use crate::config::ModelConfig;
-use crate::engine::scheduler::{DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
 use crate::forward::HeadPlan;
 
 const GIB: f64 = (1u64 << 30) as f64;

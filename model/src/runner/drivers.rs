@@ -1,41 +1,50 @@
-//! The [`Runner`] API on an [`Engine`]: `generate` and `score` as static batches driven
+//! The [`Runner`] API on a [`Worker`]: `generate` and `score` as static batches driven
 //! through the scheduler, and the serving session's `execute`.
 
 use super::weights_update::WeightsState;
 use super::{
-    Engine, FinishReason, GenOutput, GenRequest, GenTiming, KvCapacity, Runner, ScoreOutput,
-    ScoreRequest, StepBudget,
+    FinishReason, GenOutput, GenRequest, GenTiming, KvCapacity, ModelInfo, OfflineRunner,
+    ScoreOutput, ScoreRequest, SessionRunner, StepBudget, WeightControl, Worker,
 };
 use crate::backend::Backend;
+use crate::batching::{
+    ControlMsg, Event, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan,
+};
 use crate::config::ModelConfig;
-use crate::engine::{ControlMsg, Event, RowResult, Scheduler, SchedulerConfig, SeqSpec, StepPlan};
 use crate::error::{MResult, ModelError};
 use crate::generation_config::GenerationConfig;
 use crate::sampling::Sampling;
 use crate::tokenizer_config::TokenizerConfig;
 
-impl<B: Backend> Runner for Engine<B> {
+impl<B: Backend> ModelInfo for Worker<B> {
     fn tp(&self) -> usize {
         self.backend.world_size()
     }
+
     fn rank(&self) -> usize {
         self.backend.rank()
     }
+
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
+
     fn tokenizer(&self) -> Option<&tokenizers::Tokenizer> {
         self.tokenizer.as_ref()
     }
+
     fn tokenizer_config(&self) -> Option<&TokenizerConfig> {
         self.tokenizer_config.as_ref()
     }
+
     fn generation_config(&self) -> Option<&GenerationConfig> {
         self.generation_config.as_ref()
     }
+
     fn eos_token_ids(&self) -> &[u32] {
         &self.eos_token_ids
     }
+
     fn max_seq_len(&self) -> usize {
         match &self.kv_shape {
             Some(cap) => cap.max_seq_len,
@@ -47,6 +56,16 @@ impl<B: Backend> Runner for Engine<B> {
         self.kv_shape.as_ref()
     }
 
+    fn timing(&self) -> GenTiming {
+        self.timing
+    }
+
+    fn recorded_steps(&self) -> Option<(u64, u64)> {
+        self.backend.recorded_steps()
+    }
+}
+
+impl<B: Backend> OfflineRunner for Worker<B> {
     fn reserve_steps(&mut self, step: StepBudget) -> MResult<()> {
         self.check_offline()?;
         step.validate()
@@ -140,14 +159,6 @@ impl<B: Backend> Runner for Engine<B> {
         Ok(outs)
     }
 
-    fn timing(&self) -> GenTiming {
-        self.timing
-    }
-
-    fn recorded_steps(&self) -> Option<(u64, u64)> {
-        self.backend.recorded_steps()
-    }
-
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>> {
         self.check_offline()?;
         let max_len = self.max_seq_len();
@@ -216,6 +227,16 @@ impl<B: Backend> Runner for Engine<B> {
         Ok(outs)
     }
 
+    fn prefix_cache_stats(&self) -> Option<(crate::batching::kv::PrefixStats, usize)> {
+        self.offline_pool.as_ref().map(|p| (p.stats(), p.cached()))
+    }
+
+    fn drop_prefix_cache(&mut self) {
+        self.offline_pool = None;
+    }
+}
+
+impl<B: Backend> SessionRunner for Worker<B> {
     fn start_session(&mut self) -> MResult<()> {
         // Made now if it was not: every rank starts its session together.
         let (caches, cap) = self.take_cache()?;
@@ -223,26 +244,6 @@ impl<B: Backend> Runner for Engine<B> {
         self.session = true;
         self.offline_pool = None;
         Ok(())
-    }
-
-    fn control_prepare(&mut self, msg: &mut ControlMsg) -> MResult<()> {
-        Engine::control_prepare(self, msg)
-    }
-
-    fn control_finish(&mut self, msg: &ControlMsg, apply: bool) {
-        Engine::control_finish(self, msg, apply)
-    }
-
-    fn weights_state(&self) -> WeightsState {
-        Engine::weights_state(self)
-    }
-
-    fn drop_prefix_cache(&mut self) {
-        self.offline_pool = None;
-    }
-
-    fn prefix_cache_stats(&self) -> Option<(crate::engine::kv::PrefixStats, usize)> {
-        self.offline_pool.as_ref().map(|p| (p.stats(), p.cached()))
     }
 
     fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>> {
@@ -260,7 +261,21 @@ impl<B: Backend> Runner for Engine<B> {
     }
 }
 
-impl<B: Backend> Engine<B> {
+impl<B: Backend> WeightControl for Worker<B> {
+    fn control_prepare(&mut self, msg: &mut ControlMsg) -> MResult<()> {
+        Worker::control_prepare(self, msg)
+    }
+
+    fn control_finish(&mut self, msg: &ControlMsg, apply: bool) {
+        Worker::control_finish(self, msg, apply)
+    }
+
+    fn weights_state(&self) -> WeightsState {
+        Worker::weights_state(self)
+    }
+}
+
+impl<B: Backend> Worker<B> {
     /// `generate` and `score` own the cache's blocks while they run: not during a session.
     fn check_offline(&self) -> MResult<()> {
         if self.session {

@@ -4,12 +4,12 @@
 use arbor_kernels::paged::{blocks_for, KV_BLOCK};
 
 use super::records::{records_parallel, RowTask};
-use super::{Caches, Engine, HostRows};
+use super::{Caches, HostRows, Worker};
 use crate::backend::{Backend, KvRows, SeqRows};
-use crate::engine::{Event, Record, RowResult, Scheduler, StepPlan};
+use crate::batching::{Event, Record, RowResult, Scheduler, StepPlan};
 use crate::error::{MResult, ModelError};
 
-impl<B: Backend> Engine<B> {
+impl<B: Backend> Worker<B> {
     /// Plans, executes and applies steps until the scheduler is idle.
     pub(super) fn drive(
         &mut self,

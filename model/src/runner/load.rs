@@ -7,7 +7,7 @@ use std::sync::Arc;
 use arbor_collective::Communicator;
 
 use super::weights_update::Updates;
-use super::{Device, Engine, GenTiming, LoadOptions, Runner};
+use super::{Device, GenTiming, LoadOptions, Runner, Worker};
 use crate::backend::cpu::{default_threads, CpuBackend};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Numerics};
@@ -31,9 +31,9 @@ pub fn load(opts: &LoadOptions, comm: Arc<dyn Communicator>) -> MResult<Box<dyn 
             if std::env::var_os(arbor_kernels::cpu::THREADS_ENV).is_none() {
                 arbor_kernels::cpu::set_num_threads(default_threads());
             }
-            let mut engine = Engine::new(CpuBackend::new(comm), opts)?;
+            let mut engine = Worker::new(CpuBackend::new(comm), opts)?;
             if opts.shadow_tp1 {
-                let shadow = Engine::new(
+                let shadow = Worker::new(
                     CpuBackend::new(Arc::new(arbor_collective::SingleComm)),
                     opts,
                 )?;
@@ -75,9 +75,9 @@ fn load_cuda(
     let backend = CudaBackend::new(comm, opts.numerics)
         .map_err(|source| ModelError::Backend { rank, source })?;
     let shadow = opts.shadow_tp1.then(|| backend.tp1_shadow());
-    let mut engine = Engine::new(backend, opts)?;
+    let mut engine = Worker::new(backend, opts)?;
     if let Some(shadow) = shadow {
-        let shadow = Engine::new(shadow, opts)?;
+        let shadow = Worker::new(shadow, opts)?;
         engine = engine.with_shadow(shadow);
     }
     if opts.kv.step.is_some() {
@@ -86,7 +86,7 @@ fn load_cuda(
     Ok(Box::new(engine))
 }
 
-impl<B: Backend> Engine<B> {
+impl<B: Backend> Worker<B> {
     /// Loads the model at `opts.model_dir` (a directory or a GGUF file) for `backend`'s
     /// rank and world size.
     pub fn new(backend: B, opts: &LoadOptions) -> MResult<Self> {
@@ -139,7 +139,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         let updates = Updates::new(store.tensors_read(), dir);
-        Ok(Engine {
+        Ok(Worker {
             tokenizer,
             tokenizer_config,
             generation_config,
@@ -161,7 +161,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Attaches a TP=1 copy (its backend of world size 1) that every step is compared with.
-    pub fn with_shadow(mut self, shadow: Engine<B>) -> Self {
+    pub fn with_shadow(mut self, shadow: Worker<B>) -> Self {
         self.shadow = Some(Box::new(shadow));
         self
     }
@@ -204,7 +204,7 @@ mod tests {
         };
         let comm = Arc::new(arbor_collective::SingleComm);
         let t0 = std::time::Instant::now();
-        let mut e = Engine::new(CpuBackend::new(comm), &opts).unwrap();
+        let mut e = Worker::new(CpuBackend::new(comm), &opts).unwrap();
         e.init_cache().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         let model = e.model.as_ref().unwrap();

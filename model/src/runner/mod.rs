@@ -1,7 +1,7 @@
 //! The API the CLI drives: load a rank's shard, then `generate` / `score` static batches,
 //! or run a serving session's step plans.
 //!
-//! [`Engine`] is one rank's model on a backend; it reaches the device only through the
+//! [`Worker`] is one rank's model on a backend; it reaches the device only through the
 //! [`Backend`] trait. [`load`] builds it (load.rs), a step plan runs as one ragged batch
 //! (execute.rs → step.rs), each output row's record comes from its stats, candidates or
 //! host row (records.rs), and `generate` / `score` drive the scheduler (drivers.rs).
@@ -17,16 +17,16 @@ pub mod weights_update;
 use std::path::PathBuf;
 
 use crate::backend::{Backend, Numerics};
+use crate::batching::{ControlMsg, RowResult, StepPlan};
 use crate::config::ModelConfig;
-use crate::engine::{ControlMsg, RowResult, StepPlan};
 use crate::error::{MResult, ModelError};
 use crate::forward::{HeadPlan, Model};
 use crate::generation_config::GenerationConfig;
 use crate::sampling::{RowStats, Sampling, TokenLogprob};
 use crate::tokenizer_config::TokenizerConfig;
 
+pub use crate::batching::FinishReason;
 pub use crate::checkpoint::load_tokenizer;
-pub use crate::engine::FinishReason;
 pub use capacity::{BatchWork, KvCapacity, KvOptions, StepBudget, UpdateMemory};
 pub use load::load;
 
@@ -132,7 +132,9 @@ impl GenTiming {
     }
 }
 
-pub trait Runner {
+/// What any caller may ask of a rank's worker: the model, its tokenizer, its limits and
+/// what its steps have cost.
+pub trait ModelInfo {
     fn tp(&self) -> usize;
     fn rank(&self) -> usize;
     fn config(&self) -> &ModelConfig;
@@ -148,9 +150,19 @@ pub trait Runner {
     /// holds.
     fn max_seq_len(&self) -> usize;
     /// The KV cache made at load (the same number of blocks on every rank; the size it
-    /// comes back with after a release); `None` before it is made (an `Engine` built by
+    /// comes back with after a release); `None` before it is made (a `Worker` built by
     /// hand makes it on first use).
     fn kv_capacity(&self) -> Option<&KvCapacity>;
+    /// Time spent in `generate` so far.
+    fn timing(&self) -> GenTiming;
+    /// Decode shapes recorded (CUDA graphs) and steps replayed from them so far; `None`
+    /// where steps are not recorded (the CPU backend, `ARBOR_CUDA_GRAPHS=0`).
+    fn recorded_steps(&self) -> Option<(u64, u64)>;
+}
+
+/// Offline work (`generate`, `score`): static batches that own the worker's KV cache
+/// between session-less calls.
+pub trait OfflineRunner: ModelInfo {
     /// Sizes the steps to come to `step` and makes the KV cache with the memory that
     /// leaves (again, where it was made for another budget): what an offline command does
     /// once it knows its work. A collective: every rank calls it with the same budget.
@@ -165,11 +177,18 @@ pub trait Runner {
     ) -> MResult<Vec<GenOutput>>;
     /// Teacher-forced, prefill only (the trainer's path); one static batch.
     fn score(&mut self, reqs: &[ScoreRequest], n_top: usize) -> MResult<Vec<ScoreOutput>>;
-    /// Time spent in `generate` so far.
-    fn timing(&self) -> GenTiming;
-    /// Decode shapes recorded (CUDA graphs) and steps replayed from them so far; `None`
-    /// where steps are not recorded (the CPU backend, `ARBOR_CUDA_GRAPHS=0`).
-    fn recorded_steps(&self) -> Option<(u64, u64)>;
+    /// The prefix cache of `generate` and `score` so far: positions looked up and found,
+    /// and the blocks it holds (`None` before the first call, or after a failed one).
+    fn prefix_cache_stats(&self) -> Option<(crate::batching::kv::PrefixStats, usize)>;
+    /// Forgets the prefix cache of `generate` and `score` (call it when the weights change:
+    /// the cached blocks hold the old model's KV). A serving session's cache is its
+    /// scheduler's: `Scheduler::drop_prefix_cache`.
+    fn drop_prefix_cache(&mut self);
+}
+
+/// A serving session: the plans of rank 0's scheduler, executed in the same order on
+/// every rank.
+pub trait SessionRunner: ModelInfo {
     /// Hands the KV cache to the plans of `execute` (a serving session, whose scheduler on
     /// rank 0 owns the blocks from now on): `generate` and `score` refuse to run after it,
     /// since their blocks would be the session's.
@@ -177,6 +196,10 @@ pub trait Runner {
     /// Runs one step of the continuous-batching engine on the session's cache. Every rank
     /// of the group must execute the same plans in the same order.
     fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>>;
+}
+
+/// Weight and memory commands, in two phases on every rank (`weights_update`).
+pub trait WeightControl {
     /// Phase one of a weight or memory command on this rank: everything that can fail,
     /// nothing that changes what the rank serves with (`weights_update::run_control`
     /// drives both phases on every rank).
@@ -186,17 +209,17 @@ pub trait Runner {
     fn control_finish(&mut self, msg: &ControlMsg, apply: bool);
     /// The weights, KV cache and staged tensors this rank holds.
     fn weights_state(&self) -> weights_update::WeightsState;
-    /// Forgets the prefix cache of `generate` and `score` (call it when the weights change:
-    /// the cached blocks hold the old model's KV). A serving session's cache is its
-    /// scheduler's: `Scheduler::drop_prefix_cache`.
-    fn drop_prefix_cache(&mut self);
-    /// The prefix cache of `generate` and `score` so far: positions looked up and found,
-    /// and the blocks it holds (`None` before the first call, or after a failed one).
-    fn prefix_cache_stats(&self) -> Option<(crate::engine::kv::PrefixStats, usize)>;
 }
 
-/// The model of one rank on backend `B`, optionally with a TP=1 shadow.
-pub struct Engine<B: Backend> {
+/// Everything a rank's worker does: what [`load`] returns. Callers that need one role
+/// take that trait.
+pub trait Runner: OfflineRunner + SessionRunner + WeightControl {}
+
+impl<T: OfflineRunner + SessionRunner + WeightControl> Runner for T {}
+
+/// One rank's worker: its shard of the model on backend `B`, its KV cache, its tokenizer
+/// and weight-update state, optionally with a TP=1 shadow.
+pub struct Worker<B: Backend> {
     backend: B,
     /// The model's config (kept while the weights are released).
     cfg: ModelConfig,
@@ -214,7 +237,7 @@ pub struct Engine<B: Backend> {
     /// The context limit of the model (before the cache bounds it).
     max_seq_len: usize,
     kv_opts: KvOptions,
-    shadow: Option<Box<Engine<B>>>,
+    shadow: Option<Box<Worker<B>>>,
     timing: GenTiming,
     /// The paged KV cache (made by `init_cache` at load) and its size; None before it is
     /// made and while it is released (`release_memory`).
@@ -226,7 +249,7 @@ pub struct Engine<B: Backend> {
     session: bool,
     /// The blocks of the cache between `generate` / `score` calls, with their prefix
     /// cache (None: none cached).
-    offline_pool: Option<crate::engine::BlockPool>,
+    offline_pool: Option<crate::batching::BlockPool>,
 }
 
 /// A batch's KV caches: the model's and, with a shadow, the shadow's.
@@ -235,7 +258,7 @@ struct Caches<B: Backend> {
     shadow: Option<B::KvCache>,
 }
 
-impl<B: Backend> Engine<B> {
+impl<B: Backend> Worker<B> {
     /// The backend this engine runs on.
     pub fn backend(&self) -> &B {
         &self.backend

@@ -3,7 +3,7 @@
 //! the record's top-N.
 
 use super::StepOut;
-use crate::engine::Record;
+use crate::batching::Record;
 use crate::error::{MResult, ModelError};
 use crate::sampling::{self, RowDraw, RowStats, Sampling};
 

@@ -2,13 +2,13 @@
 //! where rows must come to the host or a shadow compares, the forward op by op.
 
 use super::records::RowTask;
-use super::{Caches, Engine, HostRows, StepOut};
+use super::{Caches, HostRows, StepOut, Worker};
 use crate::backend::{Backend, KvRows, StepInputs};
 use crate::error::{MResult, ModelError};
 use crate::forward::Trace;
 use crate::sampling::{RowDraw, RowStats};
 
-impl<B: Backend> Engine<B> {
+impl<B: Backend> Worker<B> {
     /// One forward over a ragged batch; `ids_of[i]` is the request id of sequence i (for
     /// error messages), `tasks[i]` what output row i is for. Returns each output row's
     /// `RowStats`, its top candidates, and the rows' logits on the host: all of them when

@@ -20,10 +20,10 @@ use std::time::Duration;
 
 use arbor_collective::Communicator;
 
-use super::Engine;
+use super::Worker;
 use crate::backend::{Backend, KvSpec, WeightsGroup};
+use crate::batching::{ControlMsg, TensorMeta, UpdateSource};
 use crate::config::ModelConfig;
-use crate::engine::{ControlMsg, TensorMeta, UpdateSource};
 use crate::error::{MResult, ModelError};
 use crate::forward::{HeadPlan, Model};
 use crate::layers::LoadCtx;
@@ -260,7 +260,7 @@ fn gather_outcomes(
         .collect())
 }
 
-impl<B: Backend> Engine<B> {
+impl<B: Backend> Worker<B> {
     pub(super) fn weights_state(&self) -> WeightsState {
         let sizes = || {
             self.updates

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arbor_collective::Communicator;
-use arbor_model::engine::{ControlMsg, PlanMsg, Scheduler, UpdateSource};
+use arbor_model::batching::{ControlMsg, PlanMsg, Scheduler, UpdateSource};
 use arbor_model::runner::weights_update::{run_control, ControlError};
 use arbor_model::Runner;
 use serde_json::json;

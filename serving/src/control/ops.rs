@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use arbor_model::engine::{ControlMsg, TensorMeta, UpdateSource};
+use arbor_model::batching::{ControlMsg, TensorMeta, UpdateSource};
 use arbor_model::runner::weights_update::Origin;
 use serde_json::{json, Value};
 

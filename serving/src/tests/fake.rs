@@ -10,15 +10,15 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use arbor_collective::Communicator;
+use arbor_model::batching::kv::PrefixStats;
+use arbor_model::batching::{ControlMsg, Record, RowResult, StepPlan, UpdateSource};
 use arbor_model::config::in_memory_path;
-use arbor_model::engine::kv::PrefixStats;
-use arbor_model::engine::{ControlMsg, Record, RowResult, StepPlan, UpdateSource};
 use arbor_model::error::MResult;
 use arbor_model::runner::weights_update::{Origin, WeightsState};
 use arbor_model::runner::{GenTiming, KvCapacity, ScoreOutput, StepBudget};
 use arbor_model::{
-    GenOutput, GenRequest, GenerationConfig, ModelConfig, ModelError, Runner, Sampling,
-    ScoreRequest, TokenizerConfig,
+    GenOutput, GenRequest, GenerationConfig, ModelConfig, ModelError, ModelInfo, OfflineRunner,
+    Sampling, ScoreRequest, SessionRunner, TokenizerConfig, WeightControl,
 };
 
 pub const VOCAB: u32 = 256;
@@ -253,7 +253,7 @@ fn unsupported<T>(what: &str) -> MResult<T> {
     )))
 }
 
-impl Runner for FakeRunner {
+impl ModelInfo for FakeRunner {
     fn tp(&self) -> usize {
         self.tp
     }
@@ -281,6 +281,15 @@ impl Runner for FakeRunner {
     fn kv_capacity(&self) -> Option<&KvCapacity> {
         None
     }
+    fn timing(&self) -> GenTiming {
+        GenTiming::default()
+    }
+    fn recorded_steps(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+impl OfflineRunner for FakeRunner {
     fn reserve_steps(&mut self, _: StepBudget) -> MResult<()> {
         unsupported("reserve_steps")
     }
@@ -290,16 +299,16 @@ impl Runner for FakeRunner {
     fn score(&mut self, _: &[ScoreRequest], _: usize) -> MResult<Vec<ScoreOutput>> {
         unsupported("score")
     }
-    fn timing(&self) -> GenTiming {
-        GenTiming::default()
-    }
-    fn recorded_steps(&self) -> Option<(u64, u64)> {
+    fn prefix_cache_stats(&self) -> Option<(PrefixStats, usize)> {
         None
     }
+    fn drop_prefix_cache(&mut self) {}
+}
+
+impl SessionRunner for FakeRunner {
     fn start_session(&mut self) -> MResult<()> {
         Ok(())
     }
-
     fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>> {
         self.gate.pass()?;
         let n = self.steps;
@@ -336,7 +345,9 @@ impl Runner for FakeRunner {
             })
             .collect())
     }
+}
 
+impl WeightControl for FakeRunner {
     fn control_prepare(&mut self, msg: &mut ControlMsg) -> MResult<()> {
         if let Some(m) = self.faults.prepare.lock().unwrap().clone() {
             return Err(ModelError::Config {
@@ -374,7 +385,6 @@ impl Runner for FakeRunner {
             }
         }
     }
-
     fn control_finish(&mut self, msg: &ControlMsg, apply: bool) {
         let candidate = self.candidate.take();
         let staging = self.staging.take();
@@ -411,7 +421,6 @@ impl Runner for FakeRunner {
             _ => {}
         }
     }
-
     fn weights_state(&self) -> WeightsState {
         WeightsState {
             weights_loaded: self.weights_loaded,
@@ -423,11 +432,5 @@ impl Runner for FakeRunner {
             model_elements: 1 << 20,
             largest_tensor_elements: 1 << 16,
         }
-    }
-
-    fn drop_prefix_cache(&mut self) {}
-
-    fn prefix_cache_stats(&self) -> Option<(PrefixStats, usize)> {
-        None
     }
 }

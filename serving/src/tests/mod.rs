@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use arbor_collective::{Communicator, InProcGroup, SingleComm};
-use arbor_model::engine::{SchedulerConfig, SeqSpec};
+use arbor_model::batching::{SchedulerConfig, SeqSpec};
 use arbor_model::{FinishReason, Sampling};
 use serde_json::Value;
 

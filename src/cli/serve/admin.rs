@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use arbor_model::engine::TensorMeta;
+use arbor_model::batching::TensorMeta;
 use arbor_model::DType;
 use arbor_serving::{ControlOp, PauseMode, Policy, RefusalKind, UpdateReq};
 use axum::body::Bytes;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use arbor_model::engine::Record;
+use arbor_model::batching::Record;
 
 /// One choice as its events arrive.
 pub(super) struct ChoiceState {

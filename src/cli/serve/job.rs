@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use arbor_model::engine::{Record, SeqSpec};
+use arbor_model::batching::{Record, SeqSpec};
 use arbor_model::FinishReason;
 use arbor_serving::{RequestStream, SeqEvent, Submission};
 use axum::http::StatusCode;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use arbor_collective::Communicator;
-use arbor_model::engine::SchedulerConfig;
+use arbor_model::batching::SchedulerConfig;
 use arbor_serving::{Leader, ServeConfig};
 
 use super::http;

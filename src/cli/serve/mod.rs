@@ -1,4 +1,4 @@
-//! `arbor serve`: an OpenAI-compatible HTTP server on rank 0 over the serving engine
+//! `arbor serve`: an OpenAI-compatible HTTP server on rank 0 over the serving loop
 //! (`arbor_serving`). Every rank executes the step plans rank 0's scheduler broadcasts, so a
 //! request's tokens and log-probs do not depend on what else the server is doing.
 

@@ -1,4 +1,4 @@
-//! Decode steps recorded as CUDA graphs, one per padded batch size (docs/engine.md,
+//! Decode steps recorded as CUDA graphs, one per padded batch size (docs/step.md,
 //! "The device-resident step").
 //!
 //! A decode-shaped step (one new row per sequence, every row's logits) of n rows is padded

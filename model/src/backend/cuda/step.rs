@@ -1,5 +1,5 @@
 //! A step's inputs and outputs on the device: one upload before the step, one download
-//! after it (docs/engine.md, "The device-resident step").
+//! after it (docs/step.md, "The device-resident step").
 //!
 //! Inputs, as u32 words: `[ids; R] [positions; R] [table offsets; R] [ks; O] (pad)
 //! [params; 6·O] [block tables; T]` (R rows, O output rows; the row-stats parameters are 3

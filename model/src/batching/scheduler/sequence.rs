@@ -21,7 +21,7 @@ pub(super) struct Running {
     /// Prompt positions whose scoring target was already reported (a recompute after a
     /// preemption does not report them again).
     pub(super) scored_below: usize,
-    /// The chain hashes of its full blocks known so far (`engine::kv::chain_hashes`).
+    /// The chain hashes of its full blocks known so far (`batching::kv::chain_hashes`).
     pub(super) hashes: Vec<u64>,
     /// Blocks registered in the prefix cache (or found there), from the first.
     pub(super) registered: usize,

@@ -1,7 +1,7 @@
 //! What callers hand the scheduler (a request: `SeqSpec`) and what it hands back at each
 //! step (`Event`s of the sequence it made of the request).
 
-use crate::engine::plan::Record;
+use crate::batching::plan::Record;
 use crate::sampling::Sampling;
 
 pub type SeqId = u64;

@@ -1,7 +1,7 @@
 //! The collective algorithms shared by the in-process and TCP transports.
 //!
 //! A transport supplies an [`Outbox`] (send one message to one peer) and, per peer, a
-//! channel of [`Incoming`] messages in the order that peer sent them. The engine numbers
+//! channel of [`Incoming`] messages in the order that peer sent them. The collectives number
 //! every collective call; a message carries that number and the operation's kind, so a peer
 //! that is out of step or calls a different collective is reported instead of silently
 //! mixing buffers. Every wait has a deadline and a timeout names the ranks still missing.
@@ -45,29 +45,29 @@ pub(crate) enum Incoming {
     Failed(CommError),
 }
 
-/// `Communicator` for a transport struct whose `engine` field does all the work: the
+/// `Communicator` for a transport struct whose `collectives` field does all the work: the
 /// in-process and TCP transports differ only in their `Outbox` and their name.
-macro_rules! engine_communicator {
+macro_rules! message_communicator {
     ($ty:ty, $transport:literal) => {
         impl $crate::Communicator for $ty {
             fn rank(&self) -> usize {
-                self.engine.rank()
+                self.collectives.rank()
             }
             fn world_size(&self) -> usize {
-                self.engine.world()
+                self.collectives.world()
             }
             fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<u8>, $crate::CommError> {
-                self.engine.all_gather(data)
+                self.collectives.all_gather(data)
             }
             fn broadcast_bytes(
                 &self,
                 data: &mut Vec<u8>,
                 root: usize,
             ) -> Result<(), $crate::CommError> {
-                self.engine.broadcast(data, root)
+                self.collectives.broadcast(data, root)
             }
             fn barrier(&self) -> Result<(), $crate::CommError> {
-                self.engine.barrier_within(self.engine.timeout())
+                self.collectives.barrier_within(self.collectives.timeout())
             }
             fn transport(&self) -> &'static str {
                 $transport
@@ -75,7 +75,7 @@ macro_rules! engine_communicator {
         }
     };
 }
-pub(crate) use engine_communicator;
+pub(crate) use message_communicator;
 
 /// Sends to one peer. Implementations must not block forever (a write timeout at most).
 pub(crate) trait Outbox: Send + Sync {
@@ -89,7 +89,7 @@ struct State {
     poisoned: Option<String>,
 }
 
-pub(crate) struct Engine<O: Outbox> {
+pub(crate) struct MessageCollectives<O: Outbox> {
     rank: usize,
     world: usize,
     timeout: Duration,
@@ -100,7 +100,7 @@ pub(crate) struct Engine<O: Outbox> {
     state: Mutex<State>,
 }
 
-impl<O: Outbox> Engine<O> {
+impl<O: Outbox> MessageCollectives<O> {
     pub(crate) fn new(
         rank: usize,
         world: usize,

@@ -56,7 +56,7 @@ pub enum PlanMsg {
     Shutdown,
     /// New weights, memory released or resumed, caches dropped: every rank runs it
     /// (`runner::weights_update::run_control`) between steps.
-    Control(crate::engine::ControlMsg),
+    Control(crate::batching::ControlMsg),
 }
 
 impl PlanMsg {

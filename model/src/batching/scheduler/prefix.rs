@@ -1,5 +1,5 @@
 //! The scheduler's side of the prefix cache (the cached blocks themselves, their lookup,
-//! registration and eviction, are the block pool's: `engine::kv`): a waiting request looks
+//! registration and eviction, are the block pool's: `batching::kv`): a waiting request looks
 //! up the longest run of its full blocks the cache holds, waits for a block another
 //! sequence is computing instead of computing it too, and a running sequence registers
 //! each full block it completes.
@@ -10,7 +10,7 @@ use arbor_kernels::paged::KV_BLOCK;
 
 use super::sequence::Running;
 use super::Scheduler;
-use crate::engine::kv::{block_hash, chain_hashes, BlockPool, PrefixStats};
+use crate::batching::kv::{block_hash, chain_hashes, BlockPool, PrefixStats};
 
 /// Chain hashes of blocks running sequences are computing and will register, with how
 /// many compute each: a waiting request whose next uncached block is one of them waits

@@ -25,7 +25,7 @@ pub struct SchedulerConfig {
     /// batch prefills every prompt, then decodes, so prefill and decode time apart).
     pub prefill_first: bool,
     /// Share full KV blocks between sequences whose tokens up to them are equal (the
-    /// prefix cache, `engine::kv`): a new sequence starts computing at its first position
+    /// prefix cache, `batching::kv`): a new sequence starts computing at its first position
     /// not cached.
     pub prefix_cache: bool,
 }

@@ -31,8 +31,8 @@ use arbor_kernels::paged::{blocks_for, KV_BLOCK};
 pub use config::{SchedulerConfig, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
 pub use request::{Event, FinishReason, SeqId, SeqSpec};
 
-use crate::engine::kv::BlockPool;
-use crate::engine::plan::{PlanRow, RowResult, StepPlan};
+use crate::batching::kv::BlockPool;
+use crate::batching::plan::{PlanRow, RowResult, StepPlan};
 use crate::error::{MResult, ModelError};
 use prefix::{register_computed, Pending};
 use sequence::{target_range, Running, Waiting};

@@ -2,7 +2,7 @@
 //! depend only on the request and the position (as the real engine's do).
 
 use super::{Event, Scheduler, SchedulerConfig, SeqId, SeqSpec};
-use crate::engine::plan::{Record, RowResult, StepPlan};
+use crate::batching::plan::{Record, RowResult, StepPlan};
 use crate::sampling::Sampling;
 
 pub(super) fn spec(key: u64, prompt: usize, max_new: usize) -> SeqSpec {
