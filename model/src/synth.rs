@@ -125,19 +125,9 @@ impl Preset {
             // Tied embeddings and fewer KV heads than TP 8 has ranks (replicated there):
             // Qwen2.5-0.5B's traits, with heads that split over TP 8.
             (Preset::Tiny, Arch::Qwen2) => Shape {
-                hidden: 128,
-                layers: 4,
-                heads: 8,
                 kv_heads: 2,
                 head_dim: 16,
-                intermediate: 344,
-                vocab: SYNTH_TOKENIZER_VOCAB,
-                max_pos: 2048,
-                rope_theta: 1000000.0,
-                llama3_rope_scaling: false,
-                tie_word_embeddings: true,
-                bias: false,
-                rms_norm_eps: 1e-6,
+                ..Preset::Tiny.shape(Arch::Qwen3)
             },
             (Preset::Llama3_8b, _) => Shape {
                 hidden: 4096,

@@ -97,6 +97,16 @@ def without_schedule(config_path, out_path):
     json.dump(c, open(out_path, "w"), indent=2)
 
 
+def weights_of(d, name, root):
+    """A directory `root/name` holding `d`'s files (linked) but its config.json."""
+    out = os.path.join(root, name)
+    os.makedirs(out)
+    for f in os.listdir(d):
+        if f != "config.json":
+            os.symlink(os.path.join(d, f), os.path.join(out, f))
+    return out
+
+
 def hf_logprobs(model_dir, seqs, dtype, device):
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     out = []
@@ -176,11 +186,7 @@ def compare(name, cls, extra, args, root, dev):
     d = os.path.join(root, name)
     model.to(torch.bfloat16).save_pretrained(d)
     del model
-    twin = os.path.join(root, name + "-twin")
-    os.makedirs(twin)
-    for f in os.listdir(d):
-        if f != "config.json":
-            os.symlink(os.path.join(d, f), os.path.join(twin, f))
+    twin = weights_of(d, name + "-twin", root)
     other_generation(os.path.join(d, "config.json"), os.path.join(twin, "config.json"))
     g = torch.Generator().manual_seed(99)
     seqs = [torch.randint(0, SMALL["vocab_size"], (args.len,), generator=g).tolist() for _ in range(args.seqs)]
@@ -204,11 +210,7 @@ def compare(name, cls, extra, args, root, dev):
         good = diff(a, ref)[0] <= max(bound_max, 2e-2) and diff(a, ref)[1] <= max(bound_mean, 2e-3) and same_bits
         ok &= good
     if "rope_scaling" in extra or name.startswith("qwen3-yarn"):
-        wrong = os.path.join(root, name + "-noscale")
-        os.makedirs(wrong)
-        for f in os.listdir(d):
-            if f != "config.json":
-                os.symlink(os.path.join(d, f), os.path.join(wrong, f))
+        wrong = weights_of(d, name + "-noscale", root)
         without_schedule(os.path.join(d, "config.json"), os.path.join(wrong, "config.json"))
         row["schedule_ignored_vs_f32"] = diff(hf_logprobs(wrong, seqs, torch.float32, dev), ref)
     row["ok"] = ok

@@ -61,14 +61,7 @@ impl Tensors {
             );
             data.extend_from_slice(bytes);
         }
-        let mut h = Value::Object(header).to_string().into_bytes();
-        while !h.len().is_multiple_of(8) {
-            h.push(b' ');
-        }
-        let mut out = (h.len() as u64).to_le_bytes().to_vec();
-        out.extend(h);
-        out.extend(data);
-        out
+        safetensors_image(Value::Object(header).to_string().as_bytes(), &data)
     }
 
     pub(crate) fn names(&self) -> Vec<&String> {
@@ -165,4 +158,16 @@ pub(crate) fn models() -> &'static Models {
         c_tensors.write_dir(&a, &c);
         Models { a, b, c, c_tensors }
     })
+}
+
+/// A safetensors file: `header` (JSON text, padded to 8 bytes) and the tensors' `data`.
+pub(crate) fn safetensors_image(header: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut h = header.to_vec();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h);
+    out.extend(data);
+    out
 }

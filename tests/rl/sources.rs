@@ -72,14 +72,7 @@ fn hostile_update_sources_are_bad_input() {
 
 /// A safetensors image of one tensor with `header` (its JSON text) as the header.
 fn image(header: &str, data: &[u8]) -> Vec<u8> {
-    let mut h = header.as_bytes().to_vec();
-    while !h.len().is_multiple_of(8) {
-        h.push(b' ');
-    }
-    let mut out = (h.len() as u64).to_le_bytes().to_vec();
-    out.extend(h);
-    out.extend(data);
-    out
+    crate::checkpoint::safetensors_image(header.as_bytes(), data)
 }
 
 /// A key given twice (JSON parsers keep one of them silently) and `__metadata__` values

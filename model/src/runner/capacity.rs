@@ -423,12 +423,16 @@ mod tests {
         assert!(KvOptions::default().validate().is_ok());
     }
 
-    #[test]
-    fn the_reserve_grows_with_the_step_and_the_context() {
+    fn llama3_8b() -> ModelConfig {
         let text = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072}"#;
-        let cfg = ModelConfig::from_json_str(text, &in_memory_path()).unwrap();
+        ModelConfig::from_json_str(text, &in_memory_path()).unwrap()
+    }
+
+    #[test]
+    fn the_reserve_grows_with_the_step_and_the_context() {
+        let cfg = llama3_8b();
         let heads = HeadPlan::new(&cfg, 0, 1).unwrap();
         let o = StepBudget::serving(DEFAULT_STEP_TOKENS, DEFAULT_STEP_OUTPUTS);
         let base = step_reserve_bytes(&cfg, &heads, 1, &o, 4096);
@@ -443,10 +447,7 @@ mod tests {
 
     #[test]
     fn offline_work_reserves_what_it_runs() {
-        let text = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
-            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072}"#;
-        let cfg = ModelConfig::from_json_str(text, &in_memory_path()).unwrap();
+        let cfg = llama3_8b();
         // Two batches of a generate: 6 prompts of ~100 tokens, then 2 of 300.
         let gen = |seqs: usize, prompt: usize| BatchWork {
             rows: seqs * prompt,

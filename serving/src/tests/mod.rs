@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use arbor_collective::{Communicator, InProcGroup, SingleComm};
 use arbor_model::batching::{SchedulerConfig, SeqSpec};
-use arbor_model::{FinishReason, Sampling};
+use arbor_model::FinishReason;
 use serde_json::Value;
 
 use crate::{
@@ -154,15 +154,7 @@ fn request(rid: &str, key0: u64, n: usize, prompt: usize, max_new: usize) -> Sub
     Submission {
         rid: rid.to_string(),
         choices: (0..n as u64)
-            .map(|i| SeqSpec {
-                sample_key: key0 + i,
-                tokens: (1..=prompt as u32).collect(),
-                score_from: None,
-                max_new,
-                sampling: Sampling::greedy(),
-                n_top: 0,
-                ignore_eos: false,
-            })
+            .map(|i| SeqSpec::greedy(key0 + i, (1..=prompt as u32).collect(), max_new))
             .collect(),
         backlog: 4096,
     }

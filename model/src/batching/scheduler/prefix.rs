@@ -131,7 +131,7 @@ pub(super) fn register_computed(pool: &mut BlockPool, pending: &mut Pending, r: 
 mod tests {
     use arbor_kernels::paged::blocks_for;
 
-    use super::super::testing::{cfg, drive, run, spec};
+    use super::super::testing::{cfg, drive, run};
     use super::super::{SchedulerConfig, SeqId, SeqSpec};
     use super::*;
 
@@ -142,10 +142,7 @@ mod tests {
     }
 
     fn with_prompt(key: u64, tokens: Vec<u32>, max_new: usize) -> SeqSpec {
-        SeqSpec {
-            tokens,
-            ..spec(key, 1, max_new)
-        }
+        SeqSpec::greedy(key, tokens, max_new)
     }
 
     fn cached_cfg(blocks: usize) -> SchedulerConfig {

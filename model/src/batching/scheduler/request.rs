@@ -22,6 +22,22 @@ pub struct SeqSpec {
     pub ignore_eos: bool,
 }
 
+impl SeqSpec {
+    /// A greedy sequence generating up to `max_new` tokens after `tokens`, with no prompt
+    /// scoring and no top-N.
+    pub fn greedy(sample_key: u64, tokens: Vec<u32>, max_new: usize) -> Self {
+        SeqSpec {
+            sample_key,
+            tokens,
+            score_from: None,
+            max_new,
+            sampling: Sampling::greedy(),
+            n_top: 0,
+            ignore_eos: false,
+        }
+    }
+}
+
 /// Why a sequence stopped generating.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {

@@ -3,18 +3,9 @@
 
 use super::{Event, Scheduler, SchedulerConfig, SeqId, SeqSpec};
 use crate::batching::plan::{Record, RowResult, StepPlan};
-use crate::sampling::Sampling;
 
 pub(super) fn spec(key: u64, prompt: usize, max_new: usize) -> SeqSpec {
-    SeqSpec {
-        sample_key: key,
-        tokens: (1..=prompt as u32).collect(),
-        score_from: None,
-        max_new,
-        sampling: Sampling::greedy(),
-        n_top: 0,
-        ignore_eos: false,
-    }
+    SeqSpec::greedy(key, (1..=prompt as u32).collect(), max_new)
 }
 
 pub(super) fn rec(token: u32) -> Record {
