@@ -237,6 +237,10 @@ impl<B: Backend> Runner for Engine<B> {
         Engine::weights_state(self)
     }
 
+    fn weight_shapes(&self) -> std::collections::BTreeMap<String, Vec<usize>> {
+        Engine::weight_shapes(self)
+    }
+
     fn drop_prefix_cache(&mut self) {
         self.offline_pool = None;
     }

@@ -186,6 +186,9 @@ pub trait Runner {
     fn control_finish(&mut self, msg: &ControlMsg, apply: bool);
     /// The weights, KV cache and staged tensors this rank holds.
     fn weights_state(&self) -> weights_update::WeightsState;
+    /// Every tensor the model reads, by HF name, with its whole (unsharded) shape: what a
+    /// weight update must provide, and what a trainer holding the model needs to know.
+    fn weight_shapes(&self) -> std::collections::BTreeMap<String, Vec<usize>>;
     /// Forgets the prefix cache of `generate` and `score` (call it when the weights change:
     /// the cached blocks hold the old model's KV). A serving session's cache is its
     /// scheduler's: `Scheduler::drop_prefix_cache`.
