@@ -184,9 +184,11 @@ class CausalLM(nn.Module):
             raise TypeError(f"dtype {dtype}: bfloat16 (arbor's) or float32 (master weights)")
         engine = _native.Model(os.fspath(path), device=device, max_seq_len=max_seq_len)
         config = ArchConfig.from_native(engine.config)
+        # Built on the meta device, then given uninitialized memory of `dtype`: every value
+        # is overwritten from the checkpoint below.
         with torch.device("meta"):
-            model = cls(config)
-        model = model.to_empty(device="cpu").to(dtype)
+            model = cls(config).to(dtype)
+        model = model.to_empty(device="cpu")
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         shapes = engine.weight_shapes()
