@@ -1,6 +1,7 @@
 """Type stubs of the compiled core (python/src/*.rs)."""
 
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 __version__: str
@@ -14,7 +15,7 @@ class Model:
         self, path: str | PathLike[str], device: str = "cpu", max_seq_len: int | None = None
     ) -> None: ...
     @property
-    def path(self) -> str: ...
+    def path(self) -> Path: ...
     @property
     def config(self) -> dict[str, Any]: ...
     @property
