@@ -273,6 +273,10 @@ impl<B: Backend> WeightControl for Worker<B> {
     fn weights_state(&self) -> WeightsState {
         Worker::weights_state(self)
     }
+
+    fn weight_shapes(&self) -> std::collections::BTreeMap<String, Vec<usize>> {
+        Worker::weight_shapes(self)
+    }
 }
 
 impl<B: Backend> Worker<B> {

@@ -209,6 +209,9 @@ pub trait WeightControl {
     fn control_finish(&mut self, msg: &ControlMsg, apply: bool);
     /// The weights, KV cache and staged tensors this rank holds.
     fn weights_state(&self) -> weights_update::WeightsState;
+    /// Every tensor the model reads, by HF name, with its whole (unsharded) shape: what a
+    /// weight update must provide, and what a trainer holding the model needs to know.
+    fn weight_shapes(&self) -> std::collections::BTreeMap<String, Vec<usize>>;
 }
 
 /// Everything a rank's worker does: what [`load`] returns. Callers that need one role

@@ -280,6 +280,10 @@ impl<B: Backend> Worker<B> {
         }
     }
 
+    pub(super) fn weight_shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        self.updates.expected.clone()
+    }
+
     /// This rank's paged KV cache of `blocks` blocks (the weights are not needed for it).
     pub(super) fn kv_spec(&self, blocks: usize) -> MResult<KvSpec> {
         let heads = HeadPlan::new(&self.cfg, self.backend.rank(), self.backend.world_size())?;

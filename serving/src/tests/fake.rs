@@ -433,4 +433,7 @@ impl WeightControl for FakeRunner {
             largest_tensor_elements: 1 << 16,
         }
     }
+    fn weight_shapes(&self) -> std::collections::BTreeMap<String, Vec<usize>> {
+        std::collections::BTreeMap::new()
+    }
 }
