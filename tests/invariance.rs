@@ -96,6 +96,15 @@ fn qwen2_greedy() {
     assert_invariant("qwen2", &[]);
 }
 
+/// A mixture of experts: routing and the experts' sums at every TP and batch.
+#[test]
+fn qwen3_moe_sampled() {
+    assert_invariant(
+        "qwen3-moe",
+        &["--temperature", "1.0", "--top-p", "0.9", "--seed", "5"],
+    );
+}
+
 #[test]
 fn qwen3_greedy() {
     assert_invariant("qwen3", &[]);

@@ -11,11 +11,11 @@ use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::tree::is_valid_world;
 
 use crate::backend::{BResult, Backend, HeadSpec, KvRows, KvSpec};
-use crate::config::{Arch, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{MResult, ModelError};
 use crate::layers::{
-    ColumnParallelLinear, ColumnPart, Embedding, GateUpLinear, LoadCtx, RowParallelLinear,
-    VocabParallelHead,
+    ColumnParallelLinear, ColumnPart, Embedding, GateUpLinear, LoadCtx, MoeBlock,
+    RowParallelLinear, VocabParallelHead,
 };
 
 /// How the attention heads are split over the TP ranks.
@@ -131,9 +131,25 @@ struct Layer<B: Backend> {
     k_norm: Option<Norm<B>>,
     o: RowParallelLinear<B>,
     post_norm: Norm<B>,
-    /// gate and up stacked: one GEMM, then SiLU·mul over its halves.
-    gate_up: GateUpLinear<B>,
-    down: RowParallelLinear<B>,
+    mlp: Mlp<B>,
+}
+
+enum Mlp<B: Backend> {
+    Dense {
+        /// gate and up stacked: one GEMM, then SiLU·mul over its halves.
+        gate_up: GateUpLinear<B>,
+        down: RowParallelLinear<B>,
+    },
+    Experts(MoeBlock<B>),
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
+        match self {
+            Mlp::Dense { gate_up, down } => down.forward(b, &gate_up.forward(b, x)?),
+            Mlp::Experts(moe) => moe.forward(b, x),
+        }
+    }
 }
 
 pub struct Model<B: Backend> {
@@ -177,7 +193,7 @@ impl<B: Backend> Model<B> {
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
             let mb = cfg.mlp_bias;
-            let qk_norm = cfg.arch == Arch::Qwen3;
+            let qk_norm = cfg.arch.has_qk_norm();
             layers.push(Layer {
                 input_norm: Norm::load(ctx, &format!("{p}.input_layernorm.weight"), h)?,
                 qkv: ColumnParallelLinear::load(
@@ -216,28 +232,33 @@ impl<B: Backend> Model<B> {
                     cfg.o_bias,
                 )?,
                 post_norm: Norm::load(ctx, &format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate_up: GateUpLinear::load(
-                    ctx,
-                    &part(
-                        &format!("{p}.mlp.gate_proj"),
-                        cfg.intermediate_size,
-                        &inter_rows,
-                    ),
-                    &part(
-                        &format!("{p}.mlp.up_proj"),
-                        cfg.intermediate_size,
-                        &inter_rows,
-                    ),
-                    h,
-                    mb,
-                )?,
-                down: RowParallelLinear::load(
-                    ctx,
-                    &format!("{p}.mlp.down_proj"),
-                    h,
-                    cfg.intermediate_size,
-                    mb,
-                )?,
+                mlp: match cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
+                    Some(moe) => Mlp::Experts(MoeBlock::load(ctx, &p, cfg.arch, moe, h)?),
+                    None => Mlp::Dense {
+                        gate_up: GateUpLinear::load(
+                            ctx,
+                            &part(
+                                &format!("{p}.mlp.gate_proj"),
+                                cfg.intermediate_size,
+                                &inter_rows,
+                            ),
+                            &part(
+                                &format!("{p}.mlp.up_proj"),
+                                cfg.intermediate_size,
+                                &inter_rows,
+                            ),
+                            h,
+                            mb,
+                        )?,
+                        down: RowParallelLinear::load(
+                            ctx,
+                            &format!("{p}.mlp.down_proj"),
+                            h,
+                            cfg.intermediate_size,
+                            mb,
+                        )?,
+                    },
+                },
             });
         }
         let head_name = if cfg.tie_word_embeddings {
@@ -361,8 +382,7 @@ impl<B: Backend> Model<B> {
             let a = b.attention(&q, cache, li, rows, hs)?;
             let o = l.o.forward(b, &a)?;
             let n = b.add_rms_norm(&mut x, &o, &l.post_norm.w, eps)?;
-            let m = l.gate_up.forward(b, &n)?;
-            let d = l.down.forward(b, &m)?;
+            let d = l.mlp.forward(b, &n)?;
             match self.layers.get(li + 1) {
                 Some(next) => normed = Some(b.add_rms_norm(&mut x, &d, &next.input_norm.w, eps)?),
                 None => b.add_assign(&mut x, &d)?,

@@ -47,6 +47,28 @@ pub struct Shape {
     /// none).
     pub bias: bool,
     pub rms_norm_eps: f64,
+    /// The experts of a mixture-of-experts model (Qwen3-MoE, Mixtral).
+    pub moe: Option<MoeShape>,
+}
+
+/// The experts of a synthetic mixture-of-experts model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    pub experts: usize,
+    pub top_k: usize,
+    /// One expert's intermediate width (Mixtral's config calls it `intermediate_size`).
+    pub intermediate: usize,
+}
+
+/// Whether layer `i` of a synthetic `arch` model has experts: every layer of Mixtral, and
+/// every layer but the first of Qwen3-MoE (its `mlp_only_layers`, so that both kinds of
+/// MLP are exercised).
+fn sparse_layer(arch: Arch, i: usize) -> bool {
+    match arch {
+        Arch::Mixtral => true,
+        Arch::Qwen3Moe => i != 0,
+        _ => false,
+    }
 }
 
 impl Shape {
@@ -105,6 +127,7 @@ impl Preset {
                 tie_word_embeddings: false,
                 bias: false,
                 rms_norm_eps: 1e-5,
+                moe: None,
             },
             // head_dim 32 ≠ hidden/heads, tied embeddings: Qwen3-0.6B's traits.
             (Preset::Tiny, Arch::Qwen3) => Shape {
@@ -121,6 +144,7 @@ impl Preset {
                 tie_word_embeddings: true,
                 bias: false,
                 rms_norm_eps: 1e-6,
+                moe: None,
             },
             // Tied embeddings and fewer KV heads than TP 8 has ranks (replicated there):
             // Qwen2.5-0.5B's traits, with heads that split over TP 8.
@@ -128,6 +152,27 @@ impl Preset {
                 kv_heads: 2,
                 head_dim: 16,
                 ..Preset::Tiny.shape(Arch::Qwen3)
+            },
+            // 8 experts, 2 per token, narrow enough that a rank of TP 8 holds 8 columns of
+            // each; layer 0 keeps a dense MLP; untied embeddings, as Qwen3-30B-A3B's.
+            (Preset::Tiny, Arch::Qwen3Moe) => Shape {
+                tie_word_embeddings: false,
+                moe: Some(MoeShape {
+                    experts: 8,
+                    top_k: 2,
+                    intermediate: 64,
+                }),
+                ..Preset::Tiny.shape(Arch::Qwen3)
+            },
+            (Preset::Tiny, Arch::Mixtral) => Shape {
+                rope_theta: 1000000.0,
+                llama3_rope_scaling: false,
+                moe: Some(MoeShape {
+                    experts: 8,
+                    top_k: 2,
+                    intermediate: 64,
+                }),
+                ..Preset::Tiny.shape(Arch::Llama)
             },
             (Preset::Llama3_8b, _) => Shape {
                 hidden: 4096,
@@ -143,6 +188,7 @@ impl Preset {
                 tie_word_embeddings: false,
                 bias: false,
                 rms_norm_eps: 1e-5,
+                moe: None,
             },
             (Preset::Qwen3_8b, _) => Shape {
                 hidden: 4096,
@@ -158,6 +204,7 @@ impl Preset {
                 tie_word_embeddings: false,
                 bias: false,
                 rms_norm_eps: 1e-6,
+                moe: None,
             },
         }
     }
@@ -273,7 +320,7 @@ fn specs(arch: Arch, s: &Shape) -> Vec<Spec> {
                 );
             }
         }
-        if arch == Arch::Qwen3 {
+        if arch.has_qk_norm() {
             t(
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![s.head_dim],
@@ -290,21 +337,52 @@ fn specs(arch: Arch, s: &Shape) -> Vec<Spec> {
             vec![h],
             norm,
         );
-        t(
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![s.intermediate, h],
-            lin(h),
-        );
-        t(
-            format!("{p}.mlp.up_proj.weight"),
-            vec![s.intermediate, h],
-            lin(h),
-        );
-        t(
-            format!("{p}.mlp.down_proj.weight"),
-            vec![h, s.intermediate],
-            lin(s.intermediate),
-        );
+        match s.moe.filter(|_| sparse_layer(arch, i)) {
+            Some(m) => {
+                // The router's logits are spread like a linear layer's; the experts are
+                // the dense MLP's shape at their own width.
+                let (block, [gate, up, down]) = match arch {
+                    Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                    _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                };
+                t(
+                    format!("{p}.{block}.gate.weight"),
+                    vec![m.experts, h],
+                    lin(h),
+                );
+                for e in 0..m.experts {
+                    let x = format!("{p}.{block}.experts.{e}");
+                    t(
+                        format!("{x}.{gate}.weight"),
+                        vec![m.intermediate, h],
+                        lin(h),
+                    );
+                    t(format!("{x}.{up}.weight"), vec![m.intermediate, h], lin(h));
+                    t(
+                        format!("{x}.{down}.weight"),
+                        vec![h, m.intermediate],
+                        lin(m.intermediate),
+                    );
+                }
+            }
+            None => {
+                t(
+                    format!("{p}.mlp.gate_proj.weight"),
+                    vec![s.intermediate, h],
+                    lin(h),
+                );
+                t(
+                    format!("{p}.mlp.up_proj.weight"),
+                    vec![s.intermediate, h],
+                    lin(h),
+                );
+                t(
+                    format!("{p}.mlp.down_proj.weight"),
+                    vec![h, s.intermediate],
+                    lin(s.intermediate),
+                );
+            }
+        }
         if s.bias && arch == Arch::Llama {
             for (n, len) in [
                 ("gate_proj", s.intermediate),
@@ -551,6 +629,45 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> ser
             c["use_sliding_window"] = json!(false);
             c["max_window_layers"] = json!(s.layers);
         }
+        Arch::Qwen3Moe => {
+            let m = s.moe.unwrap_or(MoeShape {
+                experts: 1,
+                top_k: 1,
+                intermediate: s.intermediate,
+            });
+            c["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+            c["model_type"] = json!("qwen3_moe");
+            c["attention_bias"] = json!(false);
+            c["rope_scaling"] = serde_json::Value::Null;
+            c["sliding_window"] = serde_json::Value::Null;
+            c["use_sliding_window"] = json!(false);
+            c["max_window_layers"] = json!(s.layers);
+            c["num_experts"] = json!(m.experts);
+            c["num_experts_per_tok"] = json!(m.top_k);
+            c["moe_intermediate_size"] = json!(m.intermediate);
+            c["norm_topk_prob"] = json!(true);
+            c["decoder_sparse_step"] = json!(1);
+            c["mlp_only_layers"] = json!([0]);
+            c["router_aux_loss_coef"] = json!(0.001);
+            c["output_router_logits"] = json!(false);
+        }
+        Arch::Mixtral => {
+            let m = s.moe.unwrap_or(MoeShape {
+                experts: 1,
+                top_k: 1,
+                intermediate: s.intermediate,
+            });
+            c["architectures"] = json!(["MixtralForCausalLM"]);
+            c["model_type"] = json!("mixtral");
+            c["intermediate_size"] = json!(m.intermediate);
+            c["rope_scaling"] = serde_json::Value::Null;
+            c["sliding_window"] = serde_json::Value::Null;
+            c["num_local_experts"] = json!(m.experts);
+            c["num_experts_per_tok"] = json!(m.top_k);
+            c["router_aux_loss_coef"] = json!(0.02);
+            c["output_router_logits"] = json!(false);
+            c["router_jitter_noise"] = json!(0.0);
+        }
         Arch::Qwen3 => {
             c["architectures"] = json!(["Qwen3ForCausalLM"]);
             c["model_type"] = json!("qwen3");
@@ -583,8 +700,12 @@ fn to_transformers5(c: &mut serde_json::Value, arch: Arch, layers: usize) {
         obj.insert("dtype".into(), d);
     }
     obj.insert("pad_token_id".into(), serde_json::Value::Null);
-    if matches!(arch, Arch::Qwen2 | Arch::Qwen3) {
+    if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
         obj.insert("layer_types".into(), json!(vec!["full_attention"; layers]));
+    }
+    // transformers 5 names Qwen3-MoE's expert count as Mixtral does.
+    if let Some(n) = obj.remove("num_experts") {
+        obj.insert("num_local_experts".into(), n);
     }
 }
 

@@ -117,6 +117,16 @@ fn qwen2_tp_batch_prefill_invariance() {
 }
 
 #[test]
+fn qwen3_moe_tp_batch_prefill_invariance() {
+    check_arch(Arch::Qwen3Moe);
+}
+
+#[test]
+fn mixtral_tp_batch_prefill_invariance() {
+    check_arch(Arch::Mixtral);
+}
+
+#[test]
 fn qwen3_tp_batch_prefill_invariance() {
     check_arch(Arch::Qwen3);
 }

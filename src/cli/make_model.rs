@@ -15,6 +15,11 @@ pub enum ArchArg {
     /// Qwen2 / Qwen2.5 (q/k/v biases).
     Qwen2,
     Qwen3,
+    /// Qwen3-MoE (tiny: 8 experts, 2 per token; layer 0 dense).
+    #[value(name = "qwen3-moe")]
+    Qwen3Moe,
+    /// Mixtral (tiny: 8 experts, 2 per token).
+    Mixtral,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -95,6 +100,8 @@ pub fn make(
     let arch = match arch {
         ArchArg::Llama => Arch::Llama,
         ArchArg::Qwen2 => Arch::Qwen2,
+        ArchArg::Qwen3Moe => Arch::Qwen3Moe,
+        ArchArg::Mixtral => Arch::Mixtral,
         ArchArg::Qwen3 => Arch::Qwen3,
     };
     let preset = match preset {

@@ -70,7 +70,7 @@ pub fn run_launched(tp: usize, args: &[&str]) -> Output {
         .expect("start arbor-launch")
 }
 
-/// Makes a tiny model of `arch` ("llama" | "qwen2" | "qwen3") in `dir` with `arbor make-model`.
+/// Makes a tiny model of `arch` ("llama" | "qwen2" | "qwen3" | "qwen3-moe" | "mixtral") in `dir` with `arbor make-model`.
 pub fn make_tiny(arch: &str, dir: &Path) {
     let o = run_arbor(&[
         "make-model",

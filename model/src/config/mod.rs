@@ -9,6 +9,7 @@
 //! because a silently ignored key is a silently wrong model.
 
 mod keys;
+mod moe;
 mod rope;
 
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use serde_json::{Map, Value};
 use crate::error::{MResult, ModelError};
 
 pub use keys::ALLOW_ENV;
+pub use moe::MoeConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
@@ -26,6 +28,22 @@ pub enum Arch {
     /// Qwen2 and Qwen2.5: Llama's layers with biases on q/k/v (none on o).
     Qwen2,
     Qwen3,
+    /// Qwen3's attention with a mixture of experts in place of the MLP.
+    Qwen3Moe,
+    /// Mistral's attention with 8 experts, 2 per token.
+    Mixtral,
+}
+
+impl Arch {
+    /// Per-head RMSNorm of q and k before RoPE.
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
+    }
+
+    /// A mixture of experts in place of (some) MLPs.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Arch::Qwen3Moe | Arch::Mixtral)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +74,8 @@ pub struct ModelConfig {
     /// arbor computes full attention, so it runs such a model only in a context the window
     /// covers ([`ModelConfig::check_context`]).
     pub sliding_window: Option<usize>,
+    /// The experts of a mixture-of-experts model (None: every MLP is dense).
+    pub moe: Option<MoeConfig>,
     /// `dtype` / `torch_dtype` as written (arbor computes with bf16 weights whatever it says).
     pub dtype: Option<String>,
 }
@@ -124,6 +144,8 @@ impl ModelConfig {
             "MistralForCausalLM" => (Arch::Llama, &["mistral"]),
             "Qwen2ForCausalLM" => (Arch::Qwen2, &["qwen2"]),
             "Qwen3ForCausalLM" => (Arch::Qwen3, &["qwen3"]),
+            "Qwen3MoeForCausalLM" => (Arch::Qwen3Moe, &["qwen3_moe"]),
+            "MixtralForCausalLM" => (Arch::Mixtral, &["mixtral"]),
             _ => {
                 return Err(ModelError::UnknownArch {
                     path: path.to_path_buf(),
@@ -201,11 +223,13 @@ impl ModelConfig {
                 hidden_size / num_heads
             }
         };
+        let intermediate_size = r.usize_req("intermediate_size")?;
+        let moe = moe::parse(&r, arch, num_layers, intermediate_size)?;
         let cfg = ModelConfig {
             arch,
             arch_name,
             hidden_size,
-            intermediate_size: r.usize_req("intermediate_size")?,
+            intermediate_size,
             num_layers,
             num_heads,
             num_kv_heads,
@@ -224,6 +248,7 @@ impl ModelConfig {
                 .copied(),
             eos_token_ids: token_ids(obj.get("eos_token_id"), "eos_token_id", path)?,
             sliding_window,
+            moe,
             dtype,
         };
         cfg.validate(&r)?;
@@ -351,7 +376,7 @@ impl ModelConfig {
     /// replace these in a running server. The context length, token ids and dtype may
     /// differ (the server keeps its own). Names the first field that differs.
     pub fn same_model_as(&self, other: &ModelConfig) -> Result<(), String> {
-        let fields: [(&str, String, String); 16] = [
+        let fields: [(&str, String, String); 17] = [
             (
                 "architectures",
                 self.arch_name.clone(),
@@ -431,6 +456,11 @@ impl ModelConfig {
                 "sliding_window",
                 format!("{:?}", self.sliding_window),
                 format!("{:?}", other.sliding_window),
+            ),
+            (
+                "experts",
+                format!("{:?}", self.moe),
+                format!("{:?}", other.moe),
             ),
         ];
         match fields.iter().find(|(_, a, b)| a != b) {
@@ -630,12 +660,12 @@ fn layer_types(r: &Reader, arch: Arch, num_layers: usize) -> MResult<Vec<String>
     let window_set = !matches!(r.obj.get("sliding_window"), None | Some(Value::Null));
     let slides = |i: usize| -> MResult<bool> {
         Ok(match arch {
-            Arch::Qwen2 | Arch::Qwen3 => {
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
                 window_set
                     && r.bool_opt("use_sliding_window")?.unwrap_or(false)
                     && i >= r.usize_opt("max_window_layers")?.unwrap_or(28)
             }
-            Arch::Llama => window_set,
+            Arch::Llama | Arch::Mixtral => window_set,
         })
     };
     (0..num_layers)

@@ -352,3 +352,116 @@ fn errors_name_the_problem() {
     .to_string();
     assert!(e.contains("eos_token_id"), "{e}");
 }
+
+/// Qwen3-30B-A3B's config.json as the Hub has it (transformers 4).
+const QWEN3_30B_A3B: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+  "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+  "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+  "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+  "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+  "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+  "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null,
+  "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+}"#;
+
+/// Mixtral-8x7B's config.json as the Hub has it.
+const MIXTRAL_8X7B: &str = r#"{
+  "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+  "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+  "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+  "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+  "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+  "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000
+}"#;
+
+#[test]
+fn moe_configs_of_both_families_read_their_experts() {
+    let p = in_memory_path();
+    let q = ModelConfig::from_json_str(QWEN3_30B_A3B, &p).unwrap();
+    assert_eq!(q.arch, Arch::Qwen3Moe);
+    let m = q.moe.clone().unwrap();
+    assert_eq!(
+        (
+            m.num_experts,
+            m.top_k,
+            m.expert_intermediate,
+            m.norm_topk_prob
+        ),
+        (128, 8, 768, true)
+    );
+    assert!(m.sparse_layers.iter().all(|&s| s) && m.sparse_layers.len() == 48);
+    // transformers 5's name for the expert count reads the same.
+    let v5 = QWEN3_30B_A3B.replace("\"num_experts\"", "\"num_local_experts\"");
+    assert_eq!(ModelConfig::from_json_str(&v5, &p).unwrap().moe, q.moe);
+    // Dense layers: mlp_only_layers and decoder_sparse_step.
+    let some = QWEN3_30B_A3B
+        .replace("\"mlp_only_layers\": []", "\"mlp_only_layers\": [0, 5]")
+        .replace("\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 2");
+    let s = ModelConfig::from_json_str(&some, &p)
+        .unwrap()
+        .moe
+        .unwrap()
+        .sparse_layers;
+    assert_eq!(
+        &s[..8],
+        &[false, true, false, true, false, false, false, true]
+    );
+    let x = ModelConfig::from_json_str(MIXTRAL_8X7B, &p).unwrap();
+    assert_eq!(x.arch, Arch::Mixtral);
+    let m = x.moe.unwrap();
+    assert_eq!(
+        (
+            m.num_experts,
+            m.top_k,
+            m.expert_intermediate,
+            m.norm_topk_prob
+        ),
+        (8, 2, 14336, true)
+    );
+    // Refusals name the key.
+    for (from, to, needle) in [
+        (
+            "\"num_experts_per_tok\": 8",
+            "\"num_experts_per_tok\": 129",
+            "num_experts_per_tok",
+        ),
+        (
+            "\"num_experts\": 128",
+            "\"num_experts\": 128, \"num_local_experts\": 64",
+            "disagree",
+        ),
+        (
+            "\"mlp_only_layers\": []",
+            "\"mlp_only_layers\": [48]",
+            "mlp_only_layers",
+        ),
+        (
+            "\"decoder_sparse_step\": 1",
+            "\"decoder_sparse_step\": 0",
+            "decoder_sparse_step",
+        ),
+    ] {
+        let text = QWEN3_30B_A3B.replace(from, to);
+        assert_ne!(text, QWEN3_30B_A3B, "{from}");
+        let e = ModelConfig::from_json_str(&text, &p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{needle}: {e}");
+    }
+    // An expert key in a dense config says something arbor would not implement.
+    let e = ModelConfig::from_json_str(
+        &QWEN3_30B_A3B
+            .replace("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
+            .replace("qwen3_moe", "qwen3"),
+        &p,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("mixture-of-experts"), "{e}");
+}

@@ -3,11 +3,13 @@
 
 mod column;
 mod gate_up;
+mod moe;
 mod row;
 mod vocab;
 
 pub use column::{ColumnParallelLinear, ColumnPart};
 pub use gate_up::GateUpLinear;
+pub use moe::{route, MoeBlock, Route};
 pub use row::RowParallelLinear;
 pub use vocab::{Embedding, VocabParallelHead};
 

@@ -82,10 +82,17 @@ impl<B: Backend> RowParallelLinear<B> {
         })
     }
 
+    /// This rank's subtree roots for `x` (its columns `self.cols` of the input), before
+    /// the all-reduce: for a caller that reduces several layers' partials in one
+    /// all-reduce (the experts of a layer). The bias is not in it.
+    pub fn partial(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
+        b.matmul(x, &self.w, self.tree)
+    }
+
     /// `x` holds this rank's columns `self.cols` of the input; returns the full output,
     /// identical on every rank.
     pub fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
-        let partial = b.matmul(x, &self.w, self.tree)?;
+        let partial = self.partial(b, x)?;
         let mut y = b.tree_all_reduce(partial)?;
         if let Some(bias) = &self.bias {
             b.add_row_bias(&mut y, bias)?;
