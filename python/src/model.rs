@@ -73,6 +73,8 @@ fn arch_name(a: Arch) -> &'static str {
         Arch::Llama => "llama",
         Arch::Qwen2 => "qwen2",
         Arch::Qwen3 => "qwen3",
+        Arch::Qwen3Moe => "qwen3_moe",
+        Arch::Mixtral => "mixtral",
     }
 }
 
@@ -209,7 +211,7 @@ impl Model {
         d.set_item("qkv_bias", c.qkv_bias)?;
         d.set_item("o_bias", c.o_bias)?;
         d.set_item("mlp_bias", c.mlp_bias)?;
-        d.set_item("qk_norm", c.arch == Arch::Qwen3)?;
+        d.set_item("qk_norm", c.arch.has_qk_norm())?;
         d.set_item("bos_token_id", c.bos_token_id)?;
         d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
         Ok(d)

@@ -183,6 +183,11 @@ class CausalLM(nn.Module):
         if dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"dtype {dtype}: bfloat16 (arbor's) or float32 (master weights)")
         engine = _native.Model(os.fspath(path), device=device, max_seq_len=max_seq_len)
+        if engine.config["arch"] in ("qwen3_moe", "mixtral"):
+            raise NotImplementedError(
+                f"{path}: {engine.config['arch_name']} is a mixture-of-experts model; "
+                "arbor.torch's PyTorch forward is dense only so far (arbor.Model scores it)"
+            )
         config = ArchConfig.from_native(engine.config)
         # Built on the meta device, then given uninitialized memory of `dtype`: every value
         # is overwritten from the checkpoint below.
