@@ -89,6 +89,9 @@ pub enum ControlOp {
     },
     /// Drop the cached state that depends on the weights (`flush_cache`).
     FlushCache,
+    /// Rename the serving weights (`update_weight_version`): the weights stay, only the
+    /// version responses report changes; `abort_all` ends the requests in flight first.
+    SetVersion { version: String, abort_all: bool },
 }
 
 /// The loop's answer to a control operation: the reply's fields (a JSON object with

@@ -24,6 +24,7 @@ mod gguf_testfile;
 mod bits;
 mod checkpoint;
 mod control;
+mod frameworks;
 mod server;
 mod sources;
 mod trainer;

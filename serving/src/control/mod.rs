@@ -191,6 +191,9 @@ impl Control {
                     version,
                 } => self.resume(cx, weights, kv, from, version)?,
                 ControlOp::FlushCache => self.flush_cache(cx)?,
+                ControlOp::SetVersion { version, abort_all } => {
+                    self.set_version(cx, version, abort_all)
+                }
             }
         };
         match outcome {

@@ -276,4 +276,33 @@ impl Control {
             },
         ))
     }
+
+    /// Renames the serving weights. A started request reports one version for all its
+    /// choices, so the name changes only when none is running (or after aborting them).
+    pub(super) fn set_version(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        version: String,
+        abort_all: bool,
+    ) -> Outcome {
+        if abort_all {
+            // Its answer (the count) is not this operation's.
+            let _ = self.abort(cx, None);
+        }
+        let started = cx.reqs.started();
+        if started > 0 {
+            return Outcome::Done(Err(crate::msg::Refusal::new(
+                RefusalKind::Conflict,
+                format!("{started} requests are running on version {}: pause_generation first, or send abort_all_requests: true", self.version),
+            )));
+        }
+        let old = std::mem::replace(&mut self.version, version.into());
+        cx.stats.set_weight_version(&self.version);
+        Outcome::Done(Ok(json!({
+            "success": true,
+            "message": format!("weight version {old} -> {}", self.version),
+            "weight_version": &*self.version,
+            "previous_weight_version": &*old,
+        })))
+    }
 }

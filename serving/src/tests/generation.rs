@@ -243,3 +243,40 @@ fn release_and_flush_are_refused_while_requests_run() {
     assert!(s.stats.released.load(Ordering::Relaxed));
     s.stop().unwrap();
 }
+
+#[test]
+fn a_version_is_renamed_only_when_no_request_runs() {
+    let s = Server::start(config(), Gate::closed());
+    let w = disk_weights(START);
+    let mut a = s.submit(request("a", 0, 1, 4, 6));
+    s.step_and_hold();
+    // A started request reports one version: renaming under it is refused.
+    let rename = s.handle.control(ControlOp::SetVersion {
+        version: "step-1".into(),
+        abort_all: false,
+    });
+    s.gate.allow(1);
+    let (kind, msg) = refused(rename.wait());
+    assert_eq!(kind, RefusalKind::Conflict, "{msg}");
+    s.gate.open_all();
+    assert_eq!(collect(&mut a), vec![finished("0", tokens(w, 0, 4, 6))]);
+    let body = ok(s.control(ControlOp::SetVersion {
+        version: "step-1".into(),
+        abort_all: false,
+    }));
+    assert_eq!(
+        (
+            body["weight_version"].as_str(),
+            body["previous_weight_version"].as_str()
+        ),
+        (Some("step-1"), Some("0"))
+    );
+    assert_eq!(s.stats.weight_version(), "step-1");
+    // The same weights under the new name.
+    let mut b = s.submit(request("b", 0, 1, 4, 6));
+    assert_eq!(
+        collect(&mut b),
+        vec![finished("step-1", tokens(w, 0, 4, 6))]
+    );
+    s.stop().unwrap();
+}

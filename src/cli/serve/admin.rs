@@ -63,15 +63,12 @@ pub fn routes(max_upload: usize) -> Router<Arc<AppState>> {
         .route("/release_memory_occupation", post(release))
         .route("/resume_memory_occupation", post(resume))
         .route("/flush_cache", get(flush_cache).post(flush_cache))
-        // vLLM's names.
-        .route("/sleep", post(sleep))
-        .route("/wake_up", post(wake_up))
+        // vLLM's names (more in compat.rs).
         .route("/is_sleeping", get(is_sleeping))
-        .route("/reset_prefix_cache", post(flush_cache))
 }
 
 /// An admin error: the OpenAI error body with SGLang's `success` / `message` beside it.
-fn fail(e: ApiError) -> Response {
+pub(super) fn fail(e: ApiError) -> Response {
     let mut body = e.body();
     body["success"] = json!(false);
     body["message"] = json!(e.message);
@@ -79,7 +76,7 @@ fn fail(e: ApiError) -> Response {
 }
 
 /// A JSON body of `T` (unknown fields refused); an empty body is `{}`.
-fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+pub(super) fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
         b"{}"
     } else {
@@ -112,7 +109,7 @@ fn status(kind: RefusalKind) -> StatusCode {
 }
 
 /// Hands `op` to the serving loop and waits for its answer.
-async fn command(st: &AppState, op: ControlOp) -> Response {
+pub(super) async fn command(st: &AppState, op: ControlOp) -> Response {
     if let Err(e) = st.accepting() {
         return fail(e);
     }
@@ -137,21 +134,31 @@ fn log_update(body: &Value) {
 }
 
 /// Runs `f` (which parses and validates) after the API key check, then the command.
-async fn guarded(
+pub(super) async fn guarded(
     st: Arc<AppState>,
     headers: HeaderMap,
     f: impl FnOnce() -> Result<ControlOp, ApiError>,
+) -> Response {
+    guarded_opt(st, headers, || f().map(Some)).await
+}
+
+/// [`guarded`] for a request that may name nothing to do (`None`: success at once).
+pub(super) async fn guarded_opt(
+    st: Arc<AppState>,
+    headers: HeaderMap,
+    f: impl FnOnce() -> Result<Option<ControlOp>, ApiError>,
 ) -> Response {
     if let Err(e) = st.authorize(&headers) {
         return fail(e);
     }
     match f() {
-        Ok(op) => command(&st, op).await,
+        Ok(Some(op)) => command(&st, op).await,
+        Ok(None) => Json(json!({"success": true, "message": "nothing to do"})).into_response(),
         Err(e) => fail(e),
     }
 }
 
-fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(super) fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     b.map_err(body_error)
 }
 
@@ -203,6 +210,7 @@ struct FromDisk {
     model_path: String,
     weight_version: Option<String>,
     policy: Option<String>,
+    #[serde(alias = "abort_all_request")]
     abort_all_requests: Option<bool>,
     /// Accepted for SGLang's clients: the cache is always dropped.
     #[allow(dead_code)]
@@ -568,7 +576,7 @@ async fn pause(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Empty {}
+pub(super) struct Empty {}
 
 async fn continue_generation(
     State(st): State<Arc<AppState>>,
@@ -576,10 +584,19 @@ async fn continue_generation(
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
     guarded(st, headers, || {
-        let _: Empty = parse(&body(b)?)?;
+        let _: Continue = parse(&body(b)?)?;
         Ok(ControlOp::Continue)
     })
     .await
+}
+
+/// SGLang's `torch_empty_cache` returns the allocator's cached blocks to the driver:
+/// memory only, never the output.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Continue {
+    #[allow(dead_code)]
+    torch_empty_cache: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -596,7 +613,9 @@ async fn abort(
 ) -> Response {
     guarded(st, headers, || {
         let r: Abort = parse(&body(b)?)?;
-        match (r.rid, r.abort_all.unwrap_or(false)) {
+        // SGLang's clients send `rid: ""` beside `abort_all: true`.
+        let rid = r.rid.filter(|rid| !rid.is_empty());
+        match (rid, r.abort_all.unwrap_or(false)) {
             (Some(_), true) => Err(ApiError::bad("rid", "give rid or abort_all, not both")),
             (None, false) => Err(ApiError::bad(
                 "rid",
@@ -616,25 +635,29 @@ struct Memory {
     weight_version: Option<String>,
 }
 
-/// (weights, kv) named by SGLang's tags (none: both).
-fn tags(t: Option<&[String]>) -> Result<(bool, bool), ApiError> {
+/// (weights, kv) named by SGLang's tags (none: both). `cuda_graph` names nothing arbor
+/// holds apart (its recorded steps live in the KV cache's session and are recorded again
+/// on demand): alone, it names nothing to do.
+pub(super) fn tags(t: Option<&[String]>) -> Result<(bool, bool), ApiError> {
     let Some(t) = t else {
         return Ok((true, true));
     };
     let mut out = (false, false);
+    let mut graphs = false;
     for tag in t {
         match tag.as_str() {
             "weights" => out.0 = true,
             "kv_cache" => out.1 = true,
+            "cuda_graph" => graphs = true,
             other => {
                 return Err(ApiError::bad(
                     "tags",
-                    format!("tag {other:?}: arbor holds \"weights\" and \"kv_cache\""),
+                    format!("tag {other:?}: arbor holds \"weights\" and \"kv_cache\" (\"cuda_graph\" is accepted and names nothing)"),
                 ))
             }
         }
     }
-    if out == (false, false) {
+    if out == (false, false) && !graphs {
         return Err(ApiError::bad("tags", "tags is empty"));
     }
     Ok(out)
@@ -645,7 +668,7 @@ async fn release(
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
-    guarded(st, headers, || {
+    guarded_opt(st, headers, || {
         let r: Memory = parse(&body(b)?)?;
         if r.model_path.is_some() || r.weight_version.is_some() {
             return Err(ApiError::bad(
@@ -654,7 +677,7 @@ async fn release(
             ));
         }
         let (weights, kv) = tags(r.tags.as_deref())?;
-        Ok(ControlOp::Release { weights, kv })
+        Ok((weights || kv).then_some(ControlOp::Release { weights, kv }))
     })
     .await
 }
@@ -664,23 +687,24 @@ async fn resume(
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
-    guarded(st, headers, || {
+    guarded_opt(st, headers, || {
         let r: Memory = parse(&body(b)?)?;
         let (weights, kv) = tags(r.tags.as_deref())?;
         if let Some(v) = &r.weight_version {
             check_version(v).map_err(|m| ApiError::bad("weight_version", m))?;
         }
-        Ok(ControlOp::Resume {
+        let from = r.model_path.as_deref().map(model_path).transpose()?;
+        Ok((weights || kv).then_some(ControlOp::Resume {
             weights,
             kv,
-            from: r.model_path.as_deref().map(model_path).transpose()?,
+            from,
             version: r.weight_version,
-        })
+        }))
     })
     .await
 }
 
-async fn flush_cache(
+pub(super) async fn flush_cache(
     State(st): State<Arc<AppState>>,
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,
@@ -688,70 +712,6 @@ async fn flush_cache(
     guarded(st, headers, || {
         let _: Empty = parse(&body(b)?)?;
         Ok(ControlOp::FlushCache)
-    })
-    .await
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SleepQuery {
-    /// vLLM's levels (1: weights kept on the host, 2: discarded); arbor frees both and
-    /// reads the weights again on wake-up.
-    level: Option<u8>,
-    tags: Option<String>,
-}
-
-async fn sleep(
-    State(st): State<Arc<AppState>>,
-    headers: HeaderMap,
-    q: Result<Query<SleepQuery>, axum::extract::rejection::QueryRejection>,
-) -> Response {
-    guarded(st, headers, || {
-        let Query(q) = q.map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                format!("invalid query: {}", e.body_text()),
-            )
-        })?;
-        if q.level.is_some_and(|l| !(1..=2).contains(&l)) || q.tags.is_some() {
-            return Err(ApiError::bad(
-                "level",
-                "sleep takes level 1 or 2 and no tags",
-            ));
-        }
-        Ok(ControlOp::Release {
-            weights: true,
-            kv: true,
-        })
-    })
-    .await
-}
-
-async fn wake_up(
-    State(st): State<Arc<AppState>>,
-    headers: HeaderMap,
-    q: Result<Query<SleepQuery>, axum::extract::rejection::QueryRejection>,
-) -> Response {
-    guarded(st, headers, || {
-        let Query(q) = q.map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                format!("invalid query: {}", e.body_text()),
-            )
-        })?;
-        if q.level.is_some() {
-            return Err(ApiError::bad("level", "wake_up takes tags, not a level"));
-        }
-        let named: Option<Vec<String>> = q
-            .tags
-            .map(|t| t.split(',').map(|s| s.trim().to_string()).collect());
-        let (weights, kv) = tags(named.as_deref())?;
-        Ok(ControlOp::Resume {
-            weights,
-            kv,
-            from: None,
-            version: None,
-        })
     })
     .await
 }
@@ -817,6 +777,10 @@ mod tests {
             (false, true)
         );
         assert!(tags(Some(&[])).is_err());
-        assert!(tags(Some(&["cuda_graph".to_string()])).is_err());
+        assert_eq!(
+            tags(Some(&["cuda_graph".to_string()])).unwrap(),
+            (false, false)
+        );
+        assert!(tags(Some(&["gpu".to_string()])).is_err());
     }
 }

@@ -88,6 +88,15 @@ const COMMON_FIELDS: &[&str] = &[
     "sample_id",
     "prompt_logprobs",
     "rid",
+    // vLLM's fields that keep the output's bits (docs/serving.md).
+    "return_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "stop_token_ids",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "cache_salt",
 ];
 
 impl Body for CompletionRequest {
@@ -197,7 +206,39 @@ pub struct Common {
     pub prompt_logprobs: bool,
     /// Extension: the request's id (the response's `id`), which `/abort_request` names.
     pub rid: Option<String>,
+    /// vLLM: token ids are always returned (`token_ids`).
+    #[allow(dead_code)]
+    pub return_token_ids: Option<bool>,
+    /// Special tokens in the text (default: skipped).
+    pub skip_special_tokens: Option<bool>,
+    /// A matched stop string or stop token stays in the text.
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
+    /// Tokens that end a choice (finish_reason "stop"), even with `ignore_eos`.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Only their neutral values: each other value changes the draw.
+    pub min_p: Option<f32>,
+    pub min_tokens: Option<usize>,
+    pub repetition_penalty: Option<f32>,
+    /// A prefix-cache namespace: the cache never changes a result's bits, so any value
+    /// gives the same output.
+    #[allow(dead_code)]
+    pub cache_salt: Option<String>,
 }
+
+/// What a matched stop string or stop token leaves in the text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopTrim {
+    /// The text ends before the match (OpenAI, vLLM and SGLang's default).
+    Before,
+    /// The text ends after the match (vLLM's `include_stop_str_in_output`).
+    After,
+    /// The whole decoded text (SGLang's `no_stop_trim`).
+    Keep,
+}
+
+/// Most `stop_token_ids`.
+pub const MAX_STOP_TOKENS: usize = 64;
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
@@ -242,6 +283,10 @@ pub struct Params {
     pub sample_id: u64,
     pub prompt_logprobs: bool,
     pub rid: Option<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub stop_trim: StopTrim,
+    /// Special tokens are left out of the text.
+    pub skip_special: bool,
 }
 
 /// Longest `rid`.
@@ -342,6 +387,21 @@ impl Common {
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
             return Err(ApiError::bad("logit_bias", "logit_bias is not supported"));
         }
+        neutral("min_p", self.min_p, 0.0)?;
+        neutral("repetition_penalty", self.repetition_penalty, 1.0)?;
+        if self.min_tokens.is_some_and(|m| m > 0) {
+            return Err(ApiError::bad(
+                "min_tokens",
+                "min_tokens is not supported (only 0): it masks end-of-sequence, which changes the output",
+            ));
+        }
+        let stop_token_ids = self.stop_token_ids.clone().unwrap_or_default();
+        if stop_token_ids.len() > MAX_STOP_TOKENS {
+            return Err(ApiError::bad(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKENS} stop_token_ids"),
+            ));
+        }
         let stop = match &self.stop {
             None => Vec::new(),
             Some(StopInput::One(s)) => vec![s.clone()],
@@ -388,7 +448,26 @@ impl Common {
             sample_id: self.sample_id.unwrap_or(0),
             prompt_logprobs: self.prompt_logprobs,
             rid: self.rid.clone(),
+            stop_token_ids,
+            stop_trim: if self.include_stop_str_in_output {
+                StopTrim::After
+            } else {
+                StopTrim::Before
+            },
+            skip_special: self.skip_special_tokens.unwrap_or(true),
         })
+    }
+}
+
+/// A sampling field that arbor takes only at its neutral value (any other changes the
+/// draw, which arbor does not implement): 400 naming it.
+pub fn neutral(name: &'static str, v: Option<f32>, off: f32) -> Result<(), ApiError> {
+    match v {
+        Some(x) if x != off => Err(ApiError::bad(
+            name,
+            format!("{name} is not supported (only {off}, got {x}): it changes the output"),
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -20,6 +20,16 @@ pub(super) struct ChoiceState {
     pub(super) version: Option<Arc<str>>,
     /// Something of it was streamed (a restart cannot take that back).
     pub(super) streamed: bool,
+    /// What ended it with finish_reason "stop".
+    pub(super) matched: Option<Matched>,
+}
+
+/// The stop a choice matched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Matched {
+    /// An end-of-sequence token or one of `stop_token_ids`.
+    Token(u32),
+    Str(String),
 }
 
 impl ChoiceState {
@@ -35,6 +45,7 @@ impl ChoiceState {
             finish: None,
             version: None,
             streamed: false,
+            matched: None,
         }
     }
 
@@ -47,6 +58,7 @@ impl ChoiceState {
         self.emitted.clear();
         self.finish = None;
         self.version = None;
+        self.matched = None;
     }
 
     pub(super) fn tokens(&self) -> Vec<u32> {

@@ -58,6 +58,8 @@ fn router(st: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .merge(super::admin::routes(st.max_upload))
+        // SGLang's /generate and the info, health and control routes of SGLang and vLLM.
+        .merge(super::compat::routes())
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(

@@ -10,8 +10,8 @@ use arbor_model::FinishReason;
 use arbor_serving::{RequestStream, SeqEvent, Submission};
 use axum::http::StatusCode;
 
-use super::api::{ApiError, Params};
-use super::choice::ChoiceState;
+use super::api::{ApiError, Params, StopTrim};
+use super::choice::{ChoiceState, Matched};
 use super::state::AppState;
 
 /// Events a stream's handler may hold unread before its sequences are cancelled: a
@@ -184,16 +184,35 @@ impl Job {
             }
             SeqEvent::Token(rec) => {
                 c.records.push(rec.clone());
-                c.text = self.st.decode(&c.tokens());
-                let hit = self
-                    .p
+                let p = &self.p;
+                let tokens = c.tokens();
+                if p.stop_token_ids.contains(&rec.token) {
+                    // The stop token's own text goes unless the request keeps it.
+                    let keep = if p.stop_trim == StopTrim::Before {
+                        tokens.len() - 1
+                    } else {
+                        tokens.len()
+                    };
+                    c.text = self.st.decode_with(&tokens[..keep], p.skip_special);
+                    c.finish = Some("stop");
+                    c.matched = Some(Matched::Token(rec.token));
+                    self.events.cancel(i);
+                    return Ok(Update::Token(i, rec));
+                }
+                c.text = self.st.decode_with(&tokens, p.skip_special);
+                let hit = p
                     .stop
                     .iter()
-                    .filter_map(|s| c.text.find(s.as_str()))
-                    .min();
-                if let Some(at) = hit {
-                    c.text.truncate(at);
+                    .filter_map(|s| c.text.find(s.as_str()).map(|at| (at, s)))
+                    .min_by_key(|&(at, _)| at);
+                if let Some((at, s)) = hit {
+                    match p.stop_trim {
+                        StopTrim::Before => c.text.truncate(at),
+                        StopTrim::After => c.text.truncate(at + s.len()),
+                        StopTrim::Keep => {}
+                    }
                     c.finish = Some("stop");
+                    c.matched = Some(Matched::Str(s.clone()));
                     // The loop frees the sequence at its next step.
                     self.events.cancel(i);
                 }
@@ -201,7 +220,10 @@ impl Job {
             }
             SeqEvent::Finished(reason) => {
                 c.finish = Some(match reason {
-                    FinishReason::Eos => "stop",
+                    FinishReason::Eos => {
+                        c.matched = c.records.last().map(|r| Matched::Token(r.token));
+                        "stop"
+                    }
                     FinishReason::Length => "length",
                 });
                 Ok(Update::Finished(i))

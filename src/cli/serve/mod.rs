@@ -7,6 +7,7 @@ pub mod api;
 pub mod chat;
 pub mod choice;
 pub mod client;
+pub mod compat;
 pub mod conn;
 pub mod http;
 pub mod job;
@@ -14,6 +15,7 @@ pub mod leader;
 pub mod openai;
 pub mod options;
 pub mod response;
+pub mod sglang;
 pub mod state;
 
 use std::path::PathBuf;

@@ -35,6 +35,8 @@ pub struct AppState {
     /// The whole model in f32: no push may list more.
     pub(super) max_push_bytes: usize,
     pub(super) tp: usize,
+    /// What `/get_server_info` and `/get_model_info` report of the start-up settings.
+    pub(super) server_info: serde_json::Value,
     pub(super) stats: Arc<Stats>,
     pub(super) next_id: AtomicU64,
     /// Set by the leader once the engine loop has ended: the server then shuts down.
@@ -55,6 +57,7 @@ impl AppState {
                 .unwrap_or_else(|| args.model.display().to_string())
         });
         let limits = Limits::from_args(args, runner.weights_state().largest_tensor_elements);
+        let server_info = server_info(args, runner, &model_name);
         Ok(AppState {
             handle,
             tokenizer: runner.tokenizer().cloned(),
@@ -73,6 +76,7 @@ impl AppState {
             max_upload: limits.max_upload,
             max_push_bytes: runner.weights_state().model_elements.saturating_mul(4),
             tp: runner.tp(),
+            server_info,
             stats,
             next_id: AtomicU64::new(0),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
@@ -172,8 +176,13 @@ impl AppState {
     }
 
     pub(super) fn decode(&self, ids: &[u32]) -> String {
+        self.decode_with(ids, true)
+    }
+
+    /// The text of `ids`, special tokens left out when `skip_special`.
+    pub(super) fn decode_with(&self, ids: &[u32], skip_special: bool) -> String {
         match &self.tokenizer {
-            Some(t) => t.decode(ids, true).unwrap_or_default(),
+            Some(t) => t.decode(ids, skip_special).unwrap_or_default(),
             None => String::new(),
         }
     }
@@ -224,4 +233,31 @@ impl AppState {
         }
         Ok(())
     }
+}
+
+/// The settings SGLang's `/get_server_info` reports, under its names where it has one.
+fn server_info(args: &Args, runner: &dyn Runner, model_name: &str) -> serde_json::Value {
+    let path = args.model.display().to_string();
+    let kv_tokens = runner.kv_capacity().map_or(0, |c| c.tokens());
+    serde_json::json!({
+        "model_path": path,
+        "tokenizer_path": path,
+        "served_model_name": model_name,
+        "tp_size": runner.tp(),
+        "dp_size": 1,
+        "pp_size": 1,
+        "context_length": runner.max_seq_len(),
+        "max_total_num_tokens": kv_tokens,
+        "max_running_requests": args.max_num_seqs,
+        "max_prefill_tokens": args.max_num_batched_tokens,
+        "chunked_prefill_size": args.prefill_chunk,
+        "page_size": arbor_kernels::paged::KV_BLOCK,
+        "disable_radix_cache": args.kv.no_prefix_cache,
+        "max_queue": args.max_queue,
+        "device": format!("{:?}", args.device).to_lowercase(),
+        "skip_tokenizer_init": false,
+        "is_embedding": false,
+        "version": env!("CARGO_PKG_VERSION"),
+        "engine": "arbor",
+    })
 }
