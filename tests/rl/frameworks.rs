@@ -50,7 +50,8 @@ const PROMPT: [u32; 6] = [5, 17, 101, 42, 7, 230];
 #[test]
 fn sglang_generate_replays_slime_and_areal_at_tp2() {
     let m = models();
-    let s = Server::start(2, &m.a, &[], "frameworks-gen");
+    // Unseeded bodies draw a fresh seed each; a fixed default makes them replay.
+    let s = Server::start(2, &m.a, &["--default-seed", "0"], "frameworks-gen");
 
     // slime/rollout/sglang_rollout.py (THUDM/slime): GenerateState.sampling_params and the
     // payload of `generate` (`sampling_seed` from --sglang-enable-deterministic-inference).

@@ -743,7 +743,7 @@ mod tests {
             json!(7),
         ] {
             assert_eq!(
-                unique_id(&bad).unwrap_err().param,
+                unique_id(&bad).unwrap_err().param.as_deref(),
                 Some("unique_id"),
                 "{bad}"
             );
@@ -760,10 +760,13 @@ mod tests {
         assert_eq!(p(Some("retract"), Some(false)).unwrap(), Policy::Retract);
         assert_eq!(p(Some("abort"), Some(true)).unwrap(), Policy::Abort);
         assert_eq!(
-            p(Some("retract"), Some(true)).unwrap_err().param,
+            p(Some("retract"), Some(true)).unwrap_err().param.as_deref(),
             Some("abort_all_requests")
         );
-        assert_eq!(p(Some("later"), None).unwrap_err().param, Some("policy"));
+        assert_eq!(
+            p(Some("later"), None).unwrap_err().param.as_deref(),
+            Some("policy")
+        );
         assert!(update_req(Some("".into()), None, None).is_err());
         assert!(update_req(Some("step\n1".into()), None, None).is_err());
         assert!(update_req(Some("step-1".into()), None, None).is_ok());

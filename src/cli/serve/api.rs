@@ -1,18 +1,21 @@
 //! The OpenAI request bodies arbor accepts, their validation, and the error body.
 
+use std::borrow::Cow;
+
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use super::chat::Message;
+use super::fields::{self, Kind};
 
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
-    pub param: Option<&'static str>,
+    pub param: Option<Cow<'static, str>>,
     pub code: Option<&'static str>,
 }
 
@@ -26,9 +29,9 @@ impl ApiError {
         }
     }
 
-    pub fn bad(param: &'static str, message: impl Into<String>) -> Self {
+    pub fn bad(param: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
         ApiError {
-            param: Some(param),
+            param: Some(param.into()),
             ..Self::new(StatusCode::BAD_REQUEST, message)
         }
     }
@@ -68,6 +71,11 @@ impl IntoResponse for ApiError {
 /// work with `flatten`).
 pub trait Body: serde::de::DeserializeOwned {
     const FIELDS: &'static [&'static str];
+    /// Whether the sampling fields both generation endpoints share (`COMMON_FIELDS`) belong.
+    const SAMPLING: bool = true;
+    /// The values checked before serde reads the body (`fields::check`), so that a bad
+    /// one names its field; serde checks the others.
+    const KINDS: &'static [(&'static str, Kind)] = &[];
 }
 
 const COMMON_FIELDS: &[&str] = &[
@@ -108,6 +116,7 @@ impl Body for CompletionRequest {
         "best_of",
         "suffix",
     ];
+    const KINDS: &'static [(&'static str, Kind)] = fields::COMPLETION_KINDS;
 }
 
 impl Body for ChatRequest {
@@ -119,6 +128,7 @@ impl Body for ChatRequest {
         "top_logprobs",
         "add_generation_prompt",
     ];
+    const KINDS: &'static [(&'static str, Kind)] = fields::CHAT_KINDS;
 }
 
 /// The error for a request body axum could not read (over the size limit, or cut off).
@@ -132,24 +142,33 @@ pub fn body_error(e: BytesRejection) -> ApiError {
     ApiError::new(status, msg)
 }
 
-/// Parses a JSON body: malformed JSON is 400; a body of the wrong shape (not an object,
-/// unknown field, wrong type, missing field) is 422, naming what was wrong.
+/// Parses a JSON body: every refusal is 400 and names what was wrong (malformed JSON, not
+/// an object, a field that is not supported, a value of the wrong type or range: see
+/// `fields::check`; what serde still refuses, such as a missing field).
 pub fn parse_body<T: Body>(bytes: &[u8]) -> Result<T, ApiError> {
     let v: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))?;
-    let unprocessable = |m: String| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, m);
-    let Some(obj) = v.as_object() else {
-        return Err(unprocessable(
-            "the request body must be a JSON object".into(),
+    let serde_json::Value::Object(mut obj) = v else {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "the request body must be a JSON object",
         ));
     };
-    if let Some(k) = obj
-        .keys()
-        .find(|k| !T::FIELDS.contains(&k.as_str()) && !COMMON_FIELDS.contains(&k.as_str()))
-    {
-        return Err(unprocessable(format!("unknown field {k:?}")));
-    }
-    serde_json::from_value(v).map_err(|e| unprocessable(format!("invalid request: {e}")))
+    let common: &[&str] = if T::SAMPLING { COMMON_FIELDS } else { &[] };
+    let common_kinds: &[(&str, Kind)] = if T::SAMPLING {
+        fields::COMMON_KINDS
+    } else {
+        &[]
+    };
+    fields::check(&mut obj, &[T::FIELDS, common], &[T::KINDS, common_kinds]).map_err(|r| {
+        let e = ApiError::bad(r.param, r.message);
+        match r.unsupported {
+            true => e.with_code("unsupported_parameter"),
+            false => e,
+        }
+    })?;
+    serde_json::from_value(serde_json::Value::Object(obj))
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}")))
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -173,6 +192,9 @@ pub enum StopInput {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
+    /// vLLM's: usage in every chunk, when `include_usage` is set too.
+    #[serde(default)]
+    pub continuous_usage_stats: bool,
 }
 
 /// Sampling and output fields both endpoints share (OpenAI's, then arbor's extensions).
@@ -279,6 +301,10 @@ pub struct Params {
     pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// Usage in every streamed chunk (`stream_options.continuous_usage_stats`).
+    pub continuous_usage: bool,
+    /// Whether the request gave its `seed` (else the server picks one: `AppState::seed`).
+    pub seeded: bool,
     pub ignore_eos: bool,
     pub sample_id: u64,
     pub prompt_logprobs: bool,
@@ -444,6 +470,12 @@ impl Common {
                 .stream_options
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
+            // As vLLM: per-chunk usage only where usage was asked for at all.
+            continuous_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage && o.continuous_usage_stats),
+            seeded: self.seed.is_some(),
             ignore_eos: self.ignore_eos,
             sample_id: self.sample_id.unwrap_or(0),
             prompt_logprobs: self.prompt_logprobs,
@@ -480,11 +512,34 @@ mod tests {
         let e = parse_body::<CompletionRequest>(b"{\"prompt\": ").unwrap_err();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         let e = parse_body::<CompletionRequest>(br#"{"prompt": "x", "max_tokns": 3}"#).unwrap_err();
-        assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
-        assert!(e.message.contains("max_tokns"), "{}", e.message);
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("max_tokns"));
+        assert!(e.message.contains("not supported"), "{}", e.message);
         let e =
             parse_body::<CompletionRequest>(br#"{"prompt": "x", "max_tokens": -1}"#).unwrap_err();
-        assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.message, "max_tokens must be at least 0, got -1");
+        let e = parse_body::<ChatRequest>(br#"{"messages": [], "max_tokens": -1}"#).unwrap_err();
+        assert_eq!(
+            (e.param.as_deref(), e.message.as_str()),
+            (Some("max_tokens"), "max_tokens must be at least 1, got -1")
+        );
+        for f in ["tools", "tool_choice", "response_format"] {
+            let body = format!(r#"{{"messages": [], "{f}": {{}}}}"#);
+            let e = parse_body::<ChatRequest>(body.as_bytes()).unwrap_err();
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (StatusCode::BAD_REQUEST, Some(f))
+            );
+        }
+        let e = parse_body::<CompletionRequest>(br#"[1]"#).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let r = parse_body::<CompletionRequest>(
+            br#"{"prompt": "x", "max_tokens": null, "echo": null, "stream_options": {"include_usage": true, "continuous_usage_stats": true}}"#,
+        )
+        .unwrap();
+        let p = r.common.params(16, None, 4).unwrap();
+        assert!(p.include_usage && p.continuous_usage && !p.seeded);
         let r = parse_body::<CompletionRequest>(
             br#"{"prompt": [1, 2], "temperature": 0.5, "top_k": 3, "stop": "x"}"#,
         )
@@ -507,15 +562,15 @@ mod tests {
         let e = c(r#"{"prompt":"x","temperature":-1}"#)
             .params(1, None, 4)
             .unwrap_err();
-        assert_eq!(e.param, Some("temperature"));
+        assert_eq!(e.param.as_deref(), Some("temperature"));
         let e = c(r#"{"prompt":"x","top_p":0}"#)
             .params(1, None, 4)
             .unwrap_err();
-        assert_eq!(e.param, Some("top_p"));
+        assert_eq!(e.param.as_deref(), Some("top_p"));
         let e = c(r#"{"prompt":"x","n":5}"#).params(1, None, 4).unwrap_err();
-        assert_eq!(e.param, Some("n"));
+        assert_eq!(e.param.as_deref(), Some("n"));
         let e = c(r#"{"prompt":"x"}"#).params(1, Some(21), 4).unwrap_err();
-        assert_eq!(e.param, Some("logprobs"));
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
         assert_eq!(e.body()["error"]["type"], "invalid_request_error");
     }
 
@@ -530,10 +585,13 @@ mod tests {
         };
         assert_eq!(p(r#"{"prompt":"x","n":3}"#).sequences(2, 6).ok(), Some(6));
         let e = p(r#"{"prompt":"x","n":3}"#).sequences(1, 2).unwrap_err();
-        assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("n")));
+        assert_eq!(
+            (e.status, e.param.as_deref()),
+            (StatusCode::BAD_REQUEST, Some("n"))
+        );
         let e = p(r#"{"prompt":"x"}"#).sequences(300, 256).unwrap_err();
         assert_eq!(
-            (e.status, e.param),
+            (e.status, e.param.as_deref()),
             (StatusCode::BAD_REQUEST, Some("prompt"))
         );
         assert!(e.message.contains("300"), "{}", e.message);
@@ -547,10 +605,10 @@ mod tests {
         let e = p(&format!(r#"{{"prompt":"x","n":2,"sample_id":{max}}}"#))
             .sequences(1, 8)
             .unwrap_err();
-        assert_eq!(e.param, Some("sample_id"));
+        assert_eq!(e.param.as_deref(), Some("sample_id"));
         let e = p(&format!(r#"{{"prompt":"x","sample_id":{}}}"#, max - 1))
             .sequences(3, 8)
             .unwrap_err();
-        assert_eq!(e.param, Some("sample_id"));
+        assert_eq!(e.param.as_deref(), Some("sample_id"));
     }
 }

@@ -17,8 +17,9 @@ use serde_json::json;
 
 use super::api::ApiError;
 use super::conn;
-use super::openai::{chat_completions, completions, models};
+use super::openai::{chat_completions, completions, model, models};
 use super::state::AppState;
+use super::tokenize::{detokenize, tokenize, tokenizer_info};
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     match st.accepting() {
@@ -55,6 +56,11 @@ fn router(st: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        // OpenAI's model card and vLLM's tokenizer routes (clients such as lm-eval probe them).
+        .route("/v1/models/{*id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .merge(super::admin::routes(st.max_upload))

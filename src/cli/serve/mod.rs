@@ -9,6 +9,7 @@ pub mod choice;
 pub mod client;
 pub mod compat;
 pub mod conn;
+pub mod fields;
 pub mod http;
 pub mod job;
 pub mod leader;
@@ -17,6 +18,7 @@ pub mod options;
 pub mod response;
 pub mod sglang;
 pub mod state;
+pub mod tokenize;
 
 use std::path::PathBuf;
 
@@ -103,6 +105,12 @@ pub struct Args {
     /// HTTP connections open at once; more wait to be accepted (lowered to fit `ulimit -n`).
     #[arg(long, default_value_t = 512)]
     pub max_connections: usize,
+    /// The sampling seed of requests that give none. Without it each such request at a
+    /// temperature draws a fresh seed and returns it (`seed` in the body, `x-arbor-seed`),
+    /// so that any sample can be replayed; with it they all use N, as `arbor generate`
+    /// does.
+    #[arg(long, value_name = "N")]
+    pub default_seed: Option<u64>,
     /// Largest `n` (choices per request).
     #[arg(long, default_value_t = 16)]
     pub max_n: usize,

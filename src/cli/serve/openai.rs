@@ -1,13 +1,13 @@
 //! The OpenAI routes: `/v1/completions`, `/v1/chat/completions` (a request's prompts
 //! checked, tokenised or rendered with the chat template, and run as a job) and
-//! `/v1/models`.
+//! `/v1/models` and `/v1/models/{id}`.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -53,6 +53,7 @@ pub(super) async fn completions(
             ));
         }
         p.echo = req.echo;
+        st.seed(&mut p);
         for prompt in &prompts {
             st.check_prompt(prompt, max_tokens)?;
         }
@@ -96,7 +97,8 @@ pub(super) async fn chat_completions(
                 ))
             }
         };
-        let p = req.common.params(max_tokens, logprobs, st.max_n)?;
+        let mut p = req.common.params(max_tokens, logprobs, st.max_n)?;
+        st.seed(&mut p);
         st.check_prompt(&prompt, max_tokens)?;
         run_job(Job::submit(&st, vec![prompt], p, true)?).await
     }
@@ -115,12 +117,29 @@ fn finish_response(st: &AppState, r: Result<Response, ApiError>) -> Response {
     }
 }
 
+fn model_card(st: &AppState) -> serde_json::Value {
+    json!({"id": st.model_name, "object": "model", "created": 0, "owned_by": "arbor", "max_model_len": st.max_len})
+}
+
 pub(super) async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(e) = st.authorize(&headers) {
         return e.into_response();
     }
-    Json(json!({"object": "list", "data": [{
-        "id": st.model_name, "object": "model", "created": 0, "owned_by": "arbor", "max_model_len": st.max_len,
-    }]}))
-    .into_response()
+    Json(json!({"object": "list", "data": [model_card(&st)]})).into_response()
+}
+
+/// `GET /v1/models/{id}`: the served model's card, or 404 (`model_not_found`). The id
+/// may hold slashes (`--served-model-name org/name`).
+pub(super) async fn model(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let r = st
+        .authorize(&headers)
+        .and_then(|()| st.check_model(Some(&id)));
+    match r {
+        Ok(()) => Json(model_card(&st)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }

@@ -148,6 +148,7 @@ impl Job {
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
+            "seed": self.p.sampling.seed,
         });
         // Every choice that ran, ran on one version (docs/rl.md).
         if let Some(v) = self.choices.iter().find_map(|c| c.version.as_deref()) {
@@ -158,13 +159,17 @@ impl Job {
     }
 
     pub(super) fn chunk(&self, choices: Vec<Value>) -> Event {
-        let v = json!({
+        let mut v = json!({
             "id": self.id,
             "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
             "created": self.created,
             "model": self.model,
             "choices": choices,
+            "seed": self.p.sampling.seed,
         });
+        if self.p.continuous_usage {
+            v["usage"] = self.usage();
+        }
         Event::default().data(v.to_string())
     }
 
@@ -195,14 +200,19 @@ impl Job {
     }
 }
 
+/// The header that carries the request's sampling seed (also `seed` in the body and in
+/// every chunk), there before the first token of a stream.
+pub const SEED_HEADER: &str = "x-arbor-seed";
+
 pub(super) async fn run_job(mut job: Job) -> Result<Response, ApiError> {
+    let seed = [(SEED_HEADER, job.p.sampling.seed.to_string())];
     if job.p.stream {
-        return Ok(stream_job(job).into_response());
+        return Ok((seed, stream_job(job)).into_response());
     }
     while !job.done() {
         job.next().await?;
     }
-    Ok(Json(job.final_body()).into_response())
+    Ok((seed, Json(job.final_body())).into_response())
 }
 
 fn stream_job(job: Job) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
@@ -243,7 +253,7 @@ fn stream_job(job: Job) -> Sse<impl futures_util::Stream<Item = Result<Event, In
             if s.job.done() {
                 if s.job.p.include_usage {
                     let v = json!({"id": s.job.id, "object": if s.job.chat { "chat.completion.chunk" } else { "text_completion" },
-                        "created": s.job.created, "model": s.job.model, "choices": [], "usage": s.job.usage()});
+                        "created": s.job.created, "model": s.job.model, "choices": [], "usage": s.job.usage(), "seed": s.job.p.sampling.seed});
                     s.pending.push_back(Event::default().data(v.to_string()));
                 }
                 s.pending.push_back(Event::default().data("[DONE]"));

@@ -177,7 +177,7 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
     for k in NEUTRAL_ONLY {
         if let Some(v) = obj.remove(*k) {
             if !is_neutral(&v) {
-                return Err(ApiError::bad(k, format!("{k} is not supported")));
+                return Err(ApiError::bad(*k, format!("{k} is not supported")));
             }
         }
     }
@@ -312,6 +312,9 @@ pub(super) async fn generate(
             .unwrap_or(0);
         let max_new = g.max_new.unwrap_or(DEFAULT_MAX_NEW).min(room);
         let mut p = g.common.params(max_new, g.logprobs, st.max_n)?;
+        // Unseeded requests draw a fresh seed as completions do: frameworks send each of a
+        // prompt's samples as its own request, which one fixed seed would make identical.
+        st.seed(&mut p);
         if g.no_stop_trim {
             p.stop_trim = StopTrim::Keep;
         }
@@ -413,6 +416,8 @@ fn item(job: &Job, shape: &Shape, i: usize) -> Value {
         "cached_tokens": 0,
         "weight_version": c.version.as_deref(),
         "e2e_latency": shape.t0.elapsed().as_secs_f64(),
+        // The seed the sample was drawn with: sent back as `sampling_seed`, it replays.
+        "sampling_seed": job.p.sampling.seed,
     });
     if shape.logprobs {
         meta["output_token_logprobs"] = c

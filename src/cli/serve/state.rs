@@ -24,6 +24,8 @@ pub struct AppState {
     pub(super) model_name: String,
     pub(super) max_len: usize,
     vocab: usize,
+    /// The ids that end a sequence (config.json and generation_config.json).
+    pub(super) eos_token_ids: Vec<u32>,
     api_key: Option<String>,
     pub(super) draining: AtomicBool,
     pub(super) inflight: AtomicUsize,
@@ -39,6 +41,8 @@ pub struct AppState {
     pub(super) server_info: serde_json::Value,
     pub(super) stats: Arc<Stats>,
     pub(super) next_id: AtomicU64,
+    /// `--default-seed`: the seed of unseeded requests (None: a fresh one each).
+    default_seed: Option<u64>,
     /// Set by the leader once the engine loop has ended: the server then shuts down.
     pub stop: Arc<tokio::sync::watch::Sender<bool>>,
 }
@@ -66,6 +70,7 @@ impl AppState {
             model_name,
             max_len: runner.max_seq_len(),
             vocab: runner.config().vocab_size,
+            eos_token_ids: runner.eos_token_ids().to_vec(),
             api_key: args.api_key.clone(),
             draining: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
@@ -79,6 +84,7 @@ impl AppState {
             server_info,
             stats,
             next_id: AtomicU64::new(0),
+            default_seed: args.default_seed,
             stop: Arc::new(tokio::sync::watch::channel(false).0),
         })
     }
@@ -144,7 +150,7 @@ impl AppState {
     pub(super) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             Some(m) if m != self.model_name => Err(ApiError {
-                param: Some("model"),
+                param: Some("model".into()),
                 ..ApiError::new(
                     StatusCode::NOT_FOUND,
                     format!(
@@ -156,6 +162,20 @@ impl AppState {
             .with_code("model_not_found")),
             _ => Ok(()),
         }
+    }
+
+    /// Sets the seed of a request that gave none: `--default-seed` (0 without it) for a
+    /// greedy one, whose tokens no seed changes; else `--default-seed` or a fresh draw,
+    /// which the response returns so that the sample can be replayed.
+    pub(super) fn seed(&self, p: &mut super::api::Params) {
+        if p.seeded {
+            return;
+        }
+        p.sampling.seed = match self.default_seed {
+            Some(s) => s,
+            None if p.sampling.is_greedy() => 0,
+            None => fresh_seed(),
+        };
     }
 
     pub(super) fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
@@ -173,6 +193,18 @@ impl AppState {
         encoder
             .encode(text, special)
             .map_err(|e| ApiError::bad("prompt", format!("cannot tokenise the prompt: {e}")))
+    }
+
+    pub(super) fn tokenizer(&self) -> Option<&tokenizers::Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    pub(super) fn tokenizer_config(&self) -> Option<&arbor_model::TokenizerConfig> {
+        self.tokenizer_config.as_ref()
+    }
+
+    pub(super) fn vocab(&self) -> usize {
+        self.vocab
     }
 
     pub(super) fn decode(&self, ids: &[u32]) -> String {
@@ -260,4 +292,22 @@ fn server_info(args: &Args, runner: &dyn Runner, model_name: &str) -> serde_json
         "version": env!("CARGO_PKG_VERSION"),
         "engine": "arbor",
     })
+}
+
+/// A random seed below 2^53, so that it survives a JSON client that reads numbers as
+/// doubles (JavaScript) and can be sent back as `seed`.
+fn fresh_seed() -> u64 {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        // No OS randomness: the clock and a counter still give each request its own seed.
+        static N: AtomicU64 = AtomicU64::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        b = (t ^ N
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .to_le_bytes();
+    }
+    u64::from_le_bytes(b) & ((1 << 53) - 1)
 }
