@@ -28,7 +28,8 @@ import time
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=512,
@@ -50,7 +51,13 @@ CASES = [
     ("qwen3-yarn", Qwen3Config, dict(rope_theta=1000000.0, rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
     ("qwen3-tied", Qwen3Config, dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    ("qwen3moe-default", Qwen3MoeConfig, dict(rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=128, norm_topk_prob=True)),
+    ("mixtral-default", MixtralConfig, dict(rope_theta=1000000.0, num_local_experts=8, num_experts_per_tok=2)),
 ]
+
+# Mixture-of-experts models run on arbor's CPU backend only.
+CPU_ONLY = {"qwen3moe-default", "mixtral-default"}
 
 V5 = int(transformers.__version__.split(".")[0]) >= 5
 
@@ -199,7 +206,8 @@ def compare(name, cls, extra, args, root, dev):
                or json.load(open(os.path.join(d, "config.json"))).get("rope_scaling"),
                positions=len(flat), logprob_std=spread, hf_bf16_vs_f32=diff(bf16, ref))
     ok = True
-    for device in args.devices.split(","):
+    devices = [d for d in args.devices.split(",") if d == "cpu" or name not in CPU_ONLY]
+    for device in devices:
         a = arbor_logprobs(args.arbor, d, seqs, device, d)
         b = arbor_logprobs(args.arbor, twin, seqs, device, twin)
         same_bits = all(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
@@ -216,7 +224,7 @@ def compare(name, cls, extra, args, root, dev):
     row["ok"] = ok
     fmt = lambda p: f"{p[0]:.2e}/{p[1]:.2e}"
     cols = " ".join(f"arbor-{dv} {fmt(row[f'arbor_{dv}_vs_f32'])} twin-bits={'same' if row[f'arbor_{dv}_twin_same_bits'] else 'DIFFER'}"
-                    for dv in args.devices.split(","))
+                    for dv in devices)
     extra_col = f" | schedule ignored {fmt(row['schedule_ignored_vs_f32'])}" if "schedule_ignored_vs_f32" in row else ""
     print(f"{'ok  ' if ok else 'FAIL'} {name:16s} std {spread:.2f} | HF-bf16 {fmt(row['hf_bf16_vs_f32'])} | {cols}{extra_col}  ({time.time()-t0:.0f} s)", flush=True)
     return row
