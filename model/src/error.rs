@@ -15,7 +15,7 @@ pub enum ModelError {
     },
     #[error("config {path}: {msg}")]
     Config { path: PathBuf, msg: String },
-    #[error("config {path}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM)")]
+    #[error("config {path}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)")]
     UnknownArch { path: PathBuf, arch: String },
     #[error("GGUF {path}: {msg}")]
     Gguf { path: PathBuf, msg: String },

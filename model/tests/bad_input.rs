@@ -65,11 +65,11 @@ fn unknown_architecture() {
     edit_config(m.path(), |c| {
         c.insert(
             "architectures".into(),
-            serde_json::json!(["MixtralForCausalLM"]),
+            serde_json::json!(["DeepseekV3ForCausalLM"]),
         );
     });
     let e = load_err(m.path());
-    assert!(e.to_string().contains("MixtralForCausalLM"), "{e}");
+    assert!(e.to_string().contains("DeepseekV3ForCausalLM"), "{e}");
     assert!(matches!(e, ModelError::UnknownArch { .. }));
 }
 
