@@ -1,7 +1,8 @@
 //! Which config.json keys arbor knows. A key outside these lists may change the model's
 //! math in a way arbor does not implement, so it is refused rather than ignored.
 
-/// Keys whose values arbor reads and implements (or refuses value by value).
+/// Keys whose values arbor reads and implements (or refuses value by value); the
+/// mixture-of-experts ones are `moe::KEYS`.
 pub const MATH: &[&str] = &[
     "architectures",
     "model_type",
@@ -26,13 +27,6 @@ pub const MATH: &[&str] = &[
     "use_sliding_window",
     "max_window_layers",
     "layer_types",
-    "num_experts",
-    "num_local_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
     "bos_token_id",
     "eos_token_id",
     "pad_token_id",
@@ -127,7 +121,12 @@ pub fn unknown<'a>(
 ) -> Vec<&'a str> {
     obj.keys()
         .map(String::as_str)
-        .filter(|k| !MATH.contains(k) && !INERT.contains(k) && !allowed.iter().any(|a| a == k))
+        .filter(|k| {
+            !MATH.contains(k)
+                && !super::moe::KEYS.contains(k)
+                && !INERT.contains(k)
+                && !allowed.iter().any(|a| a == k)
+        })
         .collect()
 }
 
