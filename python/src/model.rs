@@ -30,7 +30,7 @@ struct Held {
     updates: u64,
 }
 
-// SAFETY: `load` on `Device::Cpu` (the only device this module loads on) returns an
+// SAFETY: `load` on `Device::Cpu` (the only device this module loads on) returns a
 // `Worker<CpuBackend>`, whose fields (host buffers, an `Arc<dyn Communicator + Send + Sync>`,
 // the tokenizer, plain data) are all `Send`; the trait object merely does not say so. The
 // runner is only ever reached through the `Mutex` below, one thread at a time.
