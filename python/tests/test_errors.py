@@ -78,7 +78,7 @@ def test_unreadable_checkpoints(tiny: dict[str, Path], tmp_path: Path) -> None:
         arbor.Model(junk)
     notmodel = tmp_path / "notes.txt"
     notmodel.write_text("hello")
-    with pytest.raises(arbor.CheckpointError, match="not GGUF"):
+    with pytest.raises(arbor.CheckpointError, match="not a GGUF file"):
         arbor.Model(notmodel)
 
 
