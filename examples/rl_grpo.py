@@ -44,9 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save
-
 from arbor.torch import CausalLM
+from safetensors.torch import save
 
 
 def call(
@@ -71,8 +70,9 @@ def start_server(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen[
     cmd = [args.arbor, "serve", "--model", args.model, "--port", str(port), "--max-seq-len", "512"]
     if args.tp > 1:
         cmd = [args.launcher, "-n", str(args.tp), "--", *cmd]
-    log = open(os.path.join(args.workdir, "serve.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # The server writes to its own copy of the descriptor; this side closes its copy.
+    with open(os.path.join(args.workdir, "serve.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     addr = f"127.0.0.1:{port}"
     for _ in range(1200):
         if proc.poll() is not None:

@@ -64,8 +64,9 @@ def free_port():
 def start_server(args, model, port):
     cmd = [args.launcher, "-n", str(args.tp), "--", args.arbor, "serve",
            "--model", model, "--port", str(port), "--max-seq-len", "256"]
-    log = open(os.path.join(args.workdir, "serve.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # The server writes to its own copy of the descriptor; this side closes its copy.
+    with open(os.path.join(args.workdir, "serve.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     addr = f"127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:

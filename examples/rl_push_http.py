@@ -10,7 +10,15 @@ larger than --part-bytes goes alone in a part of its own: the server's default
 
 Prints the parts, the bytes, the seconds to upload and to apply, and arbor's answer.
 """
-import argparse, glob, json, os, struct, sys, time, urllib.error, urllib.request
+import argparse
+import glob
+import json
+import os
+import struct
+import sys
+import time
+import urllib.error
+import urllib.request
 
 
 def tensors(model_dir):

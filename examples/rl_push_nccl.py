@@ -108,7 +108,8 @@ def load_safetensors(model_dir, device):
     """Every tensor of a model directory, on `device` (no safetensors package needed)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
     else:
         files = ["model.safetensors"]
     out = {}
