@@ -607,6 +607,12 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> ser
         "torch_dtype": torch_dtype,
         "use_cache": true,
     });
+    // A mixture-of-experts architecture without experts in its shape: one, always chosen.
+    let m = s.moe.unwrap_or(MoeShape {
+        experts: 1,
+        top_k: 1,
+        intermediate: s.intermediate,
+    });
     match arch {
         Arch::Llama => {
             c["architectures"] = json!(["LlamaForCausalLM"]);
@@ -630,11 +636,6 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> ser
             c["max_window_layers"] = json!(s.layers);
         }
         Arch::Qwen3Moe => {
-            let m = s.moe.unwrap_or(MoeShape {
-                experts: 1,
-                top_k: 1,
-                intermediate: s.intermediate,
-            });
             c["architectures"] = json!(["Qwen3MoeForCausalLM"]);
             c["model_type"] = json!("qwen3_moe");
             c["attention_bias"] = json!(false);
@@ -652,11 +653,6 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> ser
             c["output_router_logits"] = json!(false);
         }
         Arch::Mixtral => {
-            let m = s.moe.unwrap_or(MoeShape {
-                experts: 1,
-                top_k: 1,
-                intermediate: s.intermediate,
-            });
             c["architectures"] = json!(["MixtralForCausalLM"]);
             c["model_type"] = json!("mixtral");
             c["intermediate_size"] = json!(m.intermediate);
