@@ -578,7 +578,8 @@ async fn pause(
 #[serde(deny_unknown_fields)]
 pub(super) struct Empty {}
 
-async fn continue_generation(
+/// SGLang's `/continue_generation`, and vLLM's `/resume`.
+pub(super) async fn continue_generation(
     State(st): State<Arc<AppState>>,
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,

@@ -35,7 +35,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/get_load", get(load))
         .route("/update_weight_version", post(update_weight_version))
         .route("/pause", post(pause))
-        .route("/resume", post(resume))
+        .route("/resume", post(super::admin::continue_generation))
         .route("/get_world_size", get(world_size))
         .route("/sleep", post(sleep))
         .route("/wake_up", post(wake_up))
@@ -211,18 +211,6 @@ async fn pause(
     .await
 }
 
-async fn resume(
-    State(st): State<Arc<AppState>>,
-    headers: HeaderMap,
-    b: Result<Bytes, BytesRejection>,
-) -> Response {
-    guarded(st, headers, || {
-        let _: Empty = parse(&body(b)?)?;
-        Ok(ControlOp::Continue)
-    })
-    .await
-}
-
 async fn world_size(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(e) = st.authorize(&headers) {
         return e.into_response();
@@ -261,7 +249,7 @@ async fn sleep(
                 "mode" => {}
                 other => {
                     return Err(ApiError::bad(
-                        "level",
+                        other.to_string(),
                         format!("query parameter {other:?} is not supported"),
                     ))
                 }
@@ -282,7 +270,7 @@ async fn wake_up(
         let q = pairs(q)?;
         if let Some((k, _)) = q.iter().find(|(k, _)| k != "tags") {
             return Err(ApiError::bad(
-                "tags",
+                k.clone(),
                 format!("wake_up takes tags only, got {k:?}"),
             ));
         }
