@@ -32,6 +32,9 @@ create_exception!(
 pub enum NativeError {
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The GPU backend of `arbor.torch`'s CUDA operations.
+    #[error(transparent)]
+    Backend(#[from] arbor_model::backend::BackendError),
     /// A weight update refused (nothing changed).
     #[error("{}", one_rank(.0))]
     Control(#[from] ControlError),

@@ -3,8 +3,11 @@
 //! the path `arbor score` runs, and takes new weights from torch tensors on the path
 //! `/update_weights_from_tensor` takes. `arbor.torch` builds its module on top of it.
 
+mod cuda_ops;
 mod error;
 mod model;
+mod ops;
+mod spec;
 mod tensors;
 
 use std::collections::BTreeMap;
@@ -67,6 +70,18 @@ fn read_checkpoint<'py>(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<model::Model>()?;
+    m.add_class::<spec::ModelSpec>()?;
+    m.add_class::<cuda_ops::CudaOps>()?;
+    for f in [
+        wrap_pyfunction!(ops::tree_linear, m)?,
+        wrap_pyfunction!(ops::rms_norm, m)?,
+        wrap_pyfunction!(ops::silu_mul, m)?,
+        wrap_pyfunction!(ops::attention, m)?,
+        wrap_pyfunction!(ops::token_logprobs, m)?,
+        wrap_pyfunction!(ops::logits_digest, m)?,
+    ] {
+        m.add_function(f)?;
+    }
     m.add_function(wrap_pyfunction!(read_checkpoint, m)?)?;
     m.add("ArborError", py.get_type::<error::ArborError>())?;
     m.add("CheckpointError", py.get_type::<error::CheckpointError>())?;

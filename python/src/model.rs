@@ -8,18 +8,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use arbor_collective::{Communicator, SingleComm};
-use arbor_kernels::cpu::RopeTable;
 use arbor_model::batching::{ControlMsg, UpdateSource};
-use arbor_model::config::Arch;
 use arbor_model::runner::weights_update::run_control;
 use arbor_model::runner::{
     load, BatchWork, Device, KvOptions, LoadOptions, Runner, ScoreRequest, StepBudget,
 };
 use arbor_model::{ModelConfig, Numerics};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict};
+use pyo3::types::PyDict;
 
 use crate::error::{NResult, NativeError};
+use crate::spec::config_dict;
 use crate::tensors::{describe, safetensors_image};
 
 /// The runner and the group it runs in.
@@ -65,16 +64,6 @@ fn check_device(device: &str) -> NResult<Device> {
         d => Err(NativeError::Input(format!(
             "device {d:?}: expected \"cpu\" (or, not yet, \"cuda\")"
         ))),
-    }
-}
-
-fn arch_name(a: Arch) -> &'static str {
-    match a {
-        Arch::Llama => "llama",
-        Arch::Qwen2 => "qwen2",
-        Arch::Qwen3 => "qwen3",
-        Arch::Qwen3Moe => "qwen3_moe",
-        Arch::Mixtral => "mixtral",
     }
 }
 
@@ -193,28 +182,7 @@ impl Model {
     /// The model's configuration as arbor read it (the fields a forward needs).
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = &self.cfg;
-        let d = PyDict::new(py);
-        d.set_item("arch", arch_name(c.arch))?;
-        d.set_item("arch_name", &c.arch_name)?;
-        d.set_item("hidden_size", c.hidden_size)?;
-        d.set_item("intermediate_size", c.intermediate_size)?;
-        d.set_item("num_layers", c.num_layers)?;
-        d.set_item("num_heads", c.num_heads)?;
-        d.set_item("num_kv_heads", c.num_kv_heads)?;
-        d.set_item("head_dim", c.head_dim)?;
-        d.set_item("vocab_size", c.vocab_size)?;
-        d.set_item("rms_norm_eps", c.rms_norm_eps)?;
-        d.set_item("rope_theta", c.rope_theta)?;
-        d.set_item("max_position_embeddings", c.max_position_embeddings)?;
-        d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
-        d.set_item("qkv_bias", c.qkv_bias)?;
-        d.set_item("o_bias", c.o_bias)?;
-        d.set_item("mlp_bias", c.mlp_bias)?;
-        d.set_item("qk_norm", c.arch.has_qk_norm())?;
-        d.set_item("bos_token_id", c.bos_token_id)?;
-        d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
-        Ok(d)
+        config_dict(py, &self.cfg)
     }
 
     /// The longest sequence `score` takes (the context, at most what the KV cache holds).
@@ -307,23 +275,6 @@ impl Model {
             Ok(())
         })?;
         Ok(t0.elapsed().as_secs_f64())
-    }
-
-    /// arbor's RoPE table for positions `0..positions` (every schedule the config names,
-    /// folded in): `(cos, sin)`, each `positions × head_dim/2` little-endian f32.
-    fn rope_table<'py>(
-        &self,
-        py: Python<'py>,
-        positions: usize,
-    ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
-        let c = &self.cfg;
-        let t = RopeTable::try_new(c.head_dim, positions, c.rope_theta, c.rope_scaling)
-            .map_err(|e| NativeError::Input(e.to_string()))?;
-        let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-        Ok((
-            PyByteArray::new(py, &bytes(&t.cos)),
-            PyByteArray::new(py, &bytes(&t.sin)),
-        ))
     }
 
     fn __repr__(&self) -> String {

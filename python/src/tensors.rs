@@ -17,6 +17,18 @@ pub struct TorchTensor {
     nbytes: usize,
 }
 
+impl TorchTensor {
+    /// The address of its first byte (`data_ptr()`).
+    pub fn ptr(&self) -> usize {
+        self.ptr
+    }
+
+    /// Its size in bytes.
+    pub fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+}
+
 fn attr<'py>(t: &Bound<'py, PyAny>, name: &str, what: &str) -> NResult<Bound<'py, PyAny>> {
     t.getattr(name).map_err(|_| {
         NativeError::Type(format!(

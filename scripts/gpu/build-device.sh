@@ -4,6 +4,8 @@
 #   .device/arbor, .device/arbor-launch        the CLI and the launcher
 #   .device/tests/kernels-gpu                   arbor-kernels unit tests (GPU kernel invariance)
 #   .device/tests/model-gpu                     tests/gpu_model.rs (CPU vs GPU, prefill == decode)
+#   .device/py/arbor                            the Python package with its native core
+#                                               (scripts/gpu/torch-parity.py imports it)
 # Then run scripts/gpu/gpu-check.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,8 +36,15 @@ if [[ -z "$kernels_exe" || -z "$model_exe" ]]; then
     exit 1
 fi
 
-rm -rf .device/tests
-mkdir -p .device/tests
+# The Python package (arbor.torch) with its native core, importable from .device/py.
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" cargo build --release --manifest-path python/Cargo.toml
+native="${CARGO_TARGET_DIR:-$PWD/target}/release/lib_native.so"
+
+rm -rf .device/tests .device/py
+mkdir -p .device/tests .device/py
+cp -r python/arbor .device/py/
+find .device/py -name __pycache__ -prune -exec rm -rf {} +
+cp "$native" .device/py/arbor/_native.abi3.so
 cp target/release/arbor target/release/arbor-launch .device/
 cp "$kernels_exe" .device/tests/kernels-gpu
 cp "$model_exe" .device/tests/model-gpu

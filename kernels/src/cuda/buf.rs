@@ -25,6 +25,8 @@ use cudarc::driver::{result as dres, CudaContext, CudaSlice, CudaStream, DeviceR
 pub struct DevBuf<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     lease: Option<Lease>,
+    /// Memory another library owns (a torch tensor's): never freed here.
+    borrowed: bool,
 }
 
 struct Lease {
@@ -39,6 +41,21 @@ impl<T> DevBuf<T> {
         Self {
             slice: ManuallyDrop::new(slice),
             lease: None,
+            borrowed: false,
+        }
+    }
+
+    /// A view of `len` values of `T` at `ptr`, memory another library owns and frees
+    /// (a torch tensor's): dropping the view releases the handle only.
+    ///
+    /// # Safety
+    /// `ptr` addresses `len` values of `T` on `stream`'s device, which stay allocated and
+    /// are written by no other work while the view (and any kernel reading it) lives.
+    pub unsafe fn borrowed(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Self {
+        Self {
+            slice: ManuallyDrop::new(stream.upgrade_device_ptr(ptr, len)),
+            lease: None,
+            borrowed: true,
         }
     }
 
@@ -66,6 +83,9 @@ impl<T> Drop for DevBuf<T> {
         // SAFETY: `slice` is taken exactly once, here.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         match self.lease.take() {
+            None if self.borrowed => {
+                slice.leak();
+            }
             None => drop(slice),
             Some(l) => {
                 // The memory is the workspace's: release the handle without freeing it.
@@ -297,6 +317,7 @@ impl Workspace {
                 addr,
                 class,
             }),
+            borrowed: false,
         }))
     }
 }

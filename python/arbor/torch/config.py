@@ -19,6 +19,7 @@ class ArchConfig:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    max_position_embeddings: int
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool

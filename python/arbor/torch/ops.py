@@ -1,56 +1,390 @@
-"""The forward's pieces as plain PyTorch operations, written as transformers writes them
-for Llama and Qwen: the gradient of `CausalLM.token_logprobs` is theirs."""
+"""arbor's forward as torch operations, each a `torch.autograd.Function`.
+
+The forward of each runs arbor's own kernel on the tensors' memory: on CPU tensors the CPU
+backend's kernel (`arbor._native`, no copy in or out); on CUDA tensors the CUDA backend's
+method a serving rank runs (`arbor._native.CudaOps`: inputs and weights read in place,
+the result copied into the output tensor, ordered with torch's current stream). A model
+built from these operations computes, value for value, what `arbor score` and `arbor
+serve` compute on the same kind of device at any TP size (the CPU's bits and the GPU's
+differ from each other). The backward is PyTorch's:
+the textbook gradient of the same function, from PyTorch operations. Gradients are not
+promised to be invariant; only the forward's values are.
+
+Activations are f32, weights bf16 (an f32 master weight is rounded to bf16, nearest even,
+as arbor rounds the weights it is given); a linear rounds its input to bf16. Tensors of
+dtype f64 take PyTorch's formula of the same function instead of arbor's kernel: that is
+how `torch.autograd.gradcheck` checks the backward.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from arbor import _native
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """f32, or f64 for f64 inputs (gradient checks)."""
-    return torch.promote_types(x.dtype, torch.float32)
+Ctx = Any
+
+
+def _f64(*xs: torch.Tensor) -> bool:
+    return any(x.dtype == torch.float64 for x in xs)
+
+
+def _bf16(w: torch.Tensor) -> torch.Tensor:
+    """The bf16 values arbor computes with (a copy only when `w` is not bf16 already)."""
+    return w.to(torch.bfloat16).contiguous()
+
+
+def _activations(op: str, *xs: torch.Tensor) -> None:
+    """arbor's activations are f32: a bf16 one means something cast them (e.g. FSDP2's
+    `MixedPrecisionPolicy` with its default `cast_forward_inputs=True`)."""
+    for x in xs:
+        if x.dtype != torch.float32:
+            raise TypeError(
+                f"{op}: an activation of dtype {x.dtype}; arbor's activations are float32 "
+                "(only parameters are bf16). Under FSDP2 pass "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)"
+            )
+
+
+_CUDA: dict[int, _native.CudaOps] = {}
+
+
+def _cuda(x: torch.Tensor) -> tuple[_native.CudaOps, int]:
+    """arbor's CUDA backend on `x`'s GPU (made once per GPU) and torch's current stream
+    there, which the op is ordered with."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _CUDA:
+        _CUDA[index] = _native.CudaOps(index)
+    return _CUDA[index], torch.cuda.current_stream(x.device).cuda_stream
+
+
+def _grad_as(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if g is None else g.to(like.dtype)
+
+
+class TreeLinear(torch.autograd.Function):
+    """`y = bf16(x) · bf16(W)ᵀ` in f32, each output the sum over K in arbor's tree order (8
+    segments, as every TP size cuts K). `x` `[..., K]` f32, `weight` `[N, K]`."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if _f64(x, weight):
+            ctx.save_for_backward(x, weight)
+            return x @ weight.t()
+        _activations("tree_linear", x)
+        x2 = x.reshape(-1, x.shape[-1])
+        xb = _bf16(x2)
+        out = torch.empty(xb.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        if x.is_cuda:
+            cuda, stream = _cuda(x)
+            cuda.tree_linear(x2.contiguous(), _bf16(weight), out, stream)
+        else:
+            _native.tree_linear(xb, _bf16(weight), out)
+        # The bf16 input is what the backward needs (half the f32 activation's memory).
+        ctx.save_for_backward(xb, weight)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        # On a GPU the gradient's products run in bf16 on the tensor cores, as plain bf16
+        # training runs them (f32 products there are an order of magnitude slower); on the
+        # CPU in f32.
+        mm = torch.bfloat16 if grad.is_cuda else grad.dtype
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            w = weight if weight.dtype == torch.float64 else _bf16(weight)
+            gx = (g.to(mm) @ w.to(mm)).to(grad.dtype).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            gw = (g.t().to(mm) @ x.reshape(-1, x.shape[-1]).to(mm)).to(weight.dtype)
+        return gx, gw
+
+
+class RMSNorm(torch.autograd.Function):
+    """`y = x / sqrt(mean(x²) + eps) · bf16(weight)` over the last dimension, f32."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight)
+        if _f64(x, weight):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        _activations("rms_norm", x)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(x2)
+        if x.is_cuda:
+            cuda, stream = _cuda(x)
+            cuda.rms_norm(x2, _bf16(weight).float(), eps, out, stream)
+        else:
+            _native.rms_norm(x2, _bf16(weight).float(), eps, out)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dt = torch.promote_types(grad.dtype, x.dtype)
+        x, g = x.to(dt), grad.to(dt)
+        w = weight.to(dt) if dt == torch.float64 else _bf16(weight).to(dt)
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        gw_x = g * w
+        gx = inv * (gw_x - x * inv.pow(2) * (gw_x * x).mean(-1, keepdim=True))
+        gweight = (g * x * inv).reshape(-1, x.shape[-1]).sum(0)
+        return gx.to(grad.dtype), _grad_as(gweight, weight), None
+
+
+class SiluMul(torch.autograd.Function):
+    """`y = silu(gate) · up`, `silu(g) = g / (1 + exp(-g))`, f32."""
+
+    @staticmethod
+    def forward(ctx: Ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if _f64(gate, up):
+            ctx.save_for_backward(gate, up)
+            return F.silu(gate) * up
+        # On a GPU the backward reads bf16 copies, as much memory as plain bf16 training
+        # keeps for it (its gradient is PyTorch's, not promised to be invariant).
+        keep = (lambda t: t.to(torch.bfloat16)) if gate.is_cuda else (lambda t: t)
+        ctx.save_for_backward(keep(gate), keep(up))
+        _activations("silu_mul", gate, up)
+        g2 = gate.reshape(-1, gate.shape[-1]).contiguous()
+        out = torch.empty_like(g2)
+        u2 = up.reshape(g2.shape).contiguous()
+        if gate.is_cuda:
+            cuda, stream = _cuda(gate)
+            cuda.silu_mul(g2, u2, out, stream)
+        else:
+            _native.silu_mul(g2, u2, out)
+        return out.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gate, up = (t.to(grad.dtype) for t in ctx.saved_tensors)
+        s = torch.sigmoid(gate)
+        gg = grad * up * s * (1 + gate * (1 - s))
+        gu = grad * gate * s
+        return gg, gu
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """RoPE in PyTorch: per head, `(a, b) -> (a·cos - b·sin, b·cos + a·sin)` over its two
+    halves; `cos`, `sin` `[rows, head_dim/2]`."""
+    rows = x.shape[0]
+    h = x.view(rows, n_heads, -1)
+    half = h.shape[-1] // 2
+    a, b = h[..., :half], h[..., half:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1).reshape(x.shape)
+
+
+class Positions:
+    """Packed sequences (`cu_seqlens`: each one's first row, then the row count), each
+    starting at position 0, with arbor's RoPE table for them (`spec`: the checkpoint's
+    `arbor._native.ModelSpec`)."""
+
+    def __init__(
+        self, cu_seqlens: Sequence[int], spec: _native.ModelSpec, device: torch.device
+    ) -> None:
+        self.cu_seqlens = [int(c) for c in cu_seqlens]
+        self.spec = spec
+        pos = [p for s, e in pairwise(self.cu_seqlens) for p in range(e - s)]
+        n = max(pos, default=0) + 1
+        cos, sin = spec.rope_table(n)
+        half = len(cos) // (4 * n)
+        index = torch.tensor(pos, dtype=torch.long)
+        table = [torch.frombuffer(t, dtype=torch.float32).view(n, half)[index] for t in (cos, sin)]
+        self.cos, self.sin = (t.to(device) for t in table)
+        self.positions = pos
+
+
+class RopeAttention(torch.autograd.Function):
+    """RoPE on `q` and `k`, then causal attention of the packed sequences with arbor's
+    key-block order, reading keys and values rounded to bf16 as arbor's KV cache holds
+    them: a layer's attention as a serving rank's prefill step computes it. `q`
+    `[T, n_heads·d]`, `k`, `v` `[T, n_kv_heads·d]`, f32; query head h reads KV head
+    `h // (n_heads / n_kv_heads)`. On CUDA, `fused` takes the engine's one-pass kernel
+    (models without q/k norms), as the engine does."""
+
+    @staticmethod
+    def forward(
+        ctx: Ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        at: Positions,
+        n_heads: int,
+        n_kv_heads: int,
+        fused: bool,
+    ) -> torch.Tensor:
+        ctx.at, ctx.heads = at, (n_heads, n_kv_heads)
+        if q.is_cuda:
+            # bf16 copies for the backward, which runs flash attention in bf16 on a GPU.
+            ctx.save_for_backward(*(t.to(torch.bfloat16) for t in (q, k, v)))
+        else:
+            ctx.save_for_backward(q, k, v)
+        if _f64(q, k, v):
+            with torch.no_grad():
+                qr = _rotate(q, at.cos.to(q.dtype), at.sin.to(q.dtype), n_heads)
+                kr = _rotate(k, at.cos.to(k.dtype), at.sin.to(k.dtype), n_kv_heads)
+                return _sdpa_packed(qr, kr, v, at.cu_seqlens, n_heads, n_kv_heads)
+        _activations("rope_attention", q, k, v)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        if q.is_cuda:
+            cuda, stream = _cuda(q)
+            if fused:
+                qkv = torch.cat((q, k, v), dim=1)
+                cuda.rope_attention(
+                    at.spec, qkv, None, None, None, at.cu_seqlens, n_heads, n_kv_heads, out, stream
+                )
+            else:
+                cuda.rope_attention(
+                    at.spec, None, q, k, v, at.cu_seqlens, n_heads, n_kv_heads, out, stream
+                )
+            return out
+        qr, kr = q.clone(), k.clone()
+        at.spec.rope(qr, at.positions, n_heads)
+        at.spec.rope(kr, at.positions, n_kv_heads)
+        _native.attention(qr, kr, v, at.cu_seqlens, n_heads, n_kv_heads, q.shape[1] // n_heads, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors
+        at, (n_heads, n_kv_heads) = ctx.at, ctx.heads
+        dt = torch.bfloat16 if grad.is_cuda else grad.dtype
+        cos, sin = at.cos.to(dt), at.sin.to(dt)
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+            qr = _rotate(q_, cos, sin, n_heads)
+            kr = _rotate(k_, cos, sin, n_kv_heads)
+            if dt == torch.float32:
+                # The keys and values the forward read (the rounding's gradient is the identity).
+                kr = kr + (kr.to(torch.bfloat16).to(dt) - kr).detach()
+                v2 = v_ + (v_.to(torch.bfloat16).to(dt) - v_).detach()
+            else:
+                v2 = v_
+            out = _sdpa_packed(qr, kr, v2, at.cu_seqlens, n_heads, n_kv_heads)
+            gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad.to(dt))
+        f = grad.dtype
+        return gq.to(f), gk.to(f), gv.to(f), None, None, None, None
+
+
+def _sdpa_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: Sequence[int],
+    n_heads: int,
+    n_kv_heads: int,
+) -> torch.Tensor:
+    """PyTorch's causal SDPA of the packed sequences (the backward's function), in one
+    call: the sequences padded to the longest, each query row masked to its own
+    sequence's keys up to its position."""
+    lens = [e - s for s, e in pairwise(cu_seqlens) if e > s]
+    if not lens:
+        return q.new_zeros(q.shape)
+    d = q.shape[1] // n_heads
+    if q.is_cuda:
+        # One causal call per sequence: flash attention's kernels, no mask in memory.
+        outs = []
+        for s, e in pairwise(cu_seqlens):
+            if e == s:
+                continue
+            qs, ks, vs = (t[s:e].view(e - s, -1, d).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(e - s, n_heads * d))
+        return torch.cat(outs)
+    n, longest = len(lens), max(lens)
+    # Packed row -> its padded slot (sequence i, position p) = i·longest + p.
+    slot = torch.cat([torch.arange(m) + i * longest for i, m in enumerate(lens)])
+
+    def pad(x: torch.Tensor, heads: int) -> torch.Tensor:
+        padded = x.new_zeros(n * longest, x.shape[1]).index_copy(0, slot, x)
+        return padded.view(n, longest, heads, d).transpose(1, 2)
+
+    groups = n_heads // n_kv_heads
+    qp = pad(q, n_heads)
+    kp = pad(k, n_kv_heads).repeat_interleave(groups, dim=1)
+    vp = pad(v, n_kv_heads).repeat_interleave(groups, dim=1)
+    pos = torch.arange(longest)
+    causal = pos.unsqueeze(1) >= pos.unsqueeze(0)
+    real_key = pos.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [n, keys]
+    mask = causal.unsqueeze(0) & real_key.unsqueeze(1)  # [n, queries, keys]
+    o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.unsqueeze(1))
+    return o.transpose(1, 2).reshape(n * longest, n_heads * d)[slot]
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """`log_softmax(logits[r])[targets[r]]` per row as arbor computes a token's log-prob
+    (`row[t] - logsumexp(row)`, the exponentials summed in index order). `logits` `[R, V]`
+    f32, `targets` `[R]` integers; f32 `[R]`."""
+
+    @staticmethod
+    def forward(ctx: Ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, targets)
+        if _f64(logits):
+            return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        _activations("token_logprobs", logits)
+        logits = logits.contiguous()
+        if logits.is_cuda:
+            cuda, stream = _cuda(logits)
+            lp, _ = cuda.token_logprobs(logits, targets.tolist(), stream)
+            return torch.tensor(lp, dtype=torch.float32, device=logits.device)
+        out = torch.empty(logits.shape[0], dtype=torch.float32)
+        _native.token_logprobs(logits, targets.tolist(), out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, targets = ctx.saved_tensors
+        g = -torch.softmax(logits.to(grad.dtype), -1) * grad.unsqueeze(-1)
+        g.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+        return g, None
+
+
+def tree_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A linear layer with arbor's bits; a bias (rounded to bf16) is added in f32 after the
+    sum, as arbor adds it."""
+    y = TreeLinear.apply(x, weight)
+    return y if bias is None else y + _bias(bias, y)
+
+
+def _bias(b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return b if like.dtype == torch.float64 else b.to(torch.bfloat16).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x²) + eps)` over the last dimension, the statistic in f32."""
-    dtype = x.dtype
-    h = x.to(_compute_dtype(x))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return RMSNorm.apply(x, weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return SiluMul.apply(gate, up)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in transformers' `rotate_half` convention. `x` is `[B, heads, T, head_dim]`;
-    `cos` / `sin` are `[T, head_dim]` (each half repeated), already scaled by whatever
-    schedule the config names (arbor's table: default, linear, dynamic, llama3, YaRN)."""
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled dot-product attention, `[B, heads, T, d]`; `k` and `v` may have fewer
-    heads (grouped-query attention: query head h reads KV head h // (heads / kv_heads))."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def silu_mlp(
-    x: torch.Tensor, gate: torch.nn.Linear, up: torch.nn.Linear, down: torch.nn.Linear
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    at: Positions,
+    n_heads: int,
+    n_kv_heads: int,
+    fused: bool = True,
 ) -> torch.Tensor:
-    return down(F.silu(gate(x)) * up(x))
+    return RopeAttention.apply(q, k, v, at, n_heads, n_kv_heads, fused)
 
 
-def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """`log_softmax(logits)[target]` in f32 (f64 for f64 logits): `[B, T, V]`, `[B, T]`."""
-    lp = torch.log_softmax(logits.to(_compute_dtype(logits)), dim=-1)
-    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return TokenLogprobs.apply(logits, targets)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the bf16 table, as f32 (exact: bf16 widens to f32 without rounding)."""
+    e = F.embedding(ids, weight)
+    return e if weight.dtype == torch.float64 else e.to(torch.bfloat16).float()

@@ -15,6 +15,7 @@
 //! step.rs and the recordings in graphs.rs; the tensor-core GEMM gemm.rs.
 
 mod collective;
+mod foreign;
 pub mod gemm;
 pub mod graphs;
 mod kv;

@@ -1,0 +1,402 @@
+//! `arbor._native.CudaOps`: the forward of `arbor.torch`'s operations on CUDA tensors. Each
+//! runs arbor's CUDA backend — the same methods, so the same kernels chosen the same way,
+//! as a serving rank's step at TP 1 — on views of the torch tensors (weights and inputs are
+//! read in place), and copies the result into the output tensor torch allocated. arbor's
+//! stream waits for the caller's stream before the op and the caller's stream waits for
+//! arbor's after it, so torch's own ordering (and its allocator's reuse of freed memory)
+//! holds across the call.
+
+use std::sync::Mutex;
+
+use arbor_kernels::cpu::RowDraw;
+use arbor_kernels::paged::blocks_for;
+use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
+use arbor_model::backend::cuda::{CudaAct, CudaBackend};
+use arbor_model::backend::{Backend, HeadSpec, KvRows, KvSpec, SeqRows, TreeSpec};
+use arbor_model::safetensors::DType;
+use pyo3::prelude::*;
+
+use crate::error::{NResult, NativeError};
+use crate::ops::sequences;
+use crate::spec::ModelSpec;
+
+/// A CUDA tensor's memory: its address, its shape, its device.
+struct DevMem {
+    ptr: u64,
+    shape: Vec<usize>,
+}
+
+fn cuda_operand(
+    op: &str,
+    what: &str,
+    t: &Bound<'_, PyAny>,
+    dtype: DType,
+    dims: usize,
+    ordinal: usize,
+) -> NResult<DevMem> {
+    let name = format!("{op}: {what}");
+    let ty = |e: PyErr| NativeError::Type(format!("{name}: not a torch.Tensor ({e})"));
+    let device = t.getattr("device").map_err(ty)?;
+    let kind: String = device
+        .getattr("type")
+        .and_then(|d| d.extract())
+        .map_err(ty)?;
+    let index: Option<usize> = device
+        .getattr("index")
+        .and_then(|d| d.extract())
+        .map_err(ty)?;
+    if kind != "cuda" || index != Some(ordinal) {
+        return Err(NativeError::Input(format!(
+            "{name} is on {kind}:{}, the op runs on cuda:{ordinal}",
+            index.map_or("?".into(), |i| i.to_string())
+        )));
+    }
+    let dtype_name: String = t
+        .getattr("dtype")
+        .and_then(|d| d.str())
+        .map_err(ty)?
+        .to_string();
+    let want = match dtype {
+        DType::BF16 => "torch.bfloat16",
+        DType::F32 => "torch.float32",
+        _ => "torch.float16",
+    };
+    if dtype_name != want {
+        return Err(NativeError::Type(format!(
+            "{name}: dtype {dtype_name} where arbor's kernel takes {want}"
+        )));
+    }
+    let contiguous: bool = t
+        .call_method0("is_contiguous")
+        .and_then(|c| c.extract())
+        .map_err(ty)?;
+    if !contiguous {
+        return Err(NativeError::Input(format!(
+            "{name} is not contiguous: pass .contiguous()"
+        )));
+    }
+    let shape: Vec<usize> = t.getattr("shape").and_then(|s| s.extract()).map_err(ty)?;
+    if shape.len() != dims {
+        return Err(NativeError::Input(format!(
+            "{name}: shape {shape:?} where {dims} dimensions are expected"
+        )));
+    }
+    let ptr: u64 = t
+        .call_method0("data_ptr")
+        .and_then(|p| p.extract())
+        .map_err(ty)?;
+    if ptr == 0 && shape.iter().product::<usize>() > 0 {
+        return Err(NativeError::Input(format!(
+            "{name} has no data (a null data_ptr)"
+        )));
+    }
+    Ok(DevMem { ptr, shape })
+}
+
+fn expect(op: &str, what: &str, m: &DevMem, shape: &[usize]) -> NResult<()> {
+    if m.shape != shape {
+        return Err(NativeError::Input(format!(
+            "{op}: {what} has shape {:?}, expected {shape:?}",
+            m.shape
+        )));
+    }
+    Ok(())
+}
+
+#[pyclass(module = "arbor._native", name = "CudaOps", frozen)]
+pub struct CudaOps {
+    /// One op at a time: the backend's step state (its row map) is per call.
+    backend: Mutex<CudaBackend>,
+    ordinal: usize,
+}
+
+// SAFETY: the backend is only reached through the Mutex, one thread at a time; its CUDA
+// handles (context, stream, modules) may be used from any thread once bound, which every
+// launch does (`bind_to_thread`).
+unsafe impl Send for CudaOps {}
+unsafe impl Sync for CudaOps {}
+
+impl CudaOps {
+    /// Runs `f` on the backend between the two stream orderings (see the module comment).
+    fn run<T>(&self, stream: u64, f: impl FnOnce(&CudaBackend) -> NResult<T>) -> NResult<T> {
+        let b = self
+            .backend
+            .lock()
+            .map_err(|e| NativeError::Poisoned(e.to_string()))?;
+        b.wait_for_stream(stream).map_err(model_err)?;
+        let out = f(&b);
+        // Ordered even after a failed op: the caller's stream must not outrun what was queued.
+        b.release_to_stream(stream).map_err(model_err)?;
+        out
+    }
+}
+
+fn model_err(e: arbor_model::backend::BackendError) -> NativeError {
+    NativeError::Backend(e)
+}
+
+/// `a` into the output tensor at `out`.
+///
+/// # Safety
+/// `out` is an f32 CUDA tensor of `a`'s size on the backend's device, an argument of the
+/// caller's call.
+unsafe fn store(b: &CudaBackend, a: &CudaAct, out: &DevMem) -> NResult<()> {
+    b.copy_act_to(a, out.ptr).map_err(model_err)
+}
+
+#[pymethods]
+impl CudaOps {
+    /// arbor's CUDA backend on GPU `ordinal` (the device of the tensors it will be given).
+    #[new]
+    fn new(ordinal: usize) -> PyResult<Self> {
+        // Under the GIL: the backend holds CUDA handles that are not `Send` by type.
+        let backend = CudaBackend::for_foreign_tensors(ordinal).map_err(model_err)?;
+        Ok(CudaOps {
+            backend: Mutex::new(backend),
+            ordinal,
+        })
+    }
+
+    #[getter]
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// `out = bf16(x) · wᵀ` in f32 with arbor's tree order over K. `x` f32 `[M, K]`, `w`
+    /// bf16 `[N, K]`, `out` f32 `[M, N]`; `stream` the caller's `CUstream`.
+    fn tree_linear(
+        &self,
+        x: &Bound<'_, PyAny>,
+        w: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "tree_linear";
+        let x = cuda_operand(OP, "x", x, DType::F32, 2, self.ordinal)?;
+        let w = cuda_operand(OP, "weight", w, DType::BF16, 2, self.ordinal)?;
+        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
+        expect(OP, "weight", &w, &[n, k])?;
+        expect(OP, "out", &o, &[m, n])?;
+        let tree = TreeSpec {
+            seg_len: SegmentLayout::new(k).seg_len,
+            n_seg: SEGMENTS,
+            k,
+        };
+        Ok(self.run(stream, |b| {
+            // SAFETY: x, w and out are CUDA tensors of these shapes on this device, held by
+            // the caller for the call; the caller's stream waits for this op before reusing them.
+            unsafe {
+                let xa = b.borrow_act(x.ptr, m, k);
+                let wm = b.borrow_mat(w.ptr, n, k);
+                let y = b.matmul(&xa, &wm, tree).map_err(model_err)?;
+                store(b, &y, &o)
+            }
+        })?)
+    }
+
+    /// Per row `x / sqrt(mean(x²) + eps) · weight`, f32 `[R, C]`, `weight` f32 `[C]`.
+    fn rms_norm(
+        &self,
+        x: &Bound<'_, PyAny>,
+        weight: &Bound<'_, PyAny>,
+        eps: f32,
+        out: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "rms_norm";
+        let x = cuda_operand(OP, "x", x, DType::F32, 2, self.ordinal)?;
+        let w = cuda_operand(OP, "weight", weight, DType::F32, 1, self.ordinal)?;
+        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let (r, c) = (x.shape[0], x.shape[1]);
+        expect(OP, "weight", &w, &[c])?;
+        expect(OP, "out", &o, &[r, c])?;
+        Ok(self.run(stream, |b| {
+            // SAFETY: as in `tree_linear`.
+            unsafe {
+                let xa = b.borrow_act(x.ptr, r, c);
+                let wa = b.borrow_act(w.ptr, 1, c);
+                let y = b.rms_norm(&xa, &wa, eps).map_err(model_err)?;
+                store(b, &y, &o)
+            }
+        })?)
+    }
+
+    /// `silu(gate) · up`, f32, one shape `[R, C]`.
+    fn silu_mul(
+        &self,
+        gate: &Bound<'_, PyAny>,
+        up: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "silu_mul";
+        let g = cuda_operand(OP, "gate", gate, DType::F32, 2, self.ordinal)?;
+        let u = cuda_operand(OP, "up", up, DType::F32, 2, self.ordinal)?;
+        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let (r, c) = (g.shape[0], g.shape[1]);
+        expect(OP, "up", &u, &[r, c])?;
+        expect(OP, "out", &o, &[r, c])?;
+        Ok(self.run(stream, |b| {
+            // SAFETY: as in `tree_linear`.
+            unsafe {
+                let ga = b.borrow_act(g.ptr, r, c);
+                let ua = b.borrow_act(u.ptr, r, c);
+                let y = b.silu_mul(&ga, &ua).map_err(model_err)?;
+                store(b, &y, &o)
+            }
+        })?)
+    }
+
+    /// RoPE on `q` and `k` (rows at positions `0..len` of each packed sequence), keys and
+    /// values into a KV cache of one layer, causal attention: what a serving rank's prefill
+    /// step does with a layer's q/k/v. With `fused`, `qkv` is q, k and v side by side
+    /// (`[T, (n_heads + 2·n_kv_heads)·head_dim]`, the engine's fused kernel for models
+    /// without q/k norms); otherwise `q`, `k`, `v` are separate (the engine's path for
+    /// Qwen3). `out` f32 `[T, n_heads·head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (spec, qkv, q, k, v, cu_seqlens, n_heads, n_kv_heads, out, stream))]
+    fn rope_attention(
+        &self,
+        spec: &ModelSpec,
+        qkv: Option<&Bound<'_, PyAny>>,
+        q: Option<&Bound<'_, PyAny>>,
+        k: Option<&Bound<'_, PyAny>>,
+        v: Option<&Bound<'_, PyAny>>,
+        cu_seqlens: Vec<usize>,
+        n_heads: usize,
+        n_kv_heads: usize,
+        out: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "rope_attention";
+        let hd = spec.head_dim();
+        let (qw, kvw) = (n_heads * hd, n_kv_heads * hd);
+        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let rows = o.shape[0];
+        expect(OP, "out", &o, &[rows, qw])?;
+        let seqs = sequences(OP, &cu_seqlens, rows)?;
+        let longest = seqs.iter().map(|&(_, n)| n).max().unwrap_or(0);
+        let table = spec.table(longest)?;
+        let operand = |what: &str, t: Option<&Bound<'_, PyAny>>, w: usize| -> NResult<DevMem> {
+            let t = t.ok_or_else(|| NativeError::Input(format!("{OP}: {what} is missing")))?;
+            let m = cuda_operand(OP, what, t, DType::F32, 2, self.ordinal)?;
+            expect(OP, what, &m, &[rows, w])?;
+            Ok(m)
+        };
+        let inputs = match qkv {
+            Some(t) => Err(operand("qkv", Some(t), qw + 2 * kvw)?),
+            None => Ok((
+                operand("q", q, qw)?,
+                operand("k", k, kvw)?,
+                operand("v", v, kvw)?,
+            )),
+        };
+        // Each sequence's blocks follow the previous one's: position p of sequence s is
+        // row p % KV_BLOCK of block table0(s) + p / KV_BLOCK.
+        let mut kv_seqs = Vec::with_capacity(seqs.len());
+        let mut blocks = 0;
+        for &(row0, len) in &seqs {
+            kv_seqs.push(SeqRows {
+                row0,
+                len,
+                pos0: 0,
+                table0: blocks,
+            });
+            blocks += blocks_for(len);
+        }
+        let block_table: Vec<u32> = (0..blocks as u32).collect();
+        let heads = HeadSpec {
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        Ok(self.run(stream, |b| {
+            let kv_rows = KvRows {
+                seqs: &kv_seqs,
+                table: &block_table,
+            };
+            let mut cache = b
+                .kv_cache(KvSpec {
+                    layers: 1,
+                    blocks: blocks.max(1),
+                    n_kv_heads,
+                    head_dim: hd,
+                })
+                .map_err(model_err)?;
+            // SAFETY: as in `tree_linear`; the borrowed q and k are copied before RoPE
+            // rotates them in place, so the caller's tensors are only read.
+            unsafe {
+                let q = match &inputs {
+                    Err(qkv) => {
+                        let a = b.borrow_act(qkv.ptr, rows, qw + 2 * kvw);
+                        b.qkv_rope_kv(&a, &mut cache, 0, kv_rows, heads, &table)
+                            .map_err(model_err)?
+                    }
+                    Ok((q, k, v)) => {
+                        let all: Vec<usize> = (0..rows).collect();
+                        let mut qa = b
+                            .select_rows(&b.borrow_act(q.ptr, rows, qw), &all)
+                            .map_err(model_err)?;
+                        let mut ka = b
+                            .select_rows(&b.borrow_act(k.ptr, rows, kvw), &all)
+                            .map_err(model_err)?;
+                        let va = b.borrow_act(v.ptr, rows, kvw);
+                        b.rope(&mut qa, &kv_seqs, n_heads, &table)
+                            .map_err(model_err)?;
+                        b.rope(&mut ka, &kv_seqs, n_kv_heads, &table)
+                            .map_err(model_err)?;
+                        b.kv_write(&mut cache, 0, &ka, &va, kv_rows)
+                            .map_err(model_err)?;
+                        qa
+                    }
+                };
+                let a = b
+                    .attention(&q, &cache, 0, kv_rows, heads)
+                    .map_err(model_err)?;
+                store(b, &a, &o)
+            }
+        })?)
+    }
+
+    /// Per row r: `logits[r, targets[r]] − logsumexp(logits[r])` with the GPU's row
+    /// statistics (what a serving rank reports as a token's log-prob), and the row's
+    /// digest. `logits` f32 `[R, V]`.
+    fn token_logprobs(
+        &self,
+        logits: &Bound<'_, PyAny>,
+        targets: Vec<i64>,
+        stream: u64,
+    ) -> PyResult<(Vec<f32>, Vec<u64>)> {
+        const OP: &str = "token_logprobs";
+        let l = cuda_operand(OP, "logits", logits, DType::F32, 2, self.ordinal)?;
+        let (rows, vocab) = (l.shape[0], l.shape[1]);
+        if targets.len() != rows {
+            return Err(NativeError::Input(format!(
+                "{OP}: {} targets for {rows} rows of logits",
+                targets.len()
+            ))
+            .into());
+        }
+        let mut pick = Vec::with_capacity(rows);
+        for (r, &t) in targets.iter().enumerate() {
+            match u32::try_from(t) {
+                Ok(t) if (t as usize) < vocab => pick.push(t),
+                _ => {
+                    return Err(NativeError::Input(format!(
+                        "{OP}: target {t} of row {r} is outside the vocabulary (size {vocab})"
+                    ))
+                    .into())
+                }
+            }
+        }
+        let draws = vec![RowDraw::None; rows];
+        let stats = self.run(stream, |b| {
+            // SAFETY: as in `tree_linear`.
+            let la = unsafe { b.borrow_act(l.ptr, rows, vocab) };
+            b.row_stats(&la, vocab, &pick, &draws).map_err(model_err)
+        })?;
+        Ok(stats.iter().map(|s| (s.picked - s.lse, s.digest)).unzip())
+    }
+}

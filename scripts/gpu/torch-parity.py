@@ -1,0 +1,392 @@
+#!/usr/bin/env python3
+"""`arbor.torch` on a GPU: its token log-probs against `arbor score` / `arbor generate` on
+the same GPU (TP 1, 2 and 4, ranks sharing the device), the gap of a plain PyTorch bf16
+forward, the backward, and the speed and memory against plain PyTorch (cuBLAS + SDPA
+flash) side by side.
+
+Staged by scripts/gpu/build-device.sh (which copies the package into .device/py); run on
+the device machine from the repository root:
+
+    python3 scripts/gpu/torch-parity.py --bin .device --out "$OUT" [--bench-layers 4]
+
+Prints one line per check and a table; exits 1 when a bit check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+FAILED: list[str] = []
+
+
+def bits(values: list[float]) -> list[int]:
+    return [struct.unpack("<I", struct.pack("<f", v))[0] for v in values]
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(
+        f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}",
+        flush=True,
+    )
+    if not ok:
+        FAILED.append(name)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    out = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, env=env, timeout=600
+    )
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+        )
+
+
+def cli_score(
+    b: Path, model: Path, seqs: list[list[int]], tp: int, work: Path
+) -> list[dict]:
+    inp, out = work / f"in-{tp}.jsonl", work / f"out-{tp}.jsonl"
+    inp.write_text(
+        "".join(
+            json.dumps({"id": i, "tokens": s, "prompt_len": 1}) + "\n"
+            for i, s in enumerate(seqs)
+        )
+    )
+    cmd = [
+        str(b / "arbor"),
+        "score",
+        "--device",
+        "cuda",
+        "--model",
+        str(model),
+        "--input",
+        str(inp),
+        "--out",
+        str(out),
+    ]
+    if tp > 1:
+        cmd = [str(b / "arbor-launch"), "-n", str(tp), "--", *cmd]
+    run(cmd, env={**os.environ, "ARBOR_RANKS_PER_GPU": "auto"})
+    recs = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+    return sorted(recs, key=lambda r: r["id"])
+
+
+def parity(b: Path, work: Path) -> dict:
+    from arbor.torch import CausalLM, ops, reference
+
+    results: dict = {}
+    g = torch.Generator().manual_seed(11)
+    # One row crosses a KV block (64) and an attention split (512).
+    lengths = [600, 33, 7, 2]
+    for arch in ("llama", "qwen2", "qwen3"):
+        model_dir = work / arch
+        run(
+            [
+                str(b / "arbor"),
+                "make-model",
+                "--arch",
+                arch,
+                "--preset",
+                "tiny",
+                "--seed",
+                "7",
+                "--out",
+                str(model_dir),
+            ]
+        )
+        model = CausalLM.from_pretrained(model_dir, device="cuda")
+        ids = torch.randint(0, 258, (len(lengths), max(lengths)), generator=g).cuda()
+        mask = (
+            (torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1))
+            .long()
+            .cuda()
+        )
+        lp = model.token_logprobs(ids, attention_mask=mask)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask)
+        seqs = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+        cuda, stream = ops._cuda(logits)
+        for tp in (1, 2, 4):
+            recs = cli_score(b, model_dir, seqs, tp, work)
+            same_lp = all(
+                bits(lp[i, : n - 1].tolist()) == bits(recs[i]["logprobs"])
+                for i, n in enumerate(lengths)
+            )
+            same_rows = True
+            for i, n in enumerate(lengths):
+                rows = logits[i, : n - 1].contiguous()
+                _, digests = cuda.token_logprobs(rows, ids[i, 1:n].tolist(), stream)
+                same_rows &= [f"{d:016x}" for d in digests] == recs[i]["logits_digest"]
+            check(
+                f"{arch} token_logprobs == arbor score --device cuda at TP {tp}",
+                same_lp,
+            )
+            check(f"{arch} logits rows (digests) == arbor score at TP {tp}", same_rows)
+        # The gap a plain PyTorch bf16 forward leaves (the trainer without arbor).
+        with torch.no_grad():
+            plain = reference.token_logprobs(model, ids)
+        real = torch.cat([torch.ones(n - 1, dtype=torch.bool) for n in lengths])
+        ours = torch.cat([lp[i, : n - 1].detach() for i, n in enumerate(lengths)])
+        theirs = torch.cat([plain[i, : n - 1] for i, n in enumerate(lengths)])
+        dp = (ours.exp() - theirs.exp()).abs()
+        results[arch] = {
+            "plain_bf16_max_abs_dp": float(dp.max()),
+            "plain_bf16_mean_abs_dlogp": float((ours - theirs).abs().mean()),
+            "plain_bf16_equal_tokens": int((ours == theirs).sum()),
+            "tokens": int(real.sum()),
+        }
+        print(
+            f"  {arch}: plain bf16 PyTorch forward vs arbor: {results[arch]}",
+            flush=True,
+        )
+        # The backward runs and is close to the plain f32 forward's gradient.
+        (
+            lp
+            * torch.randn(
+                lp.shape,
+                device="cuda",
+                generator=torch.Generator("cuda").manual_seed(1),
+            )
+        ).sum().backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        f32 = CausalLM.from_pretrained(model_dir, device="cuda", dtype=torch.float32)
+        plain32 = reference.token_logprobs(f32, ids, dtype=torch.float32)
+        (
+            plain32
+            * torch.randn(
+                lp.shape,
+                device="cuda",
+                generator=torch.Generator("cuda").manual_seed(1),
+            )
+        ).sum().backward()
+        cos = min(
+            float(
+                torch.nn.functional.cosine_similarity(
+                    grads[n].flatten(), p.grad.flatten(), dim=0
+                )
+            )
+            for n, p in f32.named_parameters()
+        )
+        results[arch]["grad_min_cosine_vs_plain_f32"] = cos
+        check(
+            f"{arch} gradient close to the plain f32 forward's (min cosine {cos:.5f})",
+            cos > 0.98,
+        )
+
+    # Rollouts sampled by arbor generate at TP 2 on the GPU, rescored by the trainer on it.
+    prompts = work / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": i, "tokens": [5 + 17 * i + j for j in range(3 + 4 * i)]})
+            + "\n"
+            for i in range(4)
+        )
+    )
+    gen = work / "gen.jsonl"
+    run(
+        [
+            str(b / "arbor-launch"),
+            "-n",
+            "2",
+            "--",
+            str(b / "arbor"),
+            "generate",
+            "--device",
+            "cuda",
+            "--model",
+            str(work / "qwen3"),
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "1.0",
+            "--seed",
+            "5",
+            "--out",
+            str(gen),
+        ],
+        env={**os.environ, "ARBOR_RANKS_PER_GPU": "auto"},
+    )
+    model = CausalLM.from_pretrained(work / "qwen3", device="cuda")
+    equal = total = 0
+    for line in gen.read_text().splitlines():
+        r = json.loads(line)
+        seq = torch.tensor([r["prompt_tokens"] + r["tokens"]], device="cuda")
+        with torch.no_grad():
+            got = model.token_logprobs(seq)[0, len(r["prompt_tokens"]) - 1 :].tolist()
+        equal += sum(a == b for a, b in zip(bits(got), bits(r["logprobs"])))
+        total += len(r["logprobs"])
+    check(
+        f"qwen3 sampled rollouts (generate --device cuda, TP 2) rescored: {equal}/{total} bit-equal",
+        equal == total,
+    )
+    results["rollouts"] = {"equal": equal, "total": total}
+    return results
+
+
+def write_shape(dst: Path, layers: int) -> None:
+    """Llama-3-8B shapes with `layers` layers, random bf16 (the timing does not depend on
+    the values)."""
+    from safetensors.torch import save_file
+
+    h, inter, heads, kv, vocab = 4096, 14336, 32, 8, 128256
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": h,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "vocab_size": vocab,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    g = torch.Generator("cuda").manual_seed(0)
+    t: dict[str, torch.Tensor] = {}
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * 0.02).bfloat16().cpu()
+
+    t["model.embed_tokens.weight"] = rnd(vocab, h)
+    t["lm_head.weight"] = rnd(vocab, h)
+    t["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        t[f"{p}.self_attn.q_proj.weight"] = rnd(h, h)
+        t[f"{p}.self_attn.k_proj.weight"] = rnd(kv * 128, h)
+        t[f"{p}.self_attn.v_proj.weight"] = rnd(kv * 128, h)
+        t[f"{p}.self_attn.o_proj.weight"] = rnd(h, h)
+        t[f"{p}.mlp.gate_proj.weight"] = rnd(inter, h)
+        t[f"{p}.mlp.up_proj.weight"] = rnd(inter, h)
+        t[f"{p}.mlp.down_proj.weight"] = rnd(h, inter)
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def timed(f, reps: int) -> tuple[float, float]:
+    """Median ms of `f` over `reps` runs (after one warm-up), and the peak of torch's
+    allocator during them (GiB)."""
+    f()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+
+
+def bench(work: Path, layers: int, rows: int, length: int, reps: int) -> dict:
+    from arbor.torch import CausalLM, reference
+
+    d = work / "l8b"
+    write_shape(d, layers)
+    model = CausalLM.from_pretrained(d, device="cuda")
+    ids = torch.randint(
+        0, 128256, (rows, length), generator=torch.Generator().manual_seed(0)
+    ).cuda()
+    out: dict = {"layers": layers, "rows": rows, "length": length}
+
+    def arbor_fwd() -> None:
+        with torch.no_grad():
+            model.token_logprobs(ids)
+
+    def arbor_fwd_bwd() -> None:
+        model.token_logprobs(ids).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def plain_fwd() -> None:
+        with torch.no_grad():
+            reference.token_logprobs(model, ids)
+
+    def plain_fwd_bwd() -> None:
+        reference.token_logprobs(model, ids).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    for name, f in [
+        ("plain_fwd", plain_fwd),
+        ("arbor_fwd", arbor_fwd),
+        ("plain_fwd_bwd", plain_fwd_bwd),
+        ("arbor_fwd_bwd", arbor_fwd_bwd),
+    ]:
+        ms, peak = timed(f, reps)
+        free, total = torch.cuda.mem_get_info()
+        out[name] = {
+            "ms": ms,
+            "torch_peak_gib": peak,
+            "device_used_gib": (total - free) / 2**30,
+        }
+        print(
+            f"  {name}: {ms:.1f} ms, torch peak {peak:.2f} GiB, device in use {(total - free) / 2**30:.2f} GiB",
+            flush=True,
+        )
+    out["fwd_ratio"] = out["arbor_fwd"]["ms"] / out["plain_fwd"]["ms"]
+    out["fwd_bwd_ratio"] = out["arbor_fwd_bwd"]["ms"] / out["plain_fwd_bwd"]["ms"]
+    print(
+        f"bench llama3-8b shape x{layers} layers, {rows} x {length} tokens, {torch.cuda.get_device_name()}: "
+        f"forward arbor/plain {out['fwd_ratio']:.3f}, forward+backward {out['fwd_bwd_ratio']:.3f}",
+        flush=True,
+    )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--bin", type=Path, default=Path(".device"))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument(
+        "--bench-layers",
+        type=int,
+        default=4,
+        help="layers of the llama3-8b shape (0: no bench)",
+    )
+    ap.add_argument("--bench-rows", type=int, default=8)
+    ap.add_argument("--bench-len", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--skip-parity", action="store_true")
+    a = ap.parse_args()
+    sys.path.insert(0, str((a.bin / "py").resolve()))
+    a.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if not a.skip_parity:
+            result["parity"] = parity(a.bin, work)
+        if a.bench_layers:
+            result["bench"] = bench(
+                work, a.bench_layers, a.bench_rows, a.bench_len, a.reps
+            )
+    (a.out / "torch-parity.json").write_text(json.dumps(result, indent=1))
+    print("FAILED: " + ", ".join(FAILED) if FAILED else "ALL PASS")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
