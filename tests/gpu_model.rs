@@ -432,6 +432,14 @@ impl arbor_model::constraint::TokenConstraint for Modular {
     }
 }
 
+/// One request's records as they arrive: tokens, log-probs, top-N, digests.
+type Collected = (
+    Vec<u32>,
+    Vec<f32>,
+    Vec<Vec<arbor_model::TokenLogprob>>,
+    Vec<u64>,
+);
+
 /// Each request's (tokens, log-prob bits, top-N bits, digests) from a serving session's
 /// scheduler over `w`, all requests at once or each alone; `constrained` gives each its
 /// own [`Modular`] constraint. Checks that every constrained token was allowed.
@@ -465,12 +473,7 @@ fn session_outputs<B: Backend>(
     } else {
         (0..prompts.len()).map(|i| vec![i]).collect()
     };
-    let mut out: Vec<(
-        Vec<u32>,
-        Vec<f32>,
-        Vec<Vec<arbor_model::TokenLogprob>>,
-        Vec<u64>,
-    )> = vec![Default::default(); prompts.len()];
+    let mut out: Vec<Collected> = vec![Default::default(); prompts.len()];
     for group in groups {
         let mut sched = Scheduler::new(cfg.clone()).expect("scheduler");
         let mut of = std::collections::HashMap::new();
