@@ -6,7 +6,9 @@
 //! - on the GPU, prefill and decode give bit-identical logits, and so does a row's
 //!   position inside a batch (each sequence's blocks in reverse order in the paged cache);
 //! - decode steps from CUDA graphs, long prompts and the prefix cache give the bits of
-//!   op by op recomputation.
+//!   op by op recomputation;
+//! - constrained rows (structured output's token masks) drawn on the host give the same
+//!   bits from recorded steps, op by op and alone (with a CPU twin that runs anywhere).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -407,5 +409,217 @@ fn gpu_long_prompts_with_the_prefix_cache_match_recomputation() {
         recorded >= 1 && recorded + replays >= 2 * 29,
         "{recorded} shapes recorded, {replays} steps replayed"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A constraint of the tests below: after `generated`, the ids `t` with `t % 7` equal to a
+/// function of how many tokens came and the last one (so each step's mask differs).
+struct Modular {
+    vocab: usize,
+}
+
+impl Modular {
+    fn class(generated: &[u32]) -> u32 {
+        (generated.len() as u32 * 3 + generated.last().copied().unwrap_or(0)) % 7
+    }
+}
+
+impl arbor_model::constraint::TokenConstraint for Modular {
+    fn allowed(&mut self, generated: &[u32]) -> arbor_model::constraint::TokenMask {
+        let k = Self::class(generated);
+        let ids: Vec<u32> = (0..self.vocab as u32).filter(|t| t % 7 == k).collect();
+        arbor_model::constraint::TokenMask::from_ids(&ids, self.vocab)
+    }
+}
+
+/// One request's records as they arrive: tokens, log-probs, top-N, digests.
+type Collected = (
+    Vec<u32>,
+    Vec<f32>,
+    Vec<Vec<arbor_model::TokenLogprob>>,
+    Vec<u64>,
+);
+
+/// Each request's (tokens, log-prob bits, top-N bits, digests) from a serving session's
+/// scheduler over `w`, all requests at once or each alone; `constrained` gives each its
+/// own [`Modular`] constraint. Checks that every constrained token was allowed.
+fn session_outputs<B: Backend>(
+    w: &mut arbor_model::runner::Worker<B>,
+    prompts: &[Vec<u32>],
+    s: &arbor_model::Sampling,
+    n_top: usize,
+    constrained: bool,
+    together: bool,
+) -> OutBits {
+    use arbor_model::batching::{Event, Scheduler, SchedulerConfig, SeqSpec};
+    use arbor_model::constraint::Constraint;
+    use arbor_model::runner::{ModelInfo, SessionRunner};
+    let vocab = w.config().vocab_size;
+    let cap = w.kv_capacity().expect("a KV cache").clone();
+    let cfg = SchedulerConfig {
+        max_running: 16,
+        max_seq_len: cap.max_seq_len,
+        chunk: 64,
+        step_tokens: 256,
+        step_outputs: 1024,
+        kv_blocks: cap.blocks,
+        eos: w.eos_token_ids().to_vec(),
+        preempt: false,
+        prefill_first: false,
+        prefix_cache: false,
+    };
+    let groups: Vec<Vec<usize>> = if together {
+        vec![(0..prompts.len()).collect()]
+    } else {
+        (0..prompts.len()).map(|i| vec![i]).collect()
+    };
+    let mut out: Vec<Collected> = vec![Default::default(); prompts.len()];
+    for group in groups {
+        let mut sched = Scheduler::new(cfg.clone()).expect("scheduler");
+        let mut of = std::collections::HashMap::new();
+        for &i in &group {
+            let mut spec = SeqSpec::greedy(300 + i as u64, prompts[i].clone(), 10);
+            spec.sampling = *s;
+            spec.n_top = n_top;
+            spec.ignore_eos = true;
+            spec.constraint = constrained.then(|| Constraint::new(Modular { vocab }));
+            of.insert(sched.submit(spec).expect("submit"), i);
+        }
+        while !sched.is_idle() {
+            let plan = sched.plan();
+            let res = w.execute(&plan).expect("execute");
+            for ev in sched.apply(&plan, &res).expect("apply") {
+                if let Event::Token { seq, record } = ev {
+                    let o = &mut out[of[&seq]];
+                    if constrained {
+                        assert_eq!(record.token % 7, Modular::class(&o.0), "a disallowed token");
+                    }
+                    o.0.push(record.token);
+                    o.1.push(record.logprob);
+                    o.2.push(record.top);
+                    o.3.push(record.digest);
+                }
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(t, lp, top, d)| {
+            (
+                t,
+                bits(&lp),
+                top.iter()
+                    .map(|t| t.iter().map(|x| (x.token, x.logprob.to_bits())).collect())
+                    .collect(),
+                d,
+            )
+        })
+        .collect()
+}
+
+fn constrained_prompts() -> Vec<Vec<u32>> {
+    [30usize, 5, 70, 1]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            (0..len)
+                .map(|j| ((j * 13 + i * 5 + 1) % 250) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn constrained_cases() -> Vec<(&'static str, arbor_model::Sampling, usize)> {
+    let sampled = |temperature, top_k, top_p| arbor_model::Sampling {
+        temperature,
+        top_k,
+        top_p,
+        seed: 9,
+    };
+    vec![
+        ("greedy", arbor_model::Sampling::greedy(), 0),
+        ("greedy top-3", arbor_model::Sampling::greedy(), 3),
+        ("temperature", sampled(0.8, 0, 1.0), 0),
+        ("top-k top-p top-2", sampled(1.0, 20, 0.9), 2),
+        ("top-p", sampled(0.9, 0, 0.8), 1),
+    ]
+}
+
+/// Constrained rows (structured output's token masks) on the CPU backend: each request
+/// gives the same bits alone and among the others, draws only allowed tokens, and the
+/// mask changes the output. The CPU twin of `gpu_constrained_rows_...` below.
+#[test]
+fn cpu_constrained_rows_are_the_same_alone_and_in_a_batch() {
+    use arbor_model::runner::{Device, LoadOptions, Worker};
+    let dir = tiny(Arch::Llama, "cpu-constrained");
+    let opts = LoadOptions {
+        model_dir: dir.clone(),
+        device: Device::Cpu,
+        max_seq_len: Some(256),
+        shadow_tp1: false,
+        numerics: Numerics::Invariant,
+        rank_of_tp: None,
+        kv: arbor_model::KvOptions {
+            blocks: Some(64),
+            ..Default::default()
+        },
+    };
+    let mut w = Worker::new(CpuBackend::new(Arc::new(SingleComm)), &opts).expect("loading");
+    arbor_model::runner::SessionRunner::start_session(&mut w).expect("session");
+    let prompts = constrained_prompts();
+    for (what, s, n_top) in constrained_cases() {
+        let batch = session_outputs(&mut w, &prompts, &s, n_top, true, true);
+        let alone = session_outputs(&mut w, &prompts, &s, n_top, true, false);
+        assert_eq!(batch, alone, "{what}: alone differs from the batch");
+        let free = session_outputs(&mut w, &prompts, &s, n_top, false, true);
+        assert_ne!(batch, free, "{what}: the mask changed nothing");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Constrained rows on the GPU: their logits rows come to the host after the step (also
+/// when the step replays a CUDA graph) and are drawn there from the masked row, so a
+/// request gives the same bits from recorded steps, op by op, and alone; only allowed
+/// tokens are drawn; the mask changes the output.
+#[test]
+fn gpu_constrained_rows_match_op_by_op_and_alone() {
+    use arbor_model::runner::{Device, LoadOptions, Worker};
+    if !gpu_usable() {
+        return;
+    }
+    let dir = tiny(Arch::Llama, "gpu-constrained");
+    let engine = |record: bool| {
+        let b = CudaBackend::new(Arc::new(SingleComm), Numerics::Invariant)
+            .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+        b.set_recording(record);
+        let opts = LoadOptions {
+            model_dir: dir.clone(),
+            device: Device::Cuda,
+            max_seq_len: Some(256),
+            shadow_tp1: false,
+            numerics: Numerics::Invariant,
+            rank_of_tp: None,
+            kv: arbor_model::KvOptions {
+                blocks: Some(64),
+                ..Default::default()
+            },
+        };
+        let mut w = Worker::new(b, &opts).unwrap_or_else(|e| panic!("loading: {e}"));
+        arbor_model::runner::SessionRunner::start_session(&mut w).expect("session");
+        w
+    };
+    let (mut rec, mut ops) = (engine(true), engine(false));
+    let prompts = constrained_prompts();
+    for (what, s, n_top) in constrained_cases() {
+        let got = session_outputs(&mut rec, &prompts, &s, n_top, true, true);
+        let want = session_outputs(&mut ops, &prompts, &s, n_top, true, true);
+        assert_eq!(got, want, "{what}: recorded steps differ from op by op");
+        let alone = session_outputs(&mut rec, &prompts, &s, n_top, true, false);
+        assert_eq!(got, alone, "{what}: alone differs from the batch");
+        let free = session_outputs(&mut rec, &prompts, &s, n_top, false, true);
+        assert_ne!(got, free, "{what}: the mask changed nothing");
+    }
+    let (recorded, replays) = rec.backend().recorded_steps().expect("recording is on");
+    println!("constrained: {recorded} decode shapes recorded, {replays} steps from recordings");
+    assert!(replays > 0, "no step replayed a recording");
     let _ = std::fs::remove_dir_all(&dir);
 }

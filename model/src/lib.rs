@@ -5,6 +5,7 @@ pub mod backend;
 pub mod batching;
 pub mod checkpoint;
 pub mod config;
+pub mod constraint;
 pub mod error;
 pub mod forward;
 pub mod generation_config;

@@ -139,11 +139,10 @@ fn tokenizer_routes_model_card_and_refusals() {
     // Fields the server does not implement: 400, "not supported", `param` the field.
     for (field, value) in [
         (
-            "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
+            "functions",
+            json!([{"name": "f", "parameters": {"type": "object"}}]),
         ),
-        ("tool_choice", json!("auto")),
-        ("response_format", json!({"type": "json_object"})),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
         ("max_tokns", json!(3)),
     ] {
         let mut body = json!({"messages": messages, "max_tokens": 2});

@@ -23,4 +23,5 @@ mod bits;
 mod clients;
 mod faults;
 mod server;
+mod structured;
 mod templates;

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::constraint::TokenMask;
 use crate::error::{MResult, ModelError};
 use crate::sampling::{Sampling, TokenLogprob};
 
@@ -28,6 +29,9 @@ pub struct PlanRow {
     pub prefill: bool,
     pub sampling: Sampling,
     pub n_top: usize,
+    /// The tokens the sampled row may take (a constrained sequence's mask, computed by rank
+    /// 0 from that sequence's tokens): every rank draws from the same masked row.
+    pub allowed: Option<TokenMask>,
 }
 
 /// One step: any mix of prefill chunks and decode rows.
@@ -116,6 +120,7 @@ mod tests {
                     seed: 11,
                 },
                 n_top: 2,
+                allowed: Some(TokenMask::Ids(vec![1, 5])),
             }],
         };
         let msg = PlanMsg::Step(plan);

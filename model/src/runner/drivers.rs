@@ -137,6 +137,7 @@ impl<B: Backend> OfflineRunner for Worker<B> {
                 sampling: *s,
                 n_top,
                 ignore_eos: false,
+                constraint: None,
             })?;
             out_of.insert(seq, i);
         }
@@ -210,6 +211,7 @@ impl<B: Backend> OfflineRunner for Worker<B> {
                 sampling: Sampling::greedy(),
                 n_top,
                 ignore_eos: true,
+                constraint: None,
             })?;
             out_of.insert(seq, i);
         }

@@ -68,6 +68,9 @@ impl<B: Backend> Worker<B> {
             }
             self.check_tokens(r.sample_key, &r.tokens)?;
             r.sampling.validate()?;
+            if let Some(m) = &r.allowed {
+                m.check(self.cfg.vocab_size).map_err(bad)?;
+            }
         }
         Ok(())
     }
@@ -124,6 +127,7 @@ impl<B: Backend> Worker<B> {
                     key: r.sample_key,
                     position: r.pos0 + r.tokens.len(),
                     n_top: r.n_top,
+                    allowed: r.allowed.as_ref(),
                 });
             }
         }

@@ -4,11 +4,12 @@
 
 use super::StepOut;
 use crate::batching::Record;
+use crate::constraint::{self, TokenMask};
 use crate::error::{MResult, ModelError};
 use crate::sampling::{self, RowDraw, RowStats, Sampling};
 
 /// What to read off one logits row.
-pub(super) enum RowTask {
+pub(super) enum RowTask<'a> {
     /// The log-prob of a given token (scoring, prompt log-probs).
     Score { token: u32, n_top: usize },
     /// Choose the next token, then record it.
@@ -17,10 +18,20 @@ pub(super) enum RowTask {
         key: u64,
         position: usize,
         n_top: usize,
+        /// A constrained row's mask: the token is drawn on the host from the masked row
+        /// (`constraint::choose_masked`), which comes to the host after the step.
+        allowed: Option<&'a TokenMask>,
     },
 }
 
-impl RowTask {
+impl RowTask<'_> {
+    fn mask(&self) -> Option<&TokenMask> {
+        match *self {
+            RowTask::Sample { allowed, .. } => allowed,
+            RowTask::Score { .. } => None,
+        }
+    }
+
     /// The index whose value the row's stats report: the scored token.
     pub(super) fn pick(&self) -> u32 {
         match *self {
@@ -33,7 +44,11 @@ impl RowTask {
     /// temperature's Gumbel-max draw, a whole-vocabulary top-p's tempered sum.
     pub(super) fn draw(&self) -> RowDraw {
         match *self {
-            RowTask::Score { .. } => RowDraw::None,
+            // The backend's draws know no mask: the host draws from the masked row.
+            RowTask::Score { .. }
+            | RowTask::Sample {
+                allowed: Some(_), ..
+            } => RowDraw::None,
             RowTask::Sample {
                 ref sampling,
                 key,
@@ -69,17 +84,22 @@ impl RowTask {
     /// Whether the row must come to the host after its stats and candidates: a top-p
     /// nucleus the candidates do not reach.
     pub(super) fn wants_row(&self, stats: &RowStats, cand: &[(u32, f32)]) -> bool {
-        matches!(
-            self.candidate_choice(stats, cand),
-            Some(sampling::Choice::NeedsRow)
-        )
+        self.mask().is_some()
+            || matches!(
+                self.candidate_choice(stats, cand),
+                Some(sampling::Choice::NeedsRow)
+            )
     }
 
     /// How many candidates a sampled token's draw needs (0: none, or the whole row).
     fn draw_candidates(&self) -> usize {
         match *self {
-            RowTask::Sample { ref sampling, .. } => sampling::candidates_needed(sampling),
-            RowTask::Score { .. } => 0,
+            RowTask::Sample {
+                ref sampling,
+                allowed: None,
+                ..
+            } => sampling::candidates_needed(sampling),
+            RowTask::Sample { .. } | RowTask::Score { .. } => 0,
         }
     }
 
@@ -105,6 +125,10 @@ impl RowTask {
     /// vocabulary).
     pub(super) fn needs_row(&self) -> bool {
         let whole_row_draw = match *self {
+            // Its row comes after the step (`wants_row`), whatever its sampling.
+            RowTask::Sample {
+                allowed: Some(_), ..
+            } => false,
             RowTask::Sample { ref sampling, .. } => {
                 !sampling.is_greedy() && !sampling.draws_on_device() && self.draw_candidates() == 0
             }
@@ -128,6 +152,24 @@ impl RowTask {
                 key,
                 position,
                 n_top,
+                allowed: Some(mask),
+            } => match row {
+                Some(row) => {
+                    let t = constraint::choose_masked(row, mask, sampling, key, position);
+                    (t, row.get(t as usize).copied().unwrap_or(f32::NAN), n_top)
+                }
+                None => {
+                    return Err(ModelError::Plan(format!(
+                        "the constrained draw at position {position} of request {key} needs its row, which the step did not bring"
+                    )))
+                }
+            },
+            RowTask::Sample {
+                ref sampling,
+                key,
+                position,
+                n_top,
+                allowed: None,
             } => match row {
                 // The backend's draw, also when the row came to the host for top-N: a
                 // request's tokens do not depend on whether it asked for log-probs.

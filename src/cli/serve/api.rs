@@ -105,6 +105,13 @@ const COMMON_FIELDS: &[&str] = &[
     "min_tokens",
     "repetition_penalty",
     "cache_salt",
+    // Structured output (docs/serving.md): OpenAI's, then vLLM's.
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 ];
 
 impl Body for CompletionRequest {
@@ -127,6 +134,9 @@ impl Body for ChatRequest {
         "logprobs",
         "top_logprobs",
         "add_generation_prompt",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     ];
     const KINDS: &'static [(&'static str, Kind)] = fields::CHAT_KINDS;
 }
@@ -246,6 +256,14 @@ pub struct Common {
     /// gives the same output.
     #[allow(dead_code)]
     pub cache_salt: Option<String>,
+    /// Structured output: OpenAI's `response_format`, vLLM's `structured_outputs` and its
+    /// older `guided_*` fields (`structured::from_*`).
+    pub response_format: Option<serde_json::Value>,
+    pub structured_outputs: Option<serde_json::Value>,
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
 }
 
 /// What a matched stop string or stop token leaves in the text.
@@ -285,6 +303,9 @@ pub struct ChatRequest {
     pub logprobs: bool,
     pub top_logprobs: Option<usize>,
     pub add_generation_prompt: Option<bool>,
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -313,6 +334,10 @@ pub struct Params {
     pub stop_trim: StopTrim,
     /// Special tokens are left out of the text.
     pub skip_special: bool,
+    /// The output's constraint (structured output, a forced tool call).
+    pub constraint: Option<std::sync::Arc<super::structured::Compiled>>,
+    /// Chat with tools: the format its replies' calls are parsed in.
+    pub tool_format: Option<super::tools::Format>,
 }
 
 /// Longest `rid`.
@@ -487,7 +512,33 @@ impl Common {
                 StopTrim::Before
             },
             skip_special: self.skip_special_tokens.unwrap_or(true),
+            constraint: None,
+            tool_format: None,
         })
+    }
+
+    /// The output constraint the request asks for, at most one (400 naming the field of a
+    /// bad or second one).
+    pub fn requested(&self) -> Result<Option<super::structured::Requested>, ApiError> {
+        use super::structured as s;
+        let mut found = Vec::new();
+        if let Some(v) = &self.response_format {
+            found.extend(s::from_response_format(v)?);
+        }
+        if let Some(v) = &self.structured_outputs {
+            found.extend(s::from_structured_outputs(v)?);
+        }
+        for (name, v) in [
+            ("guided_json", &self.guided_json),
+            ("guided_regex", &self.guided_regex),
+            ("guided_choice", &self.guided_choice),
+            ("guided_grammar", &self.guided_grammar),
+        ] {
+            if let Some(v) = v {
+                found.push(s::from_field(name, v)?);
+            }
+        }
+        s::one_of(found)
     }
 }
 
@@ -524,7 +575,7 @@ mod tests {
             (e.param.as_deref(), e.message.as_str()),
             (Some("max_tokens"), "max_tokens must be at least 1, got -1")
         );
-        for f in ["tools", "tool_choice", "response_format"] {
+        for f in ["functions", "audio", "modalities"] {
             let body = format!(r#"{{"messages": [], "{f}": {{}}}}"#);
             let e = parse_body::<ChatRequest>(body.as_bytes()).unwrap_err();
             assert_eq!(

@@ -17,6 +17,12 @@ pub struct Message {
     pub content: Option<Content>,
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant turn's calls (OpenAI's `tool_calls`).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` turn's answer to the call of this id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -41,6 +47,10 @@ struct TemplateMessage<'a> {
     content: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     name: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<&'a str>,
 }
 
 impl Message {
@@ -111,6 +121,8 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// How the template teaches the model to write a tool call.
+    pub tool_format: super::tools::Format,
 }
 
 /// The chat a server offers: a template, none (the model has no template), or off (its
@@ -185,6 +197,7 @@ impl ChatTemplate {
             env,
             bos_token,
             eos_token,
+            tool_format: super::tools::Format::of_template(source),
         })
     }
 
@@ -196,12 +209,25 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, String> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`render`](Self::render) with the request's tools as the template's `tools`
+    /// variable (undefined without them, as transformers leaves it).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String, String> {
         let mut msgs = Vec::with_capacity(messages.len());
         for m in messages {
             msgs.push(TemplateMessage {
                 role: &m.role,
                 content: m.text()?,
                 name: m.name.as_deref(),
+                tool_calls: m.tool_calls.as_deref().map(super::tools::for_template),
+                tool_call_id: m.tool_call_id.as_deref(),
             });
         }
         let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
@@ -216,6 +242,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                tools => tools,
             },
             &mut out,
         );
@@ -392,7 +419,45 @@ mod tests {
             role: role.into(),
             content: Some(Content::Text(text.into())),
             name: None,
+            tool_calls: None,
+            tool_call_id: None,
         }
+    }
+
+    #[test]
+    fn a_qwen_template_renders_tools_calls_and_their_results() {
+        let src = include_str!("../../../tests/serve/templates/qwen2.5.jinja");
+        let t = ChatTemplate::new(src, String::new(), "<|im_end|>".into()).unwrap();
+        assert_eq!(t.tool_format, super::super::tools::Format::Hermes);
+        let tools = vec![serde_json::json!({"type": "function", "function": {
+            "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})];
+        let mut call = msg("assistant", "");
+        call.content = None;
+        call.tool_calls = Some(vec![serde_json::json!({"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}})]);
+        let mut result = msg("tool", "{\"temp\": 21}");
+        result.tool_call_id = Some("call_1".into());
+        let conv = [msg("user", "Weather in Paris?"), call, result];
+        let out = t.render_with_tools(&conv, true, Some(&tools)).unwrap();
+        let want = concat!(
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+            "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n",
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+            "{\"function\": {\"name\": \"get_weather\", \"parameters\": {\"properties\": {\"city\": {\"type\": \"string\"}}, \"type\": \"object\"}}, \"type\": \"function\"}",
+            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n",
+            "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n",
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response><|im_end|>\n",
+            "<|im_start|>assistant\n",
+        );
+        assert_eq!(out, want);
+        // Without tools the template takes its other branch.
+        let plain = t.render(&[msg("user", "hi")], true).unwrap();
+        assert!(
+            plain.starts_with("<|im_start|>system\nYou are Qwen") && !plain.contains("<tools>"),
+            "{plain}"
+        );
     }
 
     #[test]

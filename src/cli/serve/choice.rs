@@ -22,6 +22,8 @@ pub(super) struct ChoiceState {
     pub(super) streamed: bool,
     /// What ended it with finish_reason "stop".
     pub(super) matched: Option<Matched>,
+    /// Where its output constraint reports a failure (structured output).
+    pub(super) failure: Option<super::structured::Failure>,
 }
 
 /// The stop a choice matched.
@@ -46,6 +48,7 @@ impl ChoiceState {
             version: None,
             streamed: false,
             matched: None,
+            failure: None,
         }
     }
 
@@ -68,7 +71,8 @@ impl ChoiceState {
     /// Text that can be streamed now. Held back: a trailing U+FFFD (the bytes of a
     /// character may still be arriving; decoding them later changes that text) and, with
     /// stop strings, the last bytes a stop string could start in.
-    pub(super) fn take_delta(&mut self, holdback: usize) -> String {
+    /// Nothing at or past byte `hold` of the text goes either (a tool call's start).
+    pub(super) fn take_delta_until(&mut self, holdback: usize, hold: Option<usize>) -> String {
         let settled = match self.finish {
             Some(_) => self.text.len(),
             None => self
@@ -77,7 +81,7 @@ impl ChoiceState {
                 .len()
                 .saturating_sub(holdback),
         };
-        let mut end = settled;
+        let mut end = hold.map_or(settled, |h| settled.min(h));
         while end > self.sent && !self.text.is_char_boundary(end) {
             end -= 1;
         }

@@ -62,6 +62,7 @@ pub const CHAT_KINDS: &[(&str, Kind)] = &[
     ("logprobs", Kind::Bool),
     ("top_logprobs", Kind::Int { min: 0 }),
     ("add_generation_prompt", Kind::Bool),
+    ("parallel_tool_calls", Kind::Bool),
 ];
 
 /// The name as `param` carries it: the accepted field's own `'static` name where there is

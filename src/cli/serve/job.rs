@@ -82,6 +82,14 @@ impl Job {
             let prompt = Arc::new(prompt);
             for j in 0..p.n {
                 let index = pi * p.n + j;
+                // Each choice follows the constraint from its own tokens.
+                let (constraint, failure) = match &p.constraint {
+                    Some(c) => {
+                        let (c, f) = c.start();
+                        (Some(c), Some(f))
+                    }
+                    None => (None, None),
+                };
                 specs.push(SeqSpec {
                     sample_key: p.sample_id.wrapping_add(index as u64),
                     tokens: prompt.to_vec(),
@@ -90,8 +98,11 @@ impl Job {
                     sampling: p.sampling,
                     n_top: p.logprobs.unwrap_or(0),
                     ignore_eos: p.ignore_eos,
+                    constraint,
                 });
-                choices.push(ChoiceState::new(index, prompt.clone()));
+                let mut choice = ChoiceState::new(index, prompt.clone());
+                choice.failure = failure;
+                choices.push(choice);
             }
         }
         let prefix = if chat { "chatcmpl" } else { "cmpl" };
@@ -219,6 +230,15 @@ impl Job {
                 Ok(Update::Token(i, rec))
             }
             SeqEvent::Finished(reason) => {
+                if let Some(why) = c.failure.as_ref().and_then(|f| f.get()) {
+                    // The grammar failed mid-way (llguidance's limits): the output does
+                    // not follow it, so it is no answer.
+                    return Err(ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("structured output failed in choice {}: {why}", c.index),
+                    )
+                    .with_code("structured_output_failed"));
+                }
                 c.finish = Some(match reason {
                     FinishReason::Eos => {
                         c.matched = c.records.last().map(|r| Matched::Token(r.token));

@@ -18,7 +18,9 @@ pub mod options;
 pub mod response;
 pub mod sglang;
 pub mod state;
+pub mod structured;
 pub mod tokenize;
+pub mod tools;
 
 use std::path::PathBuf;
 

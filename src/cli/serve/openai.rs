@@ -17,6 +17,7 @@ use super::api::{body_error, parse_body, ApiError, ChatRequest, CompletionReques
 use super::job::Job;
 use super::response::run_job;
 use super::state::AppState;
+use super::tools::Tools;
 
 pub(super) async fn completions(
     State(st): State<Arc<AppState>>,
@@ -53,6 +54,7 @@ pub(super) async fn completions(
             ));
         }
         p.echo = req.echo;
+        p.constraint = st.compile(req.common.requested()?).await?;
         st.seed(&mut p);
         for prompt in &prompts {
             st.check_prompt(prompt, max_tokens)?;
@@ -78,8 +80,18 @@ pub(super) async fn chat_completions(
         if req.messages.is_empty() {
             return Err(ApiError::bad("messages", "messages is empty"));
         }
+        let tools = Tools::from_request(
+            req.tools.as_ref(),
+            req.tool_choice.as_ref(),
+            req.parallel_tool_calls,
+        )?;
+        let active = tools.as_ref().filter(|t| t.active());
         let text = tmpl
-            .render(&req.messages, req.add_generation_prompt.unwrap_or(true))
+            .render_with_tools(
+                &req.messages,
+                req.add_generation_prompt.unwrap_or(true),
+                active.map(|t| &t.list[..]),
+            )
             .map_err(|e| ApiError::bad("messages", e))?;
         // The template writes the special tokens itself.
         let prompt = st.encode(&text, false)?;
@@ -98,6 +110,21 @@ pub(super) async fn chat_completions(
             }
         };
         let mut p = req.common.params(max_tokens, logprobs, st.max_n)?;
+        let forced = active.and_then(|t| t.forced(tmpl.tool_format));
+        let requested = match (req.common.requested()?, forced) {
+            (Some(r), Some(_)) => {
+                return Err(ApiError::bad(
+                    r.param.clone(),
+                    format!(
+                        "{} cannot be combined with a forced tool call (tool_choice)",
+                        r.param
+                    ),
+                ))
+            }
+            (r, f) => r.or(f),
+        };
+        p.constraint = st.compile(requested).await?;
+        p.tool_format = active.map(|_| tmpl.tool_format);
         st.seed(&mut p);
         st.check_prompt(&prompt, max_tokens)?;
         run_job(Job::submit(&st, vec![prompt], p, true)?).await

@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use super::api::ApiError;
 use super::choice::ChoiceState;
 use super::job::{Job, Update};
+use super::tools;
 
 fn hex(d: u64) -> String {
     format!("{d:016x}")
@@ -128,7 +129,8 @@ impl Job {
             .iter()
             .map(|c| {
                 let mut v = if self.chat {
-                    json!({"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish})
+                    let (message, finish) = self.message(c);
+                    json!({"index": c.index, "message": message, "finish_reason": finish})
                 } else {
                     let prompt_text = if self.p.echo { self.st.decode(&c.prompt) } else { String::new() };
                     json!({"index": c.index, "text": format!("{prompt_text}{}", c.text), "finish_reason": c.finish})
@@ -158,6 +160,42 @@ impl Job {
         body
     }
 
+    /// A chat choice's calls, when the request has tools and the reply holds some.
+    fn calls(&self, c: &ChoiceState) -> Option<tools::Parsed> {
+        let format = self.p.tool_format?;
+        let parsed = tools::parse(&c.text, format);
+        (!parsed.calls.is_empty()).then_some(parsed)
+    }
+
+    /// The `tool_calls` entries of a choice's calls.
+    fn calls_json(&self, c: &ChoiceState, parsed: &tools::Parsed, indexed: bool) -> Vec<Value> {
+        parsed
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| {
+                let mut v = tools::call_json(&self.id, c.index, k, call);
+                if indexed {
+                    v["index"] = json!(k);
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// A chat choice's message and finish reason: with tools, the calls the reply holds
+    /// as `tool_calls` and the rest as `content`, finished with "tool_calls".
+    fn message(&self, c: &ChoiceState) -> (Value, Option<&'static str>) {
+        match self.calls(c) {
+            Some(parsed) => (
+                json!({"role": "assistant", "content": parsed.content,
+                       "tool_calls": self.calls_json(c, &parsed, false)}),
+                call_finish(c.finish),
+            ),
+            None => (json!({"role": "assistant", "content": c.text}), c.finish),
+        }
+    }
+
     pub(super) fn chunk(&self, choices: Vec<Value>) -> Event {
         let mut v = json!({
             "id": self.id,
@@ -176,14 +214,35 @@ impl Job {
     /// The chunk for one choice: a text delta, new records and maybe the finish.
     pub(super) fn choice_chunk(&mut self, i: usize, recs: Vec<Record>, first: bool) -> Event {
         let holdback = self.holdback();
-        let delta = self.choices[i].take_delta(holdback);
+        // With tools, what may be a call is held back until the choice ends, then sent
+        // as `tool_calls` (or, if it is no call, as content).
+        let calls = match self.choices[i].finish {
+            Some(_) => self.calls(&self.choices[i]),
+            None => None,
+        };
+        let hold = match (self.p.tool_format, &calls) {
+            (_, Some(_)) => Some(self.choices[i].sent),
+            (Some(f), None) if self.choices[i].finish.is_none() => {
+                tools::hold_from(&self.choices[i].text, f)
+            }
+            _ => None,
+        };
+        let delta = self.choices[i].take_delta_until(holdback, hold);
         let c = &self.choices[i];
         let mut v = if self.chat {
             let mut d = json!({"content": delta});
             if first {
                 d["role"] = json!("assistant");
             }
-            json!({"index": c.index, "delta": d, "finish_reason": c.finish})
+            let mut finish = c.finish;
+            if let Some(parsed) = &calls {
+                d["tool_calls"] = json!(self.calls_json(c, parsed, true));
+                if delta.is_empty() {
+                    d["content"] = Value::Null;
+                }
+                finish = call_finish(c.finish);
+            }
+            json!({"index": c.index, "delta": d, "finish_reason": finish})
         } else {
             json!({"index": c.index, "text": delta, "finish_reason": c.finish})
         };
@@ -197,6 +256,15 @@ impl Job {
 
     pub(super) fn error_event(e: &ApiError) -> Event {
         Event::default().data(e.body().to_string())
+    }
+}
+
+/// A reply with calls that ended on its own ends with "tool_calls" (OpenAI's reason);
+/// one cut by `max_tokens` keeps "length".
+fn call_finish(finish: Option<&'static str>) -> Option<&'static str> {
+    match finish {
+        Some("stop") => Some("tool_calls"),
+        other => other,
     }
 }
 

@@ -161,6 +161,8 @@ struct Generate {
     start_len: Option<usize>,
     text_in_logprobs: bool,
     stream: bool,
+    /// `json_schema` or `regex`.
+    constraint: Option<super::structured::Requested>,
 }
 
 fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
@@ -193,20 +195,35 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
                 "sampling_params is not supported as a list: give one object for the whole batch",
             )),
         };
-    for (name, v) in [
-        ("json_schema", &sp.json_schema),
-        ("regex", &sp.regex),
-        ("ebnf", &sp.ebnf),
-        ("structural_tag", &sp.structural_tag),
-        ("stop_regex", &sp.stop_regex),
+    // SGLang's `ebnf` is GBNF (`root ::= ...`), which llguidance does not read: a grammar
+    // goes to /v1/completions as `structured_outputs.grammar`, in Lark syntax.
+    for (name, v, why) in [
+        (
+            "ebnf",
+            &sp.ebnf,
+            "give the grammar in Lark syntax as structured_outputs.grammar on /v1/completions",
+        ),
+        (
+            "structural_tag",
+            &sp.structural_tag,
+            "constrain with json_schema or regex",
+        ),
+        ("stop_regex", &sp.stop_regex, "use stop strings"),
     ] {
         if v.as_ref().is_some_and(|v| !is_neutral(v)) {
             return Err(ApiError::bad(
                 name,
-                format!("{name} is not supported (constrained decoding changes the output)"),
+                format!("{name} is not supported: {why}"),
             ));
         }
     }
+    let mut found = Vec::new();
+    for (name, v) in [("json_schema", &sp.json_schema), ("regex", &sp.regex)] {
+        if let Some(v) = v.as_ref().filter(|v| !is_neutral(v)) {
+            found.push(super::structured::from_field(name, v)?);
+        }
+    }
+    let constraint = super::structured::one_of(found)?;
     let rid = match r.rid {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s),
@@ -278,6 +295,7 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
         start_len: start_len.filter(|_| r.return_logprob),
         text_in_logprobs: r.return_text_in_logprobs,
         stream: r.stream,
+        constraint,
     })
 }
 
@@ -312,6 +330,7 @@ pub(super) async fn generate(
             .unwrap_or(0);
         let max_new = g.max_new.unwrap_or(DEFAULT_MAX_NEW).min(room);
         let mut p = g.common.params(max_new, g.logprobs, st.max_n)?;
+        p.constraint = st.compile(g.constraint).await?;
         // Unseeded requests draw a fresh seed as completions do: frameworks send each of a
         // prompt's samples as its own request, which one fixed seed would make identical.
         st.seed(&mut p);

@@ -21,6 +21,8 @@ pub struct AppState {
     tokenizer: Option<tokenizers::Tokenizer>,
     tokenizer_config: Option<arbor_model::TokenizerConfig>,
     chat: Chat,
+    /// Constrained decoding over the served tokenizer (made on first use).
+    pub(super) structured: Arc<super::structured::Engine>,
     pub(super) model_name: String,
     pub(super) max_len: usize,
     vocab: usize,
@@ -66,6 +68,11 @@ impl AppState {
             handle,
             tokenizer: runner.tokenizer().cloned(),
             chat: Chat::from_config(runner.tokenizer_config()),
+            structured: Arc::new(super::structured::Engine::new(
+                runner.tokenizer().cloned(),
+                runner.config().vocab_size,
+                runner.eos_token_ids().to_vec(),
+            )),
             tokenizer_config: runner.tokenizer_config().cloned(),
             model_name,
             max_len: runner.max_seq_len(),
@@ -176,6 +183,27 @@ impl AppState {
             None if p.sampling.is_greedy() => 0,
             None => fresh_seed(),
         };
+    }
+
+    /// Compiles a request's constraint off the async threads (a large schema takes a
+    /// while); None when it asked for none.
+    pub(super) async fn compile(
+        &self,
+        req: Option<super::structured::Requested>,
+    ) -> Result<Option<Arc<super::structured::Compiled>>, ApiError> {
+        let Some(req) = req else {
+            return Ok(None);
+        };
+        let engine = self.structured.clone();
+        tokio::task::spawn_blocking(move || engine.compile(&req).map(Arc::new))
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("compiling the output constraint failed: {e}"),
+                )
+            })?
+            .map(Some)
     }
 
     pub(super) fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {

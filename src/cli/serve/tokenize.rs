@@ -30,6 +30,9 @@ pub struct TokenizeRequest {
     pub add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub return_token_strs: bool,
+    /// With `messages`: the tools the template shows, as `/v1/chat/completions` passes
+    /// them (vLLM's field).
+    pub tools: Option<Value>,
 }
 
 impl Body for TokenizeRequest {
@@ -40,6 +43,7 @@ impl Body for TokenizeRequest {
         "add_special_tokens",
         "add_generation_prompt",
         "return_token_strs",
+        "tools",
     ];
     const SAMPLING: bool = false;
     const KINDS: &'static [(&'static str, Kind)] = &[
@@ -87,9 +91,14 @@ pub(super) async fn tokenize(
                 if messages.is_empty() {
                     return Err(ApiError::bad("messages", "messages is empty"));
                 }
+                let tools = super::tools::Tools::from_request(req.tools.as_ref(), None, None)?;
                 let text = st
                     .chat_template()?
-                    .render(messages, req.add_generation_prompt.unwrap_or(true))
+                    .render_with_tools(
+                        messages,
+                        req.add_generation_prompt.unwrap_or(true),
+                        tools.as_ref().map(|t| &t.list[..]),
+                    )
                     .map_err(|e| ApiError::bad("messages", e))?;
                 st.encode(&text, req.add_special_tokens.unwrap_or(false))?
             }

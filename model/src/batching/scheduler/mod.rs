@@ -354,7 +354,31 @@ impl Scheduler {
                 rows.push(row);
             }
         }
+        self.constrain(&mut rows);
         StepPlan { rows }
+    }
+
+    /// The masks of the constrained sequences' sampled rows, from each sequence's own
+    /// generated tokens, computed side by side on the host's cores (a grammar's mask takes
+    /// tens to hundreds of microseconds over a large vocabulary).
+    fn constrain(&self, rows: &mut [PlanRow]) {
+        let jobs: Vec<(usize, &crate::constraint::Constraint, &[u32])> = rows
+            .iter()
+            .enumerate()
+            .filter(|(_, row)| row.sample)
+            .filter_map(|(i, row)| {
+                let r = self.running.iter().find(|r| r.id == row.seq)?;
+                Some((i, r.spec.constraint.as_ref()?, &r.generated[..]))
+            })
+            .collect();
+        if jobs.is_empty() {
+            return;
+        }
+        let masks =
+            crate::sampling::map_rows(jobs.len(), usize::MAX, |j, _| jobs[j].1.allowed(jobs[j].2));
+        for ((i, _, _), mask) in jobs.iter().zip(masks) {
+            rows[*i].allowed = Some(mask);
+        }
     }
 
     /// The end (at most `end`, at least `start`) of a chunk of `r` from `start` whose rows
@@ -394,6 +418,7 @@ impl Scheduler {
             prefill: start < r.prefill_to,
             sampling: r.spec.sampling,
             n_top: r.spec.n_top,
+            allowed: None,
         }
     }
 
@@ -498,6 +523,44 @@ mod tests {
         assert!(matches!(ev.last(), Some(Event::Finished { seq, .. }) if *seq == b));
         assert!(s.is_idle());
         assert_eq!(s.kv_blocks().0, 0);
+    }
+
+    /// A constraint whose mask names how many tokens it was told were generated, and
+    /// keeps every `generated` it was asked about.
+    struct Counting(std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>);
+
+    impl crate::constraint::TokenConstraint for Counting {
+        fn allowed(&mut self, generated: &[u32]) -> crate::constraint::TokenMask {
+            self.0.lock().unwrap().push(generated.to_vec());
+            crate::constraint::TokenMask::Ids(vec![100 + generated.len() as u32])
+        }
+    }
+
+    #[test]
+    fn constrained_rows_carry_the_mask_of_their_own_tokens() {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut s = Scheduler::new(cfg(4, 4, 8, 64)).unwrap();
+        let mut c = spec(0, 6, 3);
+        c.constraint = Some(crate::constraint::Constraint::new(Counting(seen.clone())));
+        let a = s.submit(c).unwrap();
+        let b = s.submit(spec(1, 2, 3)).unwrap();
+        let mut masks = Vec::new();
+        while !s.is_idle() {
+            let p = s.plan();
+            for r in &p.rows {
+                // Only sampled rows of the constrained sequence have a mask.
+                assert_eq!(r.allowed.is_some(), r.seq == a && r.sample, "{r:?}");
+                if let Some(m) = &r.allowed {
+                    masks.push(m.clone());
+                }
+                assert!(r.seq == a || r.seq == b);
+            }
+            s.apply(&p, &run(&p)).unwrap();
+        }
+        use crate::constraint::TokenMask::Ids;
+        assert_eq!(masks, vec![Ids(vec![100]), Ids(vec![101]), Ids(vec![102])]);
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen, vec![vec![], vec![7], vec![7, 7]]);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! step (`Event`s of the sequence it made of the request).
 
 use crate::batching::plan::Record;
+use crate::constraint::Constraint;
 use crate::sampling::Sampling;
 
 pub type SeqId = u64;
@@ -20,6 +21,9 @@ pub struct SeqSpec {
     pub n_top: usize,
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// The tokens each sampled row may take (structured output), from the sequence's own
+    /// generated tokens.
+    pub constraint: Option<Constraint>,
 }
 
 impl SeqSpec {
@@ -34,6 +38,7 @@ impl SeqSpec {
             sampling: Sampling::greedy(),
             n_top: 0,
             ignore_eos: false,
+            constraint: None,
         }
     }
 }

@@ -1,0 +1,313 @@
+//! Constrained decoding's side in the engine: a sequence may carry a [`Constraint`] that
+//! says which tokens may come next, as a [`TokenMask`] the scheduler puts on the sequence's
+//! sampled plan row. The engine knows nothing of grammars; the server's constraint
+//! (`llguidance`, in `src/cli/serve/structured/`) computes the mask from the sequence's own
+//! generated tokens alone, so a constrained row has the same mask alone, under load, after
+//! a preemption and at every TP size.
+//!
+//! Every rank receives the mask with the plan and samples the masked row on the host
+//! ([`choose_masked`]), on the CPU and the CUDA backends alike: the row comes to the host
+//! after the step as a top-p nucleus beyond the candidates does (`wants_row`), so a step
+//! recorded as a CUDA graph is replayed unchanged and only the constrained rows' logits
+//! are downloaded. The record's log-prob, top-N and digest are those of the unmasked row:
+//! the model's own distribution, the same bits `arbor score` gives for the same tokens.
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampling::{self, Sampling};
+
+/// The tokens a constrained row may sample.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TokenMask {
+    /// The allowed ids, ascending (the shorter form when few are allowed, as inside a JSON
+    /// string's keyword or a closing brace).
+    Ids(Vec<u32>),
+    /// One bit per id: id `i` is bit `i % 32` of word `i / 32`.
+    Bits(Vec<u32>),
+}
+
+impl TokenMask {
+    /// The mask of `words` (bit form, at least `vocab` bits; bits at or past `vocab` are
+    /// dropped), in whichever form is smaller.
+    pub fn from_bits(mut words: Vec<u32>, vocab: usize) -> Self {
+        words.resize(vocab.div_ceil(32), 0);
+        if !vocab.is_multiple_of(32) {
+            if let Some(last) = words.last_mut() {
+                *last &= (1u32 << (vocab % 32)) - 1;
+            }
+        }
+        let count: usize = words.iter().map(|w| w.count_ones() as usize).sum();
+        if count < words.len() {
+            let ids = (0..vocab as u32).filter(|&i| bit(&words, i)).collect();
+            TokenMask::Ids(ids)
+        } else {
+            TokenMask::Bits(words)
+        }
+    }
+
+    /// The mask allowing exactly `ids` (any order; duplicates and ids at or past `vocab`
+    /// dropped).
+    pub fn from_ids(ids: &[u32], vocab: usize) -> Self {
+        let mut words = vec![0u32; vocab.div_ceil(32)];
+        for &i in ids.iter().filter(|&&i| (i as usize) < vocab) {
+            words[i as usize / 32] |= 1 << (i % 32);
+        }
+        Self::from_bits(words, vocab)
+    }
+
+    pub fn allows(&self, id: u32) -> bool {
+        match self {
+            TokenMask::Ids(ids) => ids.binary_search(&id).is_ok(),
+            TokenMask::Bits(words) => bit(words, id),
+        }
+    }
+
+    /// How many ids it allows.
+    pub fn count(&self) -> usize {
+        match self {
+            TokenMask::Ids(ids) => ids.len(),
+            TokenMask::Bits(words) => words.iter().map(|w| w.count_ones() as usize).sum(),
+        }
+    }
+
+    /// Why a mask from another rank cannot be one of this vocabulary's (ids out of order or
+    /// past it, the wrong number of words, nothing allowed).
+    pub fn check(&self, vocab: usize) -> Result<(), String> {
+        match self {
+            TokenMask::Ids(ids) => {
+                if let Some(w) = ids.windows(2).find(|w| w[0] >= w[1]) {
+                    return Err(format!(
+                        "token mask ids are not ascending ({} then {})",
+                        w[0], w[1]
+                    ));
+                }
+                if let Some(&t) = ids.last().filter(|&&t| t as usize >= vocab) {
+                    return Err(format!(
+                        "token mask allows id {t}, outside the vocabulary of {vocab}"
+                    ));
+                }
+            }
+            TokenMask::Bits(words) if words.len() != vocab.div_ceil(32) => {
+                return Err(format!(
+                    "a token mask of {} words for a vocabulary of {vocab} (needs {})",
+                    words.len(),
+                    vocab.div_ceil(32)
+                ))
+            }
+            TokenMask::Bits(_) => {}
+        }
+        if self.count() == 0 {
+            return Err("a token mask that allows no token".into());
+        }
+        Ok(())
+    }
+}
+
+fn bit(words: &[u32], id: u32) -> bool {
+    words
+        .get(id as usize / 32)
+        .is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
+/// A sequence's rule for its next token. The mask must depend only on `generated` (the
+/// tokens the sequence has generated so far, in order): the engine may ask again for a
+/// shorter or different `generated` after a restart from the prompt, and asks once per
+/// sampled row otherwise.
+pub trait TokenConstraint: Send {
+    fn allowed(&mut self, generated: &[u32]) -> TokenMask;
+}
+
+/// A shared handle on a sequence's [`TokenConstraint`]: the request that made it keeps a
+/// clone (to read what the constraint saw, such as an error), the scheduler asks it for
+/// masks. Two handles are equal when they are the same constraint.
+#[derive(Clone)]
+pub struct Constraint(Arc<Mutex<dyn TokenConstraint>>);
+
+impl Constraint {
+    pub fn new(c: impl TokenConstraint + 'static) -> Self {
+        Constraint(Arc::new(Mutex::new(c)))
+    }
+
+    /// The mask after `generated`.
+    pub fn allowed(&self, generated: &[u32]) -> TokenMask {
+        // A panic inside one call leaves the constraint as that call left it; the next
+        // call still answers (the server's constraint records its own errors).
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .allowed(generated)
+    }
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraint")
+    }
+}
+
+impl PartialEq for Constraint {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// The token of a masked row: the row with every disallowed logit at −∞, drawn as
+/// [`sampling::choose_with`] draws an unmasked row on the host (greedy: the allowed argmax,
+/// lowest id on ties; a pure temperature: the Gumbel-max draw keyed by (seed, id,
+/// position, token); top-k / top-p: among the allowed tokens, the top-p cut against their
+/// own tempered sum). The draw over the kept −∞ entries can only land on one in a rounding
+/// corner, or where every allowed logit is −∞ or NaN: then the allowed argmax (the lowest
+/// allowed id when none is finite). The result is always allowed when the mask allows any.
+pub fn choose_masked(row: &[f32], mask: &TokenMask, s: &Sampling, id: u64, position: usize) -> u32 {
+    let masked: Vec<f32> = row
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            if mask.allows(i as u32) {
+                x
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    let t = sampling::choose_with(&masked, s, id, position, None);
+    if mask.allows(t) && masked[t as usize] > f32::NEG_INFINITY {
+        return t;
+    }
+    let mut best: Option<u32> = None;
+    for (i, &x) in masked.iter().enumerate() {
+        if !mask.allows(i as u32) {
+            continue;
+        }
+        match best {
+            None => best = Some(i as u32),
+            Some(b) if x > masked[b as usize] || masked[b as usize].is_nan() && !x.is_nan() => {
+                best = Some(i as u32)
+            }
+            Some(_) => {}
+        }
+    }
+    best.unwrap_or(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(n: usize) -> Vec<f32> {
+        // A varied row whose unmasked argmax is id 7.
+        (0..n)
+            .map(|i| if i == 7 { 5.0 } else { (i as f32 * 0.37).sin() })
+            .collect()
+    }
+
+    #[test]
+    fn the_smaller_form_and_membership() {
+        let m = TokenMask::from_ids(&[5, 3, 99, 3], 90);
+        assert_eq!(m, TokenMask::Ids(vec![3, 5]));
+        assert!(m.allows(3) && m.allows(5) && !m.allows(4) && !m.allows(99));
+        // As many ids as words: the words.
+        assert!(matches!(
+            TokenMask::from_ids(&[3, 5], 40),
+            TokenMask::Bits(_)
+        ));
+        let all = TokenMask::from_bits(vec![u32::MAX; 2], 40);
+        let TokenMask::Bits(words) = &all else {
+            panic!("{all:?}")
+        };
+        // Bits past the vocabulary are dropped.
+        assert_eq!(words, &vec![u32::MAX, 0xff]);
+        assert_eq!(all.count(), 40);
+        assert!(all.allows(39) && !all.allows(40));
+        assert!(all.check(40).is_ok());
+        assert!(all.check(96).unwrap_err().contains("2 words"));
+        assert!(TokenMask::Ids(vec![4, 2]).check(8).is_err());
+        assert!(TokenMask::Ids(vec![9])
+            .check(8)
+            .unwrap_err()
+            .contains("id 9"));
+        assert!(TokenMask::Ids(vec![])
+            .check(8)
+            .unwrap_err()
+            .contains("no token"));
+    }
+
+    #[test]
+    fn every_sampling_lands_on_an_allowed_token() {
+        let r = row(300);
+        let mask = TokenMask::from_ids(&[2, 40, 41, 250], 300);
+        let settings = [
+            Sampling::greedy(),
+            Sampling {
+                temperature: 0.8,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 3,
+            },
+            Sampling {
+                temperature: 1.3,
+                top_k: 2,
+                top_p: 1.0,
+                seed: 4,
+            },
+            Sampling {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.5,
+                seed: 5,
+            },
+        ];
+        for s in &settings {
+            for pos in 0..200 {
+                let t = choose_masked(&r, &mask, s, 11, pos);
+                assert!(mask.allows(t), "{s:?} at {pos} chose {t}");
+            }
+        }
+        // Unmasked, greedy takes 7; masked, the best allowed one.
+        assert_eq!(
+            sampling::choose_with(&r, &Sampling::greedy(), 0, 0, None),
+            7
+        );
+        let want = [2u32, 40, 41, 250]
+            .into_iter()
+            .max_by(|&a, &b| r[a as usize].total_cmp(&r[b as usize]).then(b.cmp(&a)))
+            .unwrap();
+        assert_eq!(choose_masked(&r, &mask, &Sampling::greedy(), 0, 0), want);
+    }
+
+    #[test]
+    fn a_mask_of_everything_draws_what_the_row_draws() {
+        let r = row(300);
+        let all = TokenMask::from_bits(vec![u32::MAX; 10], 300);
+        let s = Sampling {
+            temperature: 0.9,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 8,
+        };
+        for pos in 0..50 {
+            assert_eq!(
+                choose_masked(&r, &all, &s, 2, pos),
+                sampling::choose_with(&r, &s, 2, pos, None)
+            );
+        }
+    }
+
+    #[test]
+    fn non_finite_allowed_logits_still_give_an_allowed_token() {
+        let mut r = row(64);
+        r[10] = f32::NAN;
+        r[20] = f32::NEG_INFINITY;
+        let mask = TokenMask::from_ids(&[10, 20], 64);
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 1,
+        };
+        assert!(mask.allows(choose_masked(&r, &mask, &s, 0, 0)));
+        assert!(mask.allows(choose_masked(&r, &mask, &Sampling::greedy(), 0, 0)));
+    }
+}
