@@ -9,6 +9,9 @@
 //!   op by op recomputation;
 //! - constrained rows (structured output's token masks) drawn on the host give the same
 //!   bits from recorded steps, op by op and alone (with a CPU twin that runs anywhere).
+//! - mixture-of-experts models (Qwen3-MoE, Mixtral): GPU logits near the CPU's, prefill ==
+//!   decode == a row in a batch, and steps run through `run_step` (where decode steps are
+//!   recorded) equal to op by op.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -180,7 +183,12 @@ fn gpu_prefill_decode_and_batch_are_bit_identical() {
     if !gpu_usable() {
         return;
     }
-    for (arch, tag) in [(Arch::Llama, "llama-inv"), (Arch::Qwen3, "qwen3-inv")] {
+    for (arch, tag) in [
+        (Arch::Llama, "llama-inv"),
+        (Arch::Qwen3, "qwen3-inv"),
+        (Arch::Qwen3Moe, "qwen3-moe-inv"),
+        (Arch::Mixtral, "mixtral-inv"),
+    ] {
         let dir = tiny(arch, tag);
         let gpu = CudaBackend::new(Arc::new(SingleComm), Numerics::Invariant)
             .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
@@ -622,4 +630,140 @@ fn gpu_constrained_rows_match_op_by_op_and_alone() {
     println!("constrained: {recorded} decode shapes recorded, {replays} steps from recordings");
     assert!(replays > 0, "no step replayed a recording");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Mixture-of-experts models on the GPU against the CPU backend: a token whose router
+/// logits differ in the last bits between the backends may take another expert, so the
+/// bound is per row: nearly every row within bf16 noise, and the whole within a loose
+/// relative L2.
+#[test]
+fn gpu_moe_logits_match_cpu_but_for_rerouted_rows() {
+    if !gpu_usable() {
+        return;
+    }
+    for (arch, tag) in [(Arch::Qwen3Moe, "qwen3-moe"), (Arch::Mixtral, "mixtral")] {
+        let dir = tiny(arch, &format!("{tag}-cpu-gpu"));
+        let comm: Arc<dyn Communicator> = Arc::new(SingleComm);
+        let cpu = CpuBackend::new(comm.clone());
+        let gpu = CudaBackend::new(comm, Numerics::Invariant)
+            .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+        let (mc, mg) = (load(&cpu, &dir), load(&gpu, &dir));
+        let vocab = mc.cfg.vocab_size;
+        let p = prompts();
+        let (lc, lg) = (prefill(&cpu, &mc, &p), prefill(&gpu, &mg, &p));
+        assert_eq!(lc.len(), lg.len());
+        let rows = lc.len() / vocab;
+        let rel_of = |c: &[f32], g: &[f32]| {
+            let max_ref = c.iter().fold(0f64, |a, &v| a.max((v as f64).abs()));
+            let max_abs = c
+                .iter()
+                .zip(g)
+                .fold(0f64, |a, (&c, &g)| a.max((c as f64 - g as f64).abs()));
+            max_abs / max_ref
+        };
+        let rels: Vec<f64> = (0..rows)
+            .map(|r| {
+                rel_of(
+                    &lc[r * vocab..(r + 1) * vocab],
+                    &lg[r * vocab..(r + 1) * vocab],
+                )
+            })
+            .collect();
+        let close = rels.iter().filter(|&&x| x < 2e-2).count();
+        let worst = rels.iter().copied().fold(0f64, f64::max);
+        println!(
+            "CPU vs GPU logits ({tag} tiny, {rows} rows): {close} rows within 2e-2 of the row's max |logit|, worst row {worst:.3e}"
+        );
+        assert!(
+            rels.iter().all(|x| x.is_finite()),
+            "{tag}: non-finite logits"
+        );
+        assert!(
+            close * 10 >= rows * 9,
+            "{tag}: only {close} of {rows} rows agree within bf16 tolerance"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A mixture-of-experts model's steps through `run_step` with recording on give the bits
+/// of the same steps with recording off, and of each request alone. The experts' routing
+/// reads the router's logits on the host, so no decode step may be replayed from a
+/// recording: its host decisions would be the first step's.
+#[test]
+fn gpu_moe_decode_steps_are_never_replayed_with_stale_routes() {
+    use arbor_model::runner::{Device, GenRequest, LoadOptions, OfflineRunner, Worker};
+    use arbor_model::Sampling;
+    if !gpu_usable() {
+        return;
+    }
+    for (arch, tag) in [(Arch::Qwen3Moe, "qwen3-moe"), (Arch::Mixtral, "mixtral")] {
+        let dir = tiny(arch, &format!("{tag}-graph"));
+        let engine = |record: bool| {
+            let b = CudaBackend::new(Arc::new(SingleComm), Numerics::Invariant)
+                .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+            b.set_recording(record);
+            let opts = LoadOptions {
+                model_dir: dir.clone(),
+                device: Device::Cuda,
+                max_seq_len: Some(256),
+                shadow_tp1: false,
+                numerics: Numerics::Invariant,
+                rank_of_tp: None,
+                kv: arbor_model::KvOptions {
+                    blocks: Some(64),
+                    ..Default::default()
+                },
+            };
+            Worker::new(b, &opts).unwrap_or_else(|e| panic!("{tag}: loading: {e}"))
+        };
+        let (mut rec, mut ops) = (engine(true), engine(false));
+        let reqs: Vec<GenRequest> = [45usize, 8, 20, 3, 1]
+            .iter()
+            .zip([12usize, 7, 12, 3, 9])
+            .enumerate()
+            .map(|(i, (&len, new))| GenRequest {
+                id: 300 + i as u64,
+                prompt: (0..len)
+                    .map(|j| ((j * 29 + i * 5 + 1) % 250) as u32)
+                    .collect(),
+                max_new_tokens: new,
+            })
+            .collect();
+        let s = Sampling {
+            temperature: 0.8,
+            top_k: 20,
+            top_p: 0.9,
+            seed: 6,
+        };
+        for (what, s, n_top) in [("greedy", Sampling::greedy(), 2), ("sampled", s, 0)] {
+            let got = rec
+                .generate(&reqs, &s, n_top)
+                .expect("generate, recording on");
+            let want = ops.generate(&reqs, &s, n_top).expect("generate, op by op");
+            assert_eq!(
+                out_bits(&got),
+                out_bits(&want),
+                "{tag} {what}: recording on differs from op by op"
+            );
+            for (i, r) in reqs.iter().enumerate() {
+                let alone = ops
+                    .generate(std::slice::from_ref(r), &s, n_top)
+                    .expect("generate alone");
+                assert_eq!(
+                    out_bits(&alone),
+                    out_bits(&got[i..=i]),
+                    "{tag} {what}: request {i} alone differs from the batch"
+                );
+            }
+        }
+        let (recorded, replays) = rec.backend().recorded_steps().expect("recording is on");
+        println!("{tag}: {recorded} decode shapes recorded, {replays} steps from recordings");
+        assert_eq!(
+            (recorded, replays),
+            (0, 0),
+            "{tag}: a decode step that routes on the host was recorded"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

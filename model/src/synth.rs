@@ -27,6 +27,10 @@ pub enum Preset {
     Tiny,
     Llama3_8b,
     Qwen3_8b,
+    /// Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (~61 GB of bf16).
+    Qwen3_30bA3b,
+    /// Mixtral-8x7B: 32 layers of 8 experts, 2 per token (~93 GB of bf16).
+    Mixtral8x7b,
 }
 
 /// The shape of a synthetic model (what config.json will say).
@@ -58,17 +62,14 @@ pub struct MoeShape {
     pub top_k: usize,
     /// One expert's intermediate width (Mixtral's config calls it `intermediate_size`).
     pub intermediate: usize,
+    /// The first layers keep a dense MLP of `Shape::intermediate` (Qwen3-MoE's
+    /// `mlp_only_layers`; Mixtral has no such key, so 0 there).
+    pub dense_layers: usize,
 }
 
-/// Whether layer `i` of a synthetic `arch` model has experts: every layer of Mixtral, and
-/// every layer but the first of Qwen3-MoE (its `mlp_only_layers`, so that both kinds of
-/// MLP are exercised).
-fn sparse_layer(arch: Arch, i: usize) -> bool {
-    match arch {
-        Arch::Mixtral => true,
-        Arch::Qwen3Moe => i != 0,
-        _ => false,
-    }
+/// Whether layer `i` of a synthetic `arch` model of shape `s` has experts.
+fn sparse_layer(arch: Arch, s: &Shape, i: usize) -> bool {
+    arch.is_moe() && s.moe.is_some_and(|m| i >= m.dense_layers)
 }
 
 impl Shape {
@@ -87,6 +88,19 @@ impl Shape {
                 self.heads, self.intermediate
             ));
         }
+        let moe = match self.moe {
+            Some(m) if !m.intermediate.is_multiple_of(tp) => {
+                return Err(format!(
+                    "an expert's intermediate size {} is not divisible by TP {tp}",
+                    m.intermediate
+                ))
+            }
+            Some(m) => Some(MoeShape {
+                intermediate: m.intermediate / tp,
+                ..m
+            }),
+            None => None,
+        };
         let kv_heads = if self.kv_heads >= tp {
             if !self.kv_heads.is_multiple_of(tp) {
                 return Err(format!(
@@ -103,6 +117,7 @@ impl Shape {
             kv_heads,
             intermediate: self.intermediate / tp,
             vocab: self.vocab.div_ceil(tp),
+            moe,
             ..*self
         })
     }
@@ -161,6 +176,7 @@ impl Preset {
                     experts: 8,
                     top_k: 2,
                     intermediate: 64,
+                    dense_layers: 1,
                 }),
                 ..Preset::Tiny.shape(Arch::Qwen3)
             },
@@ -171,8 +187,53 @@ impl Preset {
                     experts: 8,
                     top_k: 2,
                     intermediate: 64,
+                    dense_layers: 0,
                 }),
                 ..Preset::Tiny.shape(Arch::Llama)
+            },
+            // Qwen3-30B-A3B's config.json: every layer sparse, untied embeddings.
+            (Preset::Qwen3_30bA3b, _) => Shape {
+                hidden: 2048,
+                layers: 48,
+                heads: 32,
+                kv_heads: 4,
+                head_dim: 128,
+                intermediate: 6144,
+                vocab: 151936,
+                max_pos: 40960,
+                rope_theta: 1000000.0,
+                llama3_rope_scaling: false,
+                tie_word_embeddings: false,
+                bias: false,
+                rms_norm_eps: 1e-6,
+                moe: Some(MoeShape {
+                    experts: 128,
+                    top_k: 8,
+                    intermediate: 768,
+                    dense_layers: 0,
+                }),
+            },
+            // Mixtral-8x7B-v0.1's config.json.
+            (Preset::Mixtral8x7b, _) => Shape {
+                hidden: 4096,
+                layers: 32,
+                heads: 32,
+                kv_heads: 8,
+                head_dim: 128,
+                intermediate: 14336,
+                vocab: 32000,
+                max_pos: 32768,
+                rope_theta: 1000000.0,
+                llama3_rope_scaling: false,
+                tie_word_embeddings: false,
+                bias: false,
+                rms_norm_eps: 1e-5,
+                moe: Some(MoeShape {
+                    experts: 8,
+                    top_k: 2,
+                    intermediate: 14336,
+                    dense_layers: 0,
+                }),
             },
             (Preset::Llama3_8b, _) => Shape {
                 hidden: 4096,
@@ -215,6 +276,8 @@ impl Preset {
             Preset::Tiny => None,
             Preset::Llama3_8b => Some(Arch::Llama),
             Preset::Qwen3_8b => Some(Arch::Qwen3),
+            Preset::Qwen3_30bA3b => Some(Arch::Qwen3Moe),
+            Preset::Mixtral8x7b => Some(Arch::Mixtral),
         }
     }
 }
@@ -337,7 +400,7 @@ fn specs(arch: Arch, s: &Shape) -> Vec<Spec> {
             vec![h],
             norm,
         );
-        match s.moe.filter(|_| sparse_layer(arch, i)) {
+        match s.moe.filter(|_| sparse_layer(arch, s, i)) {
             Some(m) => {
                 // The router's logits are spread like a linear layer's; the experts are
                 // the dense MLP's shape at their own width.
@@ -484,6 +547,23 @@ pub fn make_model_with_progress(
             shape.heads, shape.kv_heads, shape.head_dim
         )));
     }
+    if shape.layers == 0 {
+        return Err(ModelError::Synth("a model of 0 layers".into()));
+    }
+    if let Some(m) = shape.moe.filter(|_| opts.arch.is_moe()) {
+        if m.experts == 0 || m.top_k == 0 || m.top_k > m.experts || m.intermediate == 0 {
+            return Err(ModelError::Synth(format!(
+                "{} experts, {} per token, of width {}: not a mixture of experts",
+                m.experts, m.top_k, m.intermediate
+            )));
+        }
+        if opts.arch == Arch::Mixtral && m.dense_layers > 0 {
+            return Err(ModelError::Synth(format!(
+                "{} dense layers: a Mixtral config cannot say which layers are dense",
+                m.dense_layers
+            )));
+        }
+    }
     let dir = &opts.out_dir;
     let io = |path: &Path| {
         let path = path.to_path_buf();
@@ -612,6 +692,7 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> ser
         experts: 1,
         top_k: 1,
         intermediate: s.intermediate,
+        dense_layers: 0,
     });
     match arch {
         Arch::Llama => {
@@ -648,7 +729,7 @@ fn config_json(arch: Arch, s: &Shape, dtype: DType, format: ConfigFormat) -> ser
             c["moe_intermediate_size"] = json!(m.intermediate);
             c["norm_topk_prob"] = json!(true);
             c["decoder_sparse_step"] = json!(1);
-            c["mlp_only_layers"] = json!([0]);
+            c["mlp_only_layers"] = json!((0..m.dense_layers.min(s.layers)).collect::<Vec<_>>());
             c["router_aux_loss_coef"] = json!(0.001);
             c["output_router_logits"] = json!(false);
         }
@@ -779,5 +860,114 @@ mod tests {
         let mut odd = full.clone();
         odd.heads = 6;
         assert!(odd.per_rank(4).unwrap_err().contains("6 attention heads"));
+        // The experts are cut like the dense MLP.
+        let moe = Preset::Qwen3_30bA3b.shape(Arch::Qwen3Moe);
+        let r = moe.per_rank(8).unwrap();
+        let m = r.moe.unwrap();
+        assert_eq!((m.experts, m.top_k, m.intermediate), (128, 8, 96));
+        assert_eq!((r.heads, r.kv_heads, r.intermediate), (4, 1, 768));
+        let mut bad = moe.clone();
+        bad.moe = Some(MoeShape {
+            intermediate: 100,
+            ..m
+        });
+        assert!(bad
+            .per_rank(8)
+            .unwrap_err()
+            .contains("expert's intermediate size 100"));
+    }
+
+    /// The real MoE presets' configs read back as the published models' (expert counts,
+    /// widths, every layer sparse), here with 2 of their layers, as `make-model --layers 2`
+    /// writes them; the tensors' names and shapes are those the loader asks for.
+    #[test]
+    fn moe_presets_write_the_published_shapes() {
+        for (preset, arch, want) in [
+            (Preset::Qwen3_30bA3b, Arch::Qwen3Moe, (128, 8, 768, true)),
+            (Preset::Mixtral8x7b, Arch::Mixtral, (8, 2, 14336, true)),
+        ] {
+            assert_eq!(preset.natural_arch(), Some(arch));
+            let shape = Shape {
+                layers: 2,
+                ..preset.shape(arch)
+            };
+            let c = config_json(arch, &shape, DType::BF16, ConfigFormat::Transformers4);
+            let cfg = crate::config::ModelConfig::from_json_str(
+                &c.to_string(),
+                &crate::config::in_memory_path(),
+            )
+            .unwrap();
+            let m = cfg.moe.clone().unwrap();
+            assert_eq!(
+                (
+                    m.num_experts,
+                    m.top_k,
+                    m.expert_intermediate,
+                    m.norm_topk_prob
+                ),
+                want
+            );
+            assert_eq!(m.sparse_layers, vec![true, true]);
+            assert_eq!(cfg.num_layers, 2);
+            let specs = specs(arch, &shape);
+            let (block, down) = match arch {
+                Arch::Mixtral => ("block_sparse_moe", "w2"),
+                _ => ("mlp", "down_proj"),
+            };
+            let e = m.num_experts;
+            let has = |name: String| specs.iter().any(|s| s.name == name);
+            let last = format!("model.layers.1.{block}.experts.{}.{down}.weight", e - 1);
+            assert!(has(last.clone()), "{last}");
+            assert!(!has(format!(
+                "model.layers.1.{block}.experts.{e}.{down}.weight"
+            )));
+            assert!(!specs.iter().any(|s| s.name.contains("mlp.down_proj")));
+        }
+        // The tiny Qwen3-MoE keeps its first layer dense.
+        let tiny = Preset::Tiny.shape(Arch::Qwen3Moe);
+        let c = config_json(
+            Arch::Qwen3Moe,
+            &tiny,
+            DType::BF16,
+            ConfigFormat::Transformers4,
+        );
+        assert_eq!(c["mlp_only_layers"], json!([0]));
+    }
+
+    #[test]
+    fn bad_synthetic_shapes_are_refused() {
+        let dir = std::env::temp_dir().join(format!("arbor-synth-bad-{}", std::process::id()));
+        let try_shape = |arch: Arch, shape: Shape| {
+            make_model(&SynthOptions {
+                shape: Some(shape),
+                ..SynthOptions::new(arch, Preset::Tiny, 0, &dir)
+            })
+            .unwrap_err()
+            .to_string()
+        };
+        let tiny = Preset::Tiny.shape(Arch::Mixtral);
+        let m = tiny.moe.unwrap();
+        let e = try_shape(
+            Arch::Mixtral,
+            Shape {
+                moe: Some(MoeShape {
+                    dense_layers: 1,
+                    ..m
+                }),
+                ..tiny.clone()
+            },
+        );
+        assert!(e.contains("1 dense layers"), "{e}");
+        let e = try_shape(
+            Arch::Mixtral,
+            Shape {
+                moe: Some(MoeShape { top_k: 9, ..m }),
+                ..tiny.clone()
+            },
+        );
+        assert!(e.contains("8 experts, 9 per token"), "{e}");
+        let e = try_shape(Arch::Mixtral, Shape { layers: 0, ..tiny });
+        assert!(e.contains("0 layers"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

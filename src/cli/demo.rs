@@ -71,12 +71,16 @@ pub fn run(args: Args) -> Result<()> {
             .with_context(|| format!("cannot create {}", dir.display()))?;
         make_model::make(
             ArchArg::Llama,
-            PresetArg::Tiny,
-            0,
-            &dir,
-            true,
-            make_model::HfConfigArg::V4,
-            None,
+            &make_model::Args {
+                arch: Some(ArchArg::Llama),
+                preset: PresetArg::Tiny,
+                seed: 0,
+                out: dir.clone(),
+                force: true,
+                hf_config: make_model::HfConfigArg::V4,
+                per_rank_of_tp: None,
+                layers: None,
+            },
         )?;
     }
     check::run(check::Args {

@@ -32,6 +32,14 @@ pub enum PresetArg {
     /// Qwen3-8B shapes (~16 GB of bf16).
     #[value(name = "qwen3-8b")]
     Qwen3_8b,
+    /// Qwen3-30B-A3B shapes: 128 experts, 8 per token (~61 GB of bf16 for its 48 layers;
+    /// `--layers` writes fewer).
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
+    /// Mixtral-8x7B shapes: 8 experts, 2 per token (~93 GB of bf16 for its 32 layers;
+    /// `--layers` writes fewer).
+    #[value(name = "mixtral-8x7b")]
+    Mixtral8x7b,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -59,6 +67,10 @@ pub struct Args {
     /// measures a rank's compute at TP=N, collectives aside.
     #[arg(long, value_name = "N")]
     pub per_rank_of_tp: Option<usize>,
+    /// Write only the first N layers of the preset (every other shape unchanged): a decode
+    /// step's time per layer on a machine whose memory or disk does not hold them all.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,15 +99,19 @@ pub fn check_out_dir(dir: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-pub fn make(
-    arch: ArchArg,
-    preset: PresetArg,
-    seed: u64,
-    out: &Path,
-    force: bool,
-    hf_config: HfConfigArg,
-    per_rank_of_tp: Option<usize>,
-) -> Result<()> {
+/// Writes the model `a` describes, of architecture `arch` (`a.arch` resolved).
+pub fn make(arch: ArchArg, a: &Args) -> Result<()> {
+    let Args {
+        preset,
+        seed,
+        ref out,
+        force,
+        hf_config,
+        per_rank_of_tp,
+        layers,
+        ..
+    } = *a;
+    let out = out.as_path();
     check_out_dir(out, force)?;
     let arch = match arch {
         ArchArg::Llama => Arch::Llama,
@@ -108,6 +124,8 @@ pub fn make(
         PresetArg::Tiny => Preset::Tiny,
         PresetArg::Llama3_8b => Preset::Llama3_8b,
         PresetArg::Qwen3_8b => Preset::Qwen3_8b,
+        PresetArg::Qwen3_30bA3b => Preset::Qwen3_30bA3b,
+        PresetArg::Mixtral8x7b => Preset::Mixtral8x7b,
     };
     let big = preset != Preset::Tiny;
     let mut next_report = 0u64;
@@ -124,7 +142,7 @@ pub fn make(
             );
         }
     };
-    let shape = match per_rank_of_tp {
+    let mut shape = match per_rank_of_tp {
         Some(tp) => Some(
             preset
                 .shape(arch)
@@ -133,6 +151,14 @@ pub fn make(
         ),
         None => None,
     };
+    if let Some(n) = layers {
+        let mut s = shape.unwrap_or_else(|| preset.shape(arch));
+        if n == 0 || n > s.layers {
+            bail!("--layers {n}: the preset has {} layers", s.layers);
+        }
+        s.layers = n;
+        shape = Some(s);
+    }
     let opts = SynthOptions {
         config_format: match hf_config {
             HfConfigArg::V4 => ConfigFormat::Transformers4,
@@ -149,6 +175,8 @@ pub fn run(args: Args) -> Result<()> {
     let natural = match args.preset {
         PresetArg::Tiny | PresetArg::Llama3_8b => ArchArg::Llama,
         PresetArg::Qwen3_8b => ArchArg::Qwen3,
+        PresetArg::Qwen3_30bA3b => ArchArg::Qwen3Moe,
+        PresetArg::Mixtral8x7b => ArchArg::Mixtral,
     };
     let arch = args.arch.unwrap_or(natural);
     if arch != natural && args.preset != PresetArg::Tiny {
@@ -157,15 +185,7 @@ pub fn run(args: Args) -> Result<()> {
             args.preset
         );
     }
-    make(
-        arch,
-        args.preset,
-        args.seed,
-        &args.out,
-        args.force,
-        args.hf_config,
-        args.per_rank_of_tp,
-    )?;
+    make(arch, &args)?;
     eprintln!("wrote {}", args.out.display());
     Ok(())
 }

@@ -481,7 +481,7 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Parameters of one layer's matrices (q, k, v, o, gate, up, down; norms aside).
+    /// Parameters of one dense layer's matrices (q, k, v, o, gate, up, down; norms aside).
     pub fn layer_matrix_params(&self) -> u64 {
         let (h, q, kv, i) = (
             self.hidden_size as u64,
@@ -490,6 +490,23 @@ impl ModelConfig {
             self.intermediate_size as u64,
         );
         h * (q + 2 * kv) + q * h + 3 * h * i
+    }
+
+    /// Parameters of every layer's matrices (norms, embedding and head aside): a
+    /// mixture-of-experts layer counts its router and all its experts, whose weights a
+    /// rank holds (and a large batch reads) whichever experts a token takes.
+    pub fn matrix_params(&self) -> u64 {
+        let dense = self.layer_matrix_params();
+        let Some(m) = &self.moe else {
+            return self.num_layers as u64 * dense;
+        };
+        let h = self.hidden_size as u64;
+        let mlp = 3 * h * self.intermediate_size as u64;
+        let experts = m.num_experts as u64 * (h + 3 * h * m.expert_intermediate as u64);
+        m.sparse_layers
+            .iter()
+            .map(|&sparse| dense - mlp + if sparse { experts } else { mlp })
+            .sum()
     }
 }
 

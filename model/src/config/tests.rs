@@ -412,6 +412,17 @@ fn moe_configs_of_both_families_read_their_experts() {
         &s[..8],
         &[false, true, false, true, false, false, false, true]
     );
+    // Every expert counts among the weights: the published non-embedding sizes, 29.9 B
+    // (Qwen3-30B-A3B's model card) and 46.4 B (Mixtral-8x7B's 46.7 B less its two 32000 ×
+    // 4096 embeddings).
+    let billions = |c: &ModelConfig| c.matrix_params() as f64 / 1e9;
+    assert!((29.85..29.95).contains(&billions(&q)), "{}", billions(&q));
+    let mixtral = ModelConfig::from_json_str(MIXTRAL_8X7B, &p).unwrap();
+    assert!(
+        (46.35..46.5).contains(&billions(&mixtral)),
+        "{}",
+        billions(&mixtral)
+    );
     let x = ModelConfig::from_json_str(MIXTRAL_8X7B, &p).unwrap();
     assert_eq!(x.arch, Arch::Mixtral);
     let m = x.moe.unwrap();

@@ -20,6 +20,9 @@ pub enum GgufArch {
     Qwen2,
     /// `qwen3`: per-head q/k RMSNorm; rows stored as in HF (NEOX RoPE).
     Qwen3,
+    /// `qwen3moe` (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention and a mixture of
+    /// experts in every layer, each layer's experts stacked in one tensor per projection.
+    Qwen3Moe,
 }
 
 impl GgufArch {
@@ -28,6 +31,7 @@ impl GgufArch {
             GgufArch::Llama => "llama",
             GgufArch::Qwen2 => "qwen2",
             GgufArch::Qwen3 => "qwen3",
+            GgufArch::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -57,6 +61,7 @@ const ARCH_KEYS: &[&str] = &[
     "vocab_size",
     "expert_count",
     "expert_used_count",
+    "expert_feed_forward_length",
     "tensor_data_layout",
 ];
 
@@ -83,10 +88,11 @@ pub fn arch(f: &GgufFile) -> MResult<GgufArch> {
         Some("llama") => Ok(GgufArch::Llama),
         Some("qwen2") => Ok(GgufArch::Qwen2),
         Some("qwen3") => Ok(GgufArch::Qwen3),
+        Some("qwen3moe") => Ok(GgufArch::Qwen3Moe),
         _ => Err(err(
             &f.path,
             format!(
-                "general.architecture {} is not supported (arbor runs \"llama\", \"qwen2\" and \"qwen3\" GGUF files)",
+                "general.architecture {} is not supported (arbor runs \"llama\", \"qwen2\", \"qwen3\" and \"qwen3moe\" GGUF files)",
                 a.brief()
             ),
         )),
@@ -268,17 +274,28 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         ));
     }
     let m = Meta { f, arch };
-    for k in ["expert_count", "expert_used_count"] {
-        if let Some(n) = m.usize_opt(k)?.filter(|&n| n > 0) {
-            return Err(err(
-                path,
-                format!(
-                    "{} = {n}: mixture-of-experts models are not supported",
-                    m.key(k)
-                ),
-            ));
+    let experts = match arch {
+        GgufArch::Qwen3Moe => Some(experts(&m)?),
+        _ => {
+            for k in [
+                "expert_count",
+                "expert_used_count",
+                "expert_feed_forward_length",
+            ] {
+                if let Some(n) = m.usize_opt(k)?.filter(|&n| n > 0) {
+                    return Err(err(
+                        path,
+                        format!(
+                            "{} = {n}: mixture-of-experts {} files are not supported (qwen3moe files are)",
+                            m.key(k),
+                            arch.name()
+                        ),
+                    ));
+                }
+            }
+            None
         }
-    }
+    };
     if let Some(v) = m.get("tensor_data_layout") {
         if v.as_str() != Some("Meta AI original pth") {
             return Err(err(
@@ -433,10 +450,10 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
     let attention_bias = has("blk.0.attn_q.bias");
     let mlp_bias = has("blk.0.ffn_up.bias");
     match arch {
-        GgufArch::Qwen3 if attention_bias => {
+        GgufArch::Qwen3 | GgufArch::Qwen3Moe if attention_bias => {
             return Err(err(
                 path,
-                "attention biases in a qwen3 file: not supported".into(),
+                format!("attention biases in a {} file: not supported", arch.name()),
             ))
         }
         GgufArch::Qwen2 if !attention_bias || has("blk.0.attn_output.bias") => return Err(err(
@@ -472,6 +489,7 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         GgufArch::Llama => ("LlamaForCausalLM", "llama"),
         GgufArch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         GgufArch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        GgufArch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
     };
     let mut c = json!({
         "architectures": [arch_name],
@@ -500,8 +518,18 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
             path,
             format!("MLP biases in a {} file: not supported", arch.name()),
         ));
-    } else if arch == GgufArch::Qwen3 {
+    } else if matches!(arch, GgufArch::Qwen3 | GgufArch::Qwen3Moe) {
         obj.insert("attention_bias".into(), json!(false));
+    }
+    if let Some(x) = experts {
+        // llama.cpp runs every qwen3moe layer as experts and always renormalises the
+        // chosen experts' weights (`build_moe_ffn(.., norm_w = true, ..)`).
+        obj.insert("num_experts".into(), json!(x.count));
+        obj.insert("num_experts_per_tok".into(), json!(x.used));
+        obj.insert("moe_intermediate_size".into(), json!(x.width));
+        obj.insert("norm_topk_prob".into(), json!(true));
+        obj.insert("decoder_sparse_step".into(), json!(1));
+        obj.insert("mlp_only_layers".into(), json!([]));
     }
     if let Some(b) = tok("bos_token_id")? {
         obj.insert("bos_token_id".into(), json!(b));
@@ -521,6 +549,42 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         config,
         config_json: c,
     })
+}
+
+/// A mixture-of-experts file's experts, as its metadata says.
+#[derive(Debug, Clone, Copy)]
+struct Experts {
+    count: usize,
+    used: usize,
+    /// One expert's intermediate width.
+    width: usize,
+}
+
+/// `expert_count` and `expert_used_count` (both required), and the experts' width:
+/// `expert_feed_forward_length`, else `feed_forward_length / expert_used_count` as
+/// llama.cpp takes it. Counts out of range go on to the config parser, which names them.
+fn experts(m: &Meta) -> MResult<Experts> {
+    let count = m.usize_req("expert_count")?;
+    let used = m.usize_req("expert_used_count")?;
+    let width = match m.usize_opt("expert_feed_forward_length")? {
+        Some(w) => w,
+        None => {
+            let ff = m.usize_req("feed_forward_length")?;
+            if used == 0 || ff % used != 0 {
+                return Err(err(
+                    &m.f.path,
+                    format!(
+                        "no {} and {} {ff} does not split into {} {used} experts' widths",
+                        m.key("expert_feed_forward_length"),
+                        m.key("feed_forward_length"),
+                        m.key("expert_used_count")
+                    ),
+                ));
+            }
+            ff / used
+        }
+    };
+    Ok(Experts { count, used, width })
 }
 
 fn allowed_from_env() -> Vec<String> {

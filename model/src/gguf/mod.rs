@@ -5,7 +5,8 @@
 //! - `reader`: the container, validated against the file's size;
 //! - `dequant`: the GGML types and their dequantization;
 //! - `config`: metadata -> the config.json transformers would have;
-//! - `tensors`: GGUF tensor names -> HF names, q/k rows back in HF's RoPE order;
+//! - `tensors`: GGUF tensor names -> HF names, q/k rows back in HF's RoPE order, a
+//!   mixture-of-experts layer's stacked experts as one matrix per expert;
 //! - `tokenizer`: the vocabulary, merges and special tokens -> tokenizer.json.
 
 pub mod config;
@@ -56,6 +57,7 @@ impl GgufModel {
             cfg.arch,
             cfg.config.num_heads,
             cfg.config.num_kv_heads,
+            cfg.config.moe.as_ref().map(|m| m.num_experts),
         )?;
         tracing::info!(
             gguf = %path.display(),
@@ -280,7 +282,7 @@ mod tests {
             ),
             (
                 Builder::llama().set("general.architecture", strv("gpt2")),
-                &["\"gpt2\"", "llama", "qwen2", "qwen3"],
+                &["\"gpt2\"", "llama", "qwen2", "qwen3", "qwen3moe"],
             ),
             (
                 Builder::llama().set("split.count", u32v(3)),
@@ -387,6 +389,360 @@ mod tests {
             assert_eq!(m.config.rope_theta, 10000.0);
             assert!(m.config.rope_scaling.is_none());
         }
+    }
+
+    /// A qwen3moe file: the config of a Qwen3-MoE (every layer sparse, renormalised top-k,
+    /// llama.cpp's semantics), and each expert's matrix read from its slab of the stacked
+    /// tensor, whole rows and a row-parallel shard's columns alike.
+    #[test]
+    fn qwen3moe_files_read_their_experts() {
+        let p = Builder::qwen3moe().write("moe");
+        let m = GgufModel::open(&p).expect("valid test model");
+        let _ = std::fs::remove_file(&p);
+        assert_eq!(m.config.arch, crate::config::Arch::Qwen3Moe);
+        let x = m.config.moe.clone().expect("experts");
+        assert_eq!(
+            (
+                x.num_experts,
+                x.top_k,
+                x.expert_intermediate,
+                x.norm_topk_prob
+            ),
+            (EXPERTS, EXPERTS_USED, EXPERT_FF, true)
+        );
+        assert_eq!(x.sparse_layers, vec![true]);
+        let bf = |x: f32| half::bf16::from_f32(x);
+        let router = m
+            .weights
+            .rows(
+                "model.layers.0.mlp.gate.weight",
+                EXPERTS,
+                HIDDEN,
+                0..EXPERTS,
+            )
+            .unwrap();
+        assert!(router
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == bf(value(i, 15))));
+        // Expert e of a [h, ff, E] tensor: elements e·ff·h + r·h + c in file order.
+        for e in [0, 2, 3] {
+            let gate = m
+                .weights
+                .rows(
+                    &format!("model.layers.0.mlp.experts.{e}.gate_proj.weight"),
+                    EXPERT_FF,
+                    HIDDEN,
+                    0..EXPERT_FF,
+                )
+                .unwrap();
+            for (i, &v) in gate.iter().enumerate() {
+                assert_eq!(v, bf(value(e * EXPERT_FF * HIDDEN + i, 16)), "expert {e}");
+            }
+            let down = m
+                .weights
+                .cols(
+                    &format!("model.layers.0.mlp.experts.{e}.down_proj.weight"),
+                    HIDDEN,
+                    EXPERT_FF,
+                    2..6,
+                )
+                .unwrap();
+            for r in 0..HIDDEN {
+                for c in 0..4 {
+                    assert_eq!(
+                        down[r * 4 + c],
+                        bf(value(e * HIDDEN * EXPERT_FF + r * EXPERT_FF + 2 + c, 18)),
+                        "expert {e} row {r}"
+                    );
+                }
+            }
+        }
+        // An expert past the stack is missing, named by its GGUF tensor.
+        let e = m
+            .weights
+            .rows(
+                &format!("model.layers.0.mlp.experts.{EXPERTS}.up_proj.weight"),
+                EXPERT_FF,
+                HIDDEN,
+                0..1,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!("blk.0.ffn_up_exps.weight, expert {EXPERTS}")),
+            "{e}"
+        );
+    }
+
+    /// Bad mixture-of-experts files are refused naming the key or the tensor.
+    #[test]
+    fn bad_qwen3moe_files_are_refused_by_name() {
+        let cases: Vec<(Builder, &[&str])> = vec![
+            (
+                Builder::qwen3moe().tensor("blk.0.ffn_gate_exps.weight", |t| {
+                    t.dims = vec![HIDDEN as u64, EXPERT_FF as u64, 3];
+                    t.data.truncate(HIDDEN * EXPERT_FF * 3 * 4);
+                }),
+                &["blk.0.ffn_gate_exps.weight", "[16, 8, 3]", "4 experts"],
+            ),
+            (
+                Builder::qwen3moe().set("qwen3moe.expert_used_count", u32v(5)),
+                &["num_experts_per_tok 5", "4 experts"],
+            ),
+            (
+                Builder::qwen3moe().remove("qwen3moe.expert_count"),
+                &["missing metadata key qwen3moe.expert_count"],
+            ),
+            (
+                Builder::qwen3moe().set("qwen3moe.expert_shared_feed_forward_length", u32v(8)),
+                &[
+                    "qwen3moe.expert_shared_feed_forward_length",
+                    "ARBOR_ALLOW_CONFIG_KEYS",
+                ],
+            ),
+            (
+                Builder::qwen3moe()
+                    .remove("qwen3moe.expert_feed_forward_length")
+                    .set("qwen3moe.feed_forward_length", u32v(33)),
+                &[
+                    "qwen3moe.feed_forward_length 33",
+                    "qwen3moe.expert_used_count 2",
+                ],
+            ),
+        ];
+        for (b, words) in cases {
+            let e = open_err(&b);
+            for w in words {
+                assert!(e.contains(w), "{w:?} not in: {e}");
+            }
+        }
+        // A projection's experts missing altogether: the model's load names the tensor.
+        let p = Builder::qwen3moe()
+            .drop_tensor("blk.0.ffn_down_exps.weight")
+            .write("moe-missing");
+        let m = GgufModel::open(&p).expect("the container is valid");
+        let _ = std::fs::remove_file(&p);
+        let e = m
+            .weights
+            .cols(
+                "model.layers.0.mlp.experts.0.down_proj.weight",
+                HIDDEN,
+                EXPERT_FF,
+                0..EXPERT_FF,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("blk.0.ffn_down_exps.weight, expert 0"), "{e}");
+        // Without expert_feed_forward_length the width is llama.cpp's ff / used.
+        let p = Builder::qwen3moe()
+            .remove("qwen3moe.expert_feed_forward_length")
+            .set("qwen3moe.feed_forward_length", u32v(16))
+            .write("moe-ff");
+        let m = GgufModel::open(&p);
+        let _ = std::fs::remove_file(&p);
+        let m = m.expect("valid");
+        assert_eq!(m.config.moe.expect("experts").expert_intermediate, 8);
+    }
+
+    /// A tiny Qwen3-MoE made by `make-model` (every layer sparse, as qwen3moe files are)
+    /// and its weights written as llama.cpp's converter writes a qwen3moe file (each
+    /// projection's experts stacked, F32) give bit-identical logits: the names, the
+    /// stacking and the metadata say what the HF directory says.
+    #[test]
+    fn a_qwen3moe_file_computes_what_its_hf_directory_does() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::backend::{Backend, KvRows, SeqRows};
+        use crate::config::Arch;
+        use crate::layers::LoadCtx;
+        use crate::synth::{make_model, MoeShape, Preset, Shape, SynthOptions};
+        use crate::weights::WeightStore;
+
+        let dir = std::env::temp_dir().join(format!("arbor-gguf-moe-hf-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let tiny = Preset::Tiny.shape(Arch::Qwen3Moe);
+        let x = tiny.moe.expect("experts");
+        let s = Shape {
+            layers: 2,
+            moe: Some(MoeShape {
+                dense_layers: 0,
+                ..x
+            }),
+            ..tiny
+        };
+        make_model(&SynthOptions {
+            shape: Some(s.clone()),
+            ..SynthOptions::new(Arch::Qwen3Moe, Preset::Tiny, 5, &dir)
+        })
+        .expect("the HF model");
+        let store = WeightStore::open(&dir).expect("its weights");
+        let f32_bytes =
+            |v: Vec<f32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let mat = |name: &str, n: usize, k: usize| {
+            f32_bytes(
+                store
+                    .rows(name, n, k, 0..n)
+                    .expect("an HF tensor")
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+            )
+        };
+        let vector =
+            |name: &str, n: usize| f32_bytes(store.vector(name, n, 0..n).expect("an HF vector"));
+        let t = |name: &str, dims: &[usize], data: Vec<u8>| Tensor {
+            name: name.into(),
+            dims: dims.iter().map(|&d| d as u64).collect(),
+            ty: 0,
+            data,
+        };
+        let (h, hd, e, ff) = (s.hidden, s.head_dim, x.experts, x.intermediate);
+        let (q, kv) = (s.heads * hd, s.kv_heads * hd);
+        let mut tensors = vec![
+            t(
+                "token_embd.weight",
+                &[h, s.vocab],
+                mat("model.embed_tokens.weight", s.vocab, h),
+            ),
+            t("output_norm.weight", &[h], vector("model.norm.weight", h)),
+            t(
+                "output.weight",
+                &[h, s.vocab],
+                mat("lm_head.weight", s.vocab, h),
+            ),
+        ];
+        for l in 0..s.layers {
+            let p = format!("model.layers.{l}");
+            let b = format!("blk.{l}");
+            let stacked = |proj: &str, n: usize, k: usize| {
+                (0..e)
+                    .flat_map(|i| mat(&format!("{p}.mlp.experts.{i}.{proj}.weight"), n, k))
+                    .collect::<Vec<u8>>()
+            };
+            tensors.extend([
+                t(
+                    &format!("{b}.attn_norm.weight"),
+                    &[h],
+                    vector(&format!("{p}.input_layernorm.weight"), h),
+                ),
+                t(
+                    &format!("{b}.attn_q.weight"),
+                    &[h, q],
+                    mat(&format!("{p}.self_attn.q_proj.weight"), q, h),
+                ),
+                t(
+                    &format!("{b}.attn_k.weight"),
+                    &[h, kv],
+                    mat(&format!("{p}.self_attn.k_proj.weight"), kv, h),
+                ),
+                t(
+                    &format!("{b}.attn_v.weight"),
+                    &[h, kv],
+                    mat(&format!("{p}.self_attn.v_proj.weight"), kv, h),
+                ),
+                t(
+                    &format!("{b}.attn_output.weight"),
+                    &[q, h],
+                    mat(&format!("{p}.self_attn.o_proj.weight"), h, q),
+                ),
+                t(
+                    &format!("{b}.attn_q_norm.weight"),
+                    &[hd],
+                    vector(&format!("{p}.self_attn.q_norm.weight"), hd),
+                ),
+                t(
+                    &format!("{b}.attn_k_norm.weight"),
+                    &[hd],
+                    vector(&format!("{p}.self_attn.k_norm.weight"), hd),
+                ),
+                t(
+                    &format!("{b}.ffn_norm.weight"),
+                    &[h],
+                    vector(&format!("{p}.post_attention_layernorm.weight"), h),
+                ),
+                t(
+                    &format!("{b}.ffn_gate_inp.weight"),
+                    &[h, e],
+                    mat(&format!("{p}.mlp.gate.weight"), e, h),
+                ),
+                t(
+                    &format!("{b}.ffn_gate_exps.weight"),
+                    &[h, ff, e],
+                    stacked("gate_proj", ff, h),
+                ),
+                t(
+                    &format!("{b}.ffn_up_exps.weight"),
+                    &[h, ff, e],
+                    stacked("up_proj", ff, h),
+                ),
+                t(
+                    &format!("{b}.ffn_down_exps.weight"),
+                    &[ff, h, e],
+                    stacked("down_proj", h, ff),
+                ),
+            ]);
+        }
+        let mut b = Builder::qwen3moe();
+        b.tensors = tensors;
+        for (k, v) in [
+            ("block_count", u32v(s.layers as u32)),
+            ("context_length", u32v(s.max_pos as u32)),
+            ("embedding_length", u32v(h as u32)),
+            ("feed_forward_length", u32v(s.intermediate as u32)),
+            ("attention.head_count", u32v(s.heads as u32)),
+            ("attention.head_count_kv", u32v(s.kv_heads as u32)),
+            ("attention.key_length", u32v(hd as u32)),
+            ("attention.value_length", u32v(hd as u32)),
+            (
+                "attention.layer_norm_rms_epsilon",
+                f32v(s.rms_norm_eps as f32),
+            ),
+            ("rope.freq_base", f32v(s.rope_theta as f32)),
+            ("expert_count", u32v(e as u32)),
+            ("expert_used_count", u32v(x.top_k as u32)),
+            ("expert_feed_forward_length", u32v(ff as u32)),
+        ] {
+            b = b.set(&format!("qwen3moe.{k}"), v);
+        }
+        let gguf = b.write("moe-from-hf");
+        let logits = |path: &std::path::Path| {
+            let c = crate::checkpoint::Checkpoint::open(path).expect("a checkpoint");
+            let backend = CpuBackend::new(std::sync::Arc::new(arbor_collective::SingleComm));
+            let ctx = LoadCtx {
+                backend: &backend,
+                store: &c.weights,
+                rank: 0,
+                tp: 1,
+                row_tp: 1,
+            };
+            let m = crate::forward::Model::load(&ctx, &c.config, 64).expect("the model");
+            let ids: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 250).collect();
+            let mut cache = backend.kv_cache(m.kv_spec(1)).expect("a cache");
+            let seqs = [SeqRows {
+                row0: 0,
+                len: ids.len(),
+                pos0: 0,
+                table0: 0,
+            }];
+            let rows: Vec<usize> = (0..ids.len()).collect();
+            let kv = KvRows {
+                seqs: &seqs,
+                table: &[0],
+            };
+            m.forward(&backend, &mut cache, &ids, kv, &rows, None)
+                .expect("forward")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<u32>>()
+        };
+        let (from_hf, from_gguf) = (logits(&dir), logits(&gguf));
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_file(&gguf);
+        assert_eq!(from_hf.len(), 20 * s.vocab);
+        assert!(
+            from_hf == from_gguf,
+            "the GGUF file's logits differ from its HF directory's"
+        );
     }
 
     #[test]

@@ -19,6 +19,15 @@ struct Source {
     gguf: String,
     /// Rows permuted by llama.cpp for interleaved RoPE, in heads of this many rows.
     permuted_head_dim: Option<usize>,
+    /// One expert's matrix inside a tensor that stacks a layer's experts along its last
+    /// GGUF dimension (`blk.N.ffn_gate_exps.weight`...).
+    slab: Option<Slab>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slab {
+    index: usize,
+    count: usize,
 }
 
 pub struct GgufWeights {
@@ -48,6 +57,39 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("ffn_down.weight", "mlp.down_proj.weight"),
     ("ffn_down.bias", "mlp.down_proj.bias"),
 ];
+
+/// A mixture-of-experts layer's router (an ordinary matrix) in a qwen3moe file.
+const ROUTER: (&str, &str) = ("ffn_gate_inp.weight", "mlp.gate.weight");
+
+/// A mixture-of-experts layer's stacked experts: GGUF suffix -> the HF suffix of each
+/// expert's matrix (`mlp.experts.E.<suffix>`).
+const EXPERT_NAMES: &[(&str, &str)] = &[
+    ("ffn_gate_exps.weight", "gate_proj.weight"),
+    ("ffn_up_exps.weight", "up_proj.weight"),
+    ("ffn_down_exps.weight", "down_proj.weight"),
+];
+
+/// A mixture-of-experts tensor of a layer: its router, or one projection of its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MoeTensor {
+    Router,
+    /// The HF suffix of each expert's matrix.
+    Experts(&'static str),
+}
+
+/// Layer and kind of a mixture-of-experts GGUF tensor `name`.
+fn moe_tensor(name: &str) -> Option<(usize, MoeTensor)> {
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    if suffix == ROUTER.0 {
+        return Some((layer, MoeTensor::Router));
+    }
+    EXPERT_NAMES
+        .iter()
+        .find(|(g, _)| *g == suffix)
+        .map(|&(_, hf)| (layer, MoeTensor::Experts(hf)))
+}
 
 /// Tensors the config reads and no layer loads.
 pub const CONFIG_TENSORS: &[&str] = &["rope_freqs.weight"];
@@ -80,16 +122,56 @@ pub fn permuted_row(r: usize, hd: usize) -> usize {
 
 impl GgufWeights {
     /// Maps every tensor of `file` to its HF name; a tensor arbor does not know is an
-    /// error naming it (it may be part of the model's math).
+    /// error naming it (it may be part of the model's math). `experts`: the experts per
+    /// layer of a mixture-of-experts file, whose stacked expert tensors must hold exactly
+    /// that many (None: a dense file, where expert tensors are unknown).
     pub fn new(
         file: GgufFile,
         arch: GgufArch,
         num_heads: usize,
         num_kv_heads: usize,
+        experts: Option<usize>,
     ) -> MResult<Self> {
         let mut map = HashMap::new();
         for name in &file.tensor_names {
             if CONFIG_TENSORS.contains(&name.as_str()) {
+                continue;
+            }
+            if let (Some(count), Some((layer, t))) = (experts, moe_tensor(name)) {
+                let p = format!("model.layers.{layer}.mlp");
+                match t {
+                    MoeTensor::Router => {
+                        map.insert(
+                            format!("model.layers.{layer}.{}", ROUTER.1),
+                            Source {
+                                gguf: name.clone(),
+                                permuted_head_dim: None,
+                                slab: None,
+                            },
+                        );
+                    }
+                    MoeTensor::Experts(suffix) => {
+                        let dims = &file.tensors[name].dims;
+                        if dims.len() != 3 || dims[2] != count {
+                            return Err(ModelError::Gguf {
+                                path: file.path.clone(),
+                                msg: format!(
+                                    "tensor {name:?} has dimensions {dims:?}: it must stack the {count} experts of expert_count along its last of 3 dimensions"
+                                ),
+                            });
+                        }
+                        for index in 0..count {
+                            map.insert(
+                                format!("{p}.experts.{index}.{suffix}"),
+                                Source {
+                                    gguf: name.clone(),
+                                    permuted_head_dim: None,
+                                    slab: Some(Slab { index, count }),
+                                },
+                            );
+                        }
+                    }
+                }
                 continue;
             }
             let hf = hf_name(name).ok_or_else(|| ModelError::Gguf {
@@ -131,6 +213,7 @@ impl GgufWeights {
                 Source {
                     gguf: name.clone(),
                     permuted_head_dim,
+                    slab: None,
                 },
             );
         }
@@ -163,7 +246,10 @@ impl GgufWeights {
                 tensor: format!("{name} (GGUF {})", gguf_name_hint(name)),
             })?;
         let info = &self.file.tensors[&src.gguf];
-        let want: Vec<usize> = hf_shape.iter().rev().copied().collect();
+        let mut want: Vec<usize> = hf_shape.iter().rev().copied().collect();
+        if let Some(slab) = src.slab {
+            want.push(slab.count);
+        }
         if info.dims != want {
             return Err(ModelError::ShapeMismatch {
                 path: self.file.path.clone(),
@@ -225,7 +311,7 @@ impl GgufWeights {
         let mut out = Vec::with_capacity(rows.len() * k);
         let mut scratch = Vec::with_capacity(k);
         for r in rows {
-            let g = src.permuted_head_dim.map_or(r, |hd| permuted_row(r, hd));
+            let g = file_row(src, r, n);
             self.dequant(
                 src,
                 info.ty,
@@ -251,7 +337,7 @@ impl GgufWeights {
         let mut scratch = Vec::new();
         let mut row = Vec::new();
         for r in 0..n {
-            let g = src.permuted_head_dim.map_or(r, |hd| permuted_row(r, hd));
+            let g = file_row(src, r, n);
             let bytes = &self.row_bytes(info, k, g)[b0 * bb..b1 * bb];
             row.clear();
             self.dequant(src, info.ty, bytes, g * k + b0 * be, &mut scratch, &mut row)?;
@@ -264,6 +350,12 @@ impl GgufWeights {
     /// safetensors path reads them).
     pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
         let (src, info) = self.get(name, &[len])?;
+        if src.slab.is_some() {
+            return Err(self.err(
+                &src.gguf,
+                format!("read as a vector of {len} for {name}: it stacks experts' matrices"),
+            ));
+        }
         let mut all = Vec::with_capacity(len);
         let mut scratch = Vec::new();
         self.dequant(
@@ -283,6 +375,13 @@ impl GgufWeights {
     }
 }
 
+/// The row of the file's tensor (rows of every stacked expert counted) that holds HF row
+/// `r` of the `n`-row matrix `src`.
+fn file_row(src: &Source, r: usize, n: usize) -> usize {
+    let r = src.permuted_head_dim.map_or(r, |hd| permuted_row(r, hd));
+    src.slab.map_or(r, |s| s.index * n + r)
+}
+
 /// The GGUF name an HF tensor name would have, for "missing tensor" messages.
 fn gguf_name_hint(hf: &str) -> String {
     match hf {
@@ -297,6 +396,17 @@ fn gguf_name_hint(hf: &str) -> String {
     let Some((layer, suffix)) = rest.split_once('.') else {
         return "?".into();
     };
+    if suffix == ROUTER.1 {
+        return format!("blk.{layer}.{}", ROUTER.0);
+    }
+    if let Some((e, x)) = suffix
+        .strip_prefix("mlp.experts.")
+        .and_then(|r| r.split_once('.'))
+    {
+        if let Some((g, _)) = EXPERT_NAMES.iter().find(|(_, h)| *h == x) {
+            return format!("blk.{layer}.{g}, expert {e}");
+        }
+    }
     LAYER_NAMES
         .iter()
         .find(|(_, h)| *h == suffix)
@@ -353,5 +463,22 @@ mod tests {
             let hf = hf_name(&format!("blk.7.{g}")).unwrap();
             assert_eq!(gguf_name_hint(&hf), format!("blk.7.{g}"));
         }
+        assert_eq!(
+            moe_tensor("blk.3.ffn_down_exps.weight"),
+            Some((3, MoeTensor::Experts("down_proj.weight")))
+        );
+        assert_eq!(
+            moe_tensor("blk.0.ffn_gate_inp.weight"),
+            Some((0, MoeTensor::Router))
+        );
+        assert_eq!(moe_tensor("blk.0.ffn_gate.weight"), None);
+        assert_eq!(
+            gguf_name_hint("model.layers.2.mlp.experts.5.up_proj.weight"),
+            "blk.2.ffn_up_exps.weight, expert 5"
+        );
+        assert_eq!(
+            gguf_name_hint("model.layers.2.mlp.gate.weight"),
+            "blk.2.ffn_gate_inp.weight"
+        );
     }
 }

@@ -1,5 +1,5 @@
-//! A small GGUF writer for the unit tests: a valid one-layer Llama with a byte-level
-//! tokenizer, which each test then breaks in one way.
+//! A small GGUF writer for the unit tests: a valid one-layer Llama (or Qwen3-MoE) with a
+//! byte-level tokenizer, which each test then breaks in one way.
 
 use std::path::PathBuf;
 
@@ -64,7 +64,12 @@ pub fn value(i: usize, seed: u32) -> f32 {
     ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 10000.0 - 0.05
 }
 
-fn f32_tensor(name: &str, dims: &[usize], seed: u32) -> Tensor {
+/// Experts of the Qwen3-MoE test model, used per token, and one expert's width.
+pub const EXPERTS: usize = 4;
+pub const EXPERTS_USED: usize = 2;
+pub const EXPERT_FF: usize = 8;
+
+pub fn f32_tensor(name: &str, dims: &[usize], seed: u32) -> Tensor {
     let n: usize = dims.iter().product();
     let data = (0..n).flat_map(|i| value(i, seed).to_le_bytes()).collect();
     Tensor {
@@ -124,6 +129,49 @@ impl Builder {
             kv,
             tensors,
         }
+    }
+
+    /// One layer of Qwen3-MoE: Qwen3's attention (per-head q/k norms), a router and
+    /// [`EXPERTS`] experts of width [`EXPERT_FF`] stacked per projection, as llama.cpp's
+    /// converter writes `qwen3moe` files; hidden 16, heads of 8.
+    pub fn qwen3moe() -> Self {
+        let mut b = Self::llama();
+        b.kv.retain(|(k, _)| !k.starts_with("llama."));
+        b = b.set("general.architecture", strv("qwen3moe"));
+        for (k, v) in [
+            ("block_count", u32v(1)),
+            ("context_length", u32v(64)),
+            ("embedding_length", u32v(HIDDEN as u32)),
+            ("feed_forward_length", u32v(FF as u32)),
+            ("attention.head_count", u32v(HEADS as u32)),
+            ("attention.head_count_kv", u32v(1)),
+            ("attention.layer_norm_rms_epsilon", f32v(1e-6)),
+            ("rope.freq_base", f32v(1_000_000.0)),
+            ("expert_count", u32v(EXPERTS as u32)),
+            ("expert_used_count", u32v(EXPERTS_USED as u32)),
+            ("expert_feed_forward_length", u32v(EXPERT_FF as u32)),
+        ] {
+            b = b.set(&format!("qwen3moe.{k}"), v);
+        }
+        let (h, f, e, hd) = (HIDDEN, EXPERT_FF, EXPERTS, HIDDEN / HEADS);
+        b.tensors.retain(|t| !t.name.contains(".ffn_"));
+        b.tensors.extend([
+            f32_tensor("blk.0.attn_q_norm.weight", &[hd], 13),
+            f32_tensor("blk.0.attn_k_norm.weight", &[hd], 14),
+            f32_tensor("blk.0.ffn_norm.weight", &[h], 9),
+            f32_tensor("blk.0.ffn_gate_inp.weight", &[h, e], 15),
+            f32_tensor("blk.0.ffn_gate_exps.weight", &[h, f, e], 16),
+            f32_tensor("blk.0.ffn_up_exps.weight", &[h, f, e], 17),
+            f32_tensor("blk.0.ffn_down_exps.weight", &[f, h, e], 18),
+        ]);
+        b
+    }
+
+    pub fn drop_tensor(mut self, name: &str) -> Self {
+        let before = self.tensors.len();
+        self.tensors.retain(|t| t.name != name);
+        assert!(self.tensors.len() < before, "{name} is not a test tensor");
+        self
     }
 
     pub fn set(mut self, key: &str, v: Val) -> Self {

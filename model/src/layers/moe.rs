@@ -9,7 +9,9 @@
 //!   projection is; every expert's partials go through one all-reduce;
 //! - a token's output is its experts' outputs weighted and added in expert-index order.
 //!
-//! The routing and the sum run on the host: MoE layers run on the CPU backend.
+//! The routing and the sum run on the host on every backend: on the GPU the router's
+//! logits and the experts' reduced outputs come back between kernels, which is why the
+//! CUDA backend does not record such a step as a graph (`backend::cuda::graphs`).
 
 use super::{ColumnParallelLinear, ColumnPart, GateUpLinear, LoadCtx, RowParallelLinear};
 use crate::backend::{BResult, Backend, BackendError};

@@ -356,7 +356,7 @@ pub fn step_reserve_bytes(
     let f32_per_row = 2 * (4 * h + 2 * tp * h + 2 * (q + 2 * kv) + 2 * q + 3 * inter);
     let bf16_per_row = 2 * h + q + inter + widest;
     let rows = step.tokens as u64;
-    let acts = rows * (4 * f32_per_row + 2 * bf16_per_row) as u64;
+    let acts = rows * (4 * (f32_per_row + moe_f32_per_row(cfg, tp)) + 2 * bf16_per_row) as u64;
     // Logits: the local shard, the gathered rows and a copy.
     let vocab_local = cfg.vocab_size.div_ceil(tp);
     let logits = step.outputs as u64 * 4 * (2 * vocab_local + cfg.vocab_size) as u64;
@@ -365,6 +365,22 @@ pub fn step_reserve_bytes(
     let splits = splits_of(context.saturating_sub(1)).next_power_of_two();
     let decode = (step.decode_rows * heads.n_heads * splits * (hd + 2) * 4) as u64;
     acts + logits + decode + FIXED_RESERVE
+}
+
+/// f32 values per row that a mixture-of-experts layer holds beside a dense layer's, doubled
+/// like those for what the allocator has not reused yet: the router's logits, and per
+/// (row, chosen expert) its gathered input with a bf16 copy, the expert's SiLU·mul output,
+/// the down projection's partial, its copy stacked with the other experts', the
+/// all-reduce's gathered partials of every rank and its result; then the weighted sum.
+/// 0 for a dense model.
+fn moe_f32_per_row(cfg: &ModelConfig, tp: usize) -> usize {
+    let Some(m) = &cfg.moe else {
+        return 0;
+    };
+    let h = cfg.hidden_size;
+    let inter = m.expert_intermediate.div_ceil(tp);
+    let per_route = h + h / 2 + inter + 2 * h + tp * h + h;
+    2 * (m.num_experts + m.top_k * per_route + h)
 }
 
 #[cfg(test)]
@@ -482,6 +498,41 @@ mod tests {
         let mine = step_reserve_bytes(&cfg, &heads, 8, &work, 131072) as f64 / GIB;
         assert!(server > 5.0, "{server} GiB");
         assert!(mine < 1.5, "{mine} GiB");
+    }
+
+    /// Qwen3-30B-A3B's shape: a step's experts hold top_k routes of every row, each with
+    /// its input, output and the all-reduce's gathered partials.
+    #[test]
+    fn the_reserve_covers_the_experts_of_every_row() {
+        let text = r#"{"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+            "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+            "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768, "norm_topk_prob": true}"#;
+        let moe = ModelConfig::from_json_str(text, &in_memory_path()).unwrap();
+        let dense = ModelConfig {
+            moe: None,
+            ..moe.clone()
+        };
+        let step = StepBudget::serving(DEFAULT_STEP_TOKENS, DEFAULT_STEP_OUTPUTS);
+        for tp in [1, 4] {
+            let heads = HeadPlan::new(&moe, 0, tp).unwrap();
+            let with = step_reserve_bytes(&moe, &heads, tp, &step, 4096);
+            let without = step_reserve_bytes(&dense, &heads, tp, &step, 4096);
+            // The gathered partials alone: rows × top_k × hidden f32 from each of tp ranks.
+            let gathered = (DEFAULT_STEP_TOKENS * 8 * 2048 * tp * 4) as u64;
+            assert!(with > without + gathered, "TP {tp}: {with} vs {without}");
+        }
+        let two = ModelConfig::from_json_str(
+            &text.replace("\"num_experts_per_tok\": 8", "\"num_experts_per_tok\": 2"),
+            &in_memory_path(),
+        )
+        .unwrap();
+        let heads = HeadPlan::new(&moe, 0, 1).unwrap();
+        assert!(
+            step_reserve_bytes(&moe, &heads, 1, &step, 4096)
+                > step_reserve_bytes(&two, &heads, 1, &step, 4096)
+        );
     }
 
     #[test]

@@ -72,16 +72,6 @@ fn load_cuda(
     comm: Arc<dyn Communicator>,
 ) -> Result<Box<dyn Runner>, ModelError> {
     let rank = comm.rank();
-    // The experts' routing and sums run on the host between kernels, which a recorded
-    // CUDA step cannot do.
-    let (cfg, config_path) = crate::checkpoint::read_config(&opts.model_dir)?;
-    if cfg.moe.is_some() {
-        return Err(ModelError::Unavailable(format!(
-            "{}: {} is a mixture-of-experts model, which runs on the CPU backend for now (--device cpu)",
-            config_path.display(),
-            cfg.arch_name
-        )));
-    }
     let backend = CudaBackend::new(comm, opts.numerics)
         .map_err(|source| ModelError::Backend { rank, source })?;
     let shadow = opts.shadow_tp1.then(|| backend.tp1_shadow());

@@ -523,7 +523,7 @@ impl<B: Backend> Worker<B> {
     fn weights_bytes_estimate(&self) -> u64 {
         let c = &self.cfg;
         let tp = self.backend.world_size().max(1) as u64;
-        let layers = c.num_layers as u64 * c.layer_matrix_params() / tp;
+        let layers = c.matrix_params() / tp;
         2 * (layers + 2 * c.vocab_size as u64 * c.hidden_size as u64)
     }
 

@@ -82,7 +82,9 @@ struct Row {
     decode_records_ms_per_step: f64,
     prefill_ms: f64,
     prefill_tokens: usize,
-    /// bf16 weight bytes each rank streams per decode step (layers + LM head shard).
+    /// bf16 weight bytes each rank holds in its layers and LM head shard: what a dense
+    /// decode step streams; a mixture of experts' step reads only the experts its rows
+    /// take, so less at small batches.
     weight_bytes_per_rank: u64,
     /// Whether decode steps were recorded as CUDA graphs (`ARBOR_CUDA_GRAPHS`), and how
     /// many of this batch's steps ran from a recording.
@@ -113,8 +115,7 @@ fn sampling_label(t: f32, k: usize, p: f32) -> String {
 /// Bytes of the weights one rank reads in a decode step (the embedding is a gather).
 fn weight_bytes_per_rank(runner: &dyn Runner) -> u64 {
     let c = runner.config();
-    let params =
-        c.num_layers as u64 * c.layer_matrix_params() + c.vocab_size as u64 * c.hidden_size as u64;
+    let params = c.matrix_params() + c.vocab_size as u64 * c.hidden_size as u64;
     2 * params / runner.tp() as u64
 }
 

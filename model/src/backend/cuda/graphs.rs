@@ -17,6 +17,10 @@
 //! is a copy to pinned host memory, a host function that exchanges it over TCP and a copy
 //! back (`arbor_collective::gpu::staged`), which a graph holds as memcpy and host nodes.
 //!
+//! A step whose first run reads activations back to the host (a mixture-of-experts layer
+//! whose routing runs there) is never captured: the host's decisions depend on the data,
+//! and a replay would repeat the first step's. Its shape runs op by op (same bits).
+//!
 //! `ARBOR_CUDA_GRAPHS=0` runs every step eagerly (same bits: for measuring what the graphs
 //! buy); `ARBOR_PROFILE=1` does too, since it synchronises around every op.
 
@@ -88,6 +92,10 @@ pub enum State {
     },
     /// The capture failed (logged once): this shape runs eagerly.
     Failed,
+    /// Its first run read activations back to the host between kernels (a
+    /// mixture-of-experts layer routing its rows there): a graph would replay that
+    /// step's host decisions on other data, so this shape runs eagerly.
+    HostBound,
 }
 
 /// A shape's device buffers (kept for its life: the graph reads and writes them) and

@@ -1,6 +1,7 @@
 //! Opening a rank's GPU: the device, the GEMM choice, the collectives, the profiler
 //! and step recording; the TP=1 shadow on the same device.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use arbor_collective::device_map::{self, DeviceSlot, RanksPerGpu};
@@ -93,6 +94,7 @@ impl CudaBackend {
             meta: Mutex::new(None),
             graphs: Mutex::new(Graphs::new(graphs && prof.is_none())),
             prof,
+            host_reads: AtomicU64::new(0),
         };
         backend.warm_up_collectives()?;
         Ok(backend)
@@ -117,6 +119,7 @@ impl CudaBackend {
             meta: Mutex::new(None),
             graphs: Mutex::new(Graphs::new(false)),
             prof: None,
+            host_reads: AtomicU64::new(0),
         }
     }
 

@@ -26,6 +26,7 @@ mod run_step;
 pub mod step;
 mod weights_group;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arbor_collective::device_map::DeviceSlot;
@@ -84,6 +85,10 @@ pub struct CudaBackend {
     graphs: Mutex<Graphs>,
     /// `ARBOR_PROFILE=1`: per-op device time (synchronising around every op).
     prof: Option<Profiler>,
+    /// Activations read back to the host so far. A decode step whose first run reads
+    /// some (a mixture-of-experts layer that routes its rows on the host) is never
+    /// recorded: a replay would repeat the first step's host decisions (graphs.rs).
+    host_reads: AtomicU64,
 }
 
 impl CudaBackend {
@@ -284,6 +289,7 @@ impl Backend for CudaBackend {
     }
 
     fn act_to_host(&self, a: &CudaAct) -> BResult<Vec<f32>> {
+        self.host_reads.fetch_add(1, Ordering::Relaxed);
         let v = self.timed("download", a.rows, || {
             self.dev.download_f32(&a.buf).map_err(|e| self.dev_err(e))
         })?;

@@ -2,6 +2,7 @@
 //! computed on the device and downloaded once; a decode-shaped step padded to its bucket
 //! and replayed from a CUDA graph (graphs.rs).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use arbor_kernels::cuda::ops::dev_ptr;
@@ -306,7 +307,7 @@ impl CudaBackend {
                     .map_err(|e| self.dev_err_msg("replaying a decode step", e))?;
                 replayed = true;
             }
-            State::Failed => {
+            State::Failed | State::HostBound => {
                 drop(graphs);
                 return self.step_eager(inputs, forward, want_row);
             }
@@ -322,6 +323,7 @@ impl CudaBackend {
                     (pos_end, block_end),
                     Some(key.splits),
                 ));
+                let reads = self.host_reads.load(Ordering::Relaxed);
                 let scope = self.dev.workspace.scope();
                 if capture {
                     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
@@ -336,7 +338,16 @@ impl CudaBackend {
                 if !capture {
                     drop(scope);
                     entry.logits = Some(run?).filter(|_| key.stride > 0);
-                    entry.state = State::Warm;
+                    entry.state = if self.host_reads.load(Ordering::Relaxed) == reads {
+                        State::Warm
+                    } else {
+                        tracing::debug!(
+                            rank = self.comm.rank(),
+                            rows = key.rows,
+                            "a decode step read activations on the host: this shape runs op by op"
+                        );
+                        State::HostBound
+                    };
                 } else {
                     let graph = s.end_capture(CUgraphInstantiate_flags(0));
                     drop(scope);
