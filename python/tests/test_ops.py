@@ -126,6 +126,18 @@ def test_f32_kernels_compute_the_function_and_its_gradient(spec: _native.ModelSp
     )
 
 
+def test_head_chunks_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`head_logprobs` in chunks of 3 rows equals one chunk, and the logits' own log-probs."""
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(50, 32, generator=torch.Generator().manual_seed(6)).bfloat16()
+    t = torch.randint(0, 50, (10,), generator=torch.Generator().manual_seed(7))
+    whole = ops.head_logprobs(x, w, t)
+    monkeypatch.setattr(ops, "HEAD_CHUNK_BYTES", 3 * 50 * 4)
+    assert len(ops._chunks(10, 50)) == 4
+    assert torch.equal(ops.head_logprobs(x, w, t), whole)
+    assert torch.equal(ops.token_logprobs(ops.tree_linear(x, w), t), whole)
+
+
 def test_rope_rotates_as_the_table_says(spec: _native.ModelSpec) -> None:
     """arbor's RoPE (the kernel behind `rope_attention`) against PyTorch's rotation with
     arbor's table: position 0 is the identity, every row within f32 rounding."""

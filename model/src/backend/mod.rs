@@ -157,6 +157,9 @@ pub struct StepInputs<'a> {
     /// Identifies the KV cache the step runs on ([`Backend::cache_key`]): a recorded step
     /// writes that cache's memory and is replayed only on it.
     pub cache: u64,
+    /// Whether a row may come to the host whole after the step (a constrained row, drawn
+    /// there from its masked logits): a recorded step must then keep its logits.
+    pub rows_to_host: bool,
 }
 
 impl StepInputs<'_> {

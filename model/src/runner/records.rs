@@ -25,6 +25,11 @@ pub(super) enum RowTask<'a> {
 }
 
 impl RowTask<'_> {
+    /// Whether the row is drawn on the host from its whole logits row.
+    pub(super) fn drawn_on_host(&self) -> bool {
+        self.mask().is_some()
+    }
+
     fn mask(&self) -> Option<&TokenMask> {
         match *self {
             RowTask::Sample { allowed, .. } => allowed,

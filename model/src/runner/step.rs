@@ -43,6 +43,7 @@ impl<B: Backend> Worker<B> {
                 ks,
                 vocab: model.vocab(),
                 cache: self.backend.cache_key(&caches.main),
+                rows_to_host: tasks.iter().any(RowTask::drawn_on_host),
             };
             let cache = &mut caches.main;
             let want_row = |r: usize, st: &RowStats, c: &[(u32, f32)]| {

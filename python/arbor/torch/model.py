@@ -247,7 +247,7 @@ class CausalLM(nn.Module):
                 device=device,
             )
             x = self.model.norm(h[rows])
-            lp = ops.token_logprobs(self.lm_head(x), ids[rows + 1])
+            lp = ops.head_logprobs(x, self.lm_head.weight, ids[rows + 1])
             out = lp.new_zeros(ids.shape[0]).index_put((rows,), lp)
             if not batched:
                 return out

@@ -67,6 +67,41 @@ def _grad_as(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     return None if g is None else g.to(like.dtype)
 
 
+def _linear_values(x: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """arbor's `bf16(x) · bf16(W)ᵀ`, f32 `[M, N]`, for `x` f32 `[M, K]` (`xb` its bf16)."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    if x.is_cuda:
+        cuda, stream = _cuda(x)
+        _retry(cuda.tree_linear, x.contiguous(), _bf16(weight), out, stream)
+    else:
+        _native.tree_linear(xb, _bf16(weight), out)
+    return out
+
+
+def _logprob_values(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """arbor's token log-probs of the rows of `logits` (f32 `[R, V]`, contiguous)."""
+    if logits.is_cuda:
+        cuda, stream = _cuda(logits)
+        lp, _ = _retry(cuda.token_logprobs, logits, targets.tolist(), stream)
+        return torch.tensor(lp, dtype=torch.float32, device=logits.device)
+    out = torch.empty(logits.shape[0], dtype=torch.float32)
+    _native.token_logprobs(logits, targets.tolist(), out)
+    return out
+
+
+def _retry(op: Any, *args: Any) -> Any:
+    """`op(*args)`, once more after torch's allocator gave its cached blocks back when
+    arbor's own allocation found the GPU full (arbor's results are allocated by arbor,
+    then copied into torch's tensors)."""
+    try:
+        return op(*args)
+    except _native.ArborError as e:
+        if "OUT_OF_MEMORY" not in str(e):
+            raise
+        torch.cuda.empty_cache()
+        return op(*args)
+
+
 class TreeLinear(torch.autograd.Function):
     """`y = bf16(x) · bf16(W)ᵀ` in f32, each output the sum over K in arbor's tree order (8
     segments, as every TP size cuts K). `x` `[..., K]` f32, `weight` `[N, K]`."""
@@ -79,12 +114,7 @@ class TreeLinear(torch.autograd.Function):
         _activations("tree_linear", x)
         x2 = x.reshape(-1, x.shape[-1])
         xb = _bf16(x2)
-        out = torch.empty(xb.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-        if x.is_cuda:
-            cuda, stream = _cuda(x)
-            cuda.tree_linear(x2.contiguous(), _bf16(weight), out, stream)
-        else:
-            _native.tree_linear(xb, _bf16(weight), out)
+        out = _linear_values(x2, xb, weight)
         # The bf16 input is what the backward needs (half the f32 activation's memory).
         ctx.save_for_backward(xb, weight)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -120,7 +150,7 @@ class RMSNorm(torch.autograd.Function):
         out = torch.empty_like(x2)
         if x.is_cuda:
             cuda, stream = _cuda(x)
-            cuda.rms_norm(x2, _bf16(weight).float(), eps, out, stream)
+            _retry(cuda.rms_norm, x2, _bf16(weight).float(), eps, out, stream)
         else:
             _native.rms_norm(x2, _bf16(weight).float(), eps, out)
         return out.view(x.shape)
@@ -156,7 +186,7 @@ class SiluMul(torch.autograd.Function):
         u2 = up.reshape(g2.shape).contiguous()
         if gate.is_cuda:
             cuda, stream = _cuda(gate)
-            cuda.silu_mul(g2, u2, out, stream)
+            _retry(cuda.silu_mul, g2, u2, out, stream)
         else:
             _native.silu_mul(g2, u2, out)
         return out.view(gate.shape)
@@ -238,12 +268,32 @@ class RopeAttention(torch.autograd.Function):
             cuda, stream = _cuda(q)
             if fused:
                 qkv = torch.cat((q, k, v), dim=1)
-                cuda.rope_attention(
-                    at.spec, qkv, None, None, None, at.cu_seqlens, n_heads, n_kv_heads, out, stream
+                _retry(
+                    cuda.rope_attention,
+                    at.spec,
+                    qkv,
+                    None,
+                    None,
+                    None,
+                    at.cu_seqlens,
+                    n_heads,
+                    n_kv_heads,
+                    out,
+                    stream,
                 )
             else:
-                cuda.rope_attention(
-                    at.spec, None, q, k, v, at.cu_seqlens, n_heads, n_kv_heads, out, stream
+                _retry(
+                    cuda.rope_attention,
+                    at.spec,
+                    None,
+                    q,
+                    k,
+                    v,
+                    at.cu_seqlens,
+                    n_heads,
+                    n_kv_heads,
+                    out,
+                    stream,
                 )
             return out
         qr, kr = q.clone(), k.clone()
@@ -319,6 +369,59 @@ def _sdpa_packed(
     return o.transpose(1, 2).reshape(n * longest, n_heads * d)[slot]
 
 
+class HeadLogprobs(torch.autograd.Function):
+    """The LM head and the token log-probs in one: `log_softmax(bf16(x) · bf16(W)ᵀ)[t]` per
+    row, arbor's values. The logits never exist whole: rows go through in chunks of at
+    most `HEAD_CHUNK_BYTES` of f32 logits, and the backward recomputes each chunk's (with
+    PyTorch's matmul), so what is kept for it is `x` in bf16, not `[R, V]` logits."""
+
+    @staticmethod
+    def forward(
+        ctx: Ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        if _f64(x, weight):
+            ctx.save_for_backward(x, weight, targets)
+            lp = torch.log_softmax(x @ weight.t(), -1)
+            return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        _activations("head_logprobs", x)
+        xb = _bf16(x)
+        out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for r in _chunks(x.shape[0], weight.shape[0]):
+            logits = _linear_values(x[r], xb[r], weight)
+            out[r] = _logprob_values(logits, targets[r])
+            del logits
+        ctx.save_for_backward(xb, weight, targets)
+        return out
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, targets = ctx.saved_tensors
+        f64 = weight.dtype == torch.float64
+        mm = torch.bfloat16 if grad.is_cuda else grad.dtype
+        w = weight if f64 else _bf16(weight)
+        gx = torch.empty(x.shape, dtype=grad.dtype, device=x.device)
+        gw = torch.zeros(
+            weight.shape, dtype=torch.float32 if not f64 else weight.dtype, device=weight.device
+        )
+        for r in _chunks(x.shape[0], weight.shape[0]):
+            logits = (x[r].to(mm) @ w.to(mm).t()).to(grad.dtype)
+            g = -torch.softmax(logits, -1) * grad[r].unsqueeze(-1)
+            del logits
+            g.scatter_add_(-1, targets[r].unsqueeze(-1), grad[r].unsqueeze(-1))
+            gx[r] = (g.to(mm) @ w.to(mm)).to(grad.dtype)
+            gw += (g.t().to(mm) @ x[r].to(mm)).to(gw.dtype)
+        return gx, gw.to(weight.dtype), None
+
+
+# f32 logits a chunk of `HeadLogprobs` holds at once.
+HEAD_CHUNK_BYTES = 1 << 30
+
+
+def _chunks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, HEAD_CHUNK_BYTES // (4 * max(vocab, 1)))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 class TokenLogprobs(torch.autograd.Function):
     """`log_softmax(logits[r])[targets[r]]` per row as arbor computes a token's log-prob
     (`row[t] - logsumexp(row)`, the exponentials summed in index order). `logits` `[R, V]`
@@ -330,14 +433,7 @@ class TokenLogprobs(torch.autograd.Function):
         if _f64(logits):
             return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         _activations("token_logprobs", logits)
-        logits = logits.contiguous()
-        if logits.is_cuda:
-            cuda, stream = _cuda(logits)
-            lp, _ = cuda.token_logprobs(logits, targets.tolist(), stream)
-            return torch.tensor(lp, dtype=torch.float32, device=logits.device)
-        out = torch.empty(logits.shape[0], dtype=torch.float32)
-        _native.token_logprobs(logits, targets.tolist(), out)
-        return out
+        return _logprob_values(logits.contiguous(), targets)
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -378,6 +474,10 @@ def rope_attention(
     fused: bool = True,
 ) -> torch.Tensor:
     return RopeAttention.apply(q, k, v, at, n_heads, n_kv_heads, fused)
+
+
+def head_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return HeadLogprobs.apply(x, weight, targets)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

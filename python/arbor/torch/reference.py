@@ -34,8 +34,8 @@ def token_logprobs(
     half = c.head_dim // 2
     cos = torch.frombuffer(cos_raw, dtype=torch.float32).view(-1, half)[:t]
     sin = torch.frombuffer(sin_raw, dtype=torch.float32).view(-1, half)[:t]
-    cos = torch.cat((cos, cos), -1).to(dtype)
-    sin = torch.cat((sin, sin), -1).to(dtype)
+    cos = torch.cat((cos, cos), -1).to(device=input_ids.device, dtype=dtype)
+    sin = torch.cat((sin, sin), -1).to(device=input_ids.device, dtype=dtype)
 
     def lin(m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         bias = None if m.bias is None else m.bias.to(dtype)

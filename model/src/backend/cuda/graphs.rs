@@ -69,6 +69,9 @@ pub struct Key {
     pub rows: usize,
     pub stride: usize,
     pub splits: usize,
+    /// The recording keeps its logits buffer, for rows asked for whole after a replay
+    /// (top-k candidates that do not settle the draw, constrained rows).
+    pub keeps_logits: bool,
 }
 
 impl Key {

@@ -678,10 +678,12 @@ impl Backend for CudaBackend {
                 .map(|s| s.pos0 + s.len)
                 .max()
                 .unwrap_or(0);
+            let stride = step::stride_for(inputs.ks);
             graphs::bucket(inputs.ids.len()).map(|rows| Key {
                 rows,
-                stride: step::stride_for(inputs.ks),
+                stride,
                 splits: arbor_kernels::cuda::paged_attention::AttnRouting::split_bucket(pos_end),
+                keeps_logits: stride > 0 || inputs.rows_to_host,
             })
         } else {
             None

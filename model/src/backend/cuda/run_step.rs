@@ -337,7 +337,7 @@ impl CudaBackend {
                 });
                 if !capture {
                     drop(scope);
-                    entry.logits = Some(run?).filter(|_| key.stride > 0);
+                    entry.logits = Some(run?).filter(|_| key.keeps_logits);
                     entry.state = if self.host_reads.load(Ordering::Relaxed) == reads {
                         State::Warm
                     } else {
@@ -361,7 +361,7 @@ impl CudaBackend {
                         (Ok(logits), Ok(Some(graph)), Some(limits)) => {
                             // Kept where rows may be asked for: the graph writes its
                             // logits here on every replay.
-                            entry.logits = Some(logits).filter(|_| key.stride > 0);
+                            entry.logits = Some(logits).filter(|_| key.keeps_logits);
                             graph
                                 .upload()
                                 .map_err(|e| self.dev_err_msg("uploading a decode graph", e))?;

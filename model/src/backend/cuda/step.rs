@@ -264,6 +264,7 @@ impl Padded {
             ks: &self.ks,
             vocab: like.vocab,
             cache: like.cache,
+            rows_to_host: like.rows_to_host,
         }
     }
 }
@@ -430,6 +431,7 @@ mod tests {
             ks,
             vocab: 100,
             cache: 7,
+            rows_to_host: false,
         }
     }
 
