@@ -22,6 +22,7 @@ pub mod mpi;
 pub mod nccl;
 pub mod single;
 pub mod tcp;
+pub mod tcp_store;
 pub mod tree_allreduce;
 pub mod wire;
 
