@@ -20,6 +20,7 @@ mod message_passing;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
+pub mod pickled_id;
 pub mod single;
 pub mod tcp;
 pub mod tcp_store;

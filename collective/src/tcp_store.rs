@@ -83,12 +83,13 @@ pub enum StoreError {
 
     #[error(
         "the TCPStore at {addr}: {what} did not answer within {:.1} s",
-        waited.as_secs_f64()
+        timeout.as_secs_f64()
     )]
     Timeout {
         addr: String,
         what: String,
-        waited: Duration,
+        /// The limit that ran out.
+        timeout: Duration,
     },
 
     #[error("the TCPStore at {addr}: {what}: {msg}")]
@@ -107,6 +108,26 @@ pub fn prefixed(prefixes: &[&str], key: &str) -> String {
         k = format!("{p}/{k}");
     }
     k
+}
+
+/// Where torch's `ProcessGroupNCCL` rank 0 sets the unique id of its `comm`th communicator
+/// (0: the first, made at eager init or at the first collective), for a group made the way
+/// SGLang's `init_custom_process_group` (and slime's, AReaL's and OpenRLHF's copies of it)
+/// makes it: `rendezvous("tcp://…")`'s store, wrapped in `PrefixStore(group_name)` by the
+/// function, `PrefixStore(group_name + "/")` by `_new_process_group_helper`, and
+/// `PrefixStore(device + "/")` for the device's backend (`cuda` for NCCL); the key is
+/// `ProcessGroupNCCL`'s `ncclCommCounter_`.
+pub fn torch_group_id_key(group_name: &str, device: &str, comm: u64) -> String {
+    prefixed(
+        &[group_name, &format!("{group_name}/"), &format!("{device}/")],
+        &comm.to_string(),
+    )
+}
+
+/// Where vLLM's `StatelessProcessGroup.broadcast_obj` puts the `n`th object rank `src`
+/// broadcasts (its store is the `TCPStore` itself, no prefix).
+pub fn stateless_broadcast_key(src: usize, n: u64) -> String {
+    format!("broadcast_from/{src}/{n}")
 }
 
 /// A connection to a `TCPStore` server.
@@ -281,7 +302,6 @@ impl StoreClient {
             req.bytes(wire_key(k).as_bytes());
         }
         self.send(&req, &what)?;
-        let t0 = Instant::now();
         let mut b = [0u8; 1];
         self.stream
             .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
@@ -307,7 +327,7 @@ impl StoreClient {
                 Err(StoreError::Timeout {
                     addr: self.addr.clone(),
                     what,
-                    waited: t0.elapsed(),
+                    timeout,
                 })
             }
             Err(e) => Err(self.io(&what, e)),
@@ -364,13 +384,12 @@ impl StoreClient {
     }
 
     fn read_exact(&mut self, b: &mut [u8], what: &str) -> Result<(), StoreError> {
-        let t0 = Instant::now();
         self.stream.read_exact(b).map_err(|e| {
             if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
                 StoreError::Timeout {
                     addr: self.addr.clone(),
                     what: what.to_string(),
-                    waited: t0.elapsed(),
+                    timeout: self.timeout,
                 }
             } else if e.kind() == ErrorKind::UnexpectedEof {
                 self.protocol(what, "the server closed the connection".into())
@@ -664,5 +683,10 @@ mod tests {
         // PrefixStore("cuda/", PrefixStore("g/", PrefixStore("g", store))).set("0").
         assert_eq!(prefixed(&["g", "g/", "cuda/"], "0"), "g/g//cuda//0");
         assert_eq!(prefixed(&[], "k"), "k");
+        assert_eq!(
+            torch_group_id_key("slime-pp_0", "cuda", 0),
+            "slime-pp_0/slime-pp_0//cuda//0"
+        );
+        assert_eq!(stateless_broadcast_key(0, 0), "broadcast_from/0/0");
     }
 }
