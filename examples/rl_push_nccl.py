@@ -34,7 +34,9 @@ import urllib.request
 
 import torch
 
-NCCL_UINT8 = 1  # ncclUint8 in ncclDataType_t
+# ncclDataType_t of each tensor type: a broadcast names the same count and type on every
+# member (arbor's ranks name the type the update lists).
+NCCL_TYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
 
 
 class UniqueId(ctypes.Structure):
@@ -92,7 +94,7 @@ class Nccl:
     def broadcast(self, t, comm, stream):
         assert t.is_contiguous(), "a broadcast sends contiguous memory"
         ptr = ctypes.c_void_p(t.data_ptr())
-        self.check(self.lib.ncclBroadcast(ptr, ptr, t.numel() * t.element_size(), NCCL_UINT8, 0,
+        self.check(self.lib.ncclBroadcast(ptr, ptr, t.numel(), NCCL_TYPES[t.dtype], 0,
                                           comm, ctypes.c_void_p(stream)),
                    "ncclBroadcast")
 

@@ -455,7 +455,13 @@ pub trait WeightsGroup: Send {
     /// Receives one broadcast of `bytes` bytes from the trainer (the group's rank 0) into
     /// host memory. Fails, leaving the group unusable, when it has not arrived within
     /// `timeout`.
-    fn receive(&mut self, bytes: usize, timeout: std::time::Duration) -> BResult<Vec<u8>>;
+    /// The broadcast names `dtype` elements, as the trainer's tensor does.
+    fn receive(
+        &mut self,
+        bytes: usize,
+        dtype: crate::safetensors::DType,
+        timeout: std::time::Duration,
+    ) -> BResult<Vec<u8>>;
 
     /// A sum all-reduce of one f32 zero with every member, as vLLM's `PyNcclCommunicator`
     /// runs right after it joins (its members wait for it), waiting at most `timeout`.

@@ -715,7 +715,7 @@ impl<B: Backend> Worker<B> {
                 msg: format!("tensor {:?}: shape {:?} overflows", t.name, t.shape),
             })?;
             let data = g
-                .receive(bytes, timeout)
+                .receive(bytes, t.dtype, timeout)
                 .map_err(|source| ModelError::Backend { rank, source })?;
             total += bytes;
             files.push((t, data));

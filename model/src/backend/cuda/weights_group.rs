@@ -6,12 +6,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arbor_collective::nccl::{Dtype, NcclComm};
+use arbor_collective::nccl::{Dtype, NcclComm, WireType};
 use cudarc::driver::sys::{cuStreamQuery, CUresult};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 
 use super::CudaBackend;
 use crate::backend::{BResult, BackendError, WeightsGroup, WeightsGroupJoiner};
+use crate::safetensors::DType;
 
 pub struct CudaWeightsGroup {
     /// None once aborted (a broadcast that never came).
@@ -111,7 +112,7 @@ impl Drop for CudaWeightsGroup {
 }
 
 impl WeightsGroup for CudaWeightsGroup {
-    fn receive(&mut self, bytes: usize, timeout: Duration) -> BResult<Vec<u8>> {
+    fn receive(&mut self, bytes: usize, dtype: DType, timeout: Duration) -> BResult<Vec<u8>> {
         if bytes == 0 {
             return Ok(Vec::new());
         }
@@ -126,8 +127,17 @@ impl WeightsGroup for CudaWeightsGroup {
             .map_err(|e| self.err(format!("allocating {bytes} bytes to receive into: {e:?}")))?;
         {
             let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
+            let ty = match dtype {
+                DType::BF16 => WireType::Bf16,
+                DType::F16 => WireType::F16,
+                DType::F32 => WireType::F32,
+            };
+            if !bytes.is_multiple_of(ty.size()) {
+                return Err(self.err(format!("{bytes} bytes are not whole {dtype:?} elements")));
+            }
             // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
-            unsafe { comm.broadcast_raw(ptr, bytes, 0) }.map_err(|e| self.err(e.to_string()))?;
+            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, 0) }
+                .map_err(|e| self.err(e.to_string()))?;
         }
         if let Err(msg) = self.wait(timeout) {
             // The receive may still be pending inside NCCL: abort it so the buffer can go.
