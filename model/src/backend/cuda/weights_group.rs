@@ -156,6 +156,11 @@ impl WeightsGroup for CudaWeightsGroup {
             return Err(self
                 .err("the weight-update group was aborted: destroy it and init a new one".into()));
         };
+        // It runs on the thread that joined the group in the background, not the rank's.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| self.err(format!("binding the context for the warm-up: {e:?}")))?;
         let mut buf = self
             .stream
             .alloc_zeros::<f32>(1)
