@@ -7,7 +7,9 @@ rank_offset.. of the group, the trainer is rank 0), then for each update lists t
 (POST /update_weights_from_distributed: names, dtypes, shapes) and broadcasts each one
 whole, in that order. arbor's ranks receive them, cut their shards and swap them in between
 two steps, all ranks or none (docs/rl.md). NCCL is called through ctypes (no
-torch.distributed process group: arbor does not join a torch TCPStore), as vLLM's pynccl does.
+torch.distributed process group: the id goes over HTTP), as vLLM's pynccl does. A trainer
+with a torch.distributed group gives its store's address instead
+(scripts/gpu/rendezvous-trainer.py).
 
     python3 examples/rl_push_nccl.py --server 127.0.0.1:8000 --model DIR --device cuda:1 \
         --updates 2 [--scale model.norm.weight=1.01]
