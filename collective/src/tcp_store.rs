@@ -604,6 +604,8 @@ mod tests {
         assert_eq!(b.check_in().unwrap(), 2);
         assert_eq!(map.lock().unwrap()[&b"init/".to_vec()], b"2");
         a.set("k", b"value").unwrap();
+        // A set has no answer: a request that has one, on the same connection, comes after.
+        assert!(a.check(&["k"]).unwrap());
         // Torch's client puts "/" before the user's key.
         assert_eq!(map.lock().unwrap()[&b"/k".to_vec()], b"value");
         assert_eq!(b.get("k", T).unwrap(), b"value");
