@@ -64,11 +64,11 @@ fn against_torch(server: &str) {
     let t = Duration::from_secs(30);
     // The server may not listen yet: connect retries until it does.
     let mut c = StoreClient::connect("127.0.0.1", port, t).expect("connect");
-    assert_eq!(
-        c.check_in().expect("check in"),
-        2,
-        "python's own client checked in first"
-    );
+    // The server's own client checks in too, before or after this one: 1 or 2. That the
+    // count reached 2 shows in what follows: the master's constructor returns only then,
+    // and only then sets py_key.
+    let n = c.check_in().expect("check in");
+    assert!(n == 1 || n == 2, "check-in count {n}");
     assert_eq!(c.get("py_key", t).expect("get"), b"from python");
     let id = c
         .get(&prefixed(&["g", "g/", "cuda/"], "0"), t)
