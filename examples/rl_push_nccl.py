@@ -7,7 +7,9 @@ rank_offset.. of the group, the trainer is rank 0), then for each update lists t
 (POST /update_weights_from_distributed: names, dtypes, shapes) and broadcasts each one
 whole, in that order. arbor's ranks receive them, cut their shards and swap them in between
 two steps, all ranks or none (docs/rl.md). NCCL is called through ctypes (no
-torch.distributed process group: arbor does not join a torch TCPStore), as vLLM's pynccl does.
+torch.distributed process group: the id goes over HTTP), as vLLM's pynccl does. A trainer
+with a torch.distributed group gives its store's address instead
+(scripts/gpu/rendezvous-trainer.py).
 
     python3 examples/rl_push_nccl.py --server 127.0.0.1:8000 --model DIR --device cuda:1 \
         --updates 2 [--scale model.norm.weight=1.01]
@@ -34,7 +36,9 @@ import urllib.request
 
 import torch
 
-NCCL_UINT8 = 1  # ncclUint8 in ncclDataType_t
+# ncclDataType_t of each tensor type: a broadcast names the same count and type on every
+# member (arbor's ranks name the type the update lists).
+NCCL_TYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
 
 
 class UniqueId(ctypes.Structure):
@@ -92,7 +96,7 @@ class Nccl:
     def broadcast(self, t, comm, stream):
         assert t.is_contiguous(), "a broadcast sends contiguous memory"
         ptr = ctypes.c_void_p(t.data_ptr())
-        self.check(self.lib.ncclBroadcast(ptr, ptr, t.numel() * t.element_size(), NCCL_UINT8, 0,
+        self.check(self.lib.ncclBroadcast(ptr, ptr, t.numel(), NCCL_TYPES[t.dtype], 0,
                                           comm, ctypes.c_void_p(stream)),
                    "ncclBroadcast")
 

@@ -20,8 +20,10 @@ mod message_passing;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
+pub mod pickled_id;
 pub mod single;
 pub mod tcp;
+pub mod tcp_store;
 pub mod tree_allreduce;
 pub mod wire;
 

@@ -55,6 +55,34 @@ impl Dtype {
     }
 }
 
+/// The element type a broadcast names (what a trainer's tensor holds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WireType {
+    U8,
+    F16,
+    Bf16,
+    F32,
+}
+
+impl WireType {
+    pub fn size(self) -> usize {
+        match self {
+            WireType::U8 => 1,
+            WireType::F16 | WireType::Bf16 => 2,
+            WireType::F32 => 4,
+        }
+    }
+
+    fn nccl(self) -> nsys::ncclDataType_t {
+        match self {
+            WireType::U8 => nsys::ncclDataType_t::ncclUint8,
+            WireType::F16 => nsys::ncclDataType_t::ncclFloat16,
+            WireType::Bf16 => nsys::ncclDataType_t::ncclBfloat16,
+            WireType::F32 => nsys::ncclDataType_t::ncclFloat32,
+        }
+    }
+}
+
 impl std::str::FromStr for Dtype {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -248,23 +276,25 @@ impl NcclComm {
         }
     }
 
-    /// `ncclBroadcast` of `bytes` bytes from `root` (in place: `buf` is sent on the root
-    /// and received elsewhere), enqueued on the stream.
+    /// `ncclBroadcast` of `count` elements of `ty` from `root` (in place: `buf` is sent on
+    /// the root and received elsewhere), enqueued on the stream. NCCL wants every member to
+    /// name the same count and type: a receiver names the sender's.
     ///
     /// # Safety
-    /// `buf` must be a device pointer on this rank's GPU, valid for `bytes` bytes for the
-    /// stream's work.
+    /// `buf` must be a device pointer on this rank's GPU, valid for `count` elements of
+    /// `ty` for the stream's work.
     pub unsafe fn broadcast_raw(
         &self,
         buf: u64,
-        bytes: usize,
+        count: usize,
+        ty: WireType,
         root: usize,
     ) -> Result<(), GpuError> {
         nres::broadcast(
             buf as *const _,
             buf as *mut _,
-            bytes,
-            nsys::ncclDataType_t::ncclUint8,
+            count,
+            ty.nccl(),
             root as i32,
             self.comm,
             self.cu_stream(),
@@ -273,7 +303,7 @@ impl NcclComm {
         .map_err(|e| {
             nccl_err(
                 self.rank,
-                &format!("ncclBroadcast of {bytes} bytes from rank {root}"),
+                &format!("ncclBroadcast of {count} {ty:?} from rank {root}"),
                 e,
             )
         })

@@ -76,6 +76,9 @@ pub enum ModelError {
     },
     #[error("{0}")]
     Unavailable(String),
+    /// A trainer's store that cannot be reached, or holds no usable NCCL id in time.
+    #[error("{0}")]
+    Rendezvous(String),
     #[error("step plan: {0}")]
     Plan(String),
     #[error("synthetic model: {0}")]

@@ -37,7 +37,7 @@ pub use follower::{follow, stop_followers};
 pub use handle::{PendingReply, RequestStream, ServingHandle, Stopped, Submission};
 pub use leader::{Leader, ServeConfig};
 pub use msg::{
-    ControlOp, ControlReply, PauseMode, Policy, Refusal, RefusalKind, SeqEvent, UpdateReq,
+    Commit, ControlOp, ControlReply, PauseMode, Policy, Refusal, RefusalKind, SeqEvent, UpdateReq,
 };
 pub use stats::Stats;
 

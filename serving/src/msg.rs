@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use arbor_model::batching::{Record, TensorMeta};
+use arbor_model::batching::{Record, Rendezvous, TensorMeta};
 use arbor_model::runner::weights_update::FailureKind;
 use arbor_model::FinishReason;
 
@@ -30,6 +30,18 @@ pub enum PauseMode {
     InPlace,
 }
 
+/// Whether the staged tensors replace the weights after a part is staged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Commit {
+    /// Not yet: more parts follow, and a later call commits.
+    No,
+    /// Now: every tensor the model reads must be staged by then.
+    Now(UpdateReq),
+    /// As soon as every tensor the model reads is staged (SGLang's clients send a
+    /// checkpoint in buckets without saying which is the last).
+    WhenComplete(UpdateReq),
+}
+
 /// A new checkpoint's source and what to do with the requests in flight.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpdateReq {
@@ -44,12 +56,9 @@ pub struct UpdateReq {
 pub enum ControlOp {
     /// New weights from a checkpoint on disk (`update_weights_from_disk`).
     FromDisk { path: PathBuf, update: UpdateReq },
-    /// One part of a push (a safetensors image, `update_weights_from_tensor`), and whether
-    /// it is the last (then the staged tensors replace the weights).
-    Stage {
-        bytes: Vec<u8>,
-        commit: Option<UpdateReq>,
-    },
+    /// One part of a push (a safetensors image, `update_weights_from_tensor`), and when
+    /// the staged tensors replace the weights.
+    Stage { bytes: Vec<u8>, commit: Commit },
     /// The staged tensors replace the weights (a commit without a part).
     Commit(UpdateReq),
     /// Drop the staged tensors.
@@ -57,18 +66,18 @@ pub enum ControlOp {
     /// Join a trainer's NCCL group (`init_weights_update_group`).
     InitGroup {
         name: String,
-        unique_id: Vec<u8>,
+        rendezvous: Rendezvous,
         world: usize,
         rank_offset: usize,
         timeout_s: f64,
     },
-    /// Receive tensors the trainer broadcasts and stage them; then commit if asked
+    /// Receive tensors the trainer broadcasts and stage them; then commit as `commit` says
     /// (`update_weights_from_distributed`).
     Receive {
         group: String,
         tensors: Vec<TensorMeta>,
         timeout_s: f64,
-        commit: Option<UpdateReq>,
+        commit: Commit,
     },
     /// Leave the trainer's group (`destroy_weights_update_group`).
     DestroyGroup { name: String },

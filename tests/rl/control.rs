@@ -87,16 +87,18 @@ fn pause_abort_release_and_limits() {
     assert_eq!(st, 422, "{v}");
     let (st, v) = s.post("/pause_generation", &json!({"mode": "sometimes"}));
     assert_eq!(st, 400, "{v}");
+    // The trainer's store by address: nobody listens there, refused after timeout_s.
+    let nobody = crate::cli_support::free_port();
     let (st, v) = s.post(
         "/init_weights_update_group",
-        &json!({"master_address": "127.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 3, "group_name": "g"}),
+        &json!({"master_address": "127.0.0.1", "master_port": nobody, "rank_offset": 1, "world_size": 3, "group_name": "g", "timeout_s": 1}),
     );
     assert_eq!(st, 400, "{v}");
     assert!(
         v["message"]
             .as_str()
             .expect("message")
-            .contains("unique_id"),
+            .contains(&format!("cannot reach the TCPStore at 127.0.0.1:{nobody}")),
         "{v}"
     );
     // On CPU ranks a NCCL group cannot form: refused by every rank, nothing changes.

@@ -22,9 +22,11 @@ mod client;
 mod gguf_testfile;
 
 mod bits;
+mod buckets;
 mod checkpoint;
 mod control;
 mod frameworks;
+mod rendezvous;
 mod server;
 mod sources;
 mod trainer;

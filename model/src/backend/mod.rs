@@ -424,11 +424,24 @@ pub trait Backend {
     /// it has not joined within `timeout`. GPU backends only.
     fn join_weights_group(
         &self,
-        _unique_id: &[u8],
+        unique_id: &[u8],
+        world: usize,
+        rank: usize,
+        timeout: std::time::Duration,
+    ) -> BResult<Box<dyn WeightsGroup>> {
+        self.weights_group_joiner(world, rank, timeout)?(unique_id)
+    }
+
+    /// What [`Backend::join_weights_group`] does once the unique id is known, ready to run
+    /// on another thread: a rank that reads the id from the trainer's store waits for it
+    /// there while it serves. Fails at once where this backend cannot join (CPU ranks,
+    /// ranks sharing a GPU).
+    fn weights_group_joiner(
+        &self,
         _world: usize,
         _rank: usize,
         _timeout: std::time::Duration,
-    ) -> BResult<Box<dyn WeightsGroup>> {
+    ) -> BResult<WeightsGroupJoiner> {
         Err(BackendError::Unsupported(format!(
             "rank {}: a NCCL weight-update group needs GPU ranks (--device cuda); this rank runs on {}: push the weights over HTTP (update_weights_from_tensor) or from disk instead",
             self.rank(),
@@ -437,12 +450,25 @@ pub trait Backend {
     }
 }
 
+/// Joins a trainer's NCCL group given its unique id ([`Backend::weights_group_joiner`]).
+pub type WeightsGroupJoiner = Box<dyn FnOnce(&[u8]) -> BResult<Box<dyn WeightsGroup>> + Send>;
+
 /// A NCCL group joined with a trainer (`Backend::join_weights_group`).
 pub trait WeightsGroup: Send {
     /// Receives one broadcast of `bytes` bytes from the trainer (the group's rank 0) into
     /// host memory. Fails, leaving the group unusable, when it has not arrived within
     /// `timeout`.
-    fn receive(&mut self, bytes: usize, timeout: std::time::Duration) -> BResult<Vec<u8>>;
+    /// The broadcast names `dtype` elements, as the trainer's tensor does.
+    fn receive(
+        &mut self,
+        bytes: usize,
+        dtype: crate::safetensors::DType,
+        timeout: std::time::Duration,
+    ) -> BResult<Vec<u8>>;
+
+    /// A sum all-reduce of one f32 zero with every member, as vLLM's `PyNcclCommunicator`
+    /// runs right after it joins (its members wait for it), waiting at most `timeout`.
+    fn warm_up(&mut self, timeout: std::time::Duration) -> BResult<()>;
 }
 
 /// The output rows `want_row` asks for, in order.

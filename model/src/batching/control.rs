@@ -36,6 +36,32 @@ impl TensorMeta {
     }
 }
 
+/// How every rank learns the unique id of a trainer's NCCL group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Rendezvous {
+    /// The trainer made the 128-byte `ncclUniqueId` and passed it over HTTP.
+    UniqueId(Vec<u8>),
+    /// Each rank reads it from the trainer's torch `TCPStore` at `host:port`, under
+    /// `key` (as torch's Python names it), where the group's rank 0 sets it.
+    Store {
+        host: String,
+        port: u16,
+        key: String,
+        format: IdFormat,
+    },
+}
+
+/// How the id is written under a store key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IdFormat {
+    /// The 128 bytes (torch's `ProcessGroupNCCL`).
+    Raw,
+    /// vLLM's `StatelessProcessGroup.broadcast_obj` of the `ncclUniqueId` ctypes struct
+    /// (a pickle), by `PyNcclCommunicator`, which then warms the communicator up with a
+    /// one-element all-reduce every member takes part in.
+    VllmPickle,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ControlMsg {
     /// Stage the tensors of a safetensors image (one part of a push); `label` names it
@@ -66,7 +92,7 @@ pub enum ControlMsg {
     /// Join the trainer's NCCL group `name` as rank `rank_offset + rank` of `world`.
     JoinGroup {
         name: String,
-        unique_id: Vec<u8>,
+        rendezvous: Rendezvous,
         world: usize,
         rank_offset: usize,
         timeout_s: f64,

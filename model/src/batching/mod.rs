@@ -14,7 +14,7 @@ pub mod kv;
 pub mod plan;
 pub mod scheduler;
 
-pub use control::{ControlMsg, TensorMeta, UpdateSource};
+pub use control::{ControlMsg, IdFormat, Rendezvous, TensorMeta, UpdateSource};
 pub use kv::BlockPool;
 pub use plan::{PlanMsg, PlanRow, Record, RowResult, StepPlan};
 pub use scheduler::{Event, FinishReason, Scheduler, SchedulerConfig, SeqId, SeqSpec};

@@ -12,6 +12,7 @@ mod execute;
 mod load;
 mod records;
 mod step;
+mod weights_group;
 pub mod weights_update;
 
 use std::path::PathBuf;

@@ -20,9 +20,10 @@ use std::time::Duration;
 
 use arbor_collective::Communicator;
 
+use super::weights_group::{join_through_store, GroupSlot, StoreSource};
 use super::Worker;
-use crate::backend::{Backend, KvSpec, WeightsGroup};
-use crate::batching::{ControlMsg, TensorMeta, UpdateSource};
+use crate::backend::{Backend, KvSpec};
+use crate::batching::{ControlMsg, Rendezvous, TensorMeta, UpdateSource};
 use crate::config::ModelConfig;
 use crate::error::{MResult, ModelError};
 use crate::forward::{HeadPlan, Model};
@@ -49,6 +50,8 @@ pub struct WeightsState {
     pub staged_bytes: usize,
     /// The NCCL group joined with a trainer, if any.
     pub group: Option<String>,
+    /// How many tensors the model reads (a full push stages them all).
+    pub model_tensors: usize,
     /// Elements of every tensor the model reads (the size of a full push).
     pub model_elements: usize,
     /// Elements of the largest of them (the smallest part a push can be cut into).
@@ -68,8 +71,8 @@ pub(super) struct Updates<B: Backend> {
     candidate: Option<(Model<B>, Origin)>,
     /// A resumed KV cache (the size it had), until phase two.
     new_session: Option<(super::Caches<B>, super::KvCapacity)>,
-    new_group: Option<(String, Box<dyn WeightsGroup>)>,
-    group: Option<(String, Box<dyn WeightsGroup>)>,
+    new_group: Option<(String, GroupSlot)>,
+    group: Option<(String, GroupSlot)>,
     /// The KV cache was freed to make room for the update's second copy: phase two makes
     /// it again (`UpdateMemory`).
     cache_freed: bool,
@@ -129,6 +132,7 @@ impl FailureKind {
             | ModelError::ShapeMismatch { .. }
             | ModelError::DtypeUnsupported { .. }
             | ModelError::BadRequest { .. }
+            | ModelError::Rendezvous(_)
             | ModelError::Backend {
                 source: crate::backend::BackendError::Unsupported(_),
                 ..
@@ -275,6 +279,7 @@ impl<B: Backend> Worker<B> {
             staged_tensors: self.updates.staged_names.len(),
             staged_bytes: self.updates.staged_bytes,
             group: self.updates.group.as_ref().map(|(n, _)| n.clone()),
+            model_tensors: self.updates.expected.len(),
             model_elements: sizes().sum(),
             largest_tensor_elements: sizes().max().unwrap_or(0),
         }
@@ -349,7 +354,7 @@ impl<B: Backend> Worker<B> {
             }
             ControlMsg::JoinGroup {
                 name,
-                unique_id,
+                rendezvous,
                 world,
                 rank_offset,
                 timeout_s,
@@ -369,16 +374,29 @@ impl<B: Backend> Worker<B> {
                         ),
                     });
                 }
-                let g = self
-                    .backend
-                    .join_weights_group(
-                        unique_id,
-                        *world,
-                        rank,
-                        Duration::from_secs_f64(*timeout_s),
-                    )
-                    .map_err(|e| self.berr(e))?;
-                self.updates.new_group = Some((name.clone(), g));
+                let timeout = Duration::from_secs_f64(*timeout_s);
+                let slot = match rendezvous {
+                    Rendezvous::UniqueId(id) => GroupSlot::Joined(
+                        self.backend
+                            .join_weights_group(id, *world, rank, timeout)
+                            .map_err(|e| self.berr(e))?,
+                    ),
+                    Rendezvous::Store {
+                        host,
+                        port,
+                        key,
+                        format,
+                    } => {
+                        let src = StoreSource {
+                            host,
+                            port: *port,
+                            key,
+                            format: *format,
+                        };
+                        join_through_store(&self.backend, &src, *world, rank, timeout)?
+                    }
+                };
+                self.updates.new_group = Some((name.clone(), slot));
                 Ok(())
             }
             ControlMsg::LeaveGroup { name } => match &self.updates.group {
@@ -687,6 +705,7 @@ impl<B: Backend> Worker<B> {
                 )))
             }
         };
+        let g = g.joined(rank, timeout)?;
         let t0 = std::time::Instant::now();
         let mut files = Vec::with_capacity(tensors.len());
         let mut total = 0usize;
@@ -696,7 +715,7 @@ impl<B: Backend> Worker<B> {
                 msg: format!("tensor {:?}: shape {:?} overflows", t.name, t.shape),
             })?;
             let data = g
-                .receive(bytes, timeout)
+                .receive(bytes, t.dtype, timeout)
                 .map_err(|source| ModelError::Backend { rank, source })?;
             total += bytes;
             files.push((t, data));

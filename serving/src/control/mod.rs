@@ -168,11 +168,11 @@ impl Control {
                 ControlOp::Discard => self.discard(cx)?,
                 ControlOp::InitGroup {
                     name,
-                    unique_id,
+                    rendezvous,
                     world,
                     rank_offset,
                     timeout_s,
-                } => self.init_group(cx, name, unique_id, world, rank_offset, timeout_s)?,
+                } => self.init_group(cx, name, rendezvous, world, rank_offset, timeout_s)?,
                 ControlOp::Receive {
                     group,
                     tensors,

@@ -6,13 +6,13 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use arbor_model::batching::{ControlMsg, TensorMeta, UpdateSource};
+use arbor_model::batching::{ControlMsg, Rendezvous, TensorMeta, UpdateSource};
 use arbor_model::runner::weights_update::Origin;
 use serde_json::{json, Value};
 
 use super::{done, done_err, refused, Control, Ctx, Outcome};
 use crate::error::ServeError;
-use crate::msg::{PauseMode, RefusalKind, UpdateReq};
+use crate::msg::{Commit, PauseMode, RefusalKind, UpdateReq};
 
 impl Control {
     /// New weights from a checkpoint on disk.
@@ -34,7 +34,7 @@ impl Control {
         &mut self,
         cx: &mut Ctx<'_>,
         bytes: Vec<u8>,
-        commit: Option<UpdateReq>,
+        commit: Commit,
     ) -> Result<Outcome, ServeError> {
         let label = format!("update_weights_from_tensor body ({} bytes)", bytes.len());
         match self.run(cx, ControlMsg::Stage { label, bytes })? {
@@ -74,22 +74,30 @@ impl Control {
         &mut self,
         cx: &mut Ctx<'_>,
         name: String,
-        unique_id: Vec<u8>,
+        rendezvous: Rendezvous,
         world: usize,
         rank_offset: usize,
         timeout_s: f64,
     ) -> Result<Outcome, ServeError> {
+        let via_store = matches!(rendezvous, Rendezvous::Store { .. });
         let msg = ControlMsg::JoinGroup {
             name: name.clone(),
-            unique_id,
+            rendezvous,
             world,
             rank_offset,
             timeout_s,
         };
         Ok(Outcome::Done(match self.run(cx, msg)? {
-            Ok(()) => Ok(
-                json!({"success": true, "message": format!("joined the weight-update group {name:?} as ranks {rank_offset}..{} of {world}", rank_offset + cx.comm.world_size())}),
-            ),
+            Ok(()) => {
+                let ranks = format!(
+                    "ranks {rank_offset}..{} of {world}",
+                    rank_offset + cx.comm.world_size()
+                );
+                Ok(json!({"success": true, "message": match via_store {
+                    false => format!("joined the weight-update group {name:?} as {ranks}"),
+                    true => format!("checked in at the trainer's store as {ranks} of the weight-update group {name:?}; the ranks join the NCCL communicator when the trainer publishes its id (at its first collective), and the first update_weights_from_distributed waits for that"),
+                }}))
+            }
             Err(e) => refused(&e, e.to_string()),
         }))
     }
@@ -102,7 +110,7 @@ impl Control {
         group: String,
         tensors: Vec<TensorMeta>,
         timeout_s: f64,
-        commit: Option<UpdateReq>,
+        commit: Commit,
     ) -> Result<Outcome, ServeError> {
         let n = tensors.len();
         let msg = ControlMsg::Receive {
@@ -123,21 +131,27 @@ impl Control {
     }
 
     /// After a part was staged: commit, or say what is staged.
-    fn staged_then(
-        &mut self,
-        cx: &mut Ctx<'_>,
-        commit: Option<UpdateReq>,
-    ) -> Result<Outcome, ServeError> {
+    fn staged_then(&mut self, cx: &mut Ctx<'_>, commit: Commit) -> Result<Outcome, ServeError> {
         self.staged_at = Some(Instant::now());
         match commit {
-            Some(u) => self.update(cx, UpdateSource::Staged, u),
-            None => done(self.staged_body(cx)),
+            Commit::Now(u) => self.update(cx, UpdateSource::Staged, u),
+            Commit::WhenComplete(u) if self.staged_all(cx) => {
+                self.update(cx, UpdateSource::Staged, u)
+            }
+            Commit::WhenComplete(_) | Commit::No => done(self.staged_body(cx)),
         }
     }
 
+    /// Whether every tensor the model reads is staged (then a push is complete).
+    fn staged_all(&self, cx: &Ctx<'_>) -> bool {
+        let s = cx.runner.weights_state();
+        s.staged_tensors > 0 && s.staged_tensors == s.model_tensors
+    }
+
     fn staged_body(&self, cx: &Ctx<'_>) -> Value {
-        let (n, bytes) = self.staged(cx);
-        json!({"success": true, "message": format!("{n} tensors staged ({bytes} bytes); commit to apply them"), "staged_tensors": n, "staged_bytes": bytes})
+        let s = cx.runner.weights_state();
+        let (n, bytes, of) = (s.staged_tensors, s.staged_bytes, s.model_tensors);
+        json!({"success": true, "message": format!("{n} of the {of} tensors the model reads staged ({bytes} bytes); they apply once all are staged, or at a commit"), "staged_tensors": n, "staged_bytes": bytes, "model_tensors": of})
     }
 
     /// Every rank leaves the trainer's group.
@@ -169,10 +183,22 @@ impl Control {
         ))
     }
 
-    /// Steps again.
+    /// Steps again. A push left incomplete stays staged (its tensors do not apply): the
+    /// answer says so.
     pub(super) fn continue_generation(&mut self, cx: &mut Ctx<'_>) -> Outcome {
         self.paused = None;
         cx.stats.paused.store(false, Ordering::Relaxed);
+        let s = cx.runner.weights_state();
+        if s.staged_tensors > 0 {
+            let msg = format!(
+                "generation continues on weight version {}; {} of the {} tensors the model reads are staged and not applied: push the rest (they apply once all are staged) or discard them",
+                self.version, s.staged_tensors, s.model_tensors
+            );
+            tracing::warn!("{msg}");
+            return Outcome::Done(Ok(
+                json!({"success": true, "message": msg, "staged_tensors": s.staged_tensors, "model_tensors": s.model_tensors}),
+            ));
+        }
         Outcome::Done(Ok(
             json!({"success": true, "message": "generation continues"}),
         ))

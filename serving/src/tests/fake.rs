@@ -31,6 +31,9 @@ const CONFIG: &str = r#"{
   "eos_token_id": 0
 }"#;
 
+/// How many tensors the fake model reads: each staged part counts as one.
+pub const FAKE_MODEL_TENSORS: usize = 3;
+
 /// The directory the fake rank's weights were loaded from at start.
 pub const START: &str = "/fake/start";
 
@@ -429,6 +432,7 @@ impl WeightControl for FakeRunner {
             staged_tensors: self.staged.len(),
             staged_bytes: self.staged.iter().map(Vec::len).sum(),
             group: None,
+            model_tensors: FAKE_MODEL_TENSORS,
             model_elements: 1 << 20,
             largest_tensor_elements: 1 << 16,
         }

@@ -19,8 +19,8 @@ use arbor_model::FinishReason;
 use serde_json::Value;
 
 use crate::{
-    ControlOp, ControlReply, Leader, Policy, RefusalKind, RequestStream, SeqEvent, ServeConfig,
-    ServeError, ServingHandle, Stats, Submission, UpdateReq,
+    Commit, ControlOp, ControlReply, Leader, Policy, RefusalKind, RequestStream, SeqEvent,
+    ServeConfig, ServeError, ServingHandle, Stats, Submission, UpdateReq,
 };
 use fake::{FakeRunner, Faults, Gate};
 

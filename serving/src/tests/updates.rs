@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::fake::{disk_weights, pushed_weights, tokens, Gate, START};
+use super::fake::{disk_weights, pushed_weights, tokens, Gate, FAKE_MODEL_TENSORS, START};
 use super::*;
 
 #[test]
@@ -171,7 +171,7 @@ fn a_push_in_parts_applies_at_its_commit() {
     let (p1, p2) = (b"first part".to_vec(), b"second".to_vec());
     let body = ok(s.control(ControlOp::Stage {
         bytes: p1.clone(),
-        commit: None,
+        commit: Commit::No,
     }));
     assert_eq!(body["staged_tensors"], 1);
     // A disk update would mix with the staged part.
@@ -179,7 +179,7 @@ fn a_push_in_parts_applies_at_its_commit() {
     assert_eq!(kind, RefusalKind::Conflict, "{msg}");
     let body = ok(s.control(ControlOp::Stage {
         bytes: p2.clone(),
-        commit: Some(UpdateReq {
+        commit: Commit::Now(UpdateReq {
             version: Some("pushed".into()),
             policy: Policy::Wait,
         }),
@@ -200,10 +200,53 @@ fn a_push_in_parts_applies_at_its_commit() {
     // Staged, then dropped.
     ok(s.control(ControlOp::Stage {
         bytes: p1,
-        commit: None,
+        commit: Commit::No,
     }));
     ok(s.control(ControlOp::Discard));
     ok(s.control(from_disk("/fake/b", Policy::Wait, None)));
+    s.stop().unwrap();
+}
+
+#[test]
+fn buckets_without_a_commit_apply_once_every_tensor_is_staged() {
+    let s = Server::start(config(), Gate::open());
+    let parts: Vec<Vec<u8>> = (0..FAKE_MODEL_TENSORS)
+        .map(|i| format!("bucket {i}").into_bytes())
+        .collect();
+    let when_complete = || {
+        Commit::WhenComplete(UpdateReq {
+            version: Some("buckets".into()),
+            policy: Policy::Wait,
+        })
+    };
+    for (i, p) in parts[..FAKE_MODEL_TENSORS - 1].iter().enumerate() {
+        let body = ok(s.control(ControlOp::Stage {
+            bytes: p.clone(),
+            commit: when_complete(),
+        }));
+        assert_eq!(body["staged_tensors"], i + 1, "{body}");
+        assert_eq!(body["model_tensors"], FAKE_MODEL_TENSORS, "{body}");
+        assert_eq!(s.stats.weight_updates.load(Ordering::Relaxed), 0);
+    }
+    // Generation continued meanwhile says what is staged and not applied.
+    let body = ok(s.control(ControlOp::Continue));
+    assert_eq!(body["staged_tensors"], FAKE_MODEL_TENSORS - 1, "{body}");
+    let mut a = s.submit(request("a", 0, 1, 4, 3));
+    assert_eq!(
+        collect(&mut a),
+        vec![finished("0", tokens(disk_weights(START), 0, 4, 3))]
+    );
+    let body = ok(s.control(ControlOp::Stage {
+        bytes: parts[FAKE_MODEL_TENSORS - 1].clone(),
+        commit: when_complete(),
+    }));
+    assert_eq!(body["weight_version"], "buckets", "{body}");
+    let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+    let mut b = s.submit(request("b", 0, 1, 4, 3));
+    assert_eq!(
+        collect(&mut b),
+        vec![finished("buckets", tokens(pushed_weights(&refs), 0, 4, 3))]
+    );
     s.stop().unwrap();
 }
 
@@ -216,7 +259,7 @@ fn staged_tensors_nobody_commits_are_dropped() {
     let s = Server::start(cfg, Gate::open());
     ok(s.control(ControlOp::Stage {
         bytes: b"part".to_vec(),
-        commit: None,
+        commit: Commit::No,
     }));
     // The idle loop looks at the clock every tick (20 ms here).
     std::thread::sleep(Duration::from_millis(300));

@@ -10,9 +10,10 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use arbor_model::batching::TensorMeta;
+use arbor_collective::tcp_store::{stateless_broadcast_key, torch_group_id_key};
+use arbor_model::batching::{IdFormat, Rendezvous, TensorMeta};
 use arbor_model::DType;
-use arbor_serving::{ControlOp, PauseMode, Policy, RefusalKind, UpdateReq};
+use arbor_serving::{Commit, ControlOp, PauseMode, Policy, RefusalKind, UpdateReq};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Query, State};
@@ -280,25 +281,28 @@ async fn from_tensor(
             }
             return Ok(ControlOp::Discard);
         }
-        let commit = match q.commit.unwrap_or(true) {
-            true => Some(update_req(
-                q.weight_version,
-                q.policy.as_deref(),
-                q.abort_all_requests,
-            )?),
-            false => {
+        let commit = match q.commit {
+            Some(false) => {
                 if q.weight_version.is_some() || q.policy.is_some() {
                     return Err(ApiError::bad(
                         "commit",
-                        "weight_version and policy go with the call that commits (commit=true)",
+                        "weight_version and policy go with the call that commits (commit=true, or no commit)",
                     ));
                 }
-                None
+                Commit::No
+            }
+            given => {
+                let u = update_req(q.weight_version, q.policy.as_deref(), q.abort_all_requests)?;
+                if given.is_some() {
+                    Commit::Now(u)
+                } else {
+                    Commit::WhenComplete(u)
+                }
             }
         };
         Ok(match (bytes.is_empty(), commit) {
-            (true, Some(u)) => ControlOp::Commit(u),
-            (true, None) => {
+            (true, Commit::Now(u) | Commit::WhenComplete(u)) => ControlOp::Commit(u),
+            (true, Commit::No) => {
                 return Err(ApiError::bad(
                     "body",
                     "the body is empty: send a safetensors image of some of the tensors",
@@ -316,16 +320,103 @@ async fn from_tensor(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct InitGroup {
-    /// SGLang's trainer rendezvous: arbor takes the NCCL id itself (`unique_id`).
+    /// The trainer's torch `TCPStore` (its rendezvous `tcp://master_address:master_port`),
+    /// where the group's rank 0 publishes the NCCL id.
     master_address: Option<String>,
-    master_port: Option<u16>,
+    /// A number, or a string of one (AReaL sends a string).
+    master_port: Option<Value>,
     rank_offset: usize,
     world_size: usize,
     group_name: String,
     backend: Option<String>,
-    /// The trainer's `ncclUniqueId`: 256 hex digits, or a list of 128 bytes.
+    /// The trainer's `ncclUniqueId` instead of a store: 256 hex digits, or 128 bytes.
     unique_id: Option<Value>,
+    /// How the trainer made the group on its store: `torch` (default: torch.distributed's
+    /// `ProcessGroupNCCL`, as SGLang's `init_custom_process_group` makes it) or `vllm`
+    /// (vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`).
+    rendezvous: Option<String>,
+    /// SkyRL's: `true` would replace a group of the same name; arbor holds one group, which
+    /// must be destroyed first.
+    override_existing: Option<bool>,
     timeout_s: Option<f64>,
+}
+
+/// The store's port: a number, or a string of one.
+fn master_port(v: &Value) -> Result<u16, ApiError> {
+    let port = match v {
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) if !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit()) => {
+            s.parse::<u64>().ok()
+        }
+        _ => None,
+    };
+    port.and_then(|p| u16::try_from(p).ok())
+        .filter(|&p| p > 0)
+        .ok_or_else(|| {
+            ApiError::bad(
+                "master_port",
+                format!("master_port is the port of the trainer's TCPStore, 1 to 65535 (a number or a string of digits), got {v}"),
+            )
+        })
+}
+
+fn master_address(a: &str) -> Result<String, ApiError> {
+    if a.is_empty() || a.len() > 253 || a.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(ApiError::bad(
+            "master_address",
+            format!("master_address is the host name or IP address of the trainer's TCPStore, got {a:?}"),
+        ));
+    }
+    // A bracketed IPv6 address (as in a URL) is the address inside.
+    Ok(a.trim_start_matches('[').trim_end_matches(']').to_string())
+}
+
+/// Where every rank learns the group's NCCL id.
+fn rendezvous(r: &InitGroup, name: &str) -> Result<Rendezvous, ApiError> {
+    let store = r.master_address.is_some() || r.master_port.is_some();
+    match (&r.unique_id, store) {
+        (Some(_), true) => Err(ApiError::bad(
+            "unique_id",
+            "give unique_id or master_address and master_port, not both",
+        )),
+        (Some(id), false) => {
+            if r.rendezvous.is_some() {
+                return Err(ApiError::bad(
+                    "rendezvous",
+                    "rendezvous names how the trainer's store holds the NCCL id: it goes with master_address and master_port",
+                ));
+            }
+            Ok(Rendezvous::UniqueId(unique_id(id)?))
+        }
+        (None, false) => Err(ApiError::bad(
+            "master_address",
+            "give master_address and master_port (the trainer's torch TCPStore, as SGLang takes them), or unique_id (the trainer's ncclUniqueId)",
+        )),
+        (None, true) => {
+            let host = master_address(r.master_address.as_deref().ok_or_else(|| {
+                ApiError::bad("master_address", "master_port goes with master_address")
+            })?)?;
+            let port = master_port(r.master_port.as_ref().ok_or_else(|| {
+                ApiError::bad("master_port", "master_address goes with master_port")
+            })?)?;
+            let (key, format) = match r.rendezvous.as_deref().unwrap_or("torch") {
+                "torch" => (torch_group_id_key(name, "cuda", 0), IdFormat::Raw),
+                "vllm" => (stateless_broadcast_key(0, 0), IdFormat::VllmPickle),
+                other => {
+                    return Err(ApiError::bad(
+                        "rendezvous",
+                        format!("rendezvous must be \"torch\" (torch.distributed's process group, as SGLang's clients make it) or \"vllm\" (vLLM's StatelessProcessGroup and PyNcclCommunicator), got {other:?}"),
+                    ))
+                }
+            };
+            Ok(Rendezvous::Store {
+                host,
+                port,
+                key,
+                format,
+            })
+        }
+    }
 }
 
 fn unique_id(v: &Value) -> Result<Vec<u8>, ApiError> {
@@ -395,22 +486,18 @@ async fn init_group(
                 ));
             }
         }
-        let Some(id) = r.unique_id.as_ref() else {
+        if r.override_existing == Some(true) {
             return Err(ApiError::bad(
-                "unique_id",
-                format!(
-                    "arbor does not join a torch TCPStore ({}): make the NCCL id in the trainer (ncclGetUniqueId, rank 0 of the group) and pass it as unique_id (docs/rl.md)",
-                    match (&r.master_address, r.master_port) {
-                        (Some(a), Some(p)) => format!("{a}:{p}"),
-                        _ => "master_address/master_port".into(),
-                    }
-                ),
+                "override_existing",
+                "arbor holds one weight-update group: destroy_weights_update_group first, then init the new one",
             ));
-        };
+        }
+        let name = group_name(&r.group_name)?;
+        let rendezvous = rendezvous(&r, &name)?;
         if r.rank_offset == 0 {
             return Err(ApiError::bad(
                 "rank_offset",
-                "rank_offset must be at least 1: the trainer is rank 0 of the group",
+                "rank_offset must be at least 1: the trainer is rank 0 of the group (it makes the NCCL id, and its store where it publishes it)",
             ));
         }
         if r.world_size < r.rank_offset + tp || r.world_size > 1 << 16 {
@@ -425,8 +512,8 @@ async fn init_group(
             ));
         }
         Ok(ControlOp::InitGroup {
-            name: group_name(&r.group_name)?,
-            unique_id: unique_id(id)?,
+            name,
+            rendezvous,
             world: r.world_size,
             rank_offset: r.rank_offset,
             timeout_s: timeout(r.timeout_s)?,
@@ -443,8 +530,11 @@ struct FromDistributed {
     shapes: Vec<Vec<usize>>,
     group_name: String,
     weight_version: Option<String>,
-    /// False: stage these and wait for more calls (the last one commits).
+    /// False: stage these and wait for more calls; true: apply everything staged now;
+    /// none: apply once every tensor the model reads is staged.
     commit: Option<bool>,
+    /// SGLang's (a quantised or delta format); arbor takes the tensors as they are.
+    load_format: Option<String>,
     policy: Option<String>,
     abort_all_requests: Option<bool>,
     #[allow(dead_code)]
@@ -500,13 +590,17 @@ async fn from_distributed(
                 ),
             ));
         }
-        let commit = match r.commit.unwrap_or(true) {
-            true => Some(update_req(
-                r.weight_version,
-                r.policy.as_deref(),
-                r.abort_all_requests,
-            )?),
-            false => None,
+        if let Some(f) = r.load_format.as_deref() {
+            return Err(ApiError::bad(
+                "load_format",
+                format!("load_format {f:?}: arbor receives the tensors as they are named and shaped (leave load_format out)"),
+            ));
+        }
+        let update = update_req(r.weight_version, r.policy.as_deref(), r.abort_all_requests)?;
+        let commit = match r.commit {
+            None => Commit::WhenComplete(update),
+            Some(true) => Commit::Now(update),
+            Some(false) => Commit::No,
         };
         Ok(ControlOp::Receive {
             group: group_name(&r.group_name)?,
@@ -749,6 +843,72 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    fn init(body: Value) -> InitGroup {
+        serde_json::from_value(body).expect("an InitGroup body")
+    }
+
+    #[test]
+    fn the_store_port_is_a_number_or_a_string_of_one() {
+        assert_eq!(master_port(&json!(29500)).unwrap(), 29500);
+        assert_eq!(master_port(&json!("29500")).unwrap(), 29500);
+        for bad in [
+            json!(0),
+            json!(65536),
+            json!(-3),
+            json!("29 500"),
+            json!(""),
+            json!(1.5),
+            json!(null),
+        ] {
+            assert_eq!(
+                master_port(&bad).unwrap_err().param.as_deref(),
+                Some("master_port"),
+                "{bad}"
+            );
+        }
+        assert_eq!(master_address("[::1]").unwrap(), "::1");
+        assert!(master_address("host name").is_err());
+    }
+
+    #[test]
+    fn the_rendezvous_key_is_the_one_the_trainer_writes() {
+        let base = json!({"master_address": "10.0.0.2", "master_port": "4000", "rank_offset": 1,
+                          "world_size": 2, "group_name": "slime-pp_0"});
+        let Rendezvous::Store {
+            host,
+            port,
+            key,
+            format,
+        } = rendezvous(&init(base.clone()), "slime-pp_0").unwrap()
+        else {
+            panic!("a store rendezvous");
+        };
+        assert_eq!(
+            (host.as_str(), port, key.as_str(), format),
+            (
+                "10.0.0.2",
+                4000,
+                "slime-pp_0/slime-pp_0//cuda//0",
+                IdFormat::Raw
+            )
+        );
+        let mut vllm = base.clone();
+        vllm["rendezvous"] = json!("vllm");
+        let Rendezvous::Store { key, format, .. } = rendezvous(&init(vllm), "slime-pp_0").unwrap()
+        else {
+            panic!("a store rendezvous");
+        };
+        assert_eq!(
+            (key.as_str(), format),
+            ("broadcast_from/0/0", IdFormat::VllmPickle)
+        );
+        let by_id = json!({"unique_id": "ab".repeat(128), "rank_offset": 1, "world_size": 2, "group_name": "g"});
+        assert_eq!(
+            rendezvous(&init(by_id), "g").unwrap(),
+            Rendezvous::UniqueId(vec![0xab; 128])
+        );
     }
 
     #[test]

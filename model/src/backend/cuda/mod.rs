@@ -727,13 +727,12 @@ impl Backend for CudaBackend {
         Ok(Some(free as u64))
     }
 
-    fn join_weights_group(
+    fn weights_group_joiner(
         &self,
-        unique_id: &[u8],
         world: usize,
         rank: usize,
         timeout: std::time::Duration,
-    ) -> BResult<Box<dyn super::WeightsGroup>> {
-        self.join_group(unique_id, world, rank, timeout)
+    ) -> BResult<super::WeightsGroupJoiner> {
+        self.group_joiner(world, rank, timeout)
     }
 }

@@ -6,12 +6,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arbor_collective::nccl::NcclComm;
+use arbor_collective::nccl::{Dtype, NcclComm, WireType};
 use cudarc::driver::sys::{cuStreamQuery, CUresult};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 
 use super::CudaBackend;
-use crate::backend::{BResult, BackendError, WeightsGroup};
+use crate::backend::{BResult, BackendError, WeightsGroup, WeightsGroupJoiner};
+use crate::safetensors::DType;
 
 pub struct CudaWeightsGroup {
     /// None once aborted (a broadcast that never came).
@@ -21,15 +22,14 @@ pub struct CudaWeightsGroup {
 }
 
 impl CudaBackend {
-    pub(super) fn join_group(
+    pub(super) fn group_joiner(
         &self,
-        unique_id: &[u8],
         world: usize,
         rank: usize,
         timeout: Duration,
-    ) -> BResult<Box<dyn WeightsGroup>> {
+    ) -> BResult<WeightsGroupJoiner> {
         let me = self.comm.rank();
-        let err = |msg: String| BackendError::Device { rank: me, msg };
+        let err = move |msg: String| BackendError::Device { rank: me, msg };
         if self.slot.ranks_on_device > 1 {
             return Err(BackendError::Unsupported(format!(
                 "rank {me}: {} ranks share GPU {} (--ranks-per-gpu), and a NCCL group holds one member per GPU: push the weights over HTTP (update_weights_from_tensor) or from disk instead",
@@ -42,21 +42,23 @@ impl CudaBackend {
             .ctx
             .new_stream()
             .map_err(|e| err(format!("creating the weight-update stream: {e:?}")))?;
-        let comm = NcclComm::join_within(unique_id, world, rank, stream.clone(), timeout)
-            .map_err(|e| err(e.to_string()))?;
-        // Every member must run the same NCCL: the log says which one this rank loaded.
-        let version = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
-        tracing::info!(
-            rank = me,
-            group_rank = rank,
-            world,
-            nccl_version = version,
-            "joined the weight-update group"
-        );
-        Ok(Box::new(CudaWeightsGroup {
-            comm: Some(comm),
-            stream,
-            rank: me,
+        Ok(Box::new(move |unique_id: &[u8]| {
+            let comm = NcclComm::join_within(unique_id, world, rank, stream.clone(), timeout)
+                .map_err(|e| err(e.to_string()))?;
+            // Every member must run the same NCCL: the log says which one this rank loaded.
+            let version = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
+            tracing::info!(
+                rank = me,
+                group_rank = rank,
+                world,
+                nccl_version = version,
+                "joined the weight-update group"
+            );
+            Ok(Box::new(CudaWeightsGroup {
+                comm: Some(comm),
+                stream,
+                rank: me,
+            }) as Box<dyn WeightsGroup>)
         }))
     }
 }
@@ -110,7 +112,7 @@ impl Drop for CudaWeightsGroup {
 }
 
 impl WeightsGroup for CudaWeightsGroup {
-    fn receive(&mut self, bytes: usize, timeout: Duration) -> BResult<Vec<u8>> {
+    fn receive(&mut self, bytes: usize, dtype: DType, timeout: Duration) -> BResult<Vec<u8>> {
         if bytes == 0 {
             return Ok(Vec::new());
         }
@@ -125,8 +127,17 @@ impl WeightsGroup for CudaWeightsGroup {
             .map_err(|e| self.err(format!("allocating {bytes} bytes to receive into: {e:?}")))?;
         {
             let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
+            let ty = match dtype {
+                DType::BF16 => WireType::Bf16,
+                DType::F16 => WireType::F16,
+                DType::F32 => WireType::F32,
+            };
+            if !bytes.is_multiple_of(ty.size()) {
+                return Err(self.err(format!("{bytes} bytes are not whole {dtype:?} elements")));
+            }
             // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
-            unsafe { comm.broadcast_raw(ptr, bytes, 0) }.map_err(|e| self.err(e.to_string()))?;
+            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, 0) }
+                .map_err(|e| self.err(e.to_string()))?;
         }
         if let Err(msg) = self.wait(timeout) {
             // The receive may still be pending inside NCCL: abort it so the buffer can go.
@@ -138,5 +149,34 @@ impl WeightsGroup for CudaWeightsGroup {
         self.stream
             .clone_dtoh(&buf)
             .map_err(|e| self.err(format!("copying {bytes} received bytes to the host: {e:?}")))
+    }
+
+    fn warm_up(&mut self, timeout: Duration) -> BResult<()> {
+        let Some(comm) = self.comm.as_ref() else {
+            return Err(self
+                .err("the weight-update group was aborted: destroy it and init a new one".into()));
+        };
+        // It runs on the thread that joined the group in the background, not the rank's.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| self.err(format!("binding the context for the warm-up: {e:?}")))?;
+        let mut buf = self
+            .stream
+            .alloc_zeros::<f32>(1)
+            .map_err(|e| self.err(format!("allocating the warm-up all-reduce: {e:?}")))?;
+        {
+            let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: `buf` holds one f32 on this group's device and stream, reduced in place.
+            unsafe { comm.all_reduce_raw(ptr, ptr, 1, Dtype::F32) }
+                .map_err(|e| self.err(e.to_string()))?;
+        }
+        if let Err(msg) = self.wait(timeout) {
+            if let Some(c) = self.comm.take() {
+                c.abort();
+            }
+            return Err(self.err(format!("the warm-up all-reduce: {msg}")));
+        }
+        Ok(())
     }
 }

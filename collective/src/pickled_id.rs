@@ -1,0 +1,268 @@
+//! The NCCL unique id as vLLM's `StatelessProcessGroup.broadcast_obj` publishes it: the
+//! `ncclUniqueId` ctypes struct of `pynccl_wrapper` (`internal: c_byte * 128`),
+//! `pickle.dumps`-ed. A ctypes struct pickles as `_ctypes._unpickle(cls, ({}, raw))`.
+//!
+//! Nothing here runs a pickle: this reads the opcodes of exactly that shape (protocols 3
+//! to 5, as Python's `pickle.dumps` writes them) and refuses anything else, naming the
+//! first opcode or value it does not take.
+
+/// The globals a pickled id may name: `_ctypes._unpickle`, and the struct's class.
+const UNPICKLE: (&str, &str) = ("_ctypes", "_unpickle");
+const CLASS: &str = "ncclUniqueId";
+/// vLLM's module, and the forks of it that keep the name (SGLang's).
+const MODULE_SUFFIX: &str = "pynccl_wrapper";
+
+/// The most bytes a pickled id may take (it takes ~240).
+const MAX_LEN: usize = 4096;
+
+#[derive(Debug, Clone, PartialEq)]
+enum Item {
+    Str(String),
+    Bytes(Vec<u8>),
+    Global(String, String),
+    EmptyDict,
+    Tuple(Vec<Item>),
+    Reduce(Box<Item>, Box<Item>),
+}
+
+fn take<'a>(b: &'a [u8], at: &mut usize, n: usize) -> Result<&'a [u8], String> {
+    let end = at
+        .checked_add(n)
+        .filter(|&e| e <= b.len())
+        .ok_or_else(|| format!("truncated at byte {at} (wants {n} more)"))?;
+    let s = &b[*at..end];
+    *at = end;
+    Ok(s)
+}
+
+fn len_u8(b: &[u8], at: &mut usize) -> Result<usize, String> {
+    Ok(take(b, at, 1)?[0] as usize)
+}
+
+fn len_u32(b: &[u8], at: &mut usize) -> Result<usize, String> {
+    let s = take(b, at, 4)?;
+    Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
+}
+
+fn text(s: &[u8]) -> Result<String, String> {
+    String::from_utf8(s.to_vec()).map_err(|_| "a string that is not UTF-8".to_string())
+}
+
+/// The 128 bytes of a pickled vLLM `ncclUniqueId`, or what is wrong with `b`.
+pub fn nccl_id_from_pickle(b: &[u8]) -> Result<[u8; 128], String> {
+    if b.len() > MAX_LEN {
+        return Err(format!(
+            "{} bytes, more than a pickled ncclUniqueId",
+            b.len()
+        ));
+    }
+    let mut at = 0usize;
+    let mut stack: Vec<Item> = Vec::new();
+    let pop = |stack: &mut Vec<Item>, op: &str| {
+        stack
+            .pop()
+            .ok_or_else(|| format!("opcode {op} on an empty stack"))
+    };
+    match take(b, &mut at, 2)? {
+        [0x80, p @ 3..=5] => {
+            let _ = p;
+        }
+        other => {
+            return Err(format!(
+                "starts with {other:02x?}, not a pickle of protocol 3 to 5"
+            ))
+        }
+    }
+    let result = loop {
+        let pos = at;
+        let op = take(b, &mut at, 1)?[0];
+        match op {
+            // FRAME: the length of what follows; nothing to check.
+            0x95 => {
+                take(b, &mut at, 8)?;
+            }
+            // MEMOIZE, BINPUT, LONG_BINPUT: nothing is read back from the memo (no GET).
+            0x94 => {}
+            b'q' => {
+                take(b, &mut at, 1)?;
+            }
+            b'r' => {
+                take(b, &mut at, 4)?;
+            }
+            0x8c => {
+                let n = len_u8(b, &mut at)?;
+                stack.push(Item::Str(text(take(b, &mut at, n)?)?));
+            }
+            b'X' => {
+                let n = len_u32(b, &mut at)?;
+                stack.push(Item::Str(text(take(b, &mut at, n)?)?));
+            }
+            b'C' => {
+                let n = len_u8(b, &mut at)?;
+                stack.push(Item::Bytes(take(b, &mut at, n)?.to_vec()));
+            }
+            b'B' => {
+                let n = len_u32(b, &mut at)?;
+                stack.push(Item::Bytes(take(b, &mut at, n)?.to_vec()));
+            }
+            // GLOBAL "module\nname\n" (protocol 3).
+            b'c' => {
+                let mut parts = [String::new(), String::new()];
+                for p in &mut parts {
+                    let rest = &b[at..];
+                    let nl = rest
+                        .iter()
+                        .position(|&c| c == b'\n')
+                        .ok_or("GLOBAL without its newline")?;
+                    *p = text(&rest[..nl])?;
+                    at += nl + 1;
+                }
+                let [m, n] = parts;
+                stack.push(Item::Global(m, n));
+            }
+            // STACK_GLOBAL.
+            0x93 => {
+                let name = pop(&mut stack, "STACK_GLOBAL")?;
+                let module = pop(&mut stack, "STACK_GLOBAL")?;
+                match (module, name) {
+                    (Item::Str(m), Item::Str(n)) => stack.push(Item::Global(m, n)),
+                    _ => return Err("STACK_GLOBAL of values that are not strings".into()),
+                }
+            }
+            b'}' => stack.push(Item::EmptyDict),
+            // TUPLE2.
+            0x86 => {
+                let second = pop(&mut stack, "TUPLE2")?;
+                let first = pop(&mut stack, "TUPLE2")?;
+                stack.push(Item::Tuple(vec![first, second]));
+            }
+            b'R' => {
+                let args = pop(&mut stack, "REDUCE")?;
+                let f = pop(&mut stack, "REDUCE")?;
+                stack.push(Item::Reduce(Box::new(f), Box::new(args)));
+            }
+            b'.' => {
+                let top = pop(&mut stack, "STOP")?;
+                if !stack.is_empty() {
+                    return Err("STOP with more than one value on the stack".into());
+                }
+                break top;
+            }
+            other => {
+                return Err(format!(
+                    "opcode {other:#04x} at byte {pos}, which a pickled ncclUniqueId does not hold"
+                ))
+            }
+        }
+    };
+    if at != b.len() {
+        return Err(format!("{} bytes after STOP", b.len() - at));
+    }
+    let shape = || {
+        format!("not the pickle of a ncclUniqueId (_ctypes._unpickle(ncclUniqueId, ({{}}, 128 bytes))): {result:?}")
+    };
+    let Item::Reduce(f, args) = &result else {
+        return Err(shape());
+    };
+    if **f != Item::Global(UNPICKLE.0.into(), UNPICKLE.1.into()) {
+        return Err(shape());
+    }
+    let Item::Tuple(args) = &**args else {
+        return Err(shape());
+    };
+    match args.as_slice() {
+        [Item::Global(module, class), Item::Tuple(state)]
+            if class == CLASS
+                && (module == MODULE_SUFFIX || module.ends_with(&format!(".{MODULE_SUFFIX}"))) =>
+        {
+            match state.as_slice() {
+                [Item::EmptyDict, Item::Bytes(raw)] => <[u8; 128]>::try_from(raw.as_slice())
+                    .map_err(|_| format!("the ncclUniqueId holds {} bytes, not 128", raw.len())),
+                _ => Err(shape()),
+            }
+        }
+        _ => Err(shape()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// `pickle.dumps(ncclUniqueId(internal=[255 - i for i in range(128)]), protocol=p)`
+    /// with the struct imported from `vllm.distributed.device_communicators.pynccl_wrapper`
+    /// (CPython 3.11).
+    const ID: &str = "fffefdfcfbfaf9f8f7f6f5f4f3f2f1f0efeeedecebeae9e8e7e6e5e4e3e2e1e0dfdedddcdbdad9d8d7d6d5d4d3d2d1d0cfcecdcccbcac9c8c7c6c5c4c3c2c1c0bfbebdbcbbbab9b8b7b6b5b4b3b2b1b0afaeadacabaaa9a8a7a6a5a4a3a2a1a09f9e9d9c9b9a999897969594939291908f8e8d8c8b8a898887868584838281 80";
+
+    fn id_hex() -> String {
+        ID.replace(' ', "")
+    }
+
+    fn protocol_4() -> Vec<u8> {
+        hex(&format!("800495ec000000000000008c075f637479706573948c095f756e7069636b6c659493948c34766c6c6d2e64697374726962757465642e6465766963655f636f6d6d756e696361746f72732e70796e63636c5f77726170706572948c0c6e63636c556e6971756549649493947d944380{}948694869452942e", id_hex()))
+    }
+
+    fn want() -> [u8; 128] {
+        std::array::from_fn(|i| 255 - i as u8)
+    }
+
+    #[test]
+    fn reads_the_ids_python_pickles() {
+        assert_eq!(nccl_id_from_pickle(&protocol_4()).unwrap(), want());
+        let p5 = {
+            let mut p = protocol_4();
+            p[1] = 5;
+            p
+        };
+        assert_eq!(nccl_id_from_pickle(&p5).unwrap(), want());
+        let p3 = hex(&format!("8003635f6374797065730a5f756e7069636b6c650a710063766c6c6d2e64697374726962757465642e6465766963655f636f6d6d756e696361746f72732e70796e63636c5f777261707065720a6e63636c556e6971756549640a71017d71024380{}71038671048671055271062e", id_hex()));
+        assert_eq!(nccl_id_from_pickle(&p3).unwrap(), want());
+    }
+
+    #[test]
+    fn refuses_every_other_shape() {
+        let good = protocol_4();
+        let swap = |from: &[u8], to: &[u8]| {
+            let i = good
+                .windows(from.len())
+                .position(|w| w == from)
+                .expect("pattern");
+            let mut b = good[..i].to_vec();
+            b.extend_from_slice(to);
+            b.extend_from_slice(&good[i + from.len()..]);
+            b
+        };
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            // Another callable than _ctypes._unpickle (same length, so the frame holds).
+            (swap(b"\x09_unpickle", b"\x09_evilfunc"), "not the pickle"),
+            // Another class.
+            (
+                swap(b"\x0cncclUniqueId", b"\x0cncclOtherIds"),
+                "not the pickle",
+            ),
+            (swap(b"pynccl_wrapper", b"pynccl_wrappez"), "not the pickle"),
+            // An opcode the shape does not hold (BINGET in place of a MEMOIZE).
+            (swap(b"\x7d\x94", b"\x7d\x68"), "opcode 0x68"),
+            // Protocol 2 (`_codecs.encode` of a latin-1 string for the bytes).
+            (swap(b"\x80\x04", b"\x80\x02"), "protocol 3 to 5"),
+            (good[..good.len() - 1].to_vec(), "truncated"),
+            ([good.clone(), vec![0]].concat(), "after STOP"),
+            // 127 bytes: the last id byte (0x80) is then read as an opcode.
+            (swap(b"\x43\x80", b"\x43\x7f"), "opcode 0x80"),
+        ];
+        for (b, want) in cases {
+            let e = nccl_id_from_pickle(&b).unwrap_err();
+            assert!(e.contains(want), "{want:?} in {e}");
+        }
+        assert!(nccl_id_from_pickle(&vec![0x80; 5000])
+            .unwrap_err()
+            .contains("bytes"));
+    }
+}

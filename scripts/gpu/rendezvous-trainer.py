@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""A PyTorch trainer on its own GPU pushes a checkpoint to `arbor serve` over NCCL, joining
+arbor by address (POST /init_weights_update_group with master_address / master_port), the
+way the RL frameworks' trainers do:
+
+  --style sglang  torch.distributed: SGLang's `init_custom_process_group` (slime's
+                  `slime/utils/distributed_utils.py` copy of it, below) at
+                  tcp://127.0.0.1:PORT as rank 0, then slime's bucketed update: one
+                  /update_weights_from_distributed per bucket (names, dtypes, shapes,
+                  weight_version, no commit) while `dist.broadcast(..., async_op=True)`
+                  sends the bucket's tensors.
+  --style vllm    vLLM's StatelessProcessGroup (a TCPStore, legacy server) and
+                  PyNcclCommunicator (the ncclUniqueId pickled under broadcast_from/0/0,
+                  ncclCommInitRank, a one-element all-reduce to warm up), copied below
+                  without vLLM; then one /update_weights_from_distributed per tensor, as
+                  OpenRLHF's and TRL's clients send them.
+
+    python3 scripts/gpu/rendezvous-trainer.py --server 127.0.0.1:8000 --model DIR \
+        --device cuda:1 --style sglang --port 29555 --version sglang-B
+
+Prints one JSON line per call with arbor's answer; exits 0 when every call succeeded and
+the last one applied the update (its answer names --version).
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import pickle
+import socket
+import sys
+import time
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from rl_push_nccl import NAMES, NCCL_TYPES, Nccl, find_nccl, in_thread, load_safetensors
+
+
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+# Copied from slime (slime/utils/distributed_utils.py, init_process_group), itself a copy of
+# SGLang's init_custom_process_group (python/sglang/srt/utils): a process group outside
+# the default one, on the store of `init_method`.
+def init_custom_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
+                              rank=-1, store=None, group_name=None, pg_options=None):
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        default_pg_timeout,
+        rendezvous,
+    )
+
+    assert (store is None) or (init_method is None), "Cannot specify both init_method and store."
+    if store is not None:
+        assert world_size > 0, "world_size must be positive if using store"
+        assert rank >= 0, "rank must be non-negative if using store"
+    elif init_method is None:
+        init_method = "env://"
+    backend = Backend(backend) if backend else Backend("undefined")
+    if timeout is None:
+        timeout = default_pg_timeout
+    if store is None:
+        rendezvous_iterator = rendezvous(init_method, rank, world_size, timeout=timeout)
+        store, rank, world_size = next(rendezvous_iterator)
+        store.set_timeout(timeout)
+        store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store,
+                                      group_name=group_name, backend_options=pg_options,
+                                      timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def check(status, body, what):
+    say(call=what, status=status, answer=body)
+    if status != 200:
+        raise SystemExit(f"{what}: {status} {body}")
+
+
+def sglang_style(args, weights, world):
+    group = "slime-pp_0"
+    th, res = in_thread(args.server, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1,
+        "world_size": world, "group_name": group, "backend": "nccl"})
+    pg = init_custom_process_group(backend="nccl", init_method=f"tcp://127.0.0.1:{args.port}",
+                                   world_size=world, rank=0, group_name=group)
+    th.join()
+    check(*res[0], "init_weights_update_group")
+    names = list(weights)
+    buckets = [names[i:i + args.bucket] for i in range(0, len(names), args.bucket)]
+    last = None
+    for i, bucket in enumerate(buckets):
+        # slime's update_weights_from_distributed: the call, then the bucket's broadcasts.
+        th, res = in_thread(args.server, "/update_weights_from_distributed", {
+            "names": bucket, "dtypes": [NAMES[weights[n].dtype] for n in bucket],
+            "shapes": [list(weights[n].shape) for n in bucket], "group_name": group,
+            "weight_version": args.version})
+        handles = [dist.broadcast(weights[n].data, 0, group=pg, async_op=True) for n in bucket]
+        for h in handles:
+            h.wait()
+        th.join()
+        last = res[0]
+        check(*last, f"bucket {i + 1}/{len(buckets)}")
+    th, res = in_thread(args.server, "/destroy_weights_update_group", {"group_name": group})
+    dist.destroy_process_group(pg)
+    th.join()
+    check(*res[0], "destroy_weights_update_group")
+    return last
+
+
+def stub_vllm_id_class():
+    """vLLM's `ncclUniqueId` (pynccl_wrapper), under vLLM's module name: pickle names it."""
+    name = "vllm.distributed.device_communicators.pynccl_wrapper"
+    if name not in sys.modules:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+
+        class ncclUniqueId(ctypes.Structure):
+            _fields_ = [("internal", ctypes.c_byte * 128)]
+
+        ncclUniqueId.__module__ = name
+        sys.modules[name].ncclUniqueId = ncclUniqueId
+    return sys.modules[name].ncclUniqueId
+
+
+def vllm_style(args, weights, world, dev):
+    nccl = Nccl(args.nccl or find_nccl())
+    lib = nccl.lib
+    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ncclAllReduce.restype = ctypes.c_int
+    th, res = in_thread(args.server, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1,
+        "world_size": world, "group_name": "vllm", "backend": "nccl", "rendezvous": "vllm"})
+    # StatelessProcessGroup.create, rank 0 (vllm/distributed/utils.py): it listens itself
+    # and hands the socket to a legacy-server TCPStore that waits for `world` members.
+    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listen.bind(("127.0.0.1", args.port))
+    listen.listen()
+    store = dist.TCPStore(host_name="127.0.0.1", port=args.port, world_size=world,
+                          is_master=True, timeout=timedelta(seconds=300), use_libuv=False,
+                          master_listen_fd=listen.fileno())
+    # PyNcclCommunicator.__init__ (vllm/distributed/device_communicators/pynccl.py): rank 0
+    # makes the id and broadcast_obj's it (pickled, key broadcast_from/0/0), every member
+    # inits its rank, then all-reduces one zero to warm up.
+    uid = nccl.unique_id()
+    vuid = stub_vllm_id_class()()
+    ctypes.memmove(ctypes.addressof(vuid), ctypes.addressof(uid), 128)
+    store.set("broadcast_from/0/0", pickle.dumps(vuid))
+    th.join()
+    check(*res[0], "init_weights_update_group")
+    comm = nccl.init_rank(world, uid, 0)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    warm = torch.zeros(1, device=dev)
+    nccl.check(lib.ncclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
+                                 1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
+               "ncclAllReduce (warm-up)")
+    torch.cuda.synchronize()
+    last = None
+    for i, n in enumerate(weights):
+        th, res = in_thread(args.server, "/update_weights_from_distributed", {
+            "names": [n], "dtypes": [NAMES[weights[n].dtype]], "shapes": [list(weights[n].shape)],
+            "group_name": "vllm", "weight_version": args.version})
+        nccl.broadcast(weights[n], comm, stream)
+        torch.cuda.synchronize()
+        th.join()
+        last = res[0]
+        check(*last, f"tensor {i + 1}/{len(weights)} {n}")
+    th, res = in_thread(args.server, "/destroy_weights_update_group", {"group_name": "vllm"})
+    nccl.destroy(comm)
+    th.join()
+    check(*res[0], "destroy_weights_update_group")
+    del store
+    listen.close()
+    return last
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", required=True, help="the model directory to push")
+    ap.add_argument("--device", default="cuda:1")
+    ap.add_argument("--style", choices=["sglang", "vllm"], required=True)
+    ap.add_argument("--port", type=int, required=True, help="the trainer's TCPStore port")
+    ap.add_argument("--version", required=True)
+    ap.add_argument("--bucket", type=int, default=8, help="tensors per bucket (sglang style)")
+    ap.add_argument("--nccl", default=None, help="libnccl to load (default: torch's)")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    torch.cuda.set_device(dev)
+    weights = load_safetensors(args.model, dev)
+    torch.cuda.synchronize()
+    world = 2
+    t0 = time.time()
+    if args.style == "sglang":
+        status, body = sglang_style(args, weights, world)
+    else:
+        status, body = vllm_style(args, weights, world, dev)
+    applied = status == 200 and body.get("weight_version") == args.version
+    say(style=args.style, applied=applied, seconds=round(time.time() - t0, 3))
+    raise SystemExit(0 if applied else 1)
+
+
+if __name__ == "__main__":
+    main()
