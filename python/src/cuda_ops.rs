@@ -162,17 +162,26 @@ impl CudaOps {
         self.ordinal
     }
 
-    /// `out = bf16(x) · wᵀ` in f32 with arbor's tree order over K. `x` f32 `[M, K]`, `w`
-    /// bf16 `[N, K]`, `out` f32 `[M, N]`; `stream` the caller's `CUstream`.
+    /// `out = bf16(x) · wᵀ` in f32 with arbor's tree order over K. `x` f32 `[M, K]` (with
+    /// `xb`, its bf16 rounding, the GEMM reads that instead of converting), `w` bf16
+    /// `[N, K]`, `out` f32 `[M, N]`; `stream` the caller's `CUstream`.
+    #[pyo3(signature = (x, xb, w, out, stream))]
     fn tree_linear(
         &self,
         x: &Bound<'_, PyAny>,
+        xb: Option<&Bound<'_, PyAny>>,
         w: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         stream: u64,
     ) -> PyResult<()> {
         const OP: &str = "tree_linear";
         let x = cuda_operand(OP, "x", x, DType::F32, 2, self.ordinal)?;
+        let xb = xb
+            .map(|t| cuda_operand(OP, "xb", t, DType::BF16, 2, self.ordinal))
+            .transpose()?;
+        if let Some(b) = &xb {
+            expect(OP, "xb", b, &x.shape)?;
+        }
         let w = cuda_operand(OP, "weight", w, DType::BF16, 2, self.ordinal)?;
         let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
         let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
@@ -187,7 +196,10 @@ impl CudaOps {
             // SAFETY: x, w and out are CUDA tensors of these shapes on this device, held by
             // the caller for the call; the caller's stream waits for this op before reusing them.
             unsafe {
-                let xa = b.borrow_act(x.ptr, m, k);
+                let xa = match &xb {
+                    Some(xb) => b.borrow_act_with_bf16(x.ptr, xb.ptr, m, k),
+                    None => b.borrow_act(x.ptr, m, k),
+                };
                 let wm = b.borrow_mat(w.ptr, n, k);
                 let y = b.matmul(&xa, &wm, tree).map_err(model_err)?;
                 store(b, &y, &o)

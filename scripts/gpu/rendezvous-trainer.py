@@ -127,7 +127,9 @@ def stub_vllm_id_class():
         class ncclUniqueId(ctypes.Structure):
             _fields_ = [("internal", ctypes.c_byte * 128)]
 
+        # Pickle finds a class by module and qualified name: vLLM's, not this function's.
         ncclUniqueId.__module__ = name
+        ncclUniqueId.__qualname__ = "ncclUniqueId"
         sys.modules[name].ncclUniqueId = ncclUniqueId
     return sys.modules[name].ncclUniqueId
 
@@ -181,7 +183,10 @@ def vllm_style(args, weights, world, dev):
     th.join()
     check(*res[0], "destroy_weights_update_group")
     del store
-    listen.close()
+    try:
+        listen.close()
+    except OSError:
+        pass  # the store took the socket over and closed it
     return last
 
 

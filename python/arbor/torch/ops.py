@@ -72,7 +72,7 @@ def _linear_values(x: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> t
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
     if x.is_cuda:
         cuda, stream = _cuda(x)
-        _retry(cuda.tree_linear, x.contiguous(), _bf16(weight), out, stream)
+        _retry(cuda.tree_linear, x.contiguous(), xb, _bf16(weight), out, stream)
     else:
         _native.tree_linear(xb, _bf16(weight), out)
     return out

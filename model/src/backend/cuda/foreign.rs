@@ -52,6 +52,27 @@ impl CudaBackend {
         )
     }
 
+    /// [`CudaBackend::borrow_act`] with its values rounded to bf16 at `bf16_ptr` (the
+    /// companion a GEMM reads instead of converting `ptr`'s values itself).
+    ///
+    /// # Safety
+    /// As [`CudaBackend::borrow_act`], for both; the bf16 values are exactly `bf16(x)`.
+    pub unsafe fn borrow_act_with_bf16(
+        &self,
+        ptr: u64,
+        bf16_ptr: u64,
+        rows: usize,
+        cols: usize,
+    ) -> CudaAct {
+        let bf16 = DevBuf::borrowed(&self.dev.stream, bf16_ptr, rows * cols);
+        self.act_with_bf16(
+            DevBuf::borrowed(&self.dev.stream, ptr, rows * cols),
+            rows,
+            cols,
+            Some(bf16),
+        )
+    }
+
     /// A view of the bf16 weight `[n, k]` at device address `ptr`.
     ///
     /// # Safety
