@@ -705,17 +705,17 @@ mod tests {
             b = b.set(&format!("qwen3moe.{k}"), v);
         }
         let gguf = b.write("moe-from-hf");
-        let logits = |path: &std::path::Path| {
-            let c = crate::checkpoint::Checkpoint::open(path).expect("a checkpoint");
+        // Each loaded as the checkpoint loader loads its kind (the config and the store).
+        let logits = |config: &crate::config::ModelConfig, weights: &WeightStore| {
             let backend = CpuBackend::new(std::sync::Arc::new(arbor_collective::SingleComm));
             let ctx = LoadCtx {
                 backend: &backend,
-                store: &c.weights,
+                store: weights,
                 rank: 0,
                 tp: 1,
                 row_tp: 1,
             };
-            let m = crate::forward::Model::load(&ctx, &c.config, 64).expect("the model");
+            let m = crate::forward::Model::load(&ctx, config, 64).expect("the model");
             let ids: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 250).collect();
             let mut cache = backend.kv_cache(m.kv_spec(1)).expect("a cache");
             let seqs = [SeqRows {
@@ -735,7 +735,13 @@ mod tests {
                 .map(|v| v.to_bits())
                 .collect::<Vec<u32>>()
         };
-        let (from_hf, from_gguf) = (logits(&dir), logits(&gguf));
+        let hf_config = crate::config::ModelConfig::from_dir(&dir).expect("the HF config");
+        let from_hf = logits(
+            &hf_config,
+            &WeightStore::open(&dir).expect("the HF weights"),
+        );
+        let g = GgufModel::open(&gguf).expect("the GGUF file");
+        let from_gguf = logits(&g.config, &WeightStore::gguf(g.weights));
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_file(&gguf);
         assert_eq!(from_hf.len(), 20 * s.vocab);

@@ -9,6 +9,7 @@ pub mod choice;
 pub mod client;
 pub mod compat;
 pub mod conn;
+pub mod error;
 pub mod fields;
 pub mod http;
 pub mod job;

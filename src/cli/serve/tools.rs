@@ -18,7 +18,7 @@ use std::borrow::Cow;
 
 use serde_json::{json, Map, Value};
 
-use super::api::ApiError;
+use super::error::ApiError;
 use super::structured::{Requested, Spec, MAX_SPEC_BYTES};
 
 /// Most tools one request may list.
@@ -584,5 +584,57 @@ mod tests {
         assert_eq!(Format::of_template("{{ '<tool_call>' }}"), Format::Hermes);
         assert_eq!(Format::of_template("<|python_tag|>"), Format::Llama3);
         assert_eq!(Format::of_template("[TOOL_CALLS]"), Format::Mistral);
+    }
+
+    #[test]
+    fn a_forced_tool_call_parses_and_follows_its_schema() {
+        use super::super::structured::tests::{byte_engine, follow};
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}},
+                           "required": ["city"], "additionalProperties": false}}},
+            {"type": "function", "function": {"name": "now"}}]);
+        let e = byte_engine();
+        for (choice, format) in [
+            (json!("required"), Format::Hermes),
+            (
+                json!({"type": "function", "function": {"name": "get_weather"}}),
+                Format::Hermes,
+            ),
+            (
+                json!({"type": "function", "function": {"name": "get_weather"}}),
+                Format::Llama3,
+            ),
+        ] {
+            let t = Tools::from_request(Some(&tools), Some(&choice), Some(false))
+                .unwrap()
+                .unwrap();
+            let c = e.compile(&t.forced(format).unwrap()).unwrap();
+            for k in 0..4usize {
+                let (text, ended) = follow(&c.start().0, 300, |a, step| {
+                    if a.contains(&257) {
+                        257
+                    } else {
+                        a[(step * 5 + k * 3) % a.len()]
+                    }
+                });
+                assert!(ended, "{text}");
+                let p = parse(&text, format);
+                assert_eq!(p.calls.len(), 1, "{text}");
+                let call = &p.calls[0];
+                if call.name == "get_weather" {
+                    let city = call.arguments["city"]
+                        .as_str()
+                        .unwrap_or_else(|| panic!("{text}"));
+                    assert!(city.chars().count() <= 4, "{text}");
+                    assert_eq!(
+                        call.arguments.as_object().map(|o| o.len()),
+                        Some(1),
+                        "{text}"
+                    );
+                } else {
+                    assert_eq!(call.name, "now", "{text}");
+                }
+            }
+        }
     }
 }

@@ -20,7 +20,7 @@ use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 
-use super::api::ApiError;
+use super::error::ApiError;
 
 /// Largest schema, regex, grammar or list of choices a request may give (in bytes of its
 /// JSON): far above a real schema, and a bound on the work compiling it may take.
@@ -506,7 +506,7 @@ impl TokenConstraint for Guided {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -604,7 +604,11 @@ mod tests {
 
     /// Follows a constraint, choosing at every step the allowed token that `pick` prefers,
     /// until it allows only EOS (257) or `max` tokens; the text and whether it ended.
-    fn follow(c: &Constraint, max: usize, pick: impl Fn(&[u32], usize) -> u32) -> (String, bool) {
+    pub(crate) fn follow(
+        c: &Constraint,
+        max: usize,
+        pick: impl Fn(&[u32], usize) -> u32,
+    ) -> (String, bool) {
         let mut out: Vec<u32> = Vec::new();
         for step in 0..max {
             let m = c.allowed(&out);
@@ -667,58 +671,6 @@ mod tests {
             assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{v}");
         }
         assert!(ended_once);
-    }
-
-    #[test]
-    fn a_forced_tool_call_parses_and_follows_its_schema() {
-        use super::super::tools::{parse, Format, Tools};
-        let tools = json!([{"type": "function", "function": {"name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}},
-                           "required": ["city"], "additionalProperties": false}}},
-            {"type": "function", "function": {"name": "now"}}]);
-        let e = byte_engine();
-        for (choice, format) in [
-            (json!("required"), Format::Hermes),
-            (
-                json!({"type": "function", "function": {"name": "get_weather"}}),
-                Format::Hermes,
-            ),
-            (
-                json!({"type": "function", "function": {"name": "get_weather"}}),
-                Format::Llama3,
-            ),
-        ] {
-            let t = Tools::from_request(Some(&tools), Some(&choice), Some(false))
-                .unwrap()
-                .unwrap();
-            let c = e.compile(&t.forced(format).unwrap()).unwrap();
-            for k in 0..4usize {
-                let (text, ended) = follow(&c.start().0, 300, |a, step| {
-                    if a.contains(&257) {
-                        257
-                    } else {
-                        a[(step * 5 + k * 3) % a.len()]
-                    }
-                });
-                assert!(ended, "{text}");
-                let p = parse(&text, format);
-                assert_eq!(p.calls.len(), 1, "{text}");
-                let call = &p.calls[0];
-                if call.name == "get_weather" {
-                    let city = call.arguments["city"]
-                        .as_str()
-                        .unwrap_or_else(|| panic!("{text}"));
-                    assert!(city.chars().count() <= 4, "{text}");
-                    assert_eq!(
-                        call.arguments.as_object().map(|o| o.len()),
-                        Some(1),
-                        "{text}"
-                    );
-                } else {
-                    assert_eq!(call.name, "now", "{text}");
-                }
-            }
-        }
     }
 
     #[test]
