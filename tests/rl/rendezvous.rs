@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::checkpoint::models;
-use crate::cli_support::free_port;
+use crate::cli_support::{free_port, python_has};
 use crate::server::Server;
 
 /// The trainer side of SGLang's `init_custom_process_group` (the copies in slime's
@@ -58,17 +58,6 @@ else:
 print("PUBLISHED", flush=True)
 sys.stdin.read()
 "#;
-
-fn torch_missing() -> Option<String> {
-    match Command::new("python3")
-        .args(["-c", "import torch.distributed"])
-        .output()
-    {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(String::from_utf8_lossy(&o.stderr).trim().to_string()),
-        Err(e) => Some(format!("python3: {e}")),
-    }
-}
 
 /// A Python trainer's store; it lives until dropped.
 struct Trainer {
@@ -132,8 +121,10 @@ const FAKE_ID_BEGINS: &str = "030a1118";
 
 #[test]
 fn joins_the_trainers_store_and_reads_the_id_torch_and_vllm_style() {
-    if let Some(why) = torch_missing() {
-        eprintln!("SKIPPED: the rendezvous against torch needs python3 with torch ({why})");
+    if !python_has(
+        &["torch.distributed"],
+        "python3 -m pip install torch==2.11.0",
+    ) {
         return;
     }
     let m = models();
