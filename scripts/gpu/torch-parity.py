@@ -371,6 +371,44 @@ def bench(
     return out
 
 
+def shape_bits(b: Path, work: Path, layers: int) -> dict:
+    """The Llama-3-8B shapes (`layers` layers, random bf16): `token_logprobs` on CUDA
+    tensors against `arbor score --device cuda` at TP 1, 2 and 4 (ranks sharing the GPU)."""
+    from arbor.torch import CausalLM
+
+    d = work / "l8b-bits"
+    write_shape(d, layers)
+    model = CausalLM.from_pretrained(d, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    lengths = [1500, 700, 65]
+    ids = torch.randint(0, 128256, (len(lengths), max(lengths)), generator=g).cuda()
+    mask = (
+        (torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)).long().cuda()
+    )
+    with torch.no_grad():
+        lp = model.token_logprobs(ids, attention_mask=mask)
+    seqs = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    out = {}
+    for tp in (1, 2, 4):
+        recs = cli_score(b, d, seqs, tp, work)
+        equal = sum(
+            sum(
+                x == y
+                for x, y in zip(
+                    bits(lp[i, : n - 1].tolist()), bits(recs[i]["logprobs"])
+                )
+            )
+            for i, n in enumerate(lengths)
+        )
+        total = sum(n - 1 for n in lengths)
+        check(
+            f"llama3-8b shape x{layers} layers: token_logprobs == arbor score --device cuda at TP {tp} ({equal}/{total})",
+            equal == total,
+        )
+        out[f"tp{tp}"] = {"equal": equal, "total": total}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -391,6 +429,12 @@ def main() -> int:
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument(
+        "--shape-bits",
+        type=int,
+        default=0,
+        help="layers of the llama3-8b shape for a bit check",
+    )
     a = ap.parse_args()
     sys.path.insert(0, str((a.bin / "py").resolve()))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -399,6 +443,8 @@ def main() -> int:
         work = Path(tmp)
         if not a.skip_parity:
             result["parity"] = parity(a.bin, work)
+        if a.shape_bits:
+            result["shape_bits"] = shape_bits(a.bin, work, a.shape_bits)
         if a.bench_layers:
             shapes = [
                 tuple(int(v) for v in x.split("x")) for x in a.bench_shapes.split(",")
