@@ -17,91 +17,8 @@ use arbor_model::safetensors::DType;
 use pyo3::prelude::*;
 
 use crate::error::{NResult, NativeError};
-use crate::ops::sequences;
+use crate::ops::{expect_shape, operand, sequences, Mem, Place};
 use crate::spec::ModelSpec;
-
-/// A CUDA tensor's memory: its address, its shape, its device.
-struct DevMem {
-    ptr: u64,
-    shape: Vec<usize>,
-}
-
-fn cuda_operand(
-    op: &str,
-    what: &str,
-    t: &Bound<'_, PyAny>,
-    dtype: DType,
-    dims: usize,
-    ordinal: usize,
-) -> NResult<DevMem> {
-    let name = format!("{op}: {what}");
-    let ty = |e: PyErr| NativeError::Type(format!("{name}: not a torch.Tensor ({e})"));
-    let device = t.getattr("device").map_err(ty)?;
-    let kind: String = device
-        .getattr("type")
-        .and_then(|d| d.extract())
-        .map_err(ty)?;
-    let index: Option<usize> = device
-        .getattr("index")
-        .and_then(|d| d.extract())
-        .map_err(ty)?;
-    if kind != "cuda" || index != Some(ordinal) {
-        return Err(NativeError::Input(format!(
-            "{name} is on {kind}:{}, the op runs on cuda:{ordinal}",
-            index.map_or("?".into(), |i| i.to_string())
-        )));
-    }
-    let dtype_name: String = t
-        .getattr("dtype")
-        .and_then(|d| d.str())
-        .map_err(ty)?
-        .to_string();
-    let want = match dtype {
-        DType::BF16 => "torch.bfloat16",
-        DType::F32 => "torch.float32",
-        _ => "torch.float16",
-    };
-    if dtype_name != want {
-        return Err(NativeError::Type(format!(
-            "{name}: dtype {dtype_name} where arbor's kernel takes {want}"
-        )));
-    }
-    let contiguous: bool = t
-        .call_method0("is_contiguous")
-        .and_then(|c| c.extract())
-        .map_err(ty)?;
-    if !contiguous {
-        return Err(NativeError::Input(format!(
-            "{name} is not contiguous: pass .contiguous()"
-        )));
-    }
-    let shape: Vec<usize> = t.getattr("shape").and_then(|s| s.extract()).map_err(ty)?;
-    if shape.len() != dims {
-        return Err(NativeError::Input(format!(
-            "{name}: shape {shape:?} where {dims} dimensions are expected"
-        )));
-    }
-    let ptr: u64 = t
-        .call_method0("data_ptr")
-        .and_then(|p| p.extract())
-        .map_err(ty)?;
-    if ptr == 0 && shape.iter().product::<usize>() > 0 {
-        return Err(NativeError::Input(format!(
-            "{name} has no data (a null data_ptr)"
-        )));
-    }
-    Ok(DevMem { ptr, shape })
-}
-
-fn expect(op: &str, what: &str, m: &DevMem, shape: &[usize]) -> NResult<()> {
-    if m.shape != shape {
-        return Err(NativeError::Input(format!(
-            "{op}: {what} has shape {:?}, expected {shape:?}",
-            m.shape
-        )));
-    }
-    Ok(())
-}
 
 #[pyclass(module = "arbor._native", name = "CudaOps", frozen)]
 pub struct CudaOps {
@@ -117,6 +34,11 @@ unsafe impl Send for CudaOps {}
 unsafe impl Sync for CudaOps {}
 
 impl CudaOps {
+    /// Where this backend's operands must be.
+    fn place(&self) -> Place {
+        Place::Cuda(self.ordinal)
+    }
+
     /// Runs `f` on the backend between the two stream orderings (see the module comment).
     fn run<T>(&self, stream: u64, f: impl FnOnce(&CudaBackend) -> NResult<T>) -> NResult<T> {
         let b = self
@@ -140,8 +62,8 @@ fn model_err(e: arbor_model::backend::BackendError) -> NativeError {
 /// # Safety
 /// `out` is an f32 CUDA tensor of `a`'s size on the backend's device, an argument of the
 /// caller's call.
-unsafe fn store(b: &CudaBackend, a: &CudaAct, out: &DevMem) -> NResult<()> {
-    b.copy_act_to(a, out.ptr).map_err(model_err)
+unsafe fn store(b: &CudaBackend, a: &CudaAct, out: &Mem) -> NResult<()> {
+    b.copy_act_to(a, out.addr()).map_err(model_err)
 }
 
 #[pymethods]
@@ -175,18 +97,18 @@ impl CudaOps {
         stream: u64,
     ) -> PyResult<()> {
         const OP: &str = "tree_linear";
-        let x = cuda_operand(OP, "x", x, DType::F32, 2, self.ordinal)?;
+        let x = operand(OP, "x", x, DType::F32, 2, self.place())?;
         let xb = xb
-            .map(|t| cuda_operand(OP, "xb", t, DType::BF16, 2, self.ordinal))
+            .map(|t| operand(OP, "xb", t, DType::BF16, 2, self.place()))
             .transpose()?;
         if let Some(b) = &xb {
-            expect(OP, "xb", b, &x.shape)?;
+            expect_shape(OP, "xb", b, &x.shape)?;
         }
-        let w = cuda_operand(OP, "weight", w, DType::BF16, 2, self.ordinal)?;
-        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let w = operand(OP, "weight", w, DType::BF16, 2, self.place())?;
+        let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
         let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
-        expect(OP, "weight", &w, &[n, k])?;
-        expect(OP, "out", &o, &[m, n])?;
+        expect_shape(OP, "weight", &w, &[n, k])?;
+        expect_shape(OP, "out", &o, &[m, n])?;
         let tree = TreeSpec {
             seg_len: SegmentLayout::new(k).seg_len,
             n_seg: SEGMENTS,
@@ -197,10 +119,10 @@ impl CudaOps {
             // the caller for the call; the caller's stream waits for this op before reusing them.
             unsafe {
                 let xa = match &xb {
-                    Some(xb) => b.borrow_act_with_bf16(x.ptr, xb.ptr, m, k),
-                    None => b.borrow_act(x.ptr, m, k),
+                    Some(xb) => b.borrow_act_with_bf16(x.addr(), xb.addr(), m, k),
+                    None => b.borrow_act(x.addr(), m, k),
                 };
-                let wm = b.borrow_mat(w.ptr, n, k);
+                let wm = b.borrow_mat(w.addr(), n, k);
                 let y = b.matmul(&xa, &wm, tree).map_err(model_err)?;
                 store(b, &y, &o)
             }
@@ -217,17 +139,17 @@ impl CudaOps {
         stream: u64,
     ) -> PyResult<()> {
         const OP: &str = "rms_norm";
-        let x = cuda_operand(OP, "x", x, DType::F32, 2, self.ordinal)?;
-        let w = cuda_operand(OP, "weight", weight, DType::F32, 1, self.ordinal)?;
-        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let x = operand(OP, "x", x, DType::F32, 2, self.place())?;
+        let w = operand(OP, "weight", weight, DType::F32, 1, self.place())?;
+        let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
         let (r, c) = (x.shape[0], x.shape[1]);
-        expect(OP, "weight", &w, &[c])?;
-        expect(OP, "out", &o, &[r, c])?;
+        expect_shape(OP, "weight", &w, &[c])?;
+        expect_shape(OP, "out", &o, &[r, c])?;
         Ok(self.run(stream, |b| {
             // SAFETY: as in `tree_linear`.
             unsafe {
-                let xa = b.borrow_act(x.ptr, r, c);
-                let wa = b.borrow_act(w.ptr, 1, c);
+                let xa = b.borrow_act(x.addr(), r, c);
+                let wa = b.borrow_act(w.addr(), 1, c);
                 let y = b.rms_norm(&xa, &wa, eps).map_err(model_err)?;
                 store(b, &y, &o)
             }
@@ -243,17 +165,17 @@ impl CudaOps {
         stream: u64,
     ) -> PyResult<()> {
         const OP: &str = "silu_mul";
-        let g = cuda_operand(OP, "gate", gate, DType::F32, 2, self.ordinal)?;
-        let u = cuda_operand(OP, "up", up, DType::F32, 2, self.ordinal)?;
-        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let g = operand(OP, "gate", gate, DType::F32, 2, self.place())?;
+        let u = operand(OP, "up", up, DType::F32, 2, self.place())?;
+        let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
         let (r, c) = (g.shape[0], g.shape[1]);
-        expect(OP, "up", &u, &[r, c])?;
-        expect(OP, "out", &o, &[r, c])?;
+        expect_shape(OP, "up", &u, &[r, c])?;
+        expect_shape(OP, "out", &o, &[r, c])?;
         Ok(self.run(stream, |b| {
             // SAFETY: as in `tree_linear`.
             unsafe {
-                let ga = b.borrow_act(g.ptr, r, c);
-                let ua = b.borrow_act(u.ptr, r, c);
+                let ga = b.borrow_act(g.addr(), r, c);
+                let ua = b.borrow_act(u.addr(), r, c);
                 let y = b.silu_mul(&ga, &ua).map_err(model_err)?;
                 store(b, &y, &o)
             }
@@ -284,16 +206,16 @@ impl CudaOps {
         const OP: &str = "rope_attention";
         let hd = spec.head_dim();
         let (qw, kvw) = (n_heads * hd, n_kv_heads * hd);
-        let o = cuda_operand(OP, "out", out, DType::F32, 2, self.ordinal)?;
+        let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
         let rows = o.shape[0];
-        expect(OP, "out", &o, &[rows, qw])?;
+        expect_shape(OP, "out", &o, &[rows, qw])?;
         let seqs = sequences(OP, &cu_seqlens, rows)?;
         let longest = seqs.iter().map(|&(_, n)| n).max().unwrap_or(0);
         let table = spec.table(longest)?;
-        let operand = |what: &str, t: Option<&Bound<'_, PyAny>>, w: usize| -> NResult<DevMem> {
+        let operand = |what: &str, t: Option<&Bound<'_, PyAny>>, w: usize| -> NResult<Mem> {
             let t = t.ok_or_else(|| NativeError::Input(format!("{OP}: {what} is missing")))?;
-            let m = cuda_operand(OP, what, t, DType::F32, 2, self.ordinal)?;
-            expect(OP, what, &m, &[rows, w])?;
+            let m = operand(OP, what, t, DType::F32, 2, self.place())?;
+            expect_shape(OP, what, &m, &[rows, w])?;
             Ok(m)
         };
         let inputs = match qkv {
@@ -342,19 +264,19 @@ impl CudaOps {
             unsafe {
                 let q = match &inputs {
                     Err(qkv) => {
-                        let a = b.borrow_act(qkv.ptr, rows, qw + 2 * kvw);
+                        let a = b.borrow_act(qkv.addr(), rows, qw + 2 * kvw);
                         b.qkv_rope_kv(&a, &mut cache, 0, kv_rows, heads, &table)
                             .map_err(model_err)?
                     }
                     Ok((q, k, v)) => {
                         let all: Vec<usize> = (0..rows).collect();
                         let mut qa = b
-                            .select_rows(&b.borrow_act(q.ptr, rows, qw), &all)
+                            .select_rows(&b.borrow_act(q.addr(), rows, qw), &all)
                             .map_err(model_err)?;
                         let mut ka = b
-                            .select_rows(&b.borrow_act(k.ptr, rows, kvw), &all)
+                            .select_rows(&b.borrow_act(k.addr(), rows, kvw), &all)
                             .map_err(model_err)?;
-                        let va = b.borrow_act(v.ptr, rows, kvw);
+                        let va = b.borrow_act(v.addr(), rows, kvw);
                         b.rope(&mut qa, &kv_seqs, n_heads, &table)
                             .map_err(model_err)?;
                         b.rope(&mut ka, &kv_seqs, n_kv_heads, &table)
@@ -382,7 +304,7 @@ impl CudaOps {
         stream: u64,
     ) -> PyResult<(Vec<f32>, Vec<u64>)> {
         const OP: &str = "token_logprobs";
-        let l = cuda_operand(OP, "logits", logits, DType::F32, 2, self.ordinal)?;
+        let l = operand(OP, "logits", logits, DType::F32, 2, self.place())?;
         let (rows, vocab) = (l.shape[0], l.shape[1]);
         if targets.len() != rows {
             return Err(NativeError::Input(format!(
@@ -406,7 +328,7 @@ impl CudaOps {
         let draws = vec![RowDraw::None; rows];
         let stats = self.run(stream, |b| {
             // SAFETY: as in `tree_linear`.
-            let la = unsafe { b.borrow_act(l.ptr, rows, vocab) };
+            let la = unsafe { b.borrow_act(l.addr(), rows, vocab) };
             b.row_stats(&la, vocab, &pick, &draws).map_err(model_err)
         })?;
         Ok(stats.iter().map(|s| (s.picked - s.lse, s.digest)).unzip())

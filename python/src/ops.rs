@@ -13,7 +13,7 @@ use half::bf16;
 use pyo3::prelude::*;
 
 use crate::error::{NResult, NativeError};
-use crate::tensors::describe;
+use crate::tensors::{device, memory};
 
 /// A tensor's memory: where it starts, how many bytes, its shape.
 #[derive(Debug, Clone)]
@@ -24,6 +24,11 @@ pub struct Mem {
 }
 
 impl Mem {
+    /// The address of its first byte.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
     fn len(&self) -> usize {
         self.shape.iter().product()
     }
@@ -56,7 +61,15 @@ impl Mem {
     }
 }
 
-/// `t` as operand `what` of `op`: a contiguous CPU tensor of `dtype` with `dims`
+/// Where an op's tensors must be: the CPU (arbor's CPU kernels) or one GPU (its CUDA
+/// backend, `cuda_ops`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Cpu,
+    Cuda(usize),
+}
+
+/// `t` as operand `what` of `op`: a contiguous tensor at `place`, of `dtype`, with `dims`
 /// dimensions.
 pub fn operand(
     op: &str,
@@ -64,20 +77,27 @@ pub fn operand(
     t: &Bound<'_, PyAny>,
     dtype: DType,
     dims: usize,
+    place: Place,
 ) -> NResult<Mem> {
     let name = format!("{op}: {what}");
-    let device: String = t
-        .getattr("device")
-        .and_then(|d| d.getattr("type"))
-        .and_then(|d| d.extract())
-        .map_err(|_| NativeError::Type(format!("{name}: not a torch.Tensor")))?;
-    if device != "cpu" {
-        return Err(NativeError::NotYet(format!(
-            "{name} is on the {device} device: arbor.torch's operations run arbor's CPU kernels \
-             so far (CUDA tensors are not supported yet)"
-        )));
+    let (kind, index) =
+        device(t, &name).map_err(|_| NativeError::Type(format!("{name}: not a torch.Tensor")))?;
+    match place {
+        Place::Cpu if kind != "cpu" => {
+            return Err(NativeError::NotYet(format!(
+            "{name} is on the {kind} device: this function runs arbor's CPU kernel (arbor.torch \
+                 hands CUDA tensors to arbor._native.CudaOps)"
+        )))
+        }
+        Place::Cuda(ordinal) if kind != "cuda" || index != Some(ordinal) => {
+            return Err(NativeError::Input(format!(
+                "{name} is on {kind}:{}, the op runs on cuda:{ordinal}",
+                index.map_or("?".into(), |i| i.to_string())
+            )))
+        }
+        _ => {}
     }
-    let d = describe(&name, t)?;
+    let d = memory(&name, t, &name)?;
     if d.dtype != dtype {
         return Err(NativeError::Type(format!(
             "{name}: dtype {} where arbor's kernel takes {}",
@@ -98,7 +118,7 @@ pub fn operand(
     })
 }
 
-fn expect_shape(op: &str, what: &str, m: &Mem, shape: &[usize]) -> NResult<()> {
+pub fn expect_shape(op: &str, what: &str, m: &Mem, shape: &[usize]) -> NResult<()> {
     if m.shape != shape {
         return Err(NativeError::Input(format!(
             "{op}: {what} has shape {:?}, expected {shape:?}",
@@ -129,9 +149,9 @@ pub fn tree_linear(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     const OP: &str = "tree_linear";
-    let x = operand(OP, "x", x, DType::BF16, 2)?;
-    let w = operand(OP, "weight", w, DType::BF16, 2)?;
-    let o = operand(OP, "out", out, DType::F32, 2)?;
+    let x = operand(OP, "x", x, DType::BF16, 2, Place::Cpu)?;
+    let w = operand(OP, "weight", w, DType::BF16, 2, Place::Cpu)?;
+    let o = operand(OP, "out", out, DType::F32, 2, Place::Cpu)?;
     let (m, kk, n) = (x.shape[0], x.shape[1], w.shape[0]);
     if w.shape[1] != kk {
         return Err(NativeError::Input(format!(
@@ -172,9 +192,9 @@ pub fn rms_norm(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     const OP: &str = "rms_norm";
-    let x = operand(OP, "x", x, DType::F32, 2)?;
-    let w = operand(OP, "weight", weight, DType::F32, 1)?;
-    let o = operand(OP, "out", out, DType::F32, 2)?;
+    let x = operand(OP, "x", x, DType::F32, 2, Place::Cpu)?;
+    let w = operand(OP, "weight", weight, DType::F32, 1, Place::Cpu)?;
+    let o = operand(OP, "out", out, DType::F32, 2, Place::Cpu)?;
     if w.shape[0] != x.shape[1] {
         return Err(NativeError::Input(format!(
             "{OP}: weight has {} values for rows of {}",
@@ -207,9 +227,9 @@ pub fn silu_mul(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     const OP: &str = "silu_mul";
-    let g = operand(OP, "gate", gate, DType::F32, 2)?;
-    let u = operand(OP, "up", up, DType::F32, 2)?;
-    let o = operand(OP, "out", out, DType::F32, 2)?;
+    let g = operand(OP, "gate", gate, DType::F32, 2, Place::Cpu)?;
+    let u = operand(OP, "up", up, DType::F32, 2, Place::Cpu)?;
+    let o = operand(OP, "out", out, DType::F32, 2, Place::Cpu)?;
     expect_shape(OP, "up", &u, &g.shape)?;
     expect_shape(OP, "out", &o, &g.shape)?;
     check_disjoint(OP, &o, &[&g, &u])?;
@@ -274,10 +294,10 @@ pub fn attention(
         ))
         .into());
     }
-    let q = operand(OP, "q", q, DType::F32, 2)?;
-    let km = operand(OP, "k", k, DType::F32, 2)?;
-    let vm = operand(OP, "v", v, DType::F32, 2)?;
-    let o = operand(OP, "out", out, DType::F32, 2)?;
+    let q = operand(OP, "q", q, DType::F32, 2, Place::Cpu)?;
+    let km = operand(OP, "k", k, DType::F32, 2, Place::Cpu)?;
+    let vm = operand(OP, "v", v, DType::F32, 2, Place::Cpu)?;
+    let o = operand(OP, "out", out, DType::F32, 2, Place::Cpu)?;
     let rows = q.shape[0];
     let (qw, kvw) = (n_heads * head_dim, n_kv_heads * head_dim);
     expect_shape(OP, "q", &q, &[rows, qw])?;
@@ -360,8 +380,8 @@ pub fn token_logprobs(
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     const OP: &str = "token_logprobs";
-    let l = operand(OP, "logits", logits, DType::F32, 2)?;
-    let o = operand(OP, "out", out, DType::F32, 1)?;
+    let l = operand(OP, "logits", logits, DType::F32, 2, Place::Cpu)?;
+    let o = operand(OP, "out", out, DType::F32, 1, Place::Cpu)?;
     let (rows, vocab) = (l.shape[0], l.shape[1]);
     expect_shape(OP, "out", &o, &[rows])?;
     if targets.len() != rows {
@@ -397,7 +417,7 @@ pub fn token_logprobs(
 /// `[R, V]`.
 #[pyfunction]
 pub fn logits_digest(py: Python<'_>, logits: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    let l = operand("logits_digest", "logits", logits, DType::F32, 2)?;
+    let l = operand("logits_digest", "logits", logits, DType::F32, 2, Place::Cpu)?;
     let vocab = l.shape[1];
     Ok(py.detach(|| {
         // SAFETY: `logits` is an argument of this call (alive), a checked contiguous CPU

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
 use crate::error::{NResult, NativeError};
-use crate::ops::operand;
+use crate::ops::{operand, Place};
 
 fn arch_name(a: Arch) -> &'static str {
     match a {
@@ -132,7 +132,7 @@ impl ModelSpec {
         n_heads: usize,
     ) -> PyResult<()> {
         const OP: &str = "rope";
-        let m = operand(OP, "x", x, DType::F32, 2)?;
+        let m = operand(OP, "x", x, DType::F32, 2, Place::Cpu)?;
         let hd = self.cfg.head_dim;
         if m.shape != [positions.len(), n_heads * hd] {
             return Err(NativeError::Input(format!(

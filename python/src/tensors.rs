@@ -47,26 +47,42 @@ fn call0<'py, T: FromPyObjectOwned<'py>>(
     v.extract::<T>().map_err(|e| fail(e.into()))
 }
 
+/// The device of tensor `t`: its type (`"cpu"`, `"cuda"`, …) and index.
+pub fn device(t: &Bound<'_, PyAny>, what: &str) -> NResult<(String, Option<usize>)> {
+    let d = attr(t, "device", what)?;
+    let kind = attr(&d, "type", what)?
+        .extract()
+        .map_err(|e| NativeError::Type(format!("{what}: device.type: {e}")))?;
+    let index = attr(&d, "index", what)?
+        .extract()
+        .map_err(|e| NativeError::Type(format!("{what}: device.index: {e}")))?;
+    Ok((kind, index))
+}
+
 /// Reads what arbor needs of tensor `t` (named `name`): on the CPU, strided and
 /// contiguous, bf16 / f16 / f32, with a byte size that matches its shape.
 pub fn describe(name: &str, t: &Bound<'_, PyAny>) -> NResult<TorchTensor> {
     let what = format!("tensor {name:?}");
-    let device: String = attr(&attr(t, "device", &what)?, "type", &what)?
-        .extract()
-        .map_err(|e| NativeError::Type(format!("{what}: device.type: {e}")))?;
-    if device != "cpu" {
+    let (kind, _) = device(t, &what)?;
+    if kind != "cpu" {
         return Err(NativeError::Input(format!(
-            "{what} is on the {device} device: arbor copies weights from host memory (pass .cpu())"
+            "{what} is on the {kind} device: arbor copies weights from host memory (pass .cpu())"
         )));
     }
-    let layout = attr(t, "layout", &what)?.str().map(|s| s.to_string());
+    memory(name, t, &what)
+}
+
+/// What [`describe`] reads of a tensor on any device: strided and contiguous, bf16 / f16 /
+/// f32, a byte size that matches its shape, its address.
+pub fn memory(name: &str, t: &Bound<'_, PyAny>, what: &str) -> NResult<TorchTensor> {
+    let layout = attr(t, "layout", what)?.str().map(|s| s.to_string());
     if layout.as_deref().ok() != Some("torch.strided") {
         return Err(NativeError::Type(format!(
             "{what}: layout {} is not torch.strided (a sparse or nested tensor)",
             layout.unwrap_or_else(|_| "?".into())
         )));
     }
-    let dtype_name = attr(t, "dtype", &what)?
+    let dtype_name = attr(t, "dtype", what)?
         .str()
         .map(|s| s.to_string())
         .map_err(|e| NativeError::Type(format!("{what}: dtype: {e}")))?;
@@ -80,16 +96,16 @@ pub fn describe(name: &str, t: &Bound<'_, PyAny>) -> NResult<TorchTensor> {
             )))
         }
     };
-    if !call0::<bool>(t, "is_contiguous", &what)? {
+    if !call0::<bool>(t, "is_contiguous", what)? {
         return Err(NativeError::Input(format!(
             "{what} is not contiguous: pass .contiguous()"
         )));
     }
-    let shape: Vec<usize> = attr(t, "shape", &what)?
+    let shape: Vec<usize> = attr(t, "shape", what)?
         .extract()
         .map_err(|e| NativeError::Type(format!("{what}: shape: {e}")))?;
-    let numel: usize = call0(t, "numel", &what)?;
-    let elem: usize = call0(t, "element_size", &what)?;
+    let numel: usize = call0(t, "numel", what)?;
+    let elem: usize = call0(t, "element_size", what)?;
     let nbytes = shape
         .iter()
         .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
@@ -100,7 +116,7 @@ pub fn describe(name: &str, t: &Bound<'_, PyAny>) -> NResult<TorchTensor> {
             dtype.name()
         )));
     }
-    let ptr: usize = call0(t, "data_ptr", &what)?;
+    let ptr: usize = call0(t, "data_ptr", what)?;
     if nbytes > 0 && ptr == 0 {
         return Err(NativeError::Input(format!(
             "{what} has no data (a null data_ptr)"

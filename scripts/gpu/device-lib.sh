@@ -144,3 +144,21 @@ rank_model() {
             --per-rank-of-tp "$1" --out "$RANK_MODEL" --force && touch "$RANK_MODEL.complete"
     fi
 }
+
+# use_torch_nccl: arbor loads the NCCL of the torch wheel (the trainer's), when there is one:
+# one library on both sides of a weight-update group. Links it under $WORK/nccl.
+use_torch_nccl() {
+    NCCL_DIR=$(python3 -c '
+import glob, os, torch
+base = os.path.dirname(os.path.dirname(torch.__file__))
+hits = sorted(glob.glob(os.path.join(base, "nvidia/nccl/lib/libnccl.so*")))
+print(os.path.dirname(hits[0]) if hits else "")
+')
+    if [[ -n $NCCL_DIR ]]; then
+        # cudarc opens "libnccl.so": give it the wheel's library under that name.
+        mkdir -p "$WORK/nccl"
+        ln -sf "$(ls "$NCCL_DIR"/libnccl.so* | head -n 1)" "$WORK/nccl/libnccl.so"
+        export LD_LIBRARY_PATH=$WORK/nccl:$NCCL_DIR:$LD_LIBRARY_PATH
+        note "libnccl: torch's, from $NCCL_DIR"
+    fi
+}

@@ -38,20 +38,7 @@ for m in A:7 B:8; do
 done
 
 # arbor and the trainer must load the same libnccl: torch's, first in the loader path.
-NCCL_DIR=$(python3 - <<'PY'
-import glob, os, torch
-base = os.path.dirname(os.path.dirname(torch.__file__))
-hits = sorted(glob.glob(os.path.join(base, "nvidia/nccl/lib/libnccl.so*")))
-print(os.path.dirname(hits[0]) if hits else "")
-PY
-)
-if [[ -n $NCCL_DIR ]]; then
-    # cudarc opens "libnccl.so": give it the wheel's library under that name.
-    mkdir -p "$WORK/nccl"
-    ln -sf "$(ls "$NCCL_DIR"/libnccl.so* | head -n 1)" "$WORK/nccl/libnccl.so"
-    export LD_LIBRARY_PATH=$WORK/nccl:$NCCL_DIR:$LD_LIBRARY_PATH
-    note "libnccl: torch's, from $NCCL_DIR"
-fi
+use_torch_nccl
 
 PORT=${PORT:-18710}
 ADDR=127.0.0.1:$PORT

@@ -404,10 +404,7 @@ class HeadLogprobs(torch.autograd.Function):
             weight.shape, dtype=torch.float32 if not f64 else weight.dtype, device=weight.device
         )
         for r in _chunks(x.shape[0], weight.shape[0]):
-            logits = (x[r].to(mm) @ w.to(mm).t()).to(grad.dtype)
-            g = -torch.softmax(logits, -1) * grad[r].unsqueeze(-1)
-            del logits
-            g.scatter_add_(-1, targets[r].unsqueeze(-1), grad[r].unsqueeze(-1))
+            g = _logprob_grad((x[r].to(mm) @ w.to(mm).t()).to(grad.dtype), targets[r], grad[r])
             gx[r] = (g.to(mm) @ w.to(mm)).to(grad.dtype)
             gw += (g.t().to(mm) @ x[r].to(mm)).to(gw.dtype)
         return gx, gw.to(weight.dtype), None
@@ -420,6 +417,13 @@ HEAD_CHUNK_BYTES = 1 << 30
 def _chunks(rows: int, vocab: int) -> list[slice]:
     step = max(1, HEAD_CHUNK_BYTES // (4 * max(vocab, 1)))
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _logprob_grad(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of `log_softmax(logits)[targets]` weighted by `grad`, per row:
+    `grad · (onehot(target) - softmax(logits))`."""
+    g = -torch.softmax(logits, -1) * grad.unsqueeze(-1)
+    return g.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -438,9 +442,7 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, targets = ctx.saved_tensors
-        g = -torch.softmax(logits.to(grad.dtype), -1) * grad.unsqueeze(-1)
-        g.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
-        return g, None
+        return _logprob_grad(logits.to(grad.dtype), targets, grad), None
 
 
 def tree_linear(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use arbor_kernels::cuda::{DevBuf, GpuDevice};
 use cudarc::driver::sys;
 
-use super::gemm::{GemmKind, TensorGemm};
+use super::gemm::GemmKind;
 use super::{CudaAct, CudaBackend, CudaMat};
 use crate::backend::{BResult, BackendError};
 
@@ -21,14 +21,7 @@ impl CudaBackend {
         let err = |msg: String| BackendError::Device { rank: 0, msg };
         let kind = GemmKind::from_env().map_err(err)?;
         let dev = GpuDevice::open(ordinal).map_err(|e| err(e.to_string()))?;
-        let (major, _) = dev
-            .ctx
-            .compute_capability()
-            .map_err(|e| err(format!("cuDeviceGetAttribute(compute capability): {e}")))?;
-        let gemm = match kind.resolve(major) {
-            GemmKind::Simple | GemmKind::Auto => None,
-            GemmKind::Tensor => Some(TensorGemm::new(&dev).map_err(|e| err(e.to_string()))?),
-        };
+        let gemm = super::load::linear_kernel(&dev, kind, 0).map_err(err)?;
         let mut backend = Self::solo(Arc::new(dev));
         backend.gemm = gemm;
         Ok(backend)

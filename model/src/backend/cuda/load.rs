@@ -24,6 +24,25 @@ fn device_slot() -> Result<DeviceSlot, String> {
     device_map::from_env(visible).map_err(|e| e.to_string())
 }
 
+/// The tensor-core GEMM when `kind` resolves to it on `dev`'s architecture (None: the
+/// simple kernel).
+pub(super) fn linear_kernel(
+    dev: &GpuDevice,
+    kind: GemmKind,
+    rank: usize,
+) -> Result<Option<TensorGemm>, String> {
+    let (major, _) = dev
+        .ctx
+        .compute_capability()
+        .map_err(|e| format!("cuDeviceGetAttribute(compute capability): {e}"))?;
+    let kind = kind.resolve(major);
+    tracing::info!(rank, gemm = ?kind, "CUDA backend linear layers");
+    match kind {
+        GemmKind::Simple | GemmKind::Auto => Ok(None),
+        GemmKind::Tensor => TensorGemm::new(dev).map(Some).map_err(|e| e.to_string()),
+    }
+}
+
 impl CudaBackend {
     /// Opens this rank's GPU and, at TP > 1, joins the NCCL group (collective: every rank
     /// of `comm` must call it).
@@ -35,18 +54,9 @@ impl CudaBackend {
         let allow_shared = RanksPerGpu::from_env().map_err(err)?.allows_sharing();
         let slot = device_slot().map_err(err)?;
         let dev = GpuDevice::open(slot.ordinal).map_err(|e| err(e.to_string()))?;
-        let (major, _) = dev
-            .ctx
-            .compute_capability()
-            .map_err(|e| err(format!("cuDeviceGetAttribute(compute capability): {e}")))?;
-        let kind = kind.resolve(major);
-        tracing::info!(rank, gemm = ?kind, "CUDA backend linear layers");
+        let gemm = linear_kernel(&dev, kind, rank).map_err(err)?;
         let algo =
             allreduce_algo(std::env::var("ARBOR_GPU_ALLREDUCE").ok().as_deref()).map_err(err)?;
-        let gemm = match kind {
-            GemmKind::Simple | GemmKind::Auto => None,
-            GemmKind::Tensor => Some(TensorGemm::new(&dev).map_err(|e| err(e.to_string()))?),
-        };
         let coll = if comm.world_size() > 1 {
             Some(gpu_collective(&comm, &dev, algo, allow_shared).map_err(err)?)
         } else {
