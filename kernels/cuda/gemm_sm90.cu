@@ -310,7 +310,7 @@ DEVI void wg_block(const Params& p, int m_tile, int n_tile, int seg_begin, int s
     cp_wait<0>();
 
     if (SPLIT) {
-        split_finish<BM, BN, THREADS>(p, m_tile, n_tile);
+        split_finish<BM, BN, THREADS>(p, plain_rows<BM>(p, m_tile), n_tile);
     } else {
         const int lane = wl & 31, wq = wl >> 5;
 #pragma unroll

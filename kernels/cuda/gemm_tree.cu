@@ -84,6 +84,22 @@ DEVI float ld_cg(const float* p) {
     return v;
 }
 
+// The output rows one block computes: [row0, min(row0 + BM, end)), reading X row
+// gather[r] for output row r (X row r where gather is null) against the weight w; tile
+// numbers the block's row tile among the call's (the split path's counters).
+struct Rows {
+    int row0, end;
+    const int* gather;
+    const u16* w;
+    int tile;
+};
+
+// The plain GEMM's rows: tile m_tile of M, X and Y rows alike, the call's weight.
+template <int BM>
+DEVI Rows plain_rows(const Params& p, int m_tile) {
+    return Rows{m_tile * BM, p.M, nullptr, p.w, m_tile};
+}
+
 // Split path, after a block stored its segment sum of tile (m_tile, n_tile) into ws: the
 // last of the tile's n_seg blocks to arrive combines the n_seg sums with the fixed tree
 // (the same additions whichever block is last).
@@ -95,10 +111,10 @@ DEVI float ld_cg(const float* p) {
 // with limit n_seg - 1 wraps the last arrival's increment back to 0, so every call
 // leaves its counters at zero for the next call, whatever its shape.
 template <int BM, int BN, int THREADS>
-DEVI void split_finish(const Params& p, int m_tile, int n_tile) {
+DEVI void split_finish(const Params& p, const Rows& rs, int n_tile) {
     const int n_tiles = (p.N + BN - 1) / BN;
     const long long mn = (long long)p.M * p.N;
-    u32* cnt = p.cnt + (m_tile * n_tiles + n_tile);
+    u32* cnt = p.cnt + ((long long)rs.tile * n_tiles + n_tile);
     // Every thread's sum stores must be visible device-wide before thread 0 announces the
     // block's arrival: fence, then a barrier so that no warp is still storing.
     __threadfence();
@@ -107,10 +123,10 @@ DEVI void split_finish(const Params& p, int m_tile, int n_tile) {
     if (threadIdx.x == 0) prev = (int)atomicInc(cnt, (u32)(p.n_seg - 1));
     if (!__syncthreads_or(threadIdx.x == 0 && prev == p.n_seg - 1)) return;
     __threadfence();
-    const int row0 = m_tile * BM, col0 = n_tile * BN;
+    const int row0 = rs.row0, col0 = n_tile * BN;
     const float* ws = p.ws;
-    // Only the tile's rows below M (one row of the 64 at decode M = 1).
-    const int rows = min(BM, p.M - row0);
+    // Only the tile's rows below its end (one row of the 64 at decode M = 1).
+    const int rows = min(BM, rs.end - row0);
     for (int i = threadIdx.x; i < rows * BN; i += THREADS) {
         const int r = row0 + i / BN, c = col0 + i % BN;
         if (c >= p.N) continue;
@@ -135,7 +151,7 @@ DEVI void split_finish(const Params& p, int m_tile, int n_tile) {
 // One block: a BM x BN output tile over segments [seg_begin, seg_begin + seg_count).
 // SPLIT: seg_count == 1 and the leaf goes to ws; otherwise the block runs the whole tree.
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool SPLIT>
-DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin, int seg_count) {
+DEVI void tree_gemm_block(const Params& p, const Rows& rs, int n_tile, int seg_begin, int seg_count) {
     constexpr int WARPS_N = BN / WN;
     constexpr int THREADS = 32 * (BM / WM) * WARPS_N;
     constexpr int MT = WM / 16, NT = WN / 8;
@@ -153,7 +169,7 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-    const int row0 = m_tile * BM, col0 = n_tile * BN;
+    const int row0 = rs.row0, col0 = n_tile * BN;
     const int tiles_per_seg = (p.seg_len + BK - 1) / BK;
     const int total = seg_count * tiles_per_seg;
 
@@ -171,8 +187,9 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
     for (int j = 0; j < A_PER; ++j) {
         const int r = tid / CH + j * (THREADS / CH);
         a_slot[j] = r < BM;
-        a_row[j] = a_slot[j] && row0 + r < p.M;
-        a_src[j] = p.x + (long long)(a_row[j] ? row0 + r : 0) * p.ldx + lc * 8;
+        a_row[j] = a_slot[j] && row0 + r < rs.end;
+        const int xr = !a_row[j] ? 0 : rs.gather ? rs.gather[row0 + r] : row0 + r;
+        a_src[j] = p.x + (long long)xr * p.ldx + lc * 8;
         a_dst[j] = (r * CH + (lc ^ swz<CH>(r))) * 16;
     }
     const u16* b_src[B_PER];
@@ -183,7 +200,7 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
         const int r = tid / CH + j * (THREADS / CH);
         b_slot[j] = r < BN;
         b_row[j] = b_slot[j] && col0 + r < p.N;
-        b_src[j] = p.w + (long long)(b_row[j] ? col0 + r : 0) * p.ldw + lc * 8;
+        b_src[j] = rs.w + (long long)(b_row[j] ? col0 + r : 0) * p.ldw + lc * 8;
         b_dst[j] = (r * CH + (lc ^ swz<CH>(r))) * 16;
     }
     // Load cursor: the next tile's segment and tile index within it.
@@ -203,7 +220,7 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
 #pragma unroll
         for (int j = 0; j < B_PER; ++j) {
             if (!b_row[j]) continue;
-            cp_async16(sb + b_dst[j], kok ? (const void*)(b_src[j] + k0) : (const void*)p.w, kok);
+            cp_async16(sb + b_dst[j], kok ? (const void*)(b_src[j] + k0) : (const void*)rs.w, kok);
         }
         if (++lkt == tiles_per_seg) lkt = 0, ++ls;
     };
@@ -290,7 +307,7 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
                         for (int h = 0; h < 2; ++h) {
                             const int r = row0 + wm * WM + mt * 16 + (lane >> 2) + h * 8;
                             const int c = col0 + wn * WN + nt * 8 + (lane & 3) * 2;
-                            if (r < p.M) {
+                            if (r < rs.end) {
                                 if (c < p.N) dst[(long long)r * p.N + c] = acc[mt][nt][2 * h];
                                 if (c + 1 < p.N)
                                     dst[(long long)r * p.N + c + 1] = acc[mt][nt][2 * h + 1];
@@ -328,7 +345,7 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
     cp_wait<0>();
 
     if (SPLIT) {
-        split_finish<BM, BN, THREADS>(p, m_tile, n_tile);
+        split_finish<BM, BN, THREADS>(p, rs, n_tile);
     } else {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -338,7 +355,7 @@ DEVI void tree_gemm_block(const Params& p, int m_tile, int n_tile, int seg_begin
                 for (int h = 0; h < 2; ++h) {
                     const int r = row0 + wm * WM + mt * 16 + (lane >> 2) + h * 8;
                     const int c = col0 + wn * WN + nt * 8 + (lane & 3) * 2;
-                    if (r >= p.M) continue;
+                    if (r >= rs.end) continue;
                     const long long idx = (long long)r * p.N + c;
                     if (c < p.N) store_out(p.outf, p.outh, idx, root[mt][nt][2 * h]);
                     if (c + 1 < p.N) store_out(p.outf, p.outh, idx + 1, root[mt][nt][2 * h + 1]);
@@ -361,15 +378,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) arbor_gemm_tree_128x128(Par
     const int gsize = min(num_m - first_m, group);
     const int m_tile = first_m + (pid % per_group) % gsize;
     const int n_tile = (pid % per_group) / gsize;
-    tree_gemm_block<TREE_BM, TREE_BN, 64, 64, 32, 3, false>(p, m_tile, n_tile, 0, p.n_seg);
+    tree_gemm_block<TREE_BM, TREE_BN, 64, 64, 32, 3, false>(p, plain_rows<TREE_BM>(p, m_tile), n_tile, 0,
+                                                            p.n_seg);
 }
 
 // Small M (decode): one block per (column tile, segment, row tile); the split over the
 // fixed segments is the tree's own leaf level, so no extra reduction order is introduced;
 // the last block of each tile combines the segment sums (split_finish).
 extern "C" __global__ void __launch_bounds__(128) arbor_gemm_split_16x64(Params p) {
-    tree_gemm_block<16, 64, 64, 16, 16, 6, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
+    tree_gemm_block<16, 64, 64, 16, 16, 6, true>(p, plain_rows<16>(p, blockIdx.z), blockIdx.x, blockIdx.y, 1);
 }
 extern "C" __global__ void __launch_bounds__(128) arbor_gemm_split_64x64(Params p) {
-    tree_gemm_block<64, 64, 64, 64, 16, 4, true>(p, blockIdx.z, blockIdx.x, blockIdx.y, 1);
+    tree_gemm_block<64, 64, 64, 64, 16, 4, true>(p, plain_rows<64>(p, blockIdx.z), blockIdx.x, blockIdx.y, 1);
 }

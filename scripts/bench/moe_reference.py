@@ -482,9 +482,10 @@ def time_prefill(ref, b, t, compiled, reps=3):
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
-def run_arbor(arbor, model, numerics, batch, prompt_len, steps, work):
+def run_arbor(arbor, model, numerics, batch, prompt_len, steps, work, routing="device"):
     out = os.path.join(
-        work, f"arbor-{numerics}-{'-'.join(map(str, batch))}-{prompt_len}.json"
+        work,
+        f"arbor-{numerics}-{routing}-{'-'.join(map(str, batch))}-{prompt_len}.json",
     )
     cmd = [
         arbor,
@@ -506,7 +507,8 @@ def run_arbor(arbor, model, numerics, batch, prompt_len, steps, work):
         out,
     ]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = dict(os.environ, ARBOR_MOE=routing)
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
     if r.returncode != 0:
         print(
@@ -557,6 +559,11 @@ def main():
     ap.add_argument("--prefill", default="8x2048", help="BATCHxTOKENS, or 'none'")
     ap.add_argument("--arbor", default=".device/arbor")
     ap.add_argument("--skip-arbor", action="store_true")
+    ap.add_argument(
+        "--host-routing",
+        action="store_true",
+        help="also time arbor with ARBOR_MOE=host (the experts routed on the host)",
+    )
     ap.add_argument("--compile", choices=["off", "on"], default="on")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument(
@@ -596,18 +603,37 @@ def main():
     arbor = {}
     if not a.skip_arbor:
         # arbor first: each run is its own process and gives the GPU back when it ends.
-        for numerics in ("invariant", "fast"):
-            arbor[numerics] = (
+        # "host": invariant numerics with the experts routed on the host
+        # (ARBOR_MOE=host), what the device routing replaced.
+        runs = [("invariant", "invariant", "device"), ("fast", "fast", "device")]
+        if a.host_routing:
+            runs.append(("host", "invariant", "host"))
+        for name, numerics, routing in runs:
+            arbor[name] = (
                 run_arbor(
-                    a.arbor, a.model, numerics, batches, a.prompt_len, a.steps, a.work
+                    a.arbor,
+                    a.model,
+                    numerics,
+                    batches,
+                    a.prompt_len,
+                    a.steps,
+                    a.work,
+                    routing,
                 )
                 or {}
             )
             if prefill:
                 pre = run_arbor(
-                    a.arbor, a.model, numerics, [prefill[0]], prefill[1], 2, a.work
+                    a.arbor,
+                    a.model,
+                    numerics,
+                    [prefill[0]],
+                    prefill[1],
+                    2,
+                    a.work,
+                    routing,
                 )
-                arbor[numerics]["prefill"] = (pre or {}).get(prefill[0])
+                arbor[name]["prefill"] = (pre or {}).get(prefill[0])
 
     torch.manual_seed(0)
     grouped = grouped_mm_works(dev)
@@ -669,6 +695,7 @@ def main():
     head = (
         f"{'':<20}{'torch ms':>11}{'arbor inv':>11}{'arbor fast':>11}"
         f"{'inv/torch':>11}{'inv/fast':>10}{'experts GB/s (torch)':>22}"
+        f"{'inv host-routed':>17}"
     )
     print(head)
     for r in rows:
@@ -677,7 +704,10 @@ def main():
         key = "prefill_ms" if r["batch"] == "prefill" else "decode_ms_per_step"
         vi = inv[key] if inv else None
         vf = fast[key] if fast else None
+        host = arbor.get("host", {}).get(r["batch"])
+        vh = host[key] if host else None
         r["arbor_invariant_ms"], r["arbor_fast_ms"] = vi, vf
+        r["arbor_invariant_host_routed_ms"] = vh
 
         def f(x, p=3):
             return f"{x:.{p}f}" if x is not None else "-"
@@ -690,7 +720,7 @@ def main():
         print(
             f"{r['what']:<20}{f(r['torch_ms']):>11}{f(vi):>11}{f(vf):>11}"
             f"{f(vi / r['torch_ms'] if vi else None, 2):>11}"
-            f"{f(vi / vf if vi and vf else None, 2):>10}{f(bw, 0):>22}"
+            f"{f(vi / vf if vi and vf else None, 2):>10}{f(bw, 0):>22}{f(vh):>17}"
         )
     print(
         "(experts GB/s: the expert weights the step's routes touch, over the whole step's "

@@ -15,6 +15,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("rowstats.cu", include_str!("../../cuda/rowstats.cu")),
     ("select.cu", include_str!("../../cuda/select.cu")),
+    ("moe.cu", include_str!("../../cuda/moe.cu")),
 ];
 
 /// Every kernel entry point the module must export (checked when it is loaded).
@@ -53,6 +54,11 @@ pub const KERNELS: &[&str] = &[
     "pa_decode1_hd128",
     "pa_decode1_hd256",
     "pa_combine",
+    "moe_route_kernel",
+    "moe_count_kernel",
+    "moe_schedule_kernel",
+    "moe_scatter_kernel",
+    "moe_combine_kernel",
 ];
 
 /// The whole program: the sources concatenated, each preceded by a `#line` directive so

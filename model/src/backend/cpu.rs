@@ -112,6 +112,8 @@ impl Backend for CpuBackend {
     type Act = CpuAct;
     type Mat = CpuMat;
     type KvCache = CpuKv;
+    /// The CPU routes on the host: no prepared experts.
+    type Experts = std::convert::Infallible;
 
     fn rank(&self) -> usize {
         self.comm.rank()
@@ -455,6 +457,24 @@ impl Backend for CpuBackend {
             .all_gather_u64(value)
             .map_err(|source| BackendError::Collective { rank, source })?;
         Ok(all.into_iter().min().unwrap_or(value))
+    }
+
+    fn moe_experts(
+        &self,
+        _gate_up: &[&CpuMat],
+        _down: &[&CpuMat],
+        _spec: super::MoeSpec,
+    ) -> BResult<Option<Self::Experts>> {
+        Ok(None)
+    }
+
+    fn moe_forward(
+        &self,
+        _x: &CpuAct,
+        _logits: &CpuAct,
+        experts: &Self::Experts,
+    ) -> BResult<CpuAct> {
+        match *experts {}
     }
 
     fn tree_all_reduce(&self, partial: CpuAct) -> BResult<CpuAct> {

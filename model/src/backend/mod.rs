@@ -132,6 +132,17 @@ pub struct TreeSpec {
     pub k: usize,
 }
 
+/// A mixture-of-experts block as [`Backend::moe_forward`] runs it: each token's `top_k`
+/// experts (renormalised when `norm_topk_prob`), and the trees of the experts' gate/up
+/// (rows alternating gate and up) and down projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeSpec {
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub gate_up: TreeSpec,
+    pub down: TreeSpec,
+}
+
 /// Everything one step's device work reads that changes from step to step (besides the
 /// KV cache it writes): the backend uploads it once per step, and a step it recorded
 /// reads it from there when replayed (docs/step.md, "The device-resident step").
@@ -212,6 +223,8 @@ pub trait Backend {
     /// bf16 weight matrix `[n, k]` in device memory.
     type Mat: Send + Sync;
     type KvCache;
+    /// A mixture-of-experts block's experts prepared for [`Backend::moe_forward`].
+    type Experts: Send + Sync;
 
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
@@ -313,6 +326,27 @@ pub trait Backend {
     fn free_device_memory(&self) -> BResult<Option<u64>> {
         Ok(None)
     }
+
+    /// Prepares a mixture-of-experts block's experts (each one's gate/up and down weight,
+    /// in expert order) for [`Backend::moe_forward`]; `None` where this backend routes on
+    /// the host (`layers::moe` then runs each expert as a dense MLP).
+    fn moe_experts(
+        &self,
+        gate_up: &[&Self::Mat],
+        down: &[&Self::Mat],
+        spec: MoeSpec,
+    ) -> BResult<Option<Self::Experts>>;
+    /// A mixture-of-experts block's output `[rows, hidden]` for `x` and its router's f32
+    /// `logits` (`[rows, experts]`), computed where the activations are: the routes of
+    /// `layers::moe::route`, each expert's rows through its MLP with the down projection
+    /// reduced by the tree all-reduce, and each token's expert outputs weighted and added
+    /// in expert order.
+    fn moe_forward(
+        &self,
+        x: &Self::Act,
+        logits: &Self::Act,
+        experts: &Self::Experts,
+    ) -> BResult<Self::Act>;
 
     /// The row-parallel all-reduce: every rank passes the subtree root of its segments;
     /// every rank gets the full tree's root (same bits on all ranks and at every TP).

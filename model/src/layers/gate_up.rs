@@ -6,7 +6,7 @@
 //! full K by the tree on one rank (see column.rs).
 
 use super::{ColumnParallelLinear, ColumnPart, LoadCtx};
-use crate::backend::{BResult, Backend};
+use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::MResult;
 
 pub struct GateUpLinear<B: Backend> {
@@ -25,6 +25,15 @@ impl<B: Backend> GateUpLinear<B> {
         Ok(Self {
             lin: ColumnParallelLinear::load_alternating(ctx, gate, up, in_features, bias)?,
         })
+    }
+
+    /// The weight (rows alternating gate and up) and its tree, where the layer has no
+    /// bias (a grouped kernel over several experts has no bias step).
+    pub fn weight(&self) -> Option<(&B::Mat, TreeSpec)> {
+        match self.lin.weight_and_bias() {
+            (w, tree, None) => Some((w, tree)),
+            _ => None,
+        }
     }
 
     /// silu(x·gateᵀ)·(x·upᵀ), `[rows, inter]` of this rank's intermediate columns.

@@ -9,12 +9,15 @@
 //!   projection is; every expert's partials go through one all-reduce;
 //! - a token's output is its experts' outputs weighted and added in expert-index order.
 //!
-//! The routing and the sum run on the host on every backend: on the GPU the router's
-//! logits and the experts' reduced outputs come back between kernels, which is why the
-//! CUDA backend does not record such a step as a graph (`backend::cuda::graphs`).
+//! A backend that prepares the experts (`Backend::moe_experts`: the CUDA backend) routes
+//! and sums on the device, with every expert's rows in one grouped GEMM, and its steps can
+//! be recorded as graphs. Otherwise (the CPU, or `ARBOR_MOE=host` on the GPU) the routes
+//! and the sum run on the host here, the router's logits and the experts' reduced outputs
+//! coming back between kernels; the CUDA backend then does not record such a step
+//! (`backend::cuda::graphs`).
 
 use super::{ColumnParallelLinear, ColumnPart, GateUpLinear, LoadCtx, RowParallelLinear};
-use crate::backend::{BResult, Backend, BackendError};
+use crate::backend::{BResult, Backend, BackendError, MoeSpec};
 use crate::config::{Arch, MoeConfig};
 use crate::error::MResult;
 
@@ -30,6 +33,8 @@ pub struct MoeBlock<B: Backend> {
     top_k: usize,
     norm_topk_prob: bool,
     hidden: usize,
+    /// The experts as the backend runs them itself (`None`: routed on the host).
+    prepared: Option<B::Experts>,
 }
 
 /// Where one token goes: its experts in index order, with their weights.
@@ -107,13 +112,44 @@ impl<B: Backend> MoeBlock<B> {
                 })
             })
             .collect::<MResult<Vec<_>>>()?;
+        let prepared = Self::prepare(ctx.backend, &experts, moe).map_err(|e| ctx.backend_err(e))?;
         Ok(MoeBlock {
             router,
             experts,
             top_k: moe.top_k,
             norm_topk_prob: moe.norm_topk_prob,
             hidden,
+            prepared,
         })
+    }
+
+    /// The backend's own form of the experts, where it has one and every expert has the
+    /// same bias-free weights and trees.
+    fn prepare(b: &B, experts: &[Expert<B>], moe: &MoeConfig) -> BResult<Option<B::Experts>> {
+        let mut gate_up = Vec::with_capacity(experts.len());
+        let mut down = Vec::with_capacity(experts.len());
+        let mut trees = None;
+        for x in experts {
+            let (Some((gu, gu_tree)), Some((d, d_tree))) = (x.gate_up.weight(), x.down.weight())
+            else {
+                return Ok(None);
+            };
+            if *trees.get_or_insert((gu_tree, d_tree)) != (gu_tree, d_tree) {
+                return Ok(None);
+            }
+            gate_up.push(gu);
+            down.push(d);
+        }
+        let Some((gate_up_tree, down_tree)) = trees else {
+            return Ok(None);
+        };
+        let spec = MoeSpec {
+            top_k: moe.top_k,
+            norm_topk_prob: moe.norm_topk_prob,
+            gate_up: gate_up_tree,
+            down: down_tree,
+        };
+        b.moe_experts(&gate_up, &down, spec)
     }
 
     /// Every row's route.
@@ -128,6 +164,14 @@ impl<B: Backend> MoeBlock<B> {
 
     /// The block's output for the rows of `x` (`[rows, hidden]`, identical on every rank).
     pub fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
+        match &self.prepared {
+            Some(experts) => b.moe_forward(x, &self.router.forward(b, x)?, experts),
+            None => self.forward_on_host(b, x),
+        }
+    }
+
+    /// [`MoeBlock::forward`] with the routes and the weighted sum on the host.
+    fn forward_on_host(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
         let routes = self.routes(b, x)?;
         let rows = routes.len();
         let h = self.hidden;

@@ -82,6 +82,14 @@ impl<B: Backend> RowParallelLinear<B> {
         })
     }
 
+    /// The weight (this rank's columns) and its tree, where the layer has no bias.
+    pub fn weight(&self) -> Option<(&B::Mat, TreeSpec)> {
+        match self.bias {
+            None => Some((&self.w, self.tree)),
+            Some(_) => None,
+        }
+    }
+
     /// This rank's subtree roots for `x` (its columns `self.cols` of the input), before
     /// the all-reduce: for a caller that reduces several layers' partials in one
     /// all-reduce (the experts of a layer). The bias is not in it.

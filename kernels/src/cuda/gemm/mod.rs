@@ -11,6 +11,7 @@
 
 mod args;
 mod error;
+mod grouped;
 mod path;
 mod program;
 mod select;
@@ -27,6 +28,7 @@ use crate::cpu::matmul::TreeMatmul;
 pub use args::{validate, Epilogue, GemmArgs, OutDtype};
 use error::driver;
 pub use error::GemmError;
+pub use grouped::{validate_grouped, GroupedArgs, GroupedPath, MoeTiles};
 pub use path::{Family, Path, QUAD_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{default_path_for, quad_tile, shard_whole_tile, whole_tile, wide_cluster_fits};
@@ -60,6 +62,8 @@ pub struct TreeGemm {
     pub family: Family,
     _module: Arc<CudaModule>,
     kernels: Vec<(Path, CudaFunction)>,
+    /// The experts' grouped kernels (mma.sync, every sm_80+ device).
+    grouped: Vec<(GroupedPath, CudaFunction)>,
     /// Streaming multiprocessors: the persistent kernel's grid.
     sms: usize,
     /// Clusters of 1, 2, 4 and 8 `wgcluster64` blocks that fit on the device at once
@@ -114,6 +118,22 @@ impl TreeGemm {
                 kernels.push((path, f));
             }
         }
+        let mut grouped = Vec::new();
+        for path in GroupedPath::ALL {
+            let name = path.kernel();
+            let f = module
+                .load_function(name)
+                .map_err(driver(&format!("cuModuleGetFunction({name})")))?;
+            f.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                path.smem_bytes() as i32,
+            )
+            .map_err(driver(&format!(
+                "cuFuncSetAttribute({name}, {} bytes of shared memory)",
+                path.smem_bytes()
+            )))?;
+            grouped.push((path, f));
+        }
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver("cuDeviceGetAttribute(multiprocessor count)"))?;
@@ -122,6 +142,7 @@ impl TreeGemm {
             family,
             _module: module,
             kernels,
+            grouped,
             sms: sms.max(1) as usize,
             cluster_capacity: [0; 4],
             pdl: super::launch::pdl_enabled(ctx),

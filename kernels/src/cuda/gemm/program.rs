@@ -11,6 +11,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("pdl.cuh", include_str!("../../../cuda/pdl.cuh")),
     ("silu.cuh", include_str!("../../../cuda/silu.cuh")),
     ("gemm_tree.cu", include_str!("../../../cuda/gemm_tree.cu")),
+    ("gemm_moe.cu", include_str!("../../../cuda/gemm_moe.cu")),
     ("gemm_sm90.cu", include_str!("../../../cuda/gemm_sm90.cu")),
     (
         "gemm_sm90_tma.cu",
@@ -119,5 +120,10 @@ mod tests {
         let ptx80 = compile("sm_80").unwrap_or_else(|e| panic!("{e}"));
         assert!(!ptx80.contains("wgmma"));
         assert!(ptx80.contains(".entry arbor_gemm_tree_128x128("));
+        for path in crate::cuda::gemm::GroupedPath::ALL {
+            for ptx in [&ptx, &ptx80] {
+                assert!(ptx.contains(&format!(".entry {}(", path.kernel())));
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@ mod elementwise;
 mod gather;
 mod matmul;
 mod memory;
+pub mod moe;
 mod norm;
 pub mod paged_attention;
 pub(crate) mod paged_tiles;

@@ -11,8 +11,9 @@ use std::env::VarError;
 use std::sync::{Arc, Mutex};
 
 use arbor_kernels::cpu::TreeMatmul;
-use arbor_kernels::cuda::gemm::{Epilogue, GemmArgs, GemmError, OutDtype, TreeGemm};
-use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, DevU32, GpuDevice};
+use arbor_kernels::cuda::gemm::{Epilogue, GemmArgs, GemmError, GroupedArgs, OutDtype, TreeGemm};
+use arbor_kernels::cuda::ops::moe::MoeRoute;
+use arbor_kernels::cuda::{CudaError, DevBf16, DevBuf, DevF32, DevU32, GpuDevice};
 use arbor_kernels::SegmentLayout;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
@@ -307,6 +308,92 @@ impl TensorGemm {
             unsafe { self.kernels.launch(stream, &a, Some(path)) }?;
         }
         Ok(Some(y))
+    }
+
+    /// The experts' grouped GEMM over `route`'s pairs: `[pairs, n]` f32, row r the subtree
+    /// root of `xb`'s row (its token's when `gather`, else row r: `xb` is `[pairs, k]`)
+    /// times the weight of r's expert in `w_table` (`[n, k]` bf16 each, this rank's K
+    /// shard), by the path the route was laid out for.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_matmul(
+        &self,
+        dev: &GpuDevice,
+        xb: &DevBf16,
+        k: usize,
+        route: &MoeRoute,
+        gather: bool,
+        w_table: &DevBuf<u64>,
+        n: usize,
+        tree: TreeSpec,
+    ) -> Result<DevF32, TensorGemmError> {
+        let pairs = route.pairs();
+        let x_rows = if gather { route.rows } else { pairs };
+        if xb.len() != x_rows * k || w_table.len() != route.experts {
+            return Err(TensorGemmError::Shape(format!(
+                "grouped GEMM: x has {} values for [{x_rows}, {k}], {} expert weights for {} experts",
+                xb.len(),
+                w_table.len(),
+                route.experts
+            )));
+        }
+        let path = route.path;
+        let mut y = dev.empty_f32(pairs * n)?;
+        if pairs == 0 || n == 0 {
+            return Ok(y);
+        }
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch {
+            ws,
+            counters,
+            retired,
+            ..
+        } = &mut *guard;
+        let ws = grown(
+            ws,
+            &mut |o: DevF32| retired.push(Box::new(o)),
+            |b| b.len(),
+            path.workspace_len(pairs, n, tree.n_seg),
+            |l| dev.zeros_f32(l),
+        )?;
+        let cnt = grown(
+            counters,
+            &mut |o: DevU32| retired.push(Box::new(o)),
+            |b| b.len(),
+            path.counters_len(pairs, route.experts, n),
+            |l| dev.upload_u32(&vec![0u32; l]),
+        )?;
+        let stream = &dev.stream;
+        let (ws_len, counters_len) = (ws.len(), cnt.len());
+        let (xp, _rx) = xb.device_ptr(stream);
+        let (tp, _rt) = w_table.device_ptr(stream);
+        let (wsp, _rws) = ws.device_ptr_mut(stream);
+        let (cp, _rc) = cnt.device_ptr_mut(stream);
+        let (op, _ro) = y.device_ptr_mut(stream);
+        let a = GroupedArgs {
+            pairs,
+            experts: route.experts,
+            n,
+            k,
+            seg_len: tree.seg_len,
+            n_seg: tree.n_seg,
+            x: xp,
+            ldx: k,
+            ldw: k,
+            out: op,
+            ws: wsp,
+            ws_len,
+            counters: cp,
+            counters_len,
+            tiles: route.tiles(stream, gather, tp),
+            max_tiles: route.max_tiles,
+        };
+        // SAFETY: x, the output and the scratch are live allocations on `stream` of the
+        // sizes `a` states (checked above and by `launch_grouped`'s validation); the
+        // tables are the route's, written on this stream for these pairs and this path;
+        // every weight in the table is an expert's [n, k] bf16, owned by the model.
+        unsafe { self.kernels.launch_grouped(stream, &a, path) }?;
+        drop((_rx, _rt, _rws, _rc, _ro));
+        Ok(y)
     }
 }
 

@@ -20,6 +20,7 @@ pub mod gemm;
 pub mod graphs;
 mod kv;
 mod load;
+mod moe;
 mod ops;
 mod profile;
 mod run_step;
@@ -245,6 +246,7 @@ impl Backend for CudaBackend {
     type Act = CudaAct;
     type Mat = CudaMat;
     type KvCache = CudaKv;
+    type Experts = moe::CudaExperts;
 
     fn rank(&self) -> usize {
         self.comm.rank()
@@ -647,6 +649,26 @@ impl Backend for CudaBackend {
             .map_err(|e| self.dev_err_msg("querying free device memory", e))?;
         // Ranks sharing the GPU plan for their share of it each.
         Ok(Some(free as u64 / self.slot.ranks_on_device.max(1) as u64))
+    }
+
+    fn moe_experts(
+        &self,
+        gate_up: &[&CudaMat],
+        down: &[&CudaMat],
+        spec: super::MoeSpec,
+    ) -> BResult<Option<moe::CudaExperts>> {
+        self.moe_experts_untimed(gate_up, down, spec)
+    }
+
+    fn moe_forward(
+        &self,
+        x: &CudaAct,
+        logits: &CudaAct,
+        experts: &moe::CudaExperts,
+    ) -> BResult<CudaAct> {
+        self.timed("moe (device routing)", x.rows, || {
+            self.moe_forward_untimed(x, logits, experts)
+        })
     }
 
     fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {

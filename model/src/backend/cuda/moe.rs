@@ -1,0 +1,197 @@
+//! Mixture-of-experts blocks on the device: routes from the router's logits
+//! (`ops::moe`), every expert's rows in one grouped GEMM per projection
+//! (`gemm::TensorGemm::grouped_matmul`), the experts' partials through the tree
+//! all-reduce, and each token's weighted sum, with nothing read back to the host; a
+//! decode step is then recorded like a dense one (graphs.rs).
+//!
+//! `ARBOR_MOE=host` keeps the host routing of `layers::moe` (for comparison); GPUs
+//! without the tensor GEMM always use it. The fast numerics route on the device too, with
+//! the same grouped kernel for the experts (there is no vendor grouped GEMM behind it):
+//! only their dense layers and all-reduce are cuBLAS's and NCCL's.
+
+use std::env::VarError;
+
+use arbor_kernels::cuda::gemm::GroupedPath;
+use arbor_kernels::cuda::ops::moe::MOE_EXPERTS_MAX;
+use arbor_kernels::cuda::DevBuf;
+
+use super::gemm::tensor_eligible;
+use super::{CudaAct, CudaBackend, CudaMat};
+use crate::backend::{BResult, Backend, BackendError, MoeSpec};
+
+/// The environment variable that picks where MoE blocks route.
+pub const ENV: &str = "ARBOR_MOE";
+
+/// A block's experts for the grouped GEMM: the addresses of every expert's gate/up and
+/// down weight, in expert order, on the device.
+pub struct CudaExperts {
+    gate_up: DevBuf<u64>,
+    down: DevBuf<u64>,
+    experts: usize,
+    /// This rank's intermediate columns per expert.
+    inter: usize,
+    hidden: usize,
+    spec: MoeSpec,
+}
+
+/// Whether `ARBOR_MOE` asks for the device routing (unset or `device`) or the host's.
+fn device_routing() -> BResult<bool> {
+    match std::env::var(ENV) {
+        Err(VarError::NotPresent) => Ok(true),
+        Ok(v) if v == "device" => Ok(true),
+        Ok(v) if v == "host" => Ok(false),
+        Ok(v) => Err(BackendError::Unsupported(format!(
+            "{ENV}={v:?}: expected \"device\" (the default) or \"host\""
+        ))),
+        Err(VarError::NotUnicode(v)) => Err(BackendError::Unsupported(format!(
+            "{ENV}={v:?} is not valid UTF-8"
+        ))),
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn moe_experts_untimed(
+        &self,
+        gate_up: &[&CudaMat],
+        down: &[&CudaMat],
+        spec: MoeSpec,
+    ) -> BResult<Option<CudaExperts>> {
+        if self.gemm.is_none()
+            || !device_routing()?
+            || !tensor_eligible(spec.gate_up)
+            || !tensor_eligible(spec.down)
+        {
+            return Ok(None);
+        }
+        let experts = gate_up.len();
+        let (Some(g0), Some(d0)) = (gate_up.first(), down.first()) else {
+            return Ok(None);
+        };
+        if experts != down.len()
+            || experts > MOE_EXPERTS_MAX
+            || !(1..=experts).contains(&spec.top_k)
+        {
+            return Err(self.shape_err(format!(
+                "MoE block of {experts} gate/up and {} down weights, top-{} (at most {MOE_EXPERTS_MAX} experts on the GPU)",
+                down.len(),
+                spec.top_k
+            )));
+        }
+        let (hidden, inter) = (g0.k, g0.n / 2);
+        for (e, (g, d)) in gate_up.iter().zip(down).enumerate() {
+            if (g.n, g.k, d.n, d.k) != (g0.n, g0.k, d0.n, d0.k)
+                || !g.n.is_multiple_of(2)
+                || (d.n, d.k) != (hidden, inter)
+            {
+                return Err(self.shape_err(format!(
+                    "expert {e}: gate/up [{}, {}] and down [{}, {}] do not match expert 0's gate/up [{}, {}] and down [{hidden}, {inter}]",
+                    g.n, g.k, d.n, d.k, g0.n, g0.k
+                )));
+            }
+        }
+        let table = |ws: &[&CudaMat]| -> BResult<DevBuf<u64>> {
+            let ptrs: Vec<u64> = ws
+                .iter()
+                .map(|w| arbor_kernels::cuda::ops::dev_ptr(&w.buf, &self.dev.stream))
+                .collect();
+            self.dev
+                .upload("expert weight table", &ptrs)
+                .map_err(|e| self.dev_err(e))
+        };
+        Ok(Some(CudaExperts {
+            gate_up: table(gate_up)?,
+            down: table(down)?,
+            experts,
+            inter,
+            hidden,
+            spec,
+        }))
+    }
+
+    pub(super) fn moe_forward_untimed(
+        &self,
+        x: &CudaAct,
+        logits: &CudaAct,
+        ex: &CudaExperts,
+    ) -> BResult<CudaAct> {
+        let (rows, k) = (x.rows, ex.spec.top_k);
+        if x.cols != ex.hidden || (logits.rows, logits.cols) != (rows, ex.experts) {
+            return Err(self.shape_err(format!(
+                "MoE block of {} experts over {} columns given x [{rows}, {}] and router logits [{}, {}]",
+                ex.experts, ex.hidden, x.cols, logits.rows, logits.cols
+            )));
+        }
+        let Some(gemm) = self.gemm.as_ref() else {
+            return Err(self.shape_err("MoE experts prepared without the tensor GEMM".into()));
+        };
+        let pairs = rows * k;
+        let path = GroupedPath::for_pairs(pairs, ex.experts);
+        let route = self
+            .dev
+            .moe_route(
+                &logits.buf,
+                rows,
+                ex.experts,
+                k,
+                ex.spec.norm_topk_prob,
+                path,
+            )
+            .map_err(|e| self.dev_err(e))?;
+        let grouped_err = |what: &str, e: super::gemm::TensorGemmError| BackendError::Device {
+            rank: self.comm.rank(),
+            msg: format!("MoE {what} over {pairs} (token, expert) pairs: {e}"),
+        };
+        let gate_up = {
+            let converted;
+            let xb = match &x.bf16 {
+                Some(b) => b,
+                None => {
+                    let mut b = self
+                        .dev
+                        .empty_bf16(rows * ex.hidden)
+                        .map_err(|e| self.dev_err(e))?;
+                    self.dev
+                        .f32_to_bf16_into(&x.buf, &mut b)
+                        .map_err(|e| self.dev_err(e))?;
+                    converted = b;
+                    &converted
+                }
+            };
+            gemm.grouped_matmul(
+                &self.dev,
+                xb,
+                ex.hidden,
+                &route,
+                true,
+                &ex.gate_up,
+                2 * ex.inter,
+                ex.spec.gate_up,
+            )
+            .map_err(|e| grouped_err("gate/up", e))?
+        };
+        let h = self.silu_mul_pairs(&self.act(gate_up, pairs, 2 * ex.inter))?;
+        let Some(hb) = h.bf16.as_ref() else {
+            return Err(
+                self.shape_err("SiLU·mul wrote no bf16 copy for the down projection".into())
+            );
+        };
+        let down = gemm
+            .grouped_matmul(
+                &self.dev,
+                hb,
+                ex.inter,
+                &route,
+                false,
+                &ex.down,
+                ex.hidden,
+                ex.spec.down,
+            )
+            .map_err(|e| grouped_err("down", e))?;
+        let y = self.all_reduce_untimed(self.act(down, pairs, ex.hidden))?;
+        let out = self
+            .dev
+            .moe_combine(&y.buf, &route, ex.hidden)
+            .map_err(|e| self.dev_err(e))?;
+        Ok(self.act(out, rows, ex.hidden))
+    }
+}
