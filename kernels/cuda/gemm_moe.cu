@@ -25,21 +25,29 @@ DEVI bool moe_rows(const MoeTiles& t, int tile, Rows& rs) {
     return true;
 }
 
-extern "C" __global__ void __launch_bounds__(128) arbor_moe_gemm_split_16x64(Params p, MoeTiles t) {
-    Rows rs;
-    if (!moe_rows<16>(t, blockIdx.z, rs)) return;
-    tree_gemm_block<16, 64, 64, 16, 16, 6, true>(p, rs, blockIdx.x, blockIdx.y, 1);
-}
+// Each shape twice: the roots in f32 (outf), and the gate/up projection's silu(gate)·up
+// in bf16 (outh, [P, N / 2]; gemm_tree.cu's SILU).
+#define MOE_ENTRIES(SUFFIX, SILU)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) arbor_moe_gemm_split_16x64##SUFFIX(Params p,         \
+                                                                                        MoeTiles t) {      \
+        Rows rs;                                                                                           \
+        if (!moe_rows<16>(t, blockIdx.z, rs)) return;                                                      \
+        tree_gemm_block<16, 64, 64, 16, 16, 6, true, SILU>(p, rs, blockIdx.x, blockIdx.y, 1);              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) arbor_moe_gemm_split_64x64##SUFFIX(Params p,         \
+                                                                                        MoeTiles t) {      \
+        Rows rs;                                                                                           \
+        if (!moe_rows<64>(t, blockIdx.z, rs)) return;                                                      \
+        tree_gemm_block<64, 64, 64, 64, 16, 4, true, SILU>(p, rs, blockIdx.x, blockIdx.y, 1);              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 1) arbor_moe_gemm_tree_128x128##SUFFIX(Params p,     \
+                                                                                            MoeTiles t) {  \
+        Rows rs;                                                                                           \
+        if (!moe_rows<128>(t, blockIdx.y, rs)) return;                                                     \
+        tree_gemm_block<128, 128, 64, 64, 32, 3, false, SILU>(p, rs, blockIdx.x, 0, p.n_seg);              \
+    }
 
-extern "C" __global__ void __launch_bounds__(128) arbor_moe_gemm_split_64x64(Params p, MoeTiles t) {
-    Rows rs;
-    if (!moe_rows<64>(t, blockIdx.z, rs)) return;
-    tree_gemm_block<64, 64, 64, 64, 16, 4, true>(p, rs, blockIdx.x, blockIdx.y, 1);
-}
-
-// Whole tree in the block: grid (column tiles, row tiles).
-extern "C" __global__ void __launch_bounds__(256, 1) arbor_moe_gemm_tree_128x128(Params p, MoeTiles t) {
-    Rows rs;
-    if (!moe_rows<128>(t, blockIdx.y, rs)) return;
-    tree_gemm_block<128, 128, 64, 64, 32, 3, false>(p, rs, blockIdx.x, 0, p.n_seg);
-}
+// The whole tree in a 128×128 block: grid (column tiles, row tiles); the split shapes:
+// grid (column tiles, segments, row tiles).
+MOE_ENTRIES(, false)
+MOE_ENTRIES(_silu, true)

@@ -110,7 +110,7 @@ DEVI Rows plain_rows(const Params& p, int m_tile) {
 // counters, so no block combined and the output kept stale values). atomicInc
 // with limit n_seg - 1 wraps the last arrival's increment back to 0, so every call
 // leaves its counters at zero for the next call, whatever its shape.
-template <int BM, int BN, int THREADS>
+template <int BM, int BN, int THREADS, bool SILU = false>
 DEVI void split_finish(const Params& p, const Rows& rs, int n_tile) {
     const int n_tiles = (p.N + BN - 1) / BN;
     const long long mn = (long long)p.M * p.N;
@@ -127,30 +127,41 @@ DEVI void split_finish(const Params& p, const Rows& rs, int n_tile) {
     const float* ws = p.ws;
     // Only the tile's rows below its end (one row of the 64 at decode M = 1).
     const int rows = min(BM, rs.end - row0);
-    for (int i = threadIdx.x; i < rows * BN; i += THREADS) {
-        const int r = row0 + i / BN, c = col0 + i % BN;
+    // SILU: one (gate, up) column pair per step, silu(gate)·up in bf16 at [r, c / 2].
+    constexpr int STEP = SILU ? 2 : 1;
+    for (int i = threadIdx.x; i < rows * (BN / STEP); i += THREADS) {
+        const int r = row0 + i / (BN / STEP), c = col0 + STEP * (i % (BN / STEP));
         if (c >= p.N) continue;
-        const long long e = (long long)r * p.N + c;
-        float x[8];
+        float v[STEP];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) x[q] = q < p.n_seg ? ld_cg(ws + q * mn + e) : 0.f;
-        float v;
-        if (p.n_seg == 1) {
-            v = x[0];
-        } else if (p.n_seg == 2) {
-            v = x[0] + x[1];
-        } else if (p.n_seg == 4) {
-            v = (x[0] + x[1]) + (x[2] + x[3]);
-        } else {
-            v = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        for (int h = 0; h < STEP; ++h) {
+            const long long e = (long long)r * p.N + c + h;
+            float x[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) x[q] = q < p.n_seg ? ld_cg(ws + q * mn + e) : 0.f;
+            if (p.n_seg == 1) {
+                v[h] = x[0];
+            } else if (p.n_seg == 2) {
+                v[h] = x[0] + x[1];
+            } else if (p.n_seg == 4) {
+                v[h] = (x[0] + x[1]) + (x[2] + x[3]);
+            } else {
+                v[h] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+            }
         }
-        store_out(p.outf, p.outh, e, v);
+        if (SILU)
+            p.outh[(long long)r * (p.N / 2) + c / 2] = f32_to_bf16(silu_mul(v[0], v[STEP - 1]));
+        else
+            store_out(p.outf, p.outh, (long long)r * p.N + c, v[0]);
     }
 }
 
 // One block: a BM x BN output tile over segments [seg_begin, seg_begin + seg_count).
 // SPLIT: seg_count == 1 and the leaf goes to ws; otherwise the block runs the whole tree.
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool SPLIT>
+// SILU: W's rows alternate gate and up (N even); the block writes silu(gate)·up rounded
+// to bf16 at [r, c / 2] of outh (the bits of the roots followed by silu_mul_pairs_kernel's
+// bf16 output), and no roots.
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool SPLIT, bool SILU = false>
 DEVI void tree_gemm_block(const Params& p, const Rows& rs, int n_tile, int seg_begin, int seg_count) {
     constexpr int WARPS_N = BN / WN;
     constexpr int THREADS = 32 * (BM / WM) * WARPS_N;
@@ -345,7 +356,7 @@ DEVI void tree_gemm_block(const Params& p, const Rows& rs, int n_tile, int seg_b
     cp_wait<0>();
 
     if (SPLIT) {
-        split_finish<BM, BN, THREADS>(p, rs, n_tile);
+        split_finish<BM, BN, THREADS, SILU>(p, rs, n_tile);
     } else {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -356,6 +367,13 @@ DEVI void tree_gemm_block(const Params& p, const Rows& rs, int n_tile, int seg_b
                     const int r = row0 + wm * WM + mt * 16 + (lane >> 2) + h * 8;
                     const int c = col0 + wn * WN + nt * 8 + (lane & 3) * 2;
                     if (r >= rs.end) continue;
+                    if (SILU) {
+                        // c is even: the pair (c, c + 1) is one (gate, up).
+                        if (c + 1 < p.N)
+                            p.outh[(long long)r * (p.N / 2) + c / 2] =
+                                f32_to_bf16(silu_mul(root[mt][nt][2 * h], root[mt][nt][2 * h + 1]));
+                        continue;
+                    }
                     const long long idx = (long long)r * p.N + c;
                     if (c < p.N) store_out(p.outf, p.outh, idx, root[mt][nt][2 * h]);
                     if (c + 1 < p.N) store_out(p.outf, p.outh, idx + 1, root[mt][nt][2 * h + 1]);

@@ -7,52 +7,77 @@
 // then expert 1's, each expert's in row order. The grouped GEMM (gemm_moe.cu) walks that
 // layout in tiles that never cross an expert.
 
-// Bitmask words of the chosen experts: at most 32 * MOE_MASK_WORDS experts per router.
-#define MOE_MASK_WORDS 16
+// Rows per block of the route kernel (one warp each), and the most experts a row may
+// choose.
+#define MOE_ROUTE_WARPS 4
+#define MOE_TOP_K_MAX 64
 
-// Per row of router logits [rows, E]: the top k experts of the f32 softmax (max first;
-// the sum in index order; ties to the lower index, compared as exps, as the host does),
-// listed in expert order with their probabilities, renormalised over the chosen k when
-// norm is set (the chosen sum in expert order). One thread per row.
-extern "C" __global__ void moe_route_kernel(const float* __restrict__ logits, int rows, int E, int k,
-                                            int norm, int* __restrict__ ids, float* __restrict__ w) {
+// Per row of router logits [rows, E]: the top k experts of the f32 softmax, listed in
+// expert order with their probabilities, renormalised over the chosen k when norm is set.
+// The numbers are the host's (layers/moe.rs `route`): max, then exp(l - max) per expert,
+// their sum in index order from +0, the k largest exps (ties to the lower index: an
+// exact argmax, whichever lanes compare them), p = exp / sum, and the chosen p summed in
+// expert order. One warp per row; the row's exps and choices in shared memory
+// (MOE_ROUTE_WARPS * (E + MOE_TOP_K_MAX) words).
+extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS)
+    moe_route_kernel(const float* __restrict__ logits, int rows, int E, int k, int norm,
+                     int* __restrict__ ids, float* __restrict__ w) {
     pdl_enter();
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    extern __shared__ float moe_smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * MOE_ROUTE_WARPS + warp;
     if (r >= rows) return;
+    float* ex = moe_smem + warp * (E + MOE_TOP_K_MAX);
+    int* sel = (int*)(ex + E);
     const float* l = logits + (long long)r * E;
     float mx = __int_as_float(0xff800000u);  // -inf
-    for (int e = 0; e < E; ++e) mx = fmaxf(mx, l[e]);
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int e = lane; e < E; e += 32) ex[e] = expf(__fsub_rn(l[e], mx));
+    __syncwarp();
     float sum = 0.f;
-    for (int e = 0; e < E; ++e) sum = __fadd_rn(sum, expf(__fsub_rn(l[e], mx)));
-    unsigned chosen[MOE_MASK_WORDS];
-#pragma unroll
-    for (int i = 0; i < MOE_MASK_WORDS; ++i) chosen[i] = 0u;
+    if (lane == 0)
+        for (int e = 0; e < E; ++e) sum = __fadd_rn(sum, ex[e]);
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    // Lane `lane` holds experts lane + 32 i; bit i of `taken` marks one already chosen.
+    unsigned taken = 0u;
     for (int j = 0; j < k; ++j) {
-        int best = -1;
+        int be = -1;
         float bv = 0.f;
-        for (int e = 0; e < E; ++e) {
-            if (chosen[e >> 5] & (1u << (e & 31))) continue;
-            const float v = expf(__fsub_rn(l[e], mx));
-            if (best < 0 || v > bv) best = e, bv = v;
+        for (int i = 0, e = lane; e < E; ++i, e += 32) {
+            if (taken & (1u << i)) continue;
+            const float v = ex[e];
+            if (be < 0 || v > bv) be = e, bv = v;
         }
-        if (best >= 0) chosen[best >> 5] |= 1u << (best & 31);
+        for (int o = 16; o; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (oe >= 0 && (be < 0 || ov > bv || (ov == bv && oe < be))) be = oe, bv = ov;
+        }
+        if (be >= 0 && (be & 31) == lane) taken |= 1u << (be >> 5);
+        if (lane == 0) sel[j] = be;
+    }
+    __syncwarp();
+    if (lane != 0) return;
+    // Expert order: insertion sort of the k choices.
+    for (int a = 1; a < k; ++a) {
+        const int v = sel[a];
+        int b = a - 1;
+        for (; b >= 0 && sel[b] > v; --b) sel[b + 1] = sel[b];
+        sel[b + 1] = v;
     }
     float picked = 0.f;
-    int j = 0;
-    for (int e = 0; e < E && j < k; ++e) {
-        if (!(chosen[e >> 5] & (1u << (e & 31)))) continue;
-        const float p = __fdiv_rn(expf(__fsub_rn(l[e], mx)), sum);
-        ids[(long long)r * k + j] = e;
+    for (int j = 0; j < k; ++j) {
+        const float p = __fdiv_rn(ex[sel[j]], sum);
+        ids[(long long)r * k + j] = sel[j];
         w[(long long)r * k + j] = p;
         picked = __fadd_rn(picked, p);
-        ++j;
     }
-    if (norm) {
-        for (int q = 0; q < k; ++q) {
-            const long long i = (long long)r * k + q;
+    if (norm)
+        for (int j = 0; j < k; ++j) {
+            const long long i = (long long)r * k + j;
             w[i] = __fdiv_rn(w[i], picked);
         }
-    }
 }
 
 // One block per expert: each of the expert's pairs gets its rank among them in row order

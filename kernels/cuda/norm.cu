@@ -174,3 +174,46 @@ extern "C" __global__ void add_rms_norm_kernel(float* __restrict__ x, const floa
     const size_t off = (size_t)blockIdx.x * cols;
     rms_norm_row<true>(x + off, y + off, weight, out + off, outb ? outb + off : nullptr, cols, eps);
 }
+
+// Rows of at most 128 columns, a multiple of 4 (the attention heads' q/k norms: one row
+// per token and head): one warp per row, NORM_WARP_ROWS rows per block. Lane t owns
+// 4-column group t, as thread t does in rms_norm_row_vec, and the block's tree reduces to
+// the same shuffles here: partials past the row's groups are +0, and every level of
+// norm_tree above the warp adds +0 to a sum of squares (itself), so the root and every
+// output have rms_norm_kernel's bits. A block per row left 7 of its 8 warps idle.
+#define NORM_WARP_ROWS 8
+extern "C" __global__ void rms_norm_warp_kernel(const float* __restrict__ x, const float* __restrict__ weight,
+                                                float* __restrict__ out, bf16_t* __restrict__ outb,
+                                                long long rows, int cols, float eps) {
+    pdl_enter();
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * NORM_WARP_ROWS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const int groups = cols >> 2;
+    const float4* x4 = reinterpret_cast<const float4*>(x + r * cols);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f), w = v;
+    if (lane < groups) {
+        v = x4[lane];
+        w = reinterpret_cast<const float4*>(weight)[lane];
+    }
+    float acc = 0.0f;
+    if (lane < groups) {
+        acc = __fmaf_rn(v.x, v.x, acc);
+        acc = __fmaf_rn(v.y, v.y, acc);
+        acc = __fmaf_rn(v.z, v.z, acc);
+        acc = __fmaf_rn(v.w, v.w, acc);
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) acc = acc + __shfl_down_sync(0xffffffffu, acc, s);
+    const float root = __shfl_sync(0xffffffffu, acc, 0);
+    const float inv = 1.0f / sqrtf(root / (float)cols + eps);
+    if (lane < groups) {
+        const float4 o = make_float4((v.x * inv) * w.x, (v.y * inv) * w.y, (v.z * inv) * w.z, (v.w * inv) * w.w);
+        reinterpret_cast<float4*>(out + r * cols)[lane] = o;
+        if (outb) {
+            const unsigned int lo = (unsigned int)f32_to_bf16(o.x) | ((unsigned int)f32_to_bf16(o.y) << 16);
+            const unsigned int hi = (unsigned int)f32_to_bf16(o.z) | ((unsigned int)f32_to_bf16(o.w) << 16);
+            reinterpret_cast<uint2*>(outb + r * cols)[lane] = make_uint2(lo, hi);
+        }
+    }
+}

@@ -237,11 +237,13 @@ fn rms_norm_block_order(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 fn rms_norm_is_the_block_order_on_the_host() {
     let Some(dev) = device() else { return };
     let mut rng = Rng(12);
-    // Narrower than a block, the 16-byte path (100, 700, 4096: 4 groups of 4 a thread),
-    // the scalar register path (702, 4094: not a multiple of 4), and wider than the
-    // registers hold (the looping path).
-    for cols in [100usize, 700, 702, 4094, 4096, 9000] {
-        let rows = 3;
+    // A warp per row (16, 64, 100, 128: a multiple of 4 up to 128, attention heads), the
+    // 16-byte path (700, 4096: 4 groups of 4 a thread), the scalar register path (702,
+    // 4094: not a multiple of 4; 130), and wider than the registers hold (the looping
+    // path).
+    for cols in [16usize, 64, 100, 128, 130, 700, 702, 4094, 4096, 9000] {
+        // Warp rows: more than one block of them, the last block partly empty.
+        let rows = if cols <= 128 { 37 } else { 3 };
         let (x, y, w) = (
             rng.vec(rows * cols, 3.0),
             rng.vec(rows * cols, 3.0),

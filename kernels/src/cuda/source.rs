@@ -24,6 +24,7 @@ pub const KERNELS: &[&str] = &[
     "tree_matmul_leaf",
     "tree_combine",
     "rms_norm_kernel",
+    "rms_norm_warp_kernel",
     "add_rms_norm_kernel",
     "silu_mul_kernel",
     "silu_mul_pairs_kernel",

@@ -68,11 +68,15 @@ impl GroupedPath {
         }
     }
 
-    pub fn kernel(self) -> &'static str {
-        match self {
-            Self::Split16 => "arbor_moe_gemm_split_16x64",
-            Self::Split64 => "arbor_moe_gemm_split_64x64",
-            Self::Tree128 => "arbor_moe_gemm_tree_128x128",
+    /// The kernel: roots in f32, or (`silu`) the gate/up projection's SiLU·mul in bf16.
+    pub fn kernel(self, silu: bool) -> &'static str {
+        match (self, silu) {
+            (Self::Split16, false) => "arbor_moe_gemm_split_16x64",
+            (Self::Split64, false) => "arbor_moe_gemm_split_64x64",
+            (Self::Tree128, false) => "arbor_moe_gemm_tree_128x128",
+            (Self::Split16, true) => "arbor_moe_gemm_split_16x64_silu",
+            (Self::Split64, true) => "arbor_moe_gemm_split_64x64_silu",
+            (Self::Tree128, true) => "arbor_moe_gemm_tree_128x128_silu",
         }
     }
 
@@ -124,8 +128,9 @@ pub struct MoeTiles {
 // SAFETY: plain-old-data with the C layout the kernel expects.
 unsafe impl DeviceRepr for MoeTiles {}
 
-/// One grouped call: `pairs` output rows of `n` f32 columns at `out`, reducing `k`
-/// columns of X (`[.., ldx]` bf16) over `n_seg` segments of `seg_len`.
+/// One grouped call: `pairs` output rows of `n` f32 columns at `out` (with `silu`: of
+/// `n / 2` bf16 columns, each silu(gate)·up of a pair of W rows), reducing `k` columns of
+/// X (`[.., ldx]` bf16) over `n_seg` segments of `seg_len`.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupedArgs {
     pub pairs: usize,
@@ -138,6 +143,7 @@ pub struct GroupedArgs {
     pub ldx: usize,
     pub ldw: usize,
     pub out: CUdeviceptr,
+    pub silu: bool,
     pub ws: CUdeviceptr,
     pub ws_len: usize,
     pub counters: CUdeviceptr,
@@ -185,6 +191,12 @@ pub fn validate_grouped(a: &GroupedArgs, path: GroupedPath) -> Result<(), GemmEr
             return bad(format!("{what} pointer {p:#x} is not 16-byte aligned"));
         }
     }
+    if a.silu && !a.n.is_multiple_of(2) {
+        return bad(format!(
+            "the SiLU·mul output pairs W's rows: n = {} must be even",
+            a.n
+        ));
+    }
     if a.max_tiles < path.max_tiles(a.pairs, a.experts) {
         return bad(format!(
             "tile tables of {} entries, the routing may write {}",
@@ -219,10 +231,14 @@ impl TreeGemm {
         path: GroupedPath,
     ) -> Result<(), GemmError> {
         validate_grouped(a, path)?;
-        let Some((_, f)) = self.grouped.iter().find(|(p, _)| *p == path) else {
+        let Some((_, _, f)) = self
+            .grouped
+            .iter()
+            .find(|(p, silu, _)| *p == path && *silu == a.silu)
+        else {
             return Err(GemmError::NoGpu(format!(
                 "grouped kernel {} is not loaded",
-                path.kernel()
+                path.kernel(a.silu)
             )));
         };
         if a.pairs == 0 || a.n == 0 {
@@ -231,8 +247,8 @@ impl TreeGemm {
         let p = Params {
             x: a.x,
             w: 0,
-            outf: a.out,
-            outh: 0,
+            outf: if a.silu { 0 } else { a.out },
+            outh: if a.silu { a.out } else { 0 },
             ws: a.ws,
             cnt: a.counters,
             m: a.pairs as i32,
@@ -257,7 +273,7 @@ impl TreeGemm {
                     seg_len: a.seg_len,
                     n_seg: a.n_seg,
                 },
-                msg: format!("grid {grid:?} is too large for {}", path.kernel()),
+                msg: format!("grid {grid:?} is too large for {}", path.kernel(a.silu)),
             });
         }
         let cfg = LaunchConfig {
@@ -270,7 +286,7 @@ impl TreeGemm {
             .arg(&p)
             .arg(&a.tiles)
             .launch(cfg)
-            .map_err(driver(&format!("launch {}", path.kernel())))?;
+            .map_err(driver(&format!("launch {}", path.kernel(a.silu))))?;
         Ok(())
     }
 }

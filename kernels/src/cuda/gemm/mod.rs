@@ -63,7 +63,7 @@ pub struct TreeGemm {
     _module: Arc<CudaModule>,
     kernels: Vec<(Path, CudaFunction)>,
     /// The experts' grouped kernels (mma.sync, every sm_80+ device).
-    grouped: Vec<(GroupedPath, CudaFunction)>,
+    grouped: Vec<(GroupedPath, bool, CudaFunction)>,
     /// Streaming multiprocessors: the persistent kernel's grid.
     sms: usize,
     /// Clusters of 1, 2, 4 and 8 `wgcluster64` blocks that fit on the device at once
@@ -119,8 +119,11 @@ impl TreeGemm {
             }
         }
         let mut grouped = Vec::new();
-        for path in GroupedPath::ALL {
-            let name = path.kernel();
+        for (path, silu) in GroupedPath::ALL
+            .into_iter()
+            .flat_map(|p| [(p, false), (p, true)])
+        {
+            let name = path.kernel(silu);
             let f = module
                 .load_function(name)
                 .map_err(driver(&format!("cuModuleGetFunction({name})")))?;
@@ -132,7 +135,7 @@ impl TreeGemm {
                 "cuFuncSetAttribute({name}, {} bytes of shared memory)",
                 path.smem_bytes()
             )))?;
-            grouped.push((path, f));
+            grouped.push((path, silu, f));
         }
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

@@ -121,8 +121,8 @@ mod tests {
         assert!(!ptx80.contains("wgmma"));
         assert!(ptx80.contains(".entry arbor_gemm_tree_128x128("));
         for path in crate::cuda::gemm::GroupedPath::ALL {
-            for ptx in [&ptx, &ptx80] {
-                assert!(ptx.contains(&format!(".entry {}(", path.kernel())));
+            for (ptx, silu) in [(&ptx, false), (&ptx80, false), (&ptx, true), (&ptx80, true)] {
+                assert!(ptx.contains(&format!(".entry {}(", path.kernel(silu))));
             }
         }
     }

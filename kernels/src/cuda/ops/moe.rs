@@ -7,8 +7,12 @@ use super::{check, dev_ptr, elementwise_cfg, i32_of, DevF32, DevU32};
 use crate::cuda::gemm::{GroupedPath, MoeTiles};
 use crate::cuda::{CudaError, GpuDevice};
 
-/// The most experts one router may have (the route kernel's bitmask).
+/// The most experts one router may have, and the most a token may choose (the route
+/// kernel's per-lane bitmask and its shared memory: `MOE_ROUTE_WARPS` and `MOE_TOP_K_MAX`
+/// in moe.cu).
 pub const MOE_EXPERTS_MAX: usize = 512;
+pub const MOE_TOP_K_MAX: usize = 64;
+const ROUTE_WARPS: usize = 4;
 
 /// One step's routes and the pairs' layout, in one u32 buffer: per pair (row-major
 /// `[rows, k]`) its expert, its rank among the expert's pairs, and its place in the
@@ -135,9 +139,10 @@ impl GpuDevice {
         })?;
         check(
             K,
-            (1..=MOE_EXPERTS_MAX).contains(&experts) && (1..=experts).contains(&k),
+            (1..=MOE_EXPERTS_MAX).contains(&experts)
+                && (1..=experts.min(MOE_TOP_K_MAX)).contains(&k),
             || {
-                format!("top-{k} of {experts} experts (at most {MOE_EXPERTS_MAX} experts, 1 ≤ k ≤ experts)")
+                format!("top-{k} of {experts} experts (at most {MOE_EXPERTS_MAX} experts and {MOE_TOP_K_MAX} per token, 1 ≤ k ≤ experts)")
             },
         )?;
         let pairs = rows * k;
@@ -189,7 +194,12 @@ impl GpuDevice {
             let mut b = self.launch(self.func(K)?);
             b.arg(logits).arg(&r32).arg(&e32).arg(&k32).arg(&norm);
             b.arg(&ids).arg(&w);
-            self.launched(K, b.launch(elementwise_cfg(rows)))?;
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (rows.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+                block_dim: (32 * ROUTE_WARPS as u32, 1, 1),
+                shared_mem_bytes: (ROUTE_WARPS * (experts + MOE_TOP_K_MAX) * 4) as u32,
+            };
+            self.launched(K, b.launch(cfg))?;
 
             const C: &str = "moe_count_kernel";
             let mut b = self.launch(self.func(C)?);

@@ -6,6 +6,8 @@ use super::{arg_bf16_out, check, check_bf16_out, i32_of, DevBf16, DevF32};
 use crate::cuda::{CudaError, GpuDevice};
 
 const NORM_THREADS: u32 = 256;
+/// Rows per block of `rms_norm_warp_kernel` (one warp each).
+const NORM_WARP_ROWS: usize = 8;
 
 /// The norm kernels' shared checks (weight and companion output against `[rows, cols]`)
 /// and launch shape: one block of NORM_THREADS per row.
@@ -50,6 +52,22 @@ impl GpuDevice {
             return Ok(out);
         }
         let ci = i32_of(K, "cols", cols)?;
+        if cols.is_multiple_of(4) && cols <= 4 * 32 {
+            // Narrow rows (attention heads): a warp per row, the same bits (norm.cu).
+            const W: &str = "rms_norm_warp_kernel";
+            let r = rows as i64;
+            let mut b = self.launch(self.func(W)?);
+            b.arg(x).arg(weight).out(&mut out);
+            arg_bf16_out(&mut b, outb);
+            b.arg(&r).arg(&ci).arg(&eps);
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(NORM_WARP_ROWS) as u32, 1, 1),
+                block_dim: (32 * NORM_WARP_ROWS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launched(W, unsafe { b.launch(cfg) })?;
+            return Ok(out);
+        }
         let mut b = self.launch(self.func(K)?);
         b.arg(x).arg(weight).out(&mut out);
         arg_bf16_out(&mut b, outb);

@@ -326,6 +326,45 @@ impl TensorGemm {
         n: usize,
         tree: TreeSpec,
     ) -> Result<DevF32, TensorGemmError> {
+        let mut y = dev.empty_f32(route.pairs() * n)?;
+        self.grouped_into(dev, xb, k, route, gather, w_table, n, tree, &mut y, false)?;
+        Ok(y)
+    }
+
+    /// [`TensorGemm::grouped_matmul`] of a gate/up projection (each expert's rows
+    /// alternate gate and up), written as silu(gate)·up rounded to bf16, `[pairs, n / 2]`:
+    /// the bits of the roots followed by `silu_mul_pairs`'s bf16 output, without the f32
+    /// roots or products ever reaching memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_matmul_silu(
+        &self,
+        dev: &GpuDevice,
+        xb: &DevBf16,
+        k: usize,
+        route: &MoeRoute,
+        w_table: &DevBuf<u64>,
+        n: usize,
+        tree: TreeSpec,
+    ) -> Result<DevBf16, TensorGemmError> {
+        let mut y = dev.empty_bf16(route.pairs() * (n / 2))?;
+        self.grouped_into(dev, xb, k, route, true, w_table, n, tree, &mut y, true)?;
+        Ok(y)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_into<T>(
+        &self,
+        dev: &GpuDevice,
+        xb: &DevBf16,
+        k: usize,
+        route: &MoeRoute,
+        gather: bool,
+        w_table: &DevBuf<u64>,
+        n: usize,
+        tree: TreeSpec,
+        y: &mut DevBuf<T>,
+        silu: bool,
+    ) -> Result<(), TensorGemmError> {
         let pairs = route.pairs();
         let x_rows = if gather { route.rows } else { pairs };
         if xb.len() != x_rows * k || w_table.len() != route.experts {
@@ -337,9 +376,20 @@ impl TensorGemm {
             )));
         }
         let path = route.path;
-        let mut y = dev.empty_f32(pairs * n)?;
+        let out_len = if silu { pairs * (n / 2) } else { pairs * n };
+        if y.len() != out_len || (silu && !n.is_multiple_of(2)) {
+            return Err(TensorGemmError::Shape(format!(
+                "grouped GEMM: output of {} values for {pairs} pairs of {n} columns{}",
+                y.len(),
+                if silu {
+                    " (SiLU·mul: n/2 each, n even)"
+                } else {
+                    ""
+                }
+            )));
+        }
         if pairs == 0 || n == 0 {
-            return Ok(y);
+            return Ok(());
         }
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch {
@@ -380,6 +430,7 @@ impl TensorGemm {
             ldx: k,
             ldw: k,
             out: op,
+            silu,
             ws: wsp,
             ws_len,
             counters: cp,
@@ -392,8 +443,7 @@ impl TensorGemm {
         // tables are the route's, written on this stream for these pairs and this path;
         // every weight in the table is an expert's [n, k] bf16, owned by the model.
         unsafe { self.kernels.launch_grouped(stream, &a, path) }?;
-        drop((_rx, _rt, _rws, _rc, _ro));
-        Ok(y)
+        Ok(())
     }
 }
 

@@ -666,9 +666,7 @@ impl Backend for CudaBackend {
         logits: &CudaAct,
         experts: &moe::CudaExperts,
     ) -> BResult<CudaAct> {
-        self.timed("moe (device routing)", x.rows, || {
-            self.moe_forward_untimed(x, logits, experts)
-        })
+        self.moe_forward_untimed(x, logits, experts)
     }
 
     fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {

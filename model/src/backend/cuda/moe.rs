@@ -12,7 +12,7 @@
 use std::env::VarError;
 
 use arbor_kernels::cuda::gemm::GroupedPath;
-use arbor_kernels::cuda::ops::moe::MOE_EXPERTS_MAX;
+use arbor_kernels::cuda::ops::moe::{MOE_EXPERTS_MAX, MOE_TOP_K_MAX};
 use arbor_kernels::cuda::DevBuf;
 
 use super::gemm::tensor_eligible;
@@ -69,10 +69,10 @@ impl CudaBackend {
         };
         if experts != down.len()
             || experts > MOE_EXPERTS_MAX
-            || !(1..=experts).contains(&spec.top_k)
+            || !(1..=experts.min(MOE_TOP_K_MAX)).contains(&spec.top_k)
         {
             return Err(self.shape_err(format!(
-                "MoE block of {experts} gate/up and {} down weights, top-{} (at most {MOE_EXPERTS_MAX} experts on the GPU)",
+                "MoE block of {experts} gate/up and {} down weights, top-{} (at most {MOE_EXPERTS_MAX} experts and {MOE_TOP_K_MAX} per token on the GPU)",
                 down.len(),
                 spec.top_k
             )));
@@ -126,22 +126,23 @@ impl CudaBackend {
         };
         let pairs = rows * k;
         let path = GroupedPath::for_pairs(pairs, ex.experts);
-        let route = self
-            .dev
-            .moe_route(
-                &logits.buf,
-                rows,
-                ex.experts,
-                k,
-                ex.spec.norm_topk_prob,
-                path,
-            )
-            .map_err(|e| self.dev_err(e))?;
+        let route = self.timed("moe route", rows, || {
+            self.dev
+                .moe_route(
+                    &logits.buf,
+                    rows,
+                    ex.experts,
+                    k,
+                    ex.spec.norm_topk_prob,
+                    path,
+                )
+                .map_err(|e| self.dev_err(e))
+        })?;
         let grouped_err = |what: &str, e: super::gemm::TensorGemmError| BackendError::Device {
             rank: self.comm.rank(),
             msg: format!("MoE {what} over {pairs} (token, expert) pairs: {e}"),
         };
-        let gate_up = {
+        let gate_up = self.timed("moe gate/up (grouped)", pairs, || {
             let converted;
             let xb = match &x.bf16 {
                 Some(b) => b,
@@ -157,26 +158,21 @@ impl CudaBackend {
                     &converted
                 }
             };
-            gemm.grouped_matmul(
+            gemm.grouped_matmul_silu(
                 &self.dev,
                 xb,
                 ex.hidden,
                 &route,
-                true,
                 &ex.gate_up,
                 2 * ex.inter,
                 ex.spec.gate_up,
             )
-            .map_err(|e| grouped_err("gate/up", e))?
-        };
-        let h = self.silu_mul_pairs(&self.act(gate_up, pairs, 2 * ex.inter))?;
-        let Some(hb) = h.bf16.as_ref() else {
-            return Err(
-                self.shape_err("SiLU·mul wrote no bf16 copy for the down projection".into())
-            );
-        };
-        let down = gemm
-            .grouped_matmul(
+            .map_err(|e| grouped_err("gate/up", e))
+        })?;
+        // silu(gate)·up of every pair, in bf16: all the down projection reads.
+        let hb = &gate_up;
+        let down = self.timed("moe down (grouped)", pairs, || {
+            gemm.grouped_matmul(
                 &self.dev,
                 hb,
                 ex.inter,
@@ -186,12 +182,14 @@ impl CudaBackend {
                 ex.hidden,
                 ex.spec.down,
             )
-            .map_err(|e| grouped_err("down", e))?;
-        let y = self.all_reduce_untimed(self.act(down, pairs, ex.hidden))?;
-        let out = self
-            .dev
-            .moe_combine(&y.buf, &route, ex.hidden)
-            .map_err(|e| self.dev_err(e))?;
+            .map_err(|e| grouped_err("down", e))
+        })?;
+        let y = self.tree_all_reduce(self.act(down, pairs, ex.hidden))?;
+        let out = self.timed("moe combine", rows, || {
+            self.dev
+                .moe_combine(&y.buf, &route, ex.hidden)
+                .map_err(|e| self.dev_err(e))
+        })?;
         Ok(self.act(out, rows, ex.hidden))
     }
 }
