@@ -68,7 +68,7 @@ run() {
         --tokenizer "kind=huggingface_auto,model=$MODEL" \
         --data kind=synthetic_text,prompt_tokens=32,output_tokens=16 \
         --constraint "kind=max_requests,count=$REQUESTS" \
-        --output "kind=json,path=$WORK/$name.json" --output kind=console \
+        --output "kind=json,path=$WORK/$name.json" \
         --disable-progress "$@")
 }
 run completions --backend "kind=openai_http,target=http://127.0.0.1:$PORT,request_format=/v1/completions" \
