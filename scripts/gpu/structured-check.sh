@@ -12,9 +12,8 @@
 # 2. `arbor serve` at TP 1: $STREAMS concurrent streams (default 64) of $TOKENS tokens
 #    (default 256) each, unconstrained, with a JSON schema (response_format) and with a
 #    forced tool call, $REPEAT rounds in turn (default 5; the median reported); decode
-#    tokens/s side by side with each
-#    constrained mode's ratio to the unconstrained one. PASS when both cost at most
-#    $MAX_COST (default 0.05) of the throughput.
+#    tokens/s side by side with each constrained mode's ratio to the unconstrained one.
+#    PASS when both cost at most $MAX_COST (default 0.05) of the throughput.
 # 3. The same constrained requests (JSON schema and forced tool call, greedy and seeded,
 #    with log-probs) at TP 1, 2 and 4, all ranks on this one GPU
 #    (ARBOR_RANKS_PER_GPU=auto): PASS when tokens, log-probs and digests are identical.
