@@ -237,7 +237,7 @@ fn sglang_generate_replays_slime_and_areal_at_tp2() {
     for (field, sp) in [
         ("min_p", json!({"min_p": 0.05})),
         ("frequency_penalty", json!({"frequency_penalty": 0.5})),
-        ("ebnf", json!({"ebnf": "root ::= \"a\""})),
+        ("stop_regex", json!({"stop_regex": "a+"})),
     ] {
         let (status, v) = s.post(
             "/generate",

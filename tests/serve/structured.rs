@@ -4,6 +4,9 @@
 //! among concurrent different requests and at TP 2, its log-probs are the unmasked
 //! model's (those `echo` scoring gives for the same tokens), bad constraints are 400 naming
 //! their field, and tool calls come back as OpenAI `tool_calls`, whole and streamed.
+//! Grammars (GBNF as SGLang's `ebnf` and vLLM's `grammar` take it, and Lark) are followed
+//! with the same bits at TP 1 and 2, and a forced Mistral call starts with its special
+//! `[TOOL_CALLS]` token.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -15,6 +18,7 @@ use crate::client;
 use crate::server::Server;
 
 const QWEN: &str = include_str!("templates/qwen2.5.jinja");
+const MISTRAL: &str = include_str!("templates/mistral.jinja");
 
 /// The tiny Llama with a Qwen2.5 chat template (Hermes-style `<tool_call>` tags).
 fn model() -> &'static Path {
@@ -28,9 +32,43 @@ fn model() -> &'static Path {
     })
 }
 
+/// The tiny Llama with a Mistral-style template, `[TOOL_CALLS]` a special token of id 255
+/// (in place of the byte ÿ, which this model then cannot write as text).
+fn mistral_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = shared_tiny("serve-structured-mistral", "llama");
+        let path = dir.join("tokenizer.json");
+        let mut t: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read tokenizer.json"))
+                .expect("tokenizer.json");
+        let vocab = t["model"]["vocab"].as_object_mut().expect("vocab");
+        let ff = vocab
+            .iter()
+            .find(|(_, id)| id.as_u64() == Some(255))
+            .map(|(k, _)| k.clone())
+            .expect("a token 255");
+        vocab.remove(&ff);
+        t["added_tokens"].as_array_mut().expect("added_tokens").insert(
+            0,
+            json!({"id": 255, "content": "[TOOL_CALLS]", "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true}),
+        );
+        std::fs::write(&path, t.to_string()).expect("write tokenizer.json");
+        let cfg = json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": MISTRAL});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string())
+            .expect("write tokenizer_config.json");
+        dir
+    })
+}
+
 fn start(tp: usize, scratch: &Scratch, tag: &str) -> Server {
+    start_model(model(), tp, scratch, tag)
+}
+
+fn start_model(model: &Path, tp: usize, scratch: &Scratch, tag: &str) -> Server {
     Server::start_on(
-        model(),
+        model,
         tp,
         &[],
         2048,
@@ -367,15 +405,27 @@ fn bad_constraints_are_refused_naming_their_field() {
         );
         assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
     }
-    let (st, e) = srv.post(
-        "/generate",
-        &json!({"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}),
-    );
-    assert_eq!(
-        (st, e["error"]["param"].as_str()),
-        (400, Some("ebnf")),
-        "{e}"
-    );
+    for ebnf in [
+        "root ::= undefined-rule",
+        "root ::= \"a",
+        "a ::= \"no root\"",
+    ] {
+        let (st, e) = srv.post(
+            "/generate",
+            &json!({"text": "x", "sampling_params": {"ebnf": ebnf}}),
+        );
+        assert_eq!(
+            (st, e["error"]["param"].as_str()),
+            (400, Some("ebnf")),
+            "{e}"
+        );
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("GBNF")),
+            "{e}"
+        );
+    }
     let (st, e) = srv.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "hi"}], "tools": weather_tools(), "tool_choice": "required",
@@ -543,4 +593,178 @@ fn official_openai_client_parses_structured_output_and_tool_calls() {
         out.contains("openai tools client: all checks passed"),
         "{out}"
     );
+}
+
+/// The grammar of the grammar probes, in GBNF and in Lark: a yes or no, then a sum of up
+/// to four numbers without leading zeros.
+const ANSWER_GBNF: &str = r#"# an answer, then a sum
+root   ::= answer ": " sum
+answer ::= "yes" | "no"
+sum    ::= num (("+" | "-") num){0,3}
+num    ::= [1-9] [0-9]{0,2} | "0"
+"#;
+const ANSWER_LARK: &str = r#"start: answer ": " sum
+answer: "yes" | "no"
+sum: num (("+" | "-") num){0,3}
+num: /[1-9][0-9]{0,2}/ | "0"
+"#;
+
+/// Whether `s` is in the language of [`ANSWER_GBNF`].
+fn is_answer(s: &str) -> bool {
+    let Some(rest) = s.strip_prefix("yes: ").or_else(|| s.strip_prefix("no: ")) else {
+        return false;
+    };
+    let nums: Vec<&str> = rest.split(['+', '-']).collect();
+    (1..=4).contains(&nums.len())
+        && nums.iter().all(|n| {
+            (1..=3).contains(&n.len())
+                && n.bytes().all(|b| b.is_ascii_digit())
+                && (n.len() == 1 || !n.starts_with('0'))
+        })
+}
+
+fn grammar_probes() -> Vec<(&'static str, Value)> {
+    let user = json!([{"role": "user", "content": "Is it more?"}]);
+    vec![
+        (
+            "/generate",
+            json!({"text": "Answer:", "sampling_params": {"max_new_tokens": 40, "temperature": 0.9,
+                   "sampling_seed": 3, "ebnf": ANSWER_GBNF}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Sum:", "max_tokens": 40, "temperature": 0, "logprobs": 1,
+                   "structured_outputs": {"grammar": ANSWER_GBNF}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Then", "max_tokens": 40, "temperature": 1.1, "seed": 8, "guided_grammar": ANSWER_GBNF}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user, "max_tokens": 40, "temperature": 0.8, "seed": 1, "logprobs": true,
+                   "guided_grammar": ANSWER_LARK}),
+        ),
+    ]
+}
+
+#[test]
+fn grammars_are_followed_with_the_same_bits_at_tp1_and_tp2() {
+    let scratch = Scratch::new("serve-structured-grammar");
+    let run = |srv: &Server, free: bool| -> Vec<Value> {
+        grammar_probes()
+            .into_iter()
+            .map(|(route, mut body)| {
+                if free {
+                    for k in ["structured_outputs", "guided_grammar"] {
+                        body.as_object_mut().map(|o| o.remove(k));
+                    }
+                    body.get_mut("sampling_params")
+                        .and_then(Value::as_object_mut)
+                        .map(|o| o.remove("ebnf"));
+                }
+                let (st, v) = srv.post(route, &body);
+                assert_eq!(st, 200, "{route} {body}: {v}\n{}", srv.log_text());
+                v
+            })
+            .collect()
+    };
+    let srv = start(1, &scratch, "grammar-tp1");
+    let tp1 = run(&srv, false);
+    let mut texts = std::collections::HashSet::new();
+    for ((route, _), v) in grammar_probes().iter().zip(&tp1) {
+        let t = text_of(route, v);
+        assert!(is_answer(&t), "{route}: {t:?} does not parse: {v}");
+        texts.insert(t);
+    }
+    assert!(texts.len() > 1, "{texts:?}");
+    // Without the grammar the random model writes no such answer, and other tokens.
+    let free = run(&srv, true);
+    for (((route, _), v), c) in grammar_probes().iter().zip(&free).zip(&tp1) {
+        let t = text_of(route, v);
+        assert!(!is_answer(&t), "{route} unconstrained: {t:?}");
+        assert_ne!(
+            bits(route, v),
+            bits(route, c),
+            "{route}: the grammar changed nothing"
+        );
+    }
+    drop(srv);
+    let srv2 = start(2, &scratch, "grammar-tp2");
+    let tp2 = run(&srv2, false);
+    for (((route, _), a), b) in grammar_probes().iter().zip(&tp1).zip(&tp2) {
+        assert_eq!(bits(route, b), bits(route, a), "{route} at TP 2");
+    }
+}
+
+#[test]
+fn forced_mistral_calls_start_with_the_special_token() {
+    let scratch = Scratch::new("serve-structured-mistral");
+    let srv = start_model(mistral_model(), 1, &scratch, "mistral");
+    let user = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for seed in 0..3 {
+        let body = json!({"messages": user, "tools": weather_tools(), "tool_choice": named,
+            "max_tokens": 200, "temperature": 1.0, "seed": seed});
+        let (st, v) = srv.post("/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}\n{}", srv.log_text());
+        check_weather_call(&v);
+        assert_eq!(v["choices"][0]["token_ids"][0], 255, "{v}");
+        assert!(v["choices"][0]["message"]["content"].is_null(), "{v}");
+    }
+    // "required" with parallel calls: one or more, each of a listed function.
+    let (st, v) = srv.post(
+        "/v1/chat/completions",
+        &json!({"messages": user, "tools": weather_tools(), "tool_choice": "required",
+                "max_tokens": 300, "temperature": 1.0, "seed": 9}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let calls = v["choices"][0]["message"]["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"));
+    assert!(!calls.is_empty(), "{v}");
+    for c in calls {
+        let name = c["function"]["name"].as_str().unwrap_or_default();
+        assert!(["get_weather", "get_time"].contains(&name), "{v}");
+    }
+    // Streamed: the call arrives as delta.tool_calls, no marker as content.
+    let body = json!({"messages": user, "tools": weather_tools(), "tool_choice": named,
+        "max_tokens": 200, "temperature": 1.0, "seed": 0, "stream": true});
+    let mut events = Vec::new();
+    let r = client::post_sse(
+        &srv.addr,
+        "/v1/chat/completions",
+        &body.to_string(),
+        &[],
+        |d| {
+            events.push(d.to_string());
+            true
+        },
+    )
+    .expect("stream");
+    assert_eq!(r.status, 200);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk"))
+        .collect();
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(!content.contains("[TOOL_CALLS]"), "{content:?}");
+    assert!(
+        chunks.iter().any(
+            |c| c["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        ),
+        "{events:?}"
+    );
+    // Not forced: the random model writes no call.
+    let (st, v) = srv.post(
+        "/v1/chat/completions",
+        &json!({"messages": user, "tools": weather_tools(), "max_tokens": 40, "temperature": 1.0, "seed": 0}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_ne!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    assert_ne!(v["choices"][0]["token_ids"][0], 255, "{v}");
 }

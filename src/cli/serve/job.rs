@@ -210,6 +210,13 @@ impl Job {
                     self.events.cancel(i);
                     return Ok(Update::Token(i, rec));
                 }
+                let eos = !p.ignore_eos && self.st.eos_token_ids.contains(&rec.token);
+                if eos && !p.skip_special && p.stop_trim == StopTrim::Before {
+                    // The end of the sequence is no text of the reply, as a stop token's
+                    // is not (it shows only where special tokens are kept).
+                    c.text = self.st.decode_with(&tokens[..tokens.len() - 1], false);
+                    return Ok(Update::Token(i, rec));
+                }
                 c.text = self.st.decode_with(&tokens, p.skip_special);
                 let hit = p
                     .stop

@@ -110,7 +110,12 @@ pub(super) async fn chat_completions(
             }
         };
         let mut p = req.common.params(max_tokens, logprobs, st.max_n)?;
-        let forced = active.and_then(|t| t.forced(tmpl.tool_format));
+        let mistral = tmpl.tool_format == super::tools::Format::Mistral;
+        let marker = st
+            .tokenizer()
+            .filter(|_| mistral)
+            .and_then(super::tools::mistral_marker);
+        let forced = active.and_then(|t| t.forced(tmpl.tool_format, marker));
         let requested = match (req.common.requested()?, forced) {
             (Some(r), Some(_)) => {
                 return Err(ApiError::bad(
@@ -125,6 +130,11 @@ pub(super) async fn chat_completions(
         };
         p.constraint = st.compile(requested).await?;
         p.tool_format = active.map(|_| tmpl.tool_format);
+        if active.is_some() && marker.is_some() {
+            // The reply keeps its special tokens where `[TOOL_CALLS]` is one, or no call
+            // could be found in it (vLLM's Mistral parser does the same).
+            p.skip_special = false;
+        }
         st.seed(&mut p);
         st.check_prompt(&prompt, max_tokens)?;
         run_job(Job::submit(&st, vec![prompt], p, true)?).await

@@ -161,7 +161,7 @@ struct Generate {
     start_len: Option<usize>,
     text_in_logprobs: bool,
     stream: bool,
-    /// `json_schema` or `regex`.
+    /// `json_schema`, `regex` or `ebnf`.
     constraint: Option<super::structured::Requested>,
 }
 
@@ -195,14 +195,7 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
                 "sampling_params is not supported as a list: give one object for the whole batch",
             )),
         };
-    // SGLang's `ebnf` is GBNF (`root ::= ...`), which llguidance does not read: a grammar
-    // goes to /v1/completions as `structured_outputs.grammar`, in Lark syntax.
     for (name, v, why) in [
-        (
-            "ebnf",
-            &sp.ebnf,
-            "give the grammar in Lark syntax as structured_outputs.grammar on /v1/completions",
-        ),
         (
             "structural_tag",
             &sp.structural_tag,
@@ -218,7 +211,11 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
         }
     }
     let mut found = Vec::new();
-    for (name, v) in [("json_schema", &sp.json_schema), ("regex", &sp.regex)] {
+    for (name, v) in [
+        ("json_schema", &sp.json_schema),
+        ("regex", &sp.regex),
+        ("ebnf", &sp.ebnf),
+    ] {
         if let Some(v) = v.as_ref().filter(|v| !is_neutral(v)) {
             found.push(super::structured::from_field(name, v)?);
         }

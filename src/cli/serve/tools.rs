@@ -10,9 +10,10 @@
 //!   one block per call;
 //! - Llama 3.1 / 3.2: the whole reply is `{"name": ..., "parameters": {...}}` (after an
 //!   optional `<|python_tag|>`), calls separated by `; `;
-//! - Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (parsed; a forced call
-//!   is not constrained, since `[TOOL_CALLS]` is a special token a text grammar cannot
-//!   write).
+//! - Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; `[TOOL_CALLS]` is a
+//!   special token in Mistral's tokenizers, which the grammar of a forced call names by id
+//!   and the reply keeps (special tokens are not skipped from it, as vLLM's Mistral parser
+//!   asks) so that the call can be found.
 
 use std::borrow::Cow;
 
@@ -167,17 +168,17 @@ impl Tools {
     /// The output constraint of a forced call in `format`: one call (a named function, or
     /// `parallel_tool_calls` false) or one or more, each `{"name", "arguments"}` with the
     /// arguments following the function's `parameters` schema. None where nothing is
-    /// forced, or the format cannot be written by a text grammar (Mistral).
-    pub fn forced(&self, format: Format) -> Option<Requested> {
+    /// forced. `mistral_marker` is the id of the special token `[TOOL_CALLS]` where the
+    /// tokenizer has one (else the marker is written as text).
+    pub fn forced(&self, format: Format, mistral_marker: Option<u32>) -> Option<Requested> {
         let names: Vec<&str> = match &self.choice {
             Choice::Required => self.list.iter().filter_map(name_of).collect(),
             Choice::Named(n) => vec![n.as_str()],
             Choice::None | Choice::Auto => return None,
         };
         let args_key = match format {
-            Format::Hermes => "arguments",
+            Format::Hermes | Format::Mistral => "arguments",
             Format::Llama3 => "parameters",
-            Format::Mistral => return None,
         };
         let calls: Vec<Value> = names
             .iter()
@@ -215,13 +216,30 @@ impl Tools {
                 format!("start: \"<tool_call>\\n\" obj \"\\n</tool_call>\"\nobj: %json {schema}\n")
             }
             Format::Llama3 if many => format!("start: obj (\"; \" obj)*\nobj: %json {schema}\n"),
-            _ => format!("start: obj\nobj: %json {schema}\n"),
+            Format::Llama3 => format!("start: obj\nobj: %json {schema}\n"),
+            Format::Mistral => {
+                let marker = match mistral_marker {
+                    Some(id) => format!("<[{id}]>"),
+                    None => "\"[TOOL_CALLS]\"".to_string(),
+                };
+                let more = if many { " (\", \" obj)*" } else { "" };
+                format!("start: {marker} \"[\" obj{more} \"]\"\nobj: %json {schema}\n")
+            }
         };
         Some(Requested {
             spec: Spec::Lark(grammar),
             param: Cow::Borrowed("tools"),
         })
     }
+}
+
+/// The id of Mistral's `[TOOL_CALLS]` where the tokenizer has it as a special token.
+pub fn mistral_marker(tok: &tokenizers::Tokenizer) -> Option<u32> {
+    tok.get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special && t.content == "[TOOL_CALLS]")
+        .map(|(id, _)| id)
+        .min()
 }
 
 fn name_of(t: &Value) -> Option<&str> {
@@ -506,7 +524,7 @@ mod tests {
         let none = Tools::from_request(Some(&weather()), Some(&json!("none")), None)
             .unwrap()
             .unwrap();
-        assert!(!none.active() && none.forced(Format::Hermes).is_none());
+        assert!(!none.active() && none.forced(Format::Hermes, None).is_none());
     }
 
     #[test]
@@ -565,7 +583,7 @@ mod tests {
         let Some(Requested {
             spec: Spec::Lark(g),
             ..
-        }) = t.forced(Format::Hermes)
+        }) = t.forced(Format::Hermes, None)
         else {
             panic!("no grammar")
         };
@@ -587,6 +605,28 @@ mod tests {
     }
 
     #[test]
+    fn a_forced_mistral_call_starts_with_its_special_token() {
+        use super::super::structured::tests::byte_engine;
+        let t = Tools::from_request(Some(&weather()), Some(&json!("required")), None)
+            .unwrap()
+            .unwrap();
+        // The byte tokenizer's special token 256 stands for `[TOOL_CALLS]`.
+        let r = t.forced(Format::Mistral, Some(256)).unwrap();
+        let Spec::Lark(g) = &r.spec else {
+            panic!("{r:?}")
+        };
+        assert!(
+            g.starts_with("start: <[256]> \"[\" obj (\", \" obj)* \"]\""),
+            "{g}"
+        );
+        let (con, _) = byte_engine().compile(&r).unwrap().start();
+        assert_eq!(con.allowed(&[]).count(), 1);
+        assert!(con.allowed(&[]).allows(256));
+        assert_eq!(con.allowed(&[256]).count(), 1);
+        assert!(con.allowed(&[256]).allows(b'[' as u32));
+    }
+
+    #[test]
     fn a_forced_tool_call_parses_and_follows_its_schema() {
         use super::super::structured::tests::{byte_engine, follow};
         let tools = json!([{"type": "function", "function": {"name": "get_weather",
@@ -604,11 +644,12 @@ mod tests {
                 json!({"type": "function", "function": {"name": "get_weather"}}),
                 Format::Llama3,
             ),
+            (json!("required"), Format::Mistral),
         ] {
             let t = Tools::from_request(Some(&tools), Some(&choice), Some(false))
                 .unwrap()
                 .unwrap();
-            let c = e.compile(&t.forced(format).unwrap()).unwrap();
+            let c = e.compile(&t.forced(format, None).unwrap()).unwrap();
             for k in 0..4usize {
                 let (text, ended) = follow(&c.start().0, 300, |a, step| {
                     if a.contains(&257) {

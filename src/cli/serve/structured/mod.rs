@@ -7,9 +7,11 @@
 //! The request fields (docs/serving.md, *Structured output*): OpenAI's `response_format`
 //! (`json_object`, `json_schema`), vLLM's `structured_outputs` (`json`, `regex`, `choice`,
 //! `grammar`, `json_object`) and its older `guided_json`, `guided_regex`, `guided_choice`,
-//! `guided_grammar`, and SGLang's `json_schema` and `regex` sampling parameters. Grammars
-//! are in llguidance's Lark syntax.
+//! `guided_grammar`, and SGLang's `json_schema`, `regex` and `ebnf` sampling parameters.
+//! A grammar is in llguidance's Lark syntax or in GBNF (`root ::= ...`, llama.cpp's), which
+//! [`gbnf`] writes as Lark, as both servers' llguidance backends read either.
 
+pub mod gbnf;
 mod vocab;
 
 use std::borrow::Cow;
@@ -35,7 +37,7 @@ pub enum Spec {
     JsonObject,
     JsonSchema(Value),
     Regex(String),
-    /// llguidance's Lark syntax.
+    /// llguidance's Lark syntax (a GBNF grammar already written as Lark).
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
@@ -83,6 +85,18 @@ fn short(s: &str) -> String {
         Some((at, _)) => format!("{}...", &s[..at]),
         None => s.to_string(),
     }
+}
+
+/// A grammar in Lark or GBNF syntax, as Lark; a GBNF grammar that cannot be read is
+/// refused naming the field.
+fn grammar_of(param: &str, v: &Value) -> Result<Spec, ApiError> {
+    let g = string_of(param, v)?;
+    if !gbnf::is_gbnf(&g) {
+        return Ok(Spec::Lark(g));
+    }
+    gbnf::to_lark(&g)
+        .map(Spec::Lark)
+        .map_err(|e| bad(param, format!("invalid GBNF grammar in {param}: {e}")))
 }
 
 /// A JSON schema given as an object or as its JSON text (SGLang and vLLM take both).
@@ -228,7 +242,7 @@ pub fn from_structured_outputs(v: &Value) -> Result<Option<Requested>, ApiError>
             "json" => Spec::JsonSchema(schema_of(&param, x)?),
             "regex" => Spec::Regex(string_of(&param, x)?),
             "choice" => Spec::Choice(choices_of(&param, x)?),
-            "grammar" => Spec::Lark(string_of(&param, x)?),
+            "grammar" => grammar_of(&param, x)?,
             _ => Spec::JsonObject,
         };
         if found.is_some() {
@@ -243,14 +257,14 @@ pub fn from_structured_outputs(v: &Value) -> Result<Option<Requested>, ApiError>
 }
 
 /// vLLM's older top-level fields (`guided_json`, ...) and SGLang's sampling parameters
-/// (`json_schema`, `regex`), by name.
+/// (`json_schema`, `regex`, `ebnf`), by name.
 pub fn from_field(name: &'static str, v: &Value) -> Result<Requested, ApiError> {
     let param: Cow<'static, str> = name.into();
     let spec = match name {
         "guided_json" | "json_schema" => Spec::JsonSchema(schema_of(&param, v)?),
         "guided_regex" | "regex" => Spec::Regex(string_of(&param, v)?),
         "guided_choice" => Spec::Choice(choices_of(&param, v)?),
-        "guided_grammar" => Spec::Lark(string_of(&param, v)?),
+        "guided_grammar" | "ebnf" => grammar_of(&param, v)?,
         _ => return Err(bad(&param, format!("{name} is not supported"))),
     };
     Ok(Requested { spec, param })
@@ -734,6 +748,92 @@ pub(crate) mod tests {
             .compile(&from_field("guided_regex", &json!("a")).unwrap())
             .unwrap_err();
         assert!(err.message.contains("tokenizer"), "{}", err.message);
+    }
+
+    /// Whether `s` is a sum or difference of numbers without leading zeros, parenthesised
+    /// at will: the arithmetic grammar below.
+    fn is_sum(s: &str) -> bool {
+        fn expr(b: &[u8], i: &mut usize) -> bool {
+            if !term(b, i) {
+                return false;
+            }
+            while *i < b.len() && (b[*i] == b'+' || b[*i] == b'-') {
+                *i += 1;
+                if !term(b, i) {
+                    return false;
+                }
+            }
+            true
+        }
+        fn term(b: &[u8], i: &mut usize) -> bool {
+            if b.get(*i) == Some(&b'(') {
+                *i += 1;
+                return expr(b, i) && b.get(*i) == Some(&b')') && {
+                    *i += 1;
+                    true
+                };
+            }
+            let start = *i;
+            while b.get(*i).is_some_and(u8::is_ascii_digit) {
+                *i += 1;
+            }
+            let n = *i - start;
+            n > 0 && n <= 4 && (n == 1 || b[start] != b'0')
+        }
+        let mut i = 0;
+        expr(s.as_bytes(), &mut i) && i == s.len()
+    }
+
+    #[test]
+    fn gbnf_and_lark_grammars_are_followed() {
+        let e = byte_engine();
+        let gbnf = "root ::= expr\nexpr ::= term ((\"+\" | \"-\") term)*\n\
+                    term ::= num | \"(\" expr \")\"\nnum ::= [1-9] [0-9]{0,3} | \"0\"\n";
+        let lark = "start: expr\nexpr: term ((\"+\" | \"-\") term)*\n\
+                    term: num | \"(\" expr \")\"\nnum: /[1-9][0-9]{0,3}/ | \"0\"\n";
+        for (field, g) in [
+            ("ebnf", gbnf),
+            ("guided_grammar", gbnf),
+            ("guided_grammar", lark),
+        ] {
+            let c = e.compile(&from_field(field, &json!(g)).unwrap()).unwrap();
+            let mut seen = std::collections::HashSet::new();
+            for k in 0..12usize {
+                // Varied walks; EOS taken once the text is 12 bytes or more.
+                let (text, ended) = follow(&c.start().0, 64, |a, step| {
+                    if a.contains(&257) && (step >= 12 || k % 3 == 0) {
+                        257
+                    } else {
+                        let a: Vec<u32> = a.iter().copied().filter(|&t| t != 257).collect();
+                        a[(step * 5 + k * 3) % a.len()]
+                    }
+                });
+                assert!(ended && is_sum(&text), "{field}: {text:?}");
+                seen.insert(text);
+            }
+            assert!(seen.len() > 3, "{seen:?}");
+        }
+        // Alternatives that share a prefix: both reachable.
+        let c = e
+            .compile(&from_field("ebnf", &json!("root ::= (\"a\" | \"ab\") \"c\"")).unwrap())
+            .unwrap();
+        let (con, _) = c.start();
+        let m = con.allowed(&[b'a' as u32]);
+        assert!(m.allows(b'b' as u32) && m.allows(b'c' as u32), "{m:?}");
+        assert_eq!(
+            con.allowed(&[b'a' as u32, b'b' as u32]),
+            TokenMask::Ids(vec![b'c' as u32])
+        );
+        // A GBNF grammar that cannot be read, or llguidance refuses, names its field.
+        let err = from_field("ebnf", &json!("root ::= undefined-rule")).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("ebnf"));
+        assert!(err.message.contains("undefined-rule"), "{}", err.message);
+        let r = from_structured_outputs(&json!({"grammar": "root ::= [a-z]{5,2}"}));
+        let err = r.unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("structured_outputs.grammar"));
+        let r = from_field("ebnf", &json!("root ::= \"a\"{0,0}")).unwrap();
+        let err = e.compile(&r).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("ebnf"), "{}", err.message);
     }
 
     #[test]
