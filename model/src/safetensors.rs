@@ -172,6 +172,49 @@ impl SafeFile {
         })
     }
 
+    /// Many tensors' raw little-endian bytes held in one buffer, tensor `i` at
+    /// `ranges[i]` (a packed broadcast, `batching::packed`): no copy is cut out of it.
+    pub fn from_packed(
+        label: &Path,
+        bytes: Vec<u8>,
+        tensors: &[crate::batching::TensorMeta],
+        ranges: Vec<Range<usize>>,
+    ) -> MResult<Self> {
+        let mut infos = HashMap::with_capacity(tensors.len());
+        for (t, data) in tensors.iter().zip(ranges) {
+            let want = t.bytes();
+            if want != Some(data.len()) || data.end > bytes.len() {
+                return Err(st_err(
+                    label,
+                    format!(
+                        "tensor {:?}: bytes {data:?} of {}, but shape {:?} × {} needs {want:?}",
+                        t.name,
+                        bytes.len(),
+                        t.shape,
+                        t.dtype.name()
+                    ),
+                ));
+            }
+            let info = TensorInfo {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data,
+            };
+            if infos.insert(t.name.clone(), info).is_some() {
+                return Err(st_err(
+                    label,
+                    format!("tensor {:?} is listed twice", t.name),
+                ));
+            }
+        }
+        Ok(SafeFile {
+            path: label.to_path_buf(),
+            data: Storage::Owned(bytes),
+            data_start: 0,
+            tensors: infos,
+        })
+    }
+
     /// Bytes held (the whole image for an in-memory file, the mapping for a file).
     pub fn len_bytes(&self) -> usize {
         self.data.len()
