@@ -155,7 +155,7 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
     let token_ids = top
         .remove("token_ids")
         .ok_or_else(|| ApiError::bad("token_ids", "token_ids is required"))?;
-    if !token_ids.as_array().is_some_and(|a| !a.is_empty()) {
+    if token_ids.as_array().is_none_or(|a| a.is_empty()) {
         return Err(ApiError::bad(
             "token_ids",
             "token_ids must be a non-empty list of token ids",
