@@ -211,6 +211,10 @@ fn generate_fields_arbor_cannot_honour_are_named() {
             json!({"token_ids": PROMPT, "sampling_params": {}, "echo": true}),
             "echo",
         ),
+        (
+            json!({"token_ids": PROMPT, "sampling_params": {}, "request_id": "r".repeat(300)}),
+            "request_id",
+        ),
     ] {
         let (st, v) = s.post("/inference/v1/generate", &body);
         assert_eq!(st, 400, "{body} -> {v}");

@@ -248,8 +248,13 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
     })
 }
 
-/// A refused field of `sampling_params` named where the client put it.
+/// A refused field of `sampling_params` named where the client put it (and `rid` as the
+/// `request_id` it came from).
 fn in_sampling(mut e: ApiError, from_sampling: &[String]) -> ApiError {
+    if e.param.as_deref() == Some("rid") {
+        e.message = e.message.replace("rid", "request_id");
+        e.param = Some("request_id".into());
+    }
     if let Some(p) = e.param.as_deref() {
         if from_sampling.iter().any(|k| k == p) {
             let named = format!("sampling_params.{p}");
