@@ -172,6 +172,49 @@ impl SafeFile {
         })
     }
 
+    /// Many tensors' raw little-endian bytes held in one buffer, tensor `i` at
+    /// `ranges[i]` (a packed broadcast, `batching::packed`): no copy is cut out of it.
+    pub fn from_packed(
+        label: &Path,
+        bytes: Vec<u8>,
+        tensors: &[crate::batching::TensorMeta],
+        ranges: Vec<Range<usize>>,
+    ) -> MResult<Self> {
+        let mut infos = HashMap::with_capacity(tensors.len());
+        for (t, data) in tensors.iter().zip(ranges) {
+            let want = t.bytes();
+            if want != Some(data.len()) || data.end > bytes.len() {
+                return Err(st_err(
+                    label,
+                    format!(
+                        "tensor {:?}: bytes {data:?} of {}, but shape {:?} × {} needs {want:?}",
+                        t.name,
+                        bytes.len(),
+                        t.shape,
+                        t.dtype.name()
+                    ),
+                ));
+            }
+            let info = TensorInfo {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data,
+            };
+            if infos.insert(t.name.clone(), info).is_some() {
+                return Err(st_err(
+                    label,
+                    format!("tensor {:?} is listed twice", t.name),
+                ));
+            }
+        }
+        Ok(SafeFile {
+            path: label.to_path_buf(),
+            data: Storage::Owned(bytes),
+            data_start: 0,
+            tensors: infos,
+        })
+    }
+
     /// Bytes held (the whole image for an in-memory file, the mapping for a file).
     pub fn len_bytes(&self) -> usize {
         self.data.len()
@@ -540,6 +583,53 @@ pub fn build_header(entries: &[(String, DType, Vec<usize>)]) -> (Vec<u8>, usize)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_tensors_read_back_at_unaligned_offsets() {
+        use crate::batching::packed::unpack;
+        use crate::batching::TensorMeta;
+        // A bf16 [3] (6 bytes), then an f32 [2, 2] at offset 6, then an f16 [1]: laid as
+        // a trainer's `torch.cat` of their uint8 views does.
+        let a = [1.5f32, -2.0, 0.25].map(|v| bf16::from_f32(v).to_bits().to_le_bytes());
+        let b = [3.0f32, 4.0, -5.5, 6.0].map(f32::to_le_bytes);
+        let h = f16::from_f32(7.0).to_bits().to_le_bytes();
+        let bytes: Vec<u8> = a
+            .iter()
+            .flatten()
+            .chain(b.iter().flatten())
+            .chain(h.iter())
+            .copied()
+            .collect();
+        let meta = |name: &str, dtype, shape: &[usize]| TensorMeta {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        };
+        let ts = [
+            meta("a", DType::BF16, &[3]),
+            meta("b", DType::F32, &[2, 2]),
+            meta("h", DType::F16, &[1]),
+        ];
+        let ranges = unpack(bytes.len(), &ts).unwrap();
+        let f = SafeFile::from_packed(Path::new("packed"), bytes, &ts, ranges).unwrap();
+        let read = |name: &str, k: usize, rows: usize| {
+            let info = &f.tensors[name];
+            f.read_block(name, info, k, 0..rows, 0..k)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(read("a", 3, 1), [1.5, -2.0, 0.25]);
+        assert_eq!(read("b", 2, 2), [3.0, 4.0, -5.5, 6.0]);
+        assert_eq!(read("h", 1, 1), [7.0]);
+        // A range that disagrees with the tensor's shape names it.
+        let whole = std::iter::once(0..8).collect();
+        let e = SafeFile::from_packed(Path::new("packed"), vec![0; 8], &ts[..1], whole)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("tensor \"a\""), "{e}");
+    }
 
     fn file_with(header: &str, data_len: usize) -> Vec<u8> {
         let mut f = (header.len() as u64).to_le_bytes().to_vec();

@@ -12,6 +12,8 @@
 #      (no commit: the last bucket applies). The probe must give B's disk bits.
 #   3. vLLM style (--style vllm): StatelessProcessGroup + PyNcclCommunicator, then A one
 #      tensor per call. The probe must give A's disk bits.
+#   4. vLLM's weight-transfer API with the packed layout (--style packed); see below.
+#   `bash scripts/gpu/rendezvous-check.sh packed` runs steps 1 and 4 only.
 # PASS/FAIL per step; the last line says RENDEZVOUS CHECK: PASS or FAIL.
 set -uo pipefail
 T0=$(date +%s)
@@ -84,17 +86,33 @@ trainer() { # trainer STYLE MODEL VERSION STORE_PORT
         --style "$1" --port "$4" --version "$3"
 }
 
-if trainer sglang "$WORK/B" sglang-B 29561; then
+ONLY=${1:-all}
+if [[ $ONLY == packed ]]; then
+    # The packed step alone: A serves, B is pushed.
+    disk "$WORK/A" disk-A
+elif trainer sglang "$WORK/B" sglang-B 29561; then
     P=$(probe); note "probe after the SGLang-style push: $P"
     [[ $(version "$P") == sglang-B ]] || fail "version after the SGLang-style push: $(version "$P")"
     [[ $(bits "$P") == $(bits "$PB") ]] && note "PASS  SGLang style: B's bits, as from disk" || fail "SGLang style: bits differ from B from disk"
 else
     FAILED=1
 fi
-if trainer vllm "$WORK/A" vllm-A 29562; then
+if [[ $ONLY == packed ]]; then
+    :
+elif trainer vllm "$WORK/A" vllm-A 29562; then
     P=$(probe); note "probe after the vLLM-style push: $P"
     [[ $(version "$P") == vllm-A ]] || fail "version after the vLLM-style push: $(version "$P")"
     [[ $(bits "$P") == $(bits "$PA") ]] && note "PASS  vLLM style: A's bits, as from disk" || fail "vLLM style: bits differ from A from disk"
+else
+    FAILED=1
+fi
+# 4. vLLM's weight-transfer API, packed (--style packed, or `rendezvous-check.sh packed`
+#    for this step alone): B in 64 KiB uint8 buffers; the probe must give B's disk bits.
+if trainer packed "$WORK/B" packed-B 29563; then
+    P=$(probe); note "probe after the packed push: $P"
+    [[ $(version "$P") == packed-B ]] || fail "version after the packed push: $(version "$P")"
+    [[ $(bits "$P") == $(bits "$PB") ]] && note "PASS  vLLM packed: B's bits, as from disk" || fail "vLLM packed: bits differ from B from disk"
+    grep -h "received packed tensors" "$OUT/rendezvous-serve.log" | tail -n 1 >>"$SUMMARY"
 else
     FAILED=1
 fi

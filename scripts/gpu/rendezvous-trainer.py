@@ -14,6 +14,10 @@ way the RL frameworks' trainers do:
                   ncclCommInitRank, a one-element all-reduce to warm up), copied below
                   without vLLM; then one /update_weights_from_distributed per tensor, as
                   OpenRLHF's and TRL's clients send them.
+  --style packed  vLLM's weight-transfer API: /init_weight_transfer_engine (the vLLM-style
+                  group), then /start_weight_update, one /update_weights with packed: true
+                  while the tensors go in a few uint8 buffers (vLLM's packed layout), and
+                  /finish_weight_update.
 
     python3 scripts/gpu/rendezvous-trainer.py --server 127.0.0.1:8000 --model DIR \
         --device cuda:1 --style sglang --port 29555 --version sglang-B
@@ -190,16 +194,106 @@ def vllm_style(args, weights, world, dev):
     return last
 
 
+def pack_buffers(weights: dict[str, torch.Tensor], buffer_bytes: int) -> list[torch.Tensor]:
+    """vLLM's packed layout (vllm/distributed/weight_transfer/packed_tensor.py,
+    `pack_tensors`): each tensor's bytes back to back in a uint8 buffer, the buffer closed
+    after the tensor that takes it past `buffer_bytes`."""
+    buffers, flat, total = [], [], 0
+    for t in weights.values():
+        b = t.contiguous().view(torch.uint8).view(-1)
+        flat.append(b)
+        total += b.numel()
+        if total > buffer_bytes:
+            buffers.append(torch.cat(flat))
+            flat, total = [], 0
+    if flat:
+        buffers.append(torch.cat(flat))
+    return buffers
+
+
+def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], world: int,
+                 dev: torch.device) -> tuple[int, dict]:
+    """vLLM's weight-transfer API (NCCLWeightTransferEngine.trainer_init and
+    trainer_send_weights with packed=True, as SkyRL's broadcast_strategy.py and NeMo-RL
+    drive it): /init_weight_transfer_engine while the trainer makes the group vLLM style,
+    /start_weight_update, /update_weights (names, dtype_names, shapes, packed) while the
+    packed uint8 buffers are broadcast, /finish_weight_update."""
+    nccl = Nccl(args.nccl or find_nccl())
+    lib = nccl.lib
+    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ncclAllReduce.restype = ctypes.c_int
+    th, res = in_thread(args.server, "/init_weight_transfer_engine", {"init_info": {
+        "master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1,
+        "world_size": world}})
+    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listen.bind(("127.0.0.1", args.port))
+    listen.listen()
+    store = dist.TCPStore(host_name="127.0.0.1", port=args.port, world_size=world,
+                          is_master=True, timeout=timedelta(seconds=300), use_libuv=False,
+                          master_listen_fd=listen.fileno())
+    uid = nccl.unique_id()
+    vuid = stub_vllm_id_class()()
+    ctypes.memmove(ctypes.addressof(vuid), ctypes.addressof(uid), 128)
+    store.set("broadcast_from/0/0", pickle.dumps(vuid))
+    th.join()
+    check(*res[0], "init_weight_transfer_engine")
+    comm = nccl.init_rank(world, uid, 0)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    warm = torch.zeros(1, device=dev)
+    nccl.check(lib.ncclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
+                                 1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
+               "ncclAllReduce (warm-up)")
+    torch.cuda.synchronize()
+    status, body = post(args.server, "/start_weight_update", {"is_checkpoint_format": True})
+    check(status, body, "start_weight_update")
+    names = list(weights)
+    buffers = pack_buffers(weights, args.packed_buffer_bytes)
+    th, res = in_thread(args.server, "/update_weights", {"update_info": {
+        "names": names, "dtype_names": [NAMES[weights[n].dtype] for n in names],
+        "shapes": [list(weights[n].shape) for n in names], "packed": True,
+        "packed_buffer_size_bytes": args.packed_buffer_bytes, "packed_num_buffers": 2}})
+    ncclUint8 = 1
+    for b in buffers:
+        ptr = ctypes.c_void_p(b.data_ptr())
+        nccl.check(lib.ncclBroadcast(ptr, ptr, b.numel(), ncclUint8, 0, comm,
+                                     ctypes.c_void_p(stream)), "ncclBroadcast (packed)")
+    torch.cuda.synchronize()
+    th.join()
+    check(*res[0], f"update_weights ({len(names)} tensors in {len(buffers)} packed buffers)")
+    status, body = post(args.server, "/finish_weight_update", {})
+    check(status, body, "finish_weight_update")
+    # vLLM's API names no version: arbor's (SGLang's) route sets the one the check reads.
+    status, body = post(args.server, "/update_weight_version", {"new_version": args.version})
+    check(status, body, "update_weight_version")
+    nccl.destroy(comm)
+    del store
+    try:
+        listen.close()
+    except OSError:
+        pass  # the store took the socket over and closed it
+    return 200, {"weight_version": args.version}
+
+
+def post(server: str, path: str, body: dict) -> tuple[int, dict]:
+    th, res = in_thread(server, path, body)
+    th.join()
+    return res[0]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--server", required=True)
     ap.add_argument("--model", required=True, help="the model directory to push")
     ap.add_argument("--device", default="cuda:1")
-    ap.add_argument("--style", choices=["sglang", "vllm"], required=True)
+    ap.add_argument("--style", choices=["sglang", "vllm", "packed"], required=True)
     ap.add_argument("--port", type=int, required=True, help="the trainer's TCPStore port")
     ap.add_argument("--version", required=True)
     ap.add_argument("--bucket", type=int, default=8, help="tensors per bucket (sglang style)")
     ap.add_argument("--nccl", default=None, help="libnccl to load (default: torch's)")
+    ap.add_argument("--packed-buffer-bytes", type=int, default=1 << 16,
+                    help="packed_buffer_size_bytes (packed style; small, for several buffers)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
@@ -209,6 +303,8 @@ def main():
     t0 = time.time()
     if args.style == "sglang":
         status, body = sglang_style(args, weights, world)
+    elif args.style == "packed":
+        status, body = packed_style(args, weights, world, dev)
     else:
         status, body = vllm_style(args, weights, world, dev)
     applied = status == 200 and body.get("weight_version") == args.version

@@ -61,6 +61,10 @@ pub enum ControlOp {
     Stage { bytes: Vec<u8>, commit: Commit },
     /// The staged tensors replace the weights (a commit without a part).
     Commit(UpdateReq),
+    /// The end of an update whose parts commit once complete (vLLM's
+    /// `finish_weight_update`): commits what is staged; with nothing staged (the last
+    /// part applied it), nothing to do.
+    Finish(UpdateReq),
     /// Drop the staged tensors.
     Discard,
     /// Join a trainer's NCCL group (`init_weights_update_group`).
@@ -77,6 +81,8 @@ pub enum ControlOp {
         group: String,
         tensors: Vec<TensorMeta>,
         timeout_s: f64,
+        /// vLLM's packed layout with this buffer size (`ControlMsg::Receive`).
+        packed: Option<usize>,
         commit: Commit,
     },
     /// Leave the trainer's group (`destroy_weights_update_group`).

@@ -31,3 +31,4 @@ mod server;
 mod sources;
 mod trainer;
 mod updates;
+mod vllm;

@@ -500,6 +500,10 @@ pub trait WeightsGroup: Send {
         timeout: std::time::Duration,
     ) -> BResult<Vec<u8>>;
 
+    /// Receives one broadcast of `bytes` raw bytes (a `uint8` buffer: vLLM's packed
+    /// layout) into host memory, as [`WeightsGroup::receive`] does.
+    fn receive_bytes(&mut self, bytes: usize, timeout: std::time::Duration) -> BResult<Vec<u8>>;
+
     /// A sum all-reduce of one f32 zero with every member, as vLLM's `PyNcclCommunicator`
     /// runs right after it joins (its members wait for it), waiting at most `timeout`.
     fn warm_up(&mut self, timeout: std::time::Duration) -> BResult<()>;

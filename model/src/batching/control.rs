@@ -68,11 +68,13 @@ pub enum ControlMsg {
     /// in errors.
     Stage { label: String, bytes: Vec<u8> },
     /// Receive `tensors`, in order, from the trainer over the NCCL group `group`, and
-    /// stage them.
+    /// stage them: one broadcast per tensor, or with `packed` (vLLM's
+    /// `packed_buffer_size_bytes`) in `uint8` buffers of many tensors ([`super::packed`]).
     Receive {
         group: String,
         tensors: Vec<TensorMeta>,
         timeout_s: f64,
+        packed: Option<usize>,
     },
     /// Drop the staged tensors.
     Discard,

@@ -11,6 +11,7 @@
 
 pub mod control;
 pub mod kv;
+pub mod packed;
 pub mod plan;
 pub mod scheduler;
 

@@ -316,7 +316,8 @@ impl<B: Backend> Worker<B> {
                 group,
                 tensors,
                 timeout_s,
-            } => self.receive(group, tensors, Duration::from_secs_f64(*timeout_s)),
+                packed,
+            } => self.receive(group, tensors, *packed, Duration::from_secs_f64(*timeout_s)),
             ControlMsg::Discard | ControlMsg::FlushCache => Ok(()),
             ControlMsg::Update(src) => {
                 self.make_room_for_update()?;
@@ -689,7 +690,13 @@ impl<B: Backend> Worker<B> {
     /// Receives `tensors` from the trainer over the NCCL group and stages them. Every
     /// tensor is received before any is checked, so the trainer's broadcasts never wait
     /// on a refusal.
-    fn receive(&mut self, group: &str, tensors: &[TensorMeta], timeout: Duration) -> MResult<()> {
+    fn receive(
+        &mut self,
+        group: &str,
+        tensors: &[TensorMeta],
+        packed: Option<usize>,
+        timeout: Duration,
+    ) -> MResult<()> {
         let rank = self.backend.rank();
         let g = match &mut self.updates.group {
             Some((name, g)) if name == group => g,
@@ -707,6 +714,9 @@ impl<B: Backend> Worker<B> {
         };
         let g = g.joined(rank, timeout)?;
         let t0 = std::time::Instant::now();
+        if let Some(buffer_bytes) = packed {
+            return self.receive_packed(tensors, buffer_bytes, timeout, t0);
+        }
         let mut files = Vec::with_capacity(tensors.len());
         let mut total = 0usize;
         for t in tensors {
@@ -732,6 +742,52 @@ impl<B: Backend> Worker<B> {
             .into_iter()
             .map(|(t, data)| SafeFile::from_tensor(label, &t.name, t.dtype, t.shape.clone(), data))
             .collect::<MResult<Vec<_>>>()?;
+        self.stage(files)
+    }
+
+    /// vLLM's packed layout: a few `uint8` broadcasts, each holding many of `tensors`
+    /// back to back (`batching::packed`). Each buffer comes to the host whole, as a
+    /// tensor of the unpacked layout does, and is staged as it is: its tensors are ranges
+    /// of it, cut into this rank's shard at the update like any staged tensor.
+    fn receive_packed(
+        &mut self,
+        tensors: &[TensorMeta],
+        buffer_bytes: usize,
+        timeout: Duration,
+        t0: std::time::Instant,
+    ) -> MResult<()> {
+        let rank = self.backend.rank();
+        let bad = |e: crate::batching::packed::PackError| ModelError::BadRequest {
+            id: 0,
+            msg: e.to_string(),
+        };
+        let buffers = crate::batching::packed::plan(tensors, buffer_bytes).map_err(bad)?;
+        let Some((_, g)) = &mut self.updates.group else {
+            return Err(ModelError::Unavailable(
+                "no weight-update group: init it first".into(),
+            ));
+        };
+        let g = g.joined(rank, timeout)?;
+        let label = Path::new("packed buffers received over NCCL");
+        let mut files = Vec::with_capacity(buffers.len());
+        let mut total = 0usize;
+        for b in &buffers {
+            let data = g
+                .receive_bytes(b.bytes, timeout)
+                .map_err(|source| ModelError::Backend { rank, source })?;
+            let list = &tensors[b.tensors.clone()];
+            let ranges = crate::batching::packed::unpack(data.len(), list).map_err(bad)?;
+            total += data.len();
+            files.push(SafeFile::from_packed(label, data, list, ranges)?);
+        }
+        tracing::info!(
+            rank,
+            tensors = tensors.len(),
+            buffers = buffers.len(),
+            bytes = total,
+            seconds = t0.elapsed().as_secs_f64(),
+            "received packed tensors from the trainer"
+        );
         self.stage(files)
     }
 }

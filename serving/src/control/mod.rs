@@ -165,6 +165,7 @@ impl Control {
                 ControlOp::FromDisk { path, update } => self.update_from_disk(cx, path, update)?,
                 ControlOp::Stage { bytes, commit } => self.stage(cx, bytes, commit)?,
                 ControlOp::Commit(update) => self.commit(cx, update)?,
+                ControlOp::Finish(update) => self.finish(cx, update)?,
                 ControlOp::Discard => self.discard(cx)?,
                 ControlOp::InitGroup {
                     name,
@@ -177,8 +178,9 @@ impl Control {
                     group,
                     tensors,
                     timeout_s,
+                    packed,
                     commit,
-                } => self.receive(cx, group, tensors, timeout_s, commit)?,
+                } => self.receive(cx, group, tensors, timeout_s, packed, commit)?,
                 ControlOp::DestroyGroup { name } => self.destroy_group(cx, name)?,
                 ControlOp::Pause(mode) => self.pause(cx, mode),
                 ControlOp::Continue => self.continue_generation(cx),

@@ -62,6 +62,20 @@ impl Control {
         self.update(cx, UpdateSource::Staged, update)
     }
 
+    /// Commits what is staged, if anything.
+    pub(super) fn finish(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        update: UpdateReq,
+    ) -> Result<Outcome, ServeError> {
+        match self.staged(cx) {
+            (0, _) => done(
+                json!({"success": true, "message": "nothing staged: the update applied when its last tensor arrived", "weight_version": &*self.version}),
+            ),
+            _ => self.update(cx, UpdateSource::Staged, update),
+        }
+    }
+
     /// Drops the staged tensors.
     pub(super) fn discard(&mut self, cx: &mut Ctx<'_>) -> Result<Outcome, ServeError> {
         self.run(cx, ControlMsg::Discard)?.ok();
@@ -110,6 +124,7 @@ impl Control {
         group: String,
         tensors: Vec<TensorMeta>,
         timeout_s: f64,
+        packed: Option<usize>,
         commit: Commit,
     ) -> Result<Outcome, ServeError> {
         let n = tensors.len();
@@ -117,6 +132,7 @@ impl Control {
             group,
             tensors,
             timeout_s,
+            packed,
         };
         match self.run(cx, msg)? {
             Ok(()) => self.staged_then(cx, commit),

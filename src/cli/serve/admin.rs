@@ -164,7 +164,7 @@ pub(super) fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> 
 }
 
 /// The requests in flight during an update: `policy`, or SGLang's `abort_all_requests`.
-fn update_req(
+pub(super) fn update_req(
     version: Option<String>,
     policy: Option<&str>,
     abort_all: Option<bool>,
@@ -342,7 +342,7 @@ struct InitGroup {
 }
 
 /// The store's port: a number, or a string of one.
-fn master_port(v: &Value) -> Result<u16, ApiError> {
+pub(super) fn master_port(v: &Value) -> Result<u16, ApiError> {
     let port = match v {
         Value::Number(n) => n.as_u64(),
         Value::String(s) if !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit()) => {
@@ -360,7 +360,7 @@ fn master_port(v: &Value) -> Result<u16, ApiError> {
         })
 }
 
-fn master_address(a: &str) -> Result<String, ApiError> {
+pub(super) fn master_address(a: &str) -> Result<String, ApiError> {
     if a.is_empty() || a.len() > 253 || a.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(ApiError::bad(
             "master_address",
@@ -459,7 +459,7 @@ fn group_name(n: &str) -> Result<String, ApiError> {
     Ok(n.to_string())
 }
 
-fn timeout(t: Option<f64>) -> Result<f64, ApiError> {
+pub(super) fn timeout(t: Option<f64>) -> Result<f64, ApiError> {
     let t = t.unwrap_or(GROUP_TIMEOUT_S);
     if !(t.is_finite() && t > 0.0 && t <= MAX_GROUP_TIMEOUT_S) {
         return Err(ApiError::bad(
@@ -606,6 +606,7 @@ async fn from_distributed(
             group: group_name(&r.group_name)?,
             tensors,
             timeout_s: timeout(r.timeout_s)?,
+            packed: None,
             commit,
         })
     })

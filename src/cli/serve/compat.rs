@@ -29,6 +29,7 @@ const HEALTH_GENERATE_S: u64 = 20;
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/generate", post(super::sglang::generate))
+        .route("/inference/v1/generate", post(super::vllm::generate))
         .route("/health_generate", get(health_generate))
         .route("/get_model_info", get(model_info))
         .route("/get_server_info", get(server_info))

@@ -22,6 +22,8 @@ pub mod state;
 pub mod structured;
 pub mod tokenize;
 pub mod tools;
+pub mod vllm;
+pub mod vllm_weights;
 
 use std::path::PathBuf;
 

@@ -90,6 +90,41 @@ impl CudaWeightsGroup {
             std::thread::sleep(Duration::from_micros(200));
         }
     }
+
+    /// One broadcast of `bytes` bytes as `ty` elements, brought to the host.
+    fn receive_wire(&mut self, bytes: usize, ty: WireType, timeout: Duration) -> BResult<Vec<u8>> {
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let Some(comm) = self.comm.as_ref() else {
+            return Err(self.err(
+                "the weight-update group was aborted after a failed broadcast: destroy it and init a new one"
+                    .into(),
+            ));
+        };
+        // SAFETY: fully written by the broadcast before it is read.
+        let mut buf = unsafe { self.stream.alloc::<u8>(bytes) }
+            .map_err(|e| self.err(format!("allocating {bytes} bytes to receive into: {e:?}")))?;
+        {
+            let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
+            if !bytes.is_multiple_of(ty.size()) {
+                return Err(self.err(format!("{bytes} bytes are not whole {ty:?} elements")));
+            }
+            // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
+            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, 0) }
+                .map_err(|e| self.err(e.to_string()))?;
+        }
+        if let Err(msg) = self.wait(timeout) {
+            // The receive may still be pending inside NCCL: abort it so the buffer can go.
+            if let Some(c) = self.comm.take() {
+                c.abort();
+            }
+            return Err(self.err(msg));
+        }
+        self.stream
+            .clone_dtoh(&buf)
+            .map_err(|e| self.err(format!("copying {bytes} received bytes to the host: {e:?}")))
+    }
 }
 
 impl Drop for CudaWeightsGroup {
@@ -113,42 +148,16 @@ impl Drop for CudaWeightsGroup {
 
 impl WeightsGroup for CudaWeightsGroup {
     fn receive(&mut self, bytes: usize, dtype: DType, timeout: Duration) -> BResult<Vec<u8>> {
-        if bytes == 0 {
-            return Ok(Vec::new());
-        }
-        let Some(comm) = self.comm.as_ref() else {
-            return Err(self.err(
-                "the weight-update group was aborted after a failed broadcast: destroy it and init a new one"
-                    .into(),
-            ));
+        let ty = match dtype {
+            DType::BF16 => WireType::Bf16,
+            DType::F16 => WireType::F16,
+            DType::F32 => WireType::F32,
         };
-        // SAFETY: fully written by the broadcast before it is read.
-        let mut buf = unsafe { self.stream.alloc::<u8>(bytes) }
-            .map_err(|e| self.err(format!("allocating {bytes} bytes to receive into: {e:?}")))?;
-        {
-            let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
-            let ty = match dtype {
-                DType::BF16 => WireType::Bf16,
-                DType::F16 => WireType::F16,
-                DType::F32 => WireType::F32,
-            };
-            if !bytes.is_multiple_of(ty.size()) {
-                return Err(self.err(format!("{bytes} bytes are not whole {dtype:?} elements")));
-            }
-            // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
-            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, 0) }
-                .map_err(|e| self.err(e.to_string()))?;
-        }
-        if let Err(msg) = self.wait(timeout) {
-            // The receive may still be pending inside NCCL: abort it so the buffer can go.
-            if let Some(c) = self.comm.take() {
-                c.abort();
-            }
-            return Err(self.err(msg));
-        }
-        self.stream
-            .clone_dtoh(&buf)
-            .map_err(|e| self.err(format!("copying {bytes} received bytes to the host: {e:?}")))
+        self.receive_wire(bytes, ty, timeout)
+    }
+
+    fn receive_bytes(&mut self, bytes: usize, timeout: Duration) -> BResult<Vec<u8>> {
+        self.receive_wire(bytes, WireType::U8, timeout)
     }
 
     fn warm_up(&mut self, timeout: Duration) -> BResult<()> {

@@ -1,0 +1,466 @@
+//! vLLM's token-in, token-out `/inference/v1/generate` and its weight-transfer routes,
+//! replayed as SkyRL's and prime-rl's clients send them (the file each body comes from is
+//! named beside it), against `arbor serve` at TP 2 on CPU ranks: what the client reads back
+//! is there and equals `/v1/completions` bit for bit; the weight-transfer bodies are
+//! checked field by field; the group is joined vLLM style through a real PyTorch
+//! `TCPStore` (CPU ranks then refuse, saying which id they read). The packed layout's
+//! arithmetic is unit-tested in `model/src/batching/packed.rs`; the NCCL receive itself
+//! runs on GPUs (`scripts/gpu/rendezvous-check.sh packed`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::checkpoint::models;
+use crate::cli_support::{free_port, python_has};
+use crate::server::Server;
+
+const PROMPT: [u32; 7] = [5, 17, 101, 42, 7, 230, 11];
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("a list of ids: {v}"))
+        .iter()
+        .map(|t| t.as_u64().expect("id"))
+        .collect()
+}
+
+fn bits(v: &Value) -> u32 {
+    (v.as_f64().expect("a finite log-prob") as f32).to_bits()
+}
+
+fn model_id(s: &Server) -> String {
+    let (st, v) = s.call("GET", "/v1/models", None);
+    assert_eq!(st, 200, "{v}");
+    v["data"][0]["id"].as_str().expect("model id").to_string()
+}
+
+#[test]
+fn skyrl_and_prime_rl_generate_at_tp2_equal_completions() {
+    let m = models();
+    let s = Server::start(2, &m.a, &[], "vllm-gen");
+    let model = model_id(&s);
+
+    // skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py
+    // (NovaSky-AI/SkyRL), `_generate_single`: {"sampling_params", "model", "token_ids"},
+    // with sampling params from engine_utils.py's `get_vllm_sampling_params` (there
+    // `min_tokens: 1`, which arbor refuses: see below) and a trainer's seed.
+    let skyrl = json!({
+        "sampling_params": {
+            "skip_special_tokens": true, "include_stop_str_in_output": true,
+            "max_tokens": 10, "temperature": 0.9, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "logprobs": 0, "stop": null, "seed": 42,
+        },
+        "model": model,
+        "token_ids": PROMPT,
+    });
+    let g = s.ok("/inference/v1/generate", &skyrl);
+    // What SkyRL reads: choices[0].token_ids, .finish_reason, .logprobs.content[*].logprob.
+    let choice = &g["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{g}");
+    let out = ids(&choice["token_ids"]);
+    assert_eq!(out.len(), 10, "{g}");
+    let content = choice["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("logprobs.content in {g}"));
+    assert_eq!(content.len(), 10);
+    for (c, id) in content.iter().zip(&out) {
+        assert_eq!(c["token"], format!("token_id:{id}"), "{c}");
+        // logprobs 0: the sampled token alone among the alternatives.
+        let top = c["top_logprobs"].as_array().expect("top_logprobs");
+        assert_eq!(top.len(), 1, "{c}");
+        assert_eq!(bits(&top[0]["logprob"]), bits(&c["logprob"]));
+    }
+    assert_eq!(g["usage"]["prompt_tokens"], PROMPT.len());
+    assert_eq!(g["usage"]["completion_tokens"], 10);
+    assert_eq!(g["prompt_logprobs"], Value::Null);
+    // The same prompt and sampling on /v1/completions: the same ids and log-prob bits.
+    let c = s.ok(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "top_p": 1.0,
+                "seed": 42, "logprobs": 0, "skip_special_tokens": true,
+                "include_stop_str_in_output": true}),
+    );
+    let cc = &c["choices"][0];
+    assert_eq!(ids(&cc["token_ids"]), out, "{c}\n{g}");
+    let want: Vec<u32> = cc["logprobs"]["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs")
+        .iter()
+        .map(bits)
+        .collect();
+    let got: Vec<u32> = content.iter().map(|c| bits(&c["logprob"])).collect();
+    assert_eq!(got, want);
+    // SkyRL's Tinker `sample` (same file): n samples, output_kind 2 (final only, which
+    // a whole response is anyway), prompt_logprobs None; choice i is completions' i.
+    let tinker = json!({
+        "sampling_params": {"n": 3, "logprobs": 0, "output_kind": 2, "prompt_logprobs": null,
+                            "temperature": 1.0, "max_tokens": 6, "seed": 5, "top_p": 1.0},
+        "model": model,
+        "token_ids": PROMPT,
+    });
+    let g = s.ok("/inference/v1/generate", &tinker);
+    let c = s.ok(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "n": 3, "max_tokens": 6, "seed": 5, "logprobs": 0}),
+    );
+    for i in 0..3 {
+        assert_eq!(g["choices"][i]["index"], i, "{g}");
+        assert_eq!(
+            ids(&g["choices"][i]["token_ids"]),
+            ids(&c["choices"][i]["token_ids"]),
+            "choice {i}"
+        );
+    }
+    // Without max_tokens vLLM generates to the end of the context (128 here).
+    let g = s.ok(
+        "/inference/v1/generate",
+        &json!({"token_ids": PROMPT, "sampling_params": {"temperature": 0.0, "ignore_eos": true}}),
+    );
+    assert_eq!(
+        g["usage"]["completion_tokens"],
+        128 - PROMPT.len(),
+        "{}",
+        g["usage"]
+    );
+
+    // prime-rl's `prefill_logprobs` (src/prime_rl/utils/client.py, PrimeIntellect-ai/
+    // prime-rl): prompt_logprobs 1 and one token; it reads the first value of each entry.
+    let prime = json!({
+        "model": model,
+        "token_ids": PROMPT,
+        "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1},
+    });
+    let g = s.ok("/inference/v1/generate", &prime);
+    let pl = g["prompt_logprobs"].as_array().expect("prompt_logprobs");
+    assert_eq!(pl.len(), PROMPT.len(), "{g}");
+    assert_eq!(pl[0], Value::Null);
+    let c = s.ok(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": true}),
+    );
+    let want: Vec<u32> = c["choices"][0]["prompt_logprobs"]
+        .as_array()
+        .expect("completions' prompt_logprobs")
+        .iter()
+        .map(bits)
+        .collect();
+    let got: Vec<u32> = pl[1..]
+        .iter()
+        .zip(&PROMPT[1..])
+        .map(|(e, t)| {
+            // The prompt's own token comes first, as prime-rl takes `next(iter(...))`.
+            let (k, v) = e.as_object().expect("a map").iter().next().expect("entry");
+            assert_eq!(k, &t.to_string(), "{e}");
+            bits(&v["logprob"])
+        })
+        .collect();
+    assert_eq!(got, want);
+    assert!(pl[1..]
+        .iter()
+        .all(|e| e.as_object().expect("map").len() <= 2));
+}
+
+#[test]
+fn generate_fields_arbor_cannot_honour_are_named() {
+    let m = models();
+    let s = Server::start(2, &m.a, &[], "vllm-gen-bad");
+    let with = |sp: Value| json!({"token_ids": PROMPT, "sampling_params": sp});
+    for (body, param) in [
+        // SkyRL's get_vllm_sampling_params always sends min_tokens 1: it masks
+        // end-of-sequence at the first step, which arbor does not do.
+        (
+            with(json!({"min_tokens": 1, "max_tokens": 4})),
+            "sampling_params.min_tokens",
+        ),
+        (
+            with(json!({"logprobs": -1, "max_tokens": 4})),
+            "sampling_params.logprobs",
+        ),
+        (
+            with(json!({"prompt_logprobs": 21, "max_tokens": 4})),
+            "sampling_params.prompt_logprobs",
+        ),
+        (
+            with(json!({"allowed_token_ids": [1, 2]})),
+            "sampling_params.allowed_token_ids",
+        ),
+        (
+            with(json!({"use_beam_search": true})),
+            "sampling_params.use_beam_search",
+        ),
+        (
+            with(json!({"min_p": 0.1, "max_tokens": 4})),
+            "sampling_params.min_p",
+        ),
+        (
+            json!({"token_ids": PROMPT, "sampling_params": {}, "stream": true}),
+            "stream",
+        ),
+        (
+            json!({"token_ids": PROMPT, "sampling_params": {},
+                   "features": {"mm_hashes": {"image": ["x"]}}}),
+            "features",
+        ),
+        (json!({"sampling_params": {}}), "token_ids"),
+        (json!({"token_ids": [], "sampling_params": {}}), "token_ids"),
+        (json!({"token_ids": PROMPT}), "sampling_params"),
+        (
+            json!({"token_ids": PROMPT, "sampling_params": {}, "echo": true}),
+            "echo",
+        ),
+        (
+            json!({"token_ids": PROMPT, "sampling_params": {}, "request_id": "r".repeat(300)}),
+            "request_id",
+        ),
+    ] {
+        let (st, v) = s.post("/inference/v1/generate", &body);
+        assert_eq!(st, 400, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{body} -> {v}");
+    }
+    // Fields that cannot change the output are taken: priority, cache_salt, a request
+    // id, detokenize, spaces_between_special_tokens, an empty kv_transfer_params.
+    let (st, v) = s.post(
+        "/inference/v1/generate",
+        &json!({"token_ids": PROMPT, "request_id": "r-1", "priority": 3, "cache_salt": "s",
+                "kv_transfer_params": null, "stream": false,
+                "sampling_params": {"max_tokens": 3, "detokenize": false, "seed": 1,
+                                    "spaces_between_special_tokens": true, "output_kind": 0}}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["request_id"], "r-1");
+    assert_eq!(ids(&v["choices"][0]["token_ids"]).len(), 3);
+}
+
+/// vLLM's `StatelessProcessGroup.create` as the trainer's rank 0 (a `TCPStore` master of
+/// `world_size`) and `PyNcclCommunicator`'s `broadcast_obj(unique_id, src=0)` (the
+/// `ncclUniqueId` ctypes struct, pickled, under `broadcast_from/0/0`), as
+/// `NCCLWeightTransferEngine.trainer_init` runs them
+/// (vllm/distributed/weight_transfer/nccl_engine.py).
+const TRAINER: &str = r#"
+import ctypes, pickle, sys, types
+from datetime import timedelta
+from torch.distributed import TCPStore
+
+port, world = int(sys.argv[1]), int(sys.argv[2])
+store = TCPStore("127.0.0.1", port, world_size=world, is_master=True,
+                 timeout=timedelta(seconds=60), use_libuv=False)
+print("CHECKED_IN", flush=True)
+# vLLM's module name, without vLLM: pickle names the class by module and name.
+mod = types.ModuleType("vllm_stub.pynccl_wrapper")
+sys.modules["vllm_stub"] = types.ModuleType("vllm_stub")
+class ncclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+ncclUniqueId.__module__ = mod.__name__
+mod.ncclUniqueId = ncclUniqueId
+sys.modules[mod.__name__] = mod
+uid = ncclUniqueId()
+ctypes.memmove(ctypes.addressof(uid), bytes((5 * i + 1) % 256 for i in range(128)), 128)
+store.set("broadcast_from/0/0", pickle.dumps(uid))
+print("PUBLISHED", flush=True)
+sys.stdin.read()
+"#;
+
+struct Trainer {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: std::sync::mpsc::Receiver<String>,
+}
+
+impl Trainer {
+    fn start(port: u16, world: usize) -> Trainer {
+        let mut child = Command::new("python3")
+            .args(["-c", TRAINER, &port.to_string(), &world.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start python3");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, out) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let stdin = child.stdin.take();
+        Trainer { child, stdin, out }
+    }
+
+    fn expect(&self, line: &str) {
+        let got = self
+            .out
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("the trainer did not print {line}: {e}"));
+        assert_eq!(got, line);
+    }
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.stdin.take() {
+            let _ = s.flush();
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn weight_transfer_joins_vllm_style_and_checks_update_info_at_tp2() {
+    let m = models();
+    let s = Server::start(2, &m.a, &[], "vllm-wt");
+    // NeMo-RL's and SkyRL's `/get_world_size` first (arbor's TP), then the trainer's
+    // world is it + 1 with the trainer at rank 0.
+    let (st, v) = s.call("GET", "/get_world_size", None);
+    assert_eq!((st, &v["world_size"]), (200, &json!(2)), "{v}");
+
+    // The update routes without a group: 409, nothing staged.
+    let update = json!({"update_info": {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"],
+                                        "shapes": [[64]], "packed": true}});
+    let (st, v) = s.post("/update_weights", &update);
+    assert_eq!(st, 409, "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("vllm-weight-transfer"),
+        "{v}"
+    );
+
+    // Bodies arbor cannot honour name their field (vLLM's own answer to a wrong field is
+    // a 400 too: `parse_update_info`).
+    for (path, body, param) in [
+        ("/update_weights", json!({}), "update_info"),
+        (
+            "/update_weights",
+            json!({"update_info": {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2]],
+                                   "ipc_handles": {}}}),
+            "update_info.ipc_handles",
+        ),
+        (
+            "/update_weights",
+            json!({"update_info": {"names": ["model.norm.weight"], "dtype_names": ["int64"],
+                                   "shapes": [[64]]}}),
+            "update_info.dtype_names",
+        ),
+        (
+            "/update_weights",
+            json!({"update_info": {"names": ["a", "b"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}),
+            "update_info.names",
+        ),
+        (
+            "/update_weights",
+            json!({"update_info": {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2]],
+                                   "packed": true, "packed_buffer_size_bytes": 0}}),
+            "update_info.packed_buffer_size_bytes",
+        ),
+        (
+            "/update_weights",
+            json!({"update_info": {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2]],
+                                   "is_checkpoint_format": false}}),
+            "update_info.is_checkpoint_format",
+        ),
+        // The IPC backend's init (TRL's and others' `{"init_info": {}}`).
+        (
+            "/init_weight_transfer_engine",
+            json!({"init_info": {}}),
+            "init_info",
+        ),
+        ("/init_weight_transfer_engine", json!({}), "init_info"),
+        (
+            "/init_weight_transfer_engine",
+            json!({"init_info": {"master_address": "127.0.0.1", "master_port": 1,
+                                 "rank_offset": 0, "world_size": 3}}),
+            "init_info.rank_offset",
+        ),
+        (
+            "/init_weight_transfer_engine",
+            json!({"init_info": {"master_address": "127.0.0.1", "master_port": 1,
+                                 "rank_offset": 1, "world_size": 2}}),
+            "init_info.world_size",
+        ),
+        (
+            "/init_weight_transfer_engine",
+            json!({"init_info": {"master_address": "127.0.0.1", "master_port": 1,
+                                 "rank_offset": 1, "world_size": 3, "backend": "gloo"}}),
+            "init_info.backend",
+        ),
+        (
+            "/collective_rpc",
+            json!({"method": "reload_weights"}),
+            "method",
+        ),
+    ] {
+        let (st, v) = s.post(path, &body);
+        assert_eq!(st, 400, "{path} {body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body} -> {v}");
+    }
+
+    // SkyRL's three steps through /collective_rpc (remote_inference_client.py's
+    // start_weight_update / update_weights_nccl / finish_weight_update): start and finish
+    // with nothing staged answer as vLLM's workers do; the update needs the group.
+    let (st, v) = s.post(
+        "/collective_rpc",
+        &json!({"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": true}}),
+    );
+    assert_eq!((st, &v["results"]), (200, &json!([null, null])), "{v}");
+    let (st, v) = s.post(
+        "/collective_rpc",
+        &json!({"method": "update_weights_nccl", "kwargs": update}),
+    );
+    assert_eq!(st, 409, "{v}");
+    let (st, v) = s.post(
+        "/collective_rpc",
+        &json!({"method": "skyrl_finish_weight_update"}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = s.post(
+        "/start_weight_update",
+        &json!({"is_checkpoint_format": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = s.post("/finish_weight_update", &json!({}));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(s.version(), "0", "nothing changed");
+
+    if !python_has(
+        &["torch.distributed"],
+        "python3 -m pip install torch==2.11.0",
+    ) {
+        return;
+    }
+    // NeMo-RL / SkyRL's init body (`{"init_info": {master_address, master_port,
+    // rank_offset: 1, world_size}}`), sent while the trainer's `trainer_init` makes the
+    // group: every rank checks in at the store and reads the pickled id.
+    let port = free_port();
+    let trainer = Trainer::start(port, 3);
+    let (st, v) = s.post(
+        "/init_weight_transfer_engine",
+        &json!({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                              "rank_offset": 1, "world_size": 3}}),
+    );
+    trainer.expect("CHECKED_IN");
+    trainer.expect("PUBLISHED");
+    assert_eq!(st, 400, "{v}");
+    let want = format!(
+        "read the trainer's 128-byte NCCL unique id (beginning 01060b10) from key \"broadcast_from/0/0\" in the TCPStore at 127.0.0.1:{port}"
+    );
+    let msg = v["message"].as_str().expect("message");
+    assert_eq!(msg.matches(&want).count(), 2, "both ranks: {msg}");
+    // The server keeps serving.
+    let (st, v) = s.post(
+        "/inference/v1/generate",
+        &json!({"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}),
+    );
+    assert_eq!(st, 200, "{v}");
+}
