@@ -30,4 +30,5 @@ mod rendezvous;
 mod server;
 mod sources;
 mod trainer;
+mod trl;
 mod updates;

@@ -66,6 +66,7 @@ fn router(st: Arc<AppState>) -> Router {
         .merge(super::admin::routes(st.max_upload))
         // SGLang's /generate and the info, health and control routes of SGLang and vLLM.
         .merge(super::compat::routes())
+        .merge(super::trl::routes())
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(
