@@ -81,6 +81,14 @@ impl StatelessMember {
         Ok(v)
     }
 
+    /// Counts a broadcast from `src` read through another connection (the NCCL id, which
+    /// a rank waits for on a thread of its own).
+    pub fn count_received(&mut self, src: usize) {
+        if let Some(n) = self.received.get_mut(src) {
+            *n += 1;
+        }
+    }
+
     /// vLLM's `StatelessProcessGroup.barrier`, each phase bounded by `timeout`.
     pub fn barrier(&mut self, timeout: Duration) -> Result<(), GroupError> {
         let id = if self.rank == 0 {

@@ -264,3 +264,73 @@ fn trl_vllm_client_bodies_at_tp2() {
     let (st, v) = s.post("/generate/", &re);
     assert_eq!(st, 200, "{v}");
 }
+
+/// The weight routes on CPU ranks: `init_communicator`'s body (TRL's client sends the
+/// server's world size plus its own rank; host "0.0.0.0", here the loopback) is checked,
+/// and CPU ranks refuse to join a NCCL group before anything listens on the port;
+/// `update_named_param` answers at once, as TRL's server does, and its failure is
+/// reported by the next call; `close_communicator` with nothing open succeeds.
+#[test]
+fn trl_weight_routes_on_cpu_ranks() {
+    let s = Server::start(2, &models().a, &[], "trl-weights");
+    let port = crate::cli_support::free_port();
+    let init = |world: usize, port: i64| {
+        json!({"host": "127.0.0.1", "port": port, "world_size": world,
+               "client_device_uuid": "GPU-5e1a9f0c-0000-0000-0000-000000000000"})
+    };
+    for (body, param) in [
+        (init(2, port as i64), "world_size"),
+        (init(3, 0), "port"),
+        (init(3, 70000), "port"),
+    ] {
+        let (st, v) = s.post("/init_communicator/", &body);
+        assert_eq!(
+            (st, &v["error"]["param"]),
+            (400, &json!(param)),
+            "{body} -> {v}"
+        );
+    }
+    let (st, v) = s.post("/init_communicator/", &init(3, port as i64));
+    assert_eq!(st, 400, "{v}");
+    let msg = v["message"].as_str().expect("message");
+    assert!(
+        msg.contains("rank 0:") && msg.contains("rank 1:") && msg.contains("--device cuda"),
+        "{msg}"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "nothing may listen on the group's port after a refused init"
+    );
+    // update_named_param(name, weights): answered before the (absent) broadcast.
+    let param = json!({"name": "model.norm.weight", "dtype": "torch.bfloat16", "shape": [64]});
+    let (st, v) = s.post("/update_named_param/", &param);
+    assert_eq!(st, 200, "{v}");
+    let t0 = std::time::Instant::now();
+    let v = loop {
+        let (st, v) = s.post("/update_named_param/", &param);
+        if st != 200 {
+            assert_eq!(st, 409, "{v}");
+            break v;
+        }
+        assert!(t0.elapsed().as_secs() < 20, "the failure never showed: {v}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let msg = v["message"].as_str().expect("message");
+    assert!(
+        msg.contains("\"model.norm.weight\"") && msg.contains("no weight-update group \\\"trl\\\""),
+        "{msg}"
+    );
+    let (st, v) = s.post(
+        "/update_named_param/",
+        &json!({"name": "x", "dtype": "torch.int8", "shape": [2]}),
+    );
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("dtype")), "{v}");
+    let (st, v) = s.call("POST", "/close_communicator/", None);
+    assert_eq!(st, 200, "{v}");
+    // Generation goes on.
+    let (st, v) = s.post(
+        "/generate/",
+        &json!({"prompts": [[1, 2, 3]], "max_tokens": 2}),
+    );
+    assert_eq!(st, 200, "{v}");
+}

@@ -48,6 +48,9 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/generate/", post(generate))
         .route("/chat/", post(chat))
         .route("/reset_prefix_cache/", post(reset_prefix_cache))
+        .route("/init_communicator/", post(init_communicator))
+        .route("/update_named_param/", post(update_named_param))
+        .route("/close_communicator/", post(close_communicator))
 }
 
 async fn health(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -371,4 +374,178 @@ async fn reset_prefix_cache(State(st): State<Arc<AppState>>, headers: HeaderMap)
     }
     Json(json!({"message": "Request received, resetting prefix cache status: True"}))
         .into_response()
+}
+
+/// What the last `/update_named_param/` that ran after its answer failed with: the next
+/// weight route reports it (its caller was answered before the tensor was received).
+static LATE_FAILURE: Mutex<Option<String>> = Mutex::new(None);
+
+fn late_failure() -> Option<String> {
+    LATE_FAILURE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InitCommunicator {
+    /// Where the group's store listens (TRL sends "0.0.0.0": every interface).
+    host: String,
+    port: i64,
+    world_size: usize,
+    /// The trainer's GPU, which TRL's server checks is none of its own; arbor's ranks
+    /// cannot tell (a shared GPU fails at the NCCL join).
+    #[allow(dead_code)]
+    client_device_uuid: String,
+}
+
+async fn init_communicator(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    let tp = st.tp;
+    super::admin::guarded(st, headers, || {
+        let r: InitCommunicator = parse(&body(b)?)?;
+        if r.world_size != tp + 1 {
+            return Err(ApiError::bad(
+                "world_size",
+                format!(
+                    "world_size {} is not this server's {tp} ranks and the trainer: {}",
+                    r.world_size,
+                    tp + 1
+                ),
+            ));
+        }
+        let port = u16::try_from(r.port)
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| {
+                ApiError::bad("port", format!("port must be 1 to 65535, got {}", r.port))
+            })?;
+        let host = r.host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(ApiError::bad(
+                "host",
+                format!(
+                    "host is the address the group's store listens on, got {:?}",
+                    r.host
+                ),
+            ));
+        }
+        late_failure();
+        Ok(ControlOp::InitGroup {
+            name: GROUP.into(),
+            rendezvous: Rendezvous::Serve {
+                host: host.to_string(),
+                port,
+            },
+            world: r.world_size,
+            rank_offset: 0,
+            timeout_s: GROUP_TIMEOUT_S,
+        })
+    })
+    .await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NamedParam {
+    name: String,
+    dtype: String,
+    shape: Vec<usize>,
+}
+
+/// Answers at once, as TRL's server does: its client broadcasts the tensor only after the
+/// answer. The receive runs after it, as one `update_weights_from_distributed` of one
+/// tensor; the weights change once every tensor the model reads has come.
+async fn update_named_param(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return super::admin::fail(e);
+    }
+    let parsed = (|| {
+        let r: NamedParam = parse(&body(b)?)?;
+        let dtype = DType::from_any_name(&r.dtype).ok_or_else(|| {
+            ApiError::bad(
+                "dtype",
+                format!(
+                    "tensor {:?}: dtype {:?} (torch.bfloat16, torch.float16 or torch.float32)",
+                    r.name, r.dtype
+                ),
+            )
+        })?;
+        let t = TensorMeta {
+            name: r.name,
+            dtype,
+            shape: r.shape,
+        };
+        if t.shape.len() > 8 || t.bytes().is_none_or(|b| b > st.max_push_bytes) {
+            return Err(ApiError::bad(
+                "shape",
+                format!("tensor {:?}: shape {:?}", t.name, t.shape),
+            ));
+        }
+        Ok(t)
+    })();
+    let t = match parsed {
+        Ok(t) => t,
+        Err(e) => return super::admin::fail(e),
+    };
+    if let Some(why) = late_failure() {
+        return super::admin::fail(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("an earlier /update_named_param/ failed after its answer: {why}; close the communicator and init it again"),
+        ));
+    }
+    if let Err(e) = st.accepting() {
+        return super::admin::fail(e);
+    }
+    let name = t.name.clone();
+    let op = ControlOp::Receive {
+        group: GROUP.into(),
+        tensors: vec![t],
+        timeout_s: GROUP_TIMEOUT_S,
+        commit: Commit::WhenComplete(UpdateReq {
+            version: None,
+            policy: Policy::Wait,
+        }),
+    };
+    let st2 = st.clone();
+    tokio::spawn(async move {
+        let r = super::admin::command(&st2, op).await;
+        if !r.status().is_success() {
+            let status = r.status();
+            let text = axum::body::to_bytes(r.into_body(), 1 << 16)
+                .await
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
+            tracing::warn!(%status, "receiving {name:?} from the trainer failed: {text}");
+            *LATE_FAILURE
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(format!("receiving {name:?} ({status}): {text}"));
+        }
+    });
+    Json(json!({"message": "Request received, updating named parameter"})).into_response()
+}
+
+async fn close_communicator(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return super::admin::fail(e);
+    }
+    if let Some(why) = late_failure() {
+        tracing::warn!("closing the communicator after a failed receive: {why}");
+    }
+    let r = super::admin::command(&st, ControlOp::DestroyGroup { name: GROUP.into() }).await;
+    // None open (the one conflict a destroy has) is what closing asks for: TRL's client
+    // closes at exit.
+    if r.status().is_success() || r.status() == StatusCode::CONFLICT {
+        return Json(json!({"message": "Request received, closing communicator"})).into_response();
+    }
+    r
 }

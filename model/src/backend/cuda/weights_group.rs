@@ -112,7 +112,13 @@ impl Drop for CudaWeightsGroup {
 }
 
 impl WeightsGroup for CudaWeightsGroup {
-    fn receive(&mut self, bytes: usize, dtype: DType, timeout: Duration) -> BResult<Vec<u8>> {
+    fn receive(
+        &mut self,
+        bytes: usize,
+        dtype: DType,
+        root: usize,
+        timeout: Duration,
+    ) -> BResult<Vec<u8>> {
         if bytes == 0 {
             return Ok(Vec::new());
         }
@@ -136,7 +142,7 @@ impl WeightsGroup for CudaWeightsGroup {
                 return Err(self.err(format!("{bytes} bytes are not whole {dtype:?} elements")));
             }
             // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
-            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, 0) }
+            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, root) }
                 .map_err(|e| self.err(e.to_string()))?;
         }
         if let Err(msg) = self.wait(timeout) {
