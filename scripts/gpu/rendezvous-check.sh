@@ -12,6 +12,10 @@
 #      (no commit: the last bucket applies). The probe must give B's disk bits.
 #   3. vLLM style (--style vllm): StatelessProcessGroup + PyNcclCommunicator, then A one
 #      tensor per call. The probe must give A's disk bits.
+#   4. TRL style (--style trl): TRL's VLLMClient routes, the trainer at the LAST rank of
+#      the StatelessProcessGroup (arbor's rank 0 runs the store and makes the NCCL id),
+#      then B one tensor per /update_named_param/ with vLLM's barrier after each. The
+#      probe must give B's disk bits.
 # PASS/FAIL per step; the last line says RENDEZVOUS CHECK: PASS or FAIL.
 set -uo pipefail
 T0=$(date +%s)
@@ -95,6 +99,12 @@ if trainer vllm "$WORK/A" vllm-A 29562; then
     P=$(probe); note "probe after the vLLM-style push: $P"
     [[ $(version "$P") == vllm-A ]] || fail "version after the vLLM-style push: $(version "$P")"
     [[ $(bits "$P") == $(bits "$PA") ]] && note "PASS  vLLM style: A's bits, as from disk" || fail "vLLM style: bits differ from A from disk"
+else
+    FAILED=1
+fi
+if trainer trl "$WORK/B" trl-B 29563; then
+    P=$(probe); note "probe after the TRL-style push: $P"
+    [[ $(bits "$P") == $(bits "$PB") ]] && note "PASS  TRL style (trainer last): B's bits, as from disk" || fail "TRL style: bits differ from B from disk"
 else
     FAILED=1
 fi
