@@ -88,6 +88,8 @@ pub(super) struct PendingJoin {
     cancel: Arc<AtomicBool>,
     /// "key K in the TCPStore at ADDR", for errors.
     source: String,
+    /// What a join that did not finish in time waited for.
+    waits_for: String,
 }
 
 impl Drop for PendingJoin {
@@ -114,9 +116,9 @@ impl GroupSlot {
                         source: BackendError::Device {
                             rank,
                             msg: format!(
-                                "the trainer's NCCL group was not formed within {:.0} s: the trainer's rank 0 publishes the NCCL id under {} when it makes its communicator (at its first collective, e.g. the broadcast of the first tensor, unless it bound a device at init), and every member must join",
+                                "the trainer's NCCL group was not formed within {:.0} s: {}",
                                 timeout.as_secs_f64(),
-                                p.source
+                                p.waits_for
                             ),
                         },
                     })
@@ -239,7 +241,13 @@ pub(super) fn join_through_store<B: Backend>(
             },
         })?;
     drop(spawned);
-    Ok(GroupSlot::Joining(PendingJoin { rx, cancel, source }))
+    let waits_for = format!("the trainer's rank 0 publishes the NCCL id under {source} when it makes its communicator (at its first collective, e.g. the broadcast of the first tensor, unless it bound a device at init), and every member must join");
+    Ok(GroupSlot::Joining(PendingJoin {
+        rx,
+        cancel,
+        source,
+        waits_for,
+    }))
 }
 
 fn group_err(e: GroupError) -> ModelError {
@@ -387,5 +395,11 @@ fn spawn_join(
                 msg: format!("starting the thread that joins the weight-update group: {e}"),
             },
         })?;
-    Ok(GroupSlot::Joining(PendingJoin { rx, cancel, source }))
+    let waits_for = format!("arbor's rank 0 published the NCCL id under {source}, and the communicator forms when the trainer, the group's last rank, joins it (its StatelessProcessGroup.create and PyNcclCommunicator, after /init_communicator/ answered)");
+    Ok(GroupSlot::Joining(PendingJoin {
+        rx,
+        cancel,
+        source,
+        waits_for,
+    }))
 }
