@@ -51,6 +51,7 @@ from rl_push_nccl import (
     NAMES,
     NCCL_TYPES,
     Nccl,
+    UniqueId,
     find_nccl,
     in_thread,
     load_safetensors,
@@ -290,7 +291,7 @@ def trl_style(args, weights, dev):
     stub = stub_vllm_id_class()
     if type(vuid) is not stub:
         raise SystemExit(f"broadcast_from/0/0 unpickled to {type(vuid)}, not vLLM's ncclUniqueId")
-    uid = type(nccl.unique_id())()
+    uid = UniqueId()
     ctypes.memmove(ctypes.addressof(uid), ctypes.addressof(vuid), 128)
     comm = nccl.init_rank(world, uid, rank)
     stream = torch.cuda.current_stream(dev).cuda_stream
