@@ -22,6 +22,8 @@ pub mod mpi;
 pub mod nccl;
 pub mod pickled_id;
 pub mod single;
+pub mod stateless_group;
+pub mod store_server;
 pub mod tcp;
 pub mod tcp_store;
 pub mod tree_allreduce;

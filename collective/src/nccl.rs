@@ -137,6 +137,15 @@ impl std::fmt::Debug for NcclComm {
     }
 }
 
+/// A fresh `ncclUniqueId` (`ncclGetUniqueId`), as the rank 0 of a group makes it.
+pub fn new_unique_id(rank: usize) -> Result<[u8; 128], GpuError> {
+    probe_nccl()?;
+    let id = std::panic::catch_unwind(nres::get_uniqueid)
+        .map_err(|_| GpuError::Unavailable("libnccl lacks ncclGetUniqueId".into()))?
+        .map_err(|e| nccl_err(rank, "ncclGetUniqueId", e))?;
+    Ok(std::array::from_fn(|i| id.internal[i] as u8))
+}
+
 impl NcclComm {
     /// Collective: every rank of `host` calls it with a stream on its own GPU.
     pub fn new(host: Arc<dyn Communicator>, stream: Arc<CudaStream>) -> Result<Self, GpuError> {

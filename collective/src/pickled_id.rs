@@ -185,6 +185,94 @@ pub fn nccl_id_from_pickle(b: &[u8]) -> Result<[u8; 128], String> {
     }
 }
 
+/// vLLM's module of the struct, which the trainer's unpickler imports.
+pub const VLLM_MODULE: &str = "vllm.distributed.device_communicators.pynccl_wrapper";
+
+/// `pickle.dumps(id)` of a `ncclUniqueId` struct of `module` holding `id`, as
+/// `PyNcclCommunicator`'s rank 0 publishes it (protocol 4, without the optional framing):
+/// what [`nccl_id_from_pickle`] reads.
+pub fn nccl_id_to_pickle(id: &[u8; 128], module: &str) -> Vec<u8> {
+    let mut b = vec![0x80, 4];
+    let short_str = |b: &mut Vec<u8>, s: &str| {
+        // SHORT_BINUNICODE; the names here are far below 256 bytes.
+        b.push(0x8c);
+        b.push(s.len().min(255) as u8);
+        b.extend_from_slice(&s.as_bytes()[..s.len().min(255)]);
+    };
+    short_str(&mut b, UNPICKLE.0);
+    short_str(&mut b, UNPICKLE.1);
+    b.push(0x93);
+    short_str(&mut b, module);
+    short_str(&mut b, CLASS);
+    b.push(0x93);
+    b.push(b'}');
+    // SHORT_BINBYTES of the 128 bytes.
+    b.push(b'C');
+    b.push(128);
+    b.extend_from_slice(id);
+    b.extend_from_slice(&[0x86, 0x86, b'R', b'.']);
+    b
+}
+
+/// `pickle.dumps(s)` of a Python `str` (protocol 4), as `broadcast_obj` publishes one.
+pub fn str_to_pickle(s: &str) -> Vec<u8> {
+    let mut b = vec![0x80, 4];
+    if s.len() < 256 {
+        b.push(0x8c);
+        b.push(s.len() as u8);
+    } else {
+        b.push(b'X');
+        b.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    }
+    b.extend_from_slice(s.as_bytes());
+    b.push(b'.');
+    b
+}
+
+/// The `str` of a pickle Python wrote of one (protocols 2 to 5), or what is wrong.
+pub fn str_from_pickle(b: &[u8]) -> Result<String, String> {
+    if b.len() > MAX_LEN {
+        return Err(format!("{} bytes, more than a pickled barrier id", b.len()));
+    }
+    let mut at = 0usize;
+    match take(b, &mut at, 2)? {
+        [0x80, 2..=5] => {}
+        other => {
+            return Err(format!(
+                "starts with {other:02x?}, not a pickle of protocol 2 to 5"
+            ))
+        }
+    }
+    let mut found = None;
+    loop {
+        let op = take(b, &mut at, 1)?[0];
+        match op {
+            0x95 => {
+                take(b, &mut at, 8)?;
+            }
+            0x94 => {}
+            b'q' => {
+                take(b, &mut at, 1)?;
+            }
+            0x8c if found.is_none() => {
+                let n = len_u8(b, &mut at)?;
+                found = Some(text(take(b, &mut at, n)?)?);
+            }
+            b'X' if found.is_none() => {
+                let n = len_u32(b, &mut at)?;
+                found = Some(text(take(b, &mut at, n)?)?);
+            }
+            b'.' if at == b.len() => return found.ok_or_else(|| "an empty pickle".into()),
+            other => {
+                return Err(format!(
+                    "opcode {other:#04x} at byte {}, not a pickled str",
+                    at - 1
+                ))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +312,38 @@ mod tests {
         assert_eq!(nccl_id_from_pickle(&p5).unwrap(), want());
         let p3 = hex(&format!("8003635f6374797065730a5f756e7069636b6c650a710063766c6c6d2e64697374726962757465642e6465766963655f636f6d6d756e696361746f72732e70796e63636c5f777261707065720a6e63636c556e6971756549640a71017d71024380{}71038671048671055271062e", id_hex()));
         assert_eq!(nccl_id_from_pickle(&p3).unwrap(), want());
+    }
+
+    #[test]
+    fn writes_what_python_writes_less_the_framing() {
+        let w = nccl_id_to_pickle(&want(), VLLM_MODULE);
+        assert_eq!(nccl_id_from_pickle(&w).unwrap(), want());
+        // Python's protocol-4 pickle less its FRAME (9 bytes) and MEMOIZEs (0x94).
+        let mut py = protocol_4();
+        py.drain(2..11);
+        let mut i = 0;
+        let mut plain = Vec::new();
+        // The 128 id bytes hold 0x94 too: skip the memo opcodes only outside them.
+        let id_at = py.windows(2).position(|p| p == [0x43, 0x80]).unwrap();
+        while i < py.len() {
+            if py[i] == 0x94 && !(id_at + 2..id_at + 130).contains(&i) {
+                i += 1;
+                continue;
+            }
+            plain.push(py[i]);
+            i += 1;
+        }
+        assert_eq!(w, plain);
+        assert_eq!(
+            str_from_pickle(&str_to_pickle("barrier_x")).unwrap(),
+            "barrier_x"
+        );
+        let long = "b".repeat(300);
+        assert_eq!(str_from_pickle(&str_to_pickle(&long)).unwrap(), long);
+        // pickle.dumps("barrier_1", protocol=4) (CPython 3.11).
+        let py4 = hex("8004950d000000000000008c09626172726965725f31942e");
+        assert_eq!(str_from_pickle(&py4).unwrap(), "barrier_1");
+        assert!(str_from_pickle(&w).is_err());
     }
 
     #[test]

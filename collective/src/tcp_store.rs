@@ -38,6 +38,7 @@ enum Query {
     Add = 4,
     Check = 5,
     Wait = 6,
+    DeleteKey = 8,
     CancelWait = 12,
     Ping = 13,
 }
@@ -276,6 +277,15 @@ impl StoreClient {
         req.bytes(wire.as_bytes()).i64(delta);
         self.send(&req, &what)?;
         Ok(i64::from_le_bytes(self.read_array(&what)?))
+    }
+
+    /// `store.delete_key(key)`: whether the key was there.
+    pub fn delete(&mut self, key: &str) -> Result<bool, StoreError> {
+        let what = format!("deleting key {key:?}");
+        let mut req = Request::new(Query::DeleteKey);
+        req.bytes(wire_key(key).as_bytes());
+        self.send(&req, &what)?;
+        Ok(i64::from_le_bytes(self.read_array(&what)?) > 0)
     }
 
     /// `store.check(keys)`: whether every key exists now.

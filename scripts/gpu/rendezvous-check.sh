@@ -13,6 +13,10 @@
 #   3. vLLM style (--style vllm): StatelessProcessGroup + PyNcclCommunicator, then A one
 #      tensor per call. The probe must give A's disk bits.
 #   4. vLLM's weight-transfer API with the packed layout (--style packed); see below.
+#   5. TRL style (--style trl): TRL's VLLMClient routes, the trainer at the LAST rank of
+#      the StatelessProcessGroup (arbor's rank 0 runs the store and makes the NCCL id),
+#      then A one tensor per /update_named_param/ with vLLM's barrier after each. The
+#      probe must give A's disk bits.
 #   `bash scripts/gpu/rendezvous-check.sh packed` runs steps 1 and 4 only.
 # PASS/FAIL per step; the last line says RENDEZVOUS CHECK: PASS or FAIL.
 set -uo pipefail
@@ -115,6 +119,15 @@ if trainer packed "$WORK/B" packed-B 29563; then
     grep -h "received packed tensors" "$OUT/rendezvous-serve.log" | tail -n 1 >>"$SUMMARY"
 else
     FAILED=1
+fi
+# 5. TRL style: A one tensor per call, the trainer at the last rank (B serves now).
+if [[ $ONLY != packed ]]; then
+    if trainer trl "$WORK/A" trl-A 29564; then
+        P=$(probe); note "probe after the TRL-style push: $P"
+        [[ $(bits "$P") == $(bits "$PA") ]] && note "PASS  TRL style (trainer last): A's bits, as from disk" || fail "TRL style: bits differ from A from disk"
+    else
+        FAILED=1
+    fi
 fi
 grep -h "weight-update group\|joined\|TCPStore" "$OUT/rendezvous-serve.log" | tail -n 12 >>"$SUMMARY"
 ((FAILED)) && note "RENDEZVOUS CHECK: FAIL" || note "RENDEZVOUS CHECK: PASS"

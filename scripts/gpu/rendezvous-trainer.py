@@ -13,11 +13,19 @@ way the RL frameworks' trainers do:
                   PyNcclCommunicator (the ncclUniqueId pickled under broadcast_from/0/0,
                   ncclCommInitRank, a one-element all-reduce to warm up), copied below
                   without vLLM; then one /update_weights_from_distributed per tensor, as
-                  OpenRLHF's and TRL's clients send them.
+                  OpenRLHF's clients send them.
   --style packed  vLLM's weight-transfer API: /init_weight_transfer_engine (the vLLM-style
                   group), then /start_weight_update, one /update_weights with packed: true
                   while the tensors go in a few uint8 buffers (vLLM's packed layout), and
                   /finish_weight_update.
+  --style trl     TRL's VLLMClient (trl/generation/vllm_client.py) against `trl
+                  vllm-serve`'s routes: GET /get_world_size/, POST /init_communicator/
+                  (host 0.0.0.0, as TRL sends it), then StatelessProcessGroup.create as the
+                  LAST rank (arbor's rank 0 runs the store and makes the id), and
+                  PyNcclCommunicator's side of it; then per tensor POST
+                  /update_named_param/ (answered at once), ncclBroadcast from the trainer's
+                  rank, and vLLM's store barrier; /reset_prefix_cache/,
+                  /close_communicator/.
 
     python3 scripts/gpu/rendezvous-trainer.py --server 127.0.0.1:8000 --model DIR \
         --device cuda:1 --style sglang --port 29555 --version sglang-B
@@ -35,13 +43,24 @@ import socket
 import sys
 import time
 import types
+import urllib.error
+import urllib.request
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from rl_push_nccl import NAMES, NCCL_TYPES, Nccl, find_nccl, in_thread, load_safetensors
+from rl_push_nccl import (
+    NAMES,
+    NCCL_TYPES,
+    Nccl,
+    UniqueId,
+    find_nccl,
+    in_thread,
+    load_safetensors,
+    post,
+)
 
 
 def say(**kw):
@@ -246,7 +265,7 @@ def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], wor
                                  1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
                "ncclAllReduce (warm-up)")
     torch.cuda.synchronize()
-    status, body = post(args.server, "/start_weight_update", {"is_checkpoint_format": True})
+    status, body = post_wait(args.server, "/start_weight_update", {"is_checkpoint_format": True})
     check(status, body, "start_weight_update")
     names = list(weights)
     buffers = pack_buffers(weights, args.packed_buffer_bytes)
@@ -262,10 +281,10 @@ def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], wor
     torch.cuda.synchronize()
     th.join()
     check(*res[0], f"update_weights ({len(names)} tensors in {len(buffers)} packed buffers)")
-    status, body = post(args.server, "/finish_weight_update", {})
+    status, body = post_wait(args.server, "/finish_weight_update", {})
     check(status, body, "finish_weight_update")
     # vLLM's API names no version: arbor's (SGLang's) route sets the one the check reads.
-    status, body = post(args.server, "/update_weight_version", {"new_version": args.version})
+    status, body = post_wait(args.server, "/update_weight_version", {"new_version": args.version})
     check(status, body, "update_weight_version")
     nccl.destroy(comm)
     del store
@@ -276,10 +295,125 @@ def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], wor
     return 200, {"weight_version": args.version}
 
 
-def post(server: str, path: str, body: dict) -> tuple[int, dict]:
+def post_wait(server: str, path: str, body: dict) -> tuple[int, dict]:
     th, res = in_thread(server, path, body)
     th.join()
     return res[0]
+
+
+def get(addr, path):
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=60) as r:
+        return r.status, json.loads(r.read())
+
+
+def post_now(addr, path, body=None):
+    """A POST that waits for its answer (TRL's client posts, then broadcasts)."""
+    res = []
+    if body is None:
+        post_empty(addr, path, res)
+    else:
+        post(addr, path, body, res)
+    return res[0]
+
+
+def post_empty(addr, path, res):
+    req = urllib.request.Request(f"http://{addr}{path}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            res.append((r.status, json.loads(r.read() or b"{}")))
+    except urllib.error.HTTPError as e:
+        res.append((e.code, json.loads(e.read() or b"{}")))
+
+
+class Stateless:
+    """vLLM's StatelessProcessGroup (vllm/distributed/utils.py) for a rank other than 0:
+    `create` (a legacy-server TCPStore client counted in `world_size`), `broadcast_obj` as a
+    receiver, and the multi-phase `barrier`."""
+
+    def __init__(self, host, port, rank, world):
+        self.rank, self.world = rank, world
+        self.store = dist.TCPStore(host_name=host, port=port, world_size=world, is_master=False,
+                                   timeout=timedelta(seconds=300), use_libuv=False)
+        self.recv = {i: 0 for i in range(world)}
+        self.sent = 0
+
+    def broadcast_recv(self, src):
+        obj = pickle.loads(self.store.get(f"broadcast_from/{src}/{self.recv[src]}"))
+        self.recv[src] += 1
+        return obj
+
+    def barrier(self, timeout=30.0):
+        barrier_id = self.broadcast_recv(0)
+        self.store.set(f"arrival_{barrier_id}_{self.rank}", b"1")
+        arrived, t0 = set(), time.time()
+        while len(arrived) < self.world:
+            if time.time() - t0 > timeout:
+                raise RuntimeError(f"Barrier timed out after {timeout:.2f} seconds")
+            for i in range(self.world):
+                if i not in arrived:
+                    try:
+                        self.store.get(f"arrival_{barrier_id}_{i}")
+                        arrived.add(i)
+                    except KeyError:
+                        pass
+        self.store.set(f"departure_{barrier_id}_{self.rank}", b"1")
+
+
+def trl_style(args, weights, dev):
+    nccl = Nccl(args.nccl or find_nccl())
+    lib = nccl.lib
+    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ncclAllReduce.restype = ctypes.c_int
+    before = get(args.server, "/get_weight_version")[1]["weight_version"]
+    # VLLMClient.init_communicator: the server's world size, the client last.
+    status, body = get(args.server, "/get_world_size/")
+    check(status, body, "get_world_size")
+    world = body["world_size"] + 1
+    rank = body["world_size"]
+    check(*post_now(args.server, "/init_communicator/", {
+        "host": args.store_host, "port": args.port, "world_size": world,
+        "client_device_uuid": str(torch.cuda.get_device_properties(dev).uuid)}),
+        "init_communicator")
+    time.sleep(0.1)
+    host = args.server.rsplit(":", 1)[0]
+    pg = Stateless(host, args.port, rank, world)
+    # PyNcclCommunicator.__init__ at a rank other than 0: the id rank 0 broadcast_obj'd.
+    vuid = pg.broadcast_recv(0)
+    stub = stub_vllm_id_class()
+    if type(vuid) is not stub:
+        raise SystemExit(f"broadcast_from/0/0 unpickled to {type(vuid)}, not vLLM's ncclUniqueId")
+    uid = UniqueId()
+    ctypes.memmove(ctypes.addressof(uid), ctypes.addressof(vuid), 128)
+    comm = nccl.init_rank(world, uid, rank)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    warm = torch.zeros(1, device=dev)
+    nccl.check(lib.ncclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
+                                 1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
+               "ncclAllReduce (warm-up)")
+    torch.cuda.synchronize()
+    say(call="joined", rank=rank, world=world)
+    # VLLMClient.update_named_param, per tensor: the call, the broadcast from the client's
+    # rank, the group's barrier.
+    for i, n in enumerate(weights):
+        w = weights[n]
+        check(*post_now(args.server, "/update_named_param/", {
+            "name": n, "dtype": str(w.dtype), "shape": list(w.shape)}),
+            f"tensor {i + 1}/{len(weights)} {n}")
+        ptr = ctypes.c_void_p(w.data_ptr())
+        nccl.check(lib.ncclBroadcast(ptr, ptr, w.numel(), NCCL_TYPES[w.dtype], rank, comm,
+                                     ctypes.c_void_p(stream)), "ncclBroadcast")
+        torch.cuda.synchronize()
+        pg.barrier()
+    check(*post_now(args.server, "/reset_prefix_cache/"), "reset_prefix_cache")
+    check(*post_now(args.server, "/close_communicator/"), "close_communicator")
+    nccl.destroy(comm)
+    status, body = get(args.server, "/get_weight_version")
+    say(version_before=before, version_after=body.get("weight_version"))
+    # TRL's routes name no version: the update makes a new one.
+    if body.get("weight_version") == before:
+        status = 0
+    return status, body
 
 
 def main():
@@ -287,7 +421,9 @@ def main():
     ap.add_argument("--server", required=True)
     ap.add_argument("--model", required=True, help="the model directory to push")
     ap.add_argument("--device", default="cuda:1")
-    ap.add_argument("--style", choices=["sglang", "vllm", "packed"], required=True)
+    ap.add_argument("--style", choices=["sglang", "vllm", "packed", "trl"], required=True)
+    ap.add_argument("--store-host", default="0.0.0.0",
+                    help="trl style: the host /init_communicator/ names (TRL sends 0.0.0.0)")
     ap.add_argument("--port", type=int, required=True, help="the trainer's TCPStore port")
     ap.add_argument("--version", required=True)
     ap.add_argument("--bucket", type=int, default=8, help="tensors per bucket (sglang style)")
@@ -305,8 +441,11 @@ def main():
         status, body = sglang_style(args, weights, world)
     elif args.style == "packed":
         status, body = packed_style(args, weights, world, dev)
-    else:
+    elif args.style == "vllm":
         status, body = vllm_style(args, weights, world, dev)
+    else:
+        status, body = trl_style(args, weights, dev)
+        args.version = body.get("weight_version")
     applied = status == 200 and body.get("weight_version") == args.version
     say(style=args.style, applied=applied, seconds=round(time.time() - t0, 3))
     raise SystemExit(0 if applied else 1)

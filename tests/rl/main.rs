@@ -30,5 +30,6 @@ mod rendezvous;
 mod server;
 mod sources;
 mod trainer;
+mod trl;
 mod updates;
 mod vllm;

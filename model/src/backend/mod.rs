@@ -466,6 +466,16 @@ pub trait Backend {
         self.weights_group_joiner(world, rank, timeout)?(unique_id)
     }
 
+    /// A fresh NCCL unique id, made where this rank is the group's rank 0 (the trainer
+    /// takes another rank). GPU backends only.
+    fn weights_group_unique_id(&self) -> BResult<[u8; 128]> {
+        Err(BackendError::Unsupported(format!(
+            "rank {}: a NCCL weight-update group needs GPU ranks (--device cuda); this rank runs on {}: push the weights over HTTP (update_weights_from_tensor) or from disk instead",
+            self.rank(),
+            self.device_name()
+        )))
+    }
+
     /// What [`Backend::join_weights_group`] does once the unique id is known, ready to run
     /// on another thread: a rank that reads the id from the trainer's store waits for it
     /// there while it serves. Fails at once where this backend cannot join (CPU ranks,
@@ -489,7 +499,7 @@ pub type WeightsGroupJoiner = Box<dyn FnOnce(&[u8]) -> BResult<Box<dyn WeightsGr
 
 /// A NCCL group joined with a trainer (`Backend::join_weights_group`).
 pub trait WeightsGroup: Send {
-    /// Receives one broadcast of `bytes` bytes from the trainer (the group's rank 0) into
+    /// Receives one broadcast of `bytes` bytes from the trainer (group rank `root`) into
     /// host memory. Fails, leaving the group unusable, when it has not arrived within
     /// `timeout`.
     /// The broadcast names `dtype` elements, as the trainer's tensor does.
@@ -497,12 +507,18 @@ pub trait WeightsGroup: Send {
         &mut self,
         bytes: usize,
         dtype: crate::safetensors::DType,
+        root: usize,
         timeout: std::time::Duration,
     ) -> BResult<Vec<u8>>;
 
     /// Receives one broadcast of `bytes` raw bytes (a `uint8` buffer: vLLM's packed
     /// layout) into host memory, as [`WeightsGroup::receive`] does.
-    fn receive_bytes(&mut self, bytes: usize, timeout: std::time::Duration) -> BResult<Vec<u8>>;
+    fn receive_bytes(
+        &mut self,
+        bytes: usize,
+        root: usize,
+        timeout: std::time::Duration,
+    ) -> BResult<Vec<u8>>;
 
     /// A sum all-reduce of one f32 zero with every member, as vLLM's `PyNcclCommunicator`
     /// runs right after it joins (its members wait for it), waiting at most `timeout`.

@@ -49,6 +49,12 @@ pub enum Rendezvous {
         key: String,
         format: IdFormat,
     },
+    /// arbor's rank 0 is the group's rank 0 of a vLLM `StatelessProcessGroup` (the trainer
+    /// takes the last rank, as TRL's vLLM client does): it runs the group's `TCPStore` on
+    /// `host:port`, makes the NCCL id and publishes it pickled under
+    /// `broadcast_from/0/0`; every rank takes part in vLLM's store barrier after each
+    /// broadcast it receives.
+    Serve { host: String, port: u16 },
 }
 
 /// How the id is written under a store key.

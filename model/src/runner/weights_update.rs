@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use arbor_collective::Communicator;
 
-use super::weights_group::{join_through_store, GroupSlot, StoreSource};
+use super::weights_group::{join_serving_store, join_through_store, Group, GroupSlot, StoreSource};
 use super::Worker;
 use crate::backend::{Backend, KvSpec};
 use crate::batching::{ControlMsg, Rendezvous, TensorMeta, UpdateSource};
@@ -71,8 +71,8 @@ pub(super) struct Updates<B: Backend> {
     candidate: Option<(Model<B>, Origin)>,
     /// A resumed KV cache (the size it had), until phase two.
     new_session: Option<(super::Caches<B>, super::KvCapacity)>,
-    new_group: Option<(String, GroupSlot)>,
-    group: Option<(String, GroupSlot)>,
+    new_group: Option<(String, Group)>,
+    group: Option<(String, Group)>,
     /// The KV cache was freed to make room for the update's second copy: phase two makes
     /// it again (`UpdateMemory`).
     cache_freed: bool,
@@ -377,11 +377,14 @@ impl<B: Backend> Worker<B> {
                 }
                 let timeout = Duration::from_secs_f64(*timeout_s);
                 let slot = match rendezvous {
-                    Rendezvous::UniqueId(id) => GroupSlot::Joined(
+                    Rendezvous::UniqueId(id) => Group::trainer_first(GroupSlot::Joined(
                         self.backend
                             .join_weights_group(id, *world, rank, timeout)
                             .map_err(|e| self.berr(e))?,
-                    ),
+                    )),
+                    Rendezvous::Serve { host, port } => {
+                        join_serving_store(&self.backend, host, *port, *world, rank, timeout)?
+                    }
                     Rendezvous::Store {
                         host,
                         port,
@@ -394,7 +397,13 @@ impl<B: Backend> Worker<B> {
                             key,
                             format: *format,
                         };
-                        join_through_store(&self.backend, &src, *world, rank, timeout)?
+                        Group::trainer_first(join_through_store(
+                            &self.backend,
+                            &src,
+                            *world,
+                            rank,
+                            timeout,
+                        )?)
                     }
                 };
                 self.updates.new_group = Some((name.clone(), slot));
@@ -712,7 +721,8 @@ impl<B: Backend> Worker<B> {
                 )))
             }
         };
-        let g = g.joined(rank, timeout)?;
+        let root = g.root;
+        let joined = g.slot.joined(rank, timeout)?;
         let t0 = std::time::Instant::now();
         if let Some(buffer_bytes) = packed {
             return self.receive_packed(tensors, buffer_bytes, timeout, t0);
@@ -724,12 +734,15 @@ impl<B: Backend> Worker<B> {
                 id: 0,
                 msg: format!("tensor {:?}: shape {:?} overflows", t.name, t.shape),
             })?;
-            let data = g
-                .receive(bytes, t.dtype, timeout)
+            let data = joined
+                .receive(bytes, t.dtype, root, timeout)
                 .map_err(|source| ModelError::Backend { rank, source })?;
             total += bytes;
             files.push((t, data));
         }
+        // The trainer passes vLLM's barrier after its broadcasts (TRL's client does after
+        // each tensor), and waits for every member there.
+        g.barrier(rank, timeout)?;
         tracing::info!(
             rank,
             tensors = tensors.len(),
@@ -767,13 +780,14 @@ impl<B: Backend> Worker<B> {
                 "no weight-update group: init it first".into(),
             ));
         };
-        let g = g.joined(rank, timeout)?;
+        let root = g.root;
+        let g = g.slot.joined(rank, timeout)?;
         let label = Path::new("packed buffers received over NCCL");
         let mut files = Vec::with_capacity(buffers.len());
         let mut total = 0usize;
         for b in &buffers {
             let data = g
-                .receive_bytes(b.bytes, timeout)
+                .receive_bytes(b.bytes, root, timeout)
                 .map_err(|source| ModelError::Backend { rank, source })?;
             let list = &tensors[b.tensors.clone()];
             let ranges = crate::batching::packed::unpack(data.len(), list).map_err(bad)?;

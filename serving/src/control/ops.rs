@@ -94,6 +94,10 @@ impl Control {
         timeout_s: f64,
     ) -> Result<Outcome, ServeError> {
         let via_store = matches!(rendezvous, Rendezvous::Store { .. });
+        let serves_store = match &rendezvous {
+            Rendezvous::Serve { host, port } => Some(format!("{host}:{port}")),
+            _ => None,
+        };
         let msg = ControlMsg::JoinGroup {
             name: name.clone(),
             rendezvous,
@@ -107,10 +111,13 @@ impl Control {
                     "ranks {rank_offset}..{} of {world}",
                     rank_offset + cx.comm.world_size()
                 );
-                Ok(json!({"success": true, "message": match via_store {
-                    false => format!("joined the weight-update group {name:?} as {ranks}"),
-                    true => format!("checked in at the trainer's store as {ranks} of the weight-update group {name:?}; the ranks join the NCCL communicator when the trainer publishes its id (at its first collective), and the first update_weights_from_distributed waits for that"),
-                }}))
+                Ok(
+                    json!({"success": true, "message": match (serves_store, via_store) {
+                        (Some(at), _) => format!("rank 0 runs the weight-update group {name:?}'s TCPStore at {at} and published its NCCL id; arbor's ranks are {ranks}, the trainer the last: they join the NCCL communicator when the trainer does"),
+                        (None, false) => format!("joined the weight-update group {name:?} as {ranks}"),
+                        (None, true) => format!("checked in at the trainer's store as {ranks} of the weight-update group {name:?}; the ranks join the NCCL communicator when the trainer publishes its id (at its first collective), and the first update_weights_from_distributed waits for that"),
+                    }}),
+                )
             }
             Err(e) => refused(&e, e.to_string()),
         }))

@@ -22,6 +22,7 @@ pub mod state;
 pub mod structured;
 pub mod tokenize;
 pub mod tools;
+pub mod trl;
 pub mod vllm;
 pub mod vllm_weights;
 

@@ -755,4 +755,12 @@ impl Backend for CudaBackend {
     ) -> BResult<super::WeightsGroupJoiner> {
         self.group_joiner(world, rank, timeout)
     }
+
+    fn weights_group_unique_id(&self) -> BResult<[u8; 128]> {
+        let rank = self.comm.rank();
+        arbor_collective::nccl::new_unique_id(rank).map_err(|e| BackendError::Device {
+            rank,
+            msg: format!("making the weight-update group's NCCL id: {e}"),
+        })
+    }
 }

@@ -92,7 +92,13 @@ impl CudaWeightsGroup {
     }
 
     /// One broadcast of `bytes` bytes as `ty` elements, brought to the host.
-    fn receive_wire(&mut self, bytes: usize, ty: WireType, timeout: Duration) -> BResult<Vec<u8>> {
+    fn receive_wire(
+        &mut self,
+        bytes: usize,
+        ty: WireType,
+        root: usize,
+        timeout: Duration,
+    ) -> BResult<Vec<u8>> {
         if bytes == 0 {
             return Ok(Vec::new());
         }
@@ -111,7 +117,7 @@ impl CudaWeightsGroup {
                 return Err(self.err(format!("{bytes} bytes are not whole {ty:?} elements")));
             }
             // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
-            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, 0) }
+            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, root) }
                 .map_err(|e| self.err(e.to_string()))?;
         }
         if let Err(msg) = self.wait(timeout) {
@@ -147,17 +153,23 @@ impl Drop for CudaWeightsGroup {
 }
 
 impl WeightsGroup for CudaWeightsGroup {
-    fn receive(&mut self, bytes: usize, dtype: DType, timeout: Duration) -> BResult<Vec<u8>> {
+    fn receive(
+        &mut self,
+        bytes: usize,
+        dtype: DType,
+        root: usize,
+        timeout: Duration,
+    ) -> BResult<Vec<u8>> {
         let ty = match dtype {
             DType::BF16 => WireType::Bf16,
             DType::F16 => WireType::F16,
             DType::F32 => WireType::F32,
         };
-        self.receive_wire(bytes, ty, timeout)
+        self.receive_wire(bytes, ty, root, timeout)
     }
 
-    fn receive_bytes(&mut self, bytes: usize, timeout: Duration) -> BResult<Vec<u8>> {
-        self.receive_wire(bytes, WireType::U8, timeout)
+    fn receive_bytes(&mut self, bytes: usize, root: usize, timeout: Duration) -> BResult<Vec<u8>> {
+        self.receive_wire(bytes, WireType::U8, root, timeout)
     }
 
     fn warm_up(&mut self, timeout: Duration) -> BResult<()> {
