@@ -782,15 +782,30 @@ class ArborRollout:
         return r
 
 
-def register(name: str = "arbor") -> None:
+_SERVER_OPTIONS: dict[str, Any] = {}
+
+
+def register(
+    name: str = "arbor",
+    *,
+    arbor_bin: str | os.PathLike[str] | None = None,
+    launch_bin: str | os.PathLike[str] | None = None,
+    serve_args: Sequence[str] = (),
+) -> None:
     """Make `actor_rollout_ref.rollout.name=arbor` select arbor in verl: the replica in
     `RolloutReplicaRegistry`, the trainer-side adapter in `get_rollout_class`'s table.
-    Needs verl with its Ray stack."""
+    The replica's server actor runs `arbor serve` (found as `ArborProcess` finds it,
+    unless given here) with `serve_args` added. Needs verl with its Ray stack."""
     from verl.workers.rollout import base as verl_base
     from verl.workers.rollout import replica as verl_replica
 
     verl_replica.RolloutReplicaRegistry.register(name, lambda: _verl_classes()[0])
     verl_base._ROLLOUT_REGISTRY[(name, "async")] = f"{__name__}.VerlArborRollout"
+    _SERVER_OPTIONS.update(
+        arbor_bin=None if arbor_bin is None else str(arbor_bin),
+        launch_bin=None if launch_bin is None else str(launch_bin),
+        serve_args=tuple(serve_args),
+    )
 
 
 def _verl_classes() -> tuple[type, type]:
@@ -806,7 +821,9 @@ def _verl_classes() -> tuple[type, type]:
         def __init__(self, config: Any, model_config: Any, device_mesh: Any, **kw: Any) -> None:
             super().__init__(config, model_config, device_mesh)
             tp_rank = 0 if device_mesh is None else device_mesh["infer_tp"].get_local_rank()
-            replica = int(os.environ.get("RANK", "0")) // max(1, config.tensor_model_parallel_size)
+            # verl's SGLang adapter finds its server the same way: replica = rank // TP.
+            tp = self.config.tensor_model_parallel_size * self.config.data_parallel_size
+            replica = int(os.environ.get("RANK", "0")) // max(1, tp)
             self._actor_name = f"arbor_server_{replica}"
             self._inner: ArborRollout | None = None
             self._leader = tp_rank == 0
@@ -855,6 +872,7 @@ def _verl_classes() -> tuple[type, type]:
                 max_model_len=self.config.max_model_len,
                 prompt_length=self.config.prompt_length,
                 response_length=self.config.response_length,
+                **_SERVER_OPTIONS,
             )
             await server.launch_server.remote()
             self.servers = [server]
