@@ -132,6 +132,7 @@ class ArborProcess:
         launch_bin: str | os.PathLike[str] | None = None,
         startup_timeout: float = 120.0,
         log_path: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         arbor = _find("arbor", arbor_bin, "ARBOR_BIN")
         cmd = [arbor, "serve", "--model", str(model), "--port", "0", *serve_args]
@@ -141,7 +142,12 @@ class ArborProcess:
         self.log: list[str] = []
         self._log_file = open(log_path, "w") if log_path else None
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **env} if env else None,
         )
         found: list[tuple[str, int]] = []
         ready = threading.Event()

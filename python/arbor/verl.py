@@ -105,6 +105,7 @@ class ArborHttpServer:
         serve_args: Sequence[str] = (),
         arbor_bin: str | os.PathLike[str] | None = None,
         launch_bin: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
         api_key: str | None = None,
         rollout_mode: str = COLOCATED,
         free_cache_engine: bool = True,
@@ -126,6 +127,7 @@ class ArborHttpServer:
             "serve_args": tuple(serve_args),
             "arbor_bin": arbor_bin,
             "launch_bin": launch_bin,
+            "env": env,
         }
         self.api_key = api_key
         self.rollout_mode = rollout_mode
@@ -183,6 +185,7 @@ class ArborHttpServer:
             serve_args=launch["serve_args"],
             arbor_bin=launch["arbor_bin"],
             launch_bin=launch["launch_bin"],
+            env=launch["env"],
         )
         self._address = self.process.address
         self._client = Client(self._address, self.api_key)
@@ -576,9 +579,24 @@ def _verl_classes() -> tuple[type, type]:
             if self.nnodes != 1:
                 raise NotImplementedError("arbor replicas span one node")
             server_cls = ray.remote(ArborHttpServer)
-            node_id = await self.workers[0].__ray_call__.remote(
-                lambda self: ray.get_runtime_context().get_node_id()
+            # As verl's vLLM replica: the node and the GPUs Ray gave the replica's workers,
+            # which the ranks then take (each its local rank's visible GPU).
+            infos = await asyncio.gather(
+                *[
+                    w.__ray_call__.remote(
+                        lambda self: (
+                            ray.get_runtime_context().get_node_id(),
+                            ray.get_runtime_context().get_accelerator_ids().get("GPU", []),
+                        )
+                    )
+                    for w in self.workers
+                ]
             )
+            node_id = infos[0][0]
+            gpus = [str(g) for _, ids in infos for g in ids]
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else None
+            options = dict(_SERVER_OPTIONS)
+            options["serve_args"] = ("--device", "auto", *options.get("serve_args", ()))
             server = server_cls.options(
                 scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                     node_id=node_id, soft=False
@@ -593,7 +611,8 @@ def _verl_classes() -> tuple[type, type]:
                 max_model_len=self.config.max_model_len,
                 prompt_length=self.config.prompt_length,
                 response_length=self.config.response_length,
-                **_SERVER_OPTIONS,
+                env=env,
+                **options,
             )
             await server.launch_server.remote()
             self.servers = [server]
