@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 from uuid import uuid4
 
@@ -128,3 +131,20 @@ async def drive(replica, rollout_cls, config, model_config, b: Path, fresh_b: st
     await rollout.update_weights(iter(weights.items()), global_steps=1)
     await rollout.resume(tags=["kv_cache"])
     same_as(fresh_b, await rollouts(), "1")
+
+
+def test_the_plugin_registers_arbor_in_a_fresh_process() -> None:
+    """What every Ray worker does when it imports verl: the `verl.plugins` entry point (or
+    `VERL_USE_EXTERNAL_MODULES`) imports arbor.verl_plugin, and the name resolves."""
+    code = (
+        "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+        "from verl.workers.rollout.base import get_rollout_class\n"
+        "print(get_rollout_replica_class('arbor').__name__, "
+        "get_rollout_class('arbor', 'async').__name__)\n"
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "arbor.verl_plugin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["_Replica", "_Rollout"]
