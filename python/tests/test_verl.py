@@ -369,3 +369,9 @@ def test_has_verls_server_and_rollout_methods() -> None:
             missing = [p for p in params if p not in accepted and not takes_kwargs]
             # PD disaggregation's bootstrap arguments are taken by **kwargs and unused.
             assert not missing, f"{ours.__name__}.{m} lacks parameters {missing}"
+
+
+def test_chunked_bodies_are_read_whole() -> None:
+    from arbor._serve import _dechunk
+
+    assert _dechunk(b"4\r\nWiki\r\n6;x=y\r\npedia \r\n0\r\n\r\n") == b"Wikipedia "
