@@ -318,7 +318,12 @@ class ArborHttpServer:
 
     async def wake_up(self) -> None:
         """Resume what `sleep` released, then drop the prefix cache (verl's SGLang
-        server: colocated and hybrid resume weights and KV, standalone the KV only)."""
+        server: colocated resumes weights and KV, standalone the KV only). In hybrid mode
+        the trainer's `ArborRollout` wakes the server with the new weights; resuming here
+        would read the last checkpoint on disk, older than what was pushed, so this
+        refuses as verl's servers do."""
+        if self.rollout_mode == HYBRID:
+            raise ValueError(f"wake_up not support rollout_mode {self.rollout_mode}")
         if not self.free_cache_engine:
             return
         await self._resume(

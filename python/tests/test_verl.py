@@ -226,6 +226,10 @@ def test_sleep_and_wake_up(server: ArborHttpServer) -> None:
         after = await server.generate(PROMPTS[3], agent_loop_params(seed=11), "w2")
         assert (after.token_ids, after.log_probs) == (before.token_ids, before.log_probs)
         await server.clear_kv_cache()
+        # Hybrid: the trainer's resume brings the pushed weights back, not wake_up.
+        hybrid = ArborHttpServer(server.address, rollout_mode="hybrid")
+        with pytest.raises(ValueError, match="hybrid"):
+            await hybrid.wake_up()
 
     asyncio.run(go())
 
