@@ -286,7 +286,14 @@ def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], wor
     # vLLM's API names no version: arbor's (SGLang's) route sets the one the check reads.
     status, body = post_wait(args.server, "/update_weight_version", {"new_version": args.version})
     check(status, body, "update_weight_version")
+    # vLLM's API has no call that leaves the group; arbor's does, and ncclCommDestroy
+    # returns only once every member destroys its communicator.
+    th, res = in_thread(
+        args.server, "/destroy_weights_update_group", {"group_name": "vllm-weight-transfer"}
+    )
     nccl.destroy(comm)
+    th.join()
+    check(*res[0], "destroy_weights_update_group")
     del store
     try:
         listen.close()
