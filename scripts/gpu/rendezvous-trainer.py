@@ -385,9 +385,10 @@ def trl_style(args, weights, dev):
     time.sleep(0.1)
     host = args.server.rsplit(":", 1)[0]
     pg = Stateless(host, args.port, rank, world)
-    # PyNcclCommunicator.__init__ at a rank other than 0: the id rank 0 broadcast_obj'd.
-    vuid = pg.broadcast_recv(0)
+    # PyNcclCommunicator.__init__ at a rank other than 0: the id rank 0 broadcast_obj'd,
+    # unpickled as vLLM's class (the stub stands in for vLLM, which is not installed).
     stub = stub_vllm_id_class()
+    vuid = pg.broadcast_recv(0)
     if type(vuid) is not stub:
         raise SystemExit(f"broadcast_from/0/0 unpickled to {type(vuid)}, not vLLM's ncclUniqueId")
     uid = UniqueId()
