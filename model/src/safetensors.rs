@@ -68,6 +68,16 @@ pub struct TensorInfo {
     pub data: Range<usize>,
 }
 
+/// One tensor inside a buffer of many (`SafeFile::from_packed`): its name, type, shape
+/// and the bytes it takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedPart {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Range<usize>,
+}
+
 pub struct SafeFile {
     /// The file, or for bytes received over the network a label naming where they came
     /// from (errors name it as they name a file).
@@ -172,17 +182,16 @@ impl SafeFile {
         })
     }
 
-    /// Many tensors' raw little-endian bytes held in one buffer, tensor `i` at
-    /// `ranges[i]` (a packed broadcast, `batching::packed`): no copy is cut out of it.
-    pub fn from_packed(
-        label: &Path,
-        bytes: Vec<u8>,
-        tensors: &[crate::batching::TensorMeta],
-        ranges: Vec<Range<usize>>,
-    ) -> MResult<Self> {
-        let mut infos = HashMap::with_capacity(tensors.len());
-        for (t, data) in tensors.iter().zip(ranges) {
-            let want = t.bytes();
+    /// Many tensors' raw little-endian bytes held in one buffer, each at its part's
+    /// range (a packed broadcast): no copy is cut out of it.
+    pub fn from_packed(label: &Path, bytes: Vec<u8>, parts: Vec<PackedPart>) -> MResult<Self> {
+        let mut infos = HashMap::with_capacity(parts.len());
+        for t in parts {
+            let want = t
+                .shape
+                .iter()
+                .try_fold(t.dtype.size(), |acc, &d| acc.checked_mul(d));
+            let data = t.data;
             if want != Some(data.len()) || data.end > bytes.len() {
                 return Err(st_err(
                     label,
@@ -197,7 +206,7 @@ impl SafeFile {
             }
             let info = TensorInfo {
                 dtype: t.dtype,
-                shape: t.shape.clone(),
+                shape: t.shape,
                 data,
             };
             if infos.insert(t.name.clone(), info).is_some() {
@@ -586,8 +595,6 @@ mod tests {
 
     #[test]
     fn packed_tensors_read_back_at_unaligned_offsets() {
-        use crate::batching::packed::unpack;
-        use crate::batching::TensorMeta;
         // A bf16 [3] (6 bytes), then an f32 [2, 2] at offset 6, then an f16 [1]: laid as
         // a trainer's `torch.cat` of their uint8 views does.
         let a = [1.5f32, -2.0, 0.25].map(|v| bf16::from_f32(v).to_bits().to_le_bytes());
@@ -600,18 +607,18 @@ mod tests {
             .chain(h.iter())
             .copied()
             .collect();
-        let meta = |name: &str, dtype, shape: &[usize]| TensorMeta {
+        let part = |name: &str, dtype, shape: &[usize], data: Range<usize>| PackedPart {
             name: name.into(),
             dtype,
             shape: shape.to_vec(),
+            data,
         };
-        let ts = [
-            meta("a", DType::BF16, &[3]),
-            meta("b", DType::F32, &[2, 2]),
-            meta("h", DType::F16, &[1]),
+        let parts = vec![
+            part("a", DType::BF16, &[3], 0..6),
+            part("b", DType::F32, &[2, 2], 6..22),
+            part("h", DType::F16, &[1], 22..24),
         ];
-        let ranges = unpack(bytes.len(), &ts).unwrap();
-        let f = SafeFile::from_packed(Path::new("packed"), bytes, &ts, ranges).unwrap();
+        let f = SafeFile::from_packed(Path::new("packed"), bytes, parts.clone()).unwrap();
         let read = |name: &str, k: usize, rows: usize| {
             let info = &f.tensors[name];
             f.read_block(name, info, k, 0..rows, 0..k)
@@ -624,8 +631,8 @@ mod tests {
         assert_eq!(read("b", 2, 2), [3.0, 4.0, -5.5, 6.0]);
         assert_eq!(read("h", 1, 1), [7.0]);
         // A range that disagrees with the tensor's shape names it.
-        let whole = std::iter::once(0..8).collect();
-        let e = SafeFile::from_packed(Path::new("packed"), vec![0; 8], &ts[..1], whole)
+        let wrong = vec![part("a", DType::BF16, &[3], 0..8)];
+        let e = SafeFile::from_packed(Path::new("packed"), vec![0; 8], wrong)
             .err()
             .unwrap();
         assert!(e.to_string().contains("tensor \"a\""), "{e}");

@@ -28,7 +28,7 @@ use crate::config::ModelConfig;
 use crate::error::{MResult, ModelError};
 use crate::forward::{HeadPlan, Model};
 use crate::layers::LoadCtx;
-use crate::safetensors::SafeFile;
+use crate::safetensors::{PackedPart, SafeFile};
 use crate::weights::WeightStore;
 
 /// Where the serving weights came from.
@@ -792,7 +792,17 @@ impl<B: Backend> Worker<B> {
             let list = &tensors[b.tensors.clone()];
             let ranges = crate::batching::packed::unpack(data.len(), list).map_err(bad)?;
             total += data.len();
-            files.push(SafeFile::from_packed(label, data, list, ranges)?);
+            let parts = list
+                .iter()
+                .zip(ranges)
+                .map(|(t, data)| PackedPart {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    data,
+                })
+                .collect();
+            files.push(SafeFile::from_packed(label, data, parts)?);
         }
         tracing::info!(
             rank,
