@@ -317,6 +317,30 @@ fn min_tokens_holds_back_the_stop_tokens_at_tp1_and_tp2() {
             "{c}
 {sc}"
         );
+        // SGLang's `min_new_tokens` (/generate) is the same ban: completions' tokens.
+        let sg = s.ok(
+            "/generate",
+            &json!({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12,
+                    "temperature": 0, "min_new_tokens": 4}}),
+        );
+        assert_eq!(ids(&sg["output_ids"]), out, "{sg}");
+        // TRL's `generation_kwargs` (its VLLMClient.generate body, as tests/rl/trl.rs
+        // sends it) with `min_tokens`: the tokens of completions with the same fields.
+        let trl = s.ok(
+            "/generate/",
+            &json!({"prompts": [PROMPT], "images": null, "n": 1, "repetition_penalty": 1.0,
+                    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "max_tokens": 12, "logprobs": 0, "structured_outputs_regex": null,
+                    "generation_kwargs": {"seed": 3, "min_tokens": 4}}),
+        );
+        let c = s.ok(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 3,
+                    "min_tokens": 4}),
+        );
+        let trl_ids = ids(&trl["completion_ids"][0]);
+        assert!(trl_ids.len() >= 4 && !trl_ids[..4].contains(&eos), "{trl}");
+        assert_eq!(trl_ids, ids(&c["choices"][0]["token_ids"]), "{trl}\n{c}");
         // Sampled, n 3, with a stop token banned too: each choice alone is the same.
         let n3 = s.ok("/v1/completions", &sampled);
         for i in 0..3 {
