@@ -64,6 +64,33 @@ impl TokenMask {
         }
     }
 
+    /// Every id of the vocabulary.
+    pub fn all(vocab: usize) -> Self {
+        Self::from_bits(vec![u32::MAX; vocab.div_ceil(32)], vocab)
+    }
+
+    /// This mask less `ids` (ids it does not allow are ignored).
+    pub fn without(&self, ids: &[u32], vocab: usize) -> Self {
+        match self {
+            TokenMask::Ids(allowed) => TokenMask::Ids(
+                allowed
+                    .iter()
+                    .copied()
+                    .filter(|t| !ids.contains(t))
+                    .collect(),
+            ),
+            TokenMask::Bits(words) => {
+                let mut words = words.clone();
+                for &i in ids {
+                    if let Some(w) = words.get_mut(i as usize / 32) {
+                        *w &= !(1 << (i % 32));
+                    }
+                }
+                Self::from_bits(words, vocab)
+            }
+        }
+    }
+
     /// How many ids it allows.
     pub fn count(&self) -> usize {
         match self {
@@ -117,6 +144,13 @@ fn bit(words: &[u32], id: u32) -> bool {
 /// sampled row otherwise.
 pub trait TokenConstraint: Send {
     fn allowed(&mut self, generated: &[u32]) -> TokenMask;
+
+    /// The mask after `generated`, or `None` where the row is not constrained at all: such
+    /// a row is drawn as an unconstrained one is (on the device, its row never downloaded),
+    /// which a constraint that ends part-way (`MinTokens`) needs to cost nothing after.
+    fn mask(&mut self, generated: &[u32]) -> Option<TokenMask> {
+        Some(self.allowed(generated))
+    }
 }
 
 /// A shared handle on a sequence's [`TokenConstraint`]: the request that made it keeps a
@@ -138,6 +172,77 @@ impl Constraint {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .allowed(generated)
+    }
+
+    /// The mask after `generated`, `None` where the row is not constrained
+    /// ([`TokenConstraint::mask`]).
+    pub fn mask(&self, generated: &[u32]) -> Option<TokenMask> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .mask(generated)
+    }
+}
+
+/// vLLM's `min_tokens` (SGLang's `min_new_tokens`): until a sequence has generated `min`
+/// tokens, its stop tokens (end-of-sequence and the request's `stop_token_ids`) cannot be
+/// drawn, as vLLM's min-tokens logits processor sets their logits to −∞ before sampling.
+/// The ban depends on the count of the sequence's own tokens alone. It composes with the
+/// sequence's own constraint (structured output): the ban is taken out of that mask,
+/// unless the constraint allows nothing else (a grammar whose only way on is to end),
+/// where the constraint wins and the sequence ends short of `min`. From `min` tokens on it
+/// is the inner constraint alone, or no mask at all: the row goes back to the device's
+/// draw, so a `min_tokens` of 1 costs one host-drawn token.
+pub struct MinTokens {
+    min: usize,
+    /// Sorted, deduplicated, inside the vocabulary.
+    stop: Vec<u32>,
+    vocab: usize,
+    inner: Option<Constraint>,
+}
+
+impl MinTokens {
+    /// The constraint of a sequence that must generate `min` tokens before any of `stop`,
+    /// over its own constraint `inner`: `inner` itself when `min` is 0 or nothing is banned.
+    pub fn wrap(
+        min: usize,
+        stop: &[u32],
+        vocab: usize,
+        inner: Option<Constraint>,
+    ) -> Option<Constraint> {
+        let mut stop: Vec<u32> = stop
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < vocab)
+            .collect();
+        stop.sort_unstable();
+        stop.dedup();
+        if min == 0 || stop.is_empty() {
+            return inner;
+        }
+        Some(Constraint::new(MinTokens {
+            min,
+            stop,
+            vocab,
+            inner,
+        }))
+    }
+}
+
+impl TokenConstraint for MinTokens {
+    fn allowed(&mut self, generated: &[u32]) -> TokenMask {
+        self.mask(generated)
+            .unwrap_or_else(|| TokenMask::all(self.vocab))
+    }
+
+    fn mask(&mut self, generated: &[u32]) -> Option<TokenMask> {
+        let inner = self.inner.as_ref().and_then(|c| c.mask(generated));
+        if generated.len() >= self.min {
+            return inner;
+        }
+        let base = inner.unwrap_or_else(|| TokenMask::all(self.vocab));
+        let banned = base.without(&self.stop, self.vocab);
+        Some(if banned.count() == 0 { base } else { banned })
     }
 }
 
@@ -293,6 +398,95 @@ mod tests {
                 sampling::choose_with(&r, &s, 2, pos, None)
             );
         }
+    }
+
+    /// A constraint of a fixed mask.
+    struct Fixed(TokenMask);
+
+    impl TokenConstraint for Fixed {
+        fn allowed(&mut self, _: &[u32]) -> TokenMask {
+            self.0.clone()
+        }
+    }
+
+    #[test]
+    fn min_tokens_bans_the_stop_ids_until_met_then_unmasks() {
+        let vocab = 300;
+        // Stops out of order, repeated and past the vocabulary.
+        let c = MinTokens::wrap(2, &[7, 2, 7, 999], vocab, None).expect("a constraint");
+        for generated in [&[][..], &[4]] {
+            let m = c.mask(generated).expect("masked below min");
+            assert_eq!(m.count(), vocab - 2, "{generated:?}");
+            assert!(!m.allows(7) && !m.allows(2) && m.allows(3) && m.allows(299));
+            assert!(m.check(vocab).is_ok());
+        }
+        // Met: no mask at all (the device's draw), whatever the tokens were.
+        assert_eq!(c.mask(&[4, 5]), None);
+        assert_eq!(c.mask(&[4, 5, 6]), None);
+        // Asked for a mask anyway, it is everything.
+        assert_eq!(c.allowed(&[4, 5]).count(), vocab);
+        // Asked again from a shorter run (a restart): banned again.
+        assert!(!c.mask(&[]).expect("masked").allows(7));
+        // Nothing to do: no constraint, or the inner one as it is.
+        assert!(MinTokens::wrap(0, &[7], vocab, None).is_none());
+        assert!(MinTokens::wrap(3, &[], vocab, None).is_none());
+        assert!(MinTokens::wrap(3, &[400], vocab, None).is_none());
+        let inner = Constraint::new(Fixed(TokenMask::Ids(vec![1])));
+        assert!(MinTokens::wrap(0, &[7], vocab, Some(inner.clone())) == Some(inner));
+    }
+
+    #[test]
+    fn min_tokens_composes_with_a_structured_constraint() {
+        // Large enough that three ids are the smaller form.
+        let vocab = 640;
+        let inner = Constraint::new(Fixed(TokenMask::from_ids(&[2, 5, 9], vocab)));
+        let c = MinTokens::wrap(1, &[5, 40], vocab, Some(inner)).expect("a constraint");
+        assert_eq!(c.mask(&[]), Some(TokenMask::Ids(vec![2, 9])));
+        // Met: the structured constraint alone.
+        assert_eq!(c.mask(&[2]), Some(TokenMask::Ids(vec![2, 5, 9])));
+        // A grammar that can only end: it wins over the ban (the choice ends short).
+        let only_end = Constraint::new(Fixed(TokenMask::Ids(vec![5])));
+        let c = MinTokens::wrap(4, &[5], vocab, Some(only_end)).expect("a constraint");
+        assert_eq!(c.mask(&[1]), Some(TokenMask::Ids(vec![5])));
+        // A bit-form inner mask loses the banned bits and nothing else.
+        let wide = Constraint::new(Fixed(TokenMask::all(vocab)));
+        let c = MinTokens::wrap(1, &[0, 63], vocab, Some(wide)).expect("a constraint");
+        let m = c.mask(&[]).expect("masked");
+        assert_eq!(m.count(), vocab - 2);
+        assert!(!m.allows(0) && !m.allows(63) && m.allows(1) && m.allows(62));
+    }
+
+    #[test]
+    fn a_banned_stop_draws_the_best_other_token_and_an_unbanned_draw_is_unchanged() {
+        let r = row(300);
+        let c = MinTokens::wrap(1, &[7], 300, None).expect("a constraint");
+        let ban = c.mask(&[]).expect("masked");
+        // Greedy: 7 is the argmax; banned, the next best.
+        let want = (0..300u32)
+            .filter(|&t| t != 7)
+            .max_by(|&a, &b| r[a as usize].total_cmp(&r[b as usize]).then(b.cmp(&a)))
+            .unwrap();
+        assert_eq!(choose_masked(&r, &ban, &Sampling::greedy(), 0, 0), want);
+        // A pure temperature: where the unmasked draw is not 7, the ban changes nothing
+        // (the Gumbel-max winner among the rest is the same token); where it is, another.
+        let s = Sampling {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 9,
+        };
+        let mut moved = 0;
+        for pos in 0..200 {
+            let free = sampling::choose_with(&r, &s, 3, pos, None);
+            let banned = choose_masked(&r, &ban, &s, 3, pos);
+            assert_ne!(banned, 7);
+            if free == 7 {
+                moved += 1;
+            } else {
+                assert_eq!(banned, free, "at {pos}");
+            }
+        }
+        assert!(moved > 0, "the row never drew its argmax");
     }
 
     #[test]

@@ -45,11 +45,12 @@ fn skyrl_and_prime_rl_generate_at_tp2_equal_completions() {
 
     // skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py
     // (NovaSky-AI/SkyRL), `_generate_single`: {"sampling_params", "model", "token_ids"},
-    // with sampling params from engine_utils.py's `get_vllm_sampling_params` (there
-    // `min_tokens: 1`, which arbor refuses: see below) and a trainer's seed.
+    // with sampling params from `get_vllm_sampling_params`
+    // (skyrl/backends/skyrl_train/inference_engines/utils.py: `min_tokens: 1` always) and
+    // a trainer's seed.
     let skyrl = json!({
         "sampling_params": {
-            "skip_special_tokens": true, "include_stop_str_in_output": true,
+            "min_tokens": 1, "skip_special_tokens": true, "include_stop_str_in_output": true,
             "max_tokens": 10, "temperature": 0.9, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
             "logprobs": 0, "stop": null, "seed": 42,
         },
@@ -80,7 +81,7 @@ fn skyrl_and_prime_rl_generate_at_tp2_equal_completions() {
     let c = s.ok(
         "/v1/completions",
         &json!({"prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "top_p": 1.0,
-                "seed": 42, "logprobs": 0, "skip_special_tokens": true,
+                "seed": 42, "logprobs": 0, "skip_special_tokens": true, "min_tokens": 1,
                 "include_stop_str_in_output": true}),
     );
     let cc = &c["choices"][0];
@@ -169,10 +170,8 @@ fn generate_fields_arbor_cannot_honour_are_named() {
     let s = Server::start(2, &m.a, &[], "vllm-gen-bad");
     let with = |sp: Value| json!({"token_ids": PROMPT, "sampling_params": sp});
     for (body, param) in [
-        // SkyRL's get_vllm_sampling_params always sends min_tokens 1: it masks
-        // end-of-sequence at the first step, which arbor does not do.
         (
-            with(json!({"min_tokens": 1, "max_tokens": 4})),
+            with(json!({"min_tokens": -1, "max_tokens": 4})),
             "sampling_params.min_tokens",
         ),
         (
@@ -232,6 +231,180 @@ fn generate_fields_arbor_cannot_honour_are_named() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["request_id"], "r-1");
     assert_eq!(ids(&v["choices"][0]["token_ids"]).len(), 3);
+}
+
+/// The tiny model A with `eos` as its end-of-sequence id (generation_config.json): a model
+/// whose greedy reply to `PROMPT` ends at once, where `eos` is its first greedy token.
+fn with_eos(a: &std::path::Path, eos: u64, name: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("model dir");
+    for e in std::fs::read_dir(a).expect("model A").flatten() {
+        if e.path().is_file() {
+            std::fs::copy(e.path(), dir.join(e.file_name())).expect("copy model A");
+        }
+    }
+    std::fs::write(
+        dir.join("generation_config.json"),
+        json!({"eos_token_id": eos}).to_string(),
+    )
+    .expect("generation_config.json");
+    dir
+}
+
+fn logprob_bits(choice: &Value) -> Vec<u32> {
+    choice["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("token_logprobs in {choice}"))
+        .iter()
+        .map(bits)
+        .collect()
+}
+
+/// vLLM's `min_tokens` on a model whose greedy reply ends at its first token: the ban of
+/// end-of-sequence (and of `stop_token_ids`) holds for the first N tokens, gives the same
+/// bits at TP 1 and TP 2 and alone or beside other choices, reports the unmasked model's
+/// log-probs (as `arbor score`'s teacher-forced ones), and SkyRL's exact body with its
+/// `min_tokens: 1` gets a reply where without it there is none.
+#[test]
+fn min_tokens_holds_back_the_stop_tokens_at_tp1_and_tp2() {
+    let m = models();
+    let probe = Server::start(1, &m.a, &[], "mintok-probe");
+    let g = probe.ok(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": true}),
+    );
+    let free = ids(&g["choices"][0]["token_ids"]);
+    drop(probe);
+    let eos = free[0];
+    let dir = with_eos(&m.a, eos, "rl-mintok-eos");
+    let greedy = |min: usize| {
+        json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+               "min_tokens": min})
+    };
+    let sampled = json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 11,
+                         "n": 3, "logprobs": 0, "min_tokens": 5, "stop_token_ids": [free[1]]});
+    let mut replies = Vec::new();
+    for tp in [1, 2] {
+        let s = Server::start(tp, &dir, &[], &format!("mintok-tp{tp}"));
+        // Without min_tokens: end-of-sequence at once.
+        let c = s.ok("/v1/completions", &greedy(0));
+        assert_eq!(ids(&c["choices"][0]["token_ids"]), vec![eos], "{c}");
+        assert_eq!(c["choices"][0]["finish_reason"], "stop", "{c}");
+        // min_tokens 4: at least 4 tokens, none of them end-of-sequence.
+        let c = s.ok("/v1/completions", &greedy(4));
+        let out = ids(&c["choices"][0]["token_ids"]);
+        assert!(out.len() >= 4, "{c}");
+        assert!(!out[..4].contains(&eos), "{c}");
+        // The log-probs are the model's own: a teacher-forced score of the same tokens.
+        let mut whole: Vec<u64> = PROMPT.iter().map(|&t| t as u64).collect();
+        whole.extend(&out);
+        let sc = s.ok(
+            "/v1/completions",
+            &json!({"prompt": whole, "max_tokens": 1, "prompt_logprobs": true}),
+        );
+        let scored: Vec<u32> = sc["choices"][0]["prompt_logprobs"]
+            .as_array()
+            .expect("prompt_logprobs")
+            .iter()
+            // Entry k is position k + 1's.
+            .skip(PROMPT.len() - 1)
+            .map(bits)
+            .collect();
+        assert_eq!(
+            logprob_bits(&c["choices"][0]),
+            scored,
+            "{c}
+{sc}"
+        );
+        // SGLang's `min_new_tokens` (/generate) is the same ban: completions' tokens.
+        let sg = s.ok(
+            "/generate",
+            &json!({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12,
+                    "temperature": 0, "min_new_tokens": 4}}),
+        );
+        assert_eq!(ids(&sg["output_ids"]), out, "{sg}");
+        // TRL's `generation_kwargs` (its VLLMClient.generate body, as tests/rl/trl.rs
+        // sends it) with `min_tokens`: the tokens of completions with the same fields.
+        let trl = s.ok(
+            "/generate/",
+            &json!({"prompts": [PROMPT], "images": null, "n": 1, "repetition_penalty": 1.0,
+                    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "max_tokens": 12, "logprobs": 0, "structured_outputs_regex": null,
+                    "generation_kwargs": {"seed": 3, "min_tokens": 4}}),
+        );
+        let c = s.ok(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 3,
+                    "min_tokens": 4}),
+        );
+        let trl_ids = ids(&trl["completion_ids"][0]);
+        assert!(trl_ids.len() >= 4 && !trl_ids[..4].contains(&eos), "{trl}");
+        assert_eq!(trl_ids, ids(&c["choices"][0]["token_ids"]), "{trl}\n{c}");
+        // Sampled, n 3, with a stop token banned too: each choice alone is the same.
+        let n3 = s.ok("/v1/completions", &sampled);
+        for i in 0..3 {
+            let ch = &n3["choices"][i];
+            let out = ids(&ch["token_ids"]);
+            assert!(out.len() >= 5, "{n3}");
+            assert!(
+                !out[..5].contains(&eos) && !out[..5].contains(&free[1]),
+                "{n3}"
+            );
+            let mut one = sampled.clone();
+            one["n"] = json!(1);
+            one["sample_id"] = json!(i);
+            let alone = s.ok("/v1/completions", &one);
+            assert_eq!(ids(&alone["choices"][0]["token_ids"]), out, "choice {i}");
+            assert_eq!(logprob_bits(&alone["choices"][0]), logprob_bits(ch));
+        }
+        // SkyRL's body (get_vllm_sampling_params in
+        // skyrl/backends/skyrl_train/inference_engines/utils.py, sent by
+        // remote_inference_client.py's `_generate_single`), greedy: min_tokens 1 gives a
+        // first token; /v1/completions with the same fields gives the same bits.
+        let model = model_id(&s);
+        let skyrl = json!({
+            "sampling_params": {
+                "min_tokens": 1, "skip_special_tokens": true, "include_stop_str_in_output": true,
+                "max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                "logprobs": 0, "stop": null,
+            },
+            "model": model,
+            "token_ids": PROMPT,
+        });
+        let g = s.ok("/inference/v1/generate", &skyrl);
+        let gen = ids(&g["choices"][0]["token_ids"]);
+        assert!(!gen.is_empty() && gen[0] != eos, "{g}");
+        let c = s.ok(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "min_tokens": 1, "skip_special_tokens": true,
+                    "include_stop_str_in_output": true, "max_tokens": 6, "temperature": 0.0,
+                    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": 0}),
+        );
+        assert_eq!(
+            ids(&c["choices"][0]["token_ids"]),
+            gen,
+            "{c}
+{g}"
+        );
+        let got: Vec<u32> = g["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .expect("content")
+            .iter()
+            .map(|e| bits(&e["logprob"]))
+            .collect();
+        assert_eq!(got, logprob_bits(&c["choices"][0]));
+        replies.push((
+            s.ok("/v1/completions", &greedy(4)),
+            n3,
+            g["choices"][0].clone(),
+        ));
+    }
+    // TP 1 and TP 2: the same tokens and log-prob bits.
+    let (a, b) = (&replies[0], &replies[1]);
+    assert_eq!(a.0["choices"], b.0["choices"]);
+    assert_eq!(a.1["choices"], b.1["choices"]);
+    assert_eq!(a.2, b.2);
 }
 
 /// vLLM's `StatelessProcessGroup.create` as the trainer's rank 0 (a `TCPStore` master of

@@ -768,3 +768,38 @@ fn forced_mistral_calls_start_with_the_special_token() {
     assert_ne!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
     assert_ne!(v["choices"][0]["token_ids"][0], 255, "{v}");
 }
+
+/// `min_tokens` over a constraint: the end-of-sequence ban is taken out of the grammar's
+/// mask, so a choice that ends after "b" without it goes on to the longer one; where the grammar
+/// allows only the end (the long choice complete), the grammar wins and the choice ends
+/// short of `min_tokens`. The same at TP 1 and TP 2.
+#[test]
+fn min_tokens_composes_with_a_constraint() {
+    let scratch = Scratch::new("serve-structured-mintok");
+    let long = "b".repeat(12);
+    let body = |min: usize| {
+        json!({"prompt": "x", "max_tokens": 30, "temperature": 0, "logprobs": 1,
+               "guided_choice": ["b", long], "min_tokens": min})
+    };
+    let mut outs = Vec::new();
+    for tp in [1, 2] {
+        let srv = start(tp, &scratch, &format!("mintok-tp{tp}"));
+        let free = srv.completion(&body(0));
+        // Greedy stops after "b" without min_tokens: the ban is what makes it go on.
+        assert_eq!(free["choices"][0]["text"], "b", "{free}");
+        let two = srv.completion(&body(2));
+        let c = &two["choices"][0];
+        assert_eq!(
+            (c["text"].as_str(), c["finish_reason"].as_str()),
+            (Some(long.as_str()), Some("stop")),
+            "{two}"
+        );
+        // min_tokens past the grammar's end: the grammar ends it, with its 12 tokens.
+        let past = srv.completion(&body(20));
+        let c = &past["choices"][0];
+        assert_eq!(c["text"], long.as_str(), "{past}");
+        assert_eq!(c["finish_reason"], "stop", "{past}");
+        outs.push((bits("completions", &two), bits("completions", &past)));
+    }
+    assert_eq!(outs[0], outs[1]);
+}

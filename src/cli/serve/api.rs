@@ -191,6 +191,7 @@ pub struct Common {
     pub stop_token_ids: Option<Vec<u32>>,
     /// Only their neutral values: each other value changes the draw.
     pub min_p: Option<f32>,
+    /// Tokens a choice generates before its stop tokens may be drawn.
     pub min_tokens: Option<usize>,
     pub repetition_penalty: Option<f32>,
     /// A prefix-cache namespace: the cache never changes a result's bits, so any value
@@ -272,6 +273,9 @@ pub struct Params {
     pub prompt_logprobs: bool,
     pub rid: Option<String>,
     pub stop_token_ids: Vec<u32>,
+    /// vLLM's `min_tokens`: until a choice has this many tokens, its stop tokens cannot
+    /// be drawn and its stop strings do not match (`constraint::MinTokens`).
+    pub min_tokens: usize,
     pub stop_trim: StopTrim,
     /// Special tokens are left out of the text.
     pub skip_special: bool,
@@ -381,12 +385,6 @@ impl Common {
         }
         neutral("min_p", self.min_p, 0.0)?;
         neutral("repetition_penalty", self.repetition_penalty, 1.0)?;
-        if self.min_tokens.is_some_and(|m| m > 0) {
-            return Err(ApiError::bad(
-                "min_tokens",
-                "min_tokens is not supported (only 0): it masks end-of-sequence, which changes the output",
-            ));
-        }
         let stop_token_ids = self.stop_token_ids.clone().unwrap_or_default();
         if stop_token_ids.len() > MAX_STOP_TOKENS {
             return Err(ApiError::bad(
@@ -447,6 +445,7 @@ impl Common {
             prompt_logprobs: self.prompt_logprobs,
             rid: self.rid.clone(),
             stop_token_ids,
+            min_tokens: self.min_tokens.unwrap_or(0),
             stop_trim: if self.include_stop_str_in_output {
                 StopTrim::After
             } else {
@@ -563,6 +562,19 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("n"));
         let e = c(r#"{"prompt":"x"}"#).params(1, Some(21), 4).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("logprobs"));
+        let e = parse_body::<CompletionRequest>(br#"{"prompt":"x","min_tokens":-1}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("min_tokens"));
+        let p = c(r#"{"prompt":"x","min_tokens":3}"#)
+            .params(8, None, 4)
+            .unwrap();
+        assert_eq!(p.min_tokens, 3);
+        assert_eq!(
+            c(r#"{"prompt":"x"}"#)
+                .params(8, None, 4)
+                .unwrap()
+                .min_tokens,
+            0
+        );
         assert_eq!(e.body()["error"]["type"], "invalid_request_error");
     }
 

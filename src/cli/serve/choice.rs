@@ -24,6 +24,9 @@ pub(super) struct ChoiceState {
     pub(super) matched: Option<Matched>,
     /// Where its output constraint reports a failure (structured output).
     pub(super) failure: Option<super::structured::Failure>,
+    /// The bytes of its text when it had `min_tokens` tokens: a stop string must end past
+    /// them.
+    pub(super) stop_floor: usize,
 }
 
 /// The stop a choice matched.
@@ -49,6 +52,7 @@ impl ChoiceState {
             streamed: false,
             matched: None,
             failure: None,
+            stop_floor: 0,
         }
     }
 
@@ -62,6 +66,7 @@ impl ChoiceState {
         self.finish = None;
         self.version = None;
         self.matched = None;
+        self.stop_floor = 0;
     }
 
     pub(super) fn tokens(&self) -> Vec<u32> {

@@ -45,6 +45,7 @@ pub const COMMON_KINDS: &[(&str, Kind)] = &[
     ("sample_id", Kind::Int { min: 0 }),
     ("prompt_logprobs", Kind::Bool),
     ("rid", Kind::Str),
+    ("min_tokens", Kind::Int { min: 0 }),
 ];
 
 /// `/v1/completions`: `max_tokens` 0 with `echo` scores the prompt and generates nothing

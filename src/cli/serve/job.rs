@@ -78,6 +78,14 @@ impl Job {
         let mut choices = Vec::with_capacity(total);
         let mut specs = Vec::with_capacity(total);
         let score = p.prompt_logprobs || (p.echo && p.logprobs.is_some());
+        // What `min_tokens` bans, as vLLM's: end-of-sequence (also with `ignore_eos`) and
+        // the request's stop tokens.
+        let stops: Vec<u32> = st
+            .eos_token_ids
+            .iter()
+            .chain(&p.stop_token_ids)
+            .copied()
+            .collect();
         for (pi, prompt) in prompts.into_iter().enumerate() {
             let prompt = Arc::new(prompt);
             for j in 0..p.n {
@@ -90,6 +98,12 @@ impl Job {
                     }
                     None => (None, None),
                 };
+                let constraint = arbor_model::constraint::MinTokens::wrap(
+                    p.min_tokens,
+                    &stops,
+                    st.vocab,
+                    constraint,
+                );
                 specs.push(SeqSpec {
                     sample_key: p.sample_id.wrapping_add(index as u64),
                     tokens: prompt.to_vec(),
@@ -218,10 +232,16 @@ impl Job {
                     return Ok(Update::Token(i, rec));
                 }
                 c.text = self.st.decode_with(&tokens, p.skip_special);
+                if tokens.len() == p.min_tokens {
+                    c.stop_floor = c.text.len();
+                }
+                // As vLLM: no stop string before `min_tokens` tokens, and then only one
+                // that ends past their text.
                 let hit = p
                     .stop
                     .iter()
-                    .filter_map(|s| c.text.find(s.as_str()).map(|at| (at, s)))
+                    .filter(|_| tokens.len() > p.min_tokens)
+                    .filter_map(|s| stop_after(&c.text, s, c.stop_floor).map(|at| (at, s)))
                     .min_by_key(|&(at, _)| at);
                 if let Some((at, s)) = hit {
                     match p.stop_trim {
@@ -268,6 +288,20 @@ impl Job {
     }
 }
 
+/// Where the first `stop` in `text` that ends past byte `floor` starts.
+fn stop_after(text: &str, stop: &str, floor: usize) -> Option<usize> {
+    let mut from = floor
+        .saturating_sub(stop.len().saturating_sub(1))
+        .min(text.len());
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    text[from..]
+        .match_indices(stop)
+        .map(|(at, _)| from + at)
+        .find(|&at| at + stop.len() > floor)
+}
+
 /// Counts a job's sequences against `--max-queue` for as long as the job lives.
 struct InflightGuard {
     st: Arc<AppState>,
@@ -277,5 +311,25 @@ struct InflightGuard {
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.st.inflight.fetch_sub(self.n, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stop_after;
+
+    #[test]
+    fn stop_strings_must_end_past_the_min_tokens_text() {
+        // No floor: the first match.
+        assert_eq!(stop_after("ab.cd.", ".", 0), Some(2));
+        // A match inside the first tokens' text does not count; one after does.
+        assert_eq!(stop_after("ab.cd.", ".", 3), Some(5));
+        assert_eq!(stop_after("ab.cd", ".", 3), None);
+        // One that starts inside and ends past it does (vLLM looks back a stop's length).
+        assert_eq!(stop_after("abXYcd", "XY", 3), Some(2));
+        assert_eq!(stop_after("abXYcd", "XY", 4), None);
+        // The look-back stops at a character boundary.
+        assert_eq!(stop_after("é.é.", "é.", 3), Some(3));
+        assert_eq!(stop_after("é.", "é.", 3), None);
     }
 }

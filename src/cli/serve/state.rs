@@ -25,7 +25,7 @@ pub struct AppState {
     pub(super) structured: Arc<super::structured::Engine>,
     pub(super) model_name: String,
     pub(super) max_len: usize,
-    vocab: usize,
+    pub(super) vocab: usize,
     /// The ids that end a sequence (config.json and generation_config.json).
     pub(super) eos_token_ids: Vec<u32>,
     api_key: Option<String>,

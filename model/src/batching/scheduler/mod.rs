@@ -374,10 +374,12 @@ impl Scheduler {
         if jobs.is_empty() {
             return;
         }
+        // A constraint may leave a row unmasked (`min_tokens` once met): it stays on the
+        // device's draw.
         let masks =
-            crate::sampling::map_rows(jobs.len(), usize::MAX, |j, _| jobs[j].1.allowed(jobs[j].2));
+            crate::sampling::map_rows(jobs.len(), usize::MAX, |j, _| jobs[j].1.mask(jobs[j].2));
         for ((i, _, _), mask) in jobs.iter().zip(masks) {
-            rows[*i].allowed = Some(mask);
+            rows[*i].allowed = mask;
         }
     }
 
@@ -561,6 +563,24 @@ mod tests {
         assert_eq!(masks, vec![Ids(vec![100]), Ids(vec![101]), Ids(vec![102])]);
         let seen = seen.lock().unwrap().clone();
         assert_eq!(seen, vec![vec![], vec![7], vec![7, 7]]);
+    }
+
+    #[test]
+    fn min_tokens_masks_only_the_rows_before_it_is_met() {
+        let mut s = Scheduler::new(cfg(4, 4, 8, 64)).unwrap();
+        let mut c = spec(0, 6, 4);
+        c.constraint = crate::constraint::MinTokens::wrap(2, &[2], 300, None);
+        let a = s.submit(c).unwrap();
+        let mut masked = Vec::new();
+        while !s.is_idle() {
+            let p = s.plan();
+            for r in p.rows.iter().filter(|r| r.seq == a && r.sample) {
+                masked.push(r.allowed.as_ref().map(|m| m.allows(2)));
+            }
+            s.apply(&p, &run(&p)).unwrap();
+        }
+        // Two host-drawn rows banning token 2, then the unmasked draw.
+        assert_eq!(masked, vec![Some(false), Some(false), None, None]);
     }
 
     #[test]
