@@ -96,7 +96,17 @@ impl TokenMask {
     pub fn count_below(&self, n: usize) -> usize {
         match self {
             TokenMask::Ids(ids) => ids.iter().filter(|&&i| (i as usize) < n).count(),
-            TokenMask::Bits(_) => self.iter_below(n).count(),
+            TokenMask::Bits(words) => {
+                let full = (n / 32).min(words.len());
+                let whole: usize = words[..full].iter().map(|w| w.count_ones() as usize).sum();
+                let part = match words.get(full) {
+                    Some(w) if !n.is_multiple_of(32) => {
+                        (w & ((1u32 << (n % 32)) - 1)).count_ones() as usize
+                    }
+                    _ => 0,
+                };
+                whole + part
+            }
         }
     }
 
