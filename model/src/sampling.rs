@@ -81,6 +81,7 @@ pub struct TokenLogprob {
     pub logprob: f32,
 }
 
+pub use arbor_kernels::cpu::gumbel::gumbel_key;
 use arbor_kernels::cpu::gumbel::splitmix64;
 pub use arbor_kernels::cpu::{gumbel_argmax, tempered_sum, GumbelDraw, RowDraw};
 

@@ -6,6 +6,10 @@
       gives the model's byte-level tokenizer.json N-258 more tokens (words, numbers,
       JSON punctuation), so that the constrained-decoding tables have a real vocabulary's
       size; ids past them stay unwritable.
+  structured-check.py widen MODEL_DIR N
+      gives the model's embedding and LM head N rows (the new ones random), so that a tiny
+      model on the CPU has a real vocabulary's logits rows: its forward is cheap, which
+      leaves the host's per-row work of constrained decoding to be measured.
   structured-check.py speed --addr HOST:PORT --streams 64 --tokens 256 --out FILE
       the same chat request, `streams` at once, unconstrained, with a JSON schema
       (`response_format`) and with a forced tool call, each run `--repeat` times in turn;
@@ -341,6 +345,28 @@ def vocab(a: argparse.Namespace) -> int:
     return 0
 
 
+def widen(a: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(a.model) / "model.safetensors"
+    w = load_file(str(path))
+    g = torch.Generator().manual_seed(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name not in w:
+            continue
+        t = w[name]
+        extra = torch.randn(a.n - t.shape[0], t.shape[1], generator=g) * t.float().std()
+        w[name] = torch.cat([t, extra.to(t.dtype)]).contiguous()
+    save_file(w, str(path), metadata={"format": "pt"})
+    cfg_path = Path(a.model) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["vocab_size"] = a.n
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    print(f"model.safetensors: {a.n} rows of embedding and LM head")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -364,8 +390,18 @@ def main() -> int:
     v = sub.add_parser("vocab")
     v.add_argument("model")
     v.add_argument("n", type=int)
+    w = sub.add_parser("widen")
+    w.add_argument("model")
+    w.add_argument("n", type=int)
     a = p.parse_args()
-    return {"speed": speed, "bits": bits, "compare": compare, "vocab": vocab}[a.cmd](a)
+    cmds = {
+        "speed": speed,
+        "bits": bits,
+        "compare": compare,
+        "vocab": vocab,
+        "widen": widen,
+    }
+    return cmds[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@
 # this script; binaries from target/release unless ARBOR_DEVICE_DIR is set), BUDGET_S
 # (default 570), TPS (default 1,2,4), MODEL_DIR (default /tmp/arbor-structured-model-$DEVICE,
 # reused if it holds the model of the same MODEL_ARGS), MODEL_ARGS (make-model's flags;
-# default "--preset llama3-8b --layers $LAYERS", on the CPU "--preset tiny").
+# default "--preset llama3-8b --layers $LAYERS", on the CPU "--preset tiny"), VOCAB (give the
+# model this many tokens, embedding and LM head widened: `DEVICE=cpu VOCAB=128256 STREAMS=64
+# TPS=1` measures the host's cost of constrained rows, the tiny model's forward being cheap).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -81,19 +83,23 @@ if [[ -z ${MODEL_ARGS:-} ]]; then
     fi
 fi
 STAMP=$MODEL_DIR/.structured-check
-if [[ -f $STAMP && $(cat "$STAMP") == "$MODEL_ARGS" ]]; then
+if [[ -f $STAMP && $(cat "$STAMP") == "$MODEL_ARGS${VOCAB:+ vocab $VOCAB}" ]]; then
     note "PASS  the model in $MODEL_DIR (reused: $MODEL_ARGS)"
 else
     rm -rf "$MODEL_DIR"
     # shellcheck disable=SC2086 # MODEL_ARGS is a list of flags
     step "make the model: $MODEL_ARGS" "$LOG" 300 "$ARBOR" make-model $MODEL_ARGS --out "$MODEL_DIR" ||
         FAILED=1
+    if [[ -n ${VOCAB:-} ]]; then
+        step "widen the model to $VOCAB tokens" "$LOG" 120 python3 "$PY" widen "$MODEL_DIR" \
+            "$VOCAB" || FAILED=1
+    fi
     vocab=$(grep -o '"vocab_size": *[0-9]*' "$MODEL_DIR/config.json" | grep -o '[0-9]*$')
     if ((${vocab:-0} > 258)); then
         step "a tokenizer of $vocab tokens" "$LOG" 60 python3 "$PY" vocab "$MODEL_DIR" "$vocab" ||
             FAILED=1
     fi
-    ((FAILED == 0)) && echo "$MODEL_ARGS" >"$STAMP"
+    ((FAILED == 0)) && echo "$MODEL_ARGS${VOCAB:+ vocab $VOCAB}" >"$STAMP"
 fi
 python3 - "$MODEL_DIR" <<'EOF'
 import json, sys
