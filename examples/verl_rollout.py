@@ -20,28 +20,41 @@ import urllib.request
 from pathlib import Path
 from uuid import uuid4
 
-from safetensors.torch import load_file
-
 from arbor.verl import ArborHttpServer, ArborProcess, ArborRollout
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 ARBOR, LAUNCH = REPO / "target/release/arbor", REPO / "target/release/arbor-launch"
 
 
 def completion(address: str, prompt: list[int], n: int, seed: int) -> dict:
-    body = json.dumps({"prompt": prompt, "max_tokens": n, "seed": seed, "logprobs": 0}).encode()
+    body = json.dumps(
+        {"prompt": prompt, "max_tokens": n, "seed": seed, "logprobs": 0}
+    ).encode()
     req = urllib.request.Request(f"http://{address}/v1/completions", data=body)
     with urllib.request.urlopen(req) as r:
         return json.loads(r.read())["choices"][0]
 
 
-async def main(work: Path) -> None:
+def make_models(work: Path) -> None:
     for name, seed in (("a", 7), ("b", 8)):
         subprocess.run(
-            [ARBOR, "make-model", "--preset", "tiny", "--seed", str(seed), "--out", work / name],
+            [
+                ARBOR,
+                "make-model",
+                "--preset",
+                "tiny",
+                "--seed",
+                str(seed),
+                "--out",
+                work / name,
+            ],
             check=True,
             capture_output=True,
         )
+
+
+async def main(work: Path) -> None:
     server = ArborHttpServer(
         model=work / "a", tp=2, arbor_bin=ARBOR, launch_bin=LAUNCH, response_length=8
     )
@@ -49,11 +62,19 @@ async def main(work: Path) -> None:
     print(f"arbor serve at TP 2 on {server.address}")
     try:
         # verl's agent loop: one generate per sample, its sampling params.
-        params = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
+        params = {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "repetition_penalty": 1.0,
+            "logprobs": True,
+        }
         prompts = [[1, 2, 3], [256, 72, 101], [9, 9]]
         outs = await asyncio.gather(
             *[
-                server.generate(prompt_ids=p, sampling_params=params, request_id=uuid4().hex)
+                server.generate(
+                    prompt_ids=p, sampling_params=params, request_id=uuid4().hex
+                )
                 for p in prompts
             ]
         )
@@ -75,7 +96,9 @@ async def main(work: Path) -> None:
 
         outs = await asyncio.gather(
             *[
-                server.generate(prompt_ids=p, sampling_params=params, request_id=uuid4().hex)
+                server.generate(
+                    prompt_ids=p, sampling_params=params, request_id=uuid4().hex
+                )
                 for p in prompts
             ]
         )
@@ -95,4 +118,5 @@ async def main(work: Path) -> None:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
+        make_models(Path(d))
         asyncio.run(main(Path(d)))
