@@ -59,17 +59,20 @@ print("PUBLISHED", flush=True)
 sys.stdin.read()
 "#;
 
-/// A Python trainer's store; it lives until dropped.
-struct Trainer {
+/// A Python trainer process (`python3 -c SCRIPT ARGS...`) whose stdout lines the test
+/// reads; it lives until dropped (its stdin closes, then it is killed after 10 s).
+pub(crate) struct Trainer {
     child: Child,
     stdin: Option<ChildStdin>,
     out: std::sync::mpsc::Receiver<String>,
 }
 
 impl Trainer {
-    fn start(style: &str, port: u16, world: usize) -> Trainer {
+    pub(crate) fn run(script: &str, args: &[&str]) -> Trainer {
         let mut child = Command::new("python3")
-            .args(["-c", TRAINER, style, &port.to_string(), &world.to_string()])
+            .arg("-c")
+            .arg(script)
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -86,7 +89,7 @@ impl Trainer {
         Trainer { child, stdin, out }
     }
 
-    fn expect(&self, line: &str) {
+    pub(crate) fn expect(&self, line: &str) {
         let got = self
             .out
             .recv_timeout(Duration::from_secs(60))
@@ -131,7 +134,7 @@ fn joins_the_trainers_store_and_reads_the_id_torch_and_vllm_style() {
     let s = Server::start(2, &m.a, &[], "rdzv");
     for style in ["torch", "vllm"] {
         let port = free_port();
-        let trainer = Trainer::start(style, port, 3);
+        let trainer = Trainer::run(TRAINER, &[style, &port.to_string(), "3"]);
         // AReaL sends the port as a string; slime as a number.
         let port_field = if style == "torch" {
             json!(port.to_string())
@@ -185,7 +188,7 @@ fn joins_the_trainers_store_and_reads_the_id_torch_and_vllm_style() {
     );
     // A store whose rank 0 never publishes: refused after timeout_s, naming the key.
     let port = free_port();
-    let trainer = Trainer::start("torch", port, 3);
+    let trainer = Trainer::run(TRAINER, &["torch", &port.to_string(), "3"]);
     let (st, v) = s.post(
         "/init_weights_update_group",
         &json!({"master_address": "localhost", "master_port": port, "rank_offset": 1,

@@ -7,14 +7,11 @@
 //! arithmetic is unit-tested in `model/src/batching/packed.rs`; the NCCL receive itself
 //! runs on GPUs (`scripts/gpu/rendezvous-check.sh packed`).
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::time::{Duration, Instant};
-
 use serde_json::{json, Value};
 
 use crate::checkpoint::models;
 use crate::cli_support::{free_port, python_has};
+use crate::rendezvous::Trainer;
 use crate::server::Server;
 
 const PROMPT: [u32; 7] = [5, 17, 101, 42, 7, 230, 11];
@@ -436,58 +433,6 @@ print("PUBLISHED", flush=True)
 sys.stdin.read()
 "#;
 
-struct Trainer {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    out: std::sync::mpsc::Receiver<String>,
-}
-
-impl Trainer {
-    fn start(port: u16, world: usize) -> Trainer {
-        let mut child = Command::new("python3")
-            .args(["-c", TRAINER, &port.to_string(), &world.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start python3");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, out) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let stdin = child.stdin.take();
-        Trainer { child, stdin, out }
-    }
-
-    fn expect(&self, line: &str) {
-        let got = self
-            .out
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|e| panic!("the trainer did not print {line}: {e}"));
-        assert_eq!(got, line);
-    }
-}
-
-impl Drop for Trainer {
-    fn drop(&mut self) {
-        if let Some(mut s) = self.stdin.take() {
-            let _ = s.flush();
-        }
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn weight_transfer_joins_vllm_style_and_checks_update_info_at_tp2() {
     let m = models();
@@ -616,7 +561,7 @@ fn weight_transfer_joins_vllm_style_and_checks_update_info_at_tp2() {
     // rank_offset: 1, world_size}}`), sent while the trainer's `trainer_init` makes the
     // group: every rank checks in at the store and reads the pickled id.
     let port = free_port();
-    let trainer = Trainer::start(port, 3);
+    let trainer = Trainer::run(TRAINER, &[&port.to_string(), "3"]);
     let (st, v) = s.post(
         "/init_weight_transfer_engine",
         &json!({"init_info": {"master_address": "127.0.0.1", "master_port": port,

@@ -542,6 +542,63 @@ struct FromDistributed {
     timeout_s: Option<f64>,
 }
 
+/// The tensors a trainer lists for a broadcast (`names`, `dtypes`, `shapes` under the
+/// client's own field names), checked: the same count of each, 1..=MAX_TENSORS, a dtype
+/// the model reads, a shape whose bytes fit, and at most `max_bytes` in all.
+pub(super) fn tensor_list(
+    [names_f, dtypes_f, shapes_f]: [&'static str; 3],
+    names: Vec<String>,
+    dtypes: &[String],
+    shapes: Vec<Vec<usize>>,
+    max_bytes: usize,
+) -> Result<Vec<TensorMeta>, ApiError> {
+    let short = |f: &str| f.rsplit('.').next().unwrap_or(f).to_string();
+    let n = names.len();
+    if n == 0 || n > MAX_TENSORS || dtypes.len() != n || shapes.len() != n {
+        return Err(ApiError::bad(
+            names_f,
+            format!(
+                "{}, {} and {} must list the same 1..={MAX_TENSORS} tensors (got {n}, {}, {})",
+                short(names_f),
+                short(dtypes_f),
+                short(shapes_f),
+                dtypes.len(),
+                shapes.len()
+            ),
+        ));
+    }
+    let mut tensors = Vec::with_capacity(n);
+    let mut total = 0usize;
+    for ((name, dtype), shape) in names.into_iter().zip(dtypes).zip(shapes) {
+        let dt = DType::from_any_name(dtype).ok_or_else(|| {
+            ApiError::bad(
+                dtypes_f,
+                format!("tensor {name:?}: dtype {dtype:?} is not one the model reads (bfloat16, float16 or float32)"),
+            )
+        })?;
+        let t = TensorMeta {
+            name,
+            dtype: dt,
+            shape,
+        };
+        let bytes = t.bytes().filter(|_| t.shape.len() <= 8).ok_or_else(|| {
+            ApiError::bad(
+                shapes_f,
+                format!("tensor {:?}: shape {:?}", t.name, t.shape),
+            )
+        })?;
+        total = total.saturating_add(bytes);
+        tensors.push(t);
+    }
+    if total > max_bytes {
+        return Err(ApiError::bad(
+            shapes_f,
+            format!("the tensors hold {total} bytes, more than the whole model in float32 ({max_bytes})"),
+        ));
+    }
+    Ok(tensors)
+}
+
 async fn from_distributed(
     State(st): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -550,46 +607,7 @@ async fn from_distributed(
     let max_bytes = st.max_push_bytes;
     guarded(st, headers, || {
         let r: FromDistributed = parse(&body(b)?)?;
-        let n = r.names.len();
-        if n == 0 || n > MAX_TENSORS || r.dtypes.len() != n || r.shapes.len() != n {
-            return Err(ApiError::bad(
-                "names",
-                format!(
-                    "names, dtypes and shapes must list the same 1..={MAX_TENSORS} tensors (got {}, {}, {})",
-                    n,
-                    r.dtypes.len(),
-                    r.shapes.len()
-                ),
-            ));
-        }
-        let mut tensors = Vec::with_capacity(n);
-        let mut total = 0usize;
-        for ((name, dtype), shape) in r.names.into_iter().zip(&r.dtypes).zip(r.shapes) {
-            let dt = DType::from_any_name(dtype).ok_or_else(|| {
-                ApiError::bad(
-                    "dtypes",
-                    format!("tensor {name:?}: dtype {dtype:?} (bfloat16, float16 or float32)"),
-                )
-            })?;
-            let t = TensorMeta {
-                name,
-                dtype: dt,
-                shape,
-            };
-            let bytes = t.bytes().filter(|_| t.shape.len() <= 8).ok_or_else(|| {
-                ApiError::bad("shapes", format!("tensor {:?}: shape {:?}", t.name, t.shape))
-            })?;
-            total = total.saturating_add(bytes);
-            tensors.push(t);
-        }
-        if total > max_bytes {
-            return Err(ApiError::bad(
-                "shapes",
-                format!(
-                    "the tensors hold {total} bytes, more than the whole model in float32 ({max_bytes})"
-                ),
-            ));
-        }
+        let tensors = tensor_list(["names", "dtypes", "shapes"], r.names, &r.dtypes, r.shapes, max_bytes)?;
         if let Some(f) = r.load_format.as_deref() {
             return Err(ApiError::bad(
                 "load_format",

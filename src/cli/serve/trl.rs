@@ -126,24 +126,6 @@ struct ChatReq {
     sampling: Sampling,
 }
 
-/// A body of `T`, 422 naming what serde refused (as FastAPI answers a bad body).
-fn read<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let v: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))?;
-    if !v.is_object() {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "the request body must be a JSON object",
-        ));
-    }
-    serde_json::from_value(v).map_err(|e| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            format!("invalid request: {e}"),
-        )
-    })
-}
-
 /// The `/v1/completions` request the sampling fields make, `generation_kwargs` last (they
 /// override, as in TRL's server). A field `/v1/completions` refuses is refused here, named
 /// `generation_kwargs.KEY` when it came from there.
@@ -307,7 +289,7 @@ async fn generate(
     let r = async {
         st.authorize(&headers)?;
         st.generating()?;
-        let g: GenerateReq = read(&b.map_err(body_error)?)?;
+        let g: GenerateReq = super::admin::parse(&b.map_err(body_error)?)?;
         if g.images.iter().flatten().any(Option::is_some) {
             return Err(ApiError::bad(
                 "images",
@@ -335,7 +317,7 @@ async fn chat(
     let r = async {
         st.authorize(&headers)?;
         st.generating()?;
-        let c: ChatReq = read(&b.map_err(body_error)?)?;
+        let c: ChatReq = super::admin::parse(&b.map_err(body_error)?)?;
         if let Some((k, _)) = c.chat_template_kwargs.iter().flatten().next() {
             return Err(ApiError::bad(
                 format!("chat_template_kwargs.{k}"),

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use arbor_collective::tcp_store::stateless_broadcast_key;
 use arbor_model::batching::packed::DEFAULT_BUFFER_BYTES;
 use arbor_model::batching::{IdFormat, Rendezvous, TensorMeta};
-use arbor_model::DType;
 use arbor_serving::{Commit, ControlOp, Policy, UpdateReq};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -34,9 +33,6 @@ use super::state::AppState;
 
 /// The name arbor gives the group vLLM's API leaves unnamed.
 pub const GROUP: &str = "vllm-weight-transfer";
-
-/// Most tensors one update may list.
-const MAX_TENSORS: usize = 1 << 16;
 
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
@@ -171,18 +167,17 @@ struct UpdateInfo {
 
 /// The tensors an update lists, checked.
 fn tensors(st: &AppState, u: UpdateInfo) -> Result<(Vec<TensorMeta>, Option<usize>), ApiError> {
-    let n = u.names.len();
-    if n == 0 || n > MAX_TENSORS || u.dtype_names.len() != n || u.shapes.len() != n {
-        return Err(ApiError::bad(
+    let out = super::admin::tensor_list(
+        [
             "update_info.names",
-            format!(
-                "names, dtype_names and shapes must list the same 1..={MAX_TENSORS} tensors (got {}, {}, {})",
-                n,
-                u.dtype_names.len(),
-                u.shapes.len()
-            ),
-        ));
-    }
+            "update_info.dtype_names",
+            "update_info.shapes",
+        ],
+        u.names,
+        &u.dtype_names,
+        u.shapes,
+        st.max_push_bytes,
+    )?;
     if u.is_checkpoint_format == Some(false) {
         return Err(ApiError::bad(
             "update_info.is_checkpoint_format",
@@ -200,38 +195,6 @@ fn tensors(st: &AppState, u: UpdateInfo) -> Result<(Vec<TensorMeta>, Option<usiz
         }
         (true, Some(b)) => Some(b),
     };
-    let mut out = Vec::with_capacity(n);
-    let mut total = 0usize;
-    for ((name, dtype), shape) in u.names.into_iter().zip(&u.dtype_names).zip(u.shapes) {
-        let dt = DType::from_any_name(dtype).ok_or_else(|| {
-            ApiError::bad(
-                "update_info.dtype_names",
-                format!("tensor {name:?}: dtype {dtype:?} is not one the model reads (bfloat16, float16 or float32)"),
-            )
-        })?;
-        let t = TensorMeta {
-            name,
-            dtype: dt,
-            shape,
-        };
-        let bytes = t.bytes().filter(|_| t.shape.len() <= 8).ok_or_else(|| {
-            ApiError::bad(
-                "update_info.shapes",
-                format!("tensor {:?}: shape {:?}", t.name, t.shape),
-            )
-        })?;
-        total = total.saturating_add(bytes);
-        out.push(t);
-    }
-    if total > st.max_push_bytes {
-        return Err(ApiError::bad(
-            "update_info.shapes",
-            format!(
-                "the tensors hold {total} bytes, more than the whole model in float32 ({})",
-                st.max_push_bytes
-            ),
-        ));
-    }
     Ok((out, packed))
 }
 

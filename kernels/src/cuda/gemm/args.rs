@@ -52,6 +52,34 @@ pub enum Epilogue {
     SiluMulPairs { bf16: CUdeviceptr },
 }
 
+/// The tree and strides every kernel needs (gemm_tree.cu): 1, 2, 4 or 8 segments whose
+/// length is a multiple of 8, K a multiple of 8 within them, row strides multiples of 8.
+pub(super) fn check_tree(s: &TreeMatmul, ldx: usize, ldw: usize) -> Result<(), GemmError> {
+    let bad = |msg: String| Err(GemmError::Shape { shape: *s, msg });
+    if !(s.n_seg.is_power_of_two() && s.n_seg <= SEGMENTS) {
+        return bad(format!("n_seg = {} is not 1, 2, 4 or 8", s.n_seg));
+    }
+    if s.seg_len == 0 || !s.seg_len.is_multiple_of(8) {
+        return bad(format!(
+            "seg_len = {} must be a positive multiple of 8",
+            s.seg_len
+        ));
+    }
+    if !s.k.is_multiple_of(8) || s.k > s.n_seg * s.seg_len {
+        return bad(format!(
+            "k = {} must be a multiple of 8 and at most n_seg·seg_len = {}",
+            s.k,
+            s.n_seg * s.seg_len
+        ));
+    }
+    if ldx < s.k || ldw < s.k || !ldx.is_multiple_of(8) || !ldw.is_multiple_of(8) {
+        return bad(format!(
+            "row strides ldx = {ldx}, ldw = {ldw} must be multiples of 8 and at least k"
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a shape against the kernel's requirements (see gemm_tree.cu).
 pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
     let s = a.shape;
@@ -69,28 +97,7 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
         }
         _ => {}
     }
-    if !(s.n_seg.is_power_of_two() && s.n_seg <= SEGMENTS) {
-        return bad(format!("n_seg = {} is not 1, 2, 4 or 8", s.n_seg));
-    }
-    if s.seg_len == 0 || !s.seg_len.is_multiple_of(8) {
-        return bad(format!(
-            "seg_len = {} must be a positive multiple of 8",
-            s.seg_len
-        ));
-    }
-    if !s.k.is_multiple_of(8) || s.k > s.n_seg * s.seg_len {
-        return bad(format!(
-            "k = {} must be a multiple of 8 and at most n_seg·seg_len = {}",
-            s.k,
-            s.n_seg * s.seg_len
-        ));
-    }
-    if a.ldx < s.k || a.ldw < s.k || !a.ldx.is_multiple_of(8) || !a.ldw.is_multiple_of(8) {
-        return bad(format!(
-            "row strides ldx = {}, ldw = {} must be multiples of 8 and at least k",
-            a.ldx, a.ldw
-        ));
-    }
+    check_tree(&s, a.ldx, a.ldw)?;
     if !a.x.is_multiple_of(16) || !a.w.is_multiple_of(16) {
         return bad(format!(
             "x ({:#x}) and w ({:#x}) must be 16-byte aligned",

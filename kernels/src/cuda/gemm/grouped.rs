@@ -7,11 +7,11 @@
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 
+use super::args::check_tree;
 use super::error::{driver, GemmError};
 use super::path::Path;
 use super::{Params, TreeGemm};
 use crate::cpu::matmul::TreeMatmul;
-use crate::tree::SEGMENTS;
 
 /// Which grouped kernel runs a call: the three mma.sync block shapes. All give the same
 /// bits, so the choice (from the pairs per expert) is only about speed.
@@ -128,17 +128,14 @@ pub struct MoeTiles {
 // SAFETY: plain-old-data with the C layout the kernel expects.
 unsafe impl DeviceRepr for MoeTiles {}
 
-/// One grouped call: `pairs` output rows of `n` f32 columns at `out` (with `silu`: of
+/// One grouped call: `shape.m` output rows of `n` f32 columns at `out` (with `silu`: of
 /// `n / 2` bf16 columns, each silu(gate)·up of a pair of W rows), reducing `k` columns of
 /// X (`[.., ldx]` bf16) over `n_seg` segments of `seg_len`.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupedArgs {
-    pub pairs: usize,
+    /// `m` is the number of (token, expert) pairs.
+    pub shape: TreeMatmul,
     pub experts: usize,
-    pub n: usize,
-    pub k: usize,
-    pub seg_len: usize,
-    pub n_seg: usize,
     pub x: CUdeviceptr,
     pub ldx: usize,
     pub ldw: usize,
@@ -156,57 +153,30 @@ pub struct GroupedArgs {
 /// Checks a grouped call against the kernels' requirements (those of the dense GEMM, plus
 /// the tables and scratch the path needs).
 pub fn validate_grouped(a: &GroupedArgs, path: GroupedPath) -> Result<(), GemmError> {
-    let shape = TreeMatmul {
-        m: a.pairs,
-        n: a.n,
-        k: a.k,
-        seg_len: a.seg_len,
-        n_seg: a.n_seg,
-    };
+    let shape = a.shape;
     let bad = |msg: String| Err(GemmError::Shape { shape, msg });
-    if !(a.n_seg.is_power_of_two() && a.n_seg <= SEGMENTS) {
-        return bad(format!("n_seg = {} is not 1, 2, 4 or 8", a.n_seg));
-    }
-    if a.seg_len == 0 || !a.seg_len.is_multiple_of(8) {
-        return bad(format!(
-            "seg_len = {} must be a positive multiple of 8",
-            a.seg_len
-        ));
-    }
-    if !a.k.is_multiple_of(8) || a.k > a.n_seg * a.seg_len {
-        return bad(format!(
-            "k = {} must be a multiple of 8 and at most n_seg·seg_len = {}",
-            a.k,
-            a.n_seg * a.seg_len
-        ));
-    }
-    if a.ldx < a.k || a.ldw < a.k || !a.ldx.is_multiple_of(8) || !a.ldw.is_multiple_of(8) {
-        return bad(format!(
-            "row strides ldx = {}, ldw = {} must be multiples of 8 and at least k",
-            a.ldx, a.ldw
-        ));
-    }
+    check_tree(&shape, a.ldx, a.ldw)?;
     for (what, p) in [("x", a.x), ("output", a.out), ("workspace", a.ws)] {
         if !p.is_multiple_of(16) {
             return bad(format!("{what} pointer {p:#x} is not 16-byte aligned"));
         }
     }
-    if a.silu && !a.n.is_multiple_of(2) {
+    if a.silu && !shape.n.is_multiple_of(2) {
         return bad(format!(
             "the SiLU·mul output pairs W's rows: n = {} must be even",
-            a.n
+            shape.n
         ));
     }
-    if a.max_tiles < path.max_tiles(a.pairs, a.experts) {
+    if a.max_tiles < path.max_tiles(shape.m, a.experts) {
         return bad(format!(
             "tile tables of {} entries, the routing may write {}",
             a.max_tiles,
-            path.max_tiles(a.pairs, a.experts)
+            path.max_tiles(shape.m, a.experts)
         ));
     }
     let (ws, cnt) = (
-        path.workspace_len(a.pairs, a.n, a.n_seg),
-        path.counters_len(a.pairs, a.experts, a.n),
+        path.workspace_len(shape.m, shape.n, shape.n_seg),
+        path.counters_len(shape.m, a.experts, shape.n),
     );
     if a.ws_len < ws || a.counters_len < cnt {
         return bad(format!(
@@ -241,38 +211,20 @@ impl TreeGemm {
                 path.kernel(a.silu)
             )));
         };
-        if a.pairs == 0 || a.n == 0 {
+        let s = a.shape;
+        if s.m == 0 || s.n == 0 {
             return Ok(());
         }
-        let p = Params {
-            x: a.x,
-            w: 0,
-            outf: if a.silu { 0 } else { a.out },
-            outh: if a.silu { a.out } else { 0 },
-            ws: a.ws,
-            cnt: a.counters,
-            m: a.pairs as i32,
-            n: a.n as i32,
-            k: a.k as i32,
-            seg_len: a.seg_len as i32,
-            n_seg: a.n_seg as i32,
-            ldx: a.ldx as i32,
-            ldw: a.ldw as i32,
-        };
+        let (outf, outh) = if a.silu { (0, a.out) } else { (a.out, 0) };
+        let p = Params::new(&s, a.x, 0, outf, outh, a.ws, a.counters, a.ldx, a.ldw);
         let tiles = a.max_tiles.max(1);
         let (grid, block) = match path {
-            GroupedPath::Tree128 => ((a.n.div_ceil(128), tiles, 1), 256),
-            _ => ((a.n.div_ceil(64), a.n_seg, tiles), 128),
+            GroupedPath::Tree128 => ((s.n.div_ceil(128), tiles, 1), 256),
+            _ => ((s.n.div_ceil(64), s.n_seg, tiles), 128),
         };
-        if grid.1 > 65535 || grid.2 > 65535 || a.pairs > i32::MAX as usize {
+        if grid.1 > 65535 || grid.2 > 65535 || s.m > i32::MAX as usize {
             return Err(GemmError::Shape {
-                shape: TreeMatmul {
-                    m: a.pairs,
-                    n: a.n,
-                    k: a.k,
-                    seg_len: a.seg_len,
-                    n_seg: a.n_seg,
-                },
+                shape: s,
                 msg: format!("grid {grid:?} is too large for {}", path.kernel(a.silu)),
             });
         }

@@ -55,6 +55,38 @@ struct Params {
 // SAFETY: plain-old-data with the C layout the kernel expects.
 unsafe impl DeviceRepr for Params {}
 
+impl Params {
+    /// The kernel's view of `s` and the operands (device addresses, 0 for none).
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        s: &TreeMatmul,
+        x: CUdeviceptr,
+        w: CUdeviceptr,
+        outf: CUdeviceptr,
+        outh: CUdeviceptr,
+        ws: CUdeviceptr,
+        cnt: CUdeviceptr,
+        ldx: usize,
+        ldw: usize,
+    ) -> Self {
+        Params {
+            x,
+            w,
+            outf,
+            outh,
+            ws,
+            cnt,
+            m: s.m as i32,
+            n: s.n as i32,
+            k: s.k as i32,
+            seg_len: s.seg_len as i32,
+            n_seg: s.n_seg as i32,
+            ldx: ldx as i32,
+            ldw: ldw as i32,
+        }
+    }
+}
+
 /// The compiled kernels of one context.
 pub struct TreeGemm {
     pub arch: String,
@@ -223,21 +255,7 @@ impl TreeGemm {
             }
             return self.launch_tma(stream, f, path, a, outf, outh);
         }
-        let p = Params {
-            x: a.x,
-            w: a.w,
-            outf,
-            outh,
-            ws: a.ws,
-            cnt: a.counters,
-            m: s.m as i32,
-            n: s.n as i32,
-            k: s.k as i32,
-            seg_len: s.seg_len as i32,
-            n_seg: s.n_seg as i32,
-            ldx: a.ldx as i32,
-            ldw: a.ldw as i32,
-        };
+        let p = Params::new(&s, a.x, a.w, outf, outh, a.ws, a.counters, a.ldx, a.ldw);
         let (grid, block) = path.launch_dims(s.m, s.n, s.n_seg);
         if grid.0 > u32::MAX as usize || grid.2 > 65535 {
             return Err(GemmError::Shape {

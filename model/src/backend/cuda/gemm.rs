@@ -99,6 +99,34 @@ struct Scratch {
     retired: Vec<Box<dyn std::any::Any + Send>>,
 }
 
+/// The split paths' segment sums and tile counters (a [`Scratch`]'s `ws` and
+/// `counters`), grown to at least `ws_len` and `counters_len` elements, outgrown buffers
+/// to `retired`.
+fn split_buffers<'s>(
+    ws: &'s mut Option<DevF32>,
+    counters: &'s mut Option<DevU32>,
+    retired: &mut Vec<Box<dyn std::any::Any + Send>>,
+    dev: &GpuDevice,
+    ws_len: usize,
+    counters_len: usize,
+) -> Result<(&'s mut DevF32, &'s mut DevU32), CudaError> {
+    let ws = grown(
+        ws,
+        &mut |o: DevF32| retired.push(Box::new(o)),
+        |b| b.len(),
+        ws_len,
+        |l| dev.zeros_f32(l),
+    )?;
+    let cnt = grown(
+        counters,
+        &mut |o: DevU32| retired.push(Box::new(o)),
+        |b| b.len(),
+        counters_len,
+        |l| dev.upload_u32(&vec![0u32; l]),
+    )?;
+    Ok((ws, cnt))
+}
+
 /// `buf`, reallocated (zeroed) to `need` elements when it holds fewer; the outgrown
 /// buffer goes to `retire`.
 fn grown<'b, T>(
@@ -238,19 +266,13 @@ impl TensorGemm {
                 b
             }
         };
-        let ws = grown(
+        let (ws, cnt) = split_buffers(
             ws,
-            &mut |o: DevF32| retired.push(Box::new(o)),
-            |b| b.len(),
-            path.workspace_len(m, n, tree.n_seg),
-            |l| dev.zeros_f32(l),
-        )?;
-        let cnt = grown(
             counters,
-            &mut |o: DevU32| retired.push(Box::new(o)),
-            |b| b.len(),
+            retired,
+            dev,
+            path.workspace_len(m, n, tree.n_seg),
             path.counters_len(m, n),
-            |l| dev.upload_u32(&vec![0u32; l]),
         )?;
         let (ws_len, counters_len) = (ws.len(), cnt.len());
         let stream = &dev.stream;
@@ -398,19 +420,13 @@ impl TensorGemm {
             retired,
             ..
         } = &mut *guard;
-        let ws = grown(
+        let (ws, cnt) = split_buffers(
             ws,
-            &mut |o: DevF32| retired.push(Box::new(o)),
-            |b| b.len(),
-            path.workspace_len(pairs, n, tree.n_seg),
-            |l| dev.zeros_f32(l),
-        )?;
-        let cnt = grown(
             counters,
-            &mut |o: DevU32| retired.push(Box::new(o)),
-            |b| b.len(),
+            retired,
+            dev,
+            path.workspace_len(pairs, n, tree.n_seg),
             path.counters_len(pairs, route.experts, n),
-            |l| dev.upload_u32(&vec![0u32; l]),
         )?;
         let stream = &dev.stream;
         let (ws_len, counters_len) = (ws.len(), cnt.len());
@@ -420,12 +436,14 @@ impl TensorGemm {
         let (cp, _rc) = cnt.device_ptr_mut(stream);
         let (op, _ro) = y.device_ptr_mut(stream);
         let a = GroupedArgs {
-            pairs,
+            shape: TreeMatmul {
+                m: pairs,
+                n,
+                k,
+                seg_len: tree.seg_len,
+                n_seg: tree.n_seg,
+            },
             experts: route.experts,
-            n,
-            k,
-            seg_len: tree.seg_len,
-            n_seg: tree.n_seg,
             x: xp,
             ldx: k,
             ldw: k,
