@@ -424,6 +424,17 @@ fn gpu_long_prompts_with_the_prefix_cache_match_recomputation() {
 /// function of how many tokens came and the last one (so each step's mask differs).
 struct Modular {
     vocab: usize,
+    later: bool,
+}
+
+/// How [`session_outputs`] constrains its requests.
+#[derive(Clone, Copy, PartialEq)]
+enum Masks {
+    None,
+    /// A [`Modular`] mask computed with the plan.
+    WithPlan,
+    /// A [`Modular`] mask computed while the step runs (`mask_later`).
+    Later,
 }
 
 impl Modular {
@@ -438,6 +449,10 @@ impl arbor_model::constraint::TokenConstraint for Modular {
         let ids: Vec<u32> = (0..self.vocab as u32).filter(|t| t % 7 == k).collect();
         arbor_model::constraint::TokenMask::from_ids(&ids, self.vocab)
     }
+
+    fn masks_later(&mut self, _generated: &[u32]) -> bool {
+        self.later
+    }
 }
 
 /// One request's records as they arrive: tokens, log-probs, top-N, digests.
@@ -449,14 +464,14 @@ type Collected = (
 );
 
 /// Each request's (tokens, log-prob bits, top-N bits, digests) from a serving session's
-/// scheduler over `w`, all requests at once or each alone; `constrained` gives each its
-/// own [`Modular`] constraint. Checks that every constrained token was allowed.
+/// scheduler over `w`, all requests at once or each alone; `masks` gives each its own
+/// [`Modular`] constraint or none. Checks that every constrained token was allowed.
 fn session_outputs<B: Backend>(
     w: &mut arbor_model::runner::Worker<B>,
     prompts: &[Vec<u32>],
     s: &arbor_model::Sampling,
     n_top: usize,
-    constrained: bool,
+    masks: Masks,
     together: bool,
 ) -> OutBits {
     use arbor_model::batching::{Event, Scheduler, SchedulerConfig, SeqSpec};
@@ -490,16 +505,23 @@ fn session_outputs<B: Backend>(
             spec.sampling = *s;
             spec.n_top = n_top;
             spec.ignore_eos = true;
-            spec.constraint = constrained.then(|| Constraint::new(Modular { vocab }));
+            spec.constraint = (masks != Masks::None).then(|| {
+                Constraint::new(Modular {
+                    vocab,
+                    later: masks == Masks::Later,
+                })
+            });
             of.insert(sched.submit(spec).expect("submit"), i);
         }
         while !sched.is_idle() {
             let plan = sched.plan();
-            let res = w.execute(&plan).expect("execute");
+            let res = w
+                .execute(&plan, &mut || sched.late_masks(&plan))
+                .expect("execute");
             for ev in sched.apply(&plan, &res).expect("apply") {
                 if let Event::Token { seq, record } = ev {
                     let o = &mut out[of[&seq]];
-                    if constrained {
+                    if masks != Masks::None {
                         assert_eq!(record.token % 7, Modular::class(&o.0), "a disallowed token");
                     }
                     o.0.push(record.token);
@@ -575,10 +597,12 @@ fn cpu_constrained_rows_are_the_same_alone_and_in_a_batch() {
     arbor_model::runner::SessionRunner::start_session(&mut w).expect("session");
     let prompts = constrained_prompts();
     for (what, s, n_top) in constrained_cases() {
-        let batch = session_outputs(&mut w, &prompts, &s, n_top, true, true);
-        let alone = session_outputs(&mut w, &prompts, &s, n_top, true, false);
+        let batch = session_outputs(&mut w, &prompts, &s, n_top, Masks::WithPlan, true);
+        let alone = session_outputs(&mut w, &prompts, &s, n_top, Masks::WithPlan, false);
         assert_eq!(batch, alone, "{what}: alone differs from the batch");
-        let free = session_outputs(&mut w, &prompts, &s, n_top, false, true);
+        let later = session_outputs(&mut w, &prompts, &s, n_top, Masks::Later, true);
+        assert_eq!(batch, later, "{what}: masks computed later differ");
+        let free = session_outputs(&mut w, &prompts, &s, n_top, Masks::None, true);
         assert_ne!(batch, free, "{what}: the mask changed nothing");
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -618,18 +642,120 @@ fn gpu_constrained_rows_match_op_by_op_and_alone() {
     let (mut rec, mut ops) = (engine(true), engine(false));
     let prompts = constrained_prompts();
     for (what, s, n_top) in constrained_cases() {
-        let got = session_outputs(&mut rec, &prompts, &s, n_top, true, true);
-        let want = session_outputs(&mut ops, &prompts, &s, n_top, true, true);
+        let got = session_outputs(&mut rec, &prompts, &s, n_top, Masks::WithPlan, true);
+        let want = session_outputs(&mut ops, &prompts, &s, n_top, Masks::WithPlan, true);
         assert_eq!(got, want, "{what}: recorded steps differ from op by op");
-        let alone = session_outputs(&mut rec, &prompts, &s, n_top, true, false);
+        let alone = session_outputs(&mut rec, &prompts, &s, n_top, Masks::WithPlan, false);
         assert_eq!(got, alone, "{what}: alone differs from the batch");
-        let free = session_outputs(&mut rec, &prompts, &s, n_top, false, true);
+        let later = session_outputs(&mut rec, &prompts, &s, n_top, Masks::Later, true);
+        assert_eq!(got, later, "{what}: masks computed later differ");
+        let free = session_outputs(&mut rec, &prompts, &s, n_top, Masks::None, true);
         assert_ne!(got, free, "{what}: the mask changed nothing");
     }
     let (recorded, replays) = rec.backend().recorded_steps().expect("recording is on");
     println!("constrained: {recorded} decode shapes recorded, {replays} steps from recordings");
     assert!(replays > 0, "no step replayed a recording");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The GPU's masked draws (constrained rows drawn where the logits are) against the host
+/// definition `constraint::draw_masked`, and the CPU backend's: exact for greedy rows;
+/// for temperature rows the host's token or one whose key is within rounding of it (the
+/// device's `logf` may differ from the host's `ln` in the last bit, as for the unmasked
+/// draw). Rows of ties, NaN, ±∞, sparse and dense masks, a row with only −∞ allowed
+/// (no draw: the host's fallback rules decide), padding columns past the vocabulary.
+#[test]
+fn gpu_masked_draws_match_the_host_definition() {
+    use arbor_model::backend::MaskedRow;
+    use arbor_model::constraint::{draw_masked, TokenMask};
+    use arbor_model::sampling::{GumbelDraw, MaskedDraw};
+    if !gpu_usable() {
+        return;
+    }
+    let gpu = CudaBackend::new(Arc::new(SingleComm), Numerics::Invariant)
+        .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+    let cpu = CpuBackend::new(Arc::new(SingleComm));
+    let (vocab, cols, rows) = (50_000usize, 50_008usize, 12usize);
+    let mut z = 5u64;
+    let mut next = || {
+        z = arbor_kernels::cpu::gumbel::splitmix64(z);
+        z
+    };
+    let mut logits: Vec<f32> = (0..rows * cols)
+        // Coarse values: many ties.
+        .map(|_| ((next() >> 52) as f32 - 2048.0) / 128.0)
+        .collect();
+    logits[cols + 3] = f32::NAN;
+    logits[cols + 9] = f32::INFINITY;
+    logits[2 * cols + vocab + 1] = 1e30;
+    let mut masks = Vec::new();
+    for r in 0..rows {
+        let ids: Vec<u32> = match r % 4 {
+            0 => vec![1, 17, 31, 32, 33, 49_999],
+            1 => (0..vocab as u32).filter(|i| i % 3 != 0).collect(),
+            2 => (0..vocab as u32).filter(|_| next() % 50 == 0).collect(),
+            _ => vec![(next() % vocab as u64) as u32],
+        };
+        masks.push(TokenMask::from_ids(&ids, vocab));
+    }
+    // Row 11: only −∞ allowed.
+    if let TokenMask::Ids(ids) = &masks[11] {
+        logits[11 * cols + ids[0] as usize] = f32::NEG_INFINITY;
+    }
+    let draws: Vec<MaskedDraw> = (0..rows)
+        .map(|r| match r % 3 {
+            0 => MaskedDraw::Argmax,
+            _ => MaskedDraw::Gumbel(GumbelDraw {
+                inv_t: [1.0, 1.0 / 0.7, 1.0 / 1e-4][r % 3],
+                key: next(),
+            }),
+        })
+        .collect();
+    // Every row but 4 and 8, in a scrambled order.
+    let order = [7usize, 0, 11, 2, 9, 1, 10, 3, 5, 6];
+    let masked: Vec<MaskedRow> = order
+        .iter()
+        .map(|&r| MaskedRow {
+            row: r,
+            draw: draws[r],
+            mask: &masks[r],
+        })
+        .collect();
+    let on_gpu = gpu.act_from_host(&logits, rows, cols).expect("upload");
+    let got = gpu
+        .masked_draws(&on_gpu, vocab, &masked)
+        .expect("GPU draws");
+    let on_cpu = cpu.act_from_host(&logits, rows, cols).expect("CPU logits");
+    let host = cpu
+        .masked_draws(&on_cpu, vocab, &masked)
+        .expect("CPU draws");
+    for (j, m) in masked.iter().enumerate() {
+        let row = &logits[m.row * cols..m.row * cols + vocab];
+        let want = draw_masked(row, m.mask, m.draw);
+        assert_eq!(host[j].map(|d| d.0), want, "row {}: the CPU backend", m.row);
+        match (got[j], want, m.draw) {
+            (None, None, _) => {}
+            (Some((t, v)), Some(w), MaskedDraw::Argmax) => {
+                assert_eq!(t, w, "row {}", m.row);
+                assert_eq!(v.to_bits(), row[t as usize].to_bits(), "row {}", m.row);
+            }
+            (Some((t, v)), Some(w), MaskedDraw::Gumbel(d)) => {
+                let key =
+                    |i: u32| arbor_model::sampling::gumbel_key(row[i as usize], i as usize, d);
+                assert!(m.mask.allows(t), "row {}: drew {t}, not allowed", m.row);
+                assert!(
+                    t == w || (key(t) - key(w)).abs() <= 1e-5 * key(w).abs(),
+                    "row {}: drew {t} (key {}), host {w} (key {})",
+                    m.row,
+                    key(t),
+                    key(w)
+                );
+                assert_eq!(v.to_bits(), row[t as usize].to_bits(), "row {}", m.row);
+            }
+            (g, w, _) => panic!("row {}: GPU {g:?}, host {w:?}", m.row),
+        }
+    }
+    assert!(got[2].is_none(), "row 11 allows only −∞: no draw");
 }
 
 /// Mixture-of-experts models on the GPU against the CPU backend: a token whose router

@@ -207,3 +207,52 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
         ou[2] = drawn >= 0 ? (unsigned long long)drawn : 0xffffffffULL;
     }
 }
+
+// The draws of constrained rows over their allowed ids alone (model/src/constraint.rs's
+// draw_masked): the argmax of the allowed values (mode 0) or of their Gumbel keys
+// x·inv_t + g(key, i) (mode 1), NaN never winning, lowest index on ties. A thread visits
+// its mask words' set bits in increasing index order and the block tree is exact, so the
+// winner depends only on the row and its mask. Where no allowed value (or key) is above
+// −∞ the answer is "none" (u32::MAX): the host then draws from the row, whose fallback
+// rules live there alone.
+// grid: masked rows; block: RS_THREADS.
+// rows: [n] the logits row of each; params: [n, 2] = (key, mode << 32 | inv_t bits);
+// bits: [n, words] the allowed ids (id i is bit i % 32 of word i / 32);
+// out: [n, 2] = (drawn index or u32::MAX, the row's value there as f32 bits).
+extern "C" __global__ void masked_draw_kernel(const float* __restrict__ x, int cols, int vocab,
+                                              int words, const unsigned int* __restrict__ rows,
+                                              const unsigned long long* __restrict__ params,
+                                              const unsigned int* __restrict__ bits,
+                                              unsigned int* __restrict__ out) {
+    pdl_enter();
+    __shared__ float sv[RS_THREADS];
+    __shared__ int si[RS_THREADS];
+    const int t = threadIdx.x;
+    const float* row = x + (size_t)rows[blockIdx.x] * cols;
+    const unsigned int* mask = bits + (size_t)blockIdx.x * words;
+    const unsigned long long* pr = params + (size_t)blockIdx.x * 2;
+    const unsigned long long key = pr[0];
+    const bool gumbel = (unsigned int)(pr[1] >> 32) == 1;
+    const float inv_t = __uint_as_float((unsigned int)(pr[1] & 0xffffffffu));
+    BestOf best;
+    for (int w = t; w < words; w += RS_THREADS) {
+        unsigned int b = mask[w];
+        while (b != 0) {
+            const int i = w * 32 + (__ffs(b) - 1);
+            b &= b - 1;
+            if (i >= vocab) break;
+            const float v = row[i];
+            if (v != v) continue;
+            best.see(gumbel ? v * inv_t + gumbel_noise(key, (unsigned int)i) : v, i);
+        }
+    }
+    sv[t] = best.v;
+    si[t] = best.i;
+    __syncthreads();
+    block_argmax(sv, si, t);
+    if (t == 0) {
+        const bool found = si[0] >= 0 && sv[0] != NEG_INF;
+        out[2 * blockIdx.x] = found ? (unsigned int)si[0] : 0xffffffffu;
+        out[2 * blockIdx.x + 1] = found ? __float_as_uint(row[si[0]]) : 0x7fc00000u;
+    }
+}

@@ -5,18 +5,21 @@
 //! generated tokens alone, so a constrained row has the same mask alone, under load, after
 //! a preemption and at every TP size.
 //!
-//! Every rank receives the mask with the plan and samples the masked row on the host
-//! ([`choose_masked`]), on the CPU and the CUDA backends alike: the row comes to the host
-//! after the step as a top-p nucleus beyond the candidates does (`wants_row`), so a step
-//! recorded as a CUDA graph is replayed unchanged and only the constrained rows' logits
-//! are downloaded. The record's log-prob, top-N and digest are those of the unmasked row:
-//! the model's own distribution, the same bits `arbor score` gives for the same tokens.
+//! Every rank receives the mask with the plan. A greedy or pure-temperature row is drawn
+//! where the logits are, over its allowed ids alone ([`draw_masked`],
+//! `Backend::masked_draws`: on the GPU the masks go up, 4 bytes per 32 ids, and 8 bytes a
+//! row come back, after the step's recording is replayed unchanged). A top-k or top-p row,
+//! and the corner where no allowed value is above −∞, is drawn on the host from its row
+//! ([`choose_masked`]), which comes down after the step as a top-p nucleus beyond the
+//! candidates does (`wants_row`). The record's log-prob, top-N and digest are those of the
+//! unmasked row: the model's own distribution, the same bits `arbor score` gives for the
+//! same tokens.
 
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use crate::sampling::{self, Sampling};
+use crate::sampling::{self, MaskedDraw, Sampling};
 
 /// The tokens a constrained row may sample.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -205,6 +208,14 @@ pub trait TokenConstraint: Send {
     fn mask(&mut self, generated: &[u32]) -> Option<TokenMask> {
         Some(self.allowed(generated))
     }
+
+    /// Whether the mask after `generated` may be computed after the step's plan has gone
+    /// out, while the step's forward runs (a grammar's mask, tens to hundreds of
+    /// microseconds a row): then `mask` must give `Some` for it. A cheap mask, or one
+    /// that may be `None`, is computed with the plan (the default).
+    fn masks_later(&mut self, _generated: &[u32]) -> bool {
+        false
+    }
 }
 
 /// A shared handle on a sequence's [`TokenConstraint`]: the request that made it keeps a
@@ -235,6 +246,14 @@ impl Constraint {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .mask(generated)
+    }
+
+    /// [`TokenConstraint::masks_later`].
+    pub fn masks_later(&self, generated: &[u32]) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .masks_later(generated)
     }
 }
 
@@ -298,6 +317,13 @@ impl TokenConstraint for MinTokens {
         let banned = base.without(&self.stop, self.vocab);
         Some(if banned.count() == 0 { base } else { banned })
     }
+
+    /// Later when the inner constraint's mask is: then this one is `Some` too.
+    fn masks_later(&mut self, generated: &[u32]) -> bool {
+        self.inner
+            .as_ref()
+            .is_some_and(|c| c.masks_later(generated))
+    }
 }
 
 impl std::fmt::Debug for Constraint {
@@ -320,61 +346,75 @@ impl PartialEq for Constraint {
 /// corner, or where every allowed logit is −∞ or NaN: then the allowed argmax (the lowest
 /// allowed id when none is finite). The result is always allowed when the mask allows any.
 ///
-/// Greedy and pure-temperature rows visit only the allowed ids (a mask inside a JSON
-/// value allows a few hundred of a vocabulary's 128k: the masked copy and a Gumbel key per
-/// entry cost ~2 ms a row); the −∞ entries are accounted for where they could change the
-/// result. Top-k and top-p sort a masked copy of the row.
+/// Greedy and pure-temperature rows visit only the allowed ids ([`draw_masked`], which a
+/// backend may compute where the logits are: a mask inside a JSON value allows a few
+/// hundred of a vocabulary's 128k); the −∞ entries are accounted for where they could
+/// change the result. Top-k and top-p sort a masked copy of the row.
 pub fn choose_masked(row: &[f32], mask: &TokenMask, s: &Sampling, id: u64, position: usize) -> u32 {
     let n = row.len();
     if mask.count_below(n) == 0 {
         return choose_masked_copy(row, mask, s, id, position);
     }
-    if s.is_greedy() || n <= 1 {
-        // The masked row's argmax is the allowed argmax when that is above −∞ (every
-        // disallowed entry is −∞); otherwise it is some −∞ entry, which the check rejects.
-        let mut best: Option<(usize, f32)> = None;
-        for i in mask.iter_below(n) {
-            let x = row[i];
-            if x.is_nan() {
-                continue;
-            }
-            match best {
-                Some((_, b)) if x <= b => {}
-                _ => best = Some((i, x)),
-            }
-        }
-        return match best {
-            Some((i, x)) if x > f32::NEG_INFINITY => i as u32,
-            _ => allowed_argmax(row, mask),
-        };
+    let draw = if s.is_greedy() || n <= 1 {
+        MaskedDraw::Argmax
+    } else if let Some(d) = sampling::gumbel_draw(s, id, position) {
+        MaskedDraw::Gumbel(d)
+    } else {
+        return choose_masked_copy(row, mask, s, id, position);
+    };
+    if let Some(t) = draw_masked(row, mask, draw) {
+        return t;
     }
-    if let Some(d) = sampling::gumbel_draw(s, id, position) {
-        // A disallowed entry's key is −∞ (−∞ scaled, plus finite noise): it never beats
-        // an allowed key above −∞, and wins the ties among −∞ keys by coming first.
-        let mut best: Option<(usize, f32)> = None;
-        for i in mask.iter_below(n) {
-            let x = row[i];
-            if x.is_nan() {
-                continue;
-            }
-            let k = sampling::gumbel_key(x, i, d);
-            match best {
-                Some((_, b)) if k.partial_cmp(&b) != Some(std::cmp::Ordering::Greater) => {}
-                _ => best = Some((i, k)),
+    match draw {
+        // The masked row's argmax is then some −∞ entry, which the check rejects.
+        MaskedDraw::Argmax => allowed_argmax(row, mask),
+        MaskedDraw::Gumbel(_) => {
+            // Every key is −∞: the masked row's draw is its first non-NaN entry, kept when
+            // it is allowed and above −∞ (a finite logit whose scaled value overflowed).
+            let first = (0..n).find(|&i| !mask.allows(i as u32) || !row[i].is_nan());
+            match first {
+                Some(i) if mask.allows(i as u32) && row[i] > f32::NEG_INFINITY => i as u32,
+                _ => allowed_argmax(row, mask),
             }
         }
-        if let Some((i, _)) = best.filter(|&(_, k)| k > f32::NEG_INFINITY) {
-            return i as u32;
-        }
-        // Every key is −∞: the masked row's draw is its first non-NaN entry, kept when it
-        // is allowed and above −∞ (a finite logit whose scaled value overflowed).
-        let first = (0..n).find(|&i| !mask.allows(i as u32) || !row[i].is_nan());
-        return match first {
-            Some(i) if mask.allows(i as u32) && row[i] > f32::NEG_INFINITY => i as u32,
-            _ => allowed_argmax(row, mask),
-        };
     }
-    choose_masked_copy(row, mask, s, id, position)
+}
+
+/// The draw of a constrained row that a backend makes where the logits are: the allowed
+/// argmax of a greedy row, the allowed Gumbel-max of a pure temperature; `None` for top-k
+/// and top-p rows, which sort on the host ([`choose_masked`]).
+pub fn masked_draw(s: &Sampling, id: u64, position: usize) -> Option<MaskedDraw> {
+    if s.is_greedy() {
+        Some(MaskedDraw::Argmax)
+    } else {
+        sampling::gumbel_draw(s, id, position).map(MaskedDraw::Gumbel)
+    }
+}
+
+/// `d` over the ids `mask` allows (below `row.len()`): the largest allowed value (or
+/// Gumbel key `sampling::gumbel_key`), NaN never winning, lowest id on ties; `None` where
+/// none is above −∞, the corner where [`choose_masked`]'s fallback rules decide. Where it
+/// is `Some`, it is [`choose_masked`]'s token for that row and sampling: a backend that
+/// computes it where the logits are (the CUDA masked-draw kernel) draws the same token
+/// without the row leaving the device.
+pub fn draw_masked(row: &[f32], mask: &TokenMask, d: MaskedDraw) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for i in mask.iter_below(row.len()) {
+        let x = row[i];
+        if x.is_nan() {
+            continue;
+        }
+        let k = match d {
+            MaskedDraw::Argmax => x,
+            MaskedDraw::Gumbel(g) => sampling::gumbel_key(x, i, g),
+        };
+        match best {
+            Some((_, b)) if k.partial_cmp(&b) != Some(std::cmp::Ordering::Greater) => {}
+            _ => best = Some((i, k)),
+        }
+    }
+    best.filter(|&(_, k)| k > f32::NEG_INFINITY)
+        .map(|(i, _)| i as u32)
 }
 
 /// [`choose_masked`] on a masked copy of the row: the definition, which top-k and top-p
@@ -509,10 +549,19 @@ mod tests {
                 .collect();
             let mask = TokenMask::from_ids(&ids, row.len());
             let s = Sampling { temperature, top_k, top_p, seed };
+            let want = choose_masked_reference(&row, &mask, &s, 5, position);
             proptest::prop_assert_eq!(
-                choose_masked(&row, &mask, &s, 5, position),
-                choose_masked_reference(&row, &mask, &s, 5, position),
-                "{:?} {:?}", s, mask
+                choose_masked(&row, &mask, &s, 5, position), want, "{:?} {:?}", s, mask
+            );
+            // A backend's masked draw, where it finds one, is that token.
+            let drawn = masked_draw(&s, 5, position).and_then(|d| draw_masked(&row, &mask, d));
+            if let Some(t) = drawn {
+                proptest::prop_assert_eq!(t, want, "masked draw: {:?} {:?}", s, mask);
+            }
+            proptest::prop_assert_eq!(
+                masked_draw(&s, 5, position).is_some(),
+                s.is_greedy() || s.draws_on_device(),
+                "{:?}", s
             );
         }
     }

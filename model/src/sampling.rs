@@ -83,7 +83,7 @@ pub struct TokenLogprob {
 
 pub use arbor_kernels::cpu::gumbel::gumbel_key;
 use arbor_kernels::cpu::gumbel::splitmix64;
-pub use arbor_kernels::cpu::{gumbel_argmax, tempered_sum, GumbelDraw, RowDraw};
+pub use arbor_kernels::cpu::{gumbel_argmax, tempered_sum, GumbelDraw, MaskedDraw, RowDraw};
 
 /// The 64-bit key of (seed, request id, position): a pure function of the triple, so it
 /// does not depend on the batch slot or how many steps ran before.

@@ -12,11 +12,11 @@ use arbor_model::Runner;
 
 use crate::control::{Control, ControlConfig, Ctx};
 use crate::error::{chain, ServeError};
-use crate::follower::{broadcast, stop_followers};
+use crate::follower::{broadcast, send_masks, stop_followers};
 use crate::handle::{Cmd, ServingHandle};
 use crate::msg::{Refusal, RefusalKind};
 use crate::registry::Registry;
-use crate::stats::Stats;
+use crate::stats::{Phase, Stats};
 
 /// The loop's settings.
 #[derive(Debug, Clone)]
@@ -131,6 +131,7 @@ impl Leader {
     ) -> Result<(), ServeError> {
         let mut drain_deadline: Option<Instant> = None;
         let mut step_no = 0u64;
+        let mut last_step_end: Option<Instant> = None;
         loop {
             let mut cmds = Vec::new();
             if self.sched.is_idle() || !self.ctl.can_step() {
@@ -162,12 +163,19 @@ impl Leader {
             if !self.ctl.can_step() {
                 continue;
             }
+            let t = Instant::now();
             let plan = self.sched.plan();
             if plan.is_empty() {
                 self.stats.set_from(&self.sched);
                 continue;
             }
+            if let Some(end) = last_step_end {
+                self.stats
+                    .add_phase(Phase::Between, t.duration_since(end).as_secs_f64());
+            }
+            self.stats.add_phase(Phase::Plan, t.elapsed().as_secs_f64());
             self.step(runner, comm, plan, step_no)?;
+            last_step_end = Some(Instant::now());
             step_no += 1;
         }
     }
@@ -268,9 +276,22 @@ impl Leader {
         let PlanMsg::Step(plan) = plan else {
             unreachable!("built as a step above")
         };
-        let results = runner.execute(&plan).map_err(ServeError::model(format!(
-            "rank 0: executing step {step_no}"
-        )))?;
+        let (sched, stats) = (&self.sched, &self.stats);
+        // Asked for while the step's forward runs: the masks' host work overlaps it.
+        let mut late = || {
+            let t = Instant::now();
+            let masks = send_masks(comm, sched.late_masks(&plan)?);
+            stats.add_phase(Phase::Masks, t.elapsed().as_secs_f64());
+            masks
+        };
+        let results = runner
+            .execute(&plan, &mut late)
+            .map_err(ServeError::model(format!(
+                "rank 0: executing step {step_no}"
+            )))?;
+        let t_apply = Instant::now();
+        self.stats
+            .add_phase(Phase::Execute, t_apply.duration_since(t0).as_secs_f64());
         let events = self.sched.apply(&plan, &results)?;
         let dt = t0.elapsed().as_secs_f64();
         let (prompt_rows, sampled) = counts(&plan);
@@ -283,6 +304,8 @@ impl Leader {
         // instead of holding their events (and KV) for it.
         self.reqs.sweep(&mut self.sched, &self.stats);
         self.stats.set_from(&self.sched);
+        self.stats
+            .add_phase(Phase::Apply, t_apply.elapsed().as_secs_f64());
         Ok(())
     }
 }

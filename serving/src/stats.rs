@@ -38,6 +38,46 @@ pub struct Stats {
     pub paused: AtomicBool,
     /// Weights or KV cache released (`/release_memory_occupation`): requests get 503.
     pub released: AtomicBool,
+    /// Seconds of rank 0's serving loop by [`Phase`].
+    phase_seconds_bits: [AtomicU64; Phase::ALL.len()],
+}
+
+/// Where rank 0's serving loop spends its time, step by step: what bounds the throughput
+/// when the device is not the bound (`arbor_loop_seconds_total{phase=...}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Commands, housekeeping and waiting between steps.
+    Between,
+    /// The scheduler's plan (with the masks computed with it).
+    Plan,
+    /// The step on this rank, from the plan's broadcast to its results: the device work,
+    /// the draws and the records (including `Masks`).
+    Execute,
+    /// Within `Execute`: the masks computed while the step's device work runs, and their
+    /// broadcast.
+    Masks,
+    /// The results applied to the scheduler and handed to the streams.
+    Apply,
+}
+
+impl Phase {
+    const ALL: [Phase; 5] = [
+        Phase::Between,
+        Phase::Plan,
+        Phase::Execute,
+        Phase::Masks,
+        Phase::Apply,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Phase::Between => "between",
+            Phase::Plan => "plan",
+            Phase::Execute => "execute",
+            Phase::Masks => "masks",
+            Phase::Apply => "apply",
+        }
+    }
 }
 
 /// Generated tokens per second are measured over this window.
@@ -70,6 +110,10 @@ impl Stats {
                 q.pop_front();
             }
         }
+    }
+
+    pub fn add_phase(&self, phase: Phase, seconds: f64) {
+        add_f64(&self.phase_seconds_bits[phase as usize], seconds);
     }
 
     pub fn set_gauges(&self, waiting: usize, running: usize, kv: (usize, usize)) {
@@ -307,6 +351,18 @@ impl Stats {
             out,
             "# HELP arbor_weight_version_info The weight version serving now (label version).\n# TYPE arbor_weight_version_info gauge\narbor_weight_version_info{{version=\"{v}\"}} 1"
         );
+        let _ = writeln!(
+            out,
+            "# HELP arbor_loop_seconds_total Time of rank 0's serving loop by phase (masks: within execute).\n# TYPE arbor_loop_seconds_total counter"
+        );
+        for p in Phase::ALL {
+            let _ = writeln!(
+                out,
+                "arbor_loop_seconds_total{{phase=\"{}\"}} {:.6}",
+                p.label(),
+                f64::from_bits(g(&self.phase_seconds_bits[p as usize]))
+            );
+        }
         out
     }
 }
@@ -333,6 +389,17 @@ mod tests {
         assert!(t.contains("arbor_kv_usage_ratio 0.250000"), "{t}");
         assert!(t.contains("arbor_generation_tokens_total 2\n"), "{t}");
         assert!(t.contains("arbor_step_seconds_total 0.500000"), "{t}");
+        s.add_phase(Phase::Masks, 0.25);
+        s.add_phase(Phase::Masks, 0.5);
+        let t = s.render();
+        assert!(
+            t.contains("arbor_loop_seconds_total{phase=\"masks\"} 0.750000\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("arbor_loop_seconds_total{phase=\"plan\"} 0.000000\n"),
+            "{t}"
+        );
         assert!(
             t.contains("arbor_generation_tokens_per_second 0.200"),
             "{t}"

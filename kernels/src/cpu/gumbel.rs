@@ -29,6 +29,16 @@ pub enum RowDraw {
     Nucleus { inv_t: f32 },
 }
 
+/// The draw of a constrained row that a backend makes where the logits are, over the
+/// row's allowed ids only: the allowed argmax of a greedy row, or the allowed Gumbel-max
+/// of a pure temperature (the model crate's `constraint::draw_masked` is its host
+/// definition).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MaskedDraw {
+    Argmax,
+    Gumbel(GumbelDraw),
+}
+
 /// Σ exp(x·inv_t − max·inv_t) over the row's values, NaN included (max over the
 /// non-NaN ones), in index order: the host's definition of the sum a top-p cut compares
 /// with. A backend computes it in an order of its own (the GPU's row-stats kernel: strided

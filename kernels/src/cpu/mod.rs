@@ -22,7 +22,7 @@ mod testutil;
 pub use attention::{attention, attention_on, AttnShape, PagedKv, ATTN_BLOCK};
 pub use digest::{digest, DIGEST_CHUNK, DIGEST_GROUP};
 pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
-pub use gumbel::{gumbel_argmax, tempered_sum, GumbelDraw, RowDraw};
+pub use gumbel::{gumbel_argmax, tempered_sum, GumbelDraw, MaskedDraw, RowDraw};
 pub use leaf::{bf16_to_f32, LANES};
 pub use matmul::{plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, TreeMatmul};
 pub use norm::rms_norm;

@@ -30,6 +30,7 @@ pub const KERNELS: &[&str] = &[
     "silu_mul_pairs_kernel",
     "row_stats_kernel",
     "top_k_select_kernel",
+    "masked_draw_kernel",
     "copy_cols_kernel",
     "add_row_bias_kernel",
     "add_assign_kernel",

@@ -173,6 +173,54 @@ pub struct StepInputs<'a> {
     pub rows_to_host: bool,
 }
 
+/// The constrained rows a step draws where its logits are, asked for once the step's
+/// device work is under way (their masks may be computed meanwhile, or arrive from rank
+/// 0): their stats' `sampled` and `sampled_value` become the masked draw's, left at
+/// `u32::MAX` where `constraint::draw_masked` finds no allowed value above −∞ (the row
+/// then comes to the host through `WantRow`). An error here is the caller's own, which it
+/// keeps: the backend only passes it on.
+pub type MaskedRows<'f, 'm> = dyn FnMut() -> BResult<Vec<MaskedRow<'m>>> + 'f;
+
+/// A constrained output row whose token the backend draws where the logits are
+/// ([`Backend::masked_draws`]).
+#[derive(Debug, Clone, Copy)]
+pub struct MaskedRow<'a> {
+    /// The output row.
+    pub row: usize,
+    pub draw: crate::sampling::MaskedDraw,
+    pub mask: &'a crate::constraint::TokenMask,
+}
+
+/// Puts the masked draws (`Backend::masked_draws`'s answers, one per `masked` row) into
+/// their rows' stats.
+pub fn set_masked_draws(
+    stats: &mut [crate::sampling::RowStats],
+    masked: &[MaskedRow<'_>],
+    drawn: &[Option<(u32, f32)>],
+) -> BResult<()> {
+    if drawn.len() != masked.len() {
+        return Err(BackendError::Shape(format!(
+            "{} masked draws for {} constrained rows",
+            drawn.len(),
+            masked.len()
+        )));
+    }
+    let n = stats.len();
+    for (m, d) in masked.iter().zip(drawn) {
+        let st = stats.get_mut(m.row).ok_or_else(|| {
+            BackendError::Shape(format!(
+                "constrained row {} of a step with {n} output rows",
+                m.row
+            ))
+        })?;
+        if let Some((t, v)) = *d {
+            st.sampled = t;
+            st.sampled_value = v;
+        }
+    }
+    Ok(())
+}
+
 impl StepInputs<'_> {
     /// The rows and their block tables.
     pub fn kv_rows(&self) -> KvRows<'_> {
@@ -389,6 +437,35 @@ pub trait Backend {
             })
             .collect())
     }
+    /// Per `masked` row of `logits` (its first `vocab` columns): the token
+    /// `constraint::draw_masked` draws over the ids its mask allows, and the row's value
+    /// there; `None` where that finds none above −∞. A backend that computes it where the
+    /// logits are sends the masks there instead of bringing the rows back.
+    fn masked_draws(
+        &self,
+        logits: &Self::Act,
+        vocab: usize,
+        masked: &[MaskedRow<'_>],
+    ) -> BResult<Vec<Option<(u32, f32)>>> {
+        if masked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (rows, cols) = self.shape(logits);
+        if vocab > cols || masked.iter().any(|m| m.row >= rows) {
+            return Err(BackendError::Shape(format!(
+                "masked draws on rows {:?} of [{rows}, {cols}] logits with vocab {vocab}",
+                masked.iter().map(|m| m.row).collect::<Vec<_>>()
+            )));
+        }
+        let host = self.act_to_host(logits)?;
+        Ok(masked
+            .iter()
+            .map(|m| {
+                let row = &host[m.row * cols..m.row * cols + vocab];
+                crate::constraint::draw_masked(row, m.mask, m.draw).map(|t| (t, row[t as usize]))
+            })
+            .collect())
+    }
     /// Concatenate the ranks' column blocks (equal widths): `[rows, cols]` → `[rows, world·cols]`.
     fn all_gather_cols(&self, x: &Self::Act) -> BResult<Self::Act>;
 
@@ -402,6 +479,7 @@ pub trait Backend {
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        masked: &mut MaskedRows<'_, '_>,
         want_row: &WantRow<'_>,
     ) -> BResult<StepResults>
     where
@@ -410,7 +488,10 @@ pub trait Backend {
         let Some(logits) = forward(self, inputs)? else {
             return Ok(StepResults::default());
         };
-        let stats = self.row_stats(&logits, inputs.vocab, inputs.pick, inputs.draws)?;
+        let mut stats = self.row_stats(&logits, inputs.vocab, inputs.pick, inputs.draws)?;
+        let masked = masked()?;
+        let drawn = self.masked_draws(&logits, inputs.vocab, &masked)?;
+        set_masked_draws(&mut stats, &masked, &drawn)?;
         let cands = if inputs.ks.iter().any(|&k| k > 0) {
             self.top_k(&logits, inputs.vocab, inputs.ks)?
         } else {

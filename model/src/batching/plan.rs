@@ -32,6 +32,10 @@ pub struct PlanRow {
     /// The tokens the sampled row may take (a constrained sequence's mask, computed by rank
     /// 0 from that sequence's tokens): every rank draws from the same masked row.
     pub allowed: Option<TokenMask>,
+    /// The sampled row is constrained and its mask comes after the plan (`allowed` is
+    /// `None`): rank 0 computes it while the step's forward runs and sends it as
+    /// [`PlanMsg::Masks`] (`Scheduler::late_masks`).
+    pub mask_later: bool,
 }
 
 /// One step: any mix of prefill chunks and decode rows.
@@ -61,6 +65,9 @@ pub enum PlanMsg {
     /// New weights, memory released or resumed, caches dropped: every rank runs it
     /// (`runner::weights_update::run_control`) between steps.
     Control(crate::batching::ControlMsg),
+    /// The masks of the current step's `mask_later` rows, in plan order, sent while the
+    /// step runs.
+    Masks(Vec<TokenMask>),
 }
 
 impl PlanMsg {
@@ -121,6 +128,7 @@ mod tests {
                 },
                 n_top: 2,
                 allowed: Some(TokenMask::Ids(vec![1, 5])),
+                mask_later: false,
             }],
         };
         let msg = PlanMsg::Step(plan);

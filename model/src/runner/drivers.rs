@@ -3,8 +3,8 @@
 
 use super::weights_update::WeightsState;
 use super::{
-    FinishReason, GenOutput, GenRequest, GenTiming, KvCapacity, ModelInfo, OfflineRunner,
-    ScoreOutput, ScoreRequest, SessionRunner, StepBudget, WeightControl, Worker,
+    FinishReason, GenOutput, GenRequest, GenTiming, KvCapacity, LateMasks, ModelInfo,
+    OfflineRunner, ScoreOutput, ScoreRequest, SessionRunner, StepBudget, WeightControl, Worker,
 };
 use crate::backend::Backend;
 use crate::batching::{
@@ -248,7 +248,7 @@ impl<B: Backend> SessionRunner for Worker<B> {
         Ok(())
     }
 
-    fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>> {
+    fn execute(&mut self, plan: &StepPlan, late: &mut LateMasks<'_>) -> MResult<Vec<RowResult>> {
         if !self.session {
             return Err(ModelError::Plan(
                 "execute called before start_session".into(),
@@ -257,7 +257,7 @@ impl<B: Backend> SessionRunner for Worker<B> {
         let (mut caches, cap) = self.take_cache()?;
         let res = self
             .check_plan(plan, cap.blocks, cap.max_seq_len)
-            .and_then(|()| self.execute_on(&mut caches, plan));
+            .and_then(|()| self.execute_on(&mut caches, plan, late));
         self.cache = Some((caches, cap));
         res
     }

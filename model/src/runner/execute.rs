@@ -4,9 +4,10 @@
 use arbor_kernels::paged::{blocks_for, KV_BLOCK};
 
 use super::records::{records_parallel, RowTask};
-use super::{Caches, HostRows, Worker};
-use crate::backend::{Backend, KvRows, SeqRows};
+use super::{Caches, HostRows, LateMasks, Worker};
+use crate::backend::{Backend, KvRows, MaskedRow, SeqRows};
 use crate::batching::{Event, Record, RowResult, Scheduler, StepPlan};
+use crate::constraint::TokenMask;
 use crate::error::{MResult, ModelError};
 
 impl<B: Backend> Worker<B> {
@@ -22,7 +23,7 @@ impl<B: Backend> Worker<B> {
             if plan.is_empty() {
                 return Ok(());
             }
-            let results = self.execute_on(caches, &plan)?;
+            let results = self.execute_on(caches, &plan, &mut || sched.late_masks(&plan))?;
             for ev in sched.apply(&plan, &results)? {
                 on_event(ev);
             }
@@ -71,16 +72,26 @@ impl<B: Backend> Worker<B> {
             if let Some(m) = &r.allowed {
                 m.check(self.cfg.vocab_size).map_err(bad)?;
             }
+            if r.mask_later && (r.allowed.is_some() || !r.sample) {
+                return Err(bad(
+                    "a mask to come later on a row that has one or samples nothing".into(),
+                ));
+            }
         }
         Ok(())
     }
 
     /// One step: the plan's rows as one ragged batch; records of the rows that need them.
+    /// `late` gives the masks of the plan's `mask_later` rows, asked for once while the
+    /// step's device work runs.
     pub(super) fn execute_on(
         &mut self,
         caches: &mut Caches<B>,
         plan: &StepPlan,
+        late: &mut LateMasks<'_>,
     ) -> MResult<Vec<RowResult>> {
+        // Before the tasks, which borrow the masks in it.
+        let late_masks: std::cell::OnceCell<Vec<TokenMask>> = std::cell::OnceCell::new();
         let mut ids = Vec::with_capacity(plan.n_tokens());
         let mut seqs = Vec::with_capacity(plan.rows.len());
         let mut table = Vec::with_capacity(plan.rows.iter().map(|r| r.blocks.len()).sum());
@@ -112,9 +123,13 @@ impl<B: Backend> Worker<B> {
             }
         }
         let ids_of: Vec<u64> = plan.rows.iter().map(|r| r.sample_key).collect();
-        // One task per logits row, in the order the rows were asked for.
+        // One task per logits row, in the order the rows were asked for; per task, the
+        // index of its mask among the late ones.
         let mut tasks = Vec::with_capacity(out_rows.len());
+        let mut late_of = Vec::with_capacity(out_rows.len());
+        let mut n_late = 0;
         for r in &plan.rows {
+            late_of.extend(std::iter::repeat_n(None, r.targets.len()));
             for &(_, target) in &r.targets {
                 tasks.push(RowTask::Score {
                     token: target,
@@ -127,16 +142,59 @@ impl<B: Backend> Worker<B> {
                     key: r.sample_key,
                     position: r.pos0 + r.tokens.len(),
                     n_top: r.n_top,
+                    constrained: r.allowed.is_some() || r.mask_later,
                     allowed: r.allowed.as_ref(),
                 });
+                late_of.push(r.mask_later.then_some(n_late));
+                n_late += usize::from(r.mask_later);
             }
         }
+        let vocab_size = self.cfg.vocab_size;
+        let mut fetch = || -> MResult<()> {
+            if n_late == 0 || late_masks.get().is_some() {
+                return Ok(());
+            }
+            let masks = late()?;
+            if masks.len() != n_late {
+                return Err(ModelError::Plan(format!(
+                    "{} masks for the step's {n_late} rows masked later",
+                    masks.len()
+                )));
+            }
+            for m in &masks {
+                m.check(vocab_size).map_err(ModelError::Plan)?;
+            }
+            let _ = late_masks.set(masks);
+            Ok(())
+        };
         let t0 = std::time::Instant::now();
         let rows = KvRows {
             seqs: &seqs,
             table: &table,
         };
-        let out = self.step(caches, &ids, rows, &out_rows, &ids_of, &tasks)?;
+        let out = {
+            let mut masked = || -> MResult<Vec<MaskedRow<'_>>> {
+                fetch()?;
+                let late = late_masks.get().map_or(&[][..], Vec::as_slice);
+                Ok(tasks
+                    .iter()
+                    .zip(&late_of)
+                    .enumerate()
+                    .filter_map(|(row, (t, i))| t.masked_row(row, i.and_then(|i| late.get(i))))
+                    .collect())
+            };
+            self.step(caches, &ids, rows, &out_rows, &ids_of, &tasks, &mut masked)?
+        };
+        // A step whose rows all came to the host did not ask for the masks: the records
+        // need them.
+        fetch()?;
+        if let Some(late) = late_masks.get() {
+            for (t, i) in tasks.iter_mut().zip(&late_of) {
+                if let (RowTask::Sample { allowed, .. }, Some(i)) = (t, i) {
+                    *allowed = late.get(*i);
+                }
+            }
+        }
         let vocab = self.cfg.vocab_size.max(1);
         let host_ok = match &out.host {
             HostRows::All(l) => l.len() == out_rows.len() * vocab,

@@ -195,9 +195,15 @@ pub trait SessionRunner: ModelInfo {
     /// since their blocks would be the session's.
     fn start_session(&mut self) -> MResult<()>;
     /// Runs one step of the continuous-batching engine on the session's cache. Every rank
-    /// of the group must execute the same plans in the same order.
-    fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>>;
+    /// of the group must execute the same plans in the same order. `late` gives the masks
+    /// of the plan's `mask_later` rows (rank 0: `Scheduler::late_masks`, sent on to the
+    /// other ranks; they receive them), asked for once while the step's device work runs,
+    /// and only when there are such rows.
+    fn execute(&mut self, plan: &StepPlan, late: &mut LateMasks<'_>) -> MResult<Vec<RowResult>>;
 }
+
+/// The masks of a step's `mask_later` rows, in plan order (`SessionRunner::execute`).
+pub type LateMasks<'a> = dyn FnMut() -> MResult<Vec<crate::constraint::TokenMask>> + 'a;
 
 /// Weight and memory commands, in two phases on every rank (`weights_update`).
 pub trait WeightControl {

@@ -3,6 +3,7 @@
 //! the record's top-N.
 
 use super::StepOut;
+use crate::backend::MaskedRow;
 use crate::batching::Record;
 use crate::constraint::{self, TokenMask};
 use crate::error::{MResult, ModelError};
@@ -18,22 +19,55 @@ pub(super) enum RowTask<'a> {
         key: u64,
         position: usize,
         n_top: usize,
-        /// A constrained row's mask: the token is drawn on the host from the masked row
-        /// (`constraint::choose_masked`), which comes to the host after the step.
+        /// A constrained row: the token is the backend's masked draw
+        /// (`constraint::draw_masked`, where the logits are) or, for top-k / top-p and
+        /// where that finds nothing, drawn on the host from the masked row
+        /// (`constraint::choose_masked`), which then comes to the host after the step.
+        constrained: bool,
+        /// A constrained row's mask, once it is known (a mask computed while the step
+        /// runs is filled in then).
         allowed: Option<&'a TokenMask>,
     },
 }
 
 impl RowTask<'_> {
-    /// Whether the row is drawn on the host from its whole logits row.
+    /// Whether the row may be drawn on the host from its whole logits row (a constrained
+    /// row whose masked draw the backend cannot make or finds nothing for).
     pub(super) fn drawn_on_host(&self) -> bool {
-        self.mask().is_some()
+        self.constrained()
     }
 
-    fn mask(&self) -> Option<&TokenMask> {
+    /// Output row `row`'s masked draw, where the backend makes it: a constrained greedy
+    /// or pure-temperature row, with its mask (`late`: one computed while the step runs).
+    pub(super) fn masked_row<'s>(
+        &'s self,
+        row: usize,
+        late: Option<&'s TokenMask>,
+    ) -> Option<MaskedRow<'s>> {
         match *self {
-            RowTask::Sample { allowed, .. } => allowed,
-            RowTask::Score { .. } => None,
+            RowTask::Sample {
+                ref sampling,
+                key,
+                position,
+                constrained: true,
+                allowed,
+                ..
+            } => {
+                let mask = late.or(allowed)?;
+                constraint::masked_draw(sampling, key, position).map(|draw| MaskedRow {
+                    row,
+                    draw,
+                    mask,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    fn constrained(&self) -> bool {
+        match *self {
+            RowTask::Sample { constrained, .. } => constrained,
+            RowTask::Score { .. } => false,
         }
     }
 
@@ -52,7 +86,7 @@ impl RowTask<'_> {
             // The backend's draws know no mask: the host draws from the masked row.
             RowTask::Score { .. }
             | RowTask::Sample {
-                allowed: Some(_), ..
+                constrained: true, ..
             } => RowDraw::None,
             RowTask::Sample {
                 ref sampling,
@@ -86,10 +120,11 @@ impl RowTask<'_> {
         }
     }
 
-    /// Whether the row must come to the host after its stats and candidates: a top-p
-    /// nucleus the candidates do not reach.
+    /// Whether the row must come to the host after its stats and candidates: a
+    /// constrained row without the backend's masked draw, or a top-p nucleus the
+    /// candidates do not reach.
     pub(super) fn wants_row(&self, stats: &RowStats, cand: &[(u32, f32)]) -> bool {
-        self.mask().is_some()
+        self.constrained() && stats.sampled == u32::MAX
             || matches!(
                 self.candidate_choice(stats, cand),
                 Some(sampling::Choice::NeedsRow)
@@ -101,7 +136,7 @@ impl RowTask<'_> {
         match *self {
             RowTask::Sample {
                 ref sampling,
-                allowed: None,
+                constrained: false,
                 ..
             } => sampling::candidates_needed(sampling),
             RowTask::Sample { .. } | RowTask::Score { .. } => 0,
@@ -132,7 +167,7 @@ impl RowTask<'_> {
         let whole_row_draw = match *self {
             // Its row comes after the step (`wants_row`), whatever its sampling.
             RowTask::Sample {
-                allowed: Some(_), ..
+                constrained: true, ..
             } => false,
             RowTask::Sample { ref sampling, .. } => {
                 !sampling.is_greedy() && !sampling.draws_on_device() && self.draw_candidates() == 0
@@ -157,13 +192,21 @@ impl RowTask<'_> {
                 key,
                 position,
                 n_top,
-                allowed: Some(mask),
-            } => match row {
-                Some(row) => {
+                constrained: true,
+                allowed,
+            } => match (row, allowed) {
+                // The backend's masked draw: `choose_masked`'s token where it found one.
+                _ if stats.sampled != u32::MAX => (stats.sampled, stats.sampled_value, n_top),
+                (_, None) => {
+                    return Err(ModelError::Plan(format!(
+                        "the constrained draw at position {position} of request {key} has no mask"
+                    )))
+                }
+                (Some(row), Some(mask)) => {
                     let t = constraint::choose_masked(row, mask, sampling, key, position);
                     (t, row.get(t as usize).copied().unwrap_or(f32::NAN), n_top)
                 }
-                None => {
+                (None, Some(_)) => {
                     return Err(ModelError::Plan(format!(
                         "the constrained draw at position {position} of request {key} needs its row, which the step did not bring"
                     )))
@@ -174,7 +217,8 @@ impl RowTask<'_> {
                 key,
                 position,
                 n_top,
-                allowed: None,
+                constrained: false,
+                ..
             } => match row {
                 // The backend's draw, also when the row came to the host for top-N: a
                 // request's tokens do not depend on whether it asked for log-probs.

@@ -3,7 +3,7 @@
 
 use super::records::RowTask;
 use super::{Caches, HostRows, StepOut, Worker};
-use crate::backend::{Backend, KvRows, StepInputs};
+use crate::backend::{Backend, BackendError, KvRows, MaskedRow, StepInputs};
 use crate::error::{MResult, ModelError};
 use crate::forward::Trace;
 use crate::sampling::{RowDraw, RowStats};
@@ -15,8 +15,11 @@ impl<B: Backend> Worker<B> {
     /// a task needs its row from the start (or a shadow compares them), else those whose
     /// top-p nucleus the candidates do not reach. Without a whole-row task or a shadow,
     /// the step is the backend's `run_step` (which may replay a recording); with a shadow,
-    /// compares every layer and the logits bit for bit.
-    pub(super) fn step(
+    /// compares every layer and the logits bit for bit. `masked` gives the constrained
+    /// rows' masked draws once the device work is under way (their masks may be computed
+    /// meanwhile); a step whose rows all come to the host does not ask for them.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn step<'m>(
         &mut self,
         caches: &mut Caches<B>,
         ids: &[u32],
@@ -24,6 +27,7 @@ impl<B: Backend> Worker<B> {
         out_rows: &[usize],
         ids_of: &[u64],
         tasks: &[RowTask],
+        masked: &mut dyn FnMut() -> MResult<Vec<MaskedRow<'m>>>,
     ) -> MResult<StepOut> {
         let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
         let draws: Vec<RowDraw> = tasks.iter().map(RowTask::draw).collect();
@@ -49,16 +53,26 @@ impl<B: Backend> Worker<B> {
             let want_row = |r: usize, st: &RowStats, c: &[(u32, f32)]| {
                 tasks.get(r).is_some_and(|t| t.wants_row(st, c))
             };
-            let res = self
-                .backend
-                .run_step(
-                    &inputs,
-                    &mut |b, inp| {
-                        model.forward_logits(b, cache, inp.ids, inp.kv_rows(), inp.out_rows, None)
-                    },
-                    &want_row,
-                )
-                .map_err(|e| self.berr(e))?;
+            // The masks' own error is kept here: the backend passes on a stand-in.
+            let mut masks_err = None;
+            let mut backend_masked = || {
+                masked().map_err(|e| {
+                    masks_err = Some(e);
+                    BackendError::Unsupported("the step's masks could not be had".into())
+                })
+            };
+            let res = self.backend.run_step(
+                &inputs,
+                &mut |b, inp| {
+                    model.forward_logits(b, cache, inp.ids, inp.kv_rows(), inp.out_rows, None)
+                },
+                &mut backend_masked,
+                &want_row,
+            );
+            let res = match (res, masks_err) {
+                (_, Some(e)) => return Err(e),
+                (res, None) => res.map_err(|e| self.berr(e))?,
+            };
             return Ok(StepOut {
                 stats: res.stats,
                 cands: res.cands,

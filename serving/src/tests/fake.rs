@@ -312,7 +312,11 @@ impl SessionRunner for FakeRunner {
     fn start_session(&mut self) -> MResult<()> {
         Ok(())
     }
-    fn execute(&mut self, plan: &StepPlan) -> MResult<Vec<RowResult>> {
+    fn execute(
+        &mut self,
+        plan: &StepPlan,
+        _late: &mut arbor_model::runner::LateMasks<'_>,
+    ) -> MResult<Vec<RowResult>> {
         self.gate.pass()?;
         let n = self.steps;
         self.steps += 1;

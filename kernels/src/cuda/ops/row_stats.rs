@@ -4,7 +4,7 @@
 use cudarc::driver::LaunchConfig;
 
 use super::{check, dev_ptr, i32_of, DevF32};
-use crate::cpu::{RowDraw, RowStats};
+use crate::cpu::{MaskedDraw, RowDraw, RowStats};
 use crate::cuda::{CudaError, GpuDevice};
 
 const RS_THREADS: u32 = 512;
@@ -33,6 +33,18 @@ pub fn row_stats_params(pick: &[u32], draws: &[RowDraw]) -> Vec<u64> {
             RowDraw::Gumbel(g) => [p as u64, g.key, 1 << 32 | g.inv_t.to_bits() as u64],
             RowDraw::Nucleus { inv_t } => [p as u64, 0, 2 << 32 | inv_t.to_bits() as u64],
             RowDraw::None => [p as u64, 0, 0],
+        })
+        .collect()
+}
+
+/// The masked-draw kernel's parameters, 2 u64 per row: the key and `mode << 32 | inv_t`
+/// bits (mode 0: the allowed argmax, 1: the allowed Gumbel-max).
+pub fn masked_draw_params(draws: &[MaskedDraw]) -> Vec<u64> {
+    draws
+        .iter()
+        .flat_map(|d| match *d {
+            MaskedDraw::Argmax => [0, 0],
+            MaskedDraw::Gumbel(g) => [g.key, 1 << 32 | g.inv_t.to_bits() as u64],
         })
         .collect()
 }
@@ -163,6 +175,90 @@ impl GpuDevice {
             .arg(&out_f)
             .arg(&out_u);
         self.launched(K, unsafe { b.launch(cfg) })
+    }
+
+    /// The draws of constrained rows where the logits are: for each j, row `rows[j]` of
+    /// `x` (`[n_rows, cols]`) drawn by `draws[j]` over the ids its mask allows
+    /// (`bits[j * words..(j + 1) * words]`, `words = vocab.div_ceil(32)`, id i at bit
+    /// i % 32 of word i / 32): the drawn id and the row's value there, `None` where no
+    /// allowed value is above −∞ (the host's fallback rules then draw from the row). Only
+    /// the masks go up (4 bytes per 32 ids) and 8 bytes per row come back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn masked_draw(
+        &self,
+        x: &DevF32,
+        n_rows: usize,
+        cols: usize,
+        vocab: usize,
+        rows: &[u32],
+        draws: &[MaskedDraw],
+        bits: &[u32],
+    ) -> Result<Vec<Option<(u32, f32)>>, CudaError> {
+        const K: &str = "masked_draw_kernel";
+        let n = rows.len();
+        let words = vocab.div_ceil(32);
+        check(K, x.len() == n_rows * cols && vocab <= cols, || {
+            format!(
+                "{} values as [{n_rows}, {cols}] with vocab {vocab}",
+                x.len()
+            )
+        })?;
+        check(K, draws.len() == n && bits.len() == n * words, || {
+            format!(
+                "{n} rows with {} draws and {} mask words (needs {words} a row)",
+                draws.len(),
+                bits.len()
+            )
+        })?;
+        if let Some(r) = rows.iter().find(|&&r| r as usize >= n_rows) {
+            return Err(CudaError::Launch {
+                kernel: K,
+                msg: format!("row {r} of logits with {n_rows} rows"),
+            });
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        // One upload: the parameters (8-byte aligned at the start), the rows, the masks.
+        let params = masked_draw_params(draws);
+        let mut words_up: Vec<u32> = Vec::with_capacity(4 * n + n + bits.len());
+        words_up.extend(params.iter().flat_map(|&p| [p as u32, (p >> 32) as u32]));
+        words_up.extend_from_slice(rows);
+        words_up.extend_from_slice(bits);
+        let up = self.upload("uploading constrained rows' masks", &words_up)?;
+        let out = self.alloc::<u32>(2 * n)?;
+        let s = &self.stream;
+        let base = dev_ptr(&up, s);
+        let (p_params, p_rows, p_bits) = (base, base + 16 * n as u64, base + 20 * n as u64);
+        let p_out = dev_ptr(&out, s);
+        let (ci, vi, wi) = (
+            i32_of(K, "cols", cols)?,
+            i32_of(K, "vocab", vocab)?,
+            i32_of(K, "mask words", words)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (i32_of(K, "rows", n)? as u32, 1, 1),
+            block_dim: (RS_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.launch(self.func(K)?);
+        b.arg(x)
+            .arg(&ci)
+            .arg(&vi)
+            .arg(&wi)
+            .arg(&p_rows)
+            .arg(&p_params)
+            .arg(&p_bits)
+            .arg(&p_out);
+        // SAFETY: `up` holds the parameters, rows and masks at the offsets passed, every
+        // row index is inside `x` (checked above), `out` holds 2 words a row; both stay
+        // alive until the download below has waited for the kernel.
+        self.launched(K, unsafe { b.launch(cfg) })?;
+        let got = self.download("downloading constrained rows' draws", &out, 2 * n)?;
+        Ok(got
+            .chunks_exact(2)
+            .map(|w| (w[0] != u32::MAX).then(|| (w[0], f32::from_bits(w[1]))))
+            .collect())
     }
 
     /// The `ks[r]` largest of the first `vocab` values of each row of `x` (`[rows, cols]`),

@@ -419,6 +419,47 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn masked_draws(
+        &self,
+        logits: &CudaAct,
+        vocab: usize,
+        masked: &[super::MaskedRow<'_>],
+    ) -> BResult<Vec<Option<(u32, f32)>>> {
+        if masked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let words = vocab.div_ceil(32);
+        let mut bits = vec![0u32; masked.len() * words];
+        for (m, dst) in masked.iter().zip(bits.chunks_exact_mut(words)) {
+            match m.mask {
+                crate::constraint::TokenMask::Bits(w) => {
+                    let n = w.len().min(words);
+                    dst[..n].copy_from_slice(&w[..n]);
+                }
+                crate::constraint::TokenMask::Ids(ids) => {
+                    for &i in ids.iter().filter(|&&i| (i as usize) < vocab) {
+                        dst[i as usize / 32] |= 1 << (i % 32);
+                    }
+                }
+            }
+        }
+        let rows: Vec<u32> = masked.iter().map(|m| m.row as u32).collect();
+        let draws: Vec<_> = masked.iter().map(|m| m.draw).collect();
+        self.timed("masked_draw", masked.len(), || {
+            self.dev
+                .masked_draw(
+                    &logits.buf,
+                    logits.rows,
+                    logits.cols,
+                    vocab,
+                    &rows,
+                    &draws,
+                    &bits,
+                )
+                .map_err(|e| self.dev_err(e))
+        })
+    }
+
     fn silu_mul_pairs(&self, gu: &CudaAct) -> BResult<CudaAct> {
         if !gu.cols.is_multiple_of(2) {
             return Err(self.shape_err(format!(
@@ -689,6 +730,7 @@ impl Backend for CudaBackend {
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        masked: &mut super::MaskedRows<'_, '_>,
         want_row: &WantRow<'_>,
     ) -> BResult<StepResults> {
         let key = if self.records_steps() && inputs.is_decode_shaped() {
@@ -709,8 +751,8 @@ impl Backend for CudaBackend {
             None
         };
         match key {
-            Some(key) => self.step_recorded(inputs, forward, want_row, key),
-            None => self.step_eager(inputs, forward, want_row),
+            Some(key) => self.step_recorded(inputs, forward, masked, want_row, key),
+            None => self.step_eager(inputs, forward, masked, want_row),
         }
     }
 

@@ -13,7 +13,8 @@ use super::graphs::{Entry, Key, State};
 use super::step::{self, InLayout, OutLayout, Padded, StepMeta};
 use super::{CudaAct, CudaBackend};
 use crate::backend::{
-    wanted_rows, BResult, KvRows, SeqRows, StepForward, StepInputs, StepResults, WantRow,
+    set_masked_draws, wanted_rows, BResult, Backend, KvRows, MaskedRows, SeqRows, StepForward,
+    StepInputs, StepResults, WantRow,
 };
 
 impl CudaBackend {
@@ -205,6 +206,25 @@ impl CudaBackend {
         let l =
             logits.ok_or_else(|| self.shape_err("step rows asked for without logits".into()))?;
         res.rows = vec![None; res.stats.len()];
+        let (first, last) = (wanted[0], wanted[wanted.len() - 1]);
+        if last - first < 2 * wanted.len() {
+            // One copy of the rows between the first and the last wanted: a copy costs
+            // its fixed ~0.4 ms (pageable memory) more than its bytes at these sizes.
+            let span = self.timed("download rows", wanted.len(), || {
+                self.dev
+                    .download_range(
+                        "downloading logits rows",
+                        &l.buf,
+                        first * l.cols..last * l.cols + vocab,
+                    )
+                    .map_err(|e| self.dev_err(e))
+            })?;
+            for r in wanted {
+                let at = (r - first) * l.cols;
+                res.rows[r] = Some(span[at..at + vocab].to_vec());
+            }
+            return Ok(());
+        }
         for r in wanted {
             let row = self.timed("download row", 1, || {
                 self.dev
@@ -225,6 +245,7 @@ impl CudaBackend {
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        masked: &mut MaskedRows<'_, '_>,
         want_row: &WantRow<'_>,
     ) -> BResult<StepResults> {
         let layout = self.upload_step(inputs)?;
@@ -240,7 +261,11 @@ impl CudaBackend {
             .alloc::<u32>(ol.words())
             .map_err(|e| self.dev_err(e))?;
         self.launch_outputs(&logits, inputs.vocab, ol, &out)?;
+        // The forward is on its way: the host's work for the masks overlaps it.
+        let masked = masked()?;
+        let drawn = self.masked_draws(&logits, inputs.vocab, &masked)?;
         let mut res = self.read_outputs(&out, ol, layout.outs)?;
+        set_masked_draws(&mut res.stats, &masked, &drawn)?;
         self.fetch_rows(&mut res, Some(&logits), inputs.vocab, want_row)?;
         Ok(res)
     }
@@ -251,6 +276,7 @@ impl CudaBackend {
         &self,
         inputs: &StepInputs<'_>,
         forward: &mut StepForward<'_, Self>,
+        masked: &mut MaskedRows<'_, '_>,
         want_row: &WantRow<'_>,
         key: Key,
     ) -> BResult<StepResults> {
@@ -266,7 +292,7 @@ impl CudaBackend {
         if pin.table.len() > layout.table {
             // More table than this shape holds (tables longer than the rows need): run it
             // op by op, where it is checked.
-            return self.step_eager(inputs, forward, want_row);
+            return self.step_eager(inputs, forward, masked, want_row);
         }
         let ol = OutLayout {
             outs: key.rows,
@@ -300,7 +326,7 @@ impl CudaBackend {
                     // Beyond what the recording's ops were checked for: run (and check)
                     // this step op by op.
                     drop(graphs);
-                    return self.step_eager(inputs, forward, want_row);
+                    return self.step_eager(inputs, forward, masked, want_row);
                 }
                 graph
                     .launch()
@@ -309,7 +335,7 @@ impl CudaBackend {
             }
             State::Failed | State::HostBound => {
                 drop(graphs);
-                return self.step_eager(inputs, forward, want_row);
+                return self.step_eager(inputs, forward, masked, want_row);
             }
             State::New | State::Warm => {
                 let capture = matches!(entry.state, State::Warm);
@@ -393,13 +419,25 @@ impl CudaBackend {
                             drop(graphs);
                             // A failed capture may leave an error behind in the context.
                             let _ = self.dev.ctx.check_err();
-                            return self.step_eager(inputs, forward, want_row);
+                            return self.step_eager(inputs, forward, masked, want_row);
                         }
                     }
                 }
             }
         }
+        // The step is on its way (replayed, or run the first times): the host's work for
+        // the masks overlaps it.
+        let masked = masked()?;
+        let drawn = match (&entry.logits, masked.is_empty()) {
+            (_, true) => Vec::new(),
+            (Some(l), false) => self.masked_draws(l, inputs.vocab, &masked)?,
+            (None, false) => {
+                return Err(self
+                    .shape_err("constrained rows in a recorded step that keeps no logits".into()))
+            }
+        };
         let mut res = self.read_outputs(&entry.outputs, ol, n)?;
+        set_masked_draws(&mut res.stats, &masked, &drawn)?;
         self.fetch_rows(&mut res, entry.logits.as_ref(), inputs.vocab, want_row)?;
         graphs.replays += u64::from(replayed || recorded);
         graphs.recorded += u64::from(recorded);

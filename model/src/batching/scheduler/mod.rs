@@ -359,10 +359,11 @@ impl Scheduler {
     }
 
     /// The masks of the constrained sequences' sampled rows, from each sequence's own
-    /// generated tokens, computed side by side on the host's cores (a grammar's mask takes
-    /// tens to hundreds of microseconds over a large vocabulary).
+    /// generated tokens, computed side by side on the host's cores; a row whose
+    /// constraint computes its mask later (a grammar's, tens to hundreds of microseconds
+    /// over a large vocabulary) is marked `mask_later` instead ([`Scheduler::late_masks`]).
     fn constrain(&self, rows: &mut [PlanRow]) {
-        let jobs: Vec<(usize, &crate::constraint::Constraint, &[u32])> = rows
+        let mut jobs: Vec<(usize, &crate::constraint::Constraint, &[u32])> = rows
             .iter()
             .enumerate()
             .filter(|(_, row)| row.sample)
@@ -371,6 +372,10 @@ impl Scheduler {
                 Some((i, r.spec.constraint.as_ref()?, &r.generated[..]))
             })
             .collect();
+        jobs.retain(|&(i, c, generated)| {
+            rows[i].mask_later = c.masks_later(generated);
+            !rows[i].mask_later
+        });
         if jobs.is_empty() {
             return;
         }
@@ -381,6 +386,32 @@ impl Scheduler {
         for ((i, _, _), mask) in jobs.iter().zip(masks) {
             rows[*i].allowed = mask;
         }
+    }
+
+    /// The masks of `plan`'s `mask_later` rows, in plan order, computed side by side on
+    /// the host's cores: rank 0 calls it while the step's forward runs, before `apply`,
+    /// so each is the mask of its sequence's tokens when the plan was made.
+    pub fn late_masks(&self, plan: &StepPlan) -> MResult<Vec<crate::constraint::TokenMask>> {
+        let jobs: Vec<(u64, Option<&Running>)> = plan
+            .rows
+            .iter()
+            .filter(|row| row.mask_later)
+            .map(|row| (row.seq, self.running.iter().find(|r| r.id == row.seq)))
+            .collect();
+        let masks = crate::sampling::map_rows(jobs.len(), usize::MAX, |j, _| {
+            let r = jobs[j].1?;
+            r.spec.constraint.as_ref()?.mask(&r.generated)
+        });
+        jobs.iter()
+            .zip(masks)
+            .map(|(&(seq, _), m)| {
+                m.ok_or_else(|| {
+                    ModelError::Plan(format!(
+                        "sequence {seq}: its constraint gave no mask for a row planned to be masked later"
+                    ))
+                })
+            })
+            .collect()
     }
 
     /// The end (at most `end`, at least `start`) of a chunk of `r` from `start` whose rows
@@ -421,6 +452,7 @@ impl Scheduler {
             sampling: r.spec.sampling,
             n_top: r.spec.n_top,
             allowed: None,
+            mask_later: false,
         }
     }
 
@@ -563,6 +595,45 @@ mod tests {
         assert_eq!(masks, vec![Ids(vec![100]), Ids(vec![101]), Ids(vec![102])]);
         let seen = seen.lock().unwrap().clone();
         assert_eq!(seen, vec![vec![], vec![7], vec![7, 7]]);
+    }
+
+    /// [`Counting`], its masks computed while the step runs.
+    struct Later(Counting);
+
+    impl crate::constraint::TokenConstraint for Later {
+        fn allowed(&mut self, generated: &[u32]) -> crate::constraint::TokenMask {
+            self.0.allowed(generated)
+        }
+        fn masks_later(&mut self, _generated: &[u32]) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn masks_computed_later_are_those_of_the_plans_tokens() {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut s = Scheduler::new(cfg(4, 4, 8, 64)).unwrap();
+        let mut c = spec(0, 6, 3);
+        c.constraint = Some(crate::constraint::Constraint::new(Later(Counting(
+            seen.clone(),
+        ))));
+        let a = s.submit(c).unwrap();
+        s.submit(spec(1, 2, 3)).unwrap();
+        let mut masks = Vec::new();
+        while !s.is_idle() {
+            let p = s.plan();
+            for r in &p.rows {
+                assert!(r.allowed.is_none(), "{r:?}");
+                assert_eq!(r.mask_later, r.seq == a && r.sample, "{r:?}");
+            }
+            let late = s.late_masks(&p).unwrap();
+            assert_eq!(late.len(), p.rows.iter().filter(|r| r.mask_later).count());
+            masks.extend(late);
+            s.apply(&p, &run(&p)).unwrap();
+        }
+        use crate::constraint::TokenMask::Ids;
+        assert_eq!(masks, vec![Ids(vec![100]), Ids(vec![101]), Ids(vec![102])]);
+        assert_eq!(*seen.lock().unwrap(), vec![vec![], vec![7], vec![7, 7]]);
     }
 
     #[test]
