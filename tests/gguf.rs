@@ -1,9 +1,9 @@
 //! GGUF import checked against llama.cpp's own Python package (`gguf`): arbor's
 //! dequantizer against `gguf.quants.dequantize` on random blocks of every supported type,
 //! tiny random models converted to GGUF as llama.cpp's converter does (q/k rows permuted,
-//! Llama-3 RoPE factors as a tensor) giving the same bits as their HF directory, and a
-//! SentencePiece vocabulary (trained by the `sentencepiece` library, written as llama.cpp
-//! writes it) encoding as the library does. Without python3 and those modules the tests
+//! Llama-3 RoPE factors as a tensor, Mixtral's experts stacked) giving the same bits as
+//! their HF directory, and a SentencePiece vocabulary (trained by the `sentencepiece`
+//! library, written as llama.cpp writes it) encoding as the library does. Without python3 and those modules the tests
 //! are skipped locally and fail in CI.
 
 mod cli_support;
@@ -156,13 +156,18 @@ fn converted_tiny_models_give_the_hf_directorys_bits() {
         return;
     }
     let s = Scratch::new("gguf-convert");
-    for (arch, ty) in [("llama", "F32"), ("qwen2", "BF16"), ("qwen3", "BF16")] {
+    for (arch, ty) in [
+        ("llama", "F32"),
+        ("qwen2", "BF16"),
+        ("qwen3", "BF16"),
+        ("mixtral", "BF16"),
+    ] {
         let hf = s.path().join(arch);
         make_tiny(arch, &hf);
         let g = s.path().join(format!("{arch}.gguf"));
         convert(&hf, &g, ty);
         // Weights, RoPE (Llama-3 factors recovered from rope_freqs.weight), q/k row order,
-        // tokenizer, EOS: every bit of every record is the same.
+        // Mixtral's stacked experts, tokenizer, EOS: every bit of every record is the same.
         assert_eq!(generate_jsonl(&g, 1), generate_jsonl(&hf, 1), "{arch} {ty}");
         // Row-parallel shards are column reads of the file.
         assert_eq!(

@@ -404,10 +404,7 @@ fn specs(arch: Arch, s: &Shape) -> Vec<Spec> {
             Some(m) => {
                 // The router's logits are spread like a linear layer's; the experts are
                 // the dense MLP's shape at their own width.
-                let (block, [gate, up, down]) = match arch {
-                    Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-                    _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-                };
+                let (block, [gate, up, down]) = crate::layers::checkpoint_names(arch);
                 t(
                     format!("{p}.{block}.gate.weight"),
                     vec![m.experts, h],

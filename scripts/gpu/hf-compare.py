@@ -3,6 +3,8 @@
 
 Run on a machine with torch + transformers (the lent GPU machines have both):
     python3 scripts/gpu/hf-compare.py --arbor .device/arbor --out $OUT/hf-compare.json
+or on a CPU-only machine (HF runs on the CPU):
+    python3 scripts/gpu/hf-compare.py --arbor target/release/arbor --devices cpu
 
 For each configuration it:
   1. builds the model with transformers' own config class and random weights, rounds the
@@ -16,7 +18,10 @@ For each configuration it:
 Printed per configuration: max and mean |arbor - HF f32| over all scored positions, the
 same for HF bf16 vs HF f32, the spread of the log-probs, and - for configurations with a
 RoPE schedule - the error of a run that ignores the schedule (what the transformers-5 bug
-did), to show the comparison is sensitive to it. Exit status 1 if any configuration fails.
+did), to show the comparison is sensitive to it. For mixture-of-experts configurations it
+also prints both differences over the positions whose routes are decided (every layer's
+k-th chosen router logit at least ROUTE_MARGIN above the best left out), which no precision
+flips. Exit status 1 if any configuration fails.
 """
 import argparse
 import json
@@ -28,38 +33,68 @@ import time
 
 import torch
 import transformers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=512,
-             max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.08)
+SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 512,
+             "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "initializer_range": 0.08}
 
 CASES = [
-    ("llama-default", LlamaConfig, dict(rope_theta=10000.0)),
-    ("llama-llama3", LlamaConfig, dict(rope_theta=500000.0, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64))),
-    ("llama-linear", LlamaConfig, dict(rope_theta=10000.0, rope_scaling=dict(rope_type="linear", factor=4.0))),
-    ("llama-tied-bias", LlamaConfig, dict(rope_theta=10000.0, tie_word_embeddings=True,
-                                          attention_bias=True, mlp_bias=True)),
-    ("mistral-default", MistralConfig, dict(rope_theta=1000000.0, sliding_window=None)),
-    ("mistral-window", MistralConfig, dict(rope_theta=10000.0, sliding_window=1024)),
-    ("qwen2-default", Qwen2Config, dict(rope_theta=1000000.0)),
-    ("qwen2-tied", Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=True)),
-    ("qwen3-default", Qwen3Config, dict(rope_theta=1000000.0)),
-    ("qwen3-yarn", Qwen3Config, dict(rope_theta=1000000.0, rope_scaling=dict(
-        rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
-    ("qwen3-tied", Qwen3Config, dict(rope_theta=1000000.0, tie_word_embeddings=True)),
-    ("qwen3moe-default", Qwen3MoeConfig, dict(rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
-                                               moe_intermediate_size=128, norm_topk_prob=True)),
-    ("mixtral-default", MixtralConfig, dict(rope_theta=1000000.0, num_local_experts=8, num_experts_per_tok=2)),
+    ("llama-default", LlamaConfig, {"rope_theta": 10000.0}),
+    ("llama-llama3", LlamaConfig, {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+    ("llama-linear", LlamaConfig, {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ("llama-tied-bias", LlamaConfig, {"rope_theta": 10000.0, "tie_word_embeddings": True,
+                                          "attention_bias": True, "mlp_bias": True}),
+    ("mistral-default", MistralConfig, {"rope_theta": 1000000.0, "sliding_window": None}),
+    ("mistral-window", MistralConfig, {"rope_theta": 10000.0, "sliding_window": 1024}),
+    ("qwen2-default", Qwen2Config, {"rope_theta": 1000000.0}),
+    ("qwen2-tied", Qwen2Config, {"rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    ("qwen3-default", Qwen3Config, {"rope_theta": 1000000.0}),
+    ("qwen3-yarn", Qwen3Config, {"rope_theta": 1000000.0, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("qwen3-tied", Qwen3Config, {"rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    ("qwen3moe-default", Qwen3MoeConfig, {"rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 128, "norm_topk_prob": True}),
+    ("mixtral-default", MixtralConfig, {"rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    # Not renormalised: the chosen experts' softmax weights as they are.
+    ("qwen3moe-nonorm", Qwen3MoeConfig, {"rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 2,
+                                              "moe_intermediate_size": 128, "norm_topk_prob": False}),
+    # Every expert used: no choice for precision to flip, so the rest of the block (softmax,
+    # weights, experts, weighted sum) is compared alone.
+    ("qwen3moe-all", Qwen3MoeConfig, {"rope_theta": 1000000.0, "num_experts": 4, "num_experts_per_tok": 4,
+                                           "moe_intermediate_size": 128, "norm_topk_prob": False}),
+    ("mixtral-all", MixtralConfig, {"rope_theta": 1000000.0, "num_local_experts": 4, "num_experts_per_tok": 4}),
 ]
+
+# A position is "decided" when, in every layer, HF f32's router logits put its k-th chosen
+# expert at least this far above the best one left out: far beyond what bf16 rounding
+# moves a logit (~1e-2 here), so no run flips its route.
+ROUTE_MARGIN = 0.1
 
 # Configurations arbor runs on its CPU backend only (none: MoE runs on the GPU too).
 CPU_ONLY = set()
 
 V5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(obj, path):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
 
 
 def make_config(cls, extra):
@@ -81,7 +116,7 @@ def make_config(cls, extra):
 
 def other_generation(config_path, twin_path):
     """The same config in the other generation's RoPE form."""
-    c = json.load(open(config_path))
+    c = read_json(config_path)
     if "rope_parameters" in c:
         rp = dict(c.pop("rope_parameters"))
         c["rope_theta"] = rp.pop("rope_theta")
@@ -92,16 +127,16 @@ def other_generation(config_path, twin_path):
         rp = dict(c.pop("rope_scaling") or {"rope_type": "default"})
         rp["rope_theta"] = c.pop("rope_theta")
         c["rope_parameters"] = rp
-    json.dump(c, open(twin_path, "w"), indent=2)
+    write_json(c, twin_path)
 
 
 def without_schedule(config_path, out_path):
     """What the transformers-5 bug computed: theta 10000, no scaling."""
-    c = json.load(open(config_path))
+    c = read_json(config_path)
     c.pop("rope_parameters", None)
     c.pop("rope_scaling", None)
     c["rope_theta"] = 10000.0
-    json.dump(c, open(out_path, "w"), indent=2)
+    write_json(c, out_path)
 
 
 def weights_of(d, name, root):
@@ -114,15 +149,28 @@ def weights_of(d, name, root):
     return out
 
 
-def hf_logprobs(model_dir, seqs, dtype, device):
+def hf_logprobs(model_dir, seqs, dtype, device, margins=None):
+    """HF's log-prob of every token after the first. With `margins` (a list, for a
+    mixture-of-experts model) it also gets, per sequence and scored position, the smallest
+    gap over the layers between the router logits of the k-th chosen expert and the best
+    expert left out."""
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    k = getattr(m.config, "num_experts_per_tok", None)
     out = []
     with torch.no_grad():
         for s in seqs:
             ids = torch.tensor([s], device=device)
-            logits = m(ids).logits[0].float()
-            lp = torch.log_softmax(logits, dim=-1)
+            o = m(ids, output_router_logits=margins is not None)
+            lp = torch.log_softmax(o.logits[0].float(), dim=-1)
             out.append([lp[p - 1, s[p]].item() for p in range(1, len(s))])
+            if margins is not None:
+                gaps = []
+                for r in o.router_logits:
+                    top = torch.topk(r.float(), min(k + 1, r.shape[-1]), dim=-1).values
+                    gap = top[:, k - 1] - top[:, k] if k < r.shape[-1] else torch.full_like(top[:, 0], float("inf"))
+                    gaps.append(gap)
+                margin = torch.stack(gaps).min(dim=0).values
+                margins.append([margin[p - 1].item() for p in range(1, len(s))])
     del m
     return out
 
@@ -131,22 +179,24 @@ def arbor_logprobs(arbor, model_dir, seqs, device, work):
     inp = os.path.join(work, "in.jsonl")
     outp = os.path.join(work, f"out-{device}.jsonl")
     with open(inp, "w") as f:
-        for i, s in enumerate(seqs):
-            f.write(json.dumps({"id": i, "tokens": s, "prompt_len": 1}) + "\n")
+        f.writelines(json.dumps({"id": i, "tokens": s, "prompt_len": 1}) + "\n" for i, s in enumerate(seqs))
     r = subprocess.run([arbor, "score", "--model", model_dir, "--input", inp, "--out", outp,
                         "--device", device, "--max-seq-len", "512"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"arbor score ({device}) failed: {r.stderr[-2000:]}")
     recs = {}
-    for line in open(outp):
-        rec = json.loads(line)
-        recs[rec["id"]] = [float(x) for x in rec["logprobs"]]
+    with open(outp) as f:
+        for line in f:
+            rec = json.loads(line)
+            recs[rec["id"]] = [float(x) for x in rec["logprobs"]]
     return [recs[i] for i in range(len(seqs))]
 
 
-def diff(a, b):
-    flat = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+def diff(a, b, keep=None):
+    """max and mean |a - b|, over the positions where `keep` (same layout) is true."""
+    flat = [abs(x - y) for i, (ra, rb) in enumerate(zip(a, b)) for j, (x, y) in enumerate(zip(ra, rb))
+            if keep is None or keep[i][j]]
     return max(flat), sum(flat) / len(flat)
 
 
@@ -157,21 +207,24 @@ def main():
     ap.add_argument("--devices", default="cuda,cpu", help="arbor devices to run")
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--len", type=int, default=300)
+    ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, HF on {dev}", flush=True)
     results, failed = [], 0
     root = tempfile.mkdtemp(prefix="hf-compare-")
     for name, cls, extra in CASES:
+        if args.only and name not in args.only.split(","):
+            continue
         try:
             row = compare(name, cls, extra, args, root, dev)
-        except Exception as e:  # one broken case must not hide the others
-            row = dict(name=name, ok=False, error=str(e))
+        except Exception as e:  # noqa: BLE001 (one broken case must not hide the others)
+            row = {"name": name, "ok": False, "error": str(e)}
             print(f"FAIL {name:16s} {e}", flush=True)
         failed += not row["ok"]
         results.append(row)
-    json.dump(dict(transformers=transformers.__version__, torch=torch.__version__, results=results),
-              open(args.out, "w"), indent=2)
+    write_json({"transformers": transformers.__version__, "torch": torch.__version__, "results": results},
+               args.out)
     print(f"{len(results) - failed}/{len(results)} configurations agree (max/mean |Δ log-prob| vs HF f32)")
     sys.exit(1 if failed else 0)
 
@@ -197,14 +250,21 @@ def compare(name, cls, extra, args, root, dev):
     other_generation(os.path.join(d, "config.json"), os.path.join(twin, "config.json"))
     g = torch.Generator().manual_seed(99)
     seqs = [torch.randint(0, SMALL["vocab_size"], (args.len,), generator=g).tolist() for _ in range(args.seqs)]
-    ref = hf_logprobs(d, seqs, torch.float32, dev)
+    moe = hasattr(cfg, "num_experts_per_tok")
+    margins = [] if moe else None
+    ref = hf_logprobs(d, seqs, torch.float32, dev, margins)
     bf16 = hf_logprobs(d, seqs, torch.bfloat16, dev)
     flat = [x for r in ref for x in r]
     mean = sum(flat) / len(flat)
     spread = (sum((x - mean) ** 2 for x in flat) / len(flat)) ** 0.5
-    row = dict(name=name, config=json.load(open(os.path.join(d, "config.json"))).get("rope_parameters")
-               or json.load(open(os.path.join(d, "config.json"))).get("rope_scaling"),
-               positions=len(flat), logprob_std=spread, hf_bf16_vs_f32=diff(bf16, ref))
+    row = {"name": name, "config": read_json(os.path.join(d, "config.json")).get("rope_parameters")
+               or read_json(os.path.join(d, "config.json")).get("rope_scaling"),
+               "positions": len(flat), "logprob_std": spread, "hf_bf16_vs_f32": diff(bf16, ref)}
+    decided = None
+    if moe:
+        decided = [[g > ROUTE_MARGIN for g in r] for r in margins]
+        row["decided_positions"] = sum(map(sum, decided))
+        row["hf_bf16_vs_f32_decided"] = diff(bf16, ref, decided)
     ok = True
     devices = [d for d in args.devices.split(",") if d == "cpu" or name not in CPU_ONLY]
     for device in devices:
@@ -213,6 +273,8 @@ def compare(name, cls, extra, args, root, dev):
         same_bits = all(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
         row[f"arbor_{device}_vs_f32"] = diff(a, ref)
         row[f"arbor_{device}_twin_same_bits"] = same_bits
+        if decided is not None:
+            row[f"arbor_{device}_vs_f32_decided"] = diff(a, ref, decided)
         # "Within bf16 noise": no worse than 2x HF's own bf16 run, on max and mean.
         bound_max, bound_mean = 2 * row["hf_bf16_vs_f32"][0], 2 * row["hf_bf16_vs_f32"][1]
         good = diff(a, ref)[0] <= max(bound_max, 2e-2) and diff(a, ref)[1] <= max(bound_mean, 2e-3) and same_bits
@@ -226,6 +288,10 @@ def compare(name, cls, extra, args, root, dev):
     cols = " ".join(f"arbor-{dv} {fmt(row[f'arbor_{dv}_vs_f32'])} twin-bits={'same' if row[f'arbor_{dv}_twin_same_bits'] else 'DIFFER'}"
                     for dv in devices)
     extra_col = f" | schedule ignored {fmt(row['schedule_ignored_vs_f32'])}" if "schedule_ignored_vs_f32" in row else ""
+    if decided is not None:
+        extra_col += (f" | decided routes ({row['decided_positions']}/{len(flat)}): HF-bf16 "
+                      f"{fmt(row['hf_bf16_vs_f32_decided'])} "
+                      + " ".join(f"arbor-{dv} {fmt(row[f'arbor_{dv}_vs_f32_decided'])}" for dv in devices))
     print(f"{'ok  ' if ok else 'FAIL'} {name:16s} std {spread:.2f} | HF-bf16 {fmt(row['hf_bf16_vs_f32'])} | {cols}{extra_col}  ({time.time()-t0:.0f} s)", flush=True)
     return row
 

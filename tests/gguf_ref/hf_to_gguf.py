@@ -1,7 +1,8 @@
 """Converts one of arbor's tiny random HF models (config.json, model.safetensors,
-tokenizer.json) to GGUF the way llama.cpp's convert_hf_to_gguf.py does for Llama, Qwen2
-and Qwen3 (its q/k permutation for `llama`, its tensor and metadata names), written by the
-`gguf` package's GGUFWriter. For tests/gguf.rs, which checks that arbor gives the same
+tokenizer.json) to GGUF the way llama.cpp's convert_hf_to_gguf.py does for Llama, Qwen2,
+Qwen3 and Mixtral (its q/k permutation for `llama`, its tensor and metadata names; Mixtral
+as `llama` with expert counts and each projection's experts stacked, as its
+`LlamaModel.modify_tensors` does), written by the `gguf` package's GGUFWriter. For tests/gguf.rs, which checks that arbor gives the same
 bits from both files.
 
 usage: hf_to_gguf.py HF_DIR OUT.gguf TYPE
@@ -11,19 +12,21 @@ import json
 import struct
 import sys
 
-import numpy as np
 import gguf
+import numpy as np
 from gguf.quants import quantize
 
 src, out, ttype = sys.argv[1:4]
-cfg = json.load(open(f"{src}/config.json"))
-arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
-    cfg["architectures"][0]
-]
+with open(f"{src}/config.json") as f:
+    cfg = json.load(f)
+arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+        "MixtralForCausalLM": "llama"}[cfg["architectures"][0]]
+experts = cfg.get("num_local_experts")
 
 
-def safetensors(path):
-    raw = open(path, "rb").read()
+def safetensors(path: str) -> dict[str, np.ndarray]:
+    with open(path, "rb") as f:
+        raw = f.read()
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     base = 8 + n
@@ -38,7 +41,7 @@ def safetensors(path):
     return out
 
 
-def permute(w, n_head):
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: HF rotate-half rows -> GGML interleaved rows."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -57,12 +60,16 @@ w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
 w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
 w.add_key_length(hd)
 w.add_value_length(hd)
+if experts:
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
 if arch == "llama":
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(hd)
 w.add_file_type({"F32": 0, "BF16": 32, "Q8_0": 7}[ttype])
 
-tok = json.load(open(f"{src}/tokenizer.json"))
+with open(f"{src}/tokenizer.json") as f:
+    tok = json.load(f)
 vocab = dict(tok["model"]["vocab"])
 special = {t["id"]: t["content"] for t in tok["added_tokens"]}
 for i, c in special.items():
@@ -104,8 +111,22 @@ layer = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-for name, t in sorted(safetensors(f"{src}/model.safetensors").items()):
-    if name.startswith("model.layers."):
+# Mixtral's experts: w1 gate, w3 up, w2 down (gguf-py's tensor_mapping.py, "mixtral
+# (merged)"), each projection's experts stacked along a new first axis.
+moe = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
+weights = safetensors(f"{src}/model.safetensors")
+stacked = {}
+for name in [n for n in weights if ".block_sparse_moe.experts." in n]:
+    i, rest = name[len("model.layers."):].split(".", 1)
+    e, wid = rest[len("block_sparse_moe.experts."):].split(".")[:2]
+    stacked.setdefault(f"blk.{i}.{moe[wid]}", {})[int(e)] = weights.pop(name)
+for gname, per in stacked.items():
+    weights[gname] = np.stack([per[e] for e in range(experts)], axis=0)
+layer["block_sparse_moe.gate.weight"] = "ffn_gate_inp.weight"
+for name, t in sorted(weights.items()):
+    if name.startswith("blk."):
+        gname = name
+    elif name.startswith("model.layers."):
         i, rest = name[len("model.layers."):].split(".", 1)
         gname = f"blk.{i}.{layer[rest]}"
     else:
@@ -119,7 +140,7 @@ for name, t in sorted(safetensors(f"{src}/model.safetensors").items()):
         w.add_tensor(gname, t)
     elif ttype == "BF16":
         bits = (t.view(np.uint32) >> 16).astype("<u2")
-        w.add_tensor(gname, bits.view(np.uint8).reshape(t.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        w.add_tensor(gname, bits.view(np.uint8).reshape(*t.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType.BF16)
     else:
         w.add_tensor(gname, quantize(t, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 rs = cfg.get("rope_scaling") or {}

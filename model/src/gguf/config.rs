@@ -14,7 +14,8 @@ use crate::error::{MResult, ModelError};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgufArch {
     /// `llama`: Llama 1/2/3, Mistral, SmolLM, TinyLlama... llama.cpp's converter permutes
-    /// the q/k rows for GGML's interleaved RoPE.
+    /// the q/k rows for GGML's interleaved RoPE. With `llama.expert_count` set it is
+    /// Mixtral: every layer's MLP is experts.
     Llama,
     /// `qwen2` (Qwen2, Qwen2.5): q/k/v biases; rows stored as in HF (NEOX RoPE).
     Qwen2,
@@ -276,6 +277,11 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
     let m = Meta { f, arch };
     let experts = match arch {
         GgufArch::Qwen3Moe => Some(experts(&m)?),
+        // llama.cpp's converter writes Mixtral as `llama` with the expert counts set
+        // (`LlamaModel.set_gguf_parameters`); `expert_count` 0 or absent is a dense model.
+        GgufArch::Llama if m.usize_opt("expert_count")?.is_some_and(|n| n > 0) => {
+            Some(experts(&m)?)
+        }
         _ => {
             for k in [
                 "expert_count",
@@ -283,19 +289,41 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
                 "expert_feed_forward_length",
             ] {
                 if let Some(n) = m.usize_opt(k)?.filter(|&n| n > 0) {
-                    return Err(err(
-                        path,
+                    let why = if arch == GgufArch::Llama {
                         format!(
-                            "{} = {n}: mixture-of-experts {} files are not supported (qwen3moe files are)",
-                            m.key(k),
+                            "mixture-of-experts metadata without {} (llama files with experts are Mixtral)",
+                            m.key("expert_count")
+                        )
+                    } else {
+                        format!(
+                            "mixture-of-experts {} files are not supported (qwen3moe files, and llama files with experts, are)",
                             arch.name()
-                        ),
-                    ));
+                        )
+                    };
+                    return Err(err(path, format!("{} = {n}: {why}", m.key(k))));
                 }
             }
             None
         }
     };
+    // A `llama` file with experts is Mixtral: transformers' Mixtral has one width for its
+    // experts (`intermediate_size`) and no biases.
+    let mixtral = arch == GgufArch::Llama && experts.is_some();
+    if let (true, Some(x)) = (mixtral, experts) {
+        let ff = m.usize_req("feed_forward_length")?;
+        if x.width != ff {
+            return Err(err(
+                path,
+                format!(
+                    "{} {} differs from {} {ff}: Mixtral's experts are {} wide (a separate expert width is not supported for llama files)",
+                    m.key("expert_feed_forward_length"),
+                    x.width,
+                    m.key("feed_forward_length"),
+                    m.key("feed_forward_length")
+                ),
+            ));
+        }
+    }
     if let Some(v) = m.get("tensor_data_layout") {
         if v.as_str() != Some("Meta AI original pth") {
             return Err(err(
@@ -449,6 +477,17 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
     let has = |name: &str| f.tensors.contains_key(name);
     let attention_bias = has("blk.0.attn_q.bias");
     let mlp_bias = has("blk.0.ffn_up.bias");
+    if mixtral {
+        if let Some(b) = ["blk.0.attn_q.bias", "blk.0.attn_output.bias"]
+            .into_iter()
+            .find(|b| has(b))
+        {
+            return Err(err(
+                path,
+                format!("tensor {b:?}: attention biases in a llama file with experts (Mixtral has none): not supported"),
+            ));
+        }
+    }
     match arch {
         GgufArch::Qwen3 | GgufArch::Qwen3Moe if attention_bias => {
             return Err(err(
@@ -486,6 +525,7 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         }
     }
     let (arch_name, model_type) = match arch {
+        GgufArch::Llama if mixtral => ("MixtralForCausalLM", "mixtral"),
         GgufArch::Llama => ("LlamaForCausalLM", "llama"),
         GgufArch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         GgufArch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
@@ -510,7 +550,7 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
         "torch_dtype": "bfloat16",
     });
     let obj = c.as_object_mut().expect("a JSON object literal");
-    if arch == GgufArch::Llama {
+    if arch == GgufArch::Llama && !mixtral {
         obj.insert("attention_bias".into(), json!(attention_bias));
         obj.insert("mlp_bias".into(), json!(mlp_bias));
     } else if mlp_bias {
@@ -521,7 +561,13 @@ pub fn read(f: &GgufFile, rope_freqs: Option<&[f32]>) -> MResult<GgufConfig> {
     } else if matches!(arch, GgufArch::Qwen3 | GgufArch::Qwen3Moe) {
         obj.insert("attention_bias".into(), json!(false));
     }
-    if let Some(x) = experts {
+    if let (true, Some(x)) = (mixtral, experts) {
+        // Mixtral renormalises its top-k weights (transformers' MixtralSparseMoeBlock, and
+        // llama.cpp's llama graph with `norm_w = true`), which arbor's Mixtral config
+        // implies: no key for it, as transformers' Mixtral config has none.
+        obj.insert("num_local_experts".into(), json!(x.count));
+        obj.insert("num_experts_per_tok".into(), json!(x.used));
+    } else if let Some(x) = experts {
         // llama.cpp runs every qwen3moe layer as experts and always renormalises the
         // chosen experts' weights (`build_moe_ffn(.., norm_w = true, ..)`).
         obj.insert("num_experts".into(), json!(x.count));
@@ -561,13 +607,28 @@ struct Experts {
 }
 
 /// `expert_count` and `expert_used_count` (both required), and the experts' width:
-/// `expert_feed_forward_length`, else `feed_forward_length / expert_used_count` as
-/// llama.cpp takes it. Counts out of range go on to the config parser, which names them.
+/// `expert_feed_forward_length`, else as llama.cpp takes it: `feed_forward_length` for
+/// `llama`, `feed_forward_length / expert_used_count` otherwise. More experts used than
+/// there are is refused by its keys; other counts out of range go on to the config parser,
+/// which names them.
 fn experts(m: &Meta) -> MResult<Experts> {
     let count = m.usize_req("expert_count")?;
     let used = m.usize_req("expert_used_count")?;
+    if used == 0 || used > count {
+        return Err(err(
+            &m.f.path,
+            format!(
+                "{} {used} must be between 1 and {} {count}",
+                m.key("expert_used_count"),
+                m.key("expert_count")
+            ),
+        ));
+    }
     let width = match m.usize_opt("expert_feed_forward_length")? {
         Some(w) => w,
+        // llama.cpp's llama graph sizes its experts by feed_forward_length
+        // (src/models/llama.cpp: ffn_up_exps is {n_embd, n_ff, n_expert}).
+        None if m.arch == GgufArch::Llama => m.usize_req("feed_forward_length")?,
         None => {
             let ff = m.usize_req("feed_forward_length")?;
             if used == 0 || ff % used != 0 {

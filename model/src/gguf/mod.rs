@@ -57,7 +57,10 @@ impl GgufModel {
             cfg.arch,
             cfg.config.num_heads,
             cfg.config.num_kv_heads,
-            cfg.config.moe.as_ref().map(|m| m.num_experts),
+            cfg.config
+                .moe
+                .as_ref()
+                .map(|m| tensors::MoeNames::new(cfg.config.arch, m.num_experts)),
         )?;
         tracing::info!(
             gguf = %path.display(),
@@ -277,8 +280,12 @@ mod tests {
                 &["llama.attention.clamp_kqv", "ARBOR_ALLOW_CONFIG_KEYS"],
             ),
             (
-                Builder::llama().set("llama.expert_count", u32v(8)),
-                &["llama.expert_count", "mixture-of-experts"],
+                Builder::llama().set("llama.expert_used_count", u32v(2)),
+                &[
+                    "llama.expert_used_count = 2",
+                    "mixture-of-experts",
+                    "without llama.expert_count",
+                ],
             ),
             (
                 Builder::llama().set("general.architecture", strv("gpt2")),
@@ -488,7 +495,7 @@ mod tests {
             ),
             (
                 Builder::qwen3moe().set("qwen3moe.expert_used_count", u32v(5)),
-                &["num_experts_per_tok 5", "4 experts"],
+                &["qwen3moe.expert_used_count 5 must be between 1 and qwen3moe.expert_count 4"],
             ),
             (
                 Builder::qwen3moe().remove("qwen3moe.expert_count"),
@@ -545,22 +552,216 @@ mod tests {
         assert_eq!(m.config.moe.expect("experts").expert_intermediate, 8);
     }
 
-    /// A tiny Qwen3-MoE made by `make-model` (every layer sparse, as qwen3moe files are)
-    /// and its weights written as llama.cpp's converter writes a qwen3moe file (each
-    /// projection's experts stacked, F32) give bit-identical logits: the names, the
-    /// stacking and the metadata say what the HF directory says.
+    /// A Mixtral file, as llama.cpp's converter writes one (`llama` with expert counts):
+    /// Mixtral's config (its renormalised top-k), the router and each expert's matrices
+    /// under Mixtral's HF names, the same numbers from stacked and per-expert tensors, and
+    /// the q/k rows still read back from llama.cpp's permutation.
     #[test]
-    fn a_qwen3moe_file_computes_what_its_hf_directory_does() {
+    fn mixtral_files_read_their_experts() {
+        let p = Builder::mixtral().write("mixtral");
+        let stacked = GgufModel::open(&p).expect("valid test model");
+        let _ = std::fs::remove_file(&p);
+        assert_eq!(stacked.config.arch, crate::config::Arch::Mixtral);
+        assert_eq!(
+            stacked.config_json["architectures"],
+            serde_json::json!(["MixtralForCausalLM"])
+        );
+        let x = stacked.config.moe.clone().expect("experts");
+        assert_eq!(
+            (
+                x.num_experts,
+                x.top_k,
+                x.expert_intermediate,
+                x.norm_topk_prob
+            ),
+            (EXPERTS, EXPERTS_USED, FF, true)
+        );
+        assert_eq!(x.sparse_layers, vec![true]);
+        let bf = |x: f32| half::bf16::from_f32(x);
+        let m = &stacked.weights;
+        let router = m
+            .rows(
+                "model.layers.0.block_sparse_moe.gate.weight",
+                EXPERTS,
+                HIDDEN,
+                0..EXPERTS,
+            )
+            .unwrap();
+        assert!(router
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == bf(value(i, 15))));
+        let q = m
+            .rows(
+                "model.layers.0.self_attn.q_proj.weight",
+                HIDDEN,
+                HIDDEN,
+                1..2,
+            )
+            .unwrap();
+        for (c, &v) in q.iter().enumerate() {
+            assert_eq!(v, bf(value(2 * HIDDEN + c, 5)), "q row 1 is file row 2");
+        }
+        // w1 gate (seed 16), w3 up (17), w2 down (18): expert e of a [k, n, E] tensor is
+        // elements e·n·k.. in file order.
+        for e in [0, 1, 3] {
+            for (w, seed, n, k) in [
+                ("w1", 16, FF, HIDDEN),
+                ("w3", 17, FF, HIDDEN),
+                ("w2", 18, HIDDEN, FF),
+            ] {
+                let name = format!("model.layers.0.block_sparse_moe.experts.{e}.{w}.weight");
+                let rows = m.rows(&name, n, k, 0..n).unwrap();
+                for (i, &v) in rows.iter().enumerate() {
+                    assert_eq!(v, bf(value(e * n * k + i, seed)), "{name}");
+                }
+            }
+        }
+        // One tensor per expert (older files) reads the same numbers, rows and columns.
+        let p = Builder::mixtral()
+            .per_expert("ffn_gate")
+            .per_expert("ffn_up")
+            .per_expert("ffn_down")
+            .write("mixtral-per-expert");
+        let single = GgufModel::open(&p).expect("valid test model");
+        let _ = std::fs::remove_file(&p);
+        assert_eq!(single.config, stacked.config);
+        for e in 0..EXPERTS {
+            for (w, n, k) in [("w1", FF, HIDDEN), ("w3", FF, HIDDEN), ("w2", HIDDEN, FF)] {
+                let name = format!("model.layers.0.block_sparse_moe.experts.{e}.{w}.weight");
+                assert_eq!(
+                    single.weights.rows(&name, n, k, 0..n).unwrap(),
+                    m.rows(&name, n, k, 0..n).unwrap(),
+                    "{name}"
+                );
+                assert_eq!(
+                    single.weights.cols(&name, n, k, 3..k).unwrap(),
+                    m.cols(&name, n, k, 3..k).unwrap(),
+                    "{name}"
+                );
+            }
+        }
+    }
+
+    /// Bad Mixtral files are refused naming the key or the tensor.
+    #[test]
+    fn bad_mixtral_files_are_refused_by_name() {
+        let cases: Vec<(Builder, &[&str])> = vec![
+            (
+                Builder::mixtral().set("llama.expert_used_count", u32v(5)),
+                &["llama.expert_used_count 5 must be between 1 and llama.expert_count 4"],
+            ),
+            (
+                Builder::mixtral().set("llama.expert_used_count", u32v(0)),
+                &["llama.expert_used_count 0"],
+            ),
+            (
+                Builder::mixtral().remove("llama.expert_used_count"),
+                &["missing metadata key llama.expert_used_count"],
+            ),
+            (
+                Builder::mixtral().set("llama.expert_feed_forward_length", u32v(8)),
+                &["llama.expert_feed_forward_length 8 differs from llama.feed_forward_length 32"],
+            ),
+            (
+                Builder::mixtral().tensor("blk.0.ffn_up_exps.weight", |t| {
+                    t.dims = vec![HIDDEN as u64, FF as u64 / 2, EXPERTS as u64 * 2];
+                }),
+                &["blk.0.ffn_up_exps.weight", "[16, 16, 8]", "4 experts"],
+            ),
+            (
+                Builder::mixtral()
+                    .per_expert("ffn_down")
+                    .tensor("blk.0.ffn_down.2.weight", |t| {
+                        t.name = "blk.0.ffn_down.4.weight".into()
+                    }),
+                &["blk.0.ffn_down.4.weight", "expert 4", "expert_count is 4"],
+            ),
+            (
+                {
+                    let mut b = Builder::mixtral();
+                    b.tensors
+                        .push(f32_tensor("blk.0.ffn_gate.1.weight", &[HIDDEN, FF], 19));
+                    b
+                },
+                &[
+                    "blk.0.ffn_gate_exps.weight",
+                    "blk.0.ffn_gate.1.weight",
+                    "stacked or one tensor per expert",
+                ],
+            ),
+            (
+                {
+                    let mut b = Builder::mixtral();
+                    b.tensors
+                        .push(f32_tensor("blk.0.ffn_up.weight", &[HIDDEN, FF], 19));
+                    b
+                },
+                &["blk.0.ffn_up.weight", "dense MLP", "every layer"],
+            ),
+            (
+                {
+                    let mut b = Builder::mixtral();
+                    b.tensors
+                        .push(f32_tensor("blk.0.attn_q.bias", &[HIDDEN], 19));
+                    b
+                },
+                &["blk.0.attn_q.bias", "attention biases", "Mixtral"],
+            ),
+            (
+                Builder::qwen3moe().per_expert("ffn_up"),
+                &["blk.0.ffn_up.0.weight", "qwen3moe", "not supported"],
+            ),
+        ];
+        for (b, words) in cases {
+            let e = open_err(&b);
+            for w in words {
+                assert!(e.contains(w), "{w:?} not in: {e}");
+            }
+        }
+        // An expert's tensor missing: the model's load names both forms it may take.
+        let p = Builder::mixtral()
+            .per_expert("ffn_gate")
+            .drop_tensor("blk.0.ffn_gate.2.weight")
+            .write("mixtral-missing");
+        let m = GgufModel::open(&p).expect("the container is valid");
+        let _ = std::fs::remove_file(&p);
+        let e = m
+            .weights
+            .rows(
+                "model.layers.0.block_sparse_moe.experts.2.w1.weight",
+                FF,
+                HIDDEN,
+                0..FF,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("blk.0.ffn_gate_exps.weight, expert 2, or blk.0.ffn_gate.2.weight"),
+            "{e}"
+        );
+    }
+
+    /// The logits (as bits) of a tiny random `arch` model made by `make-model` (every
+    /// layer sparse, as GGUF files have them), loaded from its HF directory and from the
+    /// GGUF file llama.cpp's converter would write of it: F32, each projection's experts
+    /// stacked (`per_expert`: one tensor per expert, as older llama.cpp files for `llama`
+    /// have them), and for Mixtral, a `llama` file, the q/k rows permuted as
+    /// convert_hf_to_gguf.py's `LlamaModel.permute` does.
+    fn hf_and_gguf_logits(arch: crate::config::Arch, per_expert: bool) -> (Vec<u32>, Vec<u32>) {
         use crate::backend::cpu::CpuBackend;
         use crate::backend::{Backend, KvRows, SeqRows};
         use crate::config::Arch;
-        use crate::layers::LoadCtx;
+        use crate::layers::{checkpoint_names, LoadCtx};
         use crate::synth::{make_model, MoeShape, Preset, Shape, SynthOptions};
         use crate::weights::WeightStore;
 
-        let dir = std::env::temp_dir().join(format!("arbor-gguf-moe-hf-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!(
+            "arbor-gguf-moe-hf-{arch:?}-{per_expert}-{}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&dir);
-        let tiny = Preset::Tiny.shape(Arch::Qwen3Moe);
+        let tiny = Preset::Tiny.shape(arch);
         let x = tiny.moe.expect("experts");
         let s = Shape {
             layers: 2,
@@ -572,21 +773,38 @@ mod tests {
         };
         make_model(&SynthOptions {
             shape: Some(s.clone()),
-            ..SynthOptions::new(Arch::Qwen3Moe, Preset::Tiny, 5, &dir)
+            ..SynthOptions::new(arch, Preset::Tiny, 5, &dir)
         })
         .expect("the HF model");
+        let mixtral = arch == Arch::Mixtral;
         let store = WeightStore::open(&dir).expect("its weights");
         let f32_bytes =
             |v: Vec<f32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-        let mat = |name: &str, n: usize, k: usize| {
-            f32_bytes(
-                store
-                    .rows(name, n, k, 0..n)
-                    .expect("an HF tensor")
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect(),
-            )
+        let hf_rows = |name: &str, n: usize, k: usize| -> Vec<f32> {
+            store
+                .rows(name, n, k, 0..n)
+                .expect("an HF tensor")
+                .iter()
+                .map(|v| v.to_f32())
+                .collect()
+        };
+        let mat = |name: &str, n: usize, k: usize| f32_bytes(hf_rows(name, n, k));
+        // llama.cpp's permute: reshape(heads, 2, hd/2, k).swapaxes(1, 2), so GGUF row
+        // (h, i, j) is HF row (h, j, i).
+        let permuted = |name: &str, heads: usize, k: usize| {
+            let n = heads * s.head_dim;
+            let hf = hf_rows(name, n, k);
+            let half = s.head_dim / 2;
+            let mut out = Vec::with_capacity(n * k);
+            for h in 0..heads {
+                for i in 0..half {
+                    for j in 0..2 {
+                        let r = h * s.head_dim + j * half + i;
+                        out.extend_from_slice(&hf[r * k..(r + 1) * k]);
+                    }
+                }
+            }
+            f32_bytes(out)
         };
         let vector =
             |name: &str, n: usize| f32_bytes(store.vector(name, n, 0..n).expect("an HF vector"));
@@ -598,6 +816,7 @@ mod tests {
         };
         let (h, hd, e, ff) = (s.hidden, s.head_dim, x.experts, x.intermediate);
         let (q, kv) = (s.heads * hd, s.kv_heads * hd);
+        let (block, [gate, up, down]) = checkpoint_names(arch);
         let mut tensors = vec![
             t(
                 "token_embd.weight",
@@ -605,19 +824,27 @@ mod tests {
                 mat("model.embed_tokens.weight", s.vocab, h),
             ),
             t("output_norm.weight", &[h], vector("model.norm.weight", h)),
-            t(
+        ];
+        if !s.tie_word_embeddings {
+            tensors.push(t(
                 "output.weight",
                 &[h, s.vocab],
                 mat("lm_head.weight", s.vocab, h),
-            ),
-        ];
+            ));
+        }
         for l in 0..s.layers {
             let p = format!("model.layers.{l}");
             let b = format!("blk.{l}");
-            let stacked = |proj: &str, n: usize, k: usize| {
-                (0..e)
-                    .flat_map(|i| mat(&format!("{p}.mlp.experts.{i}.{proj}.weight"), n, k))
-                    .collect::<Vec<u8>>()
+            let (q_rows, k_rows) = if mixtral {
+                (
+                    permuted(&format!("{p}.self_attn.q_proj.weight"), s.heads, h),
+                    permuted(&format!("{p}.self_attn.k_proj.weight"), s.kv_heads, h),
+                )
+            } else {
+                (
+                    mat(&format!("{p}.self_attn.q_proj.weight"), q, h),
+                    mat(&format!("{p}.self_attn.k_proj.weight"), kv, h),
+                )
             };
             tensors.extend([
                 t(
@@ -625,16 +852,8 @@ mod tests {
                     &[h],
                     vector(&format!("{p}.input_layernorm.weight"), h),
                 ),
-                t(
-                    &format!("{b}.attn_q.weight"),
-                    &[h, q],
-                    mat(&format!("{p}.self_attn.q_proj.weight"), q, h),
-                ),
-                t(
-                    &format!("{b}.attn_k.weight"),
-                    &[h, kv],
-                    mat(&format!("{p}.self_attn.k_proj.weight"), kv, h),
-                ),
+                t(&format!("{b}.attn_q.weight"), &[h, q], q_rows),
+                t(&format!("{b}.attn_k.weight"), &[h, kv], k_rows),
                 t(
                     &format!("{b}.attn_v.weight"),
                     &[h, kv],
@@ -646,16 +865,6 @@ mod tests {
                     mat(&format!("{p}.self_attn.o_proj.weight"), h, q),
                 ),
                 t(
-                    &format!("{b}.attn_q_norm.weight"),
-                    &[hd],
-                    vector(&format!("{p}.self_attn.q_norm.weight"), hd),
-                ),
-                t(
-                    &format!("{b}.attn_k_norm.weight"),
-                    &[hd],
-                    vector(&format!("{p}.self_attn.k_norm.weight"), hd),
-                ),
-                t(
                     &format!("{b}.ffn_norm.weight"),
                     &[h],
                     vector(&format!("{p}.post_attention_layernorm.weight"), h),
@@ -663,32 +872,55 @@ mod tests {
                 t(
                     &format!("{b}.ffn_gate_inp.weight"),
                     &[h, e],
-                    mat(&format!("{p}.mlp.gate.weight"), e, h),
-                ),
-                t(
-                    &format!("{b}.ffn_gate_exps.weight"),
-                    &[h, ff, e],
-                    stacked("gate_proj", ff, h),
-                ),
-                t(
-                    &format!("{b}.ffn_up_exps.weight"),
-                    &[h, ff, e],
-                    stacked("up_proj", ff, h),
-                ),
-                t(
-                    &format!("{b}.ffn_down_exps.weight"),
-                    &[ff, h, e],
-                    stacked("down_proj", h, ff),
+                    mat(&format!("{p}.{block}.gate.weight"), e, h),
                 ),
             ]);
+            if !mixtral {
+                tensors.extend([
+                    t(
+                        &format!("{b}.attn_q_norm.weight"),
+                        &[hd],
+                        vector(&format!("{p}.self_attn.q_norm.weight"), hd),
+                    ),
+                    t(
+                        &format!("{b}.attn_k_norm.weight"),
+                        &[hd],
+                        vector(&format!("{p}.self_attn.k_norm.weight"), hd),
+                    ),
+                ]);
+            }
+            for (g, proj, n, k) in [
+                ("ffn_gate", gate, ff, h),
+                ("ffn_up", up, ff, h),
+                ("ffn_down", down, h, ff),
+            ] {
+                let one = |i: usize| mat(&format!("{p}.{block}.experts.{i}.{proj}.weight"), n, k);
+                if per_expert {
+                    tensors
+                        .extend((0..e).map(|i| t(&format!("{b}.{g}.{i}.weight"), &[k, n], one(i))));
+                } else {
+                    tensors.push(t(
+                        &format!("{b}.{g}_exps.weight"),
+                        &[k, n, e],
+                        (0..e).flat_map(one).collect(),
+                    ));
+                }
+            }
         }
-        let mut b = Builder::qwen3moe();
+        let (mut b, prefix) = if mixtral {
+            (Builder::mixtral(), "llama")
+        } else {
+            (Builder::qwen3moe(), "qwen3moe")
+        };
         b.tensors = tensors;
         for (k, v) in [
             ("block_count", u32v(s.layers as u32)),
             ("context_length", u32v(s.max_pos as u32)),
             ("embedding_length", u32v(h as u32)),
-            ("feed_forward_length", u32v(s.intermediate as u32)),
+            (
+                "feed_forward_length",
+                u32v(if mixtral { ff } else { s.intermediate } as u32),
+            ),
             ("attention.head_count", u32v(s.heads as u32)),
             ("attention.head_count_kv", u32v(s.kv_heads as u32)),
             ("attention.key_length", u32v(hd as u32)),
@@ -700,9 +932,11 @@ mod tests {
             ("rope.freq_base", f32v(s.rope_theta as f32)),
             ("expert_count", u32v(e as u32)),
             ("expert_used_count", u32v(x.top_k as u32)),
-            ("expert_feed_forward_length", u32v(ff as u32)),
         ] {
-            b = b.set(&format!("qwen3moe.{k}"), v);
+            b = b.set(&format!("{prefix}.{k}"), v);
+        }
+        if !mixtral {
+            b = b.set("qwen3moe.expert_feed_forward_length", u32v(ff as u32));
         }
         let gguf = b.write("moe-from-hf");
         // Each loaded as the checkpoint loader loads its kind (the config and the store).
@@ -741,14 +975,38 @@ mod tests {
             &WeightStore::open(&dir).expect("the HF weights"),
         );
         let g = GgufModel::open(&gguf).expect("the GGUF file");
+        assert_eq!(g.config.arch, arch);
+        assert_eq!(g.config.moe, hf_config.moe, "the experts' config");
         let from_gguf = logits(&g.config, &WeightStore::gguf(g.weights));
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_file(&gguf);
         assert_eq!(from_hf.len(), 20 * s.vocab);
+        (from_hf, from_gguf)
+    }
+
+    /// A qwen3moe file and its HF directory give bit-identical logits: the names, the
+    /// stacking and the metadata say what the HF directory says.
+    #[test]
+    fn a_qwen3moe_file_computes_what_its_hf_directory_does() {
+        let (hf, gguf) = hf_and_gguf_logits(crate::config::Arch::Qwen3Moe, false);
         assert!(
-            from_hf == from_gguf,
+            hf == gguf,
             "the GGUF file's logits differ from its HF directory's"
         );
+    }
+
+    /// A Mixtral file (`llama` with experts), stacked or one tensor per expert, and its HF
+    /// directory give bit-identical logits: Mixtral's names (`block_sparse_moe`, w1/w3/w2),
+    /// the q/k permutation and the renormalised top-k all carry over.
+    #[test]
+    fn a_mixtral_file_computes_what_its_hf_directory_does() {
+        for per_expert in [false, true] {
+            let (hf, gguf) = hf_and_gguf_logits(crate::config::Arch::Mixtral, per_expert);
+            assert!(
+                hf == gguf,
+                "the GGUF file's logits differ from its HF directory's (per-expert tensors: {per_expert})"
+            );
+        }
     }
 
     #[test]

@@ -11,7 +11,9 @@ use half::bf16;
 use super::config::GgufArch;
 use super::dequant::{self, GgmlType};
 use super::reader::{GgufFile, TensorInfo};
+use crate::config::Arch;
 use crate::error::{MResult, ModelError};
+use crate::layers::checkpoint_names;
 
 /// How one HF tensor is found in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,6 +36,7 @@ pub struct GgufWeights {
     file: GgufFile,
     /// HF name -> where it is.
     map: HashMap<String, Source>,
+    moe: Option<MoeNames>,
 }
 
 /// The HF name of a per-layer GGUF tensor suffix.
@@ -58,23 +61,26 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("ffn_down.bias", "mlp.down_proj.bias"),
 ];
 
-/// A mixture-of-experts layer's router (an ordinary matrix) in a qwen3moe file.
-const ROUTER: (&str, &str) = ("ffn_gate_inp.weight", "mlp.gate.weight");
+/// A mixture-of-experts layer's router (an ordinary matrix).
+const ROUTER: &str = "ffn_gate_inp.weight";
 
-/// A mixture-of-experts layer's stacked experts: GGUF suffix -> the HF suffix of each
-/// expert's matrix (`mlp.experts.E.<suffix>`).
-const EXPERT_NAMES: &[(&str, &str)] = &[
-    ("ffn_gate_exps.weight", "gate_proj.weight"),
-    ("ffn_up_exps.weight", "up_proj.weight"),
-    ("ffn_down_exps.weight", "down_proj.weight"),
+/// A mixture-of-experts layer's projections, in [`checkpoint_names`] order (gate, up,
+/// down): the GGUF name of the tensor stacking every expert's matrix, and the stem of the
+/// per-expert tensors older llama.cpp files have (`blk.N.ffn_gate.E.weight`).
+const EXPERT_NAMES: [(&str, &str); 3] = [
+    ("ffn_gate_exps.weight", "ffn_gate"),
+    ("ffn_up_exps.weight", "ffn_up"),
+    ("ffn_down_exps.weight", "ffn_down"),
 ];
 
-/// A mixture-of-experts tensor of a layer: its router, or one projection of its experts.
+/// A mixture-of-experts tensor of a layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MoeTensor {
     Router,
-    /// The HF suffix of each expert's matrix.
-    Experts(&'static str),
+    /// Projection `p` (index into [`EXPERT_NAMES`]) of every expert, stacked.
+    Stacked(usize),
+    /// Projection `p` of expert `e` alone.
+    Single(usize, usize),
 }
 
 /// Layer and kind of a mixture-of-experts GGUF tensor `name`.
@@ -82,13 +88,72 @@ fn moe_tensor(name: &str) -> Option<(usize, MoeTensor)> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, suffix) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    if suffix == ROUTER.0 {
+    if suffix == ROUTER {
         return Some((layer, MoeTensor::Router));
     }
-    EXPERT_NAMES
-        .iter()
-        .find(|(g, _)| *g == suffix)
-        .map(|&(_, hf)| (layer, MoeTensor::Experts(hf)))
+    if let Some(p) = EXPERT_NAMES.iter().position(|(g, _)| *g == suffix) {
+        return Some((layer, MoeTensor::Stacked(p)));
+    }
+    let (stem, rest) = suffix.split_once('.')?;
+    let e: usize = rest.strip_suffix(".weight")?.parse().ok()?;
+    let p = EXPERT_NAMES.iter().position(|(_, s)| *s == stem)?;
+    Some((layer, MoeTensor::Single(p, e)))
+}
+
+/// A mixture-of-experts file's experts: how many per layer, and the HF names its
+/// architecture's checkpoints give them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeNames {
+    pub count: usize,
+    /// The block under `model.layers.N` (`mlp`, Mixtral's `block_sparse_moe`).
+    block: &'static str,
+    /// Each expert's gate, up and down projections.
+    proj: [&'static str; 3],
+    /// Whether per-expert tensors are read (llama.cpp reads them for `llama` only).
+    per_expert: bool,
+}
+
+impl MoeNames {
+    pub fn new(arch: Arch, count: usize) -> Self {
+        let (block, proj) = checkpoint_names(arch);
+        MoeNames {
+            count,
+            block,
+            proj,
+            per_expert: arch == Arch::Mixtral,
+        }
+    }
+
+    fn router(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.{}.gate.weight", self.block)
+    }
+
+    fn expert(&self, layer: usize, e: usize, p: usize) -> String {
+        format!(
+            "model.layers.{layer}.{}.experts.{e}.{}.weight",
+            self.block, self.proj[p]
+        )
+    }
+
+    /// The GGUF tensor behind HF `suffix` of layer `layer` (`block_sparse_moe.gate.weight`,
+    /// `mlp.experts.3.up_proj.weight`...), for messages.
+    fn hint(&self, layer: &str, suffix: &str) -> Option<String> {
+        let rest = suffix.strip_prefix(self.block)?.strip_prefix('.')?;
+        if rest == "gate.weight" {
+            return Some(format!("blk.{layer}.{ROUTER}"));
+        }
+        let (e, x) = rest.strip_prefix("experts.")?.split_once('.')?;
+        let p = self
+            .proj
+            .iter()
+            .position(|h| x.strip_suffix(".weight") == Some(*h))?;
+        let (stacked, single) = EXPERT_NAMES[p];
+        Some(if self.per_expert {
+            format!("blk.{layer}.{stacked}, expert {e}, or blk.{layer}.{single}.{e}.weight")
+        } else {
+            format!("blk.{layer}.{stacked}, expert {e}")
+        })
+    }
 }
 
 /// Tensors the config reads and no layer loads.
@@ -122,54 +187,71 @@ pub fn permuted_row(r: usize, hd: usize) -> usize {
 
 impl GgufWeights {
     /// Maps every tensor of `file` to its HF name; a tensor arbor does not know is an
-    /// error naming it (it may be part of the model's math). `experts`: the experts per
-    /// layer of a mixture-of-experts file, whose stacked expert tensors must hold exactly
-    /// that many (None: a dense file, where expert tensors are unknown).
+    /// error naming it (it may be part of the model's math). `moe`: the experts of a
+    /// mixture-of-experts file, whose stacked expert tensors must hold exactly that many
+    /// (None: a dense file, where expert tensors are unknown).
     pub fn new(
         file: GgufFile,
         arch: GgufArch,
         num_heads: usize,
         num_kv_heads: usize,
-        experts: Option<usize>,
+        moe: Option<MoeNames>,
     ) -> MResult<Self> {
-        let mut map = HashMap::new();
+        let mut map: HashMap<String, Source> = HashMap::new();
+        let gguf_err = |msg: String| ModelError::Gguf {
+            path: file.path.clone(),
+            msg,
+        };
         for name in &file.tensor_names {
             if CONFIG_TENSORS.contains(&name.as_str()) {
                 continue;
             }
-            if let (Some(count), Some((layer, t))) = (experts, moe_tensor(name)) {
-                let p = format!("model.layers.{layer}.mlp");
-                match t {
-                    MoeTensor::Router => {
-                        map.insert(
-                            format!("model.layers.{layer}.{}", ROUTER.1),
-                            Source {
-                                gguf: name.clone(),
-                                permuted_head_dim: None,
-                                slab: None,
-                            },
-                        );
-                    }
-                    MoeTensor::Experts(suffix) => {
+            let found = moe.and_then(|x| moe_tensor(name).map(|t| (x, t)));
+            if let Some((x, (layer, t))) = found {
+                let count = x.count;
+                let source = |slab| Source {
+                    gguf: name.clone(),
+                    permuted_head_dim: None,
+                    slab,
+                };
+                let entries: Vec<(String, Source)> = match t {
+                    MoeTensor::Router => vec![(x.router(layer), source(None))],
+                    MoeTensor::Stacked(p) => {
                         let dims = &file.tensors[name].dims;
                         if dims.len() != 3 || dims[2] != count {
-                            return Err(ModelError::Gguf {
-                                path: file.path.clone(),
-                                msg: format!(
-                                    "tensor {name:?} has dimensions {dims:?}: it must stack the {count} experts of expert_count along its last of 3 dimensions"
-                                ),
-                            });
+                            return Err(gguf_err(format!(
+                                "tensor {name:?} has dimensions {dims:?}: it must stack the {count} experts of expert_count along its last of 3 dimensions"
+                            )));
                         }
-                        for index in 0..count {
-                            map.insert(
-                                format!("{p}.experts.{index}.{suffix}"),
-                                Source {
-                                    gguf: name.clone(),
-                                    permuted_head_dim: None,
-                                    slab: Some(Slab { index, count }),
-                                },
-                            );
-                        }
+                        (0..count)
+                            .map(|index| {
+                                (
+                                    x.expert(layer, index, p),
+                                    source(Some(Slab { index, count })),
+                                )
+                            })
+                            .collect()
+                    }
+                    MoeTensor::Single(_, _) if !x.per_expert => {
+                        return Err(gguf_err(format!(
+                            "tensor {name:?}: one expert's matrix in a {} file, whose experts llama.cpp stacks ({}): not supported",
+                            arch.name(),
+                            EXPERT_NAMES.map(|n| n.0).join(", ")
+                        )))
+                    }
+                    MoeTensor::Single(_, e) if e >= count => {
+                        return Err(gguf_err(format!(
+                            "tensor {name:?} is expert {e}, but expert_count is {count}"
+                        )))
+                    }
+                    MoeTensor::Single(p, e) => vec![(x.expert(layer, e, p), source(None))],
+                };
+                for (hf, src) in entries {
+                    if let Some(old) = map.insert(hf.clone(), src) {
+                        return Err(gguf_err(format!(
+                            "tensors {:?} and {name:?} both hold {hf}: a projection's experts must be stacked or one tensor per expert, not both",
+                            old.gguf
+                        )));
                     }
                 }
                 continue;
@@ -181,6 +263,12 @@ impl GgufWeights {
                     arch.name()
                 ),
             })?;
+            if moe.is_some_and(|x| x.per_expert) && hf.contains(".mlp.") {
+                return Err(gguf_err(format!(
+                    "tensor {name:?} is a dense MLP's, but expert_count says every layer of this {} file is experts",
+                    arch.name()
+                )));
+            }
             let heads = if !arch.permuted_qk() {
                 None
             } else if name.contains(".attn_q.") {
@@ -217,7 +305,7 @@ impl GgufWeights {
                 },
             );
         }
-        Ok(GgufWeights { file, map })
+        Ok(GgufWeights { file, map, moe })
     }
 
     pub fn path(&self) -> &std::path::Path {
@@ -243,7 +331,7 @@ impl GgufWeights {
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor {
                 dir: self.file.path.clone(),
-                tensor: format!("{name} (GGUF {})", gguf_name_hint(name)),
+                tensor: format!("{name} (GGUF {})", gguf_name_hint(name, self.moe)),
             })?;
         let info = &self.file.tensors[&src.gguf];
         let mut want: Vec<usize> = hf_shape.iter().rev().copied().collect();
@@ -383,7 +471,7 @@ fn file_row(src: &Source, r: usize, n: usize) -> usize {
 }
 
 /// The GGUF name an HF tensor name would have, for "missing tensor" messages.
-fn gguf_name_hint(hf: &str) -> String {
+fn gguf_name_hint(hf: &str, moe: Option<MoeNames>) -> String {
     match hf {
         "model.embed_tokens.weight" => return "token_embd.weight".into(),
         "model.norm.weight" => return "output_norm.weight".into(),
@@ -396,16 +484,8 @@ fn gguf_name_hint(hf: &str) -> String {
     let Some((layer, suffix)) = rest.split_once('.') else {
         return "?".into();
     };
-    if suffix == ROUTER.1 {
-        return format!("blk.{layer}.{}", ROUTER.0);
-    }
-    if let Some((e, x)) = suffix
-        .strip_prefix("mlp.experts.")
-        .and_then(|r| r.split_once('.'))
-    {
-        if let Some((g, _)) = EXPERT_NAMES.iter().find(|(_, h)| *h == x) {
-            return format!("blk.{layer}.{g}, expert {e}");
-        }
+    if let Some(h) = moe.and_then(|x| x.hint(layer, suffix)) {
+        return h;
     }
     LAYER_NAMES
         .iter()
@@ -461,24 +541,46 @@ mod tests {
         assert_eq!(hf_name("blk.0.ffn_gate_exps.weight"), None);
         for (g, _) in LAYER_NAMES {
             let hf = hf_name(&format!("blk.7.{g}")).unwrap();
-            assert_eq!(gguf_name_hint(&hf), format!("blk.7.{g}"));
+            assert_eq!(gguf_name_hint(&hf, None), format!("blk.7.{g}"));
         }
         assert_eq!(
             moe_tensor("blk.3.ffn_down_exps.weight"),
-            Some((3, MoeTensor::Experts("down_proj.weight")))
+            Some((3, MoeTensor::Stacked(2)))
         );
         assert_eq!(
             moe_tensor("blk.0.ffn_gate_inp.weight"),
             Some((0, MoeTensor::Router))
         );
-        assert_eq!(moe_tensor("blk.0.ffn_gate.weight"), None);
         assert_eq!(
-            gguf_name_hint("model.layers.2.mlp.experts.5.up_proj.weight"),
+            moe_tensor("blk.1.ffn_up.7.weight"),
+            Some((1, MoeTensor::Single(1, 7)))
+        );
+        assert_eq!(moe_tensor("blk.0.ffn_gate.weight"), None);
+        assert_eq!(moe_tensor("blk.0.ffn_gate.x.weight"), None);
+        let qwen = Some(MoeNames::new(Arch::Qwen3Moe, 8));
+        assert_eq!(
+            gguf_name_hint("model.layers.2.mlp.experts.5.up_proj.weight", qwen),
             "blk.2.ffn_up_exps.weight, expert 5"
         );
         assert_eq!(
-            gguf_name_hint("model.layers.2.mlp.gate.weight"),
+            gguf_name_hint("model.layers.2.mlp.gate.weight", qwen),
             "blk.2.ffn_gate_inp.weight"
+        );
+        // Mixtral: w1 gate, w3 up, w2 down, as convert_hf_to_gguf.py's tensor map
+        // (gguf-py/gguf/tensor_mapping.py, "mixtral (merged)") names them.
+        let mixtral = Some(MoeNames::new(Arch::Mixtral, 8));
+        for (w, g) in [("w1", "gate"), ("w3", "up"), ("w2", "down")] {
+            assert_eq!(
+                gguf_name_hint(
+                    &format!("model.layers.4.block_sparse_moe.experts.6.{w}.weight"),
+                    mixtral
+                ),
+                format!("blk.4.ffn_{g}_exps.weight, expert 6, or blk.4.ffn_{g}.6.weight")
+            );
+        }
+        assert_eq!(
+            gguf_name_hint("model.layers.0.block_sparse_moe.gate.weight", mixtral),
+            "blk.0.ffn_gate_inp.weight"
         );
     }
 }

@@ -1,5 +1,5 @@
-//! A small GGUF writer for the unit tests: a valid one-layer Llama (or Qwen3-MoE) with a
-//! byte-level tokenizer, which each test then breaks in one way.
+//! A small GGUF writer for the unit tests: a valid one-layer Llama (or Qwen3-MoE, or
+//! Mixtral) with a byte-level tokenizer, which each test then breaks in one way.
 
 use std::path::PathBuf;
 
@@ -64,7 +64,8 @@ pub fn value(i: usize, seed: u32) -> f32 {
     ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 10000.0 - 0.05
 }
 
-/// Experts of the Qwen3-MoE test model, used per token, and one expert's width.
+/// Experts of the Qwen3-MoE and Mixtral test models, used per token, and one Qwen3-MoE
+/// expert's width (Mixtral's are [`FF`] wide).
 pub const EXPERTS: usize = 4;
 pub const EXPERTS_USED: usize = 2;
 pub const EXPERT_FF: usize = 8;
@@ -165,6 +166,49 @@ impl Builder {
             f32_tensor("blk.0.ffn_down_exps.weight", &[f, h, e], 18),
         ]);
         b
+    }
+
+    /// One layer of Mixtral as llama.cpp's converter writes it (`LlamaModel` in
+    /// convert_hf_to_gguf.py): a `llama` file with `llama.expert_count` and
+    /// `llama.expert_used_count`, a router and [`EXPERTS`] experts of width [`FF`] stacked
+    /// per projection, q/k rows permuted as for any `llama` file.
+    pub fn mixtral() -> Self {
+        let mut b = Self::llama()
+            .set("llama.expert_count", u32v(EXPERTS as u32))
+            .set("llama.expert_used_count", u32v(EXPERTS_USED as u32));
+        let (h, f, e) = (HIDDEN, FF, EXPERTS);
+        b.tensors
+            .retain(|t| !t.name.contains(".ffn_") || t.name.ends_with(".ffn_norm.weight"));
+        b.tensors.extend([
+            f32_tensor("blk.0.ffn_gate_inp.weight", &[h, e], 15),
+            f32_tensor("blk.0.ffn_gate_exps.weight", &[h, f, e], 16),
+            f32_tensor("blk.0.ffn_up_exps.weight", &[h, f, e], 17),
+            f32_tensor("blk.0.ffn_down_exps.weight", &[f, h, e], 18),
+        ]);
+        b
+    }
+
+    /// The stacked expert tensor `blk.0.<stem>_exps.weight` as the per-expert tensors of
+    /// older llama.cpp files, `blk.0.<stem>.E.weight`: the same bytes, one slab each.
+    pub fn per_expert(mut self, stem: &str) -> Self {
+        let name = format!("blk.0.{stem}_exps.weight");
+        let i = self
+            .tensors
+            .iter()
+            .position(|t| t.name == name)
+            .expect("a stacked test tensor");
+        let t = self.tensors.remove(i);
+        let (dims, count) = (&t.dims[..2], t.dims[2] as usize);
+        let slab = t.data.len() / count;
+        for (e, data) in t.data.chunks_exact(slab).enumerate() {
+            self.tensors.push(Tensor {
+                name: format!("blk.0.{stem}.{e}.weight"),
+                dims: dims.to_vec(),
+                ty: t.ty,
+                data: data.to_vec(),
+            });
+        }
+        self
     }
 
     pub fn drop_tensor(mut self, name: &str) -> Self {

@@ -65,6 +65,15 @@ pub fn route(logits: &[f32], top_k: usize, norm: bool) -> Route {
     }
 }
 
+/// How `arch`'s checkpoints name a layer's experts: the block under `model.layers.N`
+/// (whose `gate` is the router) and each expert's gate, up and down projections.
+pub fn checkpoint_names(arch: Arch) -> (&'static str, [&'static str; 3]) {
+    match arch {
+        Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    }
+}
+
 impl<B: Backend> MoeBlock<B> {
     /// Layer `prefix`'s router and experts (`model.layers.N`), named as `arch`'s
     /// checkpoints name them.
@@ -75,10 +84,7 @@ impl<B: Backend> MoeBlock<B> {
         moe: &MoeConfig,
         hidden: usize,
     ) -> MResult<Self> {
-        let (block, [gate, up, down]) = match arch {
-            Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-        };
+        let (block, [gate, up, down]) = checkpoint_names(arch);
         let e_count = moe.num_experts;
         let router = ColumnParallelLinear::load(
             ctx,
