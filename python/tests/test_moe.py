@@ -341,3 +341,16 @@ def test_moe_gradients_agree_with_the_plain_pytorch_forward_in_f32(
         for k, (a, b) in groups.items()
     )
     assert worst[0] > MIN_COSINE_F32, worst
+
+
+def test_moe_route_refuses_bad_operands() -> None:
+    logits = torch.zeros(3, 8)
+    with pytest.raises(_native.InvalidInput, match="top_k 9 for 8 experts"):
+        _native.moe_route(logits, 9, True, torch.empty(3, 9))
+    with pytest.raises(_native.InvalidInput, match=r"weights has shape \[3, 3\]"):
+        _native.moe_route(logits, 2, True, torch.empty(3, 3))
+    with pytest.raises(TypeError, match="logits: dtype BF16"):
+        _native.moe_route(logits.bfloat16(), 2, True, torch.empty(3, 2))
+    assert _native.moe_route(torch.zeros(0, 8), 2, True, torch.empty(0, 2)) == bytearray()
+    w, e = ops.moe_route(torch.zeros(0, 8), 2, True)
+    assert w.shape == (0, 2) and e.shape == (0, 2)
