@@ -122,12 +122,12 @@ class SparseMoeBlock(nn.Module):
         flat = experts.reshape(-1).cpu()
         pairs: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
-        for e in torch.unique(flat).tolist():
+        # Every expert runs, one no row was routed to on no rows: each parameter is then
+        # in the graph and gets a gradient (zeros), as DDP and FSDP expect of a module.
+        for e, expert in enumerate(self.experts):
             at = (flat == e).nonzero().squeeze(1)
             pairs.append(at)
-            outs.append(self.experts[e](x[(at // k).to(x.device)]))
-        if not outs:
-            return x.new_zeros(x.shape)
+            outs.append(expert(x[(at // k).to(x.device)]))
         order = torch.cat(pairs)
         # Back to (row, slot) order: the outputs of pair `order[i]` are at `i`.
         back = torch.empty_like(order)

@@ -70,6 +70,9 @@ def _grad_as(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 def _linear_values(x: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """arbor's `bf16(x) · bf16(W)ᵀ`, f32 `[M, N]`, for `x` f32 `[M, K]` (`xb` its bf16)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    if out.numel() == 0:
+        # An expert no row was routed to (see `SparseMoeBlock`): nothing to compute.
+        return out
     if x.is_cuda:
         cuda, stream = _cuda(x)
         _retry(cuda.tree_linear, x.contiguous(), xb, _bf16(weight), out, stream)
@@ -184,6 +187,8 @@ class SiluMul(torch.autograd.Function):
         g2 = gate.reshape(-1, gate.shape[-1]).contiguous()
         out = torch.empty_like(g2)
         u2 = up.reshape(g2.shape).contiguous()
+        if g2.numel() == 0:
+            return out.view(gate.shape)
         if gate.is_cuda:
             cuda, stream = _cuda(gate)
             _retry(cuda.silu_mul, g2, u2, out, stream)
