@@ -76,6 +76,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(ops::tree_linear, m)?,
         wrap_pyfunction!(ops::rms_norm, m)?,
         wrap_pyfunction!(ops::silu_mul, m)?,
+        wrap_pyfunction!(ops::moe_route, m)?,
         wrap_pyfunction!(ops::attention, m)?,
         wrap_pyfunction!(ops::token_logprobs, m)?,
         wrap_pyfunction!(ops::logits_digest, m)?,

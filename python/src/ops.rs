@@ -7,10 +7,12 @@
 use arbor_kernels::cpu::{self as k, AttnShape, PagedKv, TreeMatmul};
 use arbor_kernels::paged::{blocks_for, PagedKvLayout, KV_BLOCK};
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
+use arbor_model::layers::route;
 use arbor_model::safetensors::DType;
 use arbor_model::sampling::log_sum_exp;
 use half::bf16;
 use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
 
 use crate::error::{NResult, NativeError};
 use crate::tensors::{device, memory};
@@ -239,6 +241,46 @@ pub fn silu_mul(
         k::silu_mul(gs, us, os);
     });
     Ok(())
+}
+
+/// Each row's experts from its router logits, by the engine's own routing function
+/// (`arbor_model::layers::route`: the f32 softmax, the `top_k` most probable, ties to the
+/// lower index, renormalised where `norm`): `logits` f32 `[R, E]`; `weights` f32 `[R, k]`
+/// gets the chosen experts' weights. Returns the chosen experts, increasing in each row,
+/// as little-endian i64 `[R, k]` (torch has no integer dtype arbor's tensor reader takes).
+#[pyfunction]
+pub fn moe_route<'py>(
+    py: Python<'py>,
+    logits: &Bound<'py, PyAny>,
+    top_k: usize,
+    norm: bool,
+    weights: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyByteArray>> {
+    const OP: &str = "moe_route";
+    let l = operand(OP, "logits", logits, DType::F32, 2, Place::Cpu)?;
+    let w = operand(OP, "weights", weights, DType::F32, 2, Place::Cpu)?;
+    let (rows, e) = (l.shape[0], l.shape[1]);
+    if top_k == 0 || top_k > e {
+        return Err(NativeError::Input(format!(
+            "{OP}: top_k {top_k} for {e} experts (it must be between 1 and the expert count)"
+        ))
+        .into());
+    }
+    expect_shape(OP, "weights", &w, &[rows, top_k])?;
+    check_disjoint(OP, &w, &[&l])?;
+    let experts = py.detach(|| {
+        // SAFETY: as in `tree_linear`.
+        let (ls, ws) = unsafe { (l.slice::<f32>(), w.slice_mut::<f32>()) };
+        let mut experts = Vec::with_capacity(rows * top_k * 8);
+        for (row, out) in ls.chunks_exact(e).zip(ws.chunks_exact_mut(top_k)) {
+            for (o, (expert, weight)) in out.iter_mut().zip(route(row, top_k, norm).experts) {
+                *o = weight;
+                experts.extend_from_slice(&(expert as i64).to_le_bytes());
+            }
+        }
+        experts
+    });
+    Ok(PyByteArray::new(py, &experts))
 }
 
 /// The sequences `cu_seqlens` cuts `rows` into: `[0, l0, l0 + l1, …, rows]`.

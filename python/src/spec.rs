@@ -47,6 +47,19 @@ pub fn config_dict<'py>(py: Python<'py>, c: &ModelConfig) -> PyResult<Bound<'py,
     d.set_item("qk_norm", c.arch.has_qk_norm())?;
     d.set_item("bos_token_id", c.bos_token_id)?;
     d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
+    match &c.moe {
+        Some(m) => {
+            let moe = PyDict::new(py);
+            moe.set_item("num_experts", m.num_experts)?;
+            moe.set_item("top_k", m.top_k)?;
+            moe.set_item("expert_intermediate", m.expert_intermediate)?;
+            moe.set_item("norm_topk_prob", m.norm_topk_prob)?;
+            // Per layer, as the engine reads `decoder_sparse_step` and `mlp_only_layers`.
+            moe.set_item("sparse_layers", m.sparse_layers.clone())?;
+            d.set_item("moe", moe)?;
+        }
+        None => d.set_item("moe", py.None())?,
+    }
     Ok(d)
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -93,4 +94,26 @@ def tiny(cli: Cli, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "--out",
             str(models[arch]),
         )
+    return models
+
+
+@pytest.fixture(scope="session")
+def moe(cli: Cli, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny mixture-of-experts models: Qwen3-MoE (layer 0 dense) and Mixtral, 8 experts,
+    2 a token; and each with 4 a token (`*_k4`: the same weights, `num_experts_per_tok` 4
+    in config.json; Qwen3-MoE's without renormalisation)."""
+    root = tmp_path_factory.mktemp("moe")
+    models = {}
+    for name, arch in (("qwen3_moe", "qwen3-moe"), ("mixtral", "mixtral")):
+        models[name] = root / name
+        out = str(models[name])
+        cli.run(1, "make-model", "--arch", arch, "--preset", "tiny", "--seed", "7", "--out", out)
+        k4 = root / f"{name}_k4"
+        shutil.copytree(models[name], k4)
+        config = json.loads((k4 / "config.json").read_text())
+        config["num_experts_per_tok"] = 4
+        if name == "qwen3_moe":
+            config["norm_topk_prob"] = False
+        (k4 / "config.json").write_text(json.dumps(config))
+        models[f"{name}_k4"] = k4
     return models

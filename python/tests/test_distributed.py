@@ -59,12 +59,15 @@ def _worker(rank: int, port: int, path: str, mode: str, out: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
 def test_distributed_wrappers_keep_the_bits(
-    mode: str, tiny: dict[str, Path], tmp_path: Path
+    mode: str, arch: str, tiny: dict[str, Path], moe: dict[str, Path], tmp_path: Path
 ) -> None:
+    """Mixtral: a mixture-of-experts model under the same wrappers (test_moe.py checks
+    that an expert no token reaches still gets a gradient, as DDP expects)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    path = str(tiny["qwen3"])
+    path = str(tiny[arch] if arch in tiny else moe[arch])
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     port = _free_port()
     ctx = mp.get_context("spawn")

@@ -1,5 +1,5 @@
-"""`CausalLM`: a Llama / Mistral / Qwen2 / Qwen3 (dense) model as a `torch.nn.Module`
-whose forward is arbor's, operation by operation (`arbor.torch.ops`).
+"""`CausalLM`: a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral model as a
+`torch.nn.Module` whose forward is arbor's, operation by operation (`arbor.torch.ops`).
 
 The parameters carry transformers' names (`model.layers.0.self_attn.q_proj.weight`, ...),
 so `state_dict()` is what an HF checkpoint holds and what `arbor serve`'s
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -67,34 +68,102 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ArchConfig) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class MixtralExpert(nn.Module):
+    """One Mixtral expert under its checkpoint's names: `w1` the gate, `w3` the up and
+    `w2` the down projection."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = Linear(hidden, intermediate, bias=False)
+        self.w2 = Linear(intermediate, hidden, bias=False)
+        self.w3 = Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ops.silu_mul(self.w1(x), self.w3(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP with the checkpoint's names (`gate.weight`, the router;
+    `experts.N.…`) and the engine's bits (model/src/layers/moe.rs): the router's logits
+    through the tree GEMM in f32, the engine's own routing (`ops.moe_route`), each expert
+    the dense MLP on the rows routed to it (in row order), and each row's k weighted
+    outputs added in expert-index order (`ops.moe_combine`)."""
+
     def __init__(self, c: ArchConfig) -> None:
+        super().__init__()
+        m = c.moe
+        if m is None:
+            raise ValueError(f"{c.arch_name} has no experts")
+        self.top_k = m.top_k
+        self.norm_topk_prob = m.norm_topk_prob
+        self.gate = Linear(c.hidden_size, m.num_experts, bias=False)
+        expert: Callable[[], nn.Module] = (
+            (lambda: MixtralExpert(c.hidden_size, m.expert_intermediate))
+            if c.arch == "mixtral"
+            else (lambda: MLP(c.hidden_size, m.expert_intermediate))
+        )
+        self.experts = nn.ModuleList(expert() for _ in range(m.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, k = x.shape[0], self.top_k
+        weights, experts = ops.moe_route(self.gate(x), k, self.norm_topk_prob)
+        # Which (row, slot) pairs each expert serves, in row order; the grouping is made
+        # on the host (the routes are there already on CUDA tensors' path).
+        flat = experts.reshape(-1).cpu()
+        pairs: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        # Every expert runs, one no row was routed to on no rows: each parameter is then
+        # in the graph and gets a gradient (zeros), as DDP and FSDP expect of a module.
+        for e, expert in enumerate(self.experts):
+            at = (flat == e).nonzero().squeeze(1)
+            pairs.append(at)
+            outs.append(expert(x[(at // k).to(x.device)]))
+        order = torch.cat(pairs)
+        # Back to (row, slot) order: the outputs of pair `order[i]` are at `i`.
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        y = torch.cat(outs)[back.to(x.device)].view(rows, k, -1)
+        return ops.moe_combine(weights.to(y.dtype), y)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ArchConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        # The checkpoints' names: Mixtral's experts are `block_sparse_moe`, Qwen3-MoE's
+        # `mlp` (as its dense layers are).
+        self.feed_forward = "mlp"
+        if c.sparse(index) and c.arch == "mixtral":
+            self.feed_forward = "block_sparse_moe"
+            self.block_sparse_moe = SparseMoeBlock(c)
+        elif c.sparse(index):
+            self.mlp = SparseMoeBlock(c)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
 
     def forward(self, x: torch.Tensor, at: ops.Positions) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), at)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ff = getattr(self, self.feed_forward)
+        return x + ff(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):
     def __init__(self, c: ArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor, at: ops.Positions) -> torch.Tensor:
@@ -141,13 +210,7 @@ class CausalLM(nn.Module):
         if dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"dtype {dtype}: bfloat16 (arbor's) or float32 (master weights)")
         spec = _native.ModelSpec(os.fspath(path))
-        native = spec.config
-        if native["arch"] in ("qwen3_moe", "mixtral"):
-            raise NotImplementedError(
-                f"{path}: {native['arch_name']} is a mixture-of-experts model; "
-                "arbor.torch's forward is dense only so far (arbor.Model scores it)"
-            )
-        config = ArchConfig.from_native(native)
+        config = ArchConfig.from_native(spec.config)
         # Built on the meta device, then given uninitialized memory of `dtype`: every value
         # is overwritten from the checkpoint below.
         with torch.device("meta"):

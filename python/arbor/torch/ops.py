@@ -70,6 +70,9 @@ def _grad_as(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 def _linear_values(x: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """arbor's `bf16(x) · bf16(W)ᵀ`, f32 `[M, N]`, for `x` f32 `[M, K]` (`xb` its bf16)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    if out.numel() == 0:
+        # An expert no row was routed to (see `SparseMoeBlock`): nothing to compute.
+        return out
     if x.is_cuda:
         cuda, stream = _cuda(x)
         _retry(cuda.tree_linear, x.contiguous(), xb, _bf16(weight), out, stream)
@@ -184,6 +187,8 @@ class SiluMul(torch.autograd.Function):
         g2 = gate.reshape(-1, gate.shape[-1]).contiguous()
         out = torch.empty_like(g2)
         u2 = up.reshape(g2.shape).contiguous()
+        if g2.numel() == 0:
+            return out.view(gate.shape)
         if gate.is_cuda:
             cuda, stream = _cuda(gate)
             _retry(cuda.silu_mul, g2, u2, out, stream)
@@ -198,6 +203,79 @@ class SiluMul(torch.autograd.Function):
         gg = grad * up * s * (1 + gate * (1 - s))
         gu = grad * gate * s
         return gg, gu
+
+
+def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The `top_k` largest logits of each row (the most probable experts), ties to the
+    lower index, in increasing index: the engine's choice, in PyTorch (f64 tensors)."""
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    return order.sort(dim=-1).values
+
+
+def _route_weights(logits: torch.Tensor, experts: torch.Tensor, norm: bool) -> torch.Tensor:
+    """The chosen experts' softmax probabilities, renormalised to sum to 1 where `norm`."""
+    p = torch.softmax(logits, dim=-1).gather(1, experts)
+    return p / p.sum(-1, keepdim=True) if norm else p
+
+
+class MoeRoute(torch.autograd.Function):
+    """A token's experts and their weights from its router logits `[R, E]`: the f32
+    softmax, the `top_k` most probable (ties to the lower index), their probabilities
+    renormalised where `norm`. Returns `(weights [R, k], experts [R, k])`, each row's
+    experts in increasing index. The choice is the engine's own routing function (on the
+    host: the logits of CUDA tensors come to the CPU, the result goes back); it has no
+    gradient. The weights' gradient is the softmax's (and the renormalisation's), as
+    transformers' MoE blocks have it."""
+
+    @staticmethod
+    def forward(
+        ctx: Ctx, logits: torch.Tensor, top_k: int, norm: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, n = logits.shape
+        if not 1 <= top_k <= n:
+            raise ValueError(f"moe_route: top_k {top_k} for {n} experts")
+        if _f64(logits):
+            experts = _top_k(logits, top_k)
+            weights = _route_weights(logits, experts, norm)
+        else:
+            _activations("moe_route", logits)
+            host = logits.detach().to("cpu").contiguous()
+            weights = torch.empty(rows, top_k, dtype=torch.float32)
+            raw = _native.moe_route(host, top_k, norm, weights)
+            experts = torch.frombuffer(raw, dtype=torch.int64) if raw else torch.empty(0)
+            experts = experts.to(torch.int64).view(rows, top_k)
+            weights = weights.to(logits.device)
+            experts = experts.to(logits.device)
+        ctx.norm = norm
+        ctx.save_for_backward(logits, experts)
+        ctx.mark_non_differentiable(experts)
+        return weights, experts
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, experts = ctx.saved_tensors
+        dt = torch.promote_types(grad.dtype, logits.dtype)
+        p = torch.softmax(logits.to(dt), dim=-1)
+        chosen = p.gather(1, experts)
+        g = grad.to(dt)
+        if ctx.norm:
+            total = chosen.sum(-1, keepdim=True)
+            g = (g - (g * chosen).sum(-1, keepdim=True) / total) / total
+        gp = torch.zeros_like(p).scatter_(1, experts, g)
+        gl = p * (gp - (gp * p).sum(-1, keepdim=True))
+        return gl.to(logits.dtype), None, None
+
+
+def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """A row's output: `Σ_j weights[:, j] · outputs[:, j]` over its k experts `[R, k, H]`
+    (slot j the j-th lowest expert index), added in slot order from +0, one multiply and
+    one add per term: the engine's order (docs/invariance.md, "Mixture of experts").
+    PyTorch's element-wise multiply and add are one IEEE operation each, on the CPU and
+    the GPU, so these are the engine's bits; autograd differentiates them."""
+    out = outputs.new_zeros(outputs.shape[0], outputs.shape[2])
+    for j in range(outputs.shape[1]):
+        out = out + weights[:, j : j + 1] * outputs[:, j]
+    return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -484,6 +562,10 @@ def head_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return TokenLogprobs.apply(logits, targets)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return MoeRoute.apply(logits, top_k, norm)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
