@@ -210,9 +210,9 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
 
 // The draws of constrained rows over their allowed ids alone (model/src/constraint.rs's
 // draw_masked): the argmax of the allowed values (mode 0) or of their Gumbel keys
-// x·inv_t + g(key, i) (mode 1), NaN never winning, lowest index on ties. A thread visits
-// its mask words' set bits in increasing index order and the block tree is exact, so the
-// winner depends only on the row and its mask. Where no allowed value (or key) is above
+// x·inv_t + g(key, i) (mode 1), NaN never winning, lowest index on ties. Each thread visits
+// its ids in increasing order and the block tree is exact, so the winner depends only on
+// the row and its mask. Where no allowed value (or key) is above
 // −∞ the answer is "none" (u32::MAX): the host then draws from the row, whose fallback
 // rules live there alone.
 // grid: masked rows; block: RS_THREADS.
@@ -234,16 +234,16 @@ extern "C" __global__ void masked_draw_kernel(const float* __restrict__ x, int c
     const unsigned long long key = pr[0];
     const bool gumbel = (unsigned int)(pr[1] >> 32) == 1;
     const float inv_t = __uint_as_float((unsigned int)(pr[1] & 0xffffffffu));
+    // A warp takes one mask word at a time, lane b its id w·32 + b: the allowed values of
+    // a word are one coalesced read, and each thread's ids still increase.
+    const int lane = t & 31;
     BestOf best;
-    for (int w = t; w < words; w += RS_THREADS) {
-        unsigned int b = mask[w];
-        while (b != 0) {
-            const int i = w * 32 + (__ffs(b) - 1);
-            b &= b - 1;
-            if (i >= vocab) break;
+#pragma unroll 4
+    for (int w = t >> 5; w < words; w += RS_THREADS / 32) {
+        const int i = w * 32 + lane;
+        if (((mask[w] >> lane) & 1u) != 0 && i < vocab) {
             const float v = row[i];
-            if (v != v) continue;
-            best.see(gumbel ? v * inv_t + gumbel_noise(key, (unsigned int)i) : v, i);
+            if (v == v) best.see(gumbel ? v * inv_t + gumbel_noise(key, (unsigned int)i) : v, i);
         }
     }
     sv[t] = best.v;

@@ -22,6 +22,8 @@ pub struct GpuDevice {
     pub workspace: Workspace,
     /// Streaming multiprocessors: how many CTAs run at once, for launch-size choices.
     pub sms: usize,
+    /// Pinned memory for uploads queued behind running work (staging.rs).
+    pub staging: super::staging::Staging,
     funcs: HashMap<&'static str, CudaFunction>,
 }
 
@@ -104,6 +106,7 @@ impl GpuDevice {
             arch,
             pdl,
             sms,
+            staging: Default::default(),
             funcs,
         })
     }

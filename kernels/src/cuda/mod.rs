@@ -20,6 +20,7 @@ pub mod launch;
 pub mod ops;
 pub mod probe;
 pub mod source;
+pub mod staging;
 
 pub use buf::{DevBuf, Workspace, WorkspaceScope};
 pub use compile::{arch_for, compile_ptx};

@@ -178,11 +178,13 @@ impl GpuDevice {
     }
 
     /// The draws of constrained rows where the logits are: for each j, row `rows[j]` of
-    /// `x` (`[n_rows, cols]`) drawn by `draws[j]` over the ids its mask allows
-    /// (`bits[j * words..(j + 1) * words]`, `words = vocab.div_ceil(32)`, id i at bit
+    /// `x` (`[n_rows, cols]`) drawn by `draws[j]` over the ids its mask allows (`fill(j,
+    /// words)` writes the mask into its zeroed `vocab.div_ceil(32)` words, id i at bit
     /// i % 32 of word i / 32): the drawn id and the row's value there, `None` where no
     /// allowed value is above −∞ (the host's fallback rules then draw from the row). Only
-    /// the masks go up (4 bytes per 32 ids) and 8 bytes per row come back.
+    /// the masks go up (4 bytes per 32 ids), from pinned memory, so that the copy is
+    /// queued behind the step's work without the host waiting for it; 8 bytes per row
+    /// come back.
     #[allow(clippy::too_many_arguments)]
     pub fn masked_draw(
         &self,
@@ -192,7 +194,7 @@ impl GpuDevice {
         vocab: usize,
         rows: &[u32],
         draws: &[MaskedDraw],
-        bits: &[u32],
+        fill: impl Fn(usize, &mut [u32]),
     ) -> Result<Vec<Option<(u32, f32)>>, CudaError> {
         const K: &str = "masked_draw_kernel";
         let n = rows.len();
@@ -203,12 +205,8 @@ impl GpuDevice {
                 x.len()
             )
         })?;
-        check(K, draws.len() == n && bits.len() == n * words, || {
-            format!(
-                "{n} rows with {} draws and {} mask words (needs {words} a row)",
-                draws.len(),
-                bits.len()
-            )
+        check(K, draws.len() == n, || {
+            format!("{n} rows with {} draws", draws.len())
         })?;
         if let Some(r) = rows.iter().find(|&&r| r as usize >= n_rows) {
             return Err(CudaError::Launch {
@@ -220,15 +218,29 @@ impl GpuDevice {
             return Ok(Vec::new());
         }
         // One upload: the parameters (8-byte aligned at the start), the rows, the masks.
-        let params = masked_draw_params(draws);
-        let mut words_up: Vec<u32> = Vec::with_capacity(4 * n + n + bits.len());
-        words_up.extend(params.iter().flat_map(|&p| [p as u32, (p >> 32) as u32]));
-        words_up.extend_from_slice(rows);
-        words_up.extend_from_slice(bits);
-        let up = self.upload("uploading constrained rows' masks", &words_up)?;
-        let out = self.alloc::<u32>(2 * n)?;
+        let total = 5 * n + n * words;
+        let mut staged = self.staging.lock(self.ordinal, total)?;
+        let host = staged.as_mut_slice();
+        for (j, p) in masked_draw_params(draws).into_iter().enumerate() {
+            host[2 * j] = p as u32;
+            host[2 * j + 1] = (p >> 32) as u32;
+        }
+        host[4 * n..5 * n].copy_from_slice(rows);
+        let masks = &mut host[5 * n..];
+        masks.fill(0);
+        for (j, m) in masks.chunks_exact_mut(words).enumerate() {
+            fill(j, m);
+        }
+        let up = self.alloc::<u32>(total)?;
         let s = &self.stream;
         let base = dev_ptr(&up, s);
+        self.drv("binding the context", self.ctx.bind_to_thread())?;
+        // SAFETY: `up` holds `total` words; the pinned source stays locked (and unchanged)
+        // until the download below has waited for the copy.
+        self.drv("uploading constrained rows' masks", unsafe {
+            cudarc::driver::result::memcpy_htod_async(base, &*host, s.cu_stream())
+        })?;
+        let out = self.alloc::<u32>(2 * n)?;
         let (p_params, p_rows, p_bits) = (base, base + 16 * n as u64, base + 20 * n as u64);
         let p_out = dev_ptr(&out, s);
         let (ci, vi, wi) = (
@@ -255,6 +267,7 @@ impl GpuDevice {
         // alive until the download below has waited for the kernel.
         self.launched(K, unsafe { b.launch(cfg) })?;
         let got = self.download("downloading constrained rows' draws", &out, 2 * n)?;
+        drop(staged);
         Ok(got
             .chunks_exact(2)
             .map(|w| (w[0] != u32::MAX).then(|| (w[0], f32::from_bits(w[1]))))

@@ -428,21 +428,17 @@ impl Backend for CudaBackend {
         if masked.is_empty() {
             return Ok(Vec::new());
         }
-        let words = vocab.div_ceil(32);
-        let mut bits = vec![0u32; masked.len() * words];
-        for (m, dst) in masked.iter().zip(bits.chunks_exact_mut(words)) {
-            match m.mask {
-                crate::constraint::TokenMask::Bits(w) => {
-                    let n = w.len().min(words);
-                    dst[..n].copy_from_slice(&w[..n]);
-                }
-                crate::constraint::TokenMask::Ids(ids) => {
-                    for &i in ids.iter().filter(|&&i| (i as usize) < vocab) {
-                        dst[i as usize / 32] |= 1 << (i % 32);
-                    }
+        let fill = |j: usize, dst: &mut [u32]| match masked[j].mask {
+            crate::constraint::TokenMask::Bits(w) => {
+                let n = w.len().min(dst.len());
+                dst[..n].copy_from_slice(&w[..n]);
+            }
+            crate::constraint::TokenMask::Ids(ids) => {
+                for &i in ids.iter().filter(|&&i| (i as usize) < vocab) {
+                    dst[i as usize / 32] |= 1 << (i % 32);
                 }
             }
-        }
+        };
         let rows: Vec<u32> = masked.iter().map(|m| m.row as u32).collect();
         let draws: Vec<_> = masked.iter().map(|m| m.draw).collect();
         self.timed("masked_draw", masked.len(), || {
@@ -454,7 +450,7 @@ impl Backend for CudaBackend {
                     vocab,
                     &rows,
                     &draws,
-                    &bits,
+                    fill,
                 )
                 .map_err(|e| self.dev_err(e))
         })
