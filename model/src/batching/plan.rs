@@ -32,6 +32,8 @@ pub struct PlanRow {
     /// The tokens the sampled row may take (a constrained sequence's mask, computed by rank
     /// 0 from that sequence's tokens): every rank draws from the same masked row.
     pub allowed: Option<TokenMask>,
+    /// Report the experts every row was routed to (`RowResult::routes`).
+    pub routes: bool,
 }
 
 /// One step: any mix of prefill chunks and decode rows.
@@ -95,6 +97,9 @@ pub struct RowResult {
     /// One per `targets` entry, in order.
     pub scored: Vec<Record>,
     pub sampled: Option<Record>,
+    /// Where the row asked (`PlanRow::routes`): the experts each of its tokens was routed
+    /// to, `[tokens, num_layers, top_k]` (`forward::Model::forward_routed`); else empty.
+    pub routes: Vec<u32>,
 }
 
 #[cfg(test)]
@@ -113,6 +118,7 @@ mod tests {
                 targets: vec![(0, 6)],
                 sample: true,
                 prefill: true,
+                routes: true,
                 sampling: Sampling {
                     temperature: 0.7,
                     top_k: 3,

@@ -15,7 +15,9 @@ impl<B: Backend> Worker<B> {
     /// a task needs its row from the start (or a shadow compares them), else those whose
     /// top-p nucleus the candidates do not reach. Without a whole-row task or a shadow,
     /// the step is the backend's `run_step` (which may replay a recording); with a shadow,
-    /// compares every layer and the logits bit for bit.
+    /// compares every layer and the logits bit for bit. With `routes`, the step runs op by
+    /// op (never recorded: the routes come back to the host mid-step) and returns every
+    /// token's routed experts; its logits are those of the recorded step.
     pub(super) fn step(
         &mut self,
         caches: &mut Caches<B>,
@@ -24,6 +26,7 @@ impl<B: Backend> Worker<B> {
         out_rows: &[usize],
         ids_of: &[u64],
         tasks: &[RowTask],
+        routes: bool,
     ) -> MResult<StepOut> {
         let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
         let draws: Vec<RowDraw> = tasks.iter().map(RowTask::draw).collect();
@@ -31,7 +34,7 @@ impl<B: Backend> Worker<B> {
         let need_host = tasks.iter().any(RowTask::needs_row);
         let (pick, draws, ks) = (&pick[..], &draws[..], &ks[..]);
         let model = self.model.as_ref().ok_or_else(super::released)?;
-        if !need_host && self.shadow.is_none() {
+        if !need_host && !routes && self.shadow.is_none() {
             // The device program: the backend may record it and replay the recording.
             let inputs = StepInputs {
                 ids,
@@ -63,23 +66,29 @@ impl<B: Backend> Worker<B> {
                 stats: res.stats,
                 cands: res.cands,
                 host: HostRows::Some(res.rows),
+                routes: Vec::new(),
             });
         }
         // The rows come to the host (top-N beyond the candidates' limit, a sampling over
         // the whole row, or the shadow's comparison): the draws use them.
         let mut trace = self.shadow.as_ref().map(|_| Trace::new());
+        let mut routed = Vec::new();
         let dev_logits = model
-            .forward_logits(
+            .forward_routed(
                 &self.backend,
                 &mut caches.main,
                 ids,
                 rows,
                 out_rows,
                 trace.as_mut(),
+                routes.then_some(&mut routed),
             )
             .map_err(|e| self.berr(e))?;
         let Some(dev_logits) = dev_logits else {
-            return Ok(StepOut::default());
+            return Ok(StepOut {
+                routes: routed,
+                ..StepOut::default()
+            });
         };
         let stats = model
             .row_stats(&self.backend, &dev_logits, pick, draws)
@@ -147,6 +156,7 @@ impl<B: Backend> Worker<B> {
             stats,
             cands: Vec::new(),
             host: HostRows::All(logits),
+            routes: routed,
         })
     }
 }

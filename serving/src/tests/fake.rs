@@ -344,6 +344,7 @@ impl SessionRunner for FakeRunner {
                     sampled: r.sample.then(|| {
                         self.record(token(self.weights, r.sample_key, next), r.sample_key, next)
                     }),
+                    routes: Vec::new(),
                 }
             })
             .collect())
