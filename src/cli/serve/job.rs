@@ -73,7 +73,14 @@ impl Job {
         let backlog = if p.stream {
             STREAM_BACKLOG
         } else {
-            total.saturating_mul(p.max_tokens.saturating_add(6).saturating_mul(2))
+            // A choice that reports its routes has one more event per step.
+            let per_step = if p.routes { 2 } else { 1 };
+            total.saturating_mul(
+                p.max_tokens
+                    .saturating_add(6)
+                    .saturating_mul(2)
+                    .saturating_mul(per_step),
+            )
         };
         let mut choices = Vec::with_capacity(total);
         let mut specs = Vec::with_capacity(total);
@@ -113,6 +120,7 @@ impl Job {
                     n_top: p.logprobs.unwrap_or(0),
                     ignore_eos: p.ignore_eos,
                     constraint,
+                    routes: p.routes,
                 });
                 let mut choice = ChoiceState::new(index, prompt.clone());
                 choice.failure = failure;
@@ -203,6 +211,11 @@ impl Job {
                 Ok(Update::Finished(i))
             }
             SeqEvent::Restart => Ok(Update::Nothing),
+            SeqEvent::Routed { pos0, experts } => {
+                let per_token = self.st.routed.map_or(0, |(l, k)| l * k);
+                c.set_routes(pos0, &experts, per_token);
+                Ok(Update::Nothing)
+            }
             SeqEvent::Scored(recs) => {
                 c.prompt_records.extend(recs.iter().cloned());
                 Ok(Update::Scored(i, recs))
