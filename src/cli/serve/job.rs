@@ -73,13 +73,18 @@ impl Job {
         let backlog = if p.stream {
             STREAM_BACKLOG
         } else {
-            // A choice that reports its routes has one more event per step.
-            let per_step = if p.routes { 2 } else { 1 };
+            // A choice that reports its routes has one more event per step: at most one
+            // per prompt token (its prefill chunks) and one per new token.
+            let routes = if p.routes {
+                prompts.iter().map(Vec::len).max().unwrap_or(0) + p.max_tokens
+            } else {
+                0
+            };
             total.saturating_mul(
                 p.max_tokens
+                    .saturating_add(routes)
                     .saturating_add(6)
-                    .saturating_mul(2)
-                    .saturating_mul(per_step),
+                    .saturating_mul(2),
             )
         };
         let mut choices = Vec::with_capacity(total);
