@@ -18,6 +18,7 @@ impl<B: Backend> Worker<B> {
     /// compares every layer and the logits bit for bit. With `routes`, the step runs op by
     /// op (never recorded: the routes come back to the host mid-step) and returns every
     /// token's routed experts; its logits are those of the recorded step.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn step(
         &mut self,
         caches: &mut Caches<B>,
