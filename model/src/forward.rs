@@ -144,10 +144,10 @@ enum Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
+    fn forward(&self, b: &B, x: &B::Act, routed: Option<&mut Vec<u32>>) -> BResult<B::Act> {
         match self {
             Mlp::Dense { gate_up, down } => down.forward(b, &gate_up.forward(b, x)?),
-            Mlp::Experts(moe) => moe.forward(b, x),
+            Mlp::Experts(moe) => moe.forward(b, x, routed),
         }
     }
 }
@@ -347,8 +347,39 @@ impl<B: Backend> Model<B> {
         ids: &[u32],
         rows: KvRows<'_>,
         out_rows: &[usize],
-        mut trace: Option<&mut Trace>,
+        trace: Option<&mut Trace>,
     ) -> BResult<Option<B::Act>> {
+        self.forward_routed(b, cache, ids, rows, out_rows, trace, None)
+    }
+
+    /// Experts a token is routed to in each mixture-of-experts layer (None: a dense model).
+    pub fn routed_top_k(&self) -> Option<usize> {
+        self.cfg.moe.as_ref().map(|m| m.top_k)
+    }
+
+    /// [`Model::forward_logits`]; with `routed`, also sets it to the experts every row of
+    /// `ids` was routed to, `[rows, num_layers, top_k]` (SGLang's layout for
+    /// `return_routed_experts`), each row's in expert order; a dense layer's entries are 0,
+    /// as in SGLang's zero-filled capture buffer. Routes are read as the forward ran them,
+    /// so the logits are those of `forward_logits`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_routed(
+        &self,
+        b: &B,
+        cache: &mut B::KvCache,
+        ids: &[u32],
+        rows: KvRows<'_>,
+        out_rows: &[usize],
+        mut trace: Option<&mut Trace>,
+        mut routed: Option<&mut Vec<u32>>,
+    ) -> BResult<Option<B::Act>> {
+        let top_k = self.routed_top_k().unwrap_or(0);
+        let n_layers = self.layers.len();
+        if let Some(out) = routed.as_deref_mut() {
+            out.clear();
+            out.resize(ids.len() * n_layers * top_k, 0);
+        }
+        let mut layer_routes = Vec::new();
         let cfg = &self.cfg;
         let hs = self.head_spec();
         let eps = cfg.rms_norm_eps;
@@ -382,7 +413,22 @@ impl<B: Backend> Model<B> {
             let a = b.attention(&q, cache, li, rows, hs)?;
             let o = l.o.forward(b, &a)?;
             let n = b.add_rms_norm(&mut x, &o, &l.post_norm.w, eps)?;
-            let d = l.mlp.forward(b, &n)?;
+            let capture = routed.is_some() && matches!(l.mlp, Mlp::Experts(_));
+            layer_routes.clear();
+            let d = l.mlp.forward(b, &n, capture.then_some(&mut layer_routes))?;
+            if let (true, Some(out)) = (capture, routed.as_deref_mut()) {
+                if layer_routes.len() != ids.len() * top_k {
+                    return Err(crate::backend::BackendError::Shape(format!(
+                        "layer {li} reported {} routed experts for {} rows of top-{top_k}",
+                        layer_routes.len(),
+                        ids.len()
+                    )));
+                }
+                for (r, experts) in layer_routes.chunks_exact(top_k.max(1)).enumerate() {
+                    let at = (r * n_layers + li) * top_k;
+                    out[at..at + top_k].copy_from_slice(experts);
+                }
+            }
             match self.layers.get(li + 1) {
                 Some(next) => normed = Some(b.add_rms_norm(&mut x, &d, &next.input_norm.w, eps)?),
                 None => b.add_assign(&mut x, &d)?,

@@ -174,6 +174,12 @@ pub enum SeqEvent {
     /// (on the weights its next `Started` names). Its stream's cancel flag is a new one
     /// from here on: a cancel meant for the void run does not stop the new one.
     Restart,
+    /// The experts positions `pos0..` were routed to (`Event::Routed`), before that step's
+    /// token.
+    Routed {
+        pos0: usize,
+        experts: Vec<u32>,
+    },
     /// Not run (or stopped): the message says why. `shutting_down`: the loop is draining
     /// or has stopped (else the request itself could not be admitted).
     Refused {

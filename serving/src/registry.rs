@@ -162,6 +162,7 @@ impl Registry {
             Event::Scored { seq, records } => (seq, SeqEvent::Scored(records)),
             Event::Token { seq, record } => (seq, SeqEvent::Token(record)),
             Event::Finished { seq, reason } => (seq, SeqEvent::Finished(reason)),
+            Event::Routed { seq, pos0, experts } => (seq, SeqEvent::Routed { pos0, experts }),
         };
         let done = matches!(msg, SeqEvent::Finished(_));
         let Some(&(key, tag)) = self.by_seq.get(&seq) else {

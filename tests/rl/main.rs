@@ -27,6 +27,7 @@ mod checkpoint;
 mod control;
 mod frameworks;
 mod rendezvous;
+mod routed;
 mod server;
 mod sources;
 mod trainer;

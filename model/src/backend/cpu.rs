@@ -473,6 +473,7 @@ impl Backend for CpuBackend {
         _x: &CpuAct,
         _logits: &CpuAct,
         experts: &Self::Experts,
+        _routes: Option<&mut Vec<u32>>,
     ) -> BResult<CpuAct> {
         match *experts {}
     }

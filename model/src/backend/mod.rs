@@ -388,12 +388,15 @@ pub trait Backend {
     /// `logits` (`[rows, experts]`), computed where the activations are: the routes of
     /// `layers::moe::route`, each expert's rows through its MLP with the down projection
     /// reduced by the tree all-reduce, and each token's expert outputs weighted and added
-    /// in expert order.
+    /// in expert order. With `routes`, also appends each row's experts (`[rows, top_k]`,
+    /// in expert order) as routed: a response that reports them reads the device's own
+    /// choice, not a recomputation.
     fn moe_forward(
         &self,
         x: &Self::Act,
         logits: &Self::Act,
         experts: &Self::Experts,
+        routes: Option<&mut Vec<u32>>,
     ) -> BResult<Self::Act>;
 
     /// The row-parallel all-reduce: every rank passes the subtree root of its segments;

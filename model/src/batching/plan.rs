@@ -36,6 +36,8 @@ pub struct PlanRow {
     /// `None`): rank 0 computes it while the step's forward runs and sends it as
     /// [`PlanMsg::Masks`] (`Scheduler::late_masks`).
     pub mask_later: bool,
+    /// Report the experts every row was routed to (`RowResult::routes`).
+    pub routes: bool,
 }
 
 /// One step: any mix of prefill chunks and decode rows.
@@ -102,6 +104,9 @@ pub struct RowResult {
     /// One per `targets` entry, in order.
     pub scored: Vec<Record>,
     pub sampled: Option<Record>,
+    /// Where the row asked (`PlanRow::routes`): the experts each of its tokens was routed
+    /// to, `[tokens, num_layers, top_k]` (`forward::Model::forward_routed`); else empty.
+    pub routes: Vec<u32>,
 }
 
 #[cfg(test)]
@@ -120,6 +125,7 @@ mod tests {
                 targets: vec![(0, 6)],
                 sample: true,
                 prefill: true,
+                routes: true,
                 sampling: Sampling {
                     temperature: 0.7,
                     top_k: 3,

@@ -168,17 +168,32 @@ impl<B: Backend> MoeBlock<B> {
             .collect())
     }
 
+    /// Experts each token is routed to.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
     /// The block's output for the rows of `x` (`[rows, hidden]`, identical on every rank).
-    pub fn forward(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
+    /// With `routed`, appends each row's experts as this forward chose them (`[rows,
+    /// top_k]`, expert order), read where the routing ran; the output is the same either
+    /// way.
+    pub fn forward(&self, b: &B, x: &B::Act, routed: Option<&mut Vec<u32>>) -> BResult<B::Act> {
         match &self.prepared {
-            Some(experts) => b.moe_forward(x, &self.router.forward(b, x)?, experts),
-            None => self.forward_on_host(b, x),
+            Some(experts) => b.moe_forward(x, &self.router.forward(b, x)?, experts, routed),
+            None => self.forward_on_host(b, x, routed),
         }
     }
 
     /// [`MoeBlock::forward`] with the routes and the weighted sum on the host.
-    fn forward_on_host(&self, b: &B, x: &B::Act) -> BResult<B::Act> {
+    fn forward_on_host(&self, b: &B, x: &B::Act, routed: Option<&mut Vec<u32>>) -> BResult<B::Act> {
         let routes = self.routes(b, x)?;
+        if let Some(out) = routed {
+            out.extend(
+                routes
+                    .iter()
+                    .flat_map(|r| r.experts.iter().map(|&(e, _)| e as u32)),
+            );
+        }
         let rows = routes.len();
         let h = self.hidden;
         // The rows each expert serves, in row order.
@@ -228,6 +243,69 @@ impl<B: Backend> MoeBlock<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::checkpoint::Checkpoint;
+    use crate::synth::{make_model, Preset, SynthOptions};
+
+    /// The experts a forward reports are `route()` of the router's logits for each row,
+    /// in expert order, and asking for them changes no bit of the output.
+    #[test]
+    fn reported_experts_are_the_routes_of_the_router_logits() {
+        let dir = std::env::temp_dir().join(format!("arbor-moe-routed-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        make_model(&SynthOptions::new(Arch::Qwen3Moe, Preset::Tiny, 5, &dir)).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let b = CpuBackend::new(std::sync::Arc::new(arbor_collective::SingleComm));
+        let ctx = LoadCtx {
+            backend: &b,
+            store: &ck.weights,
+            rank: 0,
+            tp: 1,
+            row_tp: 1,
+        };
+        let cfg = &ck.config;
+        let moe = cfg.moe.as_ref().unwrap();
+        let layer = moe.sparse_layers.iter().position(|&s| s).unwrap();
+        let block = MoeBlock::load(
+            &ctx,
+            &format!("model.layers.{layer}"),
+            cfg.arch,
+            moe,
+            cfg.hidden_size,
+        )
+        .unwrap();
+        let (rows, h) = (7, cfg.hidden_size);
+        let xs: Vec<f32> = (0..rows * h)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let x = b.act_from_host(&xs, rows, h).unwrap();
+        let mut reported = Vec::new();
+        let with = b
+            .act_to_host(&block.forward(&b, &x, Some(&mut reported)).unwrap())
+            .unwrap();
+        let without = b
+            .act_to_host(&block.forward(&b, &x, None).unwrap())
+            .unwrap();
+        assert!(with
+            .iter()
+            .zip(&without)
+            .all(|(a, c)| a.to_bits() == c.to_bits()));
+        let logits = b
+            .act_to_host(&block.router.forward(&b, &x).unwrap())
+            .unwrap();
+        let expected: Vec<u32> = logits
+            .chunks_exact(moe.num_experts)
+            .flat_map(|l| route(l, moe.top_k, moe.norm_topk_prob).experts)
+            .map(|(e, _)| e as u32)
+            .collect();
+        assert_eq!(reported.len(), rows * moe.top_k);
+        assert_eq!(reported, expected);
+        // Not one expert for every row: the rows really route apart.
+        assert!(reported
+            .chunks(moe.top_k)
+            .any(|r| r != &reported[..moe.top_k]));
+    }
 
     #[test]
     fn routes_take_the_most_probable_experts_ties_to_the_lower_index() {

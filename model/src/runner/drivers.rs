@@ -138,6 +138,7 @@ impl<B: Backend> OfflineRunner for Worker<B> {
                 n_top,
                 ignore_eos: false,
                 constraint: None,
+                routes: false,
             })?;
             out_of.insert(seq, i);
         }
@@ -155,7 +156,7 @@ impl<B: Backend> OfflineRunner for Worker<B> {
                     o.finish = reason;
                 }
             }
-            Event::Scored { .. } => {}
+            Event::Scored { .. } | Event::Routed { .. } => {}
         })?;
         Ok(outs)
     }
@@ -212,6 +213,7 @@ impl<B: Backend> OfflineRunner for Worker<B> {
                 n_top,
                 ignore_eos: true,
                 constraint: None,
+                routes: false,
             })?;
             out_of.insert(seq, i);
         }

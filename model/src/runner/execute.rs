@@ -172,6 +172,14 @@ impl<B: Backend> Worker<B> {
             seqs: &seqs,
             table: &table,
         };
+        let want_routes = plan.rows.iter().any(|r| r.routes);
+        if want_routes && self.cfg.moe.is_none() {
+            let r = plan.rows.iter().find(|r| r.routes);
+            return Err(ModelError::BadRequest {
+                id: r.map_or(0, |r| r.sample_key),
+                msg: "routed experts were asked of a model without experts".into(),
+            });
+        }
         let out = {
             let mut masked = || -> MResult<Vec<MaskedRow<'_>>> {
                 fetch()?;
@@ -183,7 +191,16 @@ impl<B: Backend> Worker<B> {
                     .filter_map(|(row, (t, i))| t.masked_row(row, i.and_then(|i| late.get(i))))
                     .collect())
             };
-            self.step(caches, &ids, rows, &out_rows, &ids_of, &tasks, &mut masked)?
+            self.step(
+                caches,
+                &ids,
+                rows,
+                &out_rows,
+                &ids_of,
+                &tasks,
+                &mut masked,
+                want_routes,
+            )?
         };
         // A step whose rows all came to the host did not ask for the masks: the records
         // need them.
@@ -194,6 +211,18 @@ impl<B: Backend> Worker<B> {
                     *allowed = late.get(*i);
                 }
             }
+        }
+        // Tokens × values per token of the routes, where asked.
+        let per_token = match &self.cfg.moe {
+            Some(m) if want_routes => self.cfg.num_layers * m.top_k,
+            _ => 0,
+        };
+        if out.routes.len() != ids.len() * per_token {
+            return Err(ModelError::Plan(format!(
+                "the forward returned {} routed experts for {} tokens of {per_token}",
+                out.routes.len(),
+                ids.len()
+            )));
         }
         let vocab = self.cfg.vocab_size.max(1);
         let host_ok = match &out.host {
@@ -223,13 +252,22 @@ impl<B: Backend> Worker<B> {
             self.timing.decode_records_s += dt_rec;
         }
         let mut results = Vec::with_capacity(plan.rows.len());
+        let mut row0 = 0;
         for r in &plan.rows {
             let scored: Vec<Record> = records.by_ref().take(r.targets.len()).collect();
             let sampled = if r.sample { records.next() } else { None };
+            let end = row0 + r.tokens.len();
+            let routes = if r.routes {
+                out.routes[row0 * per_token..end * per_token].to_vec()
+            } else {
+                Vec::new()
+            };
+            row0 = end;
             results.push(RowResult {
                 seq: r.seq,
                 scored,
                 sampled,
+                routes,
             });
         }
         Ok(results)

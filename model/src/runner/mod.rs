@@ -438,6 +438,9 @@ struct StepOut {
     stats: Vec<RowStats>,
     cands: Vec<Vec<(u32, f32)>>,
     host: HostRows,
+    /// Where a row asked for them: every token's routed experts, `[ids, layers, top_k]`
+    /// (`forward::Model::forward_routed`); else empty.
+    routes: Vec<u32>,
 }
 
 /// Which logits rows of a step are on the host.

@@ -17,7 +17,10 @@ impl<B: Backend> Worker<B> {
     /// the step is the backend's `run_step` (which may replay a recording); with a shadow,
     /// compares every layer and the logits bit for bit. `masked` gives the constrained
     /// rows' masked draws once the device work is under way (their masks may be computed
-    /// meanwhile); a step whose rows all come to the host does not ask for them.
+    /// meanwhile); a step whose rows all come to the host does not ask for them. With
+    /// `routes`, the step runs op by op (never recorded: the routes come back to the host
+    /// mid-step) and returns every token's routed experts; its logits are those of the
+    /// recorded step.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn step<'m>(
         &mut self,
@@ -28,6 +31,7 @@ impl<B: Backend> Worker<B> {
         ids_of: &[u64],
         tasks: &[RowTask],
         masked: &mut dyn FnMut() -> MResult<Vec<MaskedRow<'m>>>,
+        routes: bool,
     ) -> MResult<StepOut> {
         let pick: Vec<u32> = tasks.iter().map(RowTask::pick).collect();
         let draws: Vec<RowDraw> = tasks.iter().map(RowTask::draw).collect();
@@ -35,7 +39,7 @@ impl<B: Backend> Worker<B> {
         let need_host = tasks.iter().any(RowTask::needs_row);
         let (pick, draws, ks) = (&pick[..], &draws[..], &ks[..]);
         let model = self.model.as_ref().ok_or_else(super::released)?;
-        if !need_host && self.shadow.is_none() {
+        if !need_host && !routes && self.shadow.is_none() {
             // The device program: the backend may record it and replay the recording.
             let inputs = StepInputs {
                 ids,
@@ -77,23 +81,29 @@ impl<B: Backend> Worker<B> {
                 stats: res.stats,
                 cands: res.cands,
                 host: HostRows::Some(res.rows),
+                routes: Vec::new(),
             });
         }
         // The rows come to the host (top-N beyond the candidates' limit, a sampling over
         // the whole row, or the shadow's comparison): the draws use them.
         let mut trace = self.shadow.as_ref().map(|_| Trace::new());
+        let mut routed = Vec::new();
         let dev_logits = model
-            .forward_logits(
+            .forward_routed(
                 &self.backend,
                 &mut caches.main,
                 ids,
                 rows,
                 out_rows,
                 trace.as_mut(),
+                routes.then_some(&mut routed),
             )
             .map_err(|e| self.berr(e))?;
         let Some(dev_logits) = dev_logits else {
-            return Ok(StepOut::default());
+            return Ok(StepOut {
+                routes: routed,
+                ..StepOut::default()
+            });
         };
         let stats = model
             .row_stats(&self.backend, &dev_logits, pick, draws)
@@ -161,6 +171,7 @@ impl<B: Backend> Worker<B> {
             stats,
             cands: Vec::new(),
             host: HostRows::All(logits),
+            routes: routed,
         })
     }
 }

@@ -348,6 +348,7 @@ impl SessionRunner for FakeRunner {
                     sampled: r.sample.then(|| {
                         self.record(token(self.weights, r.sample_key, next), r.sample_key, next)
                     }),
+                    routes: Vec::new(),
                 }
             })
             .collect())

@@ -195,7 +195,7 @@ fn collect(stream: &mut RequestStream) -> Vec<Choice> {
         assert!(c.end.is_none(), "choice {tag}: {ev:?} after {:?}", c.end);
         match ev {
             SeqEvent::Started { weight_version } => c.version = Some(weight_version.to_string()),
-            SeqEvent::Scored(_) => {}
+            SeqEvent::Scored(_) | SeqEvent::Routed { .. } => {}
             SeqEvent::Token(r) => c.tokens.push(r.token),
             SeqEvent::Finished(f) => c.end = Some(End::Finished(f)),
             SeqEvent::Aborted { weight_version } => {

@@ -283,6 +283,8 @@ pub struct Params {
     pub constraint: Option<std::sync::Arc<super::structured::Compiled>>,
     /// Chat with tools: the format its replies' calls are parsed in.
     pub tool_format: Option<super::tools::Format>,
+    /// Report every fed token's routed experts (SGLang's `return_routed_experts`).
+    pub routes: bool,
 }
 
 /// Longest `rid`.
@@ -454,6 +456,7 @@ impl Common {
             skip_special: self.skip_special_tokens.unwrap_or(true),
             constraint: None,
             tool_format: None,
+            routes: false,
         })
     }
 

@@ -27,6 +27,9 @@ pub(super) struct ChoiceState {
     /// The bytes of its text when it had `min_tokens` tokens: a stop string must end past
     /// them.
     pub(super) stop_floor: usize,
+    /// The experts each fed position was routed to, `[positions, layers, top_k]` (where
+    /// the request asked).
+    pub(super) routes: Vec<u32>,
 }
 
 /// The stop a choice matched.
@@ -53,6 +56,7 @@ impl ChoiceState {
             matched: None,
             failure: None,
             stop_floor: 0,
+            routes: Vec::new(),
         }
     }
 
@@ -67,6 +71,18 @@ impl ChoiceState {
         self.version = None;
         self.matched = None;
         self.stop_floor = 0;
+        self.routes.clear();
+    }
+
+    /// The routes of positions `pos0..` (`per_token` values each). A position fed again
+    /// (after a preemption) is overwritten: its experts are the same.
+    pub(super) fn set_routes(&mut self, pos0: usize, experts: &[u32], per_token: usize) {
+        let at = pos0.saturating_mul(per_token);
+        let end = at.saturating_add(experts.len());
+        if self.routes.len() < end {
+            self.routes.resize(end, 0);
+        }
+        self.routes[at..end].copy_from_slice(experts);
     }
 
     pub(super) fn tokens(&self) -> Vec<u32> {

@@ -73,7 +73,19 @@ impl Job {
         let backlog = if p.stream {
             STREAM_BACKLOG
         } else {
-            total.saturating_mul(p.max_tokens.saturating_add(6).saturating_mul(2))
+            // A choice that reports its routes has one more event per step: at most one
+            // per prompt token (its prefill chunks) and one per new token.
+            let routes = if p.routes {
+                prompts.iter().map(Vec::len).max().unwrap_or(0) + p.max_tokens
+            } else {
+                0
+            };
+            total.saturating_mul(
+                p.max_tokens
+                    .saturating_add(routes)
+                    .saturating_add(6)
+                    .saturating_mul(2),
+            )
         };
         let mut choices = Vec::with_capacity(total);
         let mut specs = Vec::with_capacity(total);
@@ -113,6 +125,7 @@ impl Job {
                     n_top: p.logprobs.unwrap_or(0),
                     ignore_eos: p.ignore_eos,
                     constraint,
+                    routes: p.routes,
                 });
                 let mut choice = ChoiceState::new(index, prompt.clone());
                 choice.failure = failure;
@@ -203,6 +216,11 @@ impl Job {
                 Ok(Update::Finished(i))
             }
             SeqEvent::Restart => Ok(Update::Nothing),
+            SeqEvent::Routed { pos0, experts } => {
+                let per_token = self.st.routed.map_or(0, |(l, k)| l * k);
+                c.set_routes(pos0, &experts, per_token);
+                Ok(Update::Nothing)
+            }
             SeqEvent::Scored(recs) => {
                 c.prompt_records.extend(recs.iter().cloned());
                 Ok(Update::Scored(i, recs))

@@ -4,6 +4,15 @@
 //! chunks, then `data: [DONE]`). A request runs as a job like `/v1/completions` with the
 //! same sample keys (choice i of the request: `sample_id` 0 + i, seed `sampling_seed` or
 //! 0), so both routes give the same bits for the same prompt and sampling.
+//!
+//! `return_routed_experts` (a mixture-of-experts model) adds `meta_info.routed_experts`
+//! as SGLang does: base64 of little-endian int32 `[tokens, num_hidden_layers, top_k]`,
+//! one row per position the forward ran, `routed_experts_start_len..prompt + output - 1`
+//! (the last output token is never fed). The layout is SGLang's
+//! (`python/sglang/srt/layers/moe/routed_experts_capturer.py`, the base64 in
+//! `python/sglang/srt/managers/tokenizer_manager.py`), as slime decodes it
+//! (`slime/utils/types.py` `_apply_meta_info`, `slime/utils/misc.py`
+//! `decode_int32_meta_array`).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -54,7 +63,6 @@ const NEUTRAL_ONLY: &[&str] = &[
     "lora_id",
     "custom_logit_processor",
     "return_hidden_states",
-    "return_routed_experts",
     "return_entropy",
     "token_ids_logprob",
     "session_params",
@@ -94,6 +102,11 @@ struct GenerateReq {
     return_text_in_logprobs: bool,
     #[serde(default)]
     stream: bool,
+    #[serde(default)]
+    return_routed_experts: bool,
+    /// SGLang's first reported position (0: the whole sequence; at most the prompt's
+    /// length).
+    routed_experts_start_len: Option<usize>,
 }
 
 /// SGLang's `SamplingParams`.
@@ -163,6 +176,8 @@ struct Generate {
     stream: bool,
     /// `json_schema`, `regex` or `ebnf`.
     constraint: Option<super::structured::Requested>,
+    /// `return_routed_experts`: from this position.
+    routes_from: Option<usize>,
 }
 
 fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
@@ -293,6 +308,9 @@ fn parse(st: &AppState, bytes: &[u8]) -> Result<Generate, ApiError> {
         text_in_logprobs: r.return_text_in_logprobs,
         stream: r.stream,
         constraint,
+        routes_from: r
+            .return_routed_experts
+            .then(|| r.routed_experts_start_len.unwrap_or(0)),
     })
 }
 
@@ -305,6 +323,7 @@ struct Shape {
     text_in_logprobs: bool,
     max_new: usize,
     t0: Instant,
+    routes_from: Option<usize>,
 }
 
 pub(super) async fn generate(
@@ -347,6 +366,24 @@ pub(super) async fn generate(
             st.check_prompt(prompt, max_new)?;
         }
         p.prompt_logprobs = g.start_len.is_some();
+        if let Some(from) = g.routes_from {
+            if st.routed.is_none() {
+                return Err(ApiError::bad(
+                    "return_routed_experts",
+                    "return_routed_experts: this model has no experts (a dense model routes no token)",
+                ));
+            }
+            if let Some((i, prompt)) = g.prompts.iter().enumerate().find(|(_, p)| from > p.len()) {
+                return Err(ApiError::bad(
+                    "routed_experts_start_len",
+                    format!(
+                        "routed_experts_start_len {from} is past the length of prompt {i} ({} tokens)",
+                        prompt.len()
+                    ),
+                ));
+            }
+            p.routes = true;
+        }
         let shape = Shape {
             batch: g.batch,
             logprobs: g.logprobs.is_some(),
@@ -355,6 +392,7 @@ pub(super) async fn generate(
             text_in_logprobs: g.text_in_logprobs,
             max_new,
             t0,
+            routes_from: g.routes_from,
         };
         let mut job = Job::submit(&st, g.prompts, p, false)?;
         if g.stream {
@@ -461,6 +499,10 @@ fn item(job: &Job, shape: &Shape, i: usize) -> Value {
             })
             .collect();
     }
+    if let (Some(from), Some(_)) = (shape.routes_from, c.finish) {
+        let per_token = job.st.routed.map_or(0, |(l, k)| l * k);
+        meta["routed_experts"] = Value::from(routed_experts(c, from, per_token));
+    }
     let mut v = json!({
         "text": settled_text(c),
         "output_ids": c.records.iter().map(|r| r.token).collect::<Vec<_>>(),
@@ -470,6 +512,43 @@ fn item(job: &Job, shape: &Shape, i: usize) -> Value {
         v["index"] = json!(c.index);
     }
     v
+}
+
+/// SGLang's `routed_experts` of a finished choice: base64 of the little-endian int32
+/// routes of positions `from..prompt + output - 1` (those the forward ran; fewer where
+/// it stopped early, as an abort before prefill).
+fn routed_experts(c: &ChoiceState, from: usize, per_token: usize) -> String {
+    let end = (c.prompt.len() + c.records.len()).saturating_sub(1);
+    let have = c.routes.len() / per_token.max(1);
+    let (from, end) = (from.min(end), end.min(have));
+    let ids = c
+        .routes
+        .get(from * per_token..end.max(from) * per_token)
+        .unwrap_or_default();
+    let bytes: Vec<u8> = ids.iter().flat_map(|&e| (e as i32).to_le_bytes()).collect();
+    base64(&bytes)
+}
+
+/// Standard base64 with padding (RFC 4648 §4), what Python's `base64.b64decode` reads.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 /// The text so far; while the choice runs, without a trailing partial character.
@@ -529,4 +608,29 @@ fn stream(
         }
     });
     Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::base64;
+
+    #[test]
+    fn base64_is_rfc_4648_with_padding() {
+        // RFC 4648 §10's test vectors.
+        for (raw, enc) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(raw.as_bytes()), enc, "{raw:?}");
+        }
+        // High bits and the last two letters of the alphabet.
+        assert_eq!(base64(&[0xfb, 0xff, 0xbf]), "+/+/");
+        // Expert ids 1 and 258 as little-endian int32.
+        assert_eq!(base64(&[1, 0, 0, 0, 2, 1, 0, 0]), "AQAAAAIBAAA=");
+    }
 }

@@ -26,6 +26,9 @@ pub struct AppState {
     pub(super) model_name: String,
     pub(super) max_len: usize,
     pub(super) vocab: usize,
+    /// A mixture-of-experts model's layers and experts per token (what one token's routed
+    /// experts hold); None for a dense model.
+    pub(super) routed: Option<(usize, usize)>,
     /// The ids that end a sequence (config.json and generation_config.json).
     pub(super) eos_token_ids: Vec<u32>,
     api_key: Option<String>,
@@ -77,6 +80,11 @@ impl AppState {
             model_name,
             max_len: runner.max_seq_len(),
             vocab: runner.config().vocab_size,
+            routed: runner
+                .config()
+                .moe
+                .as_ref()
+                .map(|m| (runner.config().num_layers, m.top_k)),
             eos_token_ids: runner.eos_token_ids().to_vec(),
             api_key: args.api_key.clone(),
             draining: AtomicBool::new(false),

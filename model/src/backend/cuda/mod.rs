@@ -702,8 +702,9 @@ impl Backend for CudaBackend {
         x: &CudaAct,
         logits: &CudaAct,
         experts: &moe::CudaExperts,
+        routes: Option<&mut Vec<u32>>,
     ) -> BResult<CudaAct> {
-        self.moe_forward_untimed(x, logits, experts)
+        self.moe_forward_untimed(x, logits, experts, routes)
     }
 
     fn tree_all_reduce(&self, partial: CudaAct) -> BResult<CudaAct> {

@@ -113,6 +113,7 @@ impl CudaBackend {
         x: &CudaAct,
         logits: &CudaAct,
         ex: &CudaExperts,
+        routes: Option<&mut Vec<u32>>,
     ) -> BResult<CudaAct> {
         let (rows, k) = (x.rows, ex.spec.top_k);
         if x.cols != ex.hidden || (logits.rows, logits.cols) != (rows, ex.experts) {
@@ -138,6 +139,16 @@ impl CudaBackend {
                 )
                 .map_err(|e| self.dev_err(e))
         })?;
+        // Only a request that reports its routes reads them back: the step then runs op by
+        // op (runner::step), never recorded, so the read cannot freeze into a graph.
+        if let Some(out) = routes {
+            let ids = self.timed("moe routes to host", rows, || {
+                route
+                    .experts_of_rows(&self.dev)
+                    .map_err(|e| self.dev_err(e))
+            })?;
+            out.extend(ids);
+        }
         let grouped_err = |what: &str, e: super::gemm::TensorGemmError| BackendError::Device {
             rank: self.comm.rank(),
             msg: format!("MoE {what} over {pairs} (token, expert) pairs: {e}"),

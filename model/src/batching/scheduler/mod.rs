@@ -453,6 +453,7 @@ impl Scheduler {
             n_top: r.spec.n_top,
             allowed: None,
             mask_later: false,
+            routes: r.spec.routes,
         }
     }
 
@@ -483,6 +484,13 @@ impl Scheduler {
             r.fed = row.pos0 + row.tokens.len();
             r.scored_below = r.scored_below.max(r.fed);
             register_computed(&mut self.blocks, &mut self.pending, r);
+            if row.routes {
+                events.push(Event::Routed {
+                    seq: r.id,
+                    pos0: row.pos0,
+                    experts: res.routes.clone(),
+                });
+            }
             if !res.scored.is_empty() {
                 events.push(Event::Scored {
                     seq: r.id,
@@ -703,6 +711,7 @@ mod tests {
             seq: g,
             scored: vec![],
             sampled: Some(rec(2)),
+            routes: vec![],
         }];
         let ev = s.apply(&p, &res).unwrap();
         assert_eq!(

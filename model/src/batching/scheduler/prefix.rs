@@ -132,7 +132,7 @@ mod tests {
     use arbor_kernels::paged::blocks_for;
 
     use super::super::testing::{cfg, drive, run};
-    use super::super::{SchedulerConfig, SeqId, SeqSpec};
+    use super::super::{Event, SchedulerConfig, SeqId, SeqSpec};
     use super::*;
 
     fn prompt(seed: u32, n: usize) -> Vec<u32> {
@@ -228,6 +228,53 @@ mod tests {
             s.prefix_stats().hits,
             (2 * KV_BLOCK) as u64 - KV_BLOCK as u64
         );
+    }
+
+    #[test]
+    fn a_sequence_reporting_its_routes_computes_its_whole_prompt() {
+        let p = prompt(5, 3 * KV_BLOCK);
+        let mut s = Scheduler::new(cached_cfg(16)).unwrap();
+        s.submit(with_prompt(0, p.clone(), 1)).unwrap();
+        drive(&mut s);
+        let mut routed = with_prompt(1, p.clone(), 3);
+        routed.routes = true;
+        s.submit(routed).unwrap();
+        // Every fed position is reported once, in order, before the step's token.
+        let mut fed = Vec::new();
+        let mut tokens = 0;
+        loop {
+            let plan = s.plan();
+            if plan.is_empty() {
+                break;
+            }
+            assert!(plan.rows.iter().all(|r| r.routes));
+            let results: Vec<_> = run(&plan)
+                .into_iter()
+                .zip(&plan.rows)
+                .map(|(mut res, r)| {
+                    res.routes = vec![r.pos0 as u32; r.tokens.len()];
+                    res
+                })
+                .collect();
+            for ev in s.apply(&plan, &results).unwrap() {
+                match ev {
+                    Event::Routed { pos0, experts, .. } => {
+                        assert_eq!(fed.len(), pos0);
+                        assert_eq!(experts, vec![pos0 as u32; experts.len()]);
+                        fed.extend((pos0..pos0 + experts.len()).map(|p| p as u32));
+                        // A step's routes come before its token: position P + i is fed
+                        // once token i + 1 has been reported.
+                        assert_eq!(tokens, (pos0 + 1).saturating_sub(p.len()));
+                    }
+                    Event::Token { .. } => tokens += 1,
+                    _ => {}
+                }
+            }
+        }
+        // The whole prompt, then each generated token but the last: no cache hit.
+        assert_eq!(tokens, 3);
+        assert_eq!(fed, (0..(p.len() + 2) as u32).collect::<Vec<_>>());
+        assert_eq!(s.prefix_stats().hits, 0);
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub struct SeqSpec {
     /// The tokens each sampled row may take (structured output), from the sequence's own
     /// generated tokens.
     pub constraint: Option<Constraint>,
+    /// Report the experts each fed token is routed to (`Event::Routed`). Such a sequence
+    /// computes its whole prompt: a prefix-cache hit has no routes to report.
+    pub routes: bool,
 }
 
 impl SeqSpec {
@@ -39,6 +42,7 @@ impl SeqSpec {
             n_top: 0,
             ignore_eos: false,
             constraint: None,
+            routes: false,
         }
     }
 }
@@ -65,5 +69,13 @@ pub enum Event {
     Finished {
         seq: SeqId,
         reason: FinishReason,
+    },
+    /// The experts positions `pos0..` were routed to (`[positions, num_layers, top_k]`),
+    /// before that step's other events. A position fed again (after a preemption) is
+    /// reported again, with the same experts.
+    Routed {
+        seq: SeqId,
+        pos0: usize,
+        experts: Vec<u32>,
     },
 }

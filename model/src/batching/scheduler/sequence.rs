@@ -72,8 +72,12 @@ impl Waiting {
     }
 
     /// Positions a prefix-cache hit may cover: all known but the last (its row gives the
-    /// logits to sample from), and none whose scoring record is still owed.
+    /// logits to sample from), none whose scoring record is still owed, and none of a
+    /// sequence that reports its routes (a cached block carries no routes).
     pub(super) fn reusable(&self) -> usize {
+        if self.spec.routes {
+            return 0;
+        }
         let all = self.known_len().saturating_sub(1);
         match target_range(&self.spec, self.scored_below) {
             (lo, hi) if lo < hi => all.min(lo),

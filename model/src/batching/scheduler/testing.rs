@@ -25,6 +25,7 @@ pub(super) fn run(plan: &StepPlan) -> Vec<RowResult> {
             seq: r.seq,
             scored: r.targets.iter().map(|&(_, t)| rec(t)).collect(),
             sampled: r.sample.then(|| rec(7)),
+            routes: Vec::new(),
         })
         .collect()
 }
@@ -73,6 +74,7 @@ pub(super) fn drive(
                     sampled: r
                         .sample
                         .then(|| rec(3 + (r.sample_key as u32 * 31 + pos) % 50)),
+                    routes: Vec::new(),
                 }
             })
             .collect();

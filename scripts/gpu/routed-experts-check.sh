@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# SGLang's `return_routed_experts` on the CUDA backend, in one device call. Run ON the GPU
+# machine from the repo root, with binaries staged by scripts/gpu/build-device.sh (device
+# tool: carry [".device"]):
+#
+#   scripts/gpu/routed-experts-check.sh
+#
+# A model of the Qwen3-30B-A3B shape cut to 4 layers (`make-model --preset qwen3-30b-a3b
+# --layers 4`: 128 experts, 8 per token) served four ways: TP 1 with the device routing
+# (ARBOR_MOE=device, the default), TP 1 with the host's (ARBOR_MOE=host), and TP 2 with
+# each (both ranks on this GPU where there is one: ARBOR_RANKS_PER_GPU=auto). Each server
+# answers scripts/gpu/routed-experts-check.py's requests: 6 prompts alone and as one batch,
+# seeded top-p, 24 new tokens, with and without `return_routed_experts` (asking must not
+# change a token: a request that asks runs op by op, the others from CUDA graphs). PASS
+# when the experts (every position of every prompt, every layer) and the tokens and
+# log-probs are identical across the four servers, and a batch's prompt rows equal its
+# prompts' alone.
+# Output in $OUT (default ./routed-experts-check-out): summary.txt, serve-*.log,
+# routes-*.json. Exit 1 if anything failed or timed out.
+# Environment: DEVICE=cpu runs the same on the tiny qwen3-moe (a check of this script;
+# binaries from target/release unless ARBOR_DEVICE_DIR is set; ARBOR_MOE changes nothing
+# there), TPS (default "1 2"), BUDGET_S (default 570), MODEL_ARGS (make-model's flags).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-./routed-experts-check-out}
+if [[ $DEVICE == cpu ]]; then
+    BIN=${ARBOR_DEVICE_DIR:-target/release}
+    MODEL_ARGS=${MODEL_ARGS:---arch qwen3-moe --preset tiny}
+else
+    BIN=${ARBOR_DEVICE_DIR:-.device}
+    MODEL_ARGS=${MODEL_ARGS:---preset qwen3-30b-a3b --layers 4}
+fi
+TPS=${TPS:-1 2}
+BUDGET_S=${BUDGET_S:-570}
+WORK=${WORK:-/tmp/arbor-routed-check-$DEVICE}
+MODEL_DIR=$WORK/model
+T0=$(date +%s)
+mkdir -p "$OUT" "$WORK"
+OUT=$(cd "$OUT" && pwd)
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+for f in arbor arbor-launch; do
+    if [[ ! -x "$BIN/$f" ]]; then
+        echo "routed-experts-check: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
+        exit 2
+    fi
+done
+ARBOR=$BIN/arbor
+LAUNCH=$BIN/arbor-launch
+source scripts/gpu/device-lib.sh
+export ARBOR_RANKS_PER_GPU=auto
+PY=scripts/gpu/routed-experts-check.py
+
+{
+    echo "routed-experts-check on $(hostname) at $(date -u +%FT%TZ), device $DEVICE"
+    [[ $DEVICE == cuda ]] && nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+} | tee -a "$SUMMARY"
+
+rm -rf "$MODEL_DIR"
+# shellcheck disable=SC2086 # MODEL_ARGS is a list of flags
+step "make the model: $MODEL_ARGS" "$OUT/model.log" 300 "$ARBOR" make-model $MODEL_ARGS --out "$MODEL_DIR" ||
+    exit 1
+
+serve_down() {
+    kill -TERM "$SERVER_PID" 2>/dev/null
+    local i
+    for i in $(seq 1 60); do
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL "$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID" 2>/dev/null
+}
+
+# run_one TP MOE: serves at TP ranks with ARBOR_MOE=MOE and asks; routes-tpTP-MOE.json.
+FILES=()
+run_one() {
+    local tp=$1 moe=$2 name="tp$1-$2"
+    local log=$OUT/serve-$name.log port=$((20000 + RANDOM % 20000))
+    echo "=== serve $name on port $port ($(date -u +%T))" >>"$log"
+    ARBOR_MOE=$moe "$LAUNCH" -n "$tp" -- "$ARBOR" serve --model "$MODEL_DIR" --device "$DEVICE" \
+        --host 127.0.0.1 --port "$port" --max-num-seqs 8 --max-seq-len 512 >>"$log" 2>&1 &
+    SERVER_PID=$!
+    local i up=0
+    for i in $(seq 1 480); do
+        if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
+            up=1
+            break
+        fi
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        (($(elapsed) > BUDGET_S)) && break
+        sleep 0.5
+    done
+    if ((up == 0)); then
+        note "FAIL  serve $name did not come up (see $(basename "$log"))"
+        serve_down
+        return 1
+    fi
+    step "ask $name" "$log" 240 python3 "$PY" ask "$port" "$MODEL_DIR" "$OUT/routes-$name.json" &&
+        FILES+=("$OUT/routes-$name.json")
+    serve_down
+}
+
+for tp in $TPS; do
+    for moe in device host; do
+        run_one "$tp" "$moe"
+    done
+done
+if ((${#FILES[@]} > 1)); then
+    python3 "$PY" compare "${FILES[@]}" 2>&1 | tee -a "$SUMMARY"
+else
+    note "FAIL  fewer than two servers answered"
+fi
+
+echo
+echo "==================== routed-experts-check ($(elapsed) s) ===================="
+cat "$SUMMARY"
+grep -q '^FAIL\|^TIME' "$SUMMARY" && exit 1
+exit 0
