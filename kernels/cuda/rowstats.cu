@@ -210,20 +210,23 @@ extern "C" __global__ void row_stats_kernel(const float* __restrict__ x, int col
 
 // The draws of constrained rows over their allowed ids alone (model/src/constraint.rs's
 // draw_masked): the argmax of the allowed values (mode 0) or of their Gumbel keys
-// x·inv_t + g(key, i) (mode 1), NaN never winning, lowest index on ties. Each thread visits
-// its ids in increasing order and the block tree is exact, so the winner depends only on
-// the row and its mask. Where no allowed value (or key) is above
-// −∞ the answer is "none" (u32::MAX): the host then draws from the row, whose fallback
-// rules live there alone.
-// grid: masked rows; block: RS_THREADS.
+// x·inv_t + g(key, i) (mode 1), NaN never winning, lowest index on ties. Where no allowed
+// value (or key) is above −∞ the answer is "none" (u32::MAX): the host then draws from the
+// row, whose fallback rules live there alone. Two kernels: each row's mask words split into
+// `gridDim.y` parts, each part's best (key, index) from one block, then the parts' best per
+// row. Every argmax is exact (larger key, then lower index) and each thread visits its ids
+// in increasing order, so the winner depends only on the row and its mask, not on the
+// split.
+
+// grid: (masked rows, parts); block: RS_THREADS.
 // rows: [n] the logits row of each; params: [n, 2] = (key, mode << 32 | inv_t bits);
 // bits: [n, words] the allowed ids (id i is bit i % 32 of word i / 32);
-// out: [n, 2] = (drawn index or u32::MAX, the row's value there as f32 bits).
+// part: [n, parts, 2] = (best key bits, its index or u32::MAX for none).
 extern "C" __global__ void masked_draw_kernel(const float* __restrict__ x, int cols, int vocab,
                                               int words, const unsigned int* __restrict__ rows,
                                               const unsigned long long* __restrict__ params,
                                               const unsigned int* __restrict__ bits,
-                                              unsigned int* __restrict__ out) {
+                                              unsigned int* __restrict__ part) {
     pdl_enter();
     __shared__ float sv[RS_THREADS];
     __shared__ int si[RS_THREADS];
@@ -234,16 +237,26 @@ extern "C" __global__ void masked_draw_kernel(const float* __restrict__ x, int c
     const unsigned long long key = pr[0];
     const bool gumbel = (unsigned int)(pr[1] >> 32) == 1;
     const float inv_t = __uint_as_float((unsigned int)(pr[1] & 0xffffffffu));
-    // A warp takes one mask word at a time, lane b its id w·32 + b: the allowed values of
-    // a word are one coalesced read, and each thread's ids still increase.
+    const int per = (words + gridDim.y - 1) / gridDim.y;
+    const int w_begin = blockIdx.y * per;
+    const int w_end = min(words, w_begin + per);
+    // A warp takes 32 mask words at a time (one coalesced read), skips the empty ones
+    // together, and reads each other word's allowed values at once: lane b takes id
+    // w·32 + b.
     const int lane = t & 31;
     BestOf best;
-#pragma unroll 4
-    for (int w = t >> 5; w < words; w += RS_THREADS / 32) {
-        const int i = w * 32 + lane;
-        if (((mask[w] >> lane) & 1u) != 0 && i < vocab) {
-            const float v = row[i];
-            if (v == v) best.see(gumbel ? v * inv_t + gumbel_noise(key, (unsigned int)i) : v, i);
+    for (int w0 = w_begin + (t >> 5) * 32; w0 < w_end; w0 += RS_THREADS) {
+        const unsigned int mine = (w0 + lane < w_end) ? mask[w0 + lane] : 0u;
+        unsigned int busy = __ballot_sync(0xffffffffu, mine != 0u);
+        while (busy != 0u) {
+            const int j = __ffs(busy) - 1;
+            busy &= busy - 1;
+            const unsigned int b = __shfl_sync(0xffffffffu, mine, j);
+            const int i = (w0 + j) * 32 + lane;
+            if (((b >> lane) & 1u) != 0u && i < vocab) {
+                const float v = row[i];
+                if (v == v) best.see(gumbel ? v * inv_t + gumbel_noise(key, (unsigned int)i) : v, i);
+            }
         }
     }
     sv[t] = best.v;
@@ -251,8 +264,40 @@ extern "C" __global__ void masked_draw_kernel(const float* __restrict__ x, int c
     __syncthreads();
     block_argmax(sv, si, t);
     if (t == 0) {
-        const bool found = si[0] >= 0 && sv[0] != NEG_INF;
-        out[2 * blockIdx.x] = found ? (unsigned int)si[0] : 0xffffffffu;
-        out[2 * blockIdx.x + 1] = found ? __float_as_uint(row[si[0]]) : 0x7fc00000u;
+        unsigned int* o = part + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * 2;
+        o[0] = __float_as_uint(sv[0]);
+        o[1] = si[0] < 0 ? 0xffffffffu : (unsigned int)si[0];
+    }
+}
+
+// grid: masked rows; block: 32 (parts ≤ 32).
+// out: [n, 2] = (drawn index or u32::MAX, the row's value there as f32 bits).
+extern "C" __global__ void masked_draw_combine_kernel(const float* __restrict__ x, int cols,
+                                                      const unsigned int* __restrict__ rows,
+                                                      const unsigned int* __restrict__ part,
+                                                      int parts,
+                                                      unsigned int* __restrict__ out) {
+    pdl_enter();
+    const int lane = threadIdx.x;
+    float v = 0.0f;
+    int i = -1;
+    if (lane < parts) {
+        const unsigned int* p = part + ((size_t)blockIdx.x * parts + lane) * 2;
+        v = __uint_as_float(p[0]);
+        i = p[1] == 0xffffffffu ? -1 : (int)p[1];
+    }
+    for (int s = 16; s > 0; s >>= 1) {
+        const float ov = __shfl_down_sync(0xffffffffu, v, s);
+        const int oi = __shfl_down_sync(0xffffffffu, i, s);
+        if (oi >= 0 && (i < 0 || ov > v || (ov == v && oi < i))) {
+            v = ov;
+            i = oi;
+        }
+    }
+    if (lane == 0) {
+        const bool found = i >= 0 && v != NEG_INF;
+        const float* row = x + (size_t)rows[blockIdx.x] * cols;
+        out[2 * blockIdx.x] = found ? (unsigned int)i : 0xffffffffu;
+        out[2 * blockIdx.x + 1] = found ? __float_as_uint(row[i]) : 0x7fc00000u;
     }
 }

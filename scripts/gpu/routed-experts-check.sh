@@ -13,7 +13,8 @@
 # seeded top-p, 24 new tokens, with and without `return_routed_experts` (asking must not
 # change a token: a request that asks runs op by op, the others from CUDA graphs). PASS
 # when the experts (every position of every prompt, every layer) and the tokens and
-# log-probs are identical across the four servers, and a batch's prompt rows equal its
+# log-probs are identical across TP sizes for each routing (device and host are each their
+# own: their experts' GEMMs are different kernels), and a batch's prompt rows equal its
 # prompts' alone.
 # Output in $OUT (default ./routed-experts-check-out): summary.txt, serve-*.log,
 # routes-*.json. Exit 1 if anything failed or timed out.
@@ -75,7 +76,8 @@ serve_down() {
 }
 
 # run_one TP MOE: serves at TP ranks with ARBOR_MOE=MOE and asks; routes-tpTP-MOE.json.
-FILES=()
+DEVICE_FILES=()
+HOST_FILES=()
 run_one() {
     local tp=$1 moe=$2 name="tp$1-$2"
     local log=$OUT/serve-$name.log port=$((20000 + RANDOM % 20000))
@@ -98,8 +100,13 @@ run_one() {
         serve_down
         return 1
     fi
-    step "ask $name" "$log" 240 python3 "$PY" ask "$port" "$MODEL_DIR" "$OUT/routes-$name.json" &&
-        FILES+=("$OUT/routes-$name.json")
+    if step "ask $name" "$log" 240 python3 "$PY" ask "$port" "$MODEL_DIR" "$OUT/routes-$name.json"; then
+        if [[ $moe == device ]]; then
+            DEVICE_FILES+=("$OUT/routes-$name.json")
+        else
+            HOST_FILES+=("$OUT/routes-$name.json")
+        fi
+    fi
     serve_down
 }
 
@@ -108,11 +115,17 @@ for tp in $TPS; do
         run_one "$tp" "$moe"
     done
 done
-if ((${#FILES[@]} > 1)); then
-    python3 "$PY" compare "${FILES[@]}" 2>&1 | tee -a "$SUMMARY"
-else
-    note "FAIL  fewer than two servers answered"
-fi
+# The two routings are compared each with itself across TP sizes: their experts' GEMMs
+# are different kernels (the grouped GEMM, or each expert as a dense MLP), so their logits,
+# and from the first differing token on their routes, are each their own.
+for group in DEVICE_FILES HOST_FILES; do
+    declare -n files=$group
+    if ((${#files[@]} > 1)); then
+        python3 "$PY" compare "${files[@]}" 2>&1 | tee -a "$SUMMARY"
+    else
+        note "FAIL  fewer than two servers of one routing answered (${group%_FILES})"
+    fi
+done
 
 echo
 echo "==================== routed-experts-check ($(elapsed) s) ===================="

@@ -22,7 +22,7 @@ pub struct GpuDevice {
     pub workspace: Workspace,
     /// Streaming multiprocessors: how many CTAs run at once, for launch-size choices.
     pub sms: usize,
-    /// Pinned memory for uploads queued behind running work (staging.rs).
+    /// Uploads copied beside the main stream's queued work (staging.rs).
     pub staging: super::staging::Staging,
     funcs: HashMap<&'static str, CudaFunction>,
 }

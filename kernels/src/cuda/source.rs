@@ -31,6 +31,7 @@ pub const KERNELS: &[&str] = &[
     "row_stats_kernel",
     "top_k_select_kernel",
     "masked_draw_kernel",
+    "masked_draw_combine_kernel",
     "copy_cols_kernel",
     "add_row_bias_kernel",
     "add_assign_kernel",

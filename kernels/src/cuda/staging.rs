@@ -1,29 +1,31 @@
-//! A pinned (page-locked) host buffer for uploads made while the stream is busy: a copy
-//! from pageable memory waits for the stream to reach it (the driver stages it in pieces),
-//! so the host would sit out the work queued before it; from pinned memory the copy is
-//! queued and the host goes on.
+//! Uploads made while the stream is busy: written into pinned (page-locked) host memory and
+//! copied on a side stream, so that the copy runs beside the work queued on the main
+//! stream, which waits for it only where it reads it. (From pageable memory a copy waits
+//! for the stream to reach it, the host with it.)
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::result as dres;
+use cudarc::driver::{result as dres, CudaSlice, CudaStream, DevicePtr};
 
-use crate::cuda::CudaError;
+use crate::cuda::{CudaError, GpuDevice};
 
-/// Page-locked host memory of `words` u32, grown on demand and kept for the device's
-/// lifetime.
-struct Block {
-    ptr: *mut u32,
+/// Page-locked host memory and a device buffer of `words` u32 each, grown on demand and
+/// kept for the device's lifetime, and the side stream that copies one to the other.
+struct Blocks {
+    host: *mut u32,
     words: usize,
+    dev: CudaSlice<u32>,
+    side: Arc<CudaStream>,
 }
 
-// SAFETY: plain host memory; `Staging`'s lock keeps one user at a time, and each use
-// waits for its copy to finish before the lock is let go (see `Staging::lock`).
-unsafe impl Send for Block {}
+// SAFETY: plain host memory; `Staging`'s lock keeps one user at a time, and each use waits
+// for the work that reads the memory before the lock is let go (see `Staged`).
+unsafe impl Send for Blocks {}
 
-impl Drop for Block {
+impl Drop for Blocks {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc in `Staging::lock` and freed once.
-        if let Err(e) = unsafe { dres::free_host(self.ptr.cast()) } {
+        // SAFETY: allocated by cuMemHostAlloc in `stage_beside` and freed once.
+        if let Err(e) = unsafe { dres::free_host(self.host.cast()) } {
             tracing::warn!(
                 "cuMemFreeHost of {} words of upload staging: {e:?}",
                 self.words
@@ -34,46 +36,76 @@ impl Drop for Block {
 
 /// The device's upload staging (see the module comment).
 #[derive(Default)]
-pub struct Staging(Mutex<Option<Block>>);
+pub struct Staging(Mutex<Option<Blocks>>);
 
-/// `words` u32 of pinned memory, held until dropped.
+/// An upload in flight: its device copy's address, held until dropped. Drop it only after
+/// waiting for the main stream's work that reads it (a synchronous download after it).
 pub struct Staged<'a> {
-    guard: MutexGuard<'a, Option<Block>>,
-    words: usize,
+    _guard: MutexGuard<'a, Option<Blocks>>,
+    pub addr: u64,
 }
 
-impl Staging {
-    /// The buffer with room for `words` u32 (contents undefined). The caller binds the
-    /// device's context to this thread first, and must have waited for every copy it
-    /// queued from the buffer (a synchronous download after it) before dropping it.
-    pub fn lock(&self, ordinal: usize, words: usize) -> Result<Staged<'_>, CudaError> {
-        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+impl GpuDevice {
+    /// `words` u32 written by `fill` (into memory with undefined contents), copied to the
+    /// device on the side stream; the main stream waits for the copy before its next work.
+    pub fn stage_beside(
+        &self,
+        words: usize,
+        fill: impl FnOnce(&mut [u32]),
+    ) -> Result<Staged<'_>, CudaError> {
+        let drv = |what: &str, e: cudarc::driver::DriverError| CudaError::Driver {
+            ordinal: self.ordinal,
+            what: what.to_string(),
+            source: e,
+        };
+        let mut guard = self.staging.0.lock().unwrap_or_else(|e| e.into_inner());
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
         if guard.as_ref().is_none_or(|b| b.words < words) {
-            *guard = None;
+            let side = match guard.take() {
+                Some(b) => b.side.clone(),
+                None => self
+                    .ctx
+                    .new_stream()
+                    .map_err(|e| drv("creating the upload stream", e))?,
+            };
             let grown = words.next_power_of_two().max(1024);
             // SAFETY: a plain allocation of `grown` u32.
-            let ptr =
-                unsafe { dres::malloc_host(grown * 4, 0) }.map_err(|source| CudaError::Driver {
-                    ordinal,
-                    what: format!("cuMemHostAlloc of {} bytes of upload staging", grown * 4),
-                    source,
-                })?;
-            *guard = Some(Block {
-                ptr: ptr.cast(),
+            let host = unsafe { dres::malloc_host(grown * 4, 0) }
+                .map_err(|e| drv("allocating pinned upload staging", e))?;
+            // SAFETY: written by every upload before any read.
+            let dev = unsafe { side.alloc::<u32>(grown) }
+                .map_err(|e| drv("allocating the device's upload staging", e))?;
+            side.synchronize()
+                .map_err(|e| drv("allocating the device's upload staging", e))?;
+            *guard = Some(Blocks {
+                host: host.cast(),
                 words: grown,
+                dev,
+                side,
             });
         }
-        Ok(Staged { guard, words })
-    }
-}
-
-impl Staged<'_> {
-    pub fn as_mut_slice(&mut self) -> &mut [u32] {
-        match self.guard.as_mut() {
-            // SAFETY: the block holds at least `words` u32 (`lock`), and the guard gives
-            // this one user alone access to it.
-            Some(b) => unsafe { std::slice::from_raw_parts_mut(b.ptr, self.words) },
-            None => &mut [],
-        }
+        let b = guard.as_mut().ok_or_else(|| CudaError::Launch {
+            kernel: "upload staging",
+            msg: "no staging after growing it".into(),
+        })?;
+        // SAFETY: the block holds at least `words` u32, and the guard gives this caller
+        // alone access to it; the previous upload's readers were waited for before its
+        // guard was dropped.
+        let host = unsafe { std::slice::from_raw_parts_mut(b.host, words) };
+        fill(host);
+        let addr = b.dev.device_ptr(&b.side).0;
+        // SAFETY: the device block holds `words` u32; the host memory is pinned and stays
+        // unchanged until the guard is dropped.
+        unsafe { dres::memcpy_htod_async(addr, &*host, b.side.cu_stream()) }
+            .map_err(|e| drv("uploading from pinned staging", e))?;
+        self.stream
+            .join(&b.side)
+            .map_err(|e| drv("ordering the main stream after the upload", e))?;
+        Ok(Staged {
+            _guard: guard,
+            addr,
+        })
     }
 }

@@ -8,6 +8,9 @@ use crate::cpu::{MaskedDraw, RowDraw, RowStats};
 use crate::cuda::{CudaError, GpuDevice};
 
 const RS_THREADS: u32 = 512;
+/// Mask words a block of the masked draw takes at most (a 128k vocabulary's 4096 words in
+/// 8 parts).
+const MASK_PART_WORDS: usize = 512;
 /// select.cu's SEL_THREADS and SEL_MAX_K.
 const SEL_THREADS: u32 = 1024;
 pub const TOP_K_MAX: usize = 1024;
@@ -219,37 +222,36 @@ impl GpuDevice {
         }
         // One upload: the parameters (8-byte aligned at the start), the rows, the masks.
         let total = 5 * n + n * words;
-        let mut staged = self.staging.lock(self.ordinal, total)?;
-        let host = staged.as_mut_slice();
-        for (j, p) in masked_draw_params(draws).into_iter().enumerate() {
-            host[2 * j] = p as u32;
-            host[2 * j + 1] = (p >> 32) as u32;
-        }
-        host[4 * n..5 * n].copy_from_slice(rows);
-        let masks = &mut host[5 * n..];
-        masks.fill(0);
-        for (j, m) in masks.chunks_exact_mut(words).enumerate() {
-            fill(j, m);
-        }
-        let up = self.alloc::<u32>(total)?;
-        let s = &self.stream;
-        let base = dev_ptr(&up, s);
-        self.drv("binding the context", self.ctx.bind_to_thread())?;
-        // SAFETY: `up` holds `total` words; the pinned source stays locked (and unchanged)
-        // until the download below has waited for the copy.
-        self.drv("uploading constrained rows' masks", unsafe {
-            cudarc::driver::result::memcpy_htod_async(base, &*host, s.cu_stream())
+        let staged = self.stage_beside(total, |host| {
+            for (j, p) in masked_draw_params(draws).into_iter().enumerate() {
+                host[2 * j] = p as u32;
+                host[2 * j + 1] = (p >> 32) as u32;
+            }
+            host[4 * n..5 * n].copy_from_slice(rows);
+            let masks = &mut host[5 * n..];
+            masks.fill(0);
+            for (j, m) in masks.chunks_exact_mut(words).enumerate() {
+                fill(j, m);
+            }
         })?;
+        let s = &self.stream;
+        let base = staged.addr;
+        // Each row's words in parts of at most MASK_PART_WORDS, one block each: a row alone
+        // would leave most of the GPU idle.
+        let parts = words.div_ceil(MASK_PART_WORDS).clamp(1, 32);
+        let part = self.alloc::<u32>(2 * n * parts)?;
         let out = self.alloc::<u32>(2 * n)?;
         let (p_params, p_rows, p_bits) = (base, base + 16 * n as u64, base + 20 * n as u64);
-        let p_out = dev_ptr(&out, s);
-        let (ci, vi, wi) = (
+        let (p_part, p_out) = (dev_ptr(&part, s), dev_ptr(&out, s));
+        let (ci, vi, wi, pi) = (
             i32_of(K, "cols", cols)?,
             i32_of(K, "vocab", vocab)?,
             i32_of(K, "mask words", words)?,
+            parts as i32,
         );
+        let blocks = i32_of(K, "rows", n)? as u32;
         let cfg = LaunchConfig {
-            grid_dim: (i32_of(K, "rows", n)? as u32, 1, 1),
+            grid_dim: (blocks, parts as u32, 1),
             block_dim: (RS_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -261,11 +263,26 @@ impl GpuDevice {
             .arg(&p_rows)
             .arg(&p_params)
             .arg(&p_bits)
-            .arg(&p_out);
+            .arg(&p_part);
         // SAFETY: `up` holds the parameters, rows and masks at the offsets passed, every
-        // row index is inside `x` (checked above), `out` holds 2 words a row; both stay
-        // alive until the download below has waited for the kernel.
+        // row index is inside `x` (checked above), `part` holds 2 words per row and part;
+        // all stay alive until the download below has waited for the kernels.
         self.launched(K, unsafe { b.launch(cfg) })?;
+        const C: &str = "masked_draw_combine_kernel";
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.launch(self.func(C)?);
+        b.arg(x)
+            .arg(&ci)
+            .arg(&p_rows)
+            .arg(&p_part)
+            .arg(&pi)
+            .arg(&p_out);
+        // SAFETY: as above; `out` holds 2 words a row.
+        self.launched(C, unsafe { b.launch(cfg) })?;
         let got = self.download("downloading constrained rows' draws", &out, 2 * n)?;
         drop(staged);
         Ok(got
