@@ -404,7 +404,7 @@ fn specs(arch: Arch, s: &Shape) -> Vec<Spec> {
             Some(m) => {
                 // The router's logits are spread like a linear layer's; the experts are
                 // the dense MLP's shape at their own width.
-                let (block, [gate, up, down]) = crate::layers::checkpoint_names(arch);
+                let (block, [gate, up, down]) = crate::config::checkpoint_names(arch);
                 t(
                     format!("{p}.{block}.gate.weight"),
                     vec![m.experts, h],

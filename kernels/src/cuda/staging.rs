@@ -5,9 +5,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{result as dres, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result as dres, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
-use crate::cuda::{CudaError, GpuDevice};
+use crate::cuda::CudaError;
 
 /// Page-locked host memory and a device buffer of `words` u32 each, grown on demand and
 /// kept for the device's lifetime, and the side stream that copies one to the other.
@@ -24,7 +24,7 @@ unsafe impl Send for Blocks {}
 
 impl Drop for Blocks {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc in `stage_beside` and freed once.
+        // SAFETY: allocated by cuMemHostAlloc in `Staging::stage` and freed once.
         if let Err(e) = unsafe { dres::free_host(self.host.cast()) } {
             tracing::warn!(
                 "cuMemFreeHost of {} words of upload staging: {e:?}",
@@ -45,28 +45,30 @@ pub struct Staged<'a> {
     pub addr: u64,
 }
 
-impl GpuDevice {
+impl Staging {
     /// `words` u32 written by `fill` (into memory with undefined contents), copied to the
-    /// device on the side stream; the main stream waits for the copy before its next work.
-    pub fn stage_beside(
+    /// device on the side stream; `main` (a stream of `ctx`, device `ordinal`) waits for
+    /// the copy before its next work (`GpuDevice::stage_beside`).
+    pub fn stage(
         &self,
+        ctx: &Arc<CudaContext>,
+        main: &CudaStream,
+        ordinal: usize,
         words: usize,
         fill: impl FnOnce(&mut [u32]),
     ) -> Result<Staged<'_>, CudaError> {
         let drv = |what: &str, e: cudarc::driver::DriverError| CudaError::Driver {
-            ordinal: self.ordinal,
+            ordinal,
             what: what.to_string(),
             source: e,
         };
-        let mut guard = self.staging.0.lock().unwrap_or_else(|e| e.into_inner());
-        self.ctx
-            .bind_to_thread()
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        ctx.bind_to_thread()
             .map_err(|e| drv("binding the context", e))?;
         if guard.as_ref().is_none_or(|b| b.words < words) {
             let side = match guard.take() {
                 Some(b) => b.side.clone(),
-                None => self
-                    .ctx
+                None => ctx
                     .new_stream()
                     .map_err(|e| drv("creating the upload stream", e))?,
             };
@@ -100,8 +102,7 @@ impl GpuDevice {
         // unchanged until the guard is dropped.
         unsafe { dres::memcpy_htod_async(addr, &*host, b.side.cu_stream()) }
             .map_err(|e| drv("uploading from pinned staging", e))?;
-        self.stream
-            .join(&b.side)
+        main.join(&b.side)
             .map_err(|e| drv("ordering the main stream after the upload", e))?;
         Ok(Staged {
             _guard: guard,

@@ -20,7 +20,7 @@ use serde_json::{Map, Value};
 use crate::error::{MResult, ModelError};
 
 pub use keys::ALLOW_ENV;
-pub use moe::MoeConfig;
+pub use moe::{checkpoint_names, MoeConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {

@@ -157,3 +157,12 @@ fn mlp_only_layers(r: &Reader, num_layers: usize) -> MResult<Vec<usize>> {
         )),
     }
 }
+
+/// How `arch`'s checkpoints name a layer's experts: the block under `model.layers.N`
+/// (whose `gate` is the router) and each expert's gate, up and down projections.
+pub fn checkpoint_names(arch: Arch) -> (&'static str, [&'static str; 3]) {
+    match arch {
+        Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    }
+}

@@ -11,9 +11,9 @@ use half::bf16;
 use super::config::GgufArch;
 use super::dequant::{self, GgmlType};
 use super::reader::{GgufFile, TensorInfo};
+use crate::config::checkpoint_names;
 use crate::config::Arch;
 use crate::error::{MResult, ModelError};
-use crate::layers::checkpoint_names;
 
 /// How one HF tensor is found in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,7 +9,7 @@ mod vocab;
 
 pub use column::{ColumnParallelLinear, ColumnPart};
 pub use gate_up::GateUpLinear;
-pub use moe::{checkpoint_names, route, MoeBlock, Route};
+pub use moe::{route, MoeBlock, Route};
 pub use row::RowParallelLinear;
 pub use vocab::{Embedding, VocabParallelHead};
 

@@ -18,7 +18,7 @@
 
 use super::{ColumnParallelLinear, ColumnPart, GateUpLinear, LoadCtx, RowParallelLinear};
 use crate::backend::{BResult, Backend, BackendError, MoeSpec};
-use crate::config::{Arch, MoeConfig};
+use crate::config::{checkpoint_names, Arch, MoeConfig};
 use crate::error::MResult;
 
 struct Expert<B: Backend> {
@@ -62,15 +62,6 @@ pub fn route(logits: &[f32], top_k: usize, norm: bool) -> Route {
             .zip(probs)
             .map(|(e, p)| (e, if norm { p / chosen } else { p }))
             .collect(),
-    }
-}
-
-/// How `arch`'s checkpoints name a layer's experts: the block under `model.layers.N`
-/// (whose `gate` is the router) and each expert's gate, up and down projections.
-pub fn checkpoint_names(arch: Arch) -> (&'static str, [&'static str; 3]) {
-    match arch {
-        Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     }
 }
 
@@ -244,8 +235,9 @@ impl<B: Backend> MoeBlock<B> {
 mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::checkpoint::Checkpoint;
+    use crate::config::ModelConfig;
     use crate::synth::{make_model, Preset, SynthOptions};
+    use crate::weights::WeightStore;
 
     /// The experts a forward reports are `route()` of the router's logits for each row,
     /// in expert order, and asking for them changes no bit of the output.
@@ -254,17 +246,20 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("arbor-moe-routed-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         make_model(&SynthOptions::new(Arch::Qwen3Moe, Preset::Tiny, 5, &dir)).unwrap();
-        let ck = Checkpoint::open(&dir).unwrap();
+        let (config, weights) = (
+            ModelConfig::from_dir(&dir).unwrap(),
+            WeightStore::open(&dir).unwrap(),
+        );
         let _ = std::fs::remove_dir_all(&dir);
         let b = CpuBackend::new(std::sync::Arc::new(arbor_collective::SingleComm));
         let ctx = LoadCtx {
             backend: &b,
-            store: &ck.weights,
+            store: &weights,
             rank: 0,
             tp: 1,
             row_tp: 1,
         };
-        let cfg = &ck.config;
+        let cfg = &config;
         let moe = cfg.moe.as_ref().unwrap();
         let layer = moe.sparse_layers.iter().position(|&s| s).unwrap();
         let block = MoeBlock::load(

@@ -4,6 +4,7 @@ use cudarc::driver::DeviceRepr;
 
 use super::{check, DevBf16, DevF32, DevU32};
 use crate::cuda::buf::DevBuf;
+use crate::cuda::staging::Staged;
 use crate::cuda::{CudaError, GpuDevice};
 
 impl GpuDevice {
@@ -30,6 +31,18 @@ impl GpuDevice {
 
     pub fn upload_u32(&self, data: &[u32]) -> Result<DevU32, CudaError> {
         self.upload("uploading u32 data", data)
+    }
+
+    /// `words` u32 written by `fill` (into memory with undefined contents) and copied to
+    /// the device beside the work queued on the stream, which waits for the copy before
+    /// its next work (staging.rs): for uploads made while the device is busy.
+    pub fn stage_beside(
+        &self,
+        words: usize,
+        fill: impl FnOnce(&mut [u32]),
+    ) -> Result<Staged<'_>, CudaError> {
+        self.staging
+            .stage(&self.ctx, &self.stream, self.ordinal, words, fill)
     }
 
     /// Overwrites the device memory at `dst` with `data` (stream-ordered).
