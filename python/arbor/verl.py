@@ -24,6 +24,7 @@ through torch only when weights are pushed.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -85,6 +86,23 @@ def _stop_reason(finish: Any) -> str | None:
     return kind
 
 
+def _routed_experts(encoded: Any, shape: tuple[int, int], request_id: str) -> Any:
+    """`meta_info.routed_experts` (base64 of little-endian int32, SGLang's encoding) as an
+    int32 array of shape [rows, layers, top_k]."""
+    import numpy as np
+
+    if not isinstance(encoded, str):
+        raise RuntimeError(f"request {request_id}: the server sent no routed experts")
+    flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+    layers, top_k = shape
+    if flat.size % (layers * top_k) != 0:
+        raise RuntimeError(
+            f"request {request_id}: {flat.size} routed experts are not rows of "
+            f"{layers} layers x {top_k} experts"
+        )
+    return flat.astype(np.int32).reshape(-1, layers, top_k)
+
+
 class ArborHttpServer:
     """verl's rollout server (the interface of `SGLangHttpServer` / `vLLMHttpServer`) on
     top of `arbor serve`.
@@ -94,6 +112,12 @@ class ArborHttpServer:
     (`max_model_len`, `prompt_length`, `response_length`) and set the default number of
     new tokens as verl's servers do; `rollout_mode` and `free_cache_engine` decide what
     `sleep` / `wake_up` release and resume, as in verl's SGLang server.
+
+    `routed_experts` = (num_hidden_layers, num_experts_per_tok) turns on verl's routing
+    replay (`RolloutConfig.enable_rollout_routing_replay`): every `generate` asks for the
+    experts each token was routed to and returns them in `TokenOutput.routed_experts` as
+    verl's SGLang server does, an int32 array of shape [prompt + output - 1, layers,
+    top_k] (SGLang's `extract_routed_experts_from_meta_info`, reshaped).
     """
 
     def __init__(
@@ -113,6 +137,7 @@ class ArborHttpServer:
         prompt_length: int | None = None,
         response_length: int | None = None,
         request_timeout: float | None = None,
+        routed_experts: tuple[int, int] | None = None,
     ) -> None:
         if (address is None) == (model is None):
             raise ValueError("give either the address of a running arbor serve or a model to serve")
@@ -136,6 +161,7 @@ class ArborHttpServer:
         self.prompt_length = prompt_length
         self.response_length = response_length
         self.request_timeout = request_timeout
+        self.routed_experts = routed_experts
         self.process: ArborProcess | None = None
         self.global_steps: int | None = None
         self._reject = False
@@ -155,6 +181,18 @@ class ArborHttpServer:
             args += ["--max-num-seqs", str(config.max_num_seqs)]
         if getattr(config, "max_model_len", None):
             args += ["--max-seq-len", str(config.max_model_len)]
+        routed = None
+        if getattr(config, "enable_rollout_routing_replay", False):
+            hf = getattr(model_config, "hf_config", None)
+            layers = getattr(hf, "num_hidden_layers", None)
+            top_k = getattr(hf, "num_experts_per_tok", None)
+            if layers is None or top_k is None:
+                raise AttributeError(
+                    "enable_rollout_routing_replay is set, but hf_config is missing "
+                    "'num_hidden_layers' or 'num_experts_per_tok': routing replay needs a "
+                    "mixture-of-experts model"
+                )
+            routed = (int(layers), int(top_k))
         return cls(
             model=model_config.local_path,
             tp=tp,
@@ -164,6 +202,7 @@ class ArborHttpServer:
             max_model_len=getattr(config, "max_model_len", None),
             prompt_length=getattr(config, "prompt_length", None),
             response_length=getattr(config, "response_length", None),
+            routed_experts=routed,
             **kw,
         )
 
@@ -281,6 +320,8 @@ class ArborHttpServer:
             "sampling_params": sp,
             "return_logprob": return_logprob,
         }
+        if self.routed_experts is not None:
+            body["return_routed_experts"] = True
         out = await self.client.call("/generate", body, timeout=self.request_timeout)
         meta = out.get("meta_info", {})
         token_ids = [int(t) for t in out.get("output_ids", [])]
@@ -292,9 +333,13 @@ class ArborHttpServer:
                     f"request {request_id}: {len(log_probs)} log-probs for {len(token_ids)} tokens"
                 )
         finish = meta.get("finish_reason")
+        routed = None
+        if self.routed_experts is not None:
+            routed = _routed_experts(meta.get("routed_experts"), self.routed_experts, request_id)
         return TokenOutput(
             token_ids=token_ids,
             log_probs=log_probs,
+            routed_experts=routed,
             stop_reason=_stop_reason(finish),
             extra_fields={
                 "global_steps": self.global_steps,

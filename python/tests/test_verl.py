@@ -379,3 +379,58 @@ def test_chunked_bodies_are_read_whole() -> None:
     from arbor._serve import _dechunk
 
     assert _dechunk(b"4\r\nWiki\r\n6;x=y\r\npedia \r\n0\r\n\r\n") == b"Wikipedia "
+
+
+@pytest.fixture(scope="module")
+def routed_server(cli: Cli, moe: dict[str, Path]):
+    """A tiny Qwen3-MoE (layer 0 dense) served for verl's routing replay."""
+    config = json.loads((moe["qwen3_moe"] / "config.json").read_text())
+    s = ArborHttpServer(
+        model=moe["qwen3_moe"],
+        tp=1,
+        arbor_bin=cli.arbor,
+        launch_bin=cli.launch,
+        response_length=RESPONSE_LENGTH,
+        routed_experts=(config["num_hidden_layers"], config["num_experts_per_tok"]),
+    )
+    asyncio.run(s.launch_server())
+    yield s, config
+    s.shutdown()
+
+
+def test_routing_replay_returns_each_tokens_experts(routed_server) -> None:
+    """verl's `enable_rollout_routing_replay` (sglang_rollout/async_sglang_server.py:
+    `return_routed_experts` on the request, `routed_experts` reshaped to [-1, layers,
+    top_k] in the `TokenOutput`): a row per fed token (prompt + output - 1), the dense
+    layer 0 all zeros, each sparse layer's experts distinct and in range; asking changes
+    no token."""
+    s, config = routed_server
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    outs = asyncio.run(rollouts(s, agent_loop_params()))
+    for prompt, o in zip(PROMPTS, outs, strict=True):
+        r = o.routed_experts
+        assert r.dtype.name == "int32"
+        assert r.shape == (len(prompt) + len(o.token_ids) - 1, layers, top_k), prompt
+        assert (r[:, 0, :] == 0).all(), "layer 0 is dense"
+        sparse = r[:, 1:, :]
+        assert ((sparse >= 0) & (sparse < config["num_experts"])).all()
+        assert all(len(set(row)) == top_k for row in sparse.reshape(-1, top_k).tolist())
+        ref = completions(s.address, prompt, RESPONSE_LENGTH, o.extra_fields["sampling_seed"])
+        assert o.token_ids == ref["token_ids"], prompt
+        assert f32_bits(o.log_probs) == f32_bits(ref["logprobs"]["token_logprobs"]), prompt
+
+
+def test_routing_replay_from_verls_config_needs_an_moe_config() -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        tensor_model_parallel_size=1, enable_rollout_routing_replay=True, max_model_len=None
+    )
+    dense = SimpleNamespace(local_path="/m", hf_config=SimpleNamespace(num_hidden_layers=2))
+    with pytest.raises(AttributeError, match="num_experts_per_tok"):
+        ArborHttpServer.from_verl_config(config, dense, "colocated")
+    moe_config = SimpleNamespace(
+        local_path="/m", hf_config=SimpleNamespace(num_hidden_layers=4, num_experts_per_tok=2)
+    )
+    s = ArborHttpServer.from_verl_config(config, moe_config, "colocated")
+    assert s.routed_experts == (4, 2)
