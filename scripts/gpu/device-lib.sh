@@ -10,6 +10,11 @@ export NCCL_NVLS_ENABLE=0
 export RUST_LOG=${RUST_LOG:-warn}
 
 elapsed() { echo $(($(date +%s) - T0)); }
+# A loopback port nothing holds now (the kernel's choice): a random one in 20000-40000
+# could be one of the ephemeral ports the ranks' own connections took.
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 # step NAME LOG TIMEOUT CMD... : runs CMD with a time limit, output appended to LOG; a step

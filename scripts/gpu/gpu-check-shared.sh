@@ -46,7 +46,8 @@ serve_under_load() {
         note "SKIP  serve TP=$tp (time budget spent at $(elapsed) s)"
         return
     fi
-    local port=$((20000 + RANDOM % 20000))
+    local port
+    port=$(free_port)
     local vocab
     vocab=$(grep -o '"vocab_size": *[0-9]*' "$TINY/config.json" | grep -o '[0-9]*$')
     echo "=== serve TP=$tp on port $port ($(date -u +%T))" >>"$log"

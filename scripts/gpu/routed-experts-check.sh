@@ -80,7 +80,8 @@ DEVICE_FILES=()
 HOST_FILES=()
 run_one() {
     local tp=$1 moe=$2 name="tp$1-$2"
-    local log=$OUT/serve-$name.log port=$((20000 + RANDOM % 20000))
+    local log=$OUT/serve-$name.log port
+    port=$(free_port)
     echo "=== serve $name on port $port ($(date -u +%T))" >>"$log"
     ARBOR_MOE=$moe "$LAUNCH" -n "$tp" -- "$ARBOR" serve --model "$MODEL_DIR" --device "$DEVICE" \
         --host 127.0.0.1 --port "$port" --max-num-seqs 8 --max-seq-len 512 >>"$log" 2>&1 &

@@ -117,7 +117,7 @@ EOF
 # prompt (the template writes the tools into it) is ~760 tokens of the byte-level encoding.
 serve_up() {
     local tp=$1 log=$2
-    PORT=$((20000 + RANDOM % 20000))
+    PORT=$(free_port)
     echo "=== serve TP=$tp on port $PORT ($(date -u +%T))" >>"$log"
     "$LAUNCH" -n "$tp" -- "$ARBOR" serve --model "$MODEL_DIR" --device "$DEVICE" \
         --host 127.0.0.1 --port "$PORT" --max-num-seqs "$STREAMS" --kv-blocks $((STREAMS * 20)) \
