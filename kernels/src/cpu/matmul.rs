@@ -491,8 +491,10 @@ fn chunks_portable<const R: usize, const C: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    //! The leaf's full chunks with explicit vectors: `_mm*_mul_ps` then `_mm*_add_ps`
-    //! (never FMA), lane l of a vector = lane l of the leaf.
+    //! The leaf with explicit vectors: `_mm*_mul_ps` then `_mm*_add_ps` (never FMA), lane l
+    //! of a vector = lane l of the leaf. `chunks_*` give the full chunks' lanes to the
+    //! scalar tail of `tile_unfused`; `tile_*` also run the tail (masked) and both trees in
+    //! registers.
     // Index loops over the const tile sizes unroll fully and keep vectors in registers.
     #![allow(clippy::needless_range_loop)]
     use std::arch::x86_64::*;
