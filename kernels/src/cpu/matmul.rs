@@ -67,9 +67,51 @@ pub fn tree_matmul(x: &[bf16], w: &[bf16], shape: TreeMatmul, out: &mut [f32]) {
 /// [`tree_matmul`] on an explicit number of threads (benchmarks; the result does not
 /// depend on it).
 pub fn tree_matmul_on(x: &[bf16], w: &[bf16], shape: TreeMatmul, out: &mut [f32], threads: usize) {
-    tree_matmul_blocked(x, w, shape, out, threads, BLOCKING, Isa::detect());
+    tree_matmul_blocked(
+        x,
+        w,
+        shape,
+        out,
+        threads,
+        BLOCKING,
+        Isa::detect(),
+        Kernel::Fused,
+    );
 }
 
+/// [`tree_matmul_on`] with the earlier kernel: SIMD only for a segment's full 16-element
+/// chunks, the segment's tail, the lane tree and the segment tree in scalar code. The same
+/// bits (tested); kept as the benchmark's baseline and the tests' second opinion.
+pub fn tree_matmul_unfused_on(
+    x: &[bf16],
+    w: &[bf16],
+    shape: TreeMatmul,
+    out: &mut [f32],
+    threads: usize,
+) {
+    tree_matmul_blocked(
+        x,
+        w,
+        shape,
+        out,
+        threads,
+        BLOCKING,
+        Isa::detect(),
+        Kernel::Unfused,
+    );
+}
+
+/// How much of an output tile runs in vector registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// Chunks, the masked segment tail, the lane tree and the segment tree all in vectors
+    /// (AVX2/AVX-512; `Isa::Portable` has no vectors and runs `Unfused`).
+    Fused,
+    /// Vectors for the full chunks only, the rest scalar.
+    Unfused,
+}
+
+#[allow(clippy::too_many_arguments)] // tests vary every one of them
 pub(crate) fn tree_matmul_blocked(
     x: &[bf16],
     w: &[bf16],
@@ -78,6 +120,7 @@ pub(crate) fn tree_matmul_blocked(
     threads: usize,
     blocking: Blocking,
     isa: Isa,
+    kernel: Kernel,
 ) {
     check_shape(x, w, shape, out);
     let TreeMatmul {
@@ -98,6 +141,7 @@ pub(crate) fn tree_matmul_blocked(
         seg_len,
         n_seg,
         isa,
+        kernel,
     };
     run_blocked(m, n, out, threads, blocking, |rows, cols, o, ld, origin| {
         tree_block(&p, rows, cols, o, ld, origin)
@@ -247,6 +291,7 @@ struct Problem<'a> {
     seg_len: usize,
     n_seg: usize,
     isa: Isa,
+    kernel: Kernel,
 }
 
 /// Which implementation of the leaf's inner loop runs. They differ only in how many lanes
@@ -265,7 +310,7 @@ impl Isa {
     pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if avx512_usable() {
                 return Isa::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -284,12 +329,21 @@ impl Isa {
             if std::arch::is_x86_feature_detected!("avx2") {
                 v.push(Isa::Avx2);
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if avx512_usable() {
                 v.push(Isa::Avx512);
             }
         }
         v
     }
+}
+
+/// The AVX-512 kernel's masked 16-bit loads (the segment tail's weights) need BW and VL
+/// besides F; every AVX-512 CPU but the Xeon Phi has them.
+#[cfg(target_arch = "x86_64")]
+fn avx512_usable() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
 fn tree_block(
@@ -348,13 +402,40 @@ fn store<const R: usize, const C: usize>(out: &mut [f32], at: usize, ld: usize, 
 type Acc<const R: usize, const C: usize> = [[[f32; LANES]; C]; R];
 
 /// The subtree roots of rows `r0..r0+R` × columns `c0..c0+C`.
-#[allow(clippy::needless_range_loop)] // s also names the segment's columns
+#[inline(always)]
 fn tile<const R: usize, const C: usize>(p: &Problem, r0: usize, c0: usize) -> [[f32; C]; R] {
+    match (p.kernel, p.isa) {
+        // SAFETY: the variant was chosen by `Isa::detect`/`all_available`, so the CPU has
+        // the feature.
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Fused, Isa::Avx512) if R * C <= 16 => unsafe {
+            x86::tile_avx512::<R, C>(p, r0, c0)
+        },
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Fused, Isa::Avx2) if R * C <= 4 => unsafe { x86::tile_avx2::<R, C>(p, r0, c0) },
+        _ => tile_unfused::<R, C>(p, r0, c0),
+    }
+}
+
+/// Columns `[lo, hi)` of local segment `s` (empty past the shard's `k`).
+#[inline(always)]
+fn segment_range(p: &Problem, s: usize) -> (usize, usize) {
+    let lo = (s * p.seg_len).min(p.k);
+    let hi = ((s + 1) * p.seg_len).min(p.k);
+    (lo, hi)
+}
+
+/// [`tile`] with vectors for the full chunks only.
+#[allow(clippy::needless_range_loop)] // s also names the segment's columns
+fn tile_unfused<const R: usize, const C: usize>(
+    p: &Problem,
+    r0: usize,
+    c0: usize,
+) -> [[f32; C]; R] {
     let k = p.k;
     let mut seg_sums = [[[0.0f32; SEGMENTS]; C]; R];
     for s in 0..p.n_seg {
-        let lo = (s * p.seg_len).min(k);
-        let hi = ((s + 1) * p.seg_len).min(k);
+        let (lo, hi) = segment_range(p, s);
         let xs: [&[f32]; R] = std::array::from_fn(|i| &p.xf[(r0 + i) * k + lo..(r0 + i) * k + hi]);
         let ws: [&[bf16]; C] = std::array::from_fn(|j| &p.w[(c0 + j) * k + lo..(c0 + j) * k + hi]);
         let chunks = (hi - lo) / LANES;
@@ -410,15 +491,17 @@ fn chunks_portable<const R: usize, const C: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    //! The leaf's full chunks with explicit vectors: `_mm*_mul_ps` then `_mm*_add_ps`
-    //! (never FMA), lane l of a vector = lane l of the leaf.
+    //! The leaf with explicit vectors: `_mm*_mul_ps` then `_mm*_add_ps` (never FMA), lane l
+    //! of a vector = lane l of the leaf. `chunks_*` give the full chunks' lanes to the
+    //! scalar tail of `tile_unfused`; `tile_*` also run the tail (masked) and both trees in
+    //! registers.
     // Index loops over the const tile sizes unroll fully and keep vectors in registers.
     #![allow(clippy::needless_range_loop)]
     use std::arch::x86_64::*;
 
     use half::bf16;
 
-    use super::{Acc, LANES};
+    use super::{segment_range, Acc, Problem, LANES};
 
     fn check<const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[bf16]; C], chunks: usize) {
         let need = chunks * LANES;
@@ -436,24 +519,8 @@ mod x86 {
         ws: &[&[bf16]; C],
         chunks: usize,
     ) -> Acc<R, C> {
-        check(xs, ws, chunks);
-        let mut a = [[_mm512_setzero_ps(); C]; R];
-        let mut wv = [_mm512_setzero_ps(); C];
-        for ch in 0..chunks {
-            let i0 = ch * LANES;
-            for j in 0..C {
-                // SAFETY: `check` guarantees i0 + 16 ≤ len.
-                let raw = unsafe { _mm256_loadu_si256(ws[j].as_ptr().add(i0).cast()) };
-                wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
-            }
-            for i in 0..R {
-                // SAFETY: as above.
-                let xv = unsafe { _mm512_loadu_ps(xs[i].as_ptr().add(i0)) };
-                for j in 0..C {
-                    a[i][j] = _mm512_add_ps(a[i][j], _mm512_mul_ps(xv, wv[j]));
-                }
-            }
-        }
+        // SAFETY: the caller's promise, passed on.
+        let a = unsafe { chunks_avx512_regs::<R, C>(xs, ws, chunks) };
         let mut acc = [[[0.0f32; LANES]; C]; R];
         for i in 0..R {
             for j in 0..C {
@@ -472,8 +539,293 @@ mod x86 {
         ws: &[&[bf16]; C],
         chunks: usize,
     ) -> Acc<R, C> {
+        // SAFETY: the caller's promise, passed on.
+        let a = unsafe { chunks_avx2_regs::<R, C>(xs, ws, chunks) };
+        let mut acc = [[[0.0f32; LANES]; C]; R];
+        for i in 0..R {
+            for j in 0..C {
+                for h in 0..2 {
+                    // SAFETY: acc[i][j] holds 16 f32.
+                    unsafe { _mm256_storeu_ps(acc[i][j].as_mut_ptr().add(8 * h), a[i][j][h]) };
+                }
+            }
+        }
+        acc
+    }
+
+    /// Elements `i0..i0 + t` of `w` as f32 in lanes `0..t` (a segment's tail), zeros above.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL; `w` holds at least `i0 + t` elements, `t ≤ 16`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn tail_w_avx512(w: &[bf16], i0: usize, mask: __mmask16) -> __m512 {
+        // SAFETY: the masked load touches only the lanes below `t`, inside the slice.
+        let raw = unsafe { _mm256_maskz_loadu_epi16(mask, w.as_ptr().add(i0).cast()) };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+    }
+
+    /// Pairwise sums of neighbouring lanes of `a` and `b` per 128-bit block,
+    /// `[a0+a1, a2+a3, b0+b1, b2+b3]`: the even element is always the left operand, as in
+    /// `lanes_tree`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn pairs512(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(a, b),
+            _mm512_shuffle_ps::<0xDD>(a, b),
+        )
+    }
+
+    /// The same one level up: neighbouring 128-bit blocks,
+    /// `[a.b0+a.b1, a.b2+a.b3, b.b0+b.b1, b.b2+b.b3]`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn block_pairs512(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        )
+    }
+
+    /// Lane i of the result is `lanes_tree` of `v[i]`, with the very additions of
+    /// `lanes_tree` (levels 1 and 2 inside 128-bit blocks, 3 and 4 across them).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn lane_trees512(v: &[__m512; 16]) -> __m512 {
+        let p: [__m512; 8] = std::array::from_fn(|i| pairs512(v[2 * i], v[2 * i + 1]));
+        // q[i], block b, lane l: lanes 4b..4b+4 of v[4i + l], summed.
+        let q: [__m512; 4] = std::array::from_fn(|i| pairs512(p[2 * i], p[2 * i + 1]));
+        // s[i], block b: lanes 8(b%2)..8(b%2)+8 of v[8i + 4(b/2) + l].
+        let s = [block_pairs512(q[0], q[1]), block_pairs512(q[2], q[3])];
+        block_pairs512(s[0], s[1])
+    }
+
+    /// [`super::tile`] in zmm registers: per segment the full chunks, the tail under a
+    /// lane mask (the masked-off lanes keep their accumulator unchanged), the lane trees
+    /// of all R·C outputs at once, then the segment tree lane by lane.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, BW and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn tile_avx512<const R: usize, const C: usize>(
+        p: &Problem,
+        r0: usize,
+        c0: usize,
+    ) -> [[f32; C]; R] {
+        assert!(
+            R * C <= 16,
+            "tile_avx512: one zmm holds 16 outputs, not {R}×{C}"
+        );
+        let k = p.k;
+        let mut roots = [_mm512_setzero_ps(); 8];
+        for (s, root) in roots.iter_mut().enumerate().take(p.n_seg) {
+            let (lo, hi) = segment_range(p, s);
+            let xs: [&[f32]; R] =
+                std::array::from_fn(|i| &p.xf[(r0 + i) * k + lo..(r0 + i) * k + hi]);
+            let ws: [&[bf16]; C] =
+                std::array::from_fn(|j| &p.w[(c0 + j) * k + lo..(c0 + j) * k + hi]);
+            let len = hi - lo;
+            let chunks = len / LANES;
+            // SAFETY: AVX-512F is enabled here; every slice holds `len ≥ chunks·16` elements.
+            let mut a = unsafe { chunks_avx512_regs::<R, C>(&xs, &ws, chunks) };
+            let (i0, t) = (chunks * LANES, len % LANES);
+            if t > 0 {
+                let mask: __mmask16 = (1u16 << t) - 1;
+                // SAFETY: every slice holds `i0 + t` elements.
+                let wv: [__m512; C] =
+                    std::array::from_fn(|j| unsafe { tail_w_avx512(ws[j], i0, mask) });
+                for i in 0..R {
+                    // SAFETY: the masked load touches only the first `t` floats from
+                    // `i0`, all inside the slice.
+                    let xv = unsafe { _mm512_maskz_loadu_ps(mask, xs[i].as_ptr().add(i0)) };
+                    for j in 0..C {
+                        a[i][j] =
+                            _mm512_mask_add_ps(a[i][j], mask, a[i][j], _mm512_mul_ps(xv, wv[j]));
+                    }
+                }
+            }
+            let mut v = [_mm512_setzero_ps(); 16];
+            for i in 0..R {
+                for j in 0..C {
+                    v[i * C + j] = a[i][j];
+                }
+            }
+            *root = lane_trees512(&v);
+        }
+        // The segment tree of `tree_sum`, all outputs at once.
+        let mut width = p.n_seg;
+        while width > 1 {
+            for i in 0..width / 2 {
+                roots[i] = _mm512_add_ps(roots[2 * i], roots[2 * i + 1]);
+            }
+            width /= 2;
+        }
+        let mut flat = [0.0f32; 16];
+        // SAFETY: flat holds 16 f32.
+        unsafe { _mm512_storeu_ps(flat.as_mut_ptr(), roots[0]) };
+        std::array::from_fn(|i| std::array::from_fn(|j| flat[i * C + j]))
+    }
+
+    /// The full chunks with the accumulators left in registers.
+    ///
+    /// # Safety
+    /// AVX-512F; every slice holds at least `chunks·16` elements.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn chunks_avx512_regs<const R: usize, const C: usize>(
+        xs: &[&[f32]; R],
+        ws: &[&[bf16]; C],
+        chunks: usize,
+    ) -> [[__m512; C]; R] {
         check(xs, ws, chunks);
-        // Lanes 0..8 in [0], 8..16 in [1].
+        let mut a = [[_mm512_setzero_ps(); C]; R];
+        let mut wv = [_mm512_setzero_ps(); C];
+        for ch in 0..chunks {
+            let i0 = ch * LANES;
+            for j in 0..C {
+                // SAFETY: `check` guarantees i0 + 16 ≤ len.
+                let raw = unsafe { _mm256_loadu_si256(ws[j].as_ptr().add(i0).cast()) };
+                wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+            }
+            for i in 0..R {
+                // SAFETY: as above.
+                let xv = unsafe { _mm512_loadu_ps(xs[i].as_ptr().add(i0)) };
+                for j in 0..C {
+                    a[i][j] = _mm512_add_ps(a[i][j], _mm512_mul_ps(xv, wv[j]));
+                }
+            }
+        }
+        a
+    }
+
+    /// `[a0+a1, a2+a3, b0+b1, b2+b3]` per 128-bit block (see [`pairs512`]).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn pairs256(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(
+            _mm256_shuffle_ps::<0x88>(a, b),
+            _mm256_shuffle_ps::<0xDD>(a, b),
+        )
+    }
+
+    /// Lane i of the result is the 8-lane pairwise tree of `v[i]`:
+    /// `((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7))`, the halves of `lanes_tree`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn half_trees256(v: &[__m256; 8]) -> __m256 {
+        let p: [__m256; 4] = std::array::from_fn(|i| pairs256(v[2 * i], v[2 * i + 1]));
+        let q = [pairs256(p[0], p[1]), pairs256(p[2], p[3])];
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(q[0], q[1]),
+            _mm256_permute2f128_ps::<0x31>(q[0], q[1]),
+        )
+    }
+
+    /// [`tile_avx512`] with pairs of ymm registers (lanes 0..8 and 8..16 of the leaf).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn tile_avx2<const R: usize, const C: usize>(
+        p: &Problem,
+        r0: usize,
+        c0: usize,
+    ) -> [[f32; C]; R] {
+        assert!(
+            R * C <= 4,
+            "tile_avx2: one xmm holds 4 outputs, not {R}×{C}"
+        );
+        let k = p.k;
+        let mut roots = [_mm_setzero_ps(); 8];
+        let lane_idx = [
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
+        ];
+        for (s, root) in roots.iter_mut().enumerate().take(p.n_seg) {
+            let (lo, hi) = segment_range(p, s);
+            let xs: [&[f32]; R] =
+                std::array::from_fn(|i| &p.xf[(r0 + i) * k + lo..(r0 + i) * k + hi]);
+            let ws: [&[bf16]; C] =
+                std::array::from_fn(|j| &p.w[(c0 + j) * k + lo..(c0 + j) * k + hi]);
+            let len = hi - lo;
+            let chunks = len / LANES;
+            // SAFETY: AVX2 is enabled here; every slice holds `len ≥ chunks·16` elements.
+            let mut a = unsafe { chunks_avx2_regs::<R, C>(&xs, &ws, chunks) };
+            let (i0, t) = (chunks * LANES, len % LANES);
+            if t > 0 {
+                let tv = _mm256_set1_epi32(t as i32);
+                let mask = [
+                    _mm256_cmpgt_epi32(tv, lane_idx[0]),
+                    _mm256_cmpgt_epi32(tv, lane_idx[1]),
+                ];
+                let mut wv = [[_mm256_setzero_ps(); 2]; C];
+                for j in 0..C {
+                    // Lanes past `t` are zero and blended away below.
+                    let mut buf = [0u16; LANES];
+                    for (d, v) in buf.iter_mut().zip(&ws[j][i0..i0 + t]) {
+                        *d = v.to_bits();
+                    }
+                    for h in 0..2 {
+                        // SAFETY: buf holds 16 u16.
+                        let raw = unsafe { _mm_loadu_si128(buf.as_ptr().add(8 * h).cast()) };
+                        wv[j][h] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                            _mm256_cvtepu16_epi32(raw),
+                        ));
+                    }
+                }
+                let halves = if t > 8 { 2 } else { 1 };
+                for i in 0..R {
+                    for h in 0..halves {
+                        // SAFETY: the masked load reads only the lanes below `t`, all
+                        // inside the slice.
+                        let xv =
+                            unsafe { _mm256_maskload_ps(xs[i].as_ptr().add(i0 + 8 * h), mask[h]) };
+                        let m = _mm256_castsi256_ps(mask[h]);
+                        for j in 0..C {
+                            let sum = _mm256_add_ps(a[i][j][h], _mm256_mul_ps(xv, wv[j][h]));
+                            a[i][j][h] = _mm256_blendv_ps(a[i][j][h], sum, m);
+                        }
+                    }
+                }
+            }
+            // Low halves of the R·C outputs first, then their high halves.
+            let mut v = [_mm256_setzero_ps(); 8];
+            for i in 0..R {
+                for j in 0..C {
+                    v[i * C + j] = a[i][j][0];
+                    v[4 + i * C + j] = a[i][j][1];
+                }
+            }
+            let h = half_trees256(&v);
+            *root = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        }
+        let mut width = p.n_seg;
+        while width > 1 {
+            for i in 0..width / 2 {
+                roots[i] = _mm_add_ps(roots[2 * i], roots[2 * i + 1]);
+            }
+            width /= 2;
+        }
+        let mut flat = [0.0f32; 4];
+        // SAFETY: flat holds 4 f32.
+        unsafe { _mm_storeu_ps(flat.as_mut_ptr(), roots[0]) };
+        std::array::from_fn(|i| std::array::from_fn(|j| flat[i * C + j]))
+    }
+
+    /// The full chunks with the accumulators left in registers (lanes 0..8 in `[0]`,
+    /// 8..16 in `[1]`).
+    ///
+    /// # Safety
+    /// AVX2; every slice holds at least `chunks·16` elements.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn chunks_avx2_regs<const R: usize, const C: usize>(
+        xs: &[&[f32]; R],
+        ws: &[&[bf16]; C],
+        chunks: usize,
+    ) -> [[[__m256; 2]; C]; R] {
+        check(xs, ws, chunks);
         let mut a = [[[_mm256_setzero_ps(); 2]; C]; R];
         let mut wv = [[_mm256_setzero_ps(); 2]; C];
         for ch in 0..chunks {
@@ -496,16 +848,7 @@ mod x86 {
                 }
             }
         }
-        let mut acc = [[[0.0f32; LANES]; C]; R];
-        for i in 0..R {
-            for j in 0..C {
-                for h in 0..2 {
-                    // SAFETY: acc[i][j] holds 16 f32.
-                    unsafe { _mm256_storeu_ps(acc[i][j].as_mut_ptr().add(8 * h), a[i][j][h]) };
-                }
-            }
-        }
-        acc
+        a
     }
 }
 

@@ -52,10 +52,24 @@ fn run_isa(
     b: Blocking,
     isa: Isa,
 ) -> Vec<f32> {
+    run_kernel(x, w, s, threads, b, isa, Kernel::Fused)
+}
+
+fn run_kernel(
+    x: &[bf16],
+    w: &[bf16],
+    s: TreeMatmul,
+    threads: usize,
+    b: Blocking,
+    isa: Isa,
+    kernel: Kernel,
+) -> Vec<f32> {
     let mut out = vec![f32::NAN; s.m * s.n];
-    tree_matmul_blocked(x, w, s, &mut out, threads, b, isa);
+    tree_matmul_blocked(x, w, s, &mut out, threads, b, isa, kernel);
     out
 }
+
+const KERNELS: [Kernel; 2] = [Kernel::Fused, Kernel::Unfused];
 
 const BLOCKINGS: [Blocking; 3] = [
     BLOCKING,
@@ -79,14 +93,16 @@ fn matches_the_specified_procedure_bitwise() {
         let s = TreeMatmul::full(m, n, k);
         let want = spec(&x, &w, s);
         for isa in Isa::all_available() {
-            for b in BLOCKINGS {
-                for threads in [1, 3] {
-                    let got = run_isa(&x, &w, s, threads, b, isa);
-                    assert_eq!(
-                        first_bit_diff(&got, &want),
-                        None,
-                        "m={m} n={n} k={k} threads={threads} blocking={b:?} {isa:?}"
-                    );
+            for kernel in KERNELS {
+                for b in BLOCKINGS {
+                    for threads in [1, 3] {
+                        let got = run_kernel(&x, &w, s, threads, b, isa, kernel);
+                        assert_eq!(
+                            first_bit_diff(&got, &want),
+                            None,
+                            "m={m} n={n} k={k} threads={threads} blocking={b:?} {isa:?} {kernel:?}"
+                        );
+                    }
                 }
             }
         }
@@ -278,4 +294,51 @@ fn rejects_columns_outside_the_segments() {
         n_seg: 2,
     };
     tree_matmul(&[bf16::ONE; 10], &[bf16::ONE; 10], s, &mut out);
+}
+
+/// Shapes around the leaf's edges: segments of 1..=40 columns (0, 1 or 2 full chunks and
+/// every tail length), the last segments short or empty (k not a multiple of 8), shards of
+/// 1, 2, 4 or 8 segments, single rows, and tiles cut at every edge.
+fn leaf_edge_shape() -> impl proptest::strategy::Strategy<Value = (TreeMatmul, u64)> {
+    use proptest::prelude::*;
+    (
+        prop_oneof![Just(1usize), 1usize..=9],
+        1usize..=9,
+        1usize..=40,
+        0usize..8,
+        prop_oneof![Just(8usize), Just(1usize), Just(2usize), Just(4usize)],
+        any::<u64>(),
+    )
+        .prop_map(|(m, n, seg_len, short, n_seg, seed)| {
+            let k = (n_seg * seg_len).saturating_sub(short).max(1);
+            let shape = TreeMatmul {
+                m,
+                n,
+                k,
+                seg_len,
+                n_seg,
+            };
+            (shape, seed)
+        })
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// The vectorised tail, lane tree and segment tree give the bits of the scalar ones
+    /// (and of the written-out definition) on every instruction set this CPU has.
+    #[test]
+    fn fused_kernel_matches_unfused_and_the_definition((s, seed) in leaf_edge_shape()) {
+        let mut rng = Rng::new(seed);
+        let x = rng.bf16_vec(s.m * s.k, 12);
+        let w = rng.bf16_vec(s.n * s.k, 12);
+        let want = spec(&x, &w, s);
+        let b = Blocking { rows: 5, cols: 7 };
+        for isa in Isa::all_available() {
+            let unfused = run_kernel(&x, &w, s, 1, b, isa, Kernel::Unfused);
+            let fused = run_kernel(&x, &w, s, 1, b, isa, Kernel::Fused);
+            proptest::prop_assert_eq!(first_bit_diff(&unfused, &want), None, "unfused {:?} {:?}", isa, s);
+            proptest::prop_assert_eq!(first_bit_diff(&fused, &unfused), None, "fused {:?} {:?}", isa, s);
+        }
+    }
 }

@@ -24,7 +24,9 @@ pub use digest::{digest, DIGEST_CHUNK, DIGEST_GROUP};
 pub use elementwise::{add_assign, add_row_bias, embedding, silu_mul};
 pub use gumbel::{gumbel_argmax, tempered_sum, GumbelDraw, MaskedDraw, RowDraw};
 pub use leaf::{bf16_to_f32, LANES};
-pub use matmul::{plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, TreeMatmul};
+pub use matmul::{
+    plain_matmul, plain_matmul_on, tree_matmul, tree_matmul_on, tree_matmul_unfused_on, TreeMatmul,
+};
 pub use norm::rms_norm;
 pub use rope::{yarn_mscale, Llama3Scaling, RopeError, RopeScaling, RopeTable, YarnScaling};
 pub use softmax::{argmax, log_softmax_at, softmax, RowStats};
