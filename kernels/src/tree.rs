@@ -83,14 +83,25 @@ pub fn tree_sum(vals: &[f32]) -> f32 {
         return combine_pair(tree_sum(a), tree_sum(b));
     }
     buf[..n].copy_from_slice(vals);
-    let mut width = n;
+    pairwise(&mut buf[..n], combine_pair)
+}
+
+/// The fixed pairwise tree over `vals` (a power-of-two count, at least one), in place:
+/// left-to-right pairs at every level, `add(left, right)`. [`tree_sum`]'s tree, for any
+/// value a pair can be added as (the CPU kernels' vector registers hold many outputs'
+/// segment sums at once). Always inlined: inside a kernel compiled for AVX-512 the adds
+/// must stay vector instructions there, not calls (measured: a called version halved the
+/// single-row GEMM's speed).
+#[inline(always)]
+pub fn pairwise<T: Copy>(vals: &mut [T], add: impl Fn(T, T) -> T) -> T {
+    let mut width = vals.len();
     while width > 1 {
         for i in 0..width / 2 {
-            buf[i] = combine_pair(buf[2 * i], buf[2 * i + 1]);
+            vals[i] = add(vals[2 * i], vals[2 * i + 1]);
         }
         width /= 2;
     }
-    buf[0]
+    vals[0]
 }
 
 /// Combine `roots.len()` (a power of two ≤ 8) equally long slices element-wise with the

@@ -10,6 +10,35 @@ export NCCL_NVLS_ENABLE=0
 export RUST_LOG=${RUST_LOG:-warn}
 
 elapsed() { echo $(($(date +%s) - T0)); }
+# wait_up PORT PID: waits until the server PID answers /health on loopback PORT (at most
+# 240 s, and within BUDGET_S) and prints the seconds it took; 1 if PID exited first, 2 if
+# the time ran out.
+wait_up() {
+    local port=$1 pid=$2 i
+    for i in $(seq 1 480); do
+        if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
+            echo $((i / 2))
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || return 1
+        (($(elapsed) > BUDGET_S)) && return 2
+        sleep 0.5
+    done
+    return 2
+}
+
+# stop_pid PID: SIGTERM, up to 30 s to exit, then SIGKILL; reaps it.
+stop_pid() {
+    local pid=$1 i
+    kill -TERM "$pid" 2>/dev/null
+    for i in $(seq 1 60); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+}
+
 # A loopback port nothing holds now (the kernel's choice): a random one in 20000-40000
 # could be one of the ephemeral ports the ranks' own connections took.
 free_port() {

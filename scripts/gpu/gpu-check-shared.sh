@@ -62,14 +62,7 @@ serve_under_load() {
     step "serve TP=$tp: arbor bench serve" "$log" 180 "$ARBOR" bench serve \
         --addr "127.0.0.1:$port" --requests 64 --concurrency 16 --json "$WORK/serve-bench.json"
     grep -h "^distinct outputs per repeated prompt" "$log" | tail -n 1 | tee -a "$SUMMARY"
-    kill -TERM "$spid" 2>/dev/null
-    local i
-    for i in $(seq 1 60); do
-        kill -0 "$spid" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -KILL "$spid" 2>/dev/null
-    wait "$spid" 2>/dev/null
+    stop_pid "$spid"
 }
 
 # ipc_probe: what the one-shot / two-shot IPC kernels do with ranks time-sliced on one GPU

@@ -64,17 +64,6 @@ rm -rf "$MODEL_DIR"
 step "make the model: $MODEL_ARGS" "$OUT/model.log" 300 "$ARBOR" make-model $MODEL_ARGS --out "$MODEL_DIR" ||
     exit 1
 
-serve_down() {
-    kill -TERM "$SERVER_PID" 2>/dev/null
-    local i
-    for i in $(seq 1 60); do
-        kill -0 "$SERVER_PID" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -KILL "$SERVER_PID" 2>/dev/null
-    wait "$SERVER_PID" 2>/dev/null
-}
-
 # run_one TP MOE: serves at TP ranks with ARBOR_MOE=MOE and asks; routes-tpTP-MOE.json.
 DEVICE_FILES=()
 HOST_FILES=()
@@ -86,19 +75,9 @@ run_one() {
     ARBOR_MOE=$moe "$LAUNCH" -n "$tp" -- "$ARBOR" serve --model "$MODEL_DIR" --device "$DEVICE" \
         --host 127.0.0.1 --port "$port" --max-num-seqs 8 --max-seq-len 512 >>"$log" 2>&1 &
     SERVER_PID=$!
-    local i up=0
-    for i in $(seq 1 480); do
-        if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
-            up=1
-            break
-        fi
-        kill -0 "$SERVER_PID" 2>/dev/null || break
-        (($(elapsed) > BUDGET_S)) && break
-        sleep 0.5
-    done
-    if ((up == 0)); then
+    if ! wait_up "$port" "$SERVER_PID" >/dev/null; then
         note "FAIL  serve $name did not come up (see $(basename "$log"))"
-        serve_down
+        stop_pid "$SERVER_PID"
         return 1
     fi
     if step "ask $name" "$log" 240 python3 "$PY" ask "$port" "$MODEL_DIR" "$OUT/routes-$name.json"; then
@@ -108,7 +87,7 @@ run_one() {
             HOST_FILES+=("$OUT/routes-$name.json")
         fi
     fi
-    serve_down
+    stop_pid "$SERVER_PID"
 }
 
 for tp in $TPS; do

@@ -123,34 +123,19 @@ serve_up() {
         --host 127.0.0.1 --port "$PORT" --max-num-seqs "$STREAMS" --kv-blocks $((STREAMS * 20)) \
         --max-seq-len 2048 >>"$log" 2>&1 &
     SERVER_PID=$!
-    local i
-    for i in $(seq 1 480); do
-        if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
-            note "PASS  serve TP=$tp up after $((i / 2)) s"
-            return 0
-        fi
-        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-            note "FAIL  serve TP=$tp exited (see $(basename "$log"))"
-            return 1
-        fi
-        if (($(elapsed) > BUDGET_S)); then
-            break
-        fi
-        sleep 0.5
-    done
+    local secs rc
+    secs=$(wait_up "$PORT" "$SERVER_PID")
+    rc=$?
+    if ((rc == 0)); then
+        note "PASS  serve TP=$tp up after $secs s"
+        return 0
+    elif ((rc == 1)); then
+        note "FAIL  serve TP=$tp exited (see $(basename "$log"))"
+        return 1
+    fi
     note "TIME  serve TP=$tp not up"
-    serve_down
+    stop_pid "$SERVER_PID"
     return 1
-}
-serve_down() {
-    kill -TERM "$SERVER_PID" 2>/dev/null
-    local i
-    for i in $(seq 1 60); do
-        kill -0 "$SERVER_PID" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -KILL "$SERVER_PID" 2>/dev/null
-    wait "$SERVER_PID" 2>/dev/null
 }
 
 # 2. Throughput at TP 1, and the TP 1 bits.
@@ -163,7 +148,7 @@ if serve_up 1 "$LOG"; then
     sed -n '/^decode throughput/,/^\(PASS\|FAIL\) structured/p' "$LOG" | tee -a "$SUMMARY"
     step "constrained requests at TP 1" "$LOG" 120 python3 "$PY" bits --addr "127.0.0.1:$PORT" \
         --tokens "$BITS_TOKENS" --out "$OUT/bits-tp1.json" || FAILED=1
-    serve_down
+    stop_pid "$SERVER_PID"
 else
     FAILED=1
 fi
@@ -177,7 +162,7 @@ for tp in ${TPS//,/ }; do
         step "constrained requests at TP $tp" "$LOG" 180 python3 "$PY" bits \
             --addr "127.0.0.1:$PORT" --tokens "$BITS_TOKENS" --out "$OUT/bits-tp$tp.json" &&
             BITS+=("$OUT/bits-tp$tp.json") || FAILED=1
-        serve_down
+        stop_pid "$SERVER_PID"
     else
         FAILED=1
     fi

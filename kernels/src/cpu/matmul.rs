@@ -502,6 +502,7 @@ mod x86 {
     use half::bf16;
 
     use super::{segment_range, Acc, Problem, LANES};
+    use crate::tree::pairwise;
 
     fn check<const R: usize, const C: usize>(xs: &[&[f32]; R], ws: &[&[bf16]; C], chunks: usize) {
         let need = chunks * LANES;
@@ -654,16 +655,10 @@ mod x86 {
             *root = lane_trees512(&v);
         }
         // The segment tree of `tree_sum`, all outputs at once.
-        let mut width = p.n_seg;
-        while width > 1 {
-            for i in 0..width / 2 {
-                roots[i] = _mm512_add_ps(roots[2 * i], roots[2 * i + 1]);
-            }
-            width /= 2;
-        }
+        let root = pairwise(&mut roots[..p.n_seg], |a, b| _mm512_add_ps(a, b));
         let mut flat = [0.0f32; 16];
         // SAFETY: flat holds 16 f32.
-        unsafe { _mm512_storeu_ps(flat.as_mut_ptr(), roots[0]) };
+        unsafe { _mm512_storeu_ps(flat.as_mut_ptr(), root) };
         std::array::from_fn(|i| std::array::from_fn(|j| flat[i * C + j]))
     }
 
@@ -800,16 +795,10 @@ mod x86 {
             let h = half_trees256(&v);
             *root = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
         }
-        let mut width = p.n_seg;
-        while width > 1 {
-            for i in 0..width / 2 {
-                roots[i] = _mm_add_ps(roots[2 * i], roots[2 * i + 1]);
-            }
-            width /= 2;
-        }
+        let root = pairwise(&mut roots[..p.n_seg], |a, b| _mm_add_ps(a, b));
         let mut flat = [0.0f32; 4];
         // SAFETY: flat holds 4 f32.
-        unsafe { _mm_storeu_ps(flat.as_mut_ptr(), roots[0]) };
+        unsafe { _mm_storeu_ps(flat.as_mut_ptr(), root) };
         std::array::from_fn(|i| std::array::from_fn(|j| flat[i * C + j]))
     }
 

@@ -11,6 +11,16 @@ fn open_err(b: &Builder) -> String {
     e.expect("the file should be refused")
 }
 
+/// Each file is refused with a message holding every one of its words.
+fn assert_refused(cases: Vec<(Builder, &[&str])>) {
+    for (b, words) in cases {
+        let e = open_err(&b);
+        for w in words {
+            assert!(e.contains(w), "{w:?} not in: {e}");
+        }
+    }
+}
+
 fn open_bytes_err(bytes: &[u8]) -> String {
     let p = write_bytes("bytes", bytes);
     let e = GgufModel::open(&p).err().map(|e| e.to_string());
@@ -234,12 +244,7 @@ fn what_arbor_does_not_implement_is_refused_by_name() {
             &["blk.0.ffn_up_exps.weight"],
         ),
     ];
-    for (b, words) in cases {
-        let e = open_err(&b);
-        for w in words {
-            assert!(e.contains(w), "{w:?} not in: {e}");
-        }
-    }
+    assert_refused(cases);
 }
 
 /// A float that is NaN, infinite or out of range is refused by its key, never
@@ -286,12 +291,7 @@ fn bad_metadata_values_are_refused_by_key() {
             &["tokenizer.ggml.eos_token_id", "not a token id"],
         ),
     ];
-    for (b, words) in cases {
-        let e = open_err(&b);
-        for w in words {
-            assert!(e.contains(w), "{w:?} not in: {e}");
-        }
-    }
+    assert_refused(cases);
     // Absent, the base is the default; 0 (llama.cpp's "unset") and 1 scale nothing.
     for b in [
         Builder::llama().remove(BASE),
@@ -426,12 +426,7 @@ fn bad_qwen3moe_files_are_refused_by_name() {
             ],
         ),
     ];
-    for (b, words) in cases {
-        let e = open_err(&b);
-        for w in words {
-            assert!(e.contains(w), "{w:?} not in: {e}");
-        }
-    }
+    assert_refused(cases);
     // A projection's experts missing altogether: the model's load names the tensor.
     let p = Builder::qwen3moe()
         .drop_tensor("blk.0.ffn_down_exps.weight")
@@ -621,12 +616,7 @@ fn bad_mixtral_files_are_refused_by_name() {
             &["blk.0.ffn_up.0.weight", "qwen3moe", "not supported"],
         ),
     ];
-    for (b, words) in cases {
-        let e = open_err(&b);
-        for w in words {
-            assert!(e.contains(w), "{w:?} not in: {e}");
-        }
-    }
+    assert_refused(cases);
     // An expert's tensor missing: the model's load names both forms it may take.
     let p = Builder::mixtral()
         .per_expert("ffn_gate")
