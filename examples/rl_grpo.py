@@ -67,7 +67,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save
 
 from arbor.torch import CausalLM, reference
 
@@ -126,6 +125,9 @@ class HttpPush:
         self.addr, self.part_bytes = addr, part_bytes
 
     def push(self, weights: dict[str, torch.Tensor], version: str) -> None:
+        # Imported here: a GPU run pushes over NCCL and needs no safetensors package.
+        from safetensors.torch import save
+
         parts: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in weights.items():
@@ -326,11 +328,13 @@ class Stats:
     def reduce(self, sums: list[float], lo: float, hi: float) -> tuple[list[float], float, float]:
         if self.world == 1:
             return sums, lo, hi
-        s = torch.tensor(sums, dtype=torch.float64, device=self.dev)
         m = torch.tensor([lo, -hi], dtype=torch.float64, device=self.dev)
-        dist.all_reduce(s, op=dist.ReduceOp.SUM)
         dist.all_reduce(m, op=dist.ReduceOp.MIN)
-        return s.tolist(), float(m[0]), -float(m[1])
+        if sums:
+            s = torch.tensor(sums, dtype=torch.float64, device=self.dev)
+            dist.all_reduce(s, op=dist.ReduceOp.SUM)
+            sums = s.tolist()
+        return sums, float(m[0]), -float(m[1])
 
 
 def parse_args() -> argparse.Namespace:
