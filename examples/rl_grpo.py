@@ -38,11 +38,11 @@ On GPUs (scripts/gpu/rl-grpo-gpu.sh runs both on a random-weight model it makes)
         --device cuda --serve-gpus 2,3 --tp 2
 
 Under torchrun (WORLD_SIZE > 1) the trainer is sharded with FSDP2 (`fully_shard`, bf16
-compute over f32 masters), each rank scores its share of the rollouts, and rank 0 runs the
-server, gathers the full bf16 tensors and pushes them; on CPU the ranks use gloo. A model
+compute over f32 masters), each rank scores its share of the rollouts, the ranks gather the
+full bf16 tensors, and rank 0 runs the server and pushes them; on CPU the ranks use gloo. A model
 without a chat template (what `arbor make-model` writes) gets plain-text prompts through
-/v1/completions. With random weights nothing is learnt and the addition reward stays 0
-(every advantage 0, no gradient): --reward even-ids gives a random model rewards that vary,
+/v1/completions. With random weights nothing is learnt and the addition reward is all but
+always 0 (every advantage 0, no gradient): --reward even-ids gives a random model rewards that vary,
 so that each step moves the weights and each push changes them; what such a run shows is
 the bit-equality of every token and the push loop, not learning.
 """
