@@ -484,6 +484,7 @@ fn session_outputs<B: Backend>(
         max_seq_len: cap.max_seq_len,
         chunk: 64,
         step_tokens: 256,
+        prefill_beside_decode: 256,
         step_outputs: 1024,
         kv_blocks: cap.blocks,
         eos: w.eos_token_ids().to_vec(),

@@ -364,7 +364,8 @@ fn the_prefix_cache_gives_the_bits_of_recomputation() {
 #[test]
 fn outputs_do_not_depend_on_load_tp_or_path() {
     let s = Scratch::new("serve-load");
-    // Small limits so that requests queue for KV, prompts are chunked, and steps mix.
+    // Small limits so that requests queue for KV, prompts are chunked (beside decode rows
+    // at most 5 prompt rows a step), and steps mix.
     let flags = [
         "--max-num-seqs",
         "6",
@@ -374,6 +375,8 @@ fn outputs_do_not_depend_on_load_tp_or_path() {
         "8",
         "--max-num-batched-tokens",
         "24",
+        "--prefill-beside-decode",
+        "5",
         "--max-queue",
         "512",
     ];

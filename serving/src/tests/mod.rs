@@ -34,6 +34,7 @@ fn config() -> ServeConfig {
             max_seq_len: 1024,
             chunk: 64,
             step_tokens: 256,
+            prefill_beside_decode: 256,
             step_outputs: 256,
             kv_blocks: 64,
             eos: vec![0],

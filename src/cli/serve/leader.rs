@@ -30,6 +30,7 @@ pub fn lead(
         max_seq_len: cap.max_seq_len,
         chunk: args.prefill_chunk,
         step_tokens: args.max_num_batched_tokens,
+        prefill_beside_decode: args.prefill_beside_decode,
         step_outputs: super::step_outputs(args),
         kv_blocks: cap.blocks,
         eos: runner.eos_token_ids().to_vec(),

@@ -31,7 +31,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 
 use super::common::{self, DeviceArg, KvArgs, NumericsArg};
-use super::model_api::{self, LoadOptions, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
+use super::model_api::{
+    self, LoadOptions, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS,
+};
 
 /// `--update-memory`.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +90,11 @@ pub struct Args {
     /// Largest prompt chunk one sequence prefills per step.
     #[arg(long, default_value_t = 2048)]
     pub prefill_chunk: usize,
+    /// Most prompt rows a step takes beside decode rows (a step without decode rows takes
+    /// up to --max-num-batched-tokens): every running sequence's next token waits for the
+    /// step's prompt rows, so this bounds inter-token latency while new prompts arrive.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_BESIDE_DECODE)]
+    pub prefill_beside_decode: usize,
     #[command(flatten)]
     pub kv: KvArgs,
     /// Reserve KV for every position a request may use when it is admitted, instead of

@@ -19,8 +19,12 @@ pub const MAX_DRAIN_TIMEOUT_S: f64 = 86_400.0;
 /// The checks that need nothing but the flags; returns where rank 0 listens (`--host`
 /// resolved).
 pub fn check_flags(args: &Args) -> Result<SocketAddr> {
-    if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 || args.prefill_chunk == 0 {
-        bail!("--max-num-seqs, --max-num-batched-tokens and --prefill-chunk must be at least 1");
+    if args.max_num_seqs == 0
+        || args.max_num_batched_tokens == 0
+        || args.prefill_chunk == 0
+        || args.prefill_beside_decode == 0
+    {
+        bail!("--max-num-seqs, --max-num-batched-tokens, --prefill-chunk and --prefill-beside-decode must be at least 1");
     }
     if args.max_queue == 0 || args.max_n == 0 {
         bail!("--max-queue and --max-n must be at least 1");

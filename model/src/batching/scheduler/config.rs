@@ -11,6 +11,11 @@ pub struct SchedulerConfig {
     pub chunk: usize,
     /// Most new tokens (rows) in one step; decode rows are served first.
     pub step_tokens: usize,
+    /// Most prompt rows a step takes when it also has decode rows: a step's time grows
+    /// with its prompt rows, and every decode row in it waits for them, so this bounds
+    /// the inter-token latency while new prompts arrive. A step without decode rows
+    /// takes up to `step_tokens`.
+    pub prefill_beside_decode: usize,
     /// Most rows whose logits one step computes (scoring targets and sampled rows): bounds
     /// the step's logits memory; a scoring prompt's chunk is cut to fit.
     pub step_outputs: usize,
@@ -33,6 +38,9 @@ pub struct SchedulerConfig {
 /// Rows per step of offline `generate` / `score`, and of `arbor serve` by default: prompts
 /// in chunks of at most this many rows (the same bits as whole).
 pub const DEFAULT_STEP_TOKENS: usize = 8192;
+/// Prompt rows per step beside decode rows, in `arbor serve` by default (see
+/// `SchedulerConfig::prefill_beside_decode`).
+pub const DEFAULT_PREFILL_BESIDE_DECODE: usize = 1024;
 /// Logits rows per step by default (see `SchedulerConfig::step_outputs`).
 pub const DEFAULT_STEP_OUTPUTS: usize = 1024;
 
@@ -52,6 +60,7 @@ impl SchedulerConfig {
             max_seq_len,
             chunk: step_tokens,
             step_tokens,
+            prefill_beside_decode: step_tokens,
             step_outputs: DEFAULT_STEP_OUTPUTS,
             kv_blocks,
             eos,

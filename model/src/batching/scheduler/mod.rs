@@ -28,7 +28,9 @@ use std::collections::VecDeque;
 
 use arbor_kernels::paged::{blocks_for, KV_BLOCK};
 
-pub use config::{SchedulerConfig, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS};
+pub use config::{
+    SchedulerConfig, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS,
+};
 pub use request::{Event, FinishReason, SeqId, SeqSpec};
 
 use crate::batching::kv::BlockPool;
@@ -73,12 +75,13 @@ impl Scheduler {
         if cfg.max_running == 0
             || cfg.chunk == 0
             || cfg.step_tokens == 0
+            || cfg.prefill_beside_decode == 0
             || cfg.step_outputs == 0
             || cfg.kv_blocks == 0
         {
             return Err(ModelError::Plan(format!(
-                "scheduler limits must be at least 1: running sequences {}, chunk {}, step tokens {}, step outputs {}, KV blocks {}",
-                cfg.max_running, cfg.chunk, cfg.step_tokens, cfg.step_outputs, cfg.kv_blocks
+                "scheduler limits must be at least 1: running sequences {}, chunk {}, step tokens {}, prefill beside decode {}, step outputs {}, KV blocks {}",
+                cfg.max_running, cfg.chunk, cfg.step_tokens, cfg.prefill_beside_decode, cfg.step_outputs, cfg.kv_blocks
             )));
         }
         Ok(Scheduler {
@@ -315,7 +318,8 @@ impl Scheduler {
 
     /// The next step: decode rows of every sequence that has one (none while a prompt is
     /// prefilling under `prefill_first`), then prefill chunks in admission order, within
-    /// the token and output budgets. Empty when there is nothing to do.
+    /// the token and output budgets (and, beside decode rows, `prefill_beside_decode`
+    /// prompt rows). Empty when there is nothing to do.
     pub fn plan(&mut self) -> StepPlan {
         self.admit();
         if self.cfg.preempt {
@@ -335,6 +339,9 @@ impl Scheduler {
                 rows.push(row);
                 budget -= 1;
             }
+        }
+        if !rows.is_empty() {
+            budget = budget.min(self.cfg.prefill_beside_decode);
         }
         for r in &self.running {
             if budget == 0 {
@@ -565,6 +572,62 @@ mod tests {
         assert!(matches!(ev.last(), Some(Event::Finished { seq, .. }) if *seq == b));
         assert!(s.is_idle());
         assert_eq!(s.kv_blocks().0, 0);
+    }
+
+    #[test]
+    fn prompt_rows_beside_decode_rows_stay_within_their_budget() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            prefill_beside_decode: 2,
+            ..cfg(4, 8, 8, 64)
+        })
+        .unwrap();
+        let a = s.submit(spec(0, 3, 10)).unwrap();
+        let p = s.plan();
+        // No decode row yet: the prompt takes the whole step budget.
+        assert_eq!(p.rows.len(), 1);
+        assert_eq!((p.rows[0].seq, p.rows[0].tokens.len()), (a, 3));
+        s.apply(&p, &run(&p)).unwrap();
+        let b = s.submit(spec(1, 7, 1)).unwrap();
+        let mut prompt_rows: Vec<usize> = Vec::new();
+        while prompt_rows.iter().sum::<usize>() < 7 {
+            let p = s.plan();
+            let decode = p.rows.iter().any(|r| r.seq == a);
+            let fed: usize = p
+                .rows
+                .iter()
+                .filter(|r| r.seq == b)
+                .map(|r| r.tokens.len())
+                .sum();
+            assert!(decode, "a decodes every step while b prefills");
+            prompt_rows.push(fed);
+            s.apply(&p, &run(&p)).unwrap();
+        }
+        // Beside a's decode rows, b's 7 prompt rows come 2 at a time.
+        assert_eq!(prompt_rows, vec![2, 2, 2, 1]);
+    }
+
+    #[test]
+    fn the_prefill_budget_beside_decode_changes_no_token() {
+        let specs: Vec<SeqSpec> = (0..6).map(|k| spec(k, 5 + 7 * k as usize, 9)).collect();
+        let tokens = |beside: usize| {
+            let mut s = Scheduler::new(SchedulerConfig {
+                prefill_beside_decode: beside,
+                ..cfg(4, 16, 32, 64)
+            })
+            .unwrap();
+            for sp in &specs {
+                s.submit(sp.clone()).unwrap();
+            }
+            let (tokens, rows) = drive(&mut s);
+            (tokens, rows.len())
+        };
+        let (whole, whole_rows) = tokens(32);
+        let (small, small_rows) = tokens(3);
+        assert_eq!(small, whole);
+        assert!(
+            small_rows > whole_rows,
+            "a budget of 3 prompt rows beside decode rows cuts the prompts into more chunks ({small_rows} rows vs {whole_rows})"
+        );
     }
 
     /// A constraint whose mask names how many tokens it was told were generated, and

@@ -36,6 +36,7 @@ pub(super) fn cfg(running: usize, chunk: usize, step: usize, blocks: usize) -> S
         max_seq_len: 1024,
         chunk,
         step_tokens: step,
+        prefill_beside_decode: step,
         step_outputs: 1024,
         kv_blocks: blocks,
         eos: vec![2],
