@@ -984,6 +984,26 @@ fn gpu_moe_grouped_paths_give_the_same_bits() {
                 "{tag}: the first {n} rows of a 240-token prefill differ from the {n}-token prefill"
             );
         }
+        // Hopper: every path forced in turn, the wgmma grouped kernel among them, gives the
+        // default choice's bits (forcing cannot change another test's bits, only its speed).
+        let hopper = gpu.device().ctx.compute_capability().ok() == Some((9, 0));
+        let forced: &[&str] = if hopper {
+            &["tree128", "split16", "wgtma128"]
+        } else {
+            &["tree128", "split16"]
+        };
+        for path in forced {
+            std::env::set_var("ARBOR_MOE_GEMM", path);
+            let got = prefill(&gpu, &m, std::slice::from_ref(&long));
+            let part = prefill(&gpu, &m, &[long[..30].to_vec()]);
+            std::env::remove_var("ARBOR_MOE_GEMM");
+            assert_eq!(bits(&got), bits(&full), "{tag}: ARBOR_MOE_GEMM={path}");
+            assert_eq!(
+                bits(&part),
+                bits(&full[..30 * vocab]),
+                "{tag}: ARBOR_MOE_GEMM={path}, 30 tokens"
+            );
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
