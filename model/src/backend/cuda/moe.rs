@@ -161,8 +161,8 @@ impl CudaBackend {
             return Err(self.shape_err("MoE experts prepared without the tensor GEMM".into()));
         };
         let pairs = rows * k;
-        // The wgmma kernel where both projections have their maps (one family per step's
-        // projections is not needed for the bits, which agree, but keeps the A/B simple).
+        // One route (one tile height) serves both projections, so the wgmma kernel runs
+        // only where both have their tensor maps.
         let wg = ex.gate_up_maps.is_some() && ex.down_maps.is_some();
         let path = match forced_grouped_path()? {
             Some(GroupedPath::WgTma128) if !wg => {
