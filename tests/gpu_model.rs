@@ -959,7 +959,7 @@ fn gpu_moe_routes_match_the_host_routes() {
 
 /// The grouped GEMM's block shapes give the same bits: a long prompt's prefill (tiles
 /// of 64 rows per expert here) has, in its first rows, the bits of its prefix prefilled
-/// alone (tiles of 16), and every path forced with `ARBOR_MOE_GEMM` (on Hopper the
+/// alone (tiles of 16 or 64), and every path forced with `ARBOR_MOE_GEMM` (on Hopper the
 /// wgmma kernel too) gives the default choice's bits for both.
 #[test]
 fn gpu_moe_grouped_paths_give_the_same_bits() {
