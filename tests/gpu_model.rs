@@ -959,8 +959,9 @@ fn gpu_moe_routes_match_the_host_routes() {
 }
 
 /// The grouped GEMM's block shapes give the same bits: a long prompt's prefill (tiles
-/// of 128 rows per expert) has, in its first rows, the bits of its prefix prefilled
-/// alone (tiles of 16 or 64).
+/// of 64 rows per expert here) has, in its first rows, the bits of its prefix prefilled
+/// alone (tiles of 16 or 64), and every path forced with `ARBOR_MOE_GEMM` (on Hopper the
+/// wgmma kernel too) gives the default choice's bits for both.
 #[test]
 fn gpu_moe_grouped_paths_give_the_same_bits() {
     if !gpu_usable() {
@@ -983,6 +984,26 @@ fn gpu_moe_grouped_paths_give_the_same_bits() {
                 bits(&part),
                 bits(&full[..n * vocab]),
                 "{tag}: the first {n} rows of a 240-token prefill differ from the {n}-token prefill"
+            );
+        }
+        // Hopper: every path forced in turn, the wgmma grouped kernel among them, gives the
+        // default choice's bits (forcing cannot change another test's bits, only its speed).
+        let hopper = gpu.device().ctx.compute_capability().ok() == Some((9, 0));
+        let forced: &[&str] = if hopper {
+            &["tree128", "split16", "wgtma128"]
+        } else {
+            &["tree128", "split16"]
+        };
+        for path in forced {
+            std::env::set_var("ARBOR_MOE_GEMM", path);
+            let got = prefill(&gpu, &m, std::slice::from_ref(&long));
+            let part = prefill(&gpu, &m, &[long[..30].to_vec()]);
+            std::env::remove_var("ARBOR_MOE_GEMM");
+            assert_eq!(bits(&got), bits(&full), "{tag}: ARBOR_MOE_GEMM={path}");
+            assert_eq!(
+                bits(&part),
+                bits(&full[..30 * vocab]),
+                "{tag}: ARBOR_MOE_GEMM={path}, 30 tokens"
             );
         }
         let _ = std::fs::remove_dir_all(&dir);

@@ -51,3 +51,17 @@ DEVI bool moe_rows(const MoeTiles& t, int tile, Rows& rs) {
 // grid (column tiles, segments, row tiles).
 MOE_ENTRIES(, false)
 MOE_ENTRIES(_silu, true)
+
+// The gate/up projection's X rows by pair, for the Hopper grouped kernel (gemm_moe_sm90.cu,
+// whose TMA loads contiguous rows): xg[r] = x[gather[r]], K bf16 a row, K % 8 == 0 and
+// both 16-byte aligned. A copy: the bits the GEMM reads are X's.
+extern "C" __global__ void arbor_moe_gather_rows(const u16* __restrict__ x, const int* __restrict__ gather,
+                                                 int P, int K, u16* __restrict__ xg) {
+    pdl_enter();
+    const int per_row = K >> 3;  // 16-byte vectors
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)P * per_row) return;
+    const long long r = i / per_row;
+    const int c = (int)(i - r * per_row);
+    ((uint4*)(xg + r * K))[c] = ((const uint4*)(x + (long long)gather[r] * K))[c];
+}

@@ -348,3 +348,244 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
         }
     }
 }
+
+/// One grouped call's operands: `counts[e]` pairs for expert e, laid out by expert; X
+/// gathered from `tokens` rows (pair r reads token `gather[r]`) or, with `tokens` 0, one
+/// X row per pair; each expert's W a different window of one random buffer.
+struct GroupedCase {
+    what: String,
+    counts: Vec<usize>,
+    tokens: usize,
+    shape: TreeMatmul,
+    silu: bool,
+}
+
+impl GroupedCase {
+    fn new(
+        what: &str,
+        counts: Vec<usize>,
+        tokens: usize,
+        k: usize,
+        n: usize,
+        n_seg: usize,
+    ) -> Self {
+        let pairs = counts.iter().sum();
+        let shape = TreeMatmul {
+            m: pairs,
+            n,
+            k,
+            seg_len: k / n_seg,
+            n_seg,
+        };
+        GroupedCase {
+            what: what.into(),
+            counts,
+            tokens,
+            shape,
+            silu: false,
+        }
+    }
+
+    /// The routing's tiles of `bm` rows: (expert, first row, the expert's end).
+    fn tiles(&self, bm: usize) -> Vec<(i32, i32, i32)> {
+        let (mut t, mut off) = (Vec::new(), 0usize);
+        for (e, &c) in self.counts.iter().enumerate() {
+            for r in (0..c).step_by(bm) {
+                t.push((e as i32, (off + r) as i32, (off + c) as i32));
+            }
+            off += c;
+        }
+        t
+    }
+
+    /// The call's output by `path` (as f32: the SiLU·mul output's bf16 widened).
+    fn run(&self, tg: &TreeGemm, stream: &Arc<CudaStream>, path: GroupedPath) -> Vec<f32> {
+        let s = self.shape;
+        let experts = self.counts.len();
+        let up = |v: &[i32]| stream.clone_htod(v).unwrap_or_else(|e| panic!("{e}"));
+        let x_rows = if self.tokens > 0 { self.tokens } else { s.m };
+        let x = stream
+            .clone_htod(&rng_bf16(x_rows * s.k, 41 + s.k as u64))
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Expert e's weight starts `shift·e` values into one buffer (16-byte aligned).
+        let shift = 8 * 97;
+        let w = stream
+            .clone_htod(&rng_bf16(s.n * s.k + experts * shift, 43 + s.n as u64))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let wp = w.device_ptr(stream).0;
+        let ptrs: Vec<u64> = (0..experts).map(|e| wp + (2 * shift * e) as u64).collect();
+        let w_table = stream.clone_htod(&ptrs).unwrap_or_else(|e| panic!("{e}"));
+        let gather: Vec<i32> = (0..s.m)
+            .map(|r| ((r * 7919 + 13) % x_rows.max(1)) as i32)
+            .collect();
+        let gather = up(&gather);
+        let max_tiles = path.max_tiles(s.m, experts);
+        let tiles = self.tiles(path.bm());
+        assert!(tiles.len() <= max_tiles, "{}: tile bound", self.what);
+        let col = |f: fn(&(i32, i32, i32)) -> i32| {
+            let mut v: Vec<i32> = tiles.iter().map(f).collect();
+            v.resize(max_tiles.max(1), -1);
+            up(&v)
+        };
+        let (te, tr, tend) = (col(|t| t.0), col(|t| t.1), col(|t| t.2));
+        let nt = up(&[tiles.len() as i32]);
+        let out_len = if self.silu { s.m * s.n / 2 } else { s.m * s.n };
+        // Poisoned: an element a path leaves unwritten reads as NaN.
+        let out16: CudaSlice<u16> = stream
+            .clone_htod(&vec![0xFFFFu16; out_len.max(1)])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out32: CudaSlice<f32> = stream
+            .clone_htod(&vec![f32::NAN; out_len.max(1)])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let ws_len = path.workspace_len(s.m, s.n, s.n_seg).max(1);
+        let cnt_len = path.counters_len(s.m, experts, s.n).max(1);
+        let ws: CudaSlice<f32> = stream.alloc_zeros(ws_len).unwrap_or_else(|e| panic!("{e}"));
+        let cnt: CudaSlice<u32> = stream
+            .alloc_zeros(cnt_len)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let p32 = |b: &CudaSlice<i32>| b.device_ptr(stream).0;
+        let a = GroupedArgs {
+            shape: s,
+            experts,
+            x: x.device_ptr(stream).0,
+            ldx: s.k,
+            ldw: s.k,
+            out: if self.silu {
+                out16.device_ptr(stream).0
+            } else {
+                out32.device_ptr(stream).0
+            },
+            silu: self.silu,
+            ws: ws.device_ptr(stream).0,
+            ws_len,
+            counters: cnt.device_ptr(stream).0,
+            counters_len: cnt_len,
+            tiles: MoeTiles {
+                tile_expert: p32(&te),
+                tile_row0: p32(&tr),
+                tile_end: p32(&tend),
+                n_tiles: p32(&nt),
+                gather: if self.tokens > 0 { p32(&gather) } else { 0 },
+                w_table: w_table.device_ptr(stream).0,
+            },
+            max_tiles,
+        };
+        let what = format!("{} ({})", self.what, path.name());
+        let xg: CudaSlice<u16> = stream
+            .alloc_zeros((s.m * s.k).max(8))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let maps = if path == GroupedPath::WgTma128 {
+            expert_maps(&ptrs, s.n, s.k, s.seg_len, s.n_seg)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+        } else {
+            vec![0u64; 16]
+        };
+        let maps = stream.clone_htod(&maps).unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: every table, operand and output above is sized for this call's pairs.
+        let res = unsafe {
+            if path == GroupedPath::WgTma128 {
+                let wg = GroupedWg {
+                    w_maps: maps.device_ptr(stream).0,
+                    w_maps_len: maps.len(),
+                    xg: xg.device_ptr(stream).0,
+                    xg_len: xg.len(),
+                };
+                tg.launch_grouped_wg(stream, &a, &wg)
+            } else {
+                tg.launch_grouped(stream, &a, path)
+            }
+        };
+        res.unwrap_or_else(|e| panic!("{what}: {e}"));
+        let mut got: Vec<f32> = if self.silu {
+            let h = stream
+                .clone_dtoh(&out16)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            h.iter().map(|&b| bf16::from_bits(b).to_f32()).collect()
+        } else {
+            stream
+                .clone_dtoh(&out32)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+        };
+        got.truncate(out_len);
+        assert!(
+            got.iter().all(|v| v.is_finite()),
+            "{what}: an output element was left unwritten"
+        );
+        got
+    }
+}
+
+/// The Hopper grouped kernel (wgmma + TMA, 128-row tiles, X gathered into pair order)
+/// gives the mma.sync grouped kernel's bits, with and without the SiLU·mul epilogue, on
+/// uneven and empty experts, segment tails (K = 320: seg_len 40; Qwen3's down projection:
+/// seg_len 96), a TP shard's four segments, and the Qwen3-30B-A3B and Mixtral shapes.
+#[test]
+fn grouped_wgmma_gives_the_mma_bits() {
+    if let Err(e) = probe() {
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap_or_else(|e| panic!("a GPU is present but: {e}"));
+    // SAFETY: every buffer is used on this one stream only.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap_or_else(|e| panic!("{e}"));
+    let tg = TreeGemm::new(&ctx).unwrap_or_else(|e| panic!("{e}"));
+    if !tg.has_grouped(GroupedPath::WgTma128) {
+        eprintln!("skipped: no wgmma grouped kernel on {}", tg.arch);
+        return;
+    }
+    let uneven = vec![300usize, 0, 17, 129, 0, 1, 256, 64];
+    // Qwen3-30B-A3B at 512 tokens: 128 experts, top-8, some experts empty.
+    let qwen: Vec<usize> = (0..128usize)
+        .map(|e| if e % 11 == 3 { 0 } else { (e * 37 + 5) % 61 })
+        .collect();
+    let mixtral = vec![150usize, 0, 37, 300, 5, 129, 0, 64];
+    let mut cases = vec![
+        GroupedCase::new("uneven, K 320", uneven.clone(), 200, 320, 192, SEGMENTS),
+        GroupedCase::new(
+            "uneven, K 320, pair rows",
+            uneven.clone(),
+            0,
+            320,
+            200,
+            SEGMENTS,
+        ),
+        GroupedCase::new("TP shard of 4 segments", uneven, 0, 512, 256, 4),
+        GroupedCase::new("qwen3 gate/up", qwen.clone(), 512, 2048, 1536, SEGMENTS),
+        GroupedCase::new("qwen3 down", qwen, 0, 768, 2048, SEGMENTS),
+        GroupedCase::new(
+            "mixtral gate/up",
+            mixtral.clone(),
+            400,
+            4096,
+            28672,
+            SEGMENTS,
+        ),
+        GroupedCase::new("mixtral down", mixtral, 0, 14336, 4096, SEGMENTS),
+    ];
+    for c in &mut cases {
+        // Gate/up projections (X gathered) end in the SiLU·mul epilogue.
+        c.silu = c.tokens > 0;
+    }
+    cases.push(GroupedCase {
+        silu: false,
+        ..GroupedCase::new(
+            "uneven gathered, roots",
+            vec![3, 140, 0, 128, 1],
+            90,
+            320,
+            128,
+            SEGMENTS,
+        )
+    });
+    for c in &cases {
+        let want = c.run(&tg, &stream, GroupedPath::Tree128);
+        let got = c.run(&tg, &stream, GroupedPath::WgTma128);
+        same_bits(&got, &want, &format!("{}: wgtma128 vs tree128", c.what));
+        if c.shape.m * c.shape.n <= 1 << 20 {
+            let split = c.run(&tg, &stream, GroupedPath::Split16);
+            same_bits(&got, &split, &format!("{}: wgtma128 vs split16", c.what));
+        }
+        println!("{}: {} pairs, same bits", c.what, c.shape.m);
+    }
+}

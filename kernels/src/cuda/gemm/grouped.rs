@@ -10,11 +10,15 @@ use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use super::args::check_tree;
 use super::error::{driver, GemmError};
 use super::path::Path;
-use super::{Params, TreeGemm};
+use super::{tma, Params, TreeGemm};
 use crate::cpu::matmul::TreeMatmul;
+use crate::tree::SEGMENTS;
 
-/// Which grouped kernel runs a call: the three mma.sync block shapes. All give the same
-/// bits, so the choice (from the pairs per expert) is only about speed.
+/// Which grouped kernel runs a call: the three mma.sync block shapes, and on Hopper the
+/// wgmma + TMA kernel for many pairs per expert. The mma.sync shapes give the same bits;
+/// the wgmma kernel is the other leaf family, which gave the mma.sync family's bits on
+/// every H100 shape measured and is checked against it bit for bit
+/// (`gpu_test::grouped_wgmma_gives_the_mma_bits`), so the choice is only about speed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GroupedPath {
     /// 16-row tiles, one block per (64 columns, segment, tile); decode.
@@ -23,10 +27,54 @@ pub enum GroupedPath {
     Split64,
     /// 128×128 tiles, the whole tree in the block; prefill.
     Tree128,
+    /// sm_90a: gemm_sm90_tma.cu's persistent wgmma + TMA block on 128-row tiles, X as
+    /// contiguous pair rows, each expert's W through its own tensor map
+    /// ([`expert_maps`]). Needs `k == n_seg·seg_len` and 16-byte rows
+    /// ([`GroupedPath::wg_eligible`]).
+    WgTma128,
 }
 
 impl GroupedPath {
+    /// The mma.sync shapes (every sm_80+ device).
     pub const ALL: [GroupedPath; 3] = [Self::Split16, Self::Split64, Self::Tree128];
+    /// The sm_90a kernels.
+    pub const WGMMA: [GroupedPath; 1] = [Self::WgTma128];
+
+    /// The path for `pairs` pairs over `experts` experts where the wgmma kernel is
+    /// available (`wg`): it takes the shapes `tree128` would. At fewer rows per expert its
+    /// 128-row tiles are mostly empty and the 16- and 64-row mma.sync tiles stay.
+    pub fn choose(pairs: usize, experts: usize, wg: bool) -> Self {
+        match Self::for_pairs(pairs, experts) {
+            Self::Tree128 if wg => Self::WgTma128,
+            p => p,
+        }
+    }
+
+    /// Parses a path name (`split16`, `split64`, `tree128`, `wgtma128`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .chain(Self::WGMMA)
+            .find(|p| p.name() == name)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Split16 => "split16",
+            Self::Split64 => "split64",
+            Self::Tree128 => "tree128",
+            Self::WgTma128 => "wgtma128",
+        }
+    }
+
+    /// Whether the wgmma kernel takes a call of this shape: its TMA views need the
+    /// segments to tile K exactly and rows (and segments) of whole 16-byte units.
+    pub fn wg_eligible(shape: &TreeMatmul, ldx: usize, ldw: usize) -> bool {
+        shape.k == shape.n_seg * shape.seg_len
+            && shape.seg_len.is_multiple_of(8)
+            && ldx.is_multiple_of(8)
+            && ldw.is_multiple_of(8)
+    }
 
     /// The path for `pairs` (token, expert) pairs over `experts` experts, by the rows an
     /// expert gets on average.
@@ -44,19 +92,19 @@ impl GroupedPath {
         match self {
             Self::Split16 => 16,
             Self::Split64 => 64,
-            Self::Tree128 => 128,
+            Self::Tree128 | Self::WgTma128 => 128,
         }
     }
 
     fn bn(self) -> usize {
         match self {
-            Self::Tree128 => 128,
+            Self::Tree128 | Self::WgTma128 => 128,
             _ => 64,
         }
     }
 
     fn is_split(self) -> bool {
-        !matches!(self, Self::Tree128)
+        !matches!(self, Self::Tree128 | Self::WgTma128)
     }
 
     /// The dense path with the same block (its shared memory and threads).
@@ -65,6 +113,7 @@ impl GroupedPath {
             Self::Split16 => Path::Split16,
             Self::Split64 => Path::Split64,
             Self::Tree128 => Path::Tree128,
+            Self::WgTma128 => Path::WgTma128,
         }
     }
 
@@ -77,6 +126,8 @@ impl GroupedPath {
             (Self::Split16, true) => "arbor_moe_gemm_split_16x64_silu",
             (Self::Split64, true) => "arbor_moe_gemm_split_64x64_silu",
             (Self::Tree128, true) => "arbor_moe_gemm_tree_128x128_silu",
+            (Self::WgTma128, false) => "arbor_moe_gemm_wg_tma_128x128",
+            (Self::WgTma128, true) => "arbor_moe_gemm_wg_tma_128x128_silu",
         }
     }
 
@@ -91,12 +142,16 @@ impl GroupedPath {
         (pairs + experts.min(pairs) * (bm - 1)).div_ceil(bm)
     }
 
-    /// f32 elements of workspace a call needs (the split paths' segment sums).
+    /// f32 elements of workspace a call needs (the split paths' segment sums; the wgmma
+    /// kernel's s6 partials, for at most [`tma::MAX_PERSISTENT_BLOCKS`] blocks).
     pub fn workspace_len(self, pairs: usize, n: usize, n_seg: usize) -> usize {
-        if self.is_split() {
-            n_seg * pairs * n
-        } else {
-            0
+        match self {
+            Self::WgTma128 if n_seg == SEGMENTS => {
+                tma::MAX_PERSISTENT_BLOCKS * tma::S6_FLOATS_PER_BLOCK
+            }
+            Self::WgTma128 => 0,
+            _ if self.is_split() => n_seg * pairs * n,
+            _ => 0,
         }
     }
 
@@ -187,7 +242,193 @@ pub fn validate_grouped(a: &GroupedArgs, path: GroupedPath) -> Result<(), GemmEr
     Ok(())
 }
 
+/// `struct MoeTmaParams` of gemm_moe_sm90.cu, one `__grid_constant__` parameter.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct MoeTmaParams {
+    tx: tma::TensorMapBytes,
+    tw: CUdeviceptr,
+    tile_expert: CUdeviceptr,
+    tile_row0: CUdeviceptr,
+    tile_end: CUdeviceptr,
+    n_tiles: CUdeviceptr,
+    outf: CUdeviceptr,
+    outh: CUdeviceptr,
+    ws: CUdeviceptr,
+    p: i32,
+    n: i32,
+    seg_len: i32,
+    n_seg: i32,
+}
+
+/// The tensor maps of the experts' weights for [`GroupedPath::WgTma128`]: expert e's
+/// `[n, ldw]` bf16 at `ptrs[e]` as `[n][n_seg][seg_len]`, boxes of 128 rows; 16 words
+/// each, in expert order, to upload (64-byte aligned) as the call's `w_maps`.
+pub fn expert_maps(
+    ptrs: &[CUdeviceptr],
+    n: usize,
+    ldw: usize,
+    seg_len: usize,
+    n_seg: usize,
+) -> Result<Vec<u64>, GemmError> {
+    let mut out = Vec::with_capacity(ptrs.len() * 16);
+    for (e, &p) in ptrs.iter().enumerate() {
+        let m = tma::encode(
+            &format!("expert {e} weight"),
+            p,
+            n,
+            ldw,
+            seg_len,
+            n_seg,
+            128,
+        )?;
+        out.extend_from_slice(&m.0);
+    }
+    Ok(out)
+}
+
+/// What the wgmma grouped kernel needs besides [`GroupedArgs`] (whose `tiles.w_table` it
+/// does not read).
+#[derive(Debug, Clone, Copy)]
+pub struct GroupedWg {
+    /// [`expert_maps`] of the experts' weights, uploaded: `16 · experts` words.
+    pub w_maps: CUdeviceptr,
+    pub w_maps_len: usize,
+    /// With a gather table: room for the gathered X, `[pairs, k]` bf16 (16-byte aligned).
+    pub xg: CUdeviceptr,
+    pub xg_len: usize,
+}
+
 impl TreeGemm {
+    /// Whether the wgmma grouped kernels were loaded (sm_90a).
+    pub fn has_grouped(&self, path: GroupedPath) -> bool {
+        self.grouped.iter().any(|(p, _, _)| *p == path)
+    }
+
+    /// Enqueues the grouped GEMM by [`GroupedPath::WgTma128`]: with a gather table, X's
+    /// rows copied to `wg.xg` in pair order first; then the persistent wgmma kernel over
+    /// the routing's tiles.
+    ///
+    /// # Safety
+    /// As [`TreeGemm::launch_grouped`]; `wg.w_maps` must hold [`expert_maps`] of the
+    /// weights `a.tiles.w_table` would name, built for this call's `n`, `ldw`, `seg_len`
+    /// and `n_seg`, and the weights must stay alive while the stream runs.
+    pub unsafe fn launch_grouped_wg(
+        &self,
+        stream: &CudaStream,
+        a: &GroupedArgs,
+        wg: &GroupedWg,
+    ) -> Result<(), GemmError> {
+        let path = GroupedPath::WgTma128;
+        validate_grouped(a, path)?;
+        let s = a.shape;
+        let bad = |msg: String| Err(GemmError::Shape { shape: s, msg });
+        if !GroupedPath::wg_eligible(&s, a.ldx, a.ldw) {
+            return bad(format!(
+                "{} needs k = n_seg·seg_len, seg_len, ldx and ldw multiples of 8 (ldx {}, ldw {})",
+                path.name(),
+                a.ldx,
+                a.ldw
+            ));
+        }
+        if !wg.w_maps.is_multiple_of(64) || wg.w_maps_len < 16 * a.experts {
+            return bad(format!(
+                "expert tensor maps at {:#x} ({} words): need 64-byte alignment and {} words",
+                wg.w_maps,
+                wg.w_maps_len,
+                16 * a.experts
+            ));
+        }
+        let gathered = a.tiles.gather != 0;
+        if gathered && (!wg.xg.is_multiple_of(16) || wg.xg_len < s.m * s.k) {
+            return bad(format!(
+                "gathered X at {:#x} of {} values, the pairs need {} (16-byte aligned)",
+                wg.xg,
+                wg.xg_len,
+                s.m * s.k
+            ));
+        }
+        let f = self
+            .grouped
+            .iter()
+            .find(|(p, silu, _)| *p == path && *silu == a.silu)
+            .map(|(_, _, f)| f)
+            .ok_or_else(|| {
+                GemmError::NoGpu(format!(
+                    "grouped kernel {} is not loaded ({})",
+                    path.kernel(a.silu),
+                    self.arch
+                ))
+            })?;
+        if s.m == 0 || s.n == 0 {
+            return Ok(());
+        }
+        if s.m > i32::MAX as usize || s.n > i32::MAX as usize {
+            return bad(format!(
+                "{} pairs or columns overflow the kernel's ints",
+                s.m
+            ));
+        }
+        let (x, ldx) = if gathered {
+            let g = &self.gather;
+            let total = s.m * (s.k / 8);
+            let blocks = total.div_ceil(256);
+            if blocks > u32::MAX as usize {
+                return bad(format!("{total} gather vectors overflow the grid"));
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (pairs, k) = (s.m as i32, s.k as i32);
+            stream
+                .launch_builder(g)
+                .arg(&a.x)
+                .arg(&a.tiles.gather)
+                .arg(&pairs)
+                .arg(&k)
+                .arg(&wg.xg)
+                .launch(cfg)
+                .map_err(driver("launch arbor_moe_gather_rows"))?;
+            (wg.xg, s.k)
+        } else {
+            (a.x, a.ldx)
+        };
+        let (outf, outh) = if a.silu { (0, a.out) } else { (a.out, 0) };
+        let p = MoeTmaParams {
+            tx: tma::encode("pair rows", x, s.m, ldx, s.seg_len, s.n_seg, 128)?,
+            tw: wg.w_maps,
+            tile_expert: a.tiles.tile_expert,
+            tile_row0: a.tiles.tile_row0,
+            tile_end: a.tiles.tile_end,
+            n_tiles: a.tiles.n_tiles,
+            outf,
+            outh,
+            ws: a.ws,
+            p: s.m as i32,
+            n: s.n as i32,
+            seg_len: s.seg_len as i32,
+            n_seg: s.n_seg as i32,
+        };
+        let blocks = (a.max_tiles.max(1) * s.n.div_ceil(128))
+            .min(self.sms)
+            .min(tma::MAX_PERSISTENT_BLOCKS);
+        tma::launch(
+            stream,
+            f,
+            path.kernel(a.silu),
+            tma::LaunchShape {
+                grid: (blocks as u32, 1, 1),
+                block: 384,
+                smem: path.smem_bytes(),
+                cluster_x: None,
+                pdl: self.pdl,
+            },
+            &p,
+        )
+    }
+
     /// Enqueues the grouped GEMM on `stream` by `path`.
     ///
     /// # Safety
@@ -201,6 +442,12 @@ impl TreeGemm {
         path: GroupedPath,
     ) -> Result<(), GemmError> {
         validate_grouped(a, path)?;
+        if path == GroupedPath::WgTma128 {
+            return Err(GemmError::Shape {
+                shape: a.shape,
+                msg: "the wgmma grouped kernel needs its tensor maps: launch_grouped_wg".into(),
+            });
+        }
         let Some((_, _, f)) = self
             .grouped
             .iter()
@@ -277,6 +524,46 @@ mod tests {
     fn moe_tiles_match_the_c_struct() {
         assert_eq!(std::mem::size_of::<MoeTiles>(), 48);
         assert_eq!(std::mem::offset_of!(MoeTiles, w_table), 40);
+    }
+
+    #[test]
+    fn moe_tma_params_match_the_c_struct() {
+        assert_eq!(std::mem::offset_of!(MoeTmaParams, tw), 128);
+        assert_eq!(std::mem::offset_of!(MoeTmaParams, ws), 184);
+        assert_eq!(std::mem::offset_of!(MoeTmaParams, p), 192);
+        assert_eq!(std::mem::offset_of!(MoeTmaParams, n_seg), 204);
+        assert_eq!(std::mem::size_of::<MoeTmaParams>(), 256);
+    }
+
+    #[test]
+    fn wgmma_takes_tree128_shapes_only_where_loaded() {
+        assert_eq!(
+            GroupedPath::choose(8192 * 8, 128, true),
+            GroupedPath::WgTma128
+        );
+        assert_eq!(
+            GroupedPath::choose(8192 * 8, 128, false),
+            GroupedPath::Tree128
+        );
+        assert_eq!(
+            GroupedPath::choose(256 * 8, 128, true),
+            GroupedPath::Split16
+        );
+        for p in GroupedPath::ALL.into_iter().chain(GroupedPath::WGMMA) {
+            assert_eq!(GroupedPath::from_name(p.name()), Some(p));
+        }
+        assert_eq!(GroupedPath::from_name("wgtma"), None);
+        let s = |k, seg_len, n_seg| TreeMatmul {
+            m: 1,
+            n: 128,
+            k,
+            seg_len,
+            n_seg,
+        };
+        assert!(GroupedPath::wg_eligible(&s(768, 96, 8), 768, 768));
+        assert!(GroupedPath::wg_eligible(&s(384, 96, 4), 768, 384));
+        assert!(!GroupedPath::wg_eligible(&s(100, 13, 8), 100, 100));
+        assert!(!GroupedPath::wg_eligible(&s(80, 10, 8), 80, 80));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::cpu::matmul::TreeMatmul;
 pub use args::{validate, Epilogue, GemmArgs, OutDtype};
 use error::driver;
 pub use error::GemmError;
-pub use grouped::{validate_grouped, GroupedArgs, GroupedPath, MoeTiles};
+pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, GroupedWg, MoeTiles};
 pub use path::{Family, Path, QUAD_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{default_path_for, quad_tile, shard_whole_tile, whole_tile, wide_cluster_fits};
@@ -96,6 +96,8 @@ pub struct TreeGemm {
     kernels: Vec<(Path, CudaFunction)>,
     /// The experts' grouped kernels (mma.sync, every sm_80+ device).
     grouped: Vec<(GroupedPath, bool, CudaFunction)>,
+    /// `arbor_moe_gather_rows`: X's rows in pair order for the wgmma grouped kernel.
+    gather: CudaFunction,
     /// Streaming multiprocessors: the persistent kernel's grid.
     sms: usize,
     /// Clusters of 1, 2, 4 and 8 `wgcluster64` blocks that fit on the device at once
@@ -151,8 +153,13 @@ impl TreeGemm {
             }
         }
         let mut grouped = Vec::new();
+        let wg_grouped: &[GroupedPath] = match family {
+            Family::Wgmma => &GroupedPath::WGMMA,
+            Family::Mma => &[],
+        };
         for (path, silu) in GroupedPath::ALL
             .into_iter()
+            .chain(wg_grouped.iter().copied())
             .flat_map(|p| [(p, false), (p, true)])
         {
             let name = path.kernel(silu);
@@ -169,6 +176,9 @@ impl TreeGemm {
             )))?;
             grouped.push((path, silu, f));
         }
+        let gather = module
+            .load_function("arbor_moe_gather_rows")
+            .map_err(driver("cuModuleGetFunction(arbor_moe_gather_rows)"))?;
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver("cuDeviceGetAttribute(multiprocessor count)"))?;
@@ -178,6 +188,7 @@ impl TreeGemm {
             _module: module,
             kernels,
             grouped,
+            gather,
             sms: sms.max(1) as usize,
             cluster_capacity: [0; 4],
             pdl: super::launch::pdl_enabled(ctx),

@@ -17,6 +17,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         "gemm_sm90_tma.cu",
         include_str!("../../../cuda/gemm_sm90_tma.cu"),
     ),
+    (
+        "gemm_moe_sm90.cu",
+        include_str!("../../../cuda/gemm_moe_sm90.cu"),
+    ),
 ];
 
 /// The program: the sources concatenated, each under a `#line` so messages name the file.
@@ -124,6 +128,18 @@ mod tests {
             for (ptx, silu) in [(&ptx, false), (&ptx80, false), (&ptx, true), (&ptx80, true)] {
                 assert!(ptx.contains(&format!(".entry {}(", path.kernel(silu))));
             }
+        }
+        // The wgmma grouped kernel is Hopper's only; the gather it reads is everywhere.
+        for path in crate::cuda::gemm::GroupedPath::WGMMA {
+            for silu in [false, true] {
+                let entry = format!(".entry {}(", path.kernel(silu));
+                assert!(ptx.contains(&entry), "{entry} missing from the sm_90a PTX");
+                assert!(!ptx80.contains(&entry), "{entry} in the sm_80 PTX");
+            }
+        }
+        assert!(ptx.contains("fence.proxy.tensormap::generic.acquire.sys"));
+        for p in [&ptx, &ptx80] {
+            assert!(p.contains(".entry arbor_moe_gather_rows("));
         }
     }
 }

@@ -29,7 +29,7 @@ pub const MAX_PERSISTENT_BLOCKS: usize = 256;
 /// A `CUtensorMap` as the kernel's `struct TensorMap` (64-byte aligned, 128 bytes).
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-pub struct TensorMapBytes([u64; 16]);
+pub struct TensorMapBytes(pub [u64; 16]);
 
 /// `struct TmaParams` of gemm_sm90_tma.cu, passed as one `__grid_constant__` parameter.
 #[repr(C, align(64))]
@@ -150,17 +150,18 @@ pub fn max_active_clusters(
     Ok(n.max(0) as u32)
 }
 
-/// Launches `f(params)` with `cuLaunchKernelEx`.
+/// Launches `f(params)` with `cuLaunchKernelEx` (`params`: the kernel's one parameter
+/// struct, `TmaParams` or the grouped kernel's).
 ///
 /// # Safety
 /// The tensor maps and output pointers in `params` must point at live allocations of the
 /// stream's context that stay alive until the kernel has run.
-pub unsafe fn launch(
+pub unsafe fn launch<P: Copy>(
     stream: &CudaStream,
     f: &CudaFunction,
     name: &str,
     shape: LaunchShape,
-    params: &TmaParams,
+    params: &P,
 ) -> Result<(), GemmError> {
     let LaunchShape {
         grid,
@@ -208,7 +209,7 @@ pub unsafe fn launch(
         numAttrs: attrs.len() as u32,
     };
     let mut p = *params;
-    let mut args = [&mut p as *mut TmaParams as *mut c_void];
+    let mut args = [&mut p as *mut P as *mut c_void];
     sys::cuLaunchKernelEx(
         &cfg,
         f.cu_function(),

@@ -11,7 +11,10 @@ use std::env::VarError;
 use std::sync::{Arc, Mutex};
 
 use arbor_kernels::cpu::TreeMatmul;
-use arbor_kernels::cuda::gemm::{Epilogue, GemmArgs, GemmError, GroupedArgs, OutDtype, TreeGemm};
+use arbor_kernels::cuda::gemm::{
+    expert_maps, Epilogue, GemmArgs, GemmError, GroupedArgs, GroupedPath, GroupedWg, OutDtype,
+    TreeGemm,
+};
 use arbor_kernels::cuda::ops::moe::MoeRoute;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevBuf, DevF32, DevU32, GpuDevice};
 use arbor_kernels::SegmentLayout;
@@ -166,6 +169,38 @@ pub struct TensorGemm {
 }
 
 impl TensorGemm {
+    /// Whether the grouped `path` was loaded for this device (the wgmma one: sm_90a).
+    pub fn has_grouped(&self, path: GroupedPath) -> bool {
+        self.kernels.has_grouped(path)
+    }
+
+    /// The experts' weight tensor maps for the wgmma grouped kernel (`[n, k]` bf16 each,
+    /// this rank's shard, reduced as `tree`), on the device; `None` where that kernel is
+    /// not loaded or cannot take the shape (the mma.sync grouped kernel then runs).
+    pub fn expert_maps(
+        &self,
+        dev: &GpuDevice,
+        table: &[u64],
+        n: usize,
+        k: usize,
+        tree: TreeSpec,
+    ) -> Result<Option<DevBuf<u64>>, TensorGemmError> {
+        let shape = TreeMatmul {
+            m: 1,
+            n,
+            k,
+            seg_len: tree.seg_len,
+            n_seg: tree.n_seg,
+        };
+        if !self.kernels.has_grouped(GroupedPath::WgTma128)
+            || !GroupedPath::wg_eligible(&shape, k, k)
+        {
+            return Ok(None);
+        }
+        let maps = expert_maps(table, n, k, tree.seg_len, tree.n_seg)?;
+        Ok(Some(dev.upload("expert weight tensor maps", &maps)?))
+    }
+
     /// NVRTC-compiles the GEMM for `dev`'s architecture (wgmma on Hopper, mma.sync on
     /// other sm_80+ GPUs).
     pub fn new(dev: &GpuDevice) -> Result<Self, GemmError> {
@@ -345,11 +380,13 @@ impl TensorGemm {
         route: &MoeRoute,
         gather: bool,
         w_table: &DevBuf<u64>,
+        w_maps: Option<&DevBuf<u64>>,
         n: usize,
         tree: TreeSpec,
     ) -> Result<DevF32, TensorGemmError> {
         let mut y = dev.empty_f32(route.pairs() * n)?;
-        self.grouped_into(dev, xb, k, route, gather, w_table, n, tree, &mut y, false)?;
+        let w = (w_table, w_maps);
+        self.grouped_into(dev, xb, k, route, gather, w, n, tree, &mut y, false)?;
         Ok(y)
     }
 
@@ -365,11 +402,13 @@ impl TensorGemm {
         k: usize,
         route: &MoeRoute,
         w_table: &DevBuf<u64>,
+        w_maps: Option<&DevBuf<u64>>,
         n: usize,
         tree: TreeSpec,
     ) -> Result<DevBf16, TensorGemmError> {
         let mut y = dev.empty_bf16(route.pairs() * (n / 2))?;
-        self.grouped_into(dev, xb, k, route, true, w_table, n, tree, &mut y, true)?;
+        let w = (w_table, w_maps);
+        self.grouped_into(dev, xb, k, route, true, w, n, tree, &mut y, true)?;
         Ok(y)
     }
 
@@ -381,7 +420,7 @@ impl TensorGemm {
         k: usize,
         route: &MoeRoute,
         gather: bool,
-        w_table: &DevBuf<u64>,
+        (w_table, w_maps): (&DevBuf<u64>, Option<&DevBuf<u64>>),
         n: usize,
         tree: TreeSpec,
         y: &mut DevBuf<T>,
@@ -456,6 +495,40 @@ impl TensorGemm {
             tiles: route.tiles(stream, gather, tp),
             max_tiles: route.max_tiles,
         };
+        if path == GroupedPath::WgTma128 {
+            let Some(maps) = w_maps else {
+                return Err(TensorGemmError::Shape(format!(
+                    "grouped GEMM by {}: the experts' tensor maps were not built (shape {:?})",
+                    path.name(),
+                    a.shape
+                )));
+            };
+            // X's rows in pair order; freed stream-ordered after the kernel has read them.
+            let mut xg = if gather {
+                Some(dev.empty_bf16(pairs * k)?)
+            } else {
+                None
+            };
+            let (mp, _rm) = maps.device_ptr(stream);
+            let (xgp, xg_len, _rg) = match xg.as_mut() {
+                Some(b) => {
+                    let len = b.len();
+                    let (p, r) = b.device_ptr_mut(stream);
+                    (p, len, Some(r))
+                }
+                None => (0, 0, None),
+            };
+            let wg = GroupedWg {
+                w_maps: mp,
+                w_maps_len: maps.len(),
+                xg: xgp,
+                xg_len,
+            };
+            // SAFETY: as below; the maps were built from this table's weights for this n,
+            // k and tree (`expert_maps`), and the gathered X holds pairs·k values.
+            unsafe { self.kernels.launch_grouped_wg(stream, &a, &wg) }?;
+            return Ok(());
+        }
         // SAFETY: x, the output and the scratch are live allocations on `stream` of the
         // sizes `a` states (checked above and by `launch_grouped`'s validation); the
         // tables are the route's, written on this stream for these pairs and this path;

@@ -22,11 +22,20 @@ use crate::backend::{BResult, Backend, BackendError, MoeSpec};
 /// The environment variable that picks where MoE blocks route.
 pub const ENV: &str = "ARBOR_MOE";
 
+/// The environment variable that forces the experts' grouped GEMM path (`split16`,
+/// `split64`, `tree128`, `wgtma128`; unset or `auto`: by the pairs per expert). Every
+/// path gives the same bits, so this is for speed comparisons only.
+pub const GEMM_ENV: &str = "ARBOR_MOE_GEMM";
+
 /// A block's experts for the grouped GEMM: the addresses of every expert's gate/up and
 /// down weight, in expert order, on the device.
 pub struct CudaExperts {
     gate_up: DevBuf<u64>,
     down: DevBuf<u64>,
+    /// The same weights as tensor maps for the wgmma grouped kernel (sm_90a; `None` where
+    /// it cannot run them).
+    gate_up_maps: Option<DevBuf<u64>>,
+    down_maps: Option<DevBuf<u64>>,
     experts: usize,
     /// This rank's intermediate columns per expert.
     inter: usize,
@@ -35,6 +44,22 @@ pub struct CudaExperts {
 }
 
 /// Whether `ARBOR_MOE` asks for the device routing (unset or `device`) or the host's.
+/// The grouped GEMM path `ARBOR_MOE_GEMM` forces, if any.
+fn forced_grouped_path() -> BResult<Option<GroupedPath>> {
+    match std::env::var(GEMM_ENV) {
+        Err(VarError::NotPresent) => Ok(None),
+        Ok(v) if v == "auto" => Ok(None),
+        Ok(v) => GroupedPath::from_name(&v).map(Some).ok_or_else(|| {
+            BackendError::Unsupported(format!(
+                "{GEMM_ENV}={v:?}: expected auto, split16, split64, tree128 or wgtma128"
+            ))
+        }),
+        Err(VarError::NotUnicode(v)) => Err(BackendError::Unsupported(format!(
+            "{GEMM_ENV}={v:?} is not valid UTF-8"
+        ))),
+    }
+}
+
 fn device_routing() -> BResult<bool> {
     match std::env::var(ENV) {
         Err(VarError::NotPresent) => Ok(true),
@@ -89,18 +114,28 @@ impl CudaBackend {
                 )));
             }
         }
-        let table = |ws: &[&CudaMat]| -> BResult<DevBuf<u64>> {
-            let ptrs: Vec<u64> = ws
-                .iter()
+        let ptrs = |ws: &[&CudaMat]| -> Vec<u64> {
+            ws.iter()
                 .map(|w| arbor_kernels::cuda::ops::dev_ptr(&w.buf, &self.dev.stream))
-                .collect();
+                .collect()
+        };
+        let table = |p: &[u64]| -> BResult<DevBuf<u64>> {
             self.dev
-                .upload("expert weight table", &ptrs)
+                .upload("expert weight table", p)
                 .map_err(|e| self.dev_err(e))
         };
+        let gemm = self.gemm.as_ref();
+        let maps = |p: &[u64], n: usize, k: usize, tree| -> BResult<Option<DevBuf<u64>>> {
+            let Some(g) = gemm else { return Ok(None) };
+            g.expert_maps(&self.dev, p, n, k, tree)
+                .map_err(|e| self.shape_err(format!("expert tensor maps: {e}")))
+        };
+        let (gp, dp) = (ptrs(gate_up), ptrs(down));
         Ok(Some(CudaExperts {
-            gate_up: table(gate_up)?,
-            down: table(down)?,
+            gate_up: table(&gp)?,
+            down: table(&dp)?,
+            gate_up_maps: maps(&gp, 2 * inter, hidden, spec.gate_up)?,
+            down_maps: maps(&dp, hidden, inter, spec.down)?,
             experts,
             inter,
             hidden,
@@ -126,7 +161,18 @@ impl CudaBackend {
             return Err(self.shape_err("MoE experts prepared without the tensor GEMM".into()));
         };
         let pairs = rows * k;
-        let path = GroupedPath::for_pairs(pairs, ex.experts);
+        // One route (one tile height) serves both projections, so the wgmma kernel runs
+        // only where both have their tensor maps.
+        let wg = ex.gate_up_maps.is_some() && ex.down_maps.is_some();
+        let path = match forced_grouped_path()? {
+            Some(GroupedPath::WgTma128) if !wg => {
+                return Err(BackendError::Unsupported(format!(
+                    "{GEMM_ENV}=wgtma128: the wgmma grouped kernel is not available for this block (sm_90a and k = n_seg·seg_len in multiples of 8 needed)"
+                )))
+            }
+            Some(p) => p,
+            None => GroupedPath::choose(pairs, ex.experts, wg),
+        };
         let route = self.timed("moe route", rows, || {
             self.dev
                 .moe_route(
@@ -175,6 +221,7 @@ impl CudaBackend {
                 ex.hidden,
                 &route,
                 &ex.gate_up,
+                ex.gate_up_maps.as_ref(),
                 2 * ex.inter,
                 ex.spec.gate_up,
             )
@@ -190,6 +237,7 @@ impl CudaBackend {
                 &route,
                 false,
                 &ex.down,
+                ex.down_maps.as_ref(),
                 ex.hidden,
                 ex.spec.down,
             )
