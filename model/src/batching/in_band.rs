@@ -180,7 +180,7 @@ fn set_items(target: &mut V, items: Vec<V>, op: &str) -> Result<(), String> {
     let V::Dict(d) = target else {
         return Err(format!("opcode {op} on something that is not a dict"));
     };
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return Err(format!("opcode {op} with an odd number of values"));
     }
     let mut it = items.into_iter();
