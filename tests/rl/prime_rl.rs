@@ -69,18 +69,17 @@ fn prime_rl_in_band_receive_replays_the_trainers_broadcasts() {
         return;
     }
     let m = models();
+    let protocols = ["default", "2", "3", "5"];
+    let out = tmp("prime-rl-streams");
     let script = here("prime_rl_broadcast.py");
-    for protocol in ["default", "2", "3", "5"] {
-        let out = tmp(&format!("prime-rl-stream-{protocol}"));
-        let mut args: Vec<&std::ffi::OsStr> =
-            vec![script.as_os_str(), m.a.as_os_str(), out.as_os_str()];
-        if protocol != "default" {
-            args.push(std::ffi::OsStr::new(protocol));
-        }
-        let said = python(&args);
-        let mut sent = broadcasts(&out.join("stream"));
+    let mut args: Vec<&std::ffi::OsStr> =
+        vec![script.as_os_str(), m.a.as_os_str(), out.as_os_str()];
+    args.extend(protocols.iter().map(|p| std::ffi::OsStr::new(p)));
+    let said = python(&args);
+    for protocol in protocols {
+        let mut sent = broadcasts(&out.join(format!("stream-{protocol}")));
         assert!(
-            said.starts_with(&format!("{} broadcasts", sent.len())),
+            said.contains(&format!("{protocol}: {} broadcasts", sent.len())),
             "{said}"
         );
         let n = sent.len();

@@ -7,11 +7,12 @@ PrimeIntellect-ai/prime-rl `src/prime_rl/transports/weights/nccl.py` line for li
 for `.cuda()` (the tensors stay on the CPU) and the pickle protocol, which a test may
 choose (prime-rl uses `pickle.dumps`'s default).
 
-    python3 tests/rl/prime_rl_broadcast.py MODEL_DIR OUT_DIR [PROTOCOL]
+    python3 tests/rl/prime_rl_broadcast.py MODEL_DIR OUT_DIR [PROTOCOL ...]
 
-Writes OUT_DIR/stream (each broadcast as an 8-byte little-endian length and its bytes)
-and OUT_DIR/expected.safetensors (the state dict as broadcast: bfloat16, the norms
-float32, so that a state dict holds two dtypes).
+Per protocol (`default`: pickle's own), writes OUT_DIR/stream-PROTOCOL (each broadcast as
+an 8-byte little-endian length and its bytes); and OUT_DIR/expected.safetensors (the
+state dict as broadcast: bfloat16, the norms float32, so that a state dict holds two
+dtypes).
 """
 
 import pickle
@@ -71,7 +72,10 @@ def broadcast_state_dict(state_dict: dict[str, Tensor], communicator: Recorder) 
 def filter_state_dict_by_layers(
     state_dict: dict[str, torch.Tensor], num_layers: int, layer_prefix: str
 ) -> Generator[tuple[int, dict[str, torch.Tensor]], None, None]:
-    yield -1, {key: value for key, value in state_dict.items() if not key.startswith(layer_prefix)}
+    yield (
+        -1,
+        {key: value for key, value in state_dict.items() if not key.startswith(layer_prefix)},
+    )
     for i in range(num_layers):
         yield (
             i,
@@ -83,7 +87,8 @@ def filter_state_dict_by_layers(
         )
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, protocols: list[str]) -> None:
+    global PROTOCOL
     state_dict = load_file(str(Path(model_dir) / "model.safetensors"))
     state_dict = {
         k: v.to(torch.float32 if k.endswith("norm.weight") else torch.bfloat16)
@@ -94,22 +99,21 @@ def main(model_dir: str, out_dir: str) -> None:
     num_layers = 1 + max(
         int(k[len(layer_prefix) :].split(".")[0]) for k in state_dict if k.startswith(layer_prefix)
     )
-    communicator = Recorder()
-    broadcast_integer(num_layers + 1, communicator)
-    for _, layer_state_dict in filter_state_dict_by_layers(state_dict, num_layers, layer_prefix):
-        broadcast_state_dict(layer_state_dict, communicator)
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "stream", "wb") as f:
-        for b in communicator.sent:
-            f.write(struct.pack("<Q", len(b)))
-            f.write(b)
+    for protocol in protocols:
+        PROTOCOL = None if protocol == "default" else int(protocol)
+        communicator = Recorder()
+        broadcast_integer(num_layers + 1, communicator)
+        for _, layer_dict in filter_state_dict_by_layers(state_dict, num_layers, layer_prefix):
+            broadcast_state_dict(layer_dict, communicator)
+        with open(out / f"stream-{protocol}", "wb") as f:
+            for b in communicator.sent:
+                f.write(struct.pack("<Q", len(b)))
+                f.write(b)
+        print(f"{protocol}: {len(communicator.sent)} broadcasts, {num_layers + 1} state dicts")
     save_file(state_dict, str(out / "expected.safetensors"))
-    print(f"{len(communicator.sent)} broadcasts, {num_layers + 1} state dicts", flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3:
-        PROTOCOL = int(sys.argv[3])
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] or ["default"])
