@@ -74,7 +74,7 @@ fn prime_rl_in_band_receive_replays_the_trainers_broadcasts() {
     let script = here("prime_rl_broadcast.py");
     let mut args: Vec<&std::ffi::OsStr> =
         vec![script.as_os_str(), m.a.as_os_str(), out.as_os_str()];
-    args.extend(protocols.iter().map(|p| std::ffi::OsStr::new(p)));
+    args.extend(protocols.iter().map(std::ffi::OsStr::new));
     let said = python(&args);
     for protocol in protocols {
         let mut sent = broadcasts(&out.join(format!("stream-{protocol}")));
