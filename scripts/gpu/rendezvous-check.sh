@@ -17,7 +17,11 @@
 #      the StatelessProcessGroup (arbor's rank 0 runs the store and makes the NCCL id),
 #      then A one tensor per /update_named_param/ with vLLM's barrier after each. The
 #      probe must give A's disk bits.
-#   `bash scripts/gpu/rendezvous-check.sh packed` runs steps 1 and 4 only.
+#   6. prime-rl style (--style prime-rl): /init_broadcaster, then B as prime-rl's trainer
+#      broadcasts it (the tensor list pickled in band, one tensor per dtype per state
+#      dict) under /update_weights {weight_dir}. The probe must give B's disk bits.
+#   `bash scripts/gpu/rendezvous-check.sh packed` runs steps 1 and 4 only;
+#   `bash scripts/gpu/rendezvous-check.sh prime-rl` steps 1 and 6 only.
 # PASS/FAIL per step; the last line says RENDEZVOUS CHECK: PASS or FAIL.
 set -uo pipefail
 T0=$(date +%s)
@@ -91,7 +95,9 @@ trainer() { # trainer STYLE MODEL VERSION STORE_PORT
 }
 
 ONLY=${1:-all}
-if [[ $ONLY == packed ]]; then
+if [[ $ONLY == prime-rl ]]; then
+    disk "$WORK/A" disk-A
+elif [[ $ONLY == packed ]]; then
     # The packed step alone: A serves, B is pushed.
     disk "$WORK/A" disk-A
 elif trainer sglang "$WORK/B" sglang-B 29561; then
@@ -101,7 +107,7 @@ elif trainer sglang "$WORK/B" sglang-B 29561; then
 else
     FAILED=1
 fi
-if [[ $ONLY == packed ]]; then
+if [[ $ONLY == packed || $ONLY == prime-rl ]]; then
     :
 elif trainer vllm "$WORK/A" vllm-A 29562; then
     P=$(probe); note "probe after the vLLM-style push: $P"
@@ -112,7 +118,9 @@ else
 fi
 # 4. vLLM's weight-transfer API, packed (--style packed, or `rendezvous-check.sh packed`
 #    for this step alone): B in 64 KiB uint8 buffers; the probe must give B's disk bits.
-if trainer packed "$WORK/B" packed-B 29563; then
+if [[ $ONLY == prime-rl ]]; then
+    :
+elif trainer packed "$WORK/B" packed-B 29563; then
     P=$(probe); note "probe after the packed push: $P"
     [[ $(version "$P") == packed-B ]] || fail "version after the packed push: $(version "$P")"
     [[ $(bits "$P") == $(bits "$PB") ]] && note "PASS  vLLM packed: B's bits, as from disk" || fail "vLLM packed: bits differ from B from disk"
@@ -121,10 +129,21 @@ else
     FAILED=1
 fi
 # 5. TRL style: A one tensor per call, the trainer at the last rank (B serves now).
-if [[ $ONLY != packed ]]; then
+if [[ $ONLY == all ]]; then
     if trainer trl "$WORK/A" trl-A 29564; then
         P=$(probe); note "probe after the TRL-style push: $P"
         [[ $(bits "$P") == $(bits "$PA") ]] && note "PASS  TRL style (trainer last): A's bits, as from disk" || fail "TRL style: bits differ from A from disk"
+    else
+        FAILED=1
+    fi
+fi
+# 6. prime-rl style: B, its tensor list in band (A serves now).
+if [[ $ONLY == all || $ONLY == prime-rl ]]; then
+    if trainer prime-rl "$WORK/B" prime-rl-B 29565; then
+        P=$(probe); note "probe after the prime-rl push: $P"
+        [[ $(version "$P") == prime-rl-B ]] || fail "version after the prime-rl push: $(version "$P")"
+        [[ $(bits "$P") == $(bits "$PB") ]] && note "PASS  prime-rl style (metadata in band): B's bits, as from disk" || fail "prime-rl style: bits differ from B from disk"
+        grep -h "received a prime-rl update" "$OUT/rendezvous-serve.log" | tail -n 1 >>"$SUMMARY"
     else
         FAILED=1
     fi

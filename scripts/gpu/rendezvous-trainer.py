@@ -18,6 +18,10 @@ way the RL frameworks' trainers do:
                   group), then /start_weight_update, one /update_weights with packed: true
                   while the tensors go in a few uint8 buffers (vLLM's packed layout), and
                   /finish_weight_update.
+  --style prime-rl  prime-rl's NCCL broadcast: /init_broadcaster (the vLLM-style group,
+                  trainer at rank 0), /pause?mode=keep, /update_weights {weight_dir} while
+                  the trainer broadcasts the count of state dicts and, per state dict, its
+                  pickled {dtype: [(name, shape, numel)]} and one tensor per dtype, /resume.
   --style trl     TRL's VLLMClient (trl/generation/vllm_client.py) against `trl
                   vllm-serve`'s routes: GET /get_world_size/, POST /init_communicator/
                   (host 0.0.0.0, as TRL sends it), then StatelessProcessGroup.create as the
@@ -302,6 +306,93 @@ def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], wor
     return 200, {"weight_version": args.version}
 
 
+def prime_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], world: int,
+                dev: torch.device) -> tuple[int, dict]:
+    """prime-rl's NCCL broadcast (src/prime_rl/transports/weights/nccl.py, the trainer;
+    src/prime_rl/utils/client.py, the orchestrator): /init_broadcaster while the trainer's
+    NCCLWeightBroadcastSender makes the group vLLM style (trainer at rank 0); then
+    /pause?mode=keep, /update_weights {weight_dir} while the trainer broadcasts the
+    number of state dicts, and per state dict (the non-layer weights, then each layer) the
+    pickled {dtype: [(name, shape, numel)]} metadata and one concatenated tensor per dtype;
+    then /resume."""
+    nccl = Nccl(args.nccl or find_nccl())
+    lib = nccl.lib
+    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ncclAllReduce.restype = ctypes.c_int
+    th, res = in_thread(args.server, "/init_broadcaster", {
+        "host": "127.0.0.1", "port": args.port, "rank_offset": 0,
+        "inference_world_size": world - 1, "timeout": 300,
+        "quantize_in_weight_transfer": False})
+    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listen.bind(("127.0.0.1", args.port))
+    listen.listen()
+    store = dist.TCPStore(host_name="127.0.0.1", port=args.port, world_size=world,
+                          is_master=True, timeout=timedelta(seconds=300), use_libuv=False,
+                          master_listen_fd=listen.fileno())
+    uid = nccl.unique_id()
+    vuid = stub_vllm_id_class()()
+    ctypes.memmove(ctypes.addressof(vuid), ctypes.addressof(uid), 128)
+    store.set("broadcast_from/0/0", pickle.dumps(vuid))
+    th.join()
+    check(*res[0], "init_broadcaster")
+    comm = nccl.init_rank(world, uid, 0)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    warm = torch.zeros(1, device=dev)
+    nccl.check(lib.ncclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
+                                 1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
+               "ncclAllReduce (warm-up)")
+    torch.cuda.synchronize()
+    types_ = {**NCCL_TYPES, torch.int64: 4, torch.uint8: 1}
+
+    def bcast(t: torch.Tensor) -> None:
+        ptr = ctypes.c_void_p(t.data_ptr())
+        nccl.check(lib.ncclBroadcast(ptr, ptr, t.numel(), types_[t.dtype], 0, comm,
+                                     ctypes.c_void_p(stream)), "ncclBroadcast")
+
+    def broadcast_state_dict(state_dict: dict[str, torch.Tensor]) -> None:
+        groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for key, value in state_dict.items():
+            groups.setdefault(value.dtype, []).append((key, value))
+        metadata = {d: [(k, v.shape, v.numel()) for k, v in items] for d, items in groups.items()}
+        state = pickle.dumps(metadata)
+        bcast(torch.tensor([len(state)], dtype=torch.long, device=dev))
+        bcast(torch.tensor(list(state), dtype=torch.uint8, device=dev))
+        for items in groups.values():
+            bcast(torch.cat([v.flatten() for _, v in items]))
+
+    status, body = post_wait(args.server, "/pause?mode=keep&clear_cache=false", {})
+    check(status, body, "pause")
+    th, res = in_thread(args.server, "/update_weights", {"weight_dir": "/nonexistent/step_1"})
+    prefix = "model.layers."
+    layers = 1 + max(int(k[len(prefix):].split(".")[0]) for k in weights if k.startswith(prefix))
+    bcast(torch.tensor([layers + 1], dtype=torch.long, device=dev))
+    broadcast_state_dict({k: v for k, v in weights.items() if not k.startswith(prefix)})
+    for i in range(layers):
+        broadcast_state_dict({k: v for k, v in weights.items() if k.startswith(f"{prefix}{i}.")})
+    torch.cuda.synchronize()
+    th.join()
+    check(*res[0], f"update_weights ({layers + 1} state dicts, metadata in band)")
+    status, body = post_wait(args.server, "/resume", {})
+    check(status, body, "resume")
+    # prime-rl names no version: arbor's (SGLang's) route sets the one the check reads.
+    status, body = post_wait(args.server, "/update_weight_version", {"new_version": args.version})
+    check(status, body, "update_weight_version")
+    th, res = in_thread(
+        args.server, "/destroy_weights_update_group", {"group_name": "prime-rl-broadcast"}
+    )
+    nccl.destroy(comm)
+    th.join()
+    check(*res[0], "destroy_weights_update_group")
+    del store
+    try:
+        listen.close()
+    except OSError:
+        pass  # the store took the socket over and closed it
+    return 200, {"weight_version": args.version}
+
+
 def post_wait(server: str, path: str, body: dict) -> tuple[int, dict]:
     th, res = in_thread(server, path, body)
     th.join()
@@ -429,7 +520,7 @@ def main():
     ap.add_argument("--server", required=True)
     ap.add_argument("--model", required=True, help="the model directory to push")
     ap.add_argument("--device", default="cuda:1")
-    ap.add_argument("--style", choices=["sglang", "vllm", "packed", "trl"], required=True)
+    ap.add_argument("--style", choices=["sglang", "vllm", "packed", "trl", "prime-rl"], required=True)
     ap.add_argument("--store-host", default="0.0.0.0",
                     help="trl style: the host /init_communicator/ names (TRL sends 0.0.0.0)")
     ap.add_argument("--port", type=int, required=True, help="the trainer's TCPStore port")
@@ -451,6 +542,8 @@ def main():
         status, body = packed_style(args, weights, world, dev)
     elif args.style == "vllm":
         status, body = vllm_style(args, weights, world, dev)
+    elif args.style == "prime-rl":
+        status, body = prime_style(args, weights, world, dev)
     else:
         status, body = trl_style(args, weights, dev)
         args.version = body.get("weight_version")

@@ -85,6 +85,14 @@ pub enum ControlOp {
         packed: Option<usize>,
         commit: Commit,
     },
+    /// Receive one update in prime-rl's layout, its tensor list in band
+    /// (`ControlMsg::ReceiveInBand`), and stage it; then commit as `commit` says.
+    ReceiveInBand {
+        group: String,
+        timeout_s: f64,
+        max_bytes: usize,
+        commit: Commit,
+    },
     /// Leave the trainer's group (`destroy_weights_update_group`).
     DestroyGroup { name: String },
     /// Stop stepping (`pause_generation`).

@@ -409,7 +409,7 @@ fn min_tokens_holds_back_the_stop_tokens_at_tp1_and_tp2() {
 /// `ncclUniqueId` ctypes struct, pickled, under `broadcast_from/0/0`), as
 /// `NCCLWeightTransferEngine.trainer_init` runs them
 /// (vllm/distributed/weight_transfer/nccl_engine.py).
-const TRAINER: &str = r#"
+pub(crate) const TRAINER: &str = r#"
 import ctypes, pickle, sys, types
 from datetime import timedelta
 from torch.distributed import TCPStore

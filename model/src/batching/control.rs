@@ -82,6 +82,14 @@ pub enum ControlMsg {
         timeout_s: f64,
         packed: Option<usize>,
     },
+    /// Receive one update in prime-rl's layout ([`super::in_band`]: the tensor list
+    /// travels pickled in band) from the trainer over the NCCL group `group`, and stage
+    /// it; `max_bytes` bounds each broadcast of tensors.
+    ReceiveInBand {
+        group: String,
+        timeout_s: f64,
+        max_bytes: usize,
+    },
     /// Drop the staged tensors.
     Discard,
     /// Replace the weights (every tensor the model reads) and drop the caches.
@@ -114,7 +122,9 @@ impl ControlMsg {
     pub fn what(&self) -> &'static str {
         match self {
             ControlMsg::Stage { .. } => "staging pushed tensors",
-            ControlMsg::Receive { .. } => "receiving tensors over NCCL",
+            ControlMsg::Receive { .. } | ControlMsg::ReceiveInBand { .. } => {
+                "receiving tensors over NCCL"
+            }
             ControlMsg::Discard => "discarding staged tensors",
             ControlMsg::Update(UpdateSource::Disk(_)) => "updating the weights from disk",
             ControlMsg::Update(UpdateSource::Staged) => "updating the weights from pushed tensors",

@@ -10,6 +10,7 @@
 //! and `score` are the same scheduler with a budget for whole prompts.
 
 pub mod control;
+pub mod in_band;
 pub mod kv;
 pub mod packed;
 pub mod plan;

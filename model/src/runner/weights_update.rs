@@ -318,6 +318,11 @@ impl<B: Backend> Worker<B> {
                 timeout_s,
                 packed,
             } => self.receive(group, tensors, *packed, Duration::from_secs_f64(*timeout_s)),
+            ControlMsg::ReceiveInBand {
+                group,
+                timeout_s,
+                max_bytes,
+            } => self.receive_in_band(group, Duration::from_secs_f64(*timeout_s), *max_bytes),
             ControlMsg::Discard | ControlMsg::FlushCache => Ok(()),
             ControlMsg::Update(src) => {
                 self.make_room_for_update()?;
@@ -426,7 +431,9 @@ impl<B: Backend> Worker<B> {
     pub(super) fn control_finish(&mut self, msg: &ControlMsg, apply: bool) {
         let u = &mut self.updates;
         match msg {
-            ControlMsg::Stage { .. } | ControlMsg::Receive { .. } => {
+            ControlMsg::Stage { .. }
+            | ControlMsg::Receive { .. }
+            | ControlMsg::ReceiveInBand { .. } => {
                 // A part that failed anywhere makes the whole push start over: no rank
                 // may hold tensors another rank does not.
                 if !apply {
@@ -578,6 +585,16 @@ impl<B: Backend> Worker<B> {
     /// Phase one of an update: the new model, loaded beside the serving one.
     fn prepare_model(&mut self, src: &UpdateSource) -> MResult<()> {
         let (store, origin) = match src {
+            // A directory of safetensors alone (prime-rl's trainer writes its weights
+            // without config.json): the served model's weights, read by its config.
+            UpdateSource::Disk(path)
+                if path.is_dir()
+                    && !path.join("config.json").exists()
+                    && (path.join("model.safetensors").exists()
+                        || path.join("model.safetensors.index.json").exists()) =>
+            {
+                (WeightStore::open(path)?, Origin::Disk(path.clone()))
+            }
             UpdateSource::Disk(path) => {
                 // What --model takes (an HF directory, or a GGUF file), read by the same
                 // loader, with the same errors.
@@ -755,6 +772,61 @@ impl<B: Backend> Worker<B> {
             .into_iter()
             .map(|(t, data)| SafeFile::from_tensor(label, &t.name, t.dtype, t.shape.clone(), data))
             .collect::<MResult<Vec<_>>>()?;
+        self.stage(files)
+    }
+
+    /// prime-rl's layout (`batching::in_band`): the count, then per state dict its pickled
+    /// tensor list and one buffer per dtype. Every rank receives every broadcast (NCCL's
+    /// broadcast reaches all members) and reads the list itself, so the ranks agree
+    /// without talking. Each dtype's buffer is staged whole, its tensors ranges of it.
+    fn receive_in_band(&mut self, group: &str, timeout: Duration, max_bytes: usize) -> MResult<()> {
+        let rank = self.backend.rank();
+        let g = match &mut self.updates.group {
+            Some((name, g)) if name == group => g,
+            _ => {
+                return Err(ModelError::Unavailable(format!(
+                    "no weight-update group {group:?}: init_broadcaster first"
+                )))
+            }
+        };
+        let root = g.root;
+        let joined = g.slot.joined(rank, timeout)?;
+        let t0 = std::time::Instant::now();
+        let received = crate::batching::in_band::receive(
+            |w| match w.dtype() {
+                Some(dtype) => joined.receive(w.bytes(), dtype, root, timeout),
+                None => joined.receive_bytes(w.bytes(), root, timeout),
+            },
+            max_bytes,
+        )
+        .map_err(|e| match e {
+            crate::batching::in_band::InBandError::Receive { cause, .. } => ModelError::Backend {
+                rank,
+                source: cause,
+            },
+            other => ModelError::BadRequest {
+                id: 0,
+                msg: other.to_string(),
+            },
+        })?;
+        let label = Path::new("tensors received over NCCL (prime-rl)");
+        let mut files = Vec::with_capacity(received.len());
+        let (mut tensors, mut total) = (0usize, 0usize);
+        for r in received {
+            let parts = r
+                .parts()
+                .map_err(|msg| ModelError::BadRequest { id: 0, msg })?;
+            tensors += parts.len();
+            total += r.bytes.len();
+            files.push(SafeFile::from_packed(label, r.bytes, parts)?);
+        }
+        tracing::info!(
+            rank,
+            tensors,
+            bytes = total,
+            seconds = t0.elapsed().as_secs_f64(),
+            "received a prime-rl update from the trainer"
+        );
         self.stage(files)
     }
 

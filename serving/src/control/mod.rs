@@ -181,6 +181,19 @@ impl Control {
                     packed,
                     commit,
                 } => self.receive(cx, group, tensors, timeout_s, packed, commit)?,
+                ControlOp::ReceiveInBand {
+                    group,
+                    timeout_s,
+                    max_bytes,
+                    commit,
+                } => {
+                    let msg = ControlMsg::ReceiveInBand {
+                        group,
+                        timeout_s,
+                        max_bytes,
+                    };
+                    self.receive_msg(cx, msg, "the tensors of this update".into(), commit)?
+                }
                 ControlOp::DestroyGroup { name } => self.destroy_group(cx, name)?,
                 ControlOp::Pause(mode) => self.pause(cx, mode),
                 ControlOp::Continue => self.continue_generation(cx),

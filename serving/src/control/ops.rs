@@ -141,13 +141,24 @@ impl Control {
             timeout_s,
             packed,
         };
+        self.receive_msg(cx, msg, format!("the {n} tensors of this call"), commit)
+    }
+
+    /// Runs a receive (`what` names its tensors in an error) and commits as `commit` says.
+    pub(super) fn receive_msg(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        msg: ControlMsg,
+        what: String,
+        commit: Commit,
+    ) -> Result<Outcome, ServeError> {
         match self.run(cx, msg)? {
             Ok(()) => self.staged_then(cx, commit),
             Err(e) => {
                 self.staged_at = None;
                 Ok(Outcome::Done(refused(
                     &e,
-                    format!("{e}; the {n} tensors of this call and every one staged before were dropped"),
+                    format!("{e}; {what} and every one staged before were dropped"),
                 )))
             }
         }

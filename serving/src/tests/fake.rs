@@ -387,7 +387,9 @@ impl WeightControl for FakeRunner {
                 Ok(())
             }
             ControlMsg::Discard | ControlMsg::FlushCache | ControlMsg::Release { .. } => Ok(()),
-            ControlMsg::Receive { .. } => unsupported("receive over NCCL"),
+            ControlMsg::Receive { .. } | ControlMsg::ReceiveInBand { .. } => {
+                unsupported("receive over NCCL")
+            }
             ControlMsg::JoinGroup { .. } | ControlMsg::LeaveGroup { .. } => {
                 unsupported("join a NCCL group")
             }

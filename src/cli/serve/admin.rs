@@ -642,13 +642,23 @@ async fn destroy_group(
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
-    guarded(st, headers, || {
+    let prime = super::prime_rl::GROUP;
+    let leaves_prime = matches!(&b, Ok(bytes) if parse::<DestroyGroup>(bytes).is_ok_and(|r| r.group_name == prime));
+    let st2 = st.clone();
+    let r = guarded(st, headers, || {
         let r: DestroyGroup = parse(&body(b)?)?;
         Ok(ControlOp::DestroyGroup {
             name: group_name(&r.group_name)?,
         })
     })
-    .await
+    .await;
+    // prime-rl's /update_weights reads the directory again once its group is gone.
+    if leaves_prime && r.status().is_success() {
+        *st2.prime_broadcaster
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+    }
+    r
 }
 
 async fn weight_version(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {

@@ -67,6 +67,7 @@ fn router(st: Arc<AppState>) -> Router {
         // SGLang's /generate and the info, health and control routes of SGLang and vLLM.
         .merge(super::compat::routes())
         .merge(super::vllm_weights::routes())
+        .merge(super::prime_rl::routes())
         .merge(super::trl::routes())
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))

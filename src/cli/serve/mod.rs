@@ -16,6 +16,7 @@ pub mod job;
 pub mod leader;
 pub mod openai;
 pub mod options;
+pub mod prime_rl;
 pub mod response;
 pub mod sglang;
 pub mod state;

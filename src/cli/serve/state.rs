@@ -48,6 +48,9 @@ pub struct AppState {
     pub(super) next_id: AtomicU64,
     /// `--default-seed`: the seed of unseeded requests (None: a fresh one each).
     default_seed: Option<u64>,
+    /// After prime-rl's `/init_broadcaster`: its timeout, and `/update_weights
+    /// {weight_dir}` receives over that group instead of reading the directory.
+    pub(super) prime_broadcaster: std::sync::Mutex<Option<f64>>,
     /// Set by the leader once the engine loop has ended: the server then shuts down.
     pub stop: Arc<tokio::sync::watch::Sender<bool>>,
 }
@@ -99,6 +102,7 @@ impl AppState {
             server_info,
             stats,
             next_id: AtomicU64::new(0),
+            prime_broadcaster: std::sync::Mutex::new(None),
             default_seed: args.default_seed,
             stop: Arc::new(tokio::sync::watch::channel(false).0),
         })

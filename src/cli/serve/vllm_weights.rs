@@ -275,12 +275,23 @@ async fn update(
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
-    run(st, headers, b, |st, mut o| {
+    let prime =
+        matches!(&b, Ok(bytes) if object(bytes).is_ok_and(|o| o.contains_key("weight_dir")));
+    let r = run(st, headers, b, |st, mut o| {
+        // prime-rl's server takes the same path with its own body.
+        if o.contains_key("weight_dir") {
+            return super::prime_rl::update_op(st, &o).map(Step::Op);
+        }
         let u: UpdateInfo = field(&mut o, "update_info")?;
         no_other_fields(&o)?;
         update_op(st, u).map(Step::Op)
     })
-    .await
+    .await;
+    if prime {
+        super::prime_rl::with_status(r).await
+    } else {
+        r
+    }
 }
 
 async fn finish(
