@@ -1039,13 +1039,18 @@ fn gpu_moe_device_routing_matches_host_routing() {
     }
 }
 
-/// The tiny model's tensors as a trainer's broadcast leaves them in `b`'s memory: every
-/// tensor as `dtype` (bf16, or f32 holding the checkpoint's bf16 values exactly), whole.
-fn device_store<B: Backend>(b: &B, dir: &Path, dtype: arbor_model::DType) -> WeightStore {
+/// The tiny model's tensors as a trainer pushes them, every tensor whole as `dtype` (the
+/// checkpoint's bf16 values, exactly in f32, rounded in f16): held on the host (an HTTP
+/// push) and in `b`'s memory (what a NCCL broadcast leaves there), the same bytes.
+fn pushed_stores<B: Backend>(
+    b: &B,
+    dir: &Path,
+    dtype: arbor_model::DType,
+) -> (WeightStore, WeightStore) {
     use arbor_model::backend::DeviceTensor;
     use arbor_model::safetensors::SafeFile;
     let f = SafeFile::open(&dir.join("model.safetensors")).expect("the tiny checkpoint");
-    let mut device = Vec::new();
+    let (mut host, mut device) = (Vec::new(), Vec::new());
     for (name, info) in &f.tensors {
         let (n, k) = match info.shape[..] {
             [n, k] => (n, k),
@@ -1058,18 +1063,26 @@ fn device_store<B: Backend>(b: &B, dir: &Path, dtype: arbor_model::DType) -> Wei
                 .iter()
                 .flat_map(|v| f32::from(*v).to_le_bytes())
                 .collect(),
-            _ => vals
+            arbor_model::DType::F16 => vals
                 .iter()
-                .flat_map(|v| v.to_bits().to_le_bytes())
+                .flat_map(|v| half::f16::from_f32(f32::from(*v)).to_le_bytes())
                 .collect(),
+            arbor_model::DType::BF16 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
         };
         let held = b.device_bytes(&bytes).expect("copying into device memory");
         let range = 0..held.len();
         let t = DeviceTensor::new(dtype, info.shape.clone(), held, range).expect("tensor");
         device.push((name.clone(), t));
+        let label = Path::new("tensors pushed over HTTP");
+        host.push(
+            SafeFile::from_tensor(label, name, dtype, info.shape.clone(), bytes).expect("file"),
+        );
     }
-    WeightStore::from_files(Path::new("tensors in device memory"), Vec::new(), device)
-        .expect("a device store")
+    let host = WeightStore::from_files(Path::new("tensors on the host"), host, Vec::new())
+        .expect("a host store");
+    let device = WeightStore::from_files(Path::new("tensors in device memory"), Vec::new(), device)
+        .expect("a device store");
+    (host, device)
 }
 
 /// `w` `[n, k]` as f32 on the host, read through the tree GEMM of an identity
@@ -1099,17 +1112,20 @@ fn reveal<B: Backend>(b: &B, w: &B::Mat, n: usize, k: usize) -> Vec<u32> {
 }
 
 /// A store of device-resident tensors gives the weights and the model a host load gives:
-/// rows of a TP 2 rank (column-parallel, stacked q/k/v and alternating gate/up), columns
-/// (row-parallel), the padded head block, f32 and bf16 sources; a value that is not
+/// rows of a TP 2 rank (column-parallel, stacked and alternating gate/up), columns
+/// (row-parallel), the padded head block, bf16, f32 and f16 sources; a value that is not
 /// finite is refused naming the tensor, as the host load refuses it.
 fn device_store_matches_host<B: Backend>(b: &B, tag: &str) {
     use arbor_model::layers::{Block, RowParallelLinear};
     let dir = tiny(Arch::Llama, tag);
     let cfg = ModelConfig::from_dir(&dir).expect("config");
-    let host = WeightStore::open(&dir).expect("weights");
     let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
-    for dtype in [arbor_model::DType::BF16, arbor_model::DType::F32] {
-        let dev = device_store(b, &dir, dtype);
+    for dtype in [
+        arbor_model::DType::BF16,
+        arbor_model::DType::F32,
+        arbor_model::DType::F16,
+    ] {
+        let (host, dev) = pushed_stores(b, &dir, dtype);
         for (rank, tp) in [(0usize, 1usize), (0, 2), (1, 2)] {
             let ctx = |store| LoadCtx {
                 backend: b,
@@ -1196,9 +1212,20 @@ fn device_store_matches_host<B: Backend>(b: &B, tag: &str) {
                 );
             }
         }
-        // The whole model: a fresh store, each tensor read by its layer and released.
-        let dev = device_store(b, &dir, dtype);
-        let want = load(b, &dir);
+        // The whole model: fresh stores, each tensor read by its layer and released.
+        let (host, dev) = pushed_stores(b, &dir, dtype);
+        let want = Model::load(
+            &LoadCtx {
+                backend: b,
+                store: &host,
+                rank: 0,
+                tp: 1,
+                row_tp: 1,
+            },
+            &cfg,
+            256,
+        )
+        .expect("the model from host memory");
         let ctx = LoadCtx {
             backend: b,
             store: &dev,

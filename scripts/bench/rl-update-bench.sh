@@ -3,7 +3,7 @@
 # llama3-8b-shape model (docs/rl.md). Run from the repo root after
 # `bash scripts/gpu/build-device.sh`:
 #   bash scripts/bench/rl-update-bench.sh          # writes $OUT/rl-summary.txt and logs
-#   PARTS=nccl bash scripts/bench/rl-update-bench.sh   # the NCCL push only (2+ GPUs)
+#   RL_PARTS=nccl bash scripts/bench/rl-update-bench.sh   # the NCCL push only (2+ GPUs)
 # On nvidia-h200-x2 (or any 2+ GPU kind) it times every path; on one GPU, the disk and
 # HTTP-push paths (a NCCL group needs a GPU per member: the trainer's and arbor's).
 #   1. `arbor serve --device cuda` (TP 1, GPU 0) on the 8B model; a greedy probe.
@@ -21,9 +21,10 @@
 # Every step's raw output is in $OUT/rl-*.log; PASS/FAIL lines in the summary.
 set -uo pipefail
 T0=$(date +%s)
-# all: every path; nccl: the server and the NCCL pushes only.
-PARTS=${PARTS:-all}
-case $PARTS in all | nccl) ;; *) echo "PARTS must be all or nccl, not $PARTS" >&2; exit 2 ;; esac
+# RL_PARTS: all (every path) or nccl (the server and the NCCL pushes only). Not PARTS:
+# multi-gpu-run.sh, which runs this script, has its own.
+RL_PARTS=${RL_PARTS:-all}
+case $RL_PARTS in all | nccl) ;; *) echo "RL_PARTS must be all or nccl, not $RL_PARTS" >&2; exit 2 ;; esac
 BUDGET_S=${BUDGET_S:-580}
 source scripts/gpu/device-lib.sh
 script_start rl-summary.txt
@@ -112,7 +113,7 @@ timed_update() { # timed_update NAME BODY
     echo "$1: $r" >>"$LOG"
     note "TIMED $1: wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s, arbor $(echo "$r" | python3 "$WORK/answer.py")"
 }
-if [[ $PARTS == all ]]; then
+if [[ $RL_PARTS == all ]]; then
 timed_update "update_weights_from_disk (page cache warm)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm\"}"
 P=$(probe); note "probe: $P"; same_bits "$P" && note "PASS  same bits after the disk update" || note "FAIL  bits changed (same weights)"
 if sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
@@ -150,8 +151,8 @@ else
     note "SKIP  NCCL push: one GPU (the trainer needs a GPU of its own: run on nvidia-h200-x2)"
 fi
 
-if [[ $PARTS == nccl ]]; then
-    note "done in $(elapsed) s (PARTS=nccl: no release/resume)"
+if [[ $RL_PARTS == nccl ]]; then
+    note "done in $(elapsed) s (RL_PARTS=nccl: no release/resume)"
     exit 0
 fi
 mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0; }
