@@ -656,7 +656,7 @@ impl<B: Backend> Worker<B> {
             rank = self.backend.rank(),
             cut_seconds = t0.elapsed().as_secs_f64(),
             host_read_seconds = store.read_seconds(),
-            "new weights prepared (cut: every shard cut, converted to bf16, checked finite and in device memory; host_read: the part read on the host)"
+            "new weights prepared (cut: the new model made in device memory, every shard read or cut, converted to bf16 and checked finite; host_read: the part spent reading on the host)"
         );
         self.updates.candidate = Some((model, origin));
         Ok(())
