@@ -12,6 +12,9 @@
 //! - mixture-of-experts models (Qwen3-MoE, Mixtral): GPU logits near the CPU's, prefill ==
 //!   decode == a row in a batch, and steps run through `run_step` (where decode steps are
 //!   recorded) equal to op by op.
+//! - weights cut from tensors in device memory (what a trainer's NCCL broadcast leaves
+//!   there) equal a host load's, and a non-finite value is refused naming the tensor (with
+//!   a CPU twin that runs anywhere).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -1056,4 +1059,283 @@ fn gpu_moe_device_routing_matches_host_routing() {
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// The tiny model's tensors as a trainer pushes them, every tensor whole as `dtype` (the
+/// checkpoint's bf16 values, exactly in f32, rounded in f16): held on the host (an HTTP
+/// push) and in `b`'s memory (what a NCCL broadcast leaves there), the same bytes.
+fn pushed_stores<B: Backend>(
+    b: &B,
+    dir: &Path,
+    dtype: arbor_model::DType,
+) -> (WeightStore, WeightStore) {
+    use arbor_model::backend::DeviceTensor;
+    use arbor_model::safetensors::SafeFile;
+    let f = SafeFile::open(&dir.join("model.safetensors")).expect("the tiny checkpoint");
+    let (mut host, mut device) = (Vec::new(), Vec::new());
+    for (name, info) in &f.tensors {
+        let (n, k) = match info.shape[..] {
+            [n, k] => (n, k),
+            [k] => (1, k),
+            _ => panic!("{name}: shape {:?}", info.shape),
+        };
+        let vals = f.read_block(name, info, k, 0..n, 0..k).expect("host read");
+        let bytes: Vec<u8> = match dtype {
+            arbor_model::DType::F32 => vals
+                .iter()
+                .flat_map(|v| f32::from(*v).to_le_bytes())
+                .collect(),
+            arbor_model::DType::F16 => vals
+                .iter()
+                .flat_map(|v| half::f16::from_f32(f32::from(*v)).to_le_bytes())
+                .collect(),
+            arbor_model::DType::BF16 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        let held = b.device_bytes(&bytes).expect("copying into device memory");
+        let range = 0..held.len();
+        let t = DeviceTensor::new(dtype, info.shape.clone(), held, range).expect("tensor");
+        device.push((name.clone(), t));
+        let label = Path::new("tensors pushed over HTTP");
+        host.push(
+            SafeFile::from_tensor(label, name, dtype, info.shape.clone(), bytes).expect("file"),
+        );
+    }
+    let host = WeightStore::from_files(Path::new("tensors on the host"), host, Vec::new())
+        .expect("a host store");
+    let device = WeightStore::from_files(Path::new("tensors in device memory"), Vec::new(), device)
+        .expect("a device store");
+    (host, device)
+}
+
+/// `w` `[n, k]` as f32 on the host, read through the tree GEMM of an identity
+/// activation: each output is one weight times 1 plus zeros, so exact.
+fn reveal<B: Backend>(b: &B, w: &B::Mat, n: usize, k: usize) -> Vec<u32> {
+    use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
+    let mut eye = vec![0f32; k * k];
+    for i in 0..k {
+        eye[i * k + i] = 1.0;
+    }
+    let x = b.act_from_host(&eye, k, k).expect("identity");
+    let tree = arbor_model::backend::TreeSpec {
+        seg_len: SegmentLayout::new(k).seg_len,
+        n_seg: SEGMENTS,
+        k,
+    };
+    let y = b.matmul(&x, w, tree).expect("matmul");
+    let yt = b.act_to_host(&y).expect("download");
+    // y = I · Wᵀ: y[i][j] = W[j][i].
+    let mut out = vec![0u32; n * k];
+    for j in 0..n {
+        for i in 0..k {
+            out[j * k + i] = yt[i * n + j].to_bits();
+        }
+    }
+    out
+}
+
+/// A store of device-resident tensors gives the weights and the model a host load gives:
+/// rows of a TP 2 rank (column-parallel, stacked and alternating gate/up), columns
+/// (row-parallel), the padded head block, bf16, f32 and f16 sources; a value that is not
+/// finite is refused naming the tensor, as the host load refuses it.
+fn device_store_matches_host<B: Backend>(b: &B, tag: &str) {
+    use arbor_model::layers::{Block, RowParallelLinear};
+    let dir = tiny(Arch::Llama, tag);
+    let cfg = ModelConfig::from_dir(&dir).expect("config");
+    let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+    for dtype in [
+        arbor_model::DType::BF16,
+        arbor_model::DType::F32,
+        arbor_model::DType::F16,
+    ] {
+        let (host, dev) = pushed_stores(b, &dir, dtype);
+        for (rank, tp) in [(0usize, 1usize), (0, 2), (1, 2)] {
+            let ctx = |store| LoadCtx {
+                backend: b,
+                store,
+                rank,
+                tp,
+                row_tp: tp,
+            };
+            let inter_rows = RowParallelLinear::<B>::shard(inter, rank, tp);
+            let cols = RowParallelLinear::<B>::shard(inter, rank, tp);
+            let half = inter_rows.len();
+            let gate = "model.layers.0.mlp.gate_proj.weight";
+            let up = "model.layers.0.mlp.up_proj.weight";
+            let down = "model.layers.0.mlp.down_proj.weight";
+            let vocab = cfg.vocab_size;
+            let vblock = vocab.div_ceil(tp);
+            let vrows = (rank * vblock).min(vocab)..((rank + 1) * vblock).min(vocab);
+            let cases: Vec<(&str, usize, usize, Vec<Block>)> = vec![
+                (
+                    "stacked gate/up rows",
+                    2 * half,
+                    h,
+                    vec![
+                        Block::rows(gate, inter, h, inter_rows.clone(), 0),
+                        Block::rows(up, inter, h, inter_rows.clone(), half),
+                    ],
+                ),
+                (
+                    "alternating gate/up rows",
+                    2 * half,
+                    h,
+                    vec![
+                        Block {
+                            dst_step: 2,
+                            ..Block::rows(gate, inter, h, inter_rows.clone(), 0)
+                        },
+                        Block {
+                            dst_step: 2,
+                            ..Block::rows(up, inter, h, inter_rows.clone(), 1)
+                        },
+                    ],
+                ),
+                (
+                    "row-parallel columns",
+                    h,
+                    cols.len(),
+                    vec![Block {
+                        name: down,
+                        n: h,
+                        k: inter,
+                        rows: 0..h,
+                        cols: cols.clone(),
+                        dst_row0: 0,
+                        dst_step: 1,
+                    }],
+                ),
+                (
+                    "padded head block",
+                    vblock,
+                    h,
+                    vec![Block::rows(
+                        "model.embed_tokens.weight",
+                        vocab,
+                        h,
+                        vrows.clone(),
+                        0,
+                    )],
+                ),
+            ];
+            for (what, n, k, blocks) in cases {
+                // The device store frees a tensor at its last reader: one reader per case.
+                for blk in &blocks {
+                    dev.set_readers(blk.name, 2);
+                }
+                let want = ctx(&host).mat(n, k, &blocks).expect("host cut");
+                let got = ctx(&dev).mat(n, k, &blocks).expect("device cut");
+                let (got, want) = (reveal(b, &got, n, k), reveal(b, &want, n, k));
+                let first = got.iter().zip(&want).position(|(g, w)| g != w);
+                assert_eq!(
+                    first,
+                    None,
+                    "{what}, rank {rank} of {tp}, {dtype:?} source: first differing value (of {})",
+                    want.len()
+                );
+            }
+        }
+        // The whole model: fresh stores, each tensor read by its layer and released.
+        let (host, dev) = pushed_stores(b, &dir, dtype);
+        let want = Model::load(
+            &LoadCtx {
+                backend: b,
+                store: &host,
+                rank: 0,
+                tp: 1,
+                row_tp: 1,
+            },
+            &cfg,
+            256,
+        )
+        .expect("the model from host memory");
+        let ctx = LoadCtx {
+            backend: b,
+            store: &dev,
+            rank: 0,
+            tp: 1,
+            row_tp: 1,
+        };
+        let got = Model::load(&ctx, &cfg, 256).expect("the model from device memory");
+        assert_eq!(
+            bits(&prefill(b, &got, &prompts())),
+            bits(&prefill(b, &want, &prompts())),
+            "logits of the model loaded from {dtype:?} tensors in device memory"
+        );
+    }
+    // A NaN in a row-parallel weight's columns: the host load's refusal, word for word
+    // but for where the checkpoint came from.
+    {
+        use arbor_model::safetensors::SafeFile;
+        let f = SafeFile::open(&dir.join("model.safetensors")).expect("checkpoint");
+        let name = "model.layers.0.mlp.down_proj.weight";
+        let info = &f.tensors[name];
+        let mut vals = f
+            .read_block(name, info, inter, 0..h, 0..inter)
+            .expect("read");
+        vals[3 * inter + inter - 1] = half::bf16::NAN;
+        let bytes: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect();
+        let held = b.device_bytes(&bytes).expect("upload");
+        let range = 0..held.len();
+        let t = arbor_model::backend::DeviceTensor::new(
+            arbor_model::DType::BF16,
+            info.shape.clone(),
+            held,
+            range,
+        )
+        .expect("tensor");
+        let dev = WeightStore::from_files(
+            Path::new("tensors in device memory"),
+            Vec::new(),
+            vec![(name.to_string(), t)],
+        )
+        .expect("store");
+        let ctx = LoadCtx {
+            backend: b,
+            store: &dev,
+            rank: 1,
+            tp: 2,
+            row_tp: 2,
+        };
+        let cols = RowParallelLinear::<B>::shard(inter, 1, 2);
+        let block = Block {
+            name,
+            n: h,
+            k: inter,
+            rows: 0..h,
+            cols: cols.clone(),
+            dst_row0: 0,
+            dst_step: 1,
+        };
+        let err = match ctx.mat(h, cols.len(), &[block]) {
+            Ok(_) => panic!("a NaN was accepted"),
+            Err(e) => e.to_string(),
+        };
+        let flat = 3 * inter + inter - 1;
+        assert!(
+            err.contains(&format!(
+                "tensor {name:?}: element {flat} ([3, {}]) is NaN",
+                inter - 1
+            )),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cpu_device_store_matches_host() {
+    device_store_matches_host(&CpuBackend::new(Arc::new(SingleComm)), "devstore-cpu");
+}
+
+#[test]
+fn gpu_device_store_matches_host() {
+    if !gpu_usable() {
+        return;
+    }
+    let gpu = CudaBackend::new(Arc::new(SingleComm), Numerics::Invariant)
+        .unwrap_or_else(|e| panic!("opening the GPU: {e}"));
+    device_store_matches_host(&gpu, "devstore-gpu");
 }

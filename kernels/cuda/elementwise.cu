@@ -102,3 +102,62 @@ extern "C" __global__ void kv_write_kernel(bf16_t* __restrict__ kc, bf16_t* __re
     kc[dst] = f32_to_bf16(k[i]);
     vc[dst] = f32_to_bf16(v[i]);
 }
+
+// f16 bits to f32, exactly (subnormals included): no CUDA half header is needed.
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    const unsigned int exp = ((unsigned int)h >> 10) & 0x1fu;
+    const unsigned int man = (unsigned int)h & 0x3ffu;
+    if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    if (exp != 0u) return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+    // ±0 or a subnormal: man · 2^-24 is exact in f32.
+    const float v = (float)man * 5.9604644775390625e-8f;
+    return __uint_as_float(sign | __float_as_uint(v));
+}
+
+// A block of a received weight cut into a bf16 matrix: element (r, c) of rows × cols,
+// taken from source row row0 + r and column col0 + c of a [*, src_k] tensor of `dtype`
+// (0 bf16, 1 f16, 2 f32), lands at destination row dst_row0 + r·dst_step, column c, of a
+// [*, dst_k] matrix. The conversion to bf16 is the host's (half::bf16::from_f32 of the
+// exact f32 value). The smallest source index of a value that is not finite in bf16 goes
+// to *first_bad (which the caller set to ~0). The source is read as bytes' worth of its
+// type only where `aligned` says the address allows (a packed buffer may place a tensor at
+// any byte).
+extern "C" __global__ void cut_to_bf16_kernel(const unsigned char* __restrict__ src, int dtype,
+                                              int aligned, long long src_k, long long row0,
+                                              long long col0, long long rows, long long cols,
+                                              bf16_t* __restrict__ dst, long long dst_k,
+                                              long long dst_row0, long long dst_step,
+                                              unsigned long long* __restrict__ first_bad) {
+    pdl_enter();
+    const long long count = rows * cols;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+        const long long r = i / cols;
+        const long long c = i - r * cols;
+        const long long s = (row0 + r) * src_k + col0 + c;
+        bf16_t out;
+        if (dtype == 2) {
+            unsigned int u;
+            if (aligned) {
+                u = ((const unsigned int*)src)[s];
+            } else {
+                const unsigned char* p = src + s * 4;
+                u = (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) |
+                    ((unsigned int)p[3] << 24);
+            }
+            out = f32_to_bf16(__uint_as_float(u));
+        } else {
+            unsigned short h;
+            if (aligned) {
+                h = ((const unsigned short*)src)[s];
+            } else {
+                const unsigned char* p = src + s * 2;
+                h = (unsigned short)((unsigned int)p[0] | ((unsigned int)p[1] << 8));
+            }
+            out = dtype == 0 ? h : f32_to_bf16(f16_to_f32(h));
+        }
+        dst[(dst_row0 + r * dst_step) * dst_k + c] = out;
+        if ((out & 0x7f80u) == 0x7f80u) atomicMin(first_bad, (unsigned long long)s);
+    }
+}

@@ -113,7 +113,7 @@ struct Norm<B: Backend> {
 
 impl<B: Backend> Norm<B> {
     fn load(ctx: &LoadCtx<B>, name: &str, len: usize) -> MResult<Self> {
-        let w = ctx.store.vector(name, len, 0..len)?;
+        let w = ctx.vector(name, len, 0..len)?;
         Ok(Norm {
             w: ctx
                 .backend
@@ -262,6 +262,8 @@ impl<B: Backend> Model<B> {
             });
         }
         let head_name = if cfg.tie_word_embeddings {
+            // Read by the embedding and the head: a device-resident copy goes after both.
+            ctx.store.set_readers("model.embed_tokens.weight", 2);
             "model.embed_tokens.weight"
         } else {
             "lm_head.weight"

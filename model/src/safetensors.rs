@@ -270,7 +270,7 @@ impl SafeFile {
                 let b = self.bytes(info, (r * k + cols.start) * es..(r * k + cols.end) * es);
                 convert_into(b, info.dtype, d);
                 if let Some(j) = first_non_finite(d) {
-                    return Err(self.non_finite(name, info, b, d[j], r * k + cols.start + j, j));
+                    return Err(self.non_finite(name, info, b, r * k + cols.start + j, j));
                 }
             }
             Ok(())
@@ -304,24 +304,43 @@ impl SafeFile {
         name: &str,
         info: &TensorInfo,
         b: &[u8],
-        v: bf16,
         flat: usize,
         j: usize,
     ) -> ModelError {
-        let raw = match info.dtype {
-            DType::F32 => {
-                let c = &b[j * 4..j * 4 + 4];
-                f32::from_le_bytes([c[0], c[1], c[2], c[3]]).to_string()
-            }
-            _ => v.to_string(),
-        };
-        ModelError::Safetensors {
-            path: self.path.clone(),
-            msg: format!(
-                "tensor {name:?}: element {flat} ({:?}) is {raw}; the weights must be finite in bf16",
-                unravel(flat, &info.shape),
-            ),
-        }
+        let es = info.dtype.size();
+        non_finite_error(
+            &self.path,
+            name,
+            info.dtype,
+            &info.shape,
+            &b[j * es..(j + 1) * es],
+            flat,
+        )
+    }
+}
+
+/// The refusal of element `flat` of tensor `name` (`raw`: its bytes), which is not finite
+/// in bf16. `path` names where the tensor came from.
+pub(crate) fn non_finite_error(
+    path: &Path,
+    name: &str,
+    dtype: DType,
+    shape: &[usize],
+    raw: &[u8],
+    flat: usize,
+) -> ModelError {
+    let mut v = [bf16::ZERO];
+    convert_into(raw, dtype, &mut v);
+    let shown = match (dtype, raw) {
+        (DType::F32, [a, b, c, d]) => f32::from_le_bytes([*a, *b, *c, *d]).to_string(),
+        _ => v[0].to_string(),
+    };
+    ModelError::Safetensors {
+        path: path.to_path_buf(),
+        msg: format!(
+            "tensor {name:?}: element {flat} ({:?}) is {shown}; the weights must be finite in bf16",
+            unravel(flat, shape),
+        ),
     }
 }
 
@@ -332,7 +351,7 @@ const MAX_THREADS: usize = 16;
 
 /// The index of the first NaN or ±inf of `v`. Scans without an early exit, in chunks, so
 /// the loop vectorises (all-ones exponent bits: 0x7f80).
-fn first_non_finite(v: &[bf16]) -> Option<usize> {
+pub(crate) fn first_non_finite(v: &[bf16]) -> Option<usize> {
     const CHUNK: usize = 1024;
     let bad = |x: &bf16| x.to_bits() & 0x7f80 == 0x7f80;
     for (c, chunk) in v.chunks(CHUNK).enumerate() {
@@ -355,7 +374,7 @@ fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
     idx
 }
 
-fn convert_into(b: &[u8], dtype: DType, out: &mut [bf16]) {
+pub(crate) fn convert_into(b: &[u8], dtype: DType, out: &mut [bf16]) {
     match dtype {
         DType::BF16 => {
             for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use half::bf16;
 
+use crate::backend::DeviceTensor;
 use crate::error::{MResult, ModelError};
 use crate::gguf::GgufWeights;
 use crate::safetensors::{SafeFile, TensorInfo};
@@ -42,10 +43,14 @@ impl WeightStore {
         Self::with(Source::Gguf(g))
     }
 
-    /// A checkpoint held in memory (tensors a trainer pushed); `label` stands for the
-    /// directory in errors.
-    pub fn from_files(label: &Path, files: Vec<SafeFile>) -> MResult<Self> {
-        SafeStore::from_files(label, files).map(|s| Self::with(Source::Safetensors(s)))
+    /// A checkpoint held in memory (tensors a trainer pushed): in host memory (`files`)
+    /// or in the backend's (`device`, by name); `label` stands for the directory in errors.
+    pub fn from_files(
+        label: &Path,
+        files: Vec<SafeFile>,
+        device: Vec<(String, DeviceTensor)>,
+    ) -> MResult<Self> {
+        SafeStore::from_files(label, files, device).map(|s| Self::with(Source::Safetensors(s)))
     }
 
     fn with(source: Source) -> Self {
@@ -113,6 +118,62 @@ impl WeightStore {
             Source::Gguf(g) => g.vector(name, len, range),
         })
     }
+
+    /// The tensor `name` of `shape`, where it lies in the backend's memory (`None`: it is
+    /// read from the host). A tensor already released is refused.
+    pub fn device(&self, name: &str, shape: &[usize]) -> MResult<Option<DeviceTensor>> {
+        match &self.source {
+            Source::Safetensors(s) if s.device.contains_key(name) => {
+                self.note(name, shape);
+                s.device_tensor(name, shape).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// `name` will be read `readers` times (default once): a device-resident tensor is
+    /// freed at its last [`WeightStore::release`] (a tied embedding is read twice).
+    pub fn set_readers(&self, name: &str, readers: usize) {
+        if let Source::Safetensors(s) = &self.source {
+            if let Some(e) = s.device.get(name) {
+                if let Ok(mut slot) = e.held.lock() {
+                    slot.1 = readers;
+                }
+            }
+        }
+    }
+
+    /// One reader of `name` has taken what it needs: a device-resident tensor whose
+    /// readers are all done is freed now (its memory goes back while the rest of the
+    /// model is made). Host tensors stay.
+    pub fn release(&self, name: &str) {
+        if let Source::Safetensors(s) = &self.source {
+            if let Some(e) = s.device.get(name) {
+                if let Ok(mut slot) = e.held.lock() {
+                    slot.1 = slot.1.saturating_sub(1);
+                    if slot.1 == 0 {
+                        slot.0 = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Where the checkpoint came from, for errors.
+    pub fn label(&self) -> &Path {
+        match &self.source {
+            Source::Safetensors(s) => &s.dir,
+            Source::Gguf(g) => g.path(),
+        }
+    }
+}
+
+/// A tensor held in the backend's memory, until its readers are done with it.
+struct DeviceEntry {
+    dtype: crate::safetensors::DType,
+    shape: Vec<usize>,
+    /// The tensor (None once released) and how many readers are still to come.
+    held: Mutex<(Option<DeviceTensor>, usize)>,
 }
 
 /// A model directory's safetensors files.
@@ -121,6 +182,8 @@ pub struct SafeStore {
     files: Vec<SafeFile>,
     /// tensor name -> index into `files`.
     index: HashMap<String, usize>,
+    /// Tensors in the backend's memory, by name (a pushed checkpoint's).
+    device: HashMap<String, DeviceEntry>,
 }
 
 impl SafeStore {
@@ -191,12 +254,18 @@ impl SafeStore {
             dir: dir.to_path_buf(),
             files,
             index,
+            device: HashMap::new(),
         })
     }
 
-    /// A checkpoint held in memory (tensors a trainer pushed); `label` stands for the
-    /// directory in errors. A tensor in two of the files is refused, naming both.
-    pub fn from_files(label: &Path, files: Vec<SafeFile>) -> MResult<Self> {
+    /// A checkpoint held in memory (tensors a trainer pushed), in host memory (`files`)
+    /// or the backend's (`device`); `label` stands for the directory in errors. A tensor
+    /// given twice is refused, naming both places.
+    pub fn from_files(
+        label: &Path,
+        files: Vec<SafeFile>,
+        device: Vec<(String, DeviceTensor)>,
+    ) -> MResult<Self> {
         let mut index = HashMap::new();
         for (fi, f) in files.iter().enumerate() {
             for name in f.tensors.keys() {
@@ -210,15 +279,97 @@ impl SafeStore {
                 index.insert(name.clone(), fi);
             }
         }
+        let mut held = HashMap::with_capacity(device.len());
+        for (name, t) in device {
+            let twice = match index.get(&name) {
+                Some(&fi) => Some(files[fi].path.display().to_string()),
+                None if held.contains_key(&name) => Some("device memory".to_string()),
+                None => None,
+            };
+            if let Some(other) = twice {
+                return Err(ModelError::Safetensors {
+                    path: label.to_path_buf(),
+                    msg: format!(
+                        "tensor {name:?} was received into device memory and also given in {other}"
+                    ),
+                });
+            }
+            let entry = DeviceEntry {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                held: Mutex::new((Some(t), 1)),
+            };
+            held.insert(name, entry);
+        }
         Ok(SafeStore {
             dir: label.to_path_buf(),
             files,
             index,
+            device: held,
         })
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.index.contains_key(name) || self.device.contains_key(name)
+    }
+
+    /// The device-resident tensor `name`, checked to be of `expected` shape.
+    fn device_tensor(&self, name: &str, expected: &[usize]) -> MResult<DeviceTensor> {
+        let e = self
+            .device
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                dir: self.dir.clone(),
+                tensor: name.to_string(),
+            })?;
+        if e.shape != expected {
+            return Err(ModelError::ShapeMismatch {
+                path: self.dir.clone(),
+                tensor: name.to_string(),
+                expected: expected.to_vec(),
+                found: e.shape.clone(),
+            });
+        }
+        let held = e.held.lock().map(|h| h.0.clone()).unwrap_or_default();
+        held.ok_or_else(|| {
+            ModelError::Plan(format!(
+                "tensor {name:?} ({} {:?}) was read after its last reader released it",
+                e.dtype.name(),
+                e.shape
+            ))
+        })
+    }
+
+    /// A device-resident tensor brought to the host whole and read as a host tensor is
+    /// (a vector, or a layer whose other parts came over HTTP): the same conversion,
+    /// checks and errors.
+    fn device_on_host(&self, name: &str, expected: &[usize]) -> MResult<Option<SafeFile>> {
+        if !self.device.contains_key(name) {
+            return Ok(None);
+        }
+        let t = self.device_tensor(name, expected)?;
+        let bytes = t.to_host().map_err(|msg| ModelError::Safetensors {
+            path: self.dir.clone(),
+            msg: format!("tensor {name:?}: bringing it from device memory: {msg}"),
+        })?;
+        SafeFile::from_tensor(&self.dir, name, t.dtype, t.shape.clone(), bytes).map(Some)
+    }
+
+    /// Elements `rows` × `cols` of the `[n, k]` tensor `name` (a vector: n = 1), from
+    /// the host or device memory.
+    fn block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        k: usize,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> MResult<Vec<bf16>> {
+        if let Some(f) = self.device_on_host(name, shape)? {
+            return f.read_block(name, &f.tensors[name], k, rows, cols);
+        }
+        let (f, t) = self.check_shape(name, shape)?;
+        f.read_block(name, t, k, rows, cols)
     }
 
     fn get(&self, name: &str) -> MResult<(&SafeFile, &TensorInfo)> {
@@ -248,22 +399,20 @@ impl SafeStore {
 
     /// Rows `rows` (all columns) of the `[n, k]` matrix `name`.
     pub fn rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<Vec<bf16>> {
-        let (f, t) = self.check_shape(name, &[n, k])?;
         debug_assert!(rows.end <= n);
-        f.read_block(name, t, k, rows, 0..k)
+        self.block(name, &[n, k], k, rows, 0..k)
     }
 
     /// Columns `cols` of every row of the `[n, k]` matrix `name` (a strided read).
     pub fn cols(&self, name: &str, n: usize, k: usize, cols: Range<usize>) -> MResult<Vec<bf16>> {
-        let (f, t) = self.check_shape(name, &[n, k])?;
         debug_assert!(cols.end <= k);
-        f.read_block(name, t, k, 0..n, cols)
+        self.block(name, &[n, k], k, 0..n, cols)
     }
 
     /// Elements `range` of the vector `name` of length `len`, as f32 (via bf16).
     pub fn vector(&self, name: &str, len: usize, range: Range<usize>) -> MResult<Vec<f32>> {
-        let (f, t) = self.check_shape(name, &[len])?;
-        Ok(f.read_block(name, t, len, 0..1, range)?
+        Ok(self
+            .block(name, &[len], len, 0..1, range)?
             .into_iter()
             .map(f32::from)
             .collect())

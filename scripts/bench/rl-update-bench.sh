@@ -3,6 +3,7 @@
 # llama3-8b-shape model (docs/rl.md). Run from the repo root after
 # `bash scripts/gpu/build-device.sh`:
 #   bash scripts/bench/rl-update-bench.sh          # writes $OUT/rl-summary.txt and logs
+#   RL_PARTS=nccl bash scripts/bench/rl-update-bench.sh   # the NCCL push only (2+ GPUs)
 # On nvidia-h200-x2 (or any 2+ GPU kind) it times every path; on one GPU, the disk and
 # HTTP-push paths (a NCCL group needs a GPU per member: the trainer's and arbor's).
 #   1. `arbor serve --device cuda` (TP 1, GPU 0) on the 8B model; a greedy probe.
@@ -12,13 +13,18 @@
 #   3. examples/rl_push_nccl.py on GPU 1 (PyTorch) joins the group and broadcasts all the
 #      tensors twice: first with model.norm.weight scaled by 1.01 (the probe's bits must
 #      change), then exact (they must come back). Broadcast time and time until arbor
-#      answered (receive, copy to the host, cut, upload, swap).
+#      answered, and arbor's split of it: receive (the broadcasts into device memory, with
+#      the GB/s), cut (every shard cut, converted and checked on the device) and swap.
 #   4. release_memory_occupation / resume_memory_occupation (from the checkpoint on disk:
 #      the last weights were pushed): GPU memory before and after,
 #      and the resume time.
 # Every step's raw output is in $OUT/rl-*.log; PASS/FAIL lines in the summary.
 set -uo pipefail
 T0=$(date +%s)
+# RL_PARTS: all (every path) or nccl (the server and the NCCL pushes only). Not PARTS:
+# multi-gpu-run.sh, which runs this script, has its own.
+RL_PARTS=${RL_PARTS:-all}
+case $RL_PARTS in all | nccl) ;; *) echo "RL_PARTS must be all or nccl, not $RL_PARTS" >&2; exit 2 ;; esac
 BUDGET_S=${BUDGET_S:-580}
 source scripts/gpu/device-lib.sh
 script_start rl-summary.txt
@@ -77,6 +83,22 @@ for line in sys.stdin:
           % (r["update"], r["bytes"] / 1e9, r["broadcast_seconds"], r["broadcast_GBps"],
              r["seconds_until_answer"], a.get("seconds", "n/a")))
 PY
+# arbor's own split of an update, from its log lines (key=value fields).
+cat >"$WORK/split.py" <<'PY'
+import re, sys
+ansi = re.compile(r"\x1b\[[0-9;]*m")
+want = {
+    "received tensors from the trainer": ("receive", ["receive_seconds", "gb_per_s", "bytes", "broadcasts"]),
+    "new weights prepared": ("cut", ["cut_seconds", "host_read_seconds"]),
+    "new weights swapped in": ("swap", ["swap_seconds"]),
+}
+for line in sys.stdin:
+    line = ansi.sub("", line)
+    for msg, (part, keys) in want.items():
+        if msg in line:
+            kv = dict(re.findall(r"(\w+)=([^\s]+)", line))
+            print("SPLIT %-7s " % part + " ".join("%s=%s" % (k, kv[k]) for k in keys if k in kv))
+PY
 probe() { # greedy: the version, the first tokens, a hash of the log-prob bits
     curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 "$WORK/probe.py"
 }
@@ -91,6 +113,7 @@ timed_update() { # timed_update NAME BODY
     echo "$1: $r" >>"$LOG"
     note "TIMED $1: wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s, arbor $(echo "$r" | python3 "$WORK/answer.py")"
 }
+if [[ $RL_PARTS == all ]]; then
 timed_update "update_weights_from_disk (page cache warm)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm\"}"
 P=$(probe); note "probe: $P"; same_bits "$P" && note "PASS  same bits after the disk update" || note "FAIL  bits changed (same weights)"
 if sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
@@ -108,6 +131,7 @@ grep -h '^pushed' "$OUT/rl-http.log" | tail -n 1 | sed 's/^/TIMED HTTP push: /' 
 # What bounds an update: the host's reading and converting vs the rest (cut, upload, swap).
 grep -h 'model loaded\|new weights prepared' "$OUT/rl-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tee -a "$SUMMARY"
 P=$(probe); same_bits "$P" && note "PASS  same bits after the HTTP push (same weights)" || note "FAIL  bits changed after the HTTP push: $P"
+fi
 
 if ((GPUS >= 2)); then
     step "NCCL push from PyTorch (GPU 1), model.norm.weight scaled" "$OUT/rl-nccl.log" 300 python3 examples/rl_push_nccl.py \
@@ -120,11 +144,17 @@ if ((GPUS >= 2)); then
     P=$(probe); note "probe after the exact push: $P"
     same_bits "$P" && note "PASS  the exact push restored the bits" || note "FAIL  bits differ after the exact push"
     grep -h '"update"' "$OUT/rl-nccl.log" | python3 "$WORK/nccl-report.py" | tee -a "$SUMMARY"
-    grep -h 'received tensors\|new weights prepared' "$OUT/rl-serve.log" | tail -n 4 | tee -a "$SUMMARY"
+    # The last two updates (the scaled and the exact push): receive / cut / swap.
+    grep -h 'received tensors\|new weights prepared\|new weights swapped' "$OUT/rl-serve.log" \
+        | tail -n 6 | python3 "$WORK/split.py" | tee -a "$SUMMARY"
 else
     note "SKIP  NCCL push: one GPU (the trainer needs a GPU of its own: run on nvidia-h200-x2)"
 fi
 
+if [[ $RL_PARTS == nccl ]]; then
+    note "done in $(elapsed) s (RL_PARTS=nccl: no release/resume)"
+    exit 0
+fi
 mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0; }
 note "GPU 0 memory used: $(mem)"
 r=$(curl -s "$ADDR/release_memory_occupation" -d '{}'); echo "release: $r" >>"$LOG"

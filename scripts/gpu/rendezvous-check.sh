@@ -124,7 +124,7 @@ elif trainer packed "$WORK/B" packed-B 29563; then
     P=$(probe); note "probe after the packed push: $P"
     [[ $(version "$P") == packed-B ]] || fail "version after the packed push: $(version "$P")"
     [[ $(bits "$P") == $(bits "$PB") ]] && note "PASS  vLLM packed: B's bits, as from disk" || fail "vLLM packed: bits differ from B from disk"
-    grep -h "received packed tensors" "$OUT/rendezvous-serve.log" | tail -n 1 >>"$SUMMARY"
+    grep -h "received tensors from the trainer" "$OUT/rendezvous-serve.log" | tail -n 1 >>"$SUMMARY"
 else
     FAILED=1
 fi

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use arbor_model::batching::in_band::{self, Wire};
+use arbor_model::batching::in_band::{self, Broadcast};
 use serde_json::{json, Value};
 
 use crate::checkpoint::{models, Tensors};
@@ -84,7 +84,7 @@ fn prime_rl_in_band_receive_replays_the_trainers_broadcasts() {
         );
         let n = sent.len();
         sent.reverse();
-        let mut asked: Vec<Wire> = Vec::new();
+        let mut asked: Vec<Broadcast> = Vec::new();
         let got = in_band::receive(
             |w| {
                 asked.push(w.clone());
@@ -105,7 +105,7 @@ fn prime_rl_in_band_receive_replays_the_trainers_broadcasts() {
         .unwrap_or_else(|e| panic!("protocol {protocol}: {e}"));
         assert!(sent.is_empty(), "{} broadcasts left", sent.len());
         assert_eq!(asked.len(), n);
-        assert_eq!(asked[0], Wire::Count);
+        assert_eq!(asked[0], Broadcast::Count);
         let want = Tensors::read(&out.join("expected.safetensors")).0;
         let mut seen = 0;
         for r in &got {

@@ -33,6 +33,7 @@ pub const KERNELS: &[&str] = &[
     "masked_draw_kernel",
     "masked_draw_combine_kernel",
     "copy_cols_kernel",
+    "cut_to_bf16_kernel",
     "add_row_bias_kernel",
     "add_assign_kernel",
     "embedding_kernel",

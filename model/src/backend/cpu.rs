@@ -7,7 +7,11 @@ use arbor_kernels::cpu::{self as k, AttnShape, PagedKv, RopeTable, TreeMatmul};
 use arbor_kernels::paged::KV_BLOCK;
 use half::bf16;
 
-use super::{BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, SeqRows, TreeSpec};
+use super::device_tensor::HostBytes;
+use super::{
+    BResult, Backend, BackendError, DeviceBytes, DeviceCut, HeadSpec, KvRows, KvSpec, NonFinite,
+    SeqRows, TreeSpec,
+};
 
 /// f32 activations `[rows, cols]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,6 +142,58 @@ impl Backend for CpuBackend {
             k,
         })
     }
+    /// The CPU's "device" memory is the host's: the cuts are the host load's conversion
+    /// and check, applied to the bytes held.
+    fn mat_from_device(
+        &self,
+        n: usize,
+        k: usize,
+        cuts: &[DeviceCut<'_>],
+    ) -> BResult<Result<CpuMat, NonFinite>> {
+        let mut data = vec![bf16::ZERO; n * k];
+        for (ci, c) in cuts.iter().enumerate() {
+            let held = c
+                .src
+                .bytes
+                .as_any()
+                .downcast_ref::<HostBytes>()
+                .ok_or_else(|| {
+                    BackendError::Unsupported(format!(
+                        "rank {}: a device tensor the CPU backend did not make",
+                        self.rank()
+                    ))
+                })?;
+            let es = c.src.dtype.size();
+            let width = c.cols.len();
+            let src_ok = c.cols.end <= c.k && c.rows.end * c.k * es <= c.src.range.len();
+            let last = c.dst_row0 + c.rows.len().saturating_sub(1) * c.dst_step;
+            if !src_ok || width > k || (!c.rows.is_empty() && last >= n) {
+                return Err(self.shape_err(format!(
+                    "cut {ci}: rows {:?} × columns {:?} of [*, {}] ({} bytes) into [{n}, {k}] from row {} every {}",
+                    c.rows, c.cols, c.k, c.src.range.len(), c.dst_row0, c.dst_step
+                )));
+            }
+            for (i, r) in c.rows.clone().enumerate() {
+                let at = c.src.range.start + (r * c.k + c.cols.start) * es;
+                let b = &held.0[at..at + width * es];
+                let d0 = (c.dst_row0 + i * c.dst_step) * k;
+                let d = &mut data[d0..d0 + width];
+                crate::safetensors::convert_into(b, c.src.dtype, d);
+                if let Some(j) = crate::safetensors::first_non_finite(d) {
+                    return Ok(Err(NonFinite {
+                        cut: ci,
+                        flat: r * c.k + c.cols.start + j,
+                    }));
+                }
+            }
+        }
+        Ok(Ok(CpuMat { data, n, k }))
+    }
+
+    fn device_bytes(&self, data: &[u8]) -> BResult<Arc<dyn DeviceBytes>> {
+        Ok(Arc::new(HostBytes(data.to_vec())))
+    }
+
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CpuAct> {
         if data.len() != rows * cols {
             return Err(self.shape_err(format!(

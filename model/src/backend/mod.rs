@@ -9,11 +9,13 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod device_tensor;
 pub mod error;
 
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::paged::{blocks_for, PagedKvLayout};
 
+pub use device_tensor::{DeviceBytes, DeviceCut, DeviceTensor, NonFinite, Wire};
 pub use error::{BResult, BackendError};
 
 /// How a backend does its arithmetic.
@@ -279,6 +281,36 @@ pub trait Backend {
     fn device_name(&self) -> String;
 
     fn mat_from_host(&self, data: &[half::bf16], n: usize, k: usize) -> BResult<Self::Mat>;
+
+    /// The `[n, k]` bf16 weight made from `cuts` of tensors this backend holds
+    /// ([`DeviceTensor`]), each block converted to bf16 where it lands; rows no cut writes
+    /// are zero. `Ok(Err(_))` names the first value that is not finite in bf16 (cuts in
+    /// order, elements in row-major order within each), as a host load refuses it.
+    /// Backends with no memory of their own for such tensors: Unsupported.
+    fn mat_from_device(
+        &self,
+        n: usize,
+        k: usize,
+        cuts: &[DeviceCut<'_>],
+    ) -> BResult<Result<Self::Mat, NonFinite>> {
+        let _ = (n, k, cuts);
+        Err(BackendError::Unsupported(format!(
+            "rank {}: {} holds no device-resident tensors",
+            self.rank(),
+            self.device_name()
+        )))
+    }
+
+    /// `data` copied into this backend's memory, for [`Backend::mat_from_device`] (what a
+    /// trainer's broadcast leaves there; tests make their tensors so).
+    fn device_bytes(&self, data: &[u8]) -> BResult<std::sync::Arc<dyn DeviceBytes>> {
+        let _ = data;
+        Err(BackendError::Unsupported(format!(
+            "rank {}: {} holds no device-resident tensors",
+            self.rank(),
+            self.device_name()
+        )))
+    }
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<Self::Act>;
     fn act_to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;
     /// (rows, cols)
@@ -583,26 +615,16 @@ pub type WeightsGroupJoiner = Box<dyn FnOnce(&[u8]) -> BResult<Box<dyn WeightsGr
 
 /// A NCCL group joined with a trainer (`Backend::join_weights_group`).
 pub trait WeightsGroup: Send {
-    /// Receives one broadcast of `bytes` bytes from the trainer (group rank `root`) into
-    /// host memory. Fails, leaving the group unusable, when it has not arrived within
-    /// `timeout`.
-    /// The broadcast names `dtype` elements, as the trainer's tensor does.
+    /// Receives one broadcast from the trainer (group rank `root`) per entry of `parts`
+    /// (its size in bytes and what it carries), in order, into this rank's device memory.
+    /// The broadcasts are queued back to back and waited for together; fails, leaving the
+    /// group unusable, when the next one has not arrived within `timeout` of the previous.
     fn receive(
         &mut self,
-        bytes: usize,
-        dtype: crate::safetensors::DType,
+        parts: &[(usize, Wire)],
         root: usize,
         timeout: std::time::Duration,
-    ) -> BResult<Vec<u8>>;
-
-    /// Receives one broadcast of `bytes` raw bytes (a `uint8` buffer: vLLM's packed
-    /// layout) into host memory, as [`WeightsGroup::receive`] does.
-    fn receive_bytes(
-        &mut self,
-        bytes: usize,
-        root: usize,
-        timeout: std::time::Duration,
-    ) -> BResult<Vec<u8>>;
+    ) -> BResult<Vec<std::sync::Arc<dyn DeviceBytes>>>;
 
     /// A sum all-reduce of one f32 zero with every member, as vLLM's `PyNcclCommunicator`
     /// runs right after it joins (its members wait for it), waiting at most `timeout`.

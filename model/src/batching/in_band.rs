@@ -45,6 +45,8 @@ pub enum InBandError<E: std::fmt::Display> {
         bytes: Option<u64>,
         max: usize,
     },
+    #[error("reading {what} on the host: {msg}")]
+    Read { what: String, msg: String },
     #[error("the broadcast of {what} brought {got} bytes, not {want}")]
     Length {
         what: String,
@@ -461,7 +463,7 @@ pub fn parse_metadata(b: &[u8]) -> Result<Vec<Group>, String> {
 
 /// What the next broadcast carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Wire {
+pub enum Broadcast {
     /// One `int64`: the number of state dicts.
     Count,
     /// One `int64`: the length of state dict `dict`'s metadata.
@@ -476,13 +478,13 @@ pub enum Wire {
     },
 }
 
-impl Wire {
+impl Broadcast {
     /// The bytes the broadcast holds.
     pub fn bytes(&self) -> usize {
         match self {
-            Wire::Count | Wire::MetadataLen { .. } => 8,
-            Wire::Metadata { len, .. } => *len,
-            Wire::Tensors {
+            Broadcast::Count | Broadcast::MetadataLen { .. } => 8,
+            Broadcast::Metadata { len, .. } => *len,
+            Broadcast::Tensors {
                 dtype, elements, ..
             } => dtype.size * elements,
         }
@@ -491,17 +493,19 @@ impl Wire {
     /// arbor's type of the broadcast's elements, where arbor has one.
     pub fn dtype(&self) -> Option<DType> {
         match self {
-            Wire::Tensors { dtype, .. } => dtype.dtype,
+            Broadcast::Tensors { dtype, .. } => dtype.dtype,
             _ => None,
         }
     }
 
     fn what(&self) -> String {
         match self {
-            Wire::Count => "the number of state dicts".into(),
-            Wire::MetadataLen { dict } => format!("state dict {dict}'s metadata length"),
-            Wire::Metadata { dict, len } => format!("state dict {dict}'s metadata ({len} bytes)"),
-            Wire::Tensors {
+            Broadcast::Count => "the number of state dicts".into(),
+            Broadcast::MetadataLen { dict } => format!("state dict {dict}'s metadata length"),
+            Broadcast::Metadata { dict, len } => {
+                format!("state dict {dict}'s metadata ({len} bytes)")
+            }
+            Broadcast::Tensors {
                 dict,
                 dtype,
                 elements,
@@ -513,15 +517,44 @@ impl Wire {
     }
 }
 
-/// One received dtype group: its broadcast's bytes and where each tensor lies in them.
+/// What a broadcast was received into: host bytes, or a backend's device memory (the
+/// tensors' broadcasts stay there; the count and the metadata are read on the host).
+pub trait Payload {
+    fn len(&self) -> usize;
+
+    /// The bytes on the host.
+    fn host(&self) -> Result<Vec<u8>, String>;
+}
+
+impl Payload for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn host(&self) -> Result<Vec<u8>, String> {
+        Ok(self.clone())
+    }
+}
+
+impl Payload for std::sync::Arc<dyn crate::backend::DeviceBytes> {
+    fn len(&self) -> usize {
+        crate::backend::DeviceBytes::len(self.as_ref())
+    }
+
+    fn host(&self) -> Result<Vec<u8>, String> {
+        self.read(0..Payload::len(self))
+    }
+}
+
+/// One received dtype group: its broadcast and where each tensor lies in it.
 #[derive(Debug)]
-pub struct Received {
+pub struct Received<P> {
     pub dtype: TorchDtype,
-    pub bytes: Vec<u8>,
+    pub bytes: P,
     pub tensors: Vec<(Entry, Range<usize>)>,
 }
 
-impl Received {
+impl<P> Received<P> {
     /// The tensors as parts of one staged buffer, or the first one arbor cannot store.
     pub fn parts(&self) -> Result<Vec<PackedPart>, String> {
         let Some(dtype) = self.dtype.dtype else {
@@ -554,11 +587,11 @@ fn int64(b: &[u8]) -> i64 {
 /// bytes) and returns every dtype group of every state dict. `max_bytes` bounds each
 /// concatenated broadcast. A metadata that does not parse ends it: what follows cannot be
 /// known (the trainer's next broadcast then never completes, as with vLLM's own receiver).
-pub fn receive<E: std::fmt::Display>(
-    mut recv: impl FnMut(&Wire) -> Result<Vec<u8>, E>,
+pub fn receive<P: Payload, E: std::fmt::Display>(
+    mut recv: impl FnMut(&Broadcast) -> Result<P, E>,
     max_bytes: usize,
-) -> Result<Vec<Received>, InBandError<E>> {
-    let mut get = |w: Wire| -> Result<Vec<u8>, InBandError<E>> {
+) -> Result<Vec<Received<P>>, InBandError<E>> {
+    let mut get = |w: Broadcast| -> Result<P, InBandError<E>> {
         let data = recv(&w).map_err(|cause| InBandError::Receive {
             what: w.what(),
             cause,
@@ -572,20 +605,30 @@ pub fn receive<E: std::fmt::Display>(
         }
         Ok(data)
     };
-    let n = int64(&get(Wire::Count)?);
+    let host = |w: Broadcast, p: P| -> Result<Vec<u8>, InBandError<E>> {
+        p.host().map_err(|msg| InBandError::Read {
+            what: w.what(),
+            msg,
+        })
+    };
+    let n = int64(&host(Broadcast::Count, get(Broadcast::Count)?)?);
     if !(1..=MAX_STATE_DICTS).contains(&n) {
         return Err(InBandError::Count(n));
     }
     let mut out = Vec::new();
     for dict in 0..n as usize {
-        let len = int64(&get(Wire::MetadataLen { dict })?);
+        let len = int64(&host(
+            Broadcast::MetadataLen { dict },
+            get(Broadcast::MetadataLen { dict })?,
+        )?);
         if len < 1 || len as u64 > MAX_METADATA_BYTES as u64 {
             return Err(InBandError::MetadataLen { dict, len });
         }
-        let meta = get(Wire::Metadata {
+        let what = Broadcast::Metadata {
             dict,
             len: len as usize,
-        })?;
+        };
+        let meta = host(what.clone(), get(what)?)?;
         let groups = parse_metadata(&meta).map_err(|msg| InBandError::Metadata { dict, msg })?;
         for g in groups {
             let elements = g.elements();
@@ -599,7 +642,7 @@ pub fn receive<E: std::fmt::Display>(
                     max: max_bytes,
                 });
             }
-            let data = get(Wire::Tensors {
+            let data = get(Broadcast::Tensors {
                 dict,
                 dtype: g.dtype,
                 elements: elements as usize,

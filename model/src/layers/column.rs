@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 
-use super::LoadCtx;
+use super::{Block, LoadCtx};
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::{MResult, ModelError};
 
@@ -83,37 +83,40 @@ impl<B: Backend> ColumnParallelLinear<B> {
         bias: bool,
         arrangement: Arrangement,
     ) -> MResult<Self> {
-        let mut weights = Vec::with_capacity(parts.len());
+        let names: Vec<String> = parts
+            .iter()
+            .map(|p| format!("{}.weight", p.prefix))
+            .collect();
+        let widths: Vec<usize> = parts.iter().map(|p| p.rows.len()).collect();
+        let n: usize = widths.iter().sum();
+        let mut blocks = Vec::with_capacity(parts.len());
+        let mut row0 = 0;
+        for (i, (p, name)) in parts.iter().zip(&names).enumerate() {
+            let mut b = Block::rows(name, p.out_features, in_features, p.rows.clone(), row0);
+            match arrangement {
+                Arrangement::Stacked => row0 += p.rows.len(),
+                Arrangement::Alternating => {
+                    b.dst_row0 = i;
+                    b.dst_step = parts.len();
+                }
+            }
+            blocks.push(b);
+        }
+        let w = ctx.mat(n, in_features, &blocks)?;
         let mut biases = Vec::with_capacity(parts.len());
-        let mut widths = Vec::with_capacity(parts.len());
-        for p in parts {
-            weights.push(ctx.store.rows(
-                &format!("{}.weight", p.prefix),
-                p.out_features,
-                in_features,
-                p.rows.clone(),
-            )?);
-            if bias {
-                biases.push(ctx.store.vector(
+        if bias {
+            for p in parts {
+                biases.push(ctx.vector(
                     &format!("{}.bias", p.prefix),
                     p.out_features,
                     p.rows.clone(),
                 )?);
             }
-            widths.push(p.rows.len());
         }
-        let n: usize = widths.iter().sum();
-        let (data, bias_data) = match arrangement {
-            Arrangement::Stacked => (weights.concat(), biases.concat()),
-            Arrangement::Alternating => (
-                alternate_rows(&weights, in_features),
-                alternate_rows(&biases, 1),
-            ),
+        let bias_data = match arrangement {
+            Arrangement::Stacked => biases.concat(),
+            Arrangement::Alternating => alternate_rows(&biases, 1),
         };
-        let w = ctx
-            .backend
-            .mat_from_host(&data, n, in_features)
-            .map_err(|e| ctx.backend_err(e))?;
         let bias = if bias {
             Some(
                 ctx.backend

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 
-use super::LoadCtx;
+use super::{Block, LoadCtx};
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::MResult;
 
@@ -34,16 +34,17 @@ impl<B: Backend> RowParallelLinear<B> {
         bias: bool,
     ) -> MResult<Self> {
         let cols = Self::shard(in_features, ctx.rank, ctx.tp);
-        let data = ctx.store.cols(
-            &format!("{prefix}.weight"),
-            out_features,
-            in_features,
-            cols.clone(),
-        )?;
-        let w = ctx
-            .backend
-            .mat_from_host(&data, out_features, cols.len())
-            .map_err(|e| ctx.backend_err(e))?;
+        let name = format!("{prefix}.weight");
+        let block = Block {
+            name: &name,
+            n: out_features,
+            k: in_features,
+            rows: 0..out_features,
+            cols: cols.clone(),
+            dst_row0: 0,
+            dst_step: 1,
+        };
+        let w = ctx.mat(out_features, cols.len(), &[block])?;
         let bias = ctx.bias(prefix, out_features, 0..out_features, bias)?;
         Ok(RowParallelLinear {
             w,

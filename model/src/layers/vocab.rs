@@ -5,9 +5,8 @@
 use std::ops::Range;
 
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
-use half::bf16;
 
-use super::LoadCtx;
+use super::{Block, LoadCtx};
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::MResult;
 
@@ -18,11 +17,11 @@ pub struct Embedding<B: Backend> {
 
 impl<B: Backend> Embedding<B> {
     pub fn load(ctx: &LoadCtx<B>, name: &str, vocab: usize, hidden: usize) -> MResult<Self> {
-        let data = ctx.store.rows(name, vocab, hidden, 0..vocab)?;
-        let table = ctx
-            .backend
-            .mat_from_host(&data, vocab, hidden)
-            .map_err(|e| ctx.backend_err(e))?;
+        let table = ctx.mat(
+            vocab,
+            hidden,
+            &[Block::rows(name, vocab, hidden, 0..vocab, 0)],
+        )?;
         Ok(Embedding { table, vocab })
     }
 
@@ -51,12 +50,8 @@ impl<B: Backend> VocabParallelHead<B> {
     pub fn load(ctx: &LoadCtx<B>, name: &str, vocab: usize, hidden: usize) -> MResult<Self> {
         let block = vocab.div_ceil(ctx.tp);
         let rows = Self::rows(vocab, ctx.rank, ctx.tp);
-        let mut data = ctx.store.rows(name, vocab, hidden, rows)?;
-        data.resize(block * hidden, bf16::ZERO);
-        let w = ctx
-            .backend
-            .mat_from_host(&data, block, hidden)
-            .map_err(|e| ctx.backend_err(e))?;
+        // The last rank's block is padded with zero rows.
+        let w = ctx.mat(block, hidden, &[Block::rows(name, vocab, hidden, rows, 0)])?;
         Ok(VocabParallelHead {
             w,
             tree: TreeSpec {

@@ -22,13 +22,13 @@ use arbor_collective::Communicator;
 
 use super::weights_group::{join_serving_store, join_through_store, Group, GroupSlot, StoreSource};
 use super::Worker;
-use crate::backend::{Backend, KvSpec};
+use crate::backend::{Backend, DeviceTensor, KvSpec, Wire};
 use crate::batching::{ControlMsg, Rendezvous, TensorMeta, UpdateSource};
 use crate::config::ModelConfig;
 use crate::error::{MResult, ModelError};
 use crate::forward::{HeadPlan, Model};
 use crate::layers::LoadCtx;
-use crate::safetensors::{PackedPart, SafeFile};
+use crate::safetensors::SafeFile;
 use crate::weights::WeightStore;
 
 /// Where the serving weights came from.
@@ -63,8 +63,10 @@ pub(super) struct Updates<B: Backend> {
     /// Every tensor the model reads and the shape it reads it as (recorded by the load).
     expected: BTreeMap<String, Vec<usize>>,
     origin: Origin,
-    /// Tensors pushed for the next update, whole (each rank cuts its shard at `Update`).
+    /// Tensors pushed for the next update, whole (each rank cuts its shard at `Update`):
+    /// in host memory (pushed over HTTP), or in the backend's (received over NCCL).
     staged: Vec<SafeFile>,
+    staged_device: Vec<(String, DeviceTensor)>,
     staged_names: HashSet<String>,
     staged_bytes: usize,
     /// Phase one's result, until phase two.
@@ -84,6 +86,7 @@ impl<B: Backend> Updates<B> {
             expected,
             origin: Origin::Disk(dir.to_path_buf()),
             staged: Vec::new(),
+            staged_device: Vec::new(),
             staged_names: HashSet::new(),
             staged_bytes: 0,
             candidate: None,
@@ -96,6 +99,7 @@ impl<B: Backend> Updates<B> {
 
     fn discard_staged(&mut self) {
         self.staged.clear();
+        self.staged_device.clear();
         self.staged_names.clear();
         self.staged_bytes = 0;
     }
@@ -310,7 +314,7 @@ impl<B: Backend> Worker<B> {
         match msg {
             ControlMsg::Stage { label, bytes } => {
                 let file = SafeFile::from_bytes(Path::new(label), std::mem::take(bytes))?;
-                self.stage(vec![file])
+                self.stage(vec![file], Vec::new())
             }
             ControlMsg::Receive {
                 group,
@@ -438,9 +442,13 @@ impl<B: Backend> Worker<B> {
                 // may hold tensors another rank does not.
                 if !apply {
                     u.discard_staged();
+                    self.remake_cache_if_freed();
                 }
             }
-            ControlMsg::Discard => u.discard_staged(),
+            ControlMsg::Discard => {
+                u.discard_staged();
+                self.remake_cache_if_freed();
+            }
             ControlMsg::FlushCache => {
                 if apply {
                     self.backend.forget_recordings();
@@ -456,14 +464,18 @@ impl<B: Backend> Worker<B> {
                 if let (true, Some((model, origin))) = (apply, cand) {
                     // Recordings read the old weights: drop them before the weights go;
                     // the cached prefixes are the old model's KV.
+                    let t0 = std::time::Instant::now();
                     self.backend.forget_recordings();
                     self.offline_pool = None;
                     self.model = Some(model);
                     self.updates.origin = origin;
+                    tracing::info!(
+                        rank = self.backend.rank(),
+                        swap_seconds = t0.elapsed().as_secs_f64(),
+                        "new weights swapped in (the old ones freed)"
+                    );
                 }
-                if std::mem::take(&mut self.updates.cache_freed) {
-                    self.remake_freed_cache();
-                }
+                self.remake_cache_if_freed();
             }
             ControlMsg::Release { weights, kv } => {
                 if apply {
@@ -562,6 +574,13 @@ impl<B: Backend> Worker<B> {
         2 * (layers + 2 * c.vocab_size as u64 * c.hidden_size as u64)
     }
 
+    /// Makes the KV cache again if a push or an update freed it.
+    fn remake_cache_if_freed(&mut self) {
+        if std::mem::take(&mut self.updates.cache_freed) {
+            self.remake_freed_cache();
+        }
+    }
+
     /// Makes the cache freed by `make_room_for_update` again (the same blocks), after the
     /// update swapped the weights in or was undone. On failure the cache stays released:
     /// generation answers 503 until `resume_memory_occupation` brings it back.
@@ -636,7 +655,8 @@ impl<B: Backend> Worker<B> {
                     });
                 }
                 let files = std::mem::take(&mut self.updates.staged);
-                let store = WeightStore::from_files(Path::new("pushed tensors"), files)?;
+                let device = std::mem::take(&mut self.updates.staged_device);
+                let store = WeightStore::from_files(Path::new("pushed tensors"), files, device)?;
                 (store, Origin::Pushed)
             }
         };
@@ -651,9 +671,9 @@ impl<B: Backend> Worker<B> {
         let model = Model::load(&ctx, &self.cfg, self.rope_len())?;
         tracing::info!(
             rank = self.backend.rank(),
-            seconds = t0.elapsed().as_secs_f64(),
+            cut_seconds = t0.elapsed().as_secs_f64(),
             host_read_seconds = store.read_seconds(),
-            "new weights prepared (host_read: reading and converting to bf16; the rest: cutting, uploading)"
+            "new weights prepared (cut: the new model made in device memory, every shard read or cut, converted to bf16 and checked finite; host_read: the part spent reading on the host)"
         );
         self.updates.candidate = Some((model, origin));
         Ok(())
@@ -662,9 +682,39 @@ impl<B: Backend> Worker<B> {
     /// Checks pushed tensors against the model and stages them: known names (or ones the
     /// model ignores), each once, the shapes the model reads, bf16/f16/f32. Values are
     /// checked (finite in bf16) when the update cuts the shards, as a load checks them.
-    fn stage(&mut self, files: Vec<SafeFile>) -> MResult<()> {
+    fn stage(&mut self, files: Vec<SafeFile>, device: Vec<(String, DeviceTensor)>) -> MResult<()> {
         let u = &mut self.updates;
         let mut names = HashSet::new();
+        // Whether the model reads `name` as `found` (false: a tensor it ignores).
+        let mut check = |path: &Path, name: &String, found: &[usize]| -> MResult<bool> {
+            let bad = |msg: String| ModelError::Safetensors {
+                path: path.to_path_buf(),
+                msg: format!("tensor {name:?}: {msg}"),
+            };
+            let Some(shape) = u.expected.get(name) else {
+                if ignorable(name, &self.cfg) {
+                    return Ok(false);
+                }
+                return Err(bad(
+                    "the model has no such tensor (names as in the HF checkpoint, e.g. model.layers.0.mlp.down_proj.weight)"
+                        .into(),
+                ));
+            };
+            if found != shape.as_slice() {
+                return Err(ModelError::ShapeMismatch {
+                    path: path.to_path_buf(),
+                    tensor: name.clone(),
+                    expected: shape.clone(),
+                    found: found.to_vec(),
+                });
+            }
+            if u.staged_names.contains(name) || !names.insert(name.clone()) {
+                return Err(bad(
+                    "given twice (already staged since the last update)".into()
+                ));
+            }
+            Ok(true)
+        };
         let mut kept = Vec::new();
         for mut f in files {
             let mut drop_names = Vec::new();
@@ -672,32 +722,8 @@ impl<B: Backend> Worker<B> {
                 f.tensors.iter().collect();
             list.sort_by(|a, b| a.0.cmp(b.0));
             for (name, t) in list {
-                let bad = |msg: String| ModelError::Safetensors {
-                    path: f.path.clone(),
-                    msg: format!("tensor {name:?}: {msg}"),
-                };
-                let Some(shape) = u.expected.get(name) else {
-                    if ignorable(name, &self.cfg) {
-                        drop_names.push(name.clone());
-                        continue;
-                    }
-                    return Err(bad(
-                        "the model has no such tensor (names as in the HF checkpoint, e.g. model.layers.0.mlp.down_proj.weight)"
-                            .into(),
-                    ));
-                };
-                if &t.shape != shape {
-                    return Err(ModelError::ShapeMismatch {
-                        path: f.path.clone(),
-                        tensor: name.clone(),
-                        expected: shape.clone(),
-                        found: t.shape.clone(),
-                    });
-                }
-                if u.staged_names.contains(name) || !names.insert(name.clone()) {
-                    return Err(bad(
-                        "given twice (already staged since the last update)".into()
-                    ));
+                if !check(&f.path, name, &t.shape)? {
+                    drop_names.push(name.clone());
                 }
             }
             for n in drop_names {
@@ -705,17 +731,31 @@ impl<B: Backend> Worker<B> {
             }
             kept.push(f);
         }
+        let label = Path::new("tensors received over NCCL");
+        let mut kept_device = Vec::with_capacity(device.len());
+        for (name, t) in device {
+            if check(label, &name, &t.shape)? {
+                kept_device.push((name, t));
+            }
+        }
         for f in kept {
             u.staged_bytes += f.len_bytes();
             u.staged_names.extend(f.tensors.keys().cloned());
             u.staged.push(f);
         }
+        for (name, t) in kept_device {
+            u.staged_bytes += t.len_bytes();
+            u.staged_names.insert(name.clone());
+            u.staged_device.push((name, t));
+        }
         Ok(())
     }
 
-    /// Receives `tensors` from the trainer over the NCCL group and stages them. Every
-    /// tensor is received before any is checked, so the trainer's broadcasts never wait
-    /// on a refusal.
+    /// Receives `tensors` from the trainer over the NCCL group into device memory and
+    /// stages them there (one broadcast per tensor, or vLLM's packed layout: a few `uint8`
+    /// buffers each holding many of `tensors` back to back, `batching::packed`). Every
+    /// broadcast is received before any tensor is checked, so the trainer's broadcasts
+    /// never wait on a refusal; the values are checked when the update cuts the shards.
     fn receive(
         &mut self,
         group: &str,
@@ -739,63 +779,140 @@ impl<B: Backend> Worker<B> {
             }
         };
         let root = g.root;
-        let joined = g.slot.joined(rank, timeout)?;
+        g.slot.joined(rank, timeout)?;
+        if self.updates.staged_device.is_empty() {
+            // The tensors stay in device memory until the update: where the second copy
+            // of the weights has no room beside the KV cache, the cache goes now (made
+            // again when the update applies or the tensors are dropped).
+            self.make_room_for_update()?;
+        }
         let t0 = std::time::Instant::now();
-        if let Some(buffer_bytes) = packed {
-            return self.receive_packed(tensors, buffer_bytes, timeout, t0);
-        }
-        let mut files = Vec::with_capacity(tensors.len());
-        let mut total = 0usize;
-        for t in tensors {
-            let bytes = t.bytes().ok_or_else(|| ModelError::BadRequest {
-                id: 0,
-                msg: format!("tensor {:?}: shape {:?} overflows", t.name, t.shape),
-            })?;
-            let data = joined
-                .receive(bytes, t.dtype, root, timeout)
-                .map_err(|source| ModelError::Backend { rank, source })?;
-            total += bytes;
-            files.push((t, data));
-        }
+        let berr = |source| ModelError::Backend { rank, source };
+        let (buffers, wires) = match packed {
+            Some(buffer_bytes) => {
+                let buffers =
+                    crate::batching::packed::plan(tensors, buffer_bytes).map_err(|e| {
+                        ModelError::BadRequest {
+                            id: 0,
+                            msg: e.to_string(),
+                        }
+                    })?;
+                let wires = buffers.iter().map(|b| (b.bytes, Wire::Bytes)).collect();
+                (Some(buffers), wires)
+            }
+            None => {
+                let mut wires = Vec::with_capacity(tensors.len());
+                for t in tensors {
+                    let bytes = t.bytes().ok_or_else(|| ModelError::BadRequest {
+                        id: 0,
+                        msg: format!("tensor {:?}: shape {:?} overflows", t.name, t.shape),
+                    })?;
+                    wires.push((bytes, Wire::Elements(t.dtype)));
+                }
+                (None, wires)
+            }
+        };
+        let Some((_, g)) = &mut self.updates.group else {
+            return Err(ModelError::Unavailable(
+                "no weight-update group: init it first".into(),
+            ));
+        };
+        let received = g
+            .slot
+            .joined(rank, timeout)?
+            .receive(&wires, root, timeout)
+            .map_err(berr)?;
         // The trainer passes vLLM's barrier after its broadcasts (TRL's client does after
         // each tensor), and waits for every member there.
         g.barrier(rank, timeout)?;
+        let total: usize = wires.iter().map(|w| w.0).sum();
+        let seconds = t0.elapsed().as_secs_f64();
         tracing::info!(
             rank,
             tensors = tensors.len(),
+            broadcasts = wires.len(),
             bytes = total,
-            seconds = t0.elapsed().as_secs_f64(),
-            "received tensors from the trainer"
+            receive_seconds = seconds,
+            gb_per_s = total as f64 / seconds.max(1e-9) / 1e9,
+            "received tensors from the trainer into device memory"
         );
-        let label = Path::new("tensors received over NCCL");
-        let files = files
-            .into_iter()
-            .map(|(t, data)| SafeFile::from_tensor(label, &t.name, t.dtype, t.shape.clone(), data))
-            .collect::<MResult<Vec<_>>>()?;
-        self.stage(files)
+        let bad = |name: &str, msg: String| ModelError::Safetensors {
+            path: PathBuf::from("tensors received over NCCL"),
+            msg: format!("tensor {name:?}: {msg}"),
+        };
+        let mut device = Vec::with_capacity(tensors.len());
+        match buffers {
+            // vLLM's packed layout: each buffer holds many tensors back to back
+            // (`batching::packed`); each tensor is a range of its buffer, which is freed
+            // once every tensor in it has been cut.
+            Some(buffers) => {
+                for (b, bytes) in buffers.iter().zip(received) {
+                    let list = &tensors[b.tensors.clone()];
+                    let ranges =
+                        crate::batching::packed::unpack(bytes.len(), list).map_err(|e| {
+                            ModelError::BadRequest {
+                                id: 0,
+                                msg: e.to_string(),
+                            }
+                        })?;
+                    for (t, range) in list.iter().zip(ranges) {
+                        let d = DeviceTensor::new(t.dtype, t.shape.clone(), bytes.clone(), range)
+                            .map_err(|m| bad(&t.name, m))?;
+                        device.push((t.name.clone(), d));
+                    }
+                }
+            }
+            None => {
+                for (t, bytes) in tensors.iter().zip(received) {
+                    let range = 0..bytes.len();
+                    let d = DeviceTensor::new(t.dtype, t.shape.clone(), bytes, range)
+                        .map_err(|m| bad(&t.name, m))?;
+                    device.push((t.name.clone(), d));
+                }
+            }
+        }
+        self.stage(Vec::new(), device)
     }
 
     /// prime-rl's layout (`batching::in_band`): the count, then per state dict its pickled
     /// tensor list and one buffer per dtype. Every rank receives every broadcast (NCCL's
-    /// broadcast reaches all members) and reads the list itself, so the ranks agree
-    /// without talking. Each dtype's buffer is staged whole, its tensors ranges of it.
+    /// broadcast reaches all members) and reads the count and the lists on the host
+    /// itself, so the ranks agree without talking; each dtype's buffer stays in device
+    /// memory, its tensors ranges of it.
     fn receive_in_band(&mut self, group: &str, timeout: Duration, max_bytes: usize) -> MResult<()> {
         let rank = self.backend.rank();
-        let g = match &mut self.updates.group {
-            Some((name, g)) if name == group => g,
+        match &self.updates.group {
+            Some((name, _)) if name == group => {}
             _ => {
                 return Err(ModelError::Unavailable(format!(
                     "no weight-update group {group:?}: init_broadcaster first"
                 )))
             }
+        }
+        if self.updates.staged_device.is_empty() {
+            // As in `receive`: the tensors stay on the device until the update.
+            self.make_room_for_update()?;
+        }
+        let Some((_, g)) = &mut self.updates.group else {
+            return Err(ModelError::Unavailable(
+                "no weight-update group: init_broadcaster first".into(),
+            ));
         };
         let root = g.root;
         let joined = g.slot.joined(rank, timeout)?;
         let t0 = std::time::Instant::now();
         let received = crate::batching::in_band::receive(
-            |w| match w.dtype() {
-                Some(dtype) => joined.receive(w.bytes(), dtype, root, timeout),
-                None => joined.receive_bytes(w.bytes(), root, timeout),
+            |w| {
+                let wire = match w.dtype() {
+                    Some(dtype) => Wire::Elements(dtype),
+                    None => Wire::Bytes,
+                };
+                let mut got = joined.receive(&[(w.bytes(), wire)], root, timeout)?;
+                got.pop()
+                    .ok_or_else(|| crate::backend::BackendError::Device {
+                        rank,
+                        msg: "the weight-update group received nothing".into(),
+                    })
             },
             max_bytes,
         )
@@ -809,82 +926,32 @@ impl<B: Backend> Worker<B> {
                 msg: other.to_string(),
             },
         })?;
-        let label = Path::new("tensors received over NCCL (prime-rl)");
-        let mut files = Vec::with_capacity(received.len());
-        let (mut tensors, mut total) = (0usize, 0usize);
+        let bad = |name: &str, msg: String| ModelError::Safetensors {
+            path: PathBuf::from("tensors received over NCCL (prime-rl)"),
+            msg: format!("tensor {name:?}: {msg}"),
+        };
+        let (mut device, mut total) = (Vec::new(), 0usize);
         for r in received {
             let parts = r
                 .parts()
                 .map_err(|msg| ModelError::BadRequest { id: 0, msg })?;
-            tensors += parts.len();
             total += r.bytes.len();
-            files.push(SafeFile::from_packed(label, r.bytes, parts)?);
+            for part in parts {
+                let d = DeviceTensor::new(part.dtype, part.shape, r.bytes.clone(), part.data)
+                    .map_err(|m| bad(&part.name, m))?;
+                device.push((part.name, d));
+            }
         }
+        let seconds = t0.elapsed().as_secs_f64();
         tracing::info!(
             rank,
-            tensors,
+            tensors = device.len(),
             bytes = total,
-            seconds = t0.elapsed().as_secs_f64(),
-            "received a prime-rl update from the trainer"
+            receive_seconds = seconds,
+            gb_per_s = total as f64 / seconds.max(1e-9) / 1e9,
+            "received a prime-rl update from the trainer into device memory"
         );
-        self.stage(files)
-    }
-
-    /// vLLM's packed layout: a few `uint8` broadcasts, each holding many of `tensors`
-    /// back to back (`batching::packed`). Each buffer comes to the host whole, as a
-    /// tensor of the unpacked layout does, and is staged as it is: its tensors are ranges
-    /// of it, cut into this rank's shard at the update like any staged tensor.
-    fn receive_packed(
-        &mut self,
-        tensors: &[TensorMeta],
-        buffer_bytes: usize,
-        timeout: Duration,
-        t0: std::time::Instant,
-    ) -> MResult<()> {
-        let rank = self.backend.rank();
-        let bad = |e: crate::batching::packed::PackError| ModelError::BadRequest {
-            id: 0,
-            msg: e.to_string(),
-        };
-        let buffers = crate::batching::packed::plan(tensors, buffer_bytes).map_err(bad)?;
-        let Some((_, g)) = &mut self.updates.group else {
-            return Err(ModelError::Unavailable(
-                "no weight-update group: init it first".into(),
-            ));
-        };
-        let root = g.root;
-        let g = g.slot.joined(rank, timeout)?;
-        let label = Path::new("packed buffers received over NCCL");
-        let mut files = Vec::with_capacity(buffers.len());
-        let mut total = 0usize;
-        for b in &buffers {
-            let data = g
-                .receive_bytes(b.bytes, root, timeout)
-                .map_err(|source| ModelError::Backend { rank, source })?;
-            let list = &tensors[b.tensors.clone()];
-            let ranges = crate::batching::packed::unpack(data.len(), list).map_err(bad)?;
-            total += data.len();
-            let parts = list
-                .iter()
-                .zip(ranges)
-                .map(|(t, data)| PackedPart {
-                    name: t.name.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    data,
-                })
-                .collect();
-            files.push(SafeFile::from_packed(label, data, parts)?);
-        }
-        tracing::info!(
-            rank,
-            tensors = tensors.len(),
-            buffers = buffers.len(),
-            bytes = total,
-            seconds = t0.elapsed().as_secs_f64(),
-            "received packed tensors from the trainer"
-        );
-        self.stage(files)
+        self.stage(Vec::new(), device)
     }
 }
 

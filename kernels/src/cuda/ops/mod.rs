@@ -25,6 +25,7 @@ use super::buf::DevBuf;
 use super::launch::Launch;
 use super::{CudaError, GpuDevice};
 
+pub use elementwise::{CutDest, CutSource, SourceType};
 pub use paged_tiles::DecodeStages;
 pub use row_meta::{row_bounds, RowMeta};
 pub use row_stats::{

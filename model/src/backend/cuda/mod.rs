@@ -23,6 +23,7 @@ mod load;
 mod moe;
 mod ops;
 mod profile;
+mod received;
 mod run_step;
 pub mod step;
 mod weights_group;
@@ -277,6 +278,19 @@ impl Backend for CudaBackend {
         }
         let buf = self.dev.upload_bf16(data).map_err(|e| self.dev_err(e))?;
         Ok(CudaMat { buf, n, k })
+    }
+
+    fn mat_from_device(
+        &self,
+        n: usize,
+        k: usize,
+        cuts: &[super::DeviceCut<'_>],
+    ) -> BResult<Result<CudaMat, super::NonFinite>> {
+        self.cut_mat(n, k, cuts)
+    }
+
+    fn device_bytes(&self, data: &[u8]) -> BResult<Arc<dyn super::DeviceBytes>> {
+        self.device_bytes_from_host(data)
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaAct> {

@@ -1,17 +1,20 @@
 //! The NCCL group a trainer opens with the GPU ranks to broadcast new weights
-//! (`Backend::join_weights_group`, docs/rl.md): the trainer is rank 0 and sends each
-//! tensor whole; this rank receives it on a stream of its own into a device buffer and
-//! brings it to the host, where the update cuts this rank's shard as a load does.
+//! (`Backend::join_weights_group`, docs/rl.md): the trainer sends each tensor (or packed
+//! buffer) whole; this rank receives it on a stream of its own into a device buffer of its
+//! own, where it stays until the update cuts this rank's shard from it on the device
+//! (received.rs). The broadcasts of one call are queued back to back and waited for
+//! together: no round trip to the host between two tensors.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arbor_collective::nccl::{Dtype, NcclComm, WireType};
 use cudarc::driver::sys::{cuStreamQuery, CUresult};
-use cudarc::driver::{CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaStream, DevicePtrMut};
 
+use super::received::CudaBytes;
 use super::CudaBackend;
-use crate::backend::{BResult, BackendError, WeightsGroup, WeightsGroupJoiner};
+use crate::backend::{BResult, BackendError, DeviceBytes, WeightsGroup, WeightsGroupJoiner, Wire};
 use crate::safetensors::DType;
 
 pub struct CudaWeightsGroup {
@@ -91,45 +94,43 @@ impl CudaWeightsGroup {
         }
     }
 
-    /// One broadcast of `bytes` bytes as `ty` elements, brought to the host.
-    fn receive_wire(
-        &mut self,
-        bytes: usize,
-        ty: WireType,
-        root: usize,
-        timeout: Duration,
-    ) -> BResult<Vec<u8>> {
-        if bytes == 0 {
-            return Ok(Vec::new());
-        }
-        let Some(comm) = self.comm.as_ref() else {
-            return Err(self.err(
-                "the weight-update group was aborted after a failed broadcast: destroy it and init a new one"
-                    .into(),
-            ));
-        };
-        // SAFETY: fully written by the broadcast before it is read.
-        let mut buf = unsafe { self.stream.alloc::<u8>(bytes) }
-            .map_err(|e| self.err(format!("allocating {bytes} bytes to receive into: {e:?}")))?;
-        {
-            let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
-            if !bytes.is_multiple_of(ty.size()) {
-                return Err(self.err(format!("{bytes} bytes are not whole {ty:?} elements")));
+    /// Waits for `events` in order (each marks the end of one broadcast), at most
+    /// `timeout` for each after the previous one completed: a trainer that is slow but
+    /// sending is waited for, one that stopped is not.
+    fn wait_each(&self, events: &[Option<CudaEvent>], timeout: Duration) -> Result<(), String> {
+        let mut t0 = Instant::now();
+        for (i, e) in events.iter().enumerate() {
+            let Some(e) = e else { continue };
+            loop {
+                match e.try_is_complete() {
+                    Ok(true) => break,
+                    Ok(false) => {}
+                    Err(err) => {
+                        return Err(format!(
+                            "the weight-update stream failed at broadcast {i}: {err:?}"
+                        ))
+                    }
+                }
+                if t0.elapsed() > timeout {
+                    return Err(format!(
+                        "no broadcast from the trainer within {:.0} s ({i} of {} received)",
+                        timeout.as_secs_f64(),
+                        events.len()
+                    ));
+                }
+                std::thread::sleep(Duration::from_micros(200));
             }
-            // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
-            unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, root) }
-                .map_err(|e| self.err(e.to_string()))?;
+            t0 = Instant::now();
         }
-        if let Err(msg) = self.wait(timeout) {
-            // The receive may still be pending inside NCCL: abort it so the buffer can go.
-            if let Some(c) = self.comm.take() {
-                c.abort();
-            }
-            return Err(self.err(msg));
+        Ok(())
+    }
+
+    /// Aborts the communicator: a receive may still be pending inside NCCL, and its
+    /// buffer can only go once it is.
+    fn abort(&mut self) {
+        if let Some(c) = self.comm.take() {
+            c.abort();
         }
-        self.stream
-            .clone_dtoh(&buf)
-            .map_err(|e| self.err(format!("copying {bytes} received bytes to the host: {e:?}")))
     }
 }
 
@@ -155,21 +156,77 @@ impl Drop for CudaWeightsGroup {
 impl WeightsGroup for CudaWeightsGroup {
     fn receive(
         &mut self,
-        bytes: usize,
-        dtype: DType,
+        parts: &[(usize, Wire)],
         root: usize,
         timeout: Duration,
-    ) -> BResult<Vec<u8>> {
-        let ty = match dtype {
-            DType::BF16 => WireType::Bf16,
-            DType::F16 => WireType::F16,
-            DType::F32 => WireType::F32,
+    ) -> BResult<Vec<Arc<dyn DeviceBytes>>> {
+        let wire = |w: Wire| match w {
+            Wire::Elements(DType::BF16) => WireType::Bf16,
+            Wire::Elements(DType::F16) => WireType::F16,
+            Wire::Elements(DType::F32) => WireType::F32,
+            Wire::Bytes => WireType::U8,
         };
-        self.receive_wire(bytes, ty, root, timeout)
-    }
-
-    fn receive_bytes(&mut self, bytes: usize, root: usize, timeout: Duration) -> BResult<Vec<u8>> {
-        self.receive_wire(bytes, WireType::U8, root, timeout)
+        // Checked before anything is queued: a refusal never leaves a broadcast pending.
+        for (i, &(bytes, w)) in parts.iter().enumerate() {
+            let ty = wire(w);
+            if !bytes.is_multiple_of(ty.size()) {
+                return Err(self.err(format!(
+                    "broadcast {i}: {bytes} bytes are not whole {ty:?} elements"
+                )));
+            }
+        }
+        if self.comm.is_none() {
+            return Err(self.err(
+                "the weight-update group was aborted after a failed broadcast: destroy it and init a new one"
+                    .into(),
+            ));
+        }
+        let mut out: Vec<Arc<dyn DeviceBytes>> = Vec::with_capacity(parts.len());
+        let mut events = Vec::with_capacity(parts.len());
+        for (i, &(bytes, w)) in parts.iter().enumerate() {
+            if bytes == 0 {
+                out.push(Arc::new(CudaBytes::empty()));
+                events.push(None);
+                continue;
+            }
+            let ty = wire(w);
+            let queued = (|| {
+                // SAFETY: fully written by the broadcast before anything reads it.
+                let mut buf = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(|e| {
+                    format!("allocating {bytes} bytes to receive broadcast {i} into: {e:?}")
+                })?;
+                {
+                    let comm = self.comm.as_ref().ok_or("the group was aborted")?;
+                    let (ptr, _guard) = buf.device_ptr_mut(&self.stream);
+                    // SAFETY: `buf` holds `bytes` bytes on this group's device and stream.
+                    unsafe { comm.broadcast_raw(ptr, bytes / ty.size(), ty, root) }
+                        .map_err(|e| e.to_string())?;
+                }
+                let done = self
+                    .stream
+                    .record_event(None)
+                    .map_err(|e| format!("recording the end of broadcast {i}: {e:?}"))?;
+                Ok::<_, String>((buf, done))
+            })();
+            match queued {
+                Ok((buf, done)) => {
+                    out.push(Arc::new(CudaBytes::new(buf)));
+                    events.push(Some(done));
+                }
+                Err(msg) => {
+                    // Broadcasts queued before this one wait inside NCCL for the trainer.
+                    if i > 0 {
+                        self.abort();
+                    }
+                    return Err(self.err(msg));
+                }
+            }
+        }
+        if let Err(msg) = self.wait_each(&events, timeout) {
+            self.abort();
+            return Err(self.err(msg));
+        }
+        Ok(out)
     }
 
     fn warm_up(&mut self, timeout: Duration) -> BResult<()> {
