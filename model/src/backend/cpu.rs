@@ -8,6 +8,7 @@ use arbor_kernels::paged::KV_BLOCK;
 use half::bf16;
 
 use super::{BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, SeqRows, TreeSpec};
+use crate::error::MResult;
 
 /// f32 activations `[rows, cols]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -137,6 +138,18 @@ impl Backend for CpuBackend {
             n,
             k,
         })
+    }
+
+    fn mat_from_rows(
+        &self,
+        n: usize,
+        k: usize,
+        fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [bf16]) -> MResult<()>,
+    ) -> MResult<CpuMat> {
+        // The host buffer is the weight: no copy after the fill.
+        let mut data = vec![bf16::ZERO; n * k];
+        fill(0..n, &mut data)?;
+        Ok(CpuMat { data, n, k })
     }
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CpuAct> {
         if data.len() != rows * cols {

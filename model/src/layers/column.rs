@@ -15,6 +15,7 @@ use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 use super::LoadCtx;
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::{MResult, ModelError};
+use crate::weights::{MatPart, MatPlan, RowOrder};
 
 /// One projection of a column-parallel layer: `<prefix>.weight` is
 /// `[out_features, in_features]`, of which this rank holds `rows`.
@@ -33,15 +34,6 @@ pub struct ColumnParallelLinear<B: Backend> {
     widths: Vec<usize>,
 }
 
-/// How a multi-part layer's rows are laid out in its one weight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Arrangement {
-    /// Each part's rows after the previous part's.
-    Stacked,
-    /// Two parts of equal width, row by row: part 0's row j at 2j, part 1's at 2j + 1.
-    Alternating,
-}
-
 impl<B: Backend> ColumnParallelLinear<B> {
     /// Loads every part's rows (and, if `bias`, the same ranges of `<prefix>.bias`),
     /// stacked in the order given.
@@ -51,7 +43,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
         in_features: usize,
         bias: bool,
     ) -> MResult<Self> {
-        Self::load_arranged(ctx, parts, in_features, bias, Arrangement::Stacked)
+        Self::load_arranged(ctx, parts, in_features, bias, RowOrder::Stacked)
     }
 
     /// Loads two parts of equal width with their rows alternating (`a`'s row j at 2j,
@@ -73,7 +65,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
             )));
         }
         let parts = [a.clone(), b.clone()];
-        Self::load_arranged(ctx, &parts, in_features, bias, Arrangement::Alternating)
+        Self::load_arranged(ctx, &parts, in_features, bias, RowOrder::Alternating)
     }
 
     fn load_arranged(
@@ -81,39 +73,39 @@ impl<B: Backend> ColumnParallelLinear<B> {
         parts: &[ColumnPart],
         in_features: usize,
         bias: bool,
-        arrangement: Arrangement,
+        order: RowOrder,
     ) -> MResult<Self> {
-        let mut weights = Vec::with_capacity(parts.len());
+        let plan = MatPlan {
+            parts: parts
+                .iter()
+                .map(|p| MatPart {
+                    name: format!("{}.weight", p.prefix),
+                    n: p.out_features,
+                    k: in_features,
+                    rows: p.rows.clone(),
+                    cols: 0..in_features,
+                })
+                .collect(),
+            order,
+            pad_rows: 0,
+        };
+        let w = ctx.mat(&plan)?;
         let mut biases = Vec::with_capacity(parts.len());
-        let mut widths = Vec::with_capacity(parts.len());
-        for p in parts {
-            weights.push(ctx.store.rows(
-                &format!("{}.weight", p.prefix),
-                p.out_features,
-                in_features,
-                p.rows.clone(),
-            )?);
-            if bias {
+        if bias {
+            for p in parts {
                 biases.push(ctx.store.vector(
                     &format!("{}.bias", p.prefix),
                     p.out_features,
                     p.rows.clone(),
                 )?);
             }
-            widths.push(p.rows.len());
         }
+        let widths: Vec<usize> = parts.iter().map(|p| p.rows.len()).collect();
         let n: usize = widths.iter().sum();
-        let (data, bias_data) = match arrangement {
-            Arrangement::Stacked => (weights.concat(), biases.concat()),
-            Arrangement::Alternating => (
-                alternate_rows(&weights, in_features),
-                alternate_rows(&biases, 1),
-            ),
+        let bias_data = match order {
+            RowOrder::Stacked => biases.concat(),
+            RowOrder::Alternating => alternate_rows(&biases, 1),
         };
-        let w = ctx
-            .backend
-            .mat_from_host(&data, n, in_features)
-            .map_err(|e| ctx.backend_err(e))?;
         let bias = if bias {
             Some(
                 ctx.backend
@@ -160,7 +152,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
 }
 
 /// The rows (of `width` values) of two equally long parts, alternating: part 0's row j
-/// at 2j, part 1's at 2j + 1. Empty input (no parts, e.g. no bias) gives an empty result.
+/// at 2j, part 1's at 2j + 1 (the biases' order where the weight's rows alternate). Empty input (no parts, e.g. no bias) gives an empty result.
 fn alternate_rows<T: Copy>(parts: &[Vec<T>], width: usize) -> Vec<T> {
     let [a, b] = parts else {
         return parts.concat();

@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use crate::backend::{Backend, BackendError};
 use crate::error::{MResult, ModelError};
-use crate::weights::WeightStore;
+use crate::weights::{MatPart, MatPlan, RowOrder, WeightStore};
 
 /// What every layer's `load` needs: the backend to upload to, the checkpoint, and this
 /// rank's place in the TP group.
@@ -37,6 +37,40 @@ impl<B: Backend> LoadCtx<'_, B> {
             rank: self.rank,
             source,
         }
+    }
+
+    /// The weight `plan` describes, on the backend. From safetensors the backend has its
+    /// rows written straight into the memory it uploads from, a chunk at a time
+    /// (`Backend::mat_from_rows`); GGUF parts are dequantized whole, then uploaded.
+    /// Every tensor's presence and shape is checked before any row is read.
+    pub fn mat(&self, plan: &MatPlan) -> MResult<B::Mat> {
+        self.store.check_plan(plan)?;
+        let (n, k) = (plan.rows(), plan.width());
+        if self.store.fills_by_rows() {
+            return self
+                .backend
+                .mat_from_rows(n, k, &mut |rows, dst| self.store.fill(plan, rows, dst));
+        }
+        let mut data = vec![half::bf16::ZERO; n * k];
+        self.store.fill(plan, 0..n, &mut data)?;
+        self.backend
+            .mat_from_host(&data, n, k)
+            .map_err(|e| self.backend_err(e))
+    }
+
+    /// Rows `rows` (all `k` columns) of the `[n, k]` matrix `name`, uploaded.
+    pub fn mat_rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<B::Mat> {
+        self.mat(&MatPlan {
+            parts: vec![MatPart {
+                name: name.to_string(),
+                n,
+                k,
+                rows,
+                cols: 0..k,
+            }],
+            order: RowOrder::Stacked,
+            pad_rows: 0,
+        })
     }
 
     /// Elements `range` of `<prefix>.bias` (`[out_features]`) as a one-row activation,

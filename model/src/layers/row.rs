@@ -9,6 +9,7 @@ use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 use super::LoadCtx;
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::MResult;
+use crate::weights::{MatPart, MatPlan, RowOrder};
 
 pub struct RowParallelLinear<B: Backend> {
     w: B::Mat,
@@ -34,16 +35,17 @@ impl<B: Backend> RowParallelLinear<B> {
         bias: bool,
     ) -> MResult<Self> {
         let cols = Self::shard(in_features, ctx.rank, ctx.tp);
-        let data = ctx.store.cols(
-            &format!("{prefix}.weight"),
-            out_features,
-            in_features,
-            cols.clone(),
-        )?;
-        let w = ctx
-            .backend
-            .mat_from_host(&data, out_features, cols.len())
-            .map_err(|e| ctx.backend_err(e))?;
+        let w = ctx.mat(&MatPlan {
+            parts: vec![MatPart {
+                name: format!("{prefix}.weight"),
+                n: out_features,
+                k: in_features,
+                rows: 0..out_features,
+                cols: cols.clone(),
+            }],
+            order: RowOrder::Stacked,
+            pad_rows: 0,
+        })?;
         let bias = ctx.bias(prefix, out_features, 0..out_features, bias)?;
         Ok(RowParallelLinear {
             w,

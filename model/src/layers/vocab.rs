@@ -5,11 +5,11 @@
 use std::ops::Range;
 
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
-use half::bf16;
 
 use super::LoadCtx;
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::MResult;
+use crate::weights::{MatPart, MatPlan, RowOrder};
 
 pub struct Embedding<B: Backend> {
     table: B::Mat,
@@ -18,11 +18,7 @@ pub struct Embedding<B: Backend> {
 
 impl<B: Backend> Embedding<B> {
     pub fn load(ctx: &LoadCtx<B>, name: &str, vocab: usize, hidden: usize) -> MResult<Self> {
-        let data = ctx.store.rows(name, vocab, hidden, 0..vocab)?;
-        let table = ctx
-            .backend
-            .mat_from_host(&data, vocab, hidden)
-            .map_err(|e| ctx.backend_err(e))?;
+        let table = ctx.mat_rows(name, vocab, hidden, 0..vocab)?;
         Ok(Embedding { table, vocab })
     }
 
@@ -51,12 +47,17 @@ impl<B: Backend> VocabParallelHead<B> {
     pub fn load(ctx: &LoadCtx<B>, name: &str, vocab: usize, hidden: usize) -> MResult<Self> {
         let block = vocab.div_ceil(ctx.tp);
         let rows = Self::rows(vocab, ctx.rank, ctx.tp);
-        let mut data = ctx.store.rows(name, vocab, hidden, rows)?;
-        data.resize(block * hidden, bf16::ZERO);
-        let w = ctx
-            .backend
-            .mat_from_host(&data, block, hidden)
-            .map_err(|e| ctx.backend_err(e))?;
+        let w = ctx.mat(&MatPlan {
+            pad_rows: block - rows.len(),
+            parts: vec![MatPart {
+                name: name.to_string(),
+                n: vocab,
+                k: hidden,
+                rows,
+                cols: 0..hidden,
+            }],
+            order: RowOrder::Stacked,
+        })?;
         Ok(VocabParallelHead {
             w,
             tree: TreeSpec {

@@ -631,12 +631,16 @@ impl<B: Backend> Worker<B> {
             tp: self.backend.world_size(),
             row_tp: self.row_tp,
         };
+        let wait0 = self.backend.upload_wait_seconds();
         let model = Model::load(&ctx, &self.cfg, self.rope_len())?;
         tracing::info!(
             rank = self.backend.rank(),
             seconds = t0.elapsed().as_secs_f64(),
             host_read_seconds = store.read_seconds(),
-            "new weights prepared (host_read: reading and converting to bf16; the rest: cutting, uploading)"
+            upload_wait_seconds = self.backend.upload_wait_seconds() - wait0,
+            "new weights prepared (host_read: reading, converting to bf16 and cutting the \
+             shards into the upload buffers; upload_wait: waiting for copies to the device \
+             to free a buffer; the rest: allocation and small tensors)"
         );
         self.updates.candidate = Some((model, origin));
         Ok(())

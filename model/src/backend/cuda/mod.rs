@@ -35,6 +35,7 @@ use arbor_collective::gpu::{Algo, GpuCollective};
 use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::cuda::cublas::Blas;
+use arbor_kernels::cuda::upload_ring::RowsUploadError;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
 
 use super::{
@@ -46,6 +47,8 @@ use graphs::{Graphs, Key};
 pub use kv::CudaKv;
 use ops::RopeDev;
 use profile::Profiler;
+
+use crate::error::{MResult, ModelError};
 use step::StepMeta;
 
 /// f32 activations `[rows, cols]` on the GPU.
@@ -277,6 +280,26 @@ impl Backend for CudaBackend {
         }
         let buf = self.dev.upload_bf16(data).map_err(|e| self.dev_err(e))?;
         Ok(CudaMat { buf, n, k })
+    }
+
+    fn mat_from_rows(
+        &self,
+        n: usize,
+        k: usize,
+        fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [half::bf16]) -> MResult<()>,
+    ) -> MResult<CudaMat> {
+        match self.dev.upload_bf16_rows(n, k, fill) {
+            Ok(buf) => Ok(CudaMat { buf, n, k }),
+            Err(RowsUploadError::Fill(e)) => Err(e),
+            Err(RowsUploadError::Cuda(e)) => Err(ModelError::Backend {
+                rank: self.comm.rank(),
+                source: self.dev_err(e),
+            }),
+        }
+    }
+
+    fn upload_wait_seconds(&self) -> f64 {
+        self.dev.uploads.wait_seconds()
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaAct> {
