@@ -129,9 +129,12 @@ impl UploadRing {
             };
             *guard = Some((slot()?, slot()?));
         }
-        let Some((a, b)) = guard.as_mut() else {
-            unreachable!("the pair was made above")
-        };
+        let (a, b) = guard.as_mut().ok_or_else(|| {
+            RowsUploadError::Cuda(CudaError::Launch {
+                kernel: "weight upload",
+                msg: "no upload buffers after making them".into(),
+            })
+        })?;
         let slots = [a, b];
         let rows_per = (slots[0].elems / k).max(1);
         let (base, record) = dev.device_ptr_mut(stream);

@@ -7,7 +7,7 @@ use arbor_kernels::cpu::{self as k, AttnShape, PagedKv, RopeTable, TreeMatmul};
 use arbor_kernels::paged::KV_BLOCK;
 use half::bf16;
 
-use super::{BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, SeqRows, TreeSpec};
+use super::{BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, RowFill, SeqRows, TreeSpec};
 use crate::error::MResult;
 
 /// f32 activations `[rows, cols]`, row-major.
@@ -140,12 +140,7 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn mat_from_rows(
-        &self,
-        n: usize,
-        k: usize,
-        fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [bf16]) -> MResult<()>,
-    ) -> MResult<CpuMat> {
+    fn mat_from_rows(&self, n: usize, k: usize, fill: &mut RowFill<'_>) -> MResult<CpuMat> {
         // The host buffer is the weight: no copy after the fill.
         let mut data = vec![bf16::ZERO; n * k];
         fill(0..n, &mut data)?;

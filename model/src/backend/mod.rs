@@ -18,6 +18,10 @@ use crate::error::{MResult, ModelError};
 
 pub use error::{BResult, BackendError};
 
+/// What writes a weight's rows for [`Backend::mat_from_rows`]: `fill(rows, dst)`, `dst`
+/// holding `rows.len()` rows.
+pub type RowFill<'a> = dyn FnMut(std::ops::Range<usize>, &mut [half::bf16]) -> MResult<()> + 'a;
+
 /// How a backend does its arithmetic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Numerics {
@@ -286,12 +290,7 @@ pub trait Backend {
     /// device from, so that one chunk's copy overlaps the next one's reading (a load is
     /// then bounded by the host's reading, not by reading plus copying); by default one
     /// host buffer takes the whole weight.
-    fn mat_from_rows(
-        &self,
-        n: usize,
-        k: usize,
-        fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [half::bf16]) -> MResult<()>,
-    ) -> MResult<Self::Mat> {
+    fn mat_from_rows(&self, n: usize, k: usize, fill: &mut RowFill<'_>) -> MResult<Self::Mat> {
         let mut data = vec![half::bf16::ZERO; n * k];
         fill(0..n, &mut data)?;
         self.mat_from_host(&data, n, k)

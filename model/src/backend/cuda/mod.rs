@@ -39,8 +39,8 @@ use arbor_kernels::cuda::upload_ring::RowsUploadError;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
 
 use super::{
-    BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, SeqRows, StepForward, StepInputs,
-    StepResults, TreeSpec, WantRow,
+    BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, RowFill, SeqRows, StepForward,
+    StepInputs, StepResults, TreeSpec, WantRow,
 };
 use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
 use graphs::{Graphs, Key};
@@ -282,12 +282,7 @@ impl Backend for CudaBackend {
         Ok(CudaMat { buf, n, k })
     }
 
-    fn mat_from_rows(
-        &self,
-        n: usize,
-        k: usize,
-        fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [half::bf16]) -> MResult<()>,
-    ) -> MResult<CudaMat> {
+    fn mat_from_rows(&self, n: usize, k: usize, fill: &mut RowFill<'_>) -> MResult<CudaMat> {
         match self.dev.upload_bf16_rows(n, k, fill) {
             Ok(buf) => Ok(CudaMat { buf, n, k }),
             Err(RowsUploadError::Fill(e)) => Err(e),
