@@ -232,6 +232,7 @@ impl WeightStore {
     /// converted straight into `dst`, on several threads for large blocks; GGUF parts
     /// are dequantized whole and copied (small models: no chunking to save).
     pub fn fill(&self, plan: &MatPlan, rows: Range<usize>, dst: &mut [bf16]) -> MResult<()> {
+        plan.check().map_err(ModelError::Plan)?;
         let width = plan.width();
         if dst.len() != rows.len() * width || rows.end > plan.rows() {
             return Err(ModelError::Plan(format!(
