@@ -1138,7 +1138,9 @@ fn reveal<B: Backend>(b: &B, w: &B::Mat, n: usize, k: usize) -> Vec<u32> {
 /// (row-parallel), the padded head block, bf16, f32 and f16 sources; a value that is not
 /// finite is refused naming the tensor, as the host load refuses it.
 fn device_store_matches_host<B: Backend>(b: &B, tag: &str) {
-    use arbor_model::layers::{Block, RowParallelLinear};
+    use arbor_model::layers::RowParallelLinear;
+    use arbor_model::weights::{MatPart, MatPlan, RowOrder};
+    use std::ops::Range;
     let dir = tiny(Arch::Llama, tag);
     let cfg = ModelConfig::from_dir(&dir).expect("config");
     let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
@@ -1158,72 +1160,62 @@ fn device_store_matches_host<B: Backend>(b: &B, tag: &str) {
             };
             let inter_rows = RowParallelLinear::<B>::shard(inter, rank, tp);
             let cols = RowParallelLinear::<B>::shard(inter, rank, tp);
-            let half = inter_rows.len();
             let gate = "model.layers.0.mlp.gate_proj.weight";
             let up = "model.layers.0.mlp.up_proj.weight";
             let down = "model.layers.0.mlp.down_proj.weight";
             let vocab = cfg.vocab_size;
             let vblock = vocab.div_ceil(tp);
             let vrows = (rank * vblock).min(vocab)..((rank + 1) * vblock).min(vocab);
-            let cases: Vec<(&str, usize, usize, Vec<Block>)> = vec![
-                (
-                    "stacked gate/up rows",
-                    2 * half,
-                    h,
-                    vec![
-                        Block::rows(gate, inter, h, inter_rows.clone(), 0),
-                        Block::rows(up, inter, h, inter_rows.clone(), half),
-                    ],
-                ),
-                (
-                    "alternating gate/up rows",
-                    2 * half,
-                    h,
-                    vec![
-                        Block {
-                            dst_step: 2,
-                            ..Block::rows(gate, inter, h, inter_rows.clone(), 0)
-                        },
-                        Block {
-                            dst_step: 2,
-                            ..Block::rows(up, inter, h, inter_rows.clone(), 1)
-                        },
-                    ],
-                ),
+            let part =
+                |name: &str, n: usize, k: usize, rows: Range<usize>, cols: Range<usize>| MatPart {
+                    name: name.to_string(),
+                    n,
+                    k,
+                    rows,
+                    cols,
+                };
+            let gate_up = |order| MatPlan {
+                parts: vec![
+                    part(gate, inter, h, inter_rows.clone(), 0..h),
+                    part(up, inter, h, inter_rows.clone(), 0..h),
+                ],
+                order,
+                pad_rows: 0,
+            };
+            let cases: Vec<(&str, MatPlan)> = vec![
+                ("stacked gate/up rows", gate_up(RowOrder::Stacked)),
+                ("alternating gate/up rows", gate_up(RowOrder::Alternating)),
                 (
                     "row-parallel columns",
-                    h,
-                    cols.len(),
-                    vec![Block {
-                        name: down,
-                        n: h,
-                        k: inter,
-                        rows: 0..h,
-                        cols: cols.clone(),
-                        dst_row0: 0,
-                        dst_step: 1,
-                    }],
+                    MatPlan {
+                        parts: vec![part(down, h, inter, 0..h, cols.clone())],
+                        order: RowOrder::Stacked,
+                        pad_rows: 0,
+                    },
                 ),
                 (
                     "padded head block",
-                    vblock,
-                    h,
-                    vec![Block::rows(
-                        "model.embed_tokens.weight",
-                        vocab,
-                        h,
-                        vrows.clone(),
-                        0,
-                    )],
+                    MatPlan {
+                        parts: vec![part(
+                            "model.embed_tokens.weight",
+                            vocab,
+                            h,
+                            vrows.clone(),
+                            0..h,
+                        )],
+                        order: RowOrder::Stacked,
+                        pad_rows: vblock - vrows.len(),
+                    },
                 ),
             ];
-            for (what, n, k, blocks) in cases {
+            for (what, plan) in cases {
+                let (n, k) = (plan.rows(), plan.width());
                 // The device store frees a tensor at its last reader: one reader per case.
-                for blk in &blocks {
-                    dev.set_readers(blk.name, 2);
+                for p in &plan.parts {
+                    dev.set_readers(&p.name, 2);
                 }
-                let want = ctx(&host).mat(n, k, &blocks).expect("host cut");
-                let got = ctx(&dev).mat(n, k, &blocks).expect("device cut");
+                let want = ctx(&host).mat(&plan).expect("host cut");
+                let got = ctx(&dev).mat(&plan).expect("device cut");
                 let (got, want) = (reveal(b, &got, n, k), reveal(b, &want, n, k));
                 let first = got.iter().zip(&want).position(|(g, w)| g != w);
                 assert_eq!(
@@ -1300,16 +1292,18 @@ fn device_store_matches_host<B: Backend>(b: &B, tag: &str) {
             row_tp: 2,
         };
         let cols = RowParallelLinear::<B>::shard(inter, 1, 2);
-        let block = Block {
-            name,
-            n: h,
-            k: inter,
-            rows: 0..h,
-            cols: cols.clone(),
-            dst_row0: 0,
-            dst_step: 1,
+        let plan = MatPlan {
+            parts: vec![MatPart {
+                name: name.to_string(),
+                n: h,
+                k: inter,
+                rows: 0..h,
+                cols: cols.clone(),
+            }],
+            order: RowOrder::Stacked,
+            pad_rows: 0,
         };
-        let err = match ctx.mat(h, cols.len(), &[block]) {
+        let err = match ctx.mat(&plan) {
             Ok(_) => panic!("a NaN was accepted"),
             Err(e) => e.to_string(),
         };

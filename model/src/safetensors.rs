@@ -252,50 +252,30 @@ impl SafeFile {
     ) -> MResult<Vec<bf16>> {
         let width = cols.len();
         let mut out = vec![bf16::ZERO; rows.len() * width];
-        if out.is_empty() {
-            return Ok(out);
-        }
-        let threads = if out.len() >= PARALLEL_ELEMENTS {
-            std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .min(MAX_THREADS)
-        } else {
-            1
-        };
-        let rows_per = rows.len().div_ceil(threads);
-        let convert = |first: usize, dst: &mut [bf16]| -> MResult<()> {
-            for (i, d) in dst.chunks_exact_mut(width).enumerate() {
-                let r = first + i;
-                let es = info.dtype.size();
-                let b = self.bytes(info, (r * k + cols.start) * es..(r * k + cols.end) * es);
-                convert_into(b, info.dtype, d);
-                if let Some(j) = first_non_finite(d) {
-                    return Err(self.non_finite(name, info, b, r * k + cols.start + j, j));
-                }
-            }
-            Ok(())
-        };
-        if threads == 1 {
-            convert(rows.start, &mut out)?;
-            return Ok(out);
-        }
-        let results: Vec<MResult<()>> = std::thread::scope(|s| {
-            let handles: Vec<_> = out
-                .chunks_mut(rows_per * width)
-                .enumerate()
-                .map(|(i, dst)| {
-                    let convert = &convert;
-                    s.spawn(move || convert(rows.start + i * rows_per, dst))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        });
-        // The first failing chunk in row order holds the first bad element.
-        results.into_iter().collect::<MResult<Vec<()>>>()?;
+        par_rows(&mut out, width, |i, d| {
+            self.read_row_into(name, info, k, rows.start + i, cols.clone(), d)
+        })?;
         Ok(out)
+    }
+
+    /// Columns `cols` of row `r` of the 2-D tensor `name` `[n, k]`, converted to bf16 into
+    /// `dst` (`cols.len()` values) and checked finite as [`SafeFile::read_block`] checks.
+    pub fn read_row_into(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        k: usize,
+        r: usize,
+        cols: Range<usize>,
+        dst: &mut [bf16],
+    ) -> MResult<()> {
+        let es = info.dtype.size();
+        let b = self.bytes(info, (r * k + cols.start) * es..(r * k + cols.end) * es);
+        convert_into(b, info.dtype, dst);
+        match first_non_finite(dst) {
+            Some(j) => Err(self.non_finite(name, info, b, r * k + cols.start + j, j)),
+            None => Ok(()),
+        }
     }
 
     /// The error for element `flat` of tensor `name`, the `j`-th of the row bytes `b`.
@@ -348,6 +328,57 @@ pub(crate) fn non_finite_error(
 const PARALLEL_ELEMENTS: usize = 1 << 22;
 /// Memory bandwidth, not cores, bounds the conversion beyond this.
 const MAX_THREADS: usize = 16;
+
+/// Runs `row(i, dst_i)` for every row `i` of `out` (rows of `width` values), on several
+/// threads when `out` is large, each thread a run of consecutive rows. The error of the
+/// first failing row in order is returned: each thread stops at its first, and the
+/// threads' runs are in row order.
+pub(crate) fn par_rows(
+    out: &mut [bf16],
+    width: usize,
+    row: impl Fn(usize, &mut [bf16]) -> MResult<()> + Sync,
+) -> MResult<()> {
+    if out.is_empty() || width == 0 {
+        return Ok(());
+    }
+    let n = out.len() / width;
+    let threads = if out.len() >= PARALLEL_ELEMENTS {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_THREADS)
+            .min(n)
+    } else {
+        1
+    };
+    let run = |first: usize, dst: &mut [bf16]| -> MResult<()> {
+        for (i, d) in dst.chunks_exact_mut(width).enumerate() {
+            row(first + i, d)?;
+        }
+        Ok(())
+    };
+    if threads <= 1 {
+        return run(0, out);
+    }
+    let rows_per = n.div_ceil(threads);
+    let results: Vec<MResult<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = out
+            .chunks_mut(rows_per * width)
+            .enumerate()
+            .map(|(i, dst)| {
+                let run = &run;
+                s.spawn(move || run(i * rows_per, dst))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    results
+        .into_iter()
+        .collect::<MResult<Vec<()>>>()
+        .map(|_| ())
+}
 
 /// The index of the first NaN or ±inf of `v`. Scans without an early exit, in chunks, so
 /// the loop vectorises (all-ones exponent bits: 0x7f80).

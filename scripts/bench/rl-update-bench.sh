@@ -19,6 +19,9 @@
 #      the last weights were pushed): GPU memory before and after,
 #      and the resume time.
 # Every step's raw output is in $OUT/rl-*.log; PASS/FAIL lines in the summary.
+#   PARTS=disk bash scripts/bench/rl-update-bench.sh   # steps 1-2 only (two warm updates,
+#       one cold), then the load's and each update's split: host_read (read, convert, cut
+#       into the upload buffers), upload_wait (waiting for copies to the device), the rest
 set -uo pipefail
 T0=$(date +%s)
 # RL_PARTS: all (every path) or nccl (the server and the NCCL pushes only). Not PARTS:
@@ -26,6 +29,7 @@ T0=$(date +%s)
 RL_PARTS=${RL_PARTS:-all}
 case $RL_PARTS in all | nccl) ;; *) echo "RL_PARTS must be all or nccl, not $RL_PARTS" >&2; exit 2 ;; esac
 BUDGET_S=${BUDGET_S:-580}
+PARTS=${PARTS:-all}
 source scripts/gpu/device-lib.sh
 script_start rl-summary.txt
 WORK=/tmp/arbor-rl-bench
@@ -116,6 +120,10 @@ timed_update() { # timed_update NAME BODY
 if [[ $RL_PARTS == all ]]; then
 timed_update "update_weights_from_disk (page cache warm)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm\"}"
 P=$(probe); note "probe: $P"; same_bits "$P" && note "PASS  same bits after the disk update" || note "FAIL  bits changed (same weights)"
+if [[ $PARTS == disk ]]; then
+    timed_update "update_weights_from_disk (page cache warm, again)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm-2\"}"
+    P=$(probe); same_bits "$P" && note "PASS  same bits after the second disk update" || note "FAIL  bits changed (same weights)"
+fi
 if sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
     timed_update "update_weights_from_disk (page cache dropped)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-cold\"}"
     P=$(probe); same_bits "$P" && note "PASS  same bits after the cold disk update" || note "FAIL  bits changed"
@@ -123,13 +131,22 @@ else
     note "SKIP  cold read (cannot drop the page cache here)"
 fi
 
+split() { # the load's and the updates' time split, from arbor's log
+    grep -h 'model loaded\|new weights prepared' "$OUT/rl-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tee -a "$SUMMARY"
+}
+if [[ $PARTS == disk ]]; then
+    split
+    note "done in $(elapsed) s (PARTS=disk)"
+    exit 0
+fi
+
 # The HTTP push path (no NCCL: any trainer, one GPU): a separate process cuts the checkpoint
 # into safetensors parts and posts them, then commits.
 step "HTTP push (update_weights_from_tensor, 512 MiB parts; a larger tensor alone)" "$OUT/rl-http.log" 300 python3 examples/rl_push_http.py \
     --addr "${ADDR#http://}" --model "$L8B" --weight-version http-push
 grep -h '^pushed' "$OUT/rl-http.log" | tail -n 1 | sed 's/^/TIMED HTTP push: /' | tee -a "$SUMMARY"
-# What bounds an update: the host's reading and converting vs the rest (cut, upload, swap).
-grep -h 'model loaded\|new weights prepared' "$OUT/rl-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tee -a "$SUMMARY"
+# What bounds an update: the host's reading, converting and cutting vs waiting for copies.
+split
 P=$(probe); same_bits "$P" && note "PASS  same bits after the HTTP push (same weights)" || note "FAIL  bits changed after the HTTP push: $P"
 fi
 

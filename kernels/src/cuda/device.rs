@@ -24,6 +24,8 @@ pub struct GpuDevice {
     pub sms: usize,
     /// Uploads copied beside the main stream's queued work (staging.rs).
     pub staging: super::staging::Staging,
+    /// Weights uploaded in chunks through page-locked buffers (upload_ring.rs).
+    pub uploads: super::upload_ring::UploadRing,
     funcs: HashMap<&'static str, CudaFunction>,
 }
 
@@ -107,6 +109,7 @@ impl GpuDevice {
             pdl,
             sms,
             staging: Default::default(),
+            uploads: Default::default(),
             funcs,
         })
     }

@@ -907,3 +907,58 @@ fn lent_buffers_are_reused_and_a_captured_graph_replays_on_them() {
         assert_eq!(bits(&got), bits(&want), "replay with seed {seed}");
     }
 }
+
+/// A weight uploaded chunk by chunk through the page-locked buffers (several chunks, rows
+/// that do not divide a chunk, buffers reused across weights) holds the bits one
+/// pageable copy of it gives; a fill that fails stops the upload with its error and
+/// leaves the buffers usable.
+#[test]
+fn chunked_upload_equals_one_copy() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng(0x5eed);
+    for (n, k) in [(3, 5), (9000, 4100), (40_000, 4096), (1, 1)] {
+        let host = to_bf16(&rng.vec(n * k, 3.0));
+        let calls = std::cell::Cell::new(0);
+        let up = dev
+            .upload_bf16_rows(n, k, |rows, dst: &mut [bf16]| {
+                calls.set(calls.get() + 1);
+                dst.copy_from_slice(&host[rows.start * k..rows.end * k]);
+                Ok::<(), String>(())
+            })
+            .unwrap_or_else(|e| panic!("[{n}, {k}]: {e:?}"));
+        let want = dev.upload_bf16(&host).unwrap();
+        assert_eq!(
+            dev.download_bf16(&up).unwrap(),
+            dev.download_bf16(&want).unwrap(),
+            "[{n}, {k}]"
+        );
+        let rows_per = (crate::cuda::upload_ring::CHUNK_BYTES / 2 / k).max(1);
+        assert_eq!(
+            calls.get(),
+            n.div_ceil(rows_per),
+            "[{n}, {k}]: one fill per chunk"
+        );
+    }
+    let e = dev
+        .upload_bf16_rows(40_000, 4096, |rows, _dst: &mut [bf16]| {
+            if rows.start > 0 {
+                Err(format!("row {}", rows.start))
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap_err();
+    assert!(
+        matches!(e, crate::cuda::upload_ring::RowsUploadError::Fill(ref m) if m.starts_with("row ")),
+        "{e:?}"
+    );
+    let host = to_bf16(&rng.vec(70_000 * 1024, 1.0));
+    let up = dev
+        .upload_bf16_rows(70_000, 1024, |rows, dst: &mut [bf16]| {
+            dst.copy_from_slice(&host[rows.start * 1024..rows.end * 1024]);
+            Ok::<(), String>(())
+        })
+        .unwrap();
+    assert_eq!(dev.download_bf16(&up).unwrap(), host);
+    assert!(dev.uploads.wait_seconds() >= 0.0);
+}

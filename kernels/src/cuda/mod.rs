@@ -21,6 +21,7 @@ pub mod ops;
 pub mod probe;
 pub mod source;
 pub mod staging;
+pub mod upload_ring;
 
 pub use buf::{DevBuf, Workspace, WorkspaceScope};
 pub use compile::{arch_for, compile_ptx};

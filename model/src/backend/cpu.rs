@@ -10,8 +10,9 @@ use half::bf16;
 use super::device_tensor::HostBytes;
 use super::{
     BResult, Backend, BackendError, DeviceBytes, DeviceCut, HeadSpec, KvRows, KvSpec, NonFinite,
-    SeqRows, TreeSpec,
+    RowFill, SeqRows, TreeSpec,
 };
+use crate::error::MResult;
 
 /// f32 activations `[rows, cols]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,6 +195,12 @@ impl Backend for CpuBackend {
         Ok(Arc::new(HostBytes(data.to_vec())))
     }
 
+    fn mat_from_rows(&self, n: usize, k: usize, fill: &mut RowFill<'_>) -> MResult<CpuMat> {
+        // The host buffer is the weight: no copy after the fill.
+        let mut data = vec![bf16::ZERO; n * k];
+        fill(0..n, &mut data)?;
+        Ok(CpuMat { data, n, k })
+    }
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CpuAct> {
         if data.len() != rows * cols {
             return Err(self.shape_err(format!(

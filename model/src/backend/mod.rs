@@ -15,8 +15,14 @@ pub mod error;
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::paged::{blocks_for, PagedKvLayout};
 
+use crate::error::{MResult, ModelError};
 pub use device_tensor::{DeviceBytes, DeviceCut, DeviceTensor, NonFinite, Wire};
+
 pub use error::{BResult, BackendError};
+
+/// What writes a weight's rows for [`Backend::mat_from_rows`]: `fill(rows, dst)`, `dst`
+/// holding `rows.len()` rows.
+pub type RowFill<'a> = dyn FnMut(std::ops::Range<usize>, &mut [half::bf16]) -> MResult<()> + 'a;
 
 /// How a backend does its arithmetic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -310,6 +316,26 @@ pub trait Backend {
             self.rank(),
             self.device_name()
         )))
+    }
+
+    /// A weight `[n, k]` whose rows `fill(rows, dst)` writes (`dst`: `rows.len()` × `k`
+    /// values). A backend may call it chunk by chunk, into the memory it copies to the
+    /// device from, so that one chunk's copy overlaps the next one's reading (a load is
+    /// then bounded by the host's reading, not by reading plus copying); by default one
+    /// host buffer takes the whole weight.
+    fn mat_from_rows(&self, n: usize, k: usize, fill: &mut RowFill<'_>) -> MResult<Self::Mat> {
+        let mut data = vec![half::bf16::ZERO; n * k];
+        fill(0..n, &mut data)?;
+        self.mat_from_host(&data, n, k)
+            .map_err(|source| ModelError::Backend {
+                rank: self.rank(),
+                source,
+            })
+    }
+    /// Seconds the host has waited so far for weight copies to the device to free the
+    /// memory it fills (`mat_from_rows`): the part of a load that the copies bound.
+    fn upload_wait_seconds(&self) -> f64 {
+        0.0
     }
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<Self::Act>;
     fn act_to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;

@@ -522,6 +522,10 @@ impl Broadcast {
 pub trait Payload {
     fn len(&self) -> usize;
 
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The bytes on the host.
     fn host(&self) -> Result<Vec<u8>, String>;
 }

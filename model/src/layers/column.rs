@@ -12,9 +12,10 @@ use std::ops::Range;
 
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 
-use super::{Block, LoadCtx};
+use super::LoadCtx;
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::{MResult, ModelError};
+use crate::weights::{MatPart, MatPlan, RowOrder};
 
 /// One projection of a column-parallel layer: `<prefix>.weight` is
 /// `[out_features, in_features]`, of which this rank holds `rows`.
@@ -33,15 +34,6 @@ pub struct ColumnParallelLinear<B: Backend> {
     widths: Vec<usize>,
 }
 
-/// How a multi-part layer's rows are laid out in its one weight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Arrangement {
-    /// Each part's rows after the previous part's.
-    Stacked,
-    /// Two parts of equal width, row by row: part 0's row j at 2j, part 1's at 2j + 1.
-    Alternating,
-}
-
 impl<B: Backend> ColumnParallelLinear<B> {
     /// Loads every part's rows (and, if `bias`, the same ranges of `<prefix>.bias`),
     /// stacked in the order given.
@@ -51,7 +43,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
         in_features: usize,
         bias: bool,
     ) -> MResult<Self> {
-        Self::load_arranged(ctx, parts, in_features, bias, Arrangement::Stacked)
+        Self::load_arranged(ctx, parts, in_features, bias, RowOrder::Stacked)
     }
 
     /// Loads two parts of equal width with their rows alternating (`a`'s row j at 2j,
@@ -73,7 +65,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
             )));
         }
         let parts = [a.clone(), b.clone()];
-        Self::load_arranged(ctx, &parts, in_features, bias, Arrangement::Alternating)
+        Self::load_arranged(ctx, &parts, in_features, bias, RowOrder::Alternating)
     }
 
     fn load_arranged(
@@ -81,28 +73,23 @@ impl<B: Backend> ColumnParallelLinear<B> {
         parts: &[ColumnPart],
         in_features: usize,
         bias: bool,
-        arrangement: Arrangement,
+        order: RowOrder,
     ) -> MResult<Self> {
-        let names: Vec<String> = parts
-            .iter()
-            .map(|p| format!("{}.weight", p.prefix))
-            .collect();
-        let widths: Vec<usize> = parts.iter().map(|p| p.rows.len()).collect();
-        let n: usize = widths.iter().sum();
-        let mut blocks = Vec::with_capacity(parts.len());
-        let mut row0 = 0;
-        for (i, (p, name)) in parts.iter().zip(&names).enumerate() {
-            let mut b = Block::rows(name, p.out_features, in_features, p.rows.clone(), row0);
-            match arrangement {
-                Arrangement::Stacked => row0 += p.rows.len(),
-                Arrangement::Alternating => {
-                    b.dst_row0 = i;
-                    b.dst_step = parts.len();
-                }
-            }
-            blocks.push(b);
-        }
-        let w = ctx.mat(n, in_features, &blocks)?;
+        let plan = MatPlan {
+            parts: parts
+                .iter()
+                .map(|p| MatPart {
+                    name: format!("{}.weight", p.prefix),
+                    n: p.out_features,
+                    k: in_features,
+                    rows: p.rows.clone(),
+                    cols: 0..in_features,
+                })
+                .collect(),
+            order,
+            pad_rows: 0,
+        };
+        let w = ctx.mat(&plan)?;
         let mut biases = Vec::with_capacity(parts.len());
         if bias {
             for p in parts {
@@ -113,9 +100,11 @@ impl<B: Backend> ColumnParallelLinear<B> {
                 )?);
             }
         }
-        let bias_data = match arrangement {
-            Arrangement::Stacked => biases.concat(),
-            Arrangement::Alternating => alternate_rows(&biases, 1),
+        let widths: Vec<usize> = parts.iter().map(|p| p.rows.len()).collect();
+        let n: usize = widths.iter().sum();
+        let bias_data = match order {
+            RowOrder::Stacked => biases.concat(),
+            RowOrder::Alternating => alternate_rows(&biases, 1),
         };
         let bias = if bias {
             Some(
@@ -163,7 +152,7 @@ impl<B: Backend> ColumnParallelLinear<B> {
 }
 
 /// The rows (of `width` values) of two equally long parts, alternating: part 0's row j
-/// at 2j, part 1's at 2j + 1. Empty input (no parts, e.g. no bias) gives an empty result.
+/// at 2j, part 1's at 2j + 1 (the biases' order where the weight's rows alternate). Empty input (no parts, e.g. no bias) gives an empty result.
 fn alternate_rows<T: Copy>(parts: &[Vec<T>], width: usize) -> Vec<T> {
     let [a, b] = parts else {
         return parts.concat();

@@ -19,37 +19,7 @@ use half::bf16;
 
 use crate::backend::{Backend, BackendError, DeviceCut};
 use crate::error::{MResult, ModelError};
-use crate::weights::WeightStore;
-
-/// One block of a weight being made: rows `rows` × columns `cols` of the `[n, k]`
-/// checkpoint tensor `name`, landing at rows `dst_row0`, `dst_row0 + dst_step`, … of the
-/// weight (a column-parallel layer stacks or alternates its parts' rows; a row-parallel
-/// layer takes a range of columns).
-#[derive(Debug, Clone)]
-pub struct Block<'a> {
-    pub name: &'a str,
-    pub n: usize,
-    pub k: usize,
-    pub rows: Range<usize>,
-    pub cols: Range<usize>,
-    pub dst_row0: usize,
-    pub dst_step: usize,
-}
-
-impl<'a> Block<'a> {
-    /// Rows `rows` of `[n, k]`, stacked from row `dst_row0` on.
-    pub fn rows(name: &'a str, n: usize, k: usize, rows: Range<usize>, dst_row0: usize) -> Self {
-        Block {
-            name,
-            n,
-            k,
-            rows,
-            cols: 0..k,
-            dst_row0,
-            dst_step: 1,
-        }
-    }
-}
+use crate::weights::{MatPart, MatPlan, RowOrder, WeightStore};
 
 /// What every layer's `load` needs: the backend to upload to, the checkpoint, and this
 /// rank's place in the TP group.
@@ -71,45 +41,55 @@ impl<B: Backend> LoadCtx<'_, B> {
         }
     }
 
-    /// The `[n, k]` bf16 weight made of `blocks` (rows no block writes are zero), every
-    /// value checked finite; each block's tensor is then released. Where every block's
-    /// tensor lies in the backend's memory (a trainer's broadcast), the blocks are cut,
-    /// converted and checked there; else they are read on the host and uploaded.
-    pub fn mat(&self, n: usize, k: usize, blocks: &[Block<'_>]) -> MResult<B::Mat> {
-        let mat = match self.device_mat(n, k, blocks)? {
+    /// The weight `plan` describes, every value checked finite; each part's tensor is
+    /// then released. Where every part's tensor lies in the backend's memory (a trainer's
+    /// broadcast), the parts are cut, converted and checked there. Otherwise, from
+    /// safetensors, the backend has its rows written straight into the memory it uploads
+    /// from, a chunk at a time (`Backend::mat_from_rows`); GGUF parts are dequantized
+    /// whole, then uploaded. Every tensor's presence and shape is checked before any row
+    /// is read.
+    pub fn mat(&self, plan: &MatPlan) -> MResult<B::Mat> {
+        let mat = match self.device_mat(plan)? {
             Some(m) => m,
-            None => self.host_mat(n, k, blocks)?,
+            None => self.host_mat(plan)?,
         };
-        for b in blocks {
-            self.store.release(b.name);
+        for p in &plan.parts {
+            self.store.release(&p.name);
         }
         Ok(mat)
     }
 
-    fn device_mat(&self, n: usize, k: usize, blocks: &[Block<'_>]) -> MResult<Option<B::Mat>> {
-        let mut held = Vec::with_capacity(blocks.len());
-        for b in blocks {
-            match self.store.device(b.name, &[b.n, b.k])? {
+    fn device_mat(&self, plan: &MatPlan) -> MResult<Option<B::Mat>> {
+        let mut held = Vec::with_capacity(plan.parts.len());
+        for p in &plan.parts {
+            match self.store.device(&p.name, &[p.n, p.k])? {
                 Some(t) => held.push(t),
                 None => return Ok(None),
             }
         }
-        let cuts: Vec<DeviceCut<'_>> = blocks
+        plan.check().map_err(ModelError::Plan)?;
+        let (n, k) = (plan.rows(), plan.width());
+        let cuts: Vec<DeviceCut<'_>> = plan
+            .parts
             .iter()
             .zip(&held)
-            .map(|(b, t)| DeviceCut {
-                src: t,
-                k: b.k,
-                rows: b.rows.clone(),
-                cols: b.cols.clone(),
-                dst_row0: b.dst_row0,
-                dst_step: b.dst_step,
+            .enumerate()
+            .map(|(i, (p, t))| {
+                let (dst_row0, dst_step) = plan.landing(i);
+                DeviceCut {
+                    src: t,
+                    k: p.k,
+                    rows: p.rows.clone(),
+                    cols: p.cols.clone(),
+                    dst_row0,
+                    dst_step,
+                }
             })
             .collect();
         match self.backend.mat_from_device(n, k, &cuts) {
             Ok(Ok(m)) => Ok(Some(m)),
             Ok(Err(bad)) => {
-                let (b, t) = (&blocks[bad.cut], &held[bad.cut]);
+                let (p, t) = (&plan.parts[bad.cut], &held[bad.cut]);
                 let es = t.dtype.size();
                 let at = t.range.start + bad.flat * es;
                 let raw = t.bytes.read(at..at + es).map_err(|msg| {
@@ -120,7 +100,7 @@ impl<B: Backend> LoadCtx<'_, B> {
                 })?;
                 Err(crate::safetensors::non_finite_error(
                     self.store.label(),
-                    b.name,
+                    &p.name,
                     t.dtype,
                     &t.shape,
                     &raw,
@@ -133,32 +113,16 @@ impl<B: Backend> LoadCtx<'_, B> {
         }
     }
 
-    fn host_mat(&self, n: usize, k: usize, blocks: &[Block<'_>]) -> MResult<B::Mat> {
-        let read = |b: &Block<'_>| {
-            if b.cols == (0..b.k) {
-                self.store.rows(b.name, b.n, b.k, b.rows.clone())
-            } else {
-                debug_assert_eq!(b.rows, 0..b.n, "a block cuts rows or columns, not both");
-                self.store.cols(b.name, b.n, b.k, b.cols.clone())
-            }
-        };
-        let data = match blocks {
-            // One block that is the whole weight: no copy.
-            [b] if b.dst_row0 == 0 && b.dst_step == 1 && b.rows.len() == n && b.cols.len() == k => {
-                read(b)?
-            }
-            _ => {
-                let mut data = vec![bf16::ZERO; n * k];
-                for b in blocks {
-                    let w = b.cols.len();
-                    for (i, row) in read(b)?.chunks_exact(w.max(1)).enumerate() {
-                        let d0 = (b.dst_row0 + i * b.dst_step) * k;
-                        data[d0..d0 + w].copy_from_slice(row);
-                    }
-                }
-                data
-            }
-        };
+    fn host_mat(&self, plan: &MatPlan) -> MResult<B::Mat> {
+        self.store.check_plan(plan)?;
+        let (n, k) = (plan.rows(), plan.width());
+        if self.store.fills_by_rows() {
+            return self
+                .backend
+                .mat_from_rows(n, k, &mut |rows, dst| self.store.fill(plan, rows, dst));
+        }
+        let mut data = vec![bf16::ZERO; n * k];
+        self.store.fill(plan, 0..n, &mut data)?;
         self.backend
             .mat_from_host(&data, n, k)
             .map_err(|e| self.backend_err(e))
@@ -169,6 +133,21 @@ impl<B: Backend> LoadCtx<'_, B> {
         let v = self.store.vector(name, len, range)?;
         self.store.release(name);
         Ok(v)
+    }
+
+    /// Rows `rows` (all `k` columns) of the `[n, k]` matrix `name`, uploaded.
+    pub fn mat_rows(&self, name: &str, n: usize, k: usize, rows: Range<usize>) -> MResult<B::Mat> {
+        self.mat(&MatPlan {
+            parts: vec![MatPart {
+                name: name.to_string(),
+                n,
+                k,
+                rows,
+                cols: 0..k,
+            }],
+            order: RowOrder::Stacked,
+            pad_rows: 0,
+        })
     }
 
     /// Elements `range` of `<prefix>.bias` (`[out_features]`) as a one-row activation,

@@ -6,9 +6,10 @@ use std::ops::Range;
 
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 
-use super::{Block, LoadCtx};
+use super::LoadCtx;
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::MResult;
+use crate::weights::{MatPart, MatPlan, RowOrder};
 
 pub struct RowParallelLinear<B: Backend> {
     w: B::Mat,
@@ -34,17 +35,17 @@ impl<B: Backend> RowParallelLinear<B> {
         bias: bool,
     ) -> MResult<Self> {
         let cols = Self::shard(in_features, ctx.rank, ctx.tp);
-        let name = format!("{prefix}.weight");
-        let block = Block {
-            name: &name,
-            n: out_features,
-            k: in_features,
-            rows: 0..out_features,
-            cols: cols.clone(),
-            dst_row0: 0,
-            dst_step: 1,
-        };
-        let w = ctx.mat(out_features, cols.len(), &[block])?;
+        let w = ctx.mat(&MatPlan {
+            parts: vec![MatPart {
+                name: format!("{prefix}.weight"),
+                n: out_features,
+                k: in_features,
+                rows: 0..out_features,
+                cols: cols.clone(),
+            }],
+            order: RowOrder::Stacked,
+            pad_rows: 0,
+        })?;
         let bias = ctx.bias(prefix, out_features, 0..out_features, bias)?;
         Ok(RowParallelLinear {
             w,

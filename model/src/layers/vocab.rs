@@ -6,9 +6,10 @@ use std::ops::Range;
 
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 
-use super::{Block, LoadCtx};
+use super::LoadCtx;
 use crate::backend::{BResult, Backend, TreeSpec};
 use crate::error::MResult;
+use crate::weights::{MatPart, MatPlan, RowOrder};
 
 pub struct Embedding<B: Backend> {
     table: B::Mat,
@@ -17,11 +18,7 @@ pub struct Embedding<B: Backend> {
 
 impl<B: Backend> Embedding<B> {
     pub fn load(ctx: &LoadCtx<B>, name: &str, vocab: usize, hidden: usize) -> MResult<Self> {
-        let table = ctx.mat(
-            vocab,
-            hidden,
-            &[Block::rows(name, vocab, hidden, 0..vocab, 0)],
-        )?;
+        let table = ctx.mat_rows(name, vocab, hidden, 0..vocab)?;
         Ok(Embedding { table, vocab })
     }
 
@@ -50,8 +47,17 @@ impl<B: Backend> VocabParallelHead<B> {
     pub fn load(ctx: &LoadCtx<B>, name: &str, vocab: usize, hidden: usize) -> MResult<Self> {
         let block = vocab.div_ceil(ctx.tp);
         let rows = Self::rows(vocab, ctx.rank, ctx.tp);
-        // The last rank's block is padded with zero rows.
-        let w = ctx.mat(block, hidden, &[Block::rows(name, vocab, hidden, rows, 0)])?;
+        let w = ctx.mat(&MatPlan {
+            pad_rows: block - rows.len(),
+            parts: vec![MatPart {
+                name: name.to_string(),
+                n: vocab,
+                k: hidden,
+                rows,
+                cols: 0..hidden,
+            }],
+            order: RowOrder::Stacked,
+        })?;
         Ok(VocabParallelHead {
             w,
             tree: TreeSpec {

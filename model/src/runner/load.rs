@@ -126,6 +126,7 @@ impl<B: Backend> Worker<B> {
             rank = ctx.rank,
             seconds = format!("{:.2}", t0.elapsed().as_secs_f64()),
             host_read_seconds = format!("{:.2}", store.read_seconds()),
+            upload_wait_seconds = format!("{:.2}", backend.upload_wait_seconds()),
             tp = ctx.tp,
             device = %backend.device_name(),
             arch = %cfg.arch_name,

@@ -668,12 +668,17 @@ impl<B: Backend> Worker<B> {
             tp: self.backend.world_size(),
             row_tp: self.row_tp,
         };
+        let wait0 = self.backend.upload_wait_seconds();
         let model = Model::load(&ctx, &self.cfg, self.rope_len())?;
         tracing::info!(
             rank = self.backend.rank(),
             cut_seconds = t0.elapsed().as_secs_f64(),
             host_read_seconds = store.read_seconds(),
-            "new weights prepared (cut: the new model made in device memory, every shard read or cut, converted to bf16 and checked finite; host_read: the part spent reading on the host)"
+            upload_wait_seconds = self.backend.upload_wait_seconds() - wait0,
+            "new weights prepared (cut: the new model made, every shard read or cut, converted \
+             to bf16 and checked finite — on the device for tensors received there; \
+             host_read: reading, converting and cutting on the host into the upload buffers; \
+             upload_wait: waiting for copies to the device to free a buffer)"
         );
         self.updates.candidate = Some((model, origin));
         Ok(())

@@ -5,6 +5,7 @@ use cudarc::driver::DeviceRepr;
 use super::{check, DevBf16, DevF32, DevU32};
 use crate::cuda::buf::DevBuf;
 use crate::cuda::staging::Staged;
+use crate::cuda::upload_ring::RowsUploadError;
 use crate::cuda::{CudaError, GpuDevice};
 
 impl GpuDevice {
@@ -27,6 +28,20 @@ impl GpuDevice {
 
     pub fn upload_bf16(&self, data: &[half::bf16]) -> Result<DevBf16, CudaError> {
         self.upload("uploading bf16 data", bytemuck::cast_slice::<_, u16>(data))
+    }
+
+    /// A weight of `n` rows of `k` bf16 that `fill(rows, dst)` writes a chunk at a time
+    /// into page-locked memory, each chunk's copy overlapping the next one's fill
+    /// (upload_ring.rs).
+    pub fn upload_bf16_rows<E>(
+        &self,
+        n: usize,
+        k: usize,
+        fill: impl FnMut(std::ops::Range<usize>, &mut [half::bf16]) -> Result<(), E>,
+    ) -> Result<DevBf16, RowsUploadError<E>> {
+        self.uploads
+            .upload_rows(&self.ctx, &self.stream, self.ordinal, n, k, fill)
+            .map(DevBuf::owned)
     }
 
     pub fn upload_u32(&self, data: &[u32]) -> Result<DevU32, CudaError> {

@@ -36,17 +36,20 @@ use arbor_collective::gpu::{Algo, GpuCollective};
 use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::cuda::cublas::Blas;
+use arbor_kernels::cuda::upload_ring::RowsUploadError;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
 
 use super::{
-    BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, SeqRows, StepForward, StepInputs,
-    StepResults, TreeSpec, WantRow,
+    BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, RowFill, SeqRows, StepForward,
+    StepInputs, StepResults, TreeSpec, WantRow,
 };
 use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
 use graphs::{Graphs, Key};
 pub use kv::CudaKv;
 use ops::RopeDev;
 use profile::Profiler;
+
+use crate::error::{MResult, ModelError};
 use step::StepMeta;
 
 /// f32 activations `[rows, cols]` on the GPU.
@@ -291,6 +294,21 @@ impl Backend for CudaBackend {
 
     fn device_bytes(&self, data: &[u8]) -> BResult<Arc<dyn super::DeviceBytes>> {
         self.device_bytes_from_host(data)
+    }
+
+    fn mat_from_rows(&self, n: usize, k: usize, fill: &mut RowFill<'_>) -> MResult<CudaMat> {
+        match self.dev.upload_bf16_rows(n, k, fill) {
+            Ok(buf) => Ok(CudaMat { buf, n, k }),
+            Err(RowsUploadError::Fill(e)) => Err(e),
+            Err(RowsUploadError::Cuda(e)) => Err(ModelError::Backend {
+                rank: self.comm.rank(),
+                source: self.dev_err(e),
+            }),
+        }
+    }
+
+    fn upload_wait_seconds(&self) -> f64 {
+        self.dev.uploads.wait_seconds()
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaAct> {
