@@ -3,7 +3,7 @@
 # llama3-8b-shape model (docs/rl.md). Run from the repo root after
 # `bash scripts/gpu/build-device.sh`:
 #   bash scripts/bench/rl-update-bench.sh          # writes $OUT/rl-summary.txt and logs
-#   RL_PARTS=nccl bash scripts/bench/rl-update-bench.sh   # the NCCL push only (2+ GPUs)
+#   RL_PARTS=disk,nccl bash scripts/bench/rl-update-bench.sh   # some of the steps below
 # On nvidia-h200-x2 (or any 2+ GPU kind) it times every path; on one GPU, the disk and
 # HTTP-push paths (a NCCL group needs a GPU per member: the trainer's and arbor's).
 #   1. `arbor serve --device cuda` (TP 1, GPU 0) on the 8B model; a greedy probe.
@@ -19,17 +19,19 @@
 #      the last weights were pushed): GPU memory before and after,
 #      and the resume time.
 # Every step's raw output is in $OUT/rl-*.log; PASS/FAIL lines in the summary.
-#   PARTS=disk bash scripts/bench/rl-update-bench.sh   # steps 1-2 only (two warm updates,
-#       one cold), then the load's and each update's split: host_read (read, convert, cut
-#       into the upload buffers), upload_wait (waiting for copies to the device), the rest
+# RL_PARTS (a comma list; default disk,http,nccl,memory; not PARTS, which
+# multi-gpu-run.sh, the script that runs this one, has its own): disk (two warm updates,
+# one cold, then the load's and each update's split: host_read — read, convert, cut into
+# the upload buffers —, upload_wait — waiting for copies to the device —, the rest), http
+# (the HTTP push), nccl (step 3), memory (step 4).
 set -uo pipefail
 T0=$(date +%s)
-# RL_PARTS: all (every path) or nccl (the server and the NCCL pushes only). Not PARTS:
-# multi-gpu-run.sh, which runs this script, has its own.
-RL_PARTS=${RL_PARTS:-all}
-case $RL_PARTS in all | nccl) ;; *) echo "RL_PARTS must be all or nccl, not $RL_PARTS" >&2; exit 2 ;; esac
+RL_PARTS=${RL_PARTS:-disk,http,nccl,memory}
+for part in ${RL_PARTS//,/ }; do
+    case $part in disk | http | nccl | memory) ;; *) echo "RL_PARTS: $part is not disk, http, nccl or memory" >&2; exit 2 ;; esac
+done
+has() { [[ ,$RL_PARTS, == *,$1,* ]]; }
 BUDGET_S=${BUDGET_S:-580}
-PARTS=${PARTS:-all}
 source scripts/gpu/device-lib.sh
 script_start rl-summary.txt
 WORK=/tmp/arbor-rl-bench
@@ -117,28 +119,24 @@ timed_update() { # timed_update NAME BODY
     echo "$1: $r" >>"$LOG"
     note "TIMED $1: wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s, arbor $(echo "$r" | python3 "$WORK/answer.py")"
 }
-if [[ $RL_PARTS == all ]]; then
-timed_update "update_weights_from_disk (page cache warm)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm\"}"
-P=$(probe); note "probe: $P"; same_bits "$P" && note "PASS  same bits after the disk update" || note "FAIL  bits changed (same weights)"
-if [[ $PARTS == disk ]]; then
-    timed_update "update_weights_from_disk (page cache warm, again)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm-2\"}"
-    P=$(probe); same_bits "$P" && note "PASS  same bits after the second disk update" || note "FAIL  bits changed (same weights)"
-fi
-if sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
-    timed_update "update_weights_from_disk (page cache dropped)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-cold\"}"
-    P=$(probe); same_bits "$P" && note "PASS  same bits after the cold disk update" || note "FAIL  bits changed"
-else
-    note "SKIP  cold read (cannot drop the page cache here)"
-fi
-
 split() { # the load's and the updates' time split, from arbor's log
     grep -h 'model loaded\|new weights prepared' "$OUT/rl-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tee -a "$SUMMARY"
 }
-if [[ $PARTS == disk ]]; then
+if has disk; then
+    timed_update "update_weights_from_disk (page cache warm)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm\"}"
+    P=$(probe); note "probe: $P"; same_bits "$P" && note "PASS  same bits after the disk update" || note "FAIL  bits changed (same weights)"
+    timed_update "update_weights_from_disk (page cache warm, again)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-warm-2\"}"
+    P=$(probe); same_bits "$P" && note "PASS  same bits after the second disk update" || note "FAIL  bits changed (same weights)"
+    if sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
+        timed_update "update_weights_from_disk (page cache dropped)" "{\"model_path\":\"$L8B\",\"weight_version\":\"disk-cold\"}"
+        P=$(probe); same_bits "$P" && note "PASS  same bits after the cold disk update" || note "FAIL  bits changed"
+    else
+        note "SKIP  cold read (cannot drop the page cache here)"
+    fi
     split
-    note "done in $(elapsed) s (PARTS=disk)"
-    exit 0
 fi
+
+if has http; then
 
 # The HTTP push path (no NCCL: any trainer, one GPU): a separate process cuts the checkpoint
 # into safetensors parts and posts them, then commits.
@@ -150,7 +148,9 @@ split
 P=$(probe); same_bits "$P" && note "PASS  same bits after the HTTP push (same weights)" || note "FAIL  bits changed after the HTTP push: $P"
 fi
 
-if ((GPUS >= 2)); then
+if ! has nccl; then
+    :
+elif ((GPUS >= 2)); then
     step "NCCL push from PyTorch (GPU 1), model.norm.weight scaled" "$OUT/rl-nccl.log" 300 python3 examples/rl_push_nccl.py \
         --server "$ADDR" --model "$L8B" --device cuda:1 --updates 1 --version-prefix nccl-scaled \
         --scale model.norm.weight=1.01
@@ -168,8 +168,8 @@ else
     note "SKIP  NCCL push: one GPU (the trainer needs a GPU of its own: run on nvidia-h200-x2)"
 fi
 
-if [[ $RL_PARTS == nccl ]]; then
-    note "done in $(elapsed) s (RL_PARTS=nccl: no release/resume)"
+if ! has memory; then
+    note "done in $(elapsed) s (RL_PARTS=$RL_PARTS)"
     exit 0
 fi
 mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0; }
