@@ -22,6 +22,10 @@
 //   its own shared memory and the cluster combines them over distributed shared memory in
 //   tree order, every block finishing 1/n_seg of the tile. No workspace, no atomics.
 //   arbor_gemm_wg_cluster2_64x128: the same with two segments per block (half the blocks).
+// - arbor_gemm_wg_quad_128x{128,64} (129 <= M <= 512): the quad kernels' blocks (four
+//   segments a block, clusters of two) on 128-row tiles, the two consumer warpgroups
+//   stacked over the rows and sharing each W tile, so that a narrow layer at M = 256 makes
+//   a full wave of blocks where wgtma128's whole-K tiles made half of one.
 // - arbor_gemm_wg_whole_64x{224,112,64,48,32} (small M, wide N): one block per 64-row tile
 //   of that many columns summing every segment and evaluating the tree itself (leaf and
 //   root in registers, two pending partials in shared memory), so that a grid of one block
@@ -354,16 +358,26 @@ constexpr int CL_A_BYTES = 64 * 64 * 2;
 // both warpgroups: at M = 64 the X tiles were a third of the bytes a block streamed); whole
 // K and quad: as many stages (at most 8) as fit in WHOLE_SMEM besides the slots (WN = 112:
 // 3).
+// TALL: the NW consumer warpgroups are stacked over the rows (a 64·NW x WN tile, one X box
+// of 64·NW rows and one W box a stage, the W tile shared) instead of side by side. TALL
+// blocks sum at most four segments, so their tree needs one slot (s2), not two.
 constexpr int WHOLE_SMEM = 225 * 1024;  // leaves 2 KB of the 227 for alignment and barriers
-template <int NW, int WN = 128, bool TREE = false>
+template <int NW, int WN = 128, bool TREE = false, bool TALL = false>
 struct ClusterLayout {
-    static constexpr int W_BYTES = WN * 64 * 2;  // one consumer warpgroup's W rows per stage
-    static constexpr int STAGE_BYTES = CL_A_BYTES + NW * W_BYTES;
-    static constexpr int SLOT_BYTES = TREE ? 2 * (WN / 2) * 128 * NW * 4 : 0;
+    static constexpr int BM = TALL ? 64 * NW : 64;
+    static constexpr int BN = TALL ? WN : WN * NW;
+    static constexpr int A_BYTES = BM * 64 * 2;
+    static constexpr int W_BYTES = WN * 64 * 2;  // one W box (a consumer warpgroup's columns)
+    static constexpr int W_BOXES = TALL ? 1 : NW;
+    static constexpr int STAGE_BYTES = A_BYTES + W_BOXES * W_BYTES;
+    static constexpr int N_SLOTS = TREE ? (TALL ? 1 : 2) : 0;
+    static constexpr int SLOT_BYTES = N_SLOTS * (WN / 2) * 128 * NW * 4;
     static constexpr int FIT = (WHOLE_SMEM - SLOT_BYTES) / STAGE_BYTES;
     static constexpr int STAGES = TREE ? (FIT < 8 ? FIT : 8) : (NW == 1 ? 4 : 5);
-    static constexpr int RED_STRIDE = WN * NW + 8;  // f32 row stride of the segment sums
+    static constexpr int RED_STRIDE = BN + 8;  // f32 row stride of the segment sums
     static constexpr int THREADS = 128 * NW + 32;
+    // After the leaves the ring holds the block's [BM][RED_STRIDE] f32 sums.
+    static_assert(BM * RED_STRIDE * 4 <= STAGES * STAGE_BYTES, "segment sums overflow the ring");
 };
 
 DEVI u32 cluster_ctarank() {
@@ -408,12 +422,16 @@ DEVI float tree_of(const float* x, int ns) {
 // clusters of 8 on an H100) still runs in one wave. SPC = 0: the block sums all n_seg
 // segments and evaluates the whole tree itself (no cluster). SPC = 4: the block evaluates
 // the subtree of min(4, n_seg) segments itself, a cluster of two combines the halves.
-template <int SPC, int NW, int WN = 128>
+// TALL (SPC = 4 only): warpgroup g takes rows 64g .. 64g + 63 of a 64·NW-row tile and all
+// WN columns (the same 64xWN leaf), the W tile loaded once for both.
+template <int SPC, int NW, int WN = 128, bool TALL = false>
 DEVI void small_m_body(const TmaParams& p) {
     constexpr bool WHOLE = SPC == 0;
     constexpr bool TREE = SPC == 0 || SPC == 4;  // the block evaluates its subtree itself
-    using L = ClusterLayout<NW, WN, TREE>;
-    constexpr int STAGES = L::STAGES, STAGE_BYTES = L::STAGE_BYTES, BN = WN * NW, A = WN / 2;
+    static_assert(!TALL || SPC == 4, "the tall tiles keep one tree slot: four segments a block");
+    using L = ClusterLayout<NW, WN, TREE, TALL>;
+    constexpr int STAGES = L::STAGES, STAGE_BYTES = L::STAGE_BYTES, A = WN / 2;
+    constexpr int BM = L::BM, BN = L::BN, A_BYTES = L::A_BYTES, W_BOXES = L::W_BOXES;
     extern __shared__ unsigned char cl_smem[];
     const u32 raw = smem_addr(cl_smem);
     const u32 base = (raw + 1023u) & ~1023u;
@@ -422,7 +440,7 @@ DEVI void small_m_body(const TmaParams& p) {
     const u32 full = base + STAGES * STAGE_BYTES + L::SLOT_BYTES;
     const u32 empty = full + 8 * STAGES;
     require_smem(empty + 8 * STAGES - raw);
-    // After the leaf, the ring is reused for the segment sum [64][RED_STRIDE] f32.
+    // After the leaf, the ring is reused for the segment sum [BM][RED_STRIDE] f32.
     float* red = (float*)(cl_smem + (base - raw));
 
     const int tid = threadIdx.x;
@@ -453,19 +471,19 @@ DEVI void small_m_body(const TmaParams& p) {
             for (int it = 0; it < early; ++it) {
                 const u32 fb = full + 8 * it;
                 mbar_expect_tx(fb, STAGE_BYTES);
-                load_w_boxes<NW, WN>(p, ring + it * STAGE_BYTES + CL_A_BYTES, it % tps,
-                                     seg * spc + it / tps, nt * BN, fb);
+                load_w_boxes<W_BOXES, WN>(p, ring + it * STAGE_BYTES + A_BYTES, it % tps,
+                                          seg * spc + it / tps, nt * BN, fb);
             }
             pdl_enter();
             for (int it = 0; it < early; ++it)
                 tma_load_3d(ring + it * STAGE_BYTES, &p.tx, (it % tps) * 64, seg * spc + it / tps,
-                            mt * 64, full + 8 * it);
+                            mt * BM, full + 8 * it);
             u32 it = 0;
             for (int j = 0; j < spc; ++j) {
                 for (int kt = 0; kt < tps; ++kt, ++it) {
                     if ((int)it < early) continue;
-                    produce_stage<STAGES, STAGE_BYTES, CL_A_BYTES, NW, WN>(
-                        p, ring, full, empty, it, kt, seg * spc + j, mt * 64, nt * BN);
+                    produce_stage<STAGES, STAGE_BYTES, A_BYTES, W_BOXES, WN>(
+                        p, ring, full, empty, it, kt, seg * spc + j, mt * BM, nt * BN);
                 }
             }
         } else {
@@ -473,7 +491,11 @@ DEVI void small_m_body(const TmaParams& p) {
         }
     } else {
         pdl_enter();
-        const u32 sw = ring + CL_A_BYTES + wg * L::W_BYTES;
+        // Side by side: the warpgroup's own W box under the shared X rows. Stacked: its
+        // own 64 X rows (8 KB into the X box, a whole number of swizzle atoms) over the
+        // shared W box.
+        const u32 sw = ring + A_BYTES + (TALL ? 0 : wg * L::W_BYTES);
+        const int a_off = TALL ? wg * 64 * 128 : 0;
         const bool releaser = (tid & 127) == 0;
         u32 it = 0;
         if constexpr (TREE) {
@@ -486,7 +508,7 @@ DEVI void small_m_body(const TmaParams& p) {
 #define P1(i) slot[(i) * (128 * NW) + tid]
 #define S6(i) slot[(A + (i)) * (128 * NW) + tid]
             for (int s = 0; s < spc; ++s) {
-                leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
+                leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, a_off, p.seg_len, tps, it,
                                                       releaser);
                 switch (s) {
                     case 0:
@@ -524,13 +546,13 @@ DEVI void small_m_body(const TmaParams& p) {
 #pragma unroll
             for (int i = 0; i < A; ++i) acc[i] = root[i];
         } else {
-            leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
+            leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, a_off, p.seg_len, tps, it,
                                                   releaser);
             if (SPC == 2) {
                 float part[A];
 #pragma unroll
                 for (int i = 0; i < A; ++i) part[i] = acc[i];
-                leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, 0, p.seg_len, tps, it,
+                leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, a_off, p.seg_len, tps, it,
                                                       releaser);
 #pragma unroll
                 for (int i = 0; i < A; ++i) acc[i] = part[i] + acc[i];
@@ -541,14 +563,15 @@ DEVI void small_m_body(const TmaParams& p) {
     // has read its stage, so the ring can take the segment sum.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    const int rows = min(64, p.M - mt * 64);
+    const int rows = min(BM, p.M - mt * BM);
     if (wg < NW) {
         const int wl = tid & 127;
+        const int r0 = TALL ? wg * 64 : 0, c0 = TALL ? 0 : wg * WN;
 #pragma unroll
         for (int i = 0; i < A; i += 2) {
-            const int r = acc_row(wl, i);
+            const int r = r0 + acc_row(wl, i);
             if (r < rows)
-                *(float2*)(red + r * L::RED_STRIDE + wg * WN + acc_col(wl, i)) =
+                *(float2*)(red + r * L::RED_STRIDE + c0 + acc_col(wl, i)) =
                     make_float2(acc[i], acc[i + 1]);
         }
     }
@@ -579,7 +602,7 @@ DEVI void small_m_body(const TmaParams& p) {
                 }
             }
         }
-        const long long row = mt * 64 + r;
+        const long long row = (long long)mt * BM + r;
         const int col = nt * BN + c;
         float v[4];
 #pragma unroll
@@ -633,5 +656,18 @@ TREE_KERNEL(whole, 0, 32)
 TREE_KERNEL(quad, 4, 96)
 TREE_KERNEL(quad, 4, 64)
 #undef TREE_KERNEL
+
+// 128 x BN tiles for 129 <= M <= 512: the quad block (four segments, clusters of two) with
+// its two consumer warpgroups stacked over the rows, each the 64 x BN leaf, sharing the W
+// tile: twice the MMA work per W byte of the 64-row quad tiles, and 2·M/128·N/BN blocks
+// where wgtma128 runs M/128·N/128 (4096 x 4096 at M = 256: 128 blocks against 64).
+#define TALL_KERNEL(BN)                                                       \
+    extern "C" __global__ void __launch_bounds__(288, 1)                    \
+        arbor_gemm_wg_quad_128x##BN(const __grid_constant__ TmaParams p) {  \
+        small_m_body<4, 2, BN, true>(p);                                     \
+    }
+TALL_KERNEL(128)
+TALL_KERNEL(64)
+#undef TALL_KERNEL
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

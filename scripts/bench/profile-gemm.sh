@@ -36,6 +36,7 @@ kernel_of() {
         wgcluster64x2) echo arbor_gemm_wg_cluster2_64x128 ;;
         wgcluster64x2n256) echo arbor_gemm_wg_cluster2_64x256 ;;
         wgwhole*) echo "arbor_gemm_wg_whole_64x${1#wgwhole}" ;;
+        wgquad128x*) echo "arbor_gemm_wg_quad_128x${1#wgquad128x}" ;;
         wgquad*) echo "arbor_gemm_wg_quad_64x${1#wgquad}" ;;
         wgsplit64) echo arbor_gemm_wg_split_64x128 ;;
         wgtree128) echo arbor_gemm_wg_tree_128x128 ;;

@@ -6,6 +6,8 @@
 # call), so the rules only move time.
 #   SHAPES="4096x1536 tp4:4096x4096" MS=1,8,32,64 bash scripts/bench/sweep-gemm-paths.sh
 # A shape "tpN:KxN" is a row-parallel layer's shard at TP N (`bench gemm --tp N`).
+# The band 129 <= M <= 512 (decode at batch 256): MS=256,512 PATHS="default wgtma128
+# wgquad128x128 wgquad128x64" (ARBOR_GEMM_M256=1 lets "default" take the quad128 rule).
 # Prints "shape M path arbor_us cublas_us" rows and, per (shape, M), the fastest path.
 set -uo pipefail
 T0=$(date +%s)
@@ -16,7 +18,7 @@ script_start sweep-summary.txt
 # (row-parallel: a rank's K shard).
 SHAPES=${SHAPES:-4096x1536 4096x7168 4096x32064 tp4:4096x4096 tp4:14336x4096}
 MS=${MS:-1,8,32,64}
-PATHS=${PATHS:-default wgcluster64 wgcluster64x2 wgcluster64x2n256 wgwhole224 wgwhole112 wgwhole64 wgwhole48 wgwhole32 wgquad96 wgquad64}
+PATHS=${PATHS:-default wgcluster64 wgcluster64x2 wgcluster64x2n256 wgwhole224 wgwhole112 wgwhole64 wgwhole48 wgwhole32 wgquad96 wgquad64 wgquad128x128 wgquad128x64}
 ROWS=$OUT/sweep-rows.txt
 WORK=/tmp/arbor-sweep
 mkdir -p "$WORK"

@@ -4,7 +4,7 @@
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::error::GemmError;
-use super::path::{Path, QUAD_BNS, WHOLE_BNS};
+use super::path::{Path, QUAD128_BNS, QUAD_BNS, WHOLE_BNS};
 use crate::cpu::matmul::TreeMatmul;
 use crate::tree::SEGMENTS;
 
@@ -93,6 +93,11 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
         Path::WgQuad { bn } if !QUAD_BNS.contains(&bn) => {
             return bad(format!(
                 "wgquad has no {bn}-column tile (one of {QUAD_BNS:?})"
+            ));
+        }
+        Path::WgQuad128 { bn } if !QUAD128_BNS.contains(&bn) => {
+            return bad(format!(
+                "wgquad128 has no {bn}-column tile (one of {QUAD128_BNS:?})"
             ));
         }
         _ => {}

@@ -19,6 +19,12 @@ pub enum GemmError {
     },
     #[error("tree GEMM shape {shape:?}: {msg}")]
     Shape { shape: TreeMatmul, msg: String },
+    #[error("{var}={value:?}: {msg}")]
+    Env {
+        var: &'static str,
+        value: String,
+        msg: &'static str,
+    },
 }
 
 /// Maps a driver error to [`GemmError::Driver`] naming the call.

@@ -244,6 +244,130 @@ fn check_all_paths(tg: &TreeGemm, stream: &Arc<CudaStream>, k: usize) {
     }
 }
 
+/// The llama3-8b layer shapes (q/k/v, o, down, gate/up) at the row counts of decode at
+/// batch 129–512 and short prefills, where the 128-row tiles of `wgtma128` and
+/// `wgquad128x` take partial last row tiles (129, 200, 384): every Wgmma path gives
+/// `wgtma128`'s bits; for the 128-row paths also every TP 2 / 4 / 8 shard (a
+/// row-parallel layer's rank: 4, 2, 1 segments) combined on the host. One row is checked
+/// against the host `tree_matmul` within bf16 tolerance (the paths could agree on NaN).
+#[test]
+fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
+    if let Err(e) = probe() {
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap_or_else(|e| panic!("a GPU is present but: {e}"));
+    // SAFETY: every buffer is used on this one stream only.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap_or_else(|e| panic!("{e}"));
+    let tg = TreeGemm::new(&ctx).unwrap_or_else(|e| panic!("{e}"));
+    if tg.family != Family::Wgmma {
+        eprintln!("skipped: {} runs the Mma family", tg.arch);
+        return;
+    }
+    let paths: Vec<Path> = Path::all(Family::Wgmma)
+        .iter()
+        .copied()
+        .filter(|p| tg.has(*p))
+        .collect();
+    let ms = [129usize, 200, 256, 384, 512];
+    let m_max = 512;
+    for (k, n) in [
+        (4096usize, 4096usize),
+        (4096, 6144),
+        (14336, 4096),
+        (4096, 28672),
+    ] {
+        let layout = SegmentLayout::new(k);
+        let x_host = rng_bf16(m_max * k, 31 + k as u64);
+        let w_host = rng_bf16(n * k, 37 + n as u64);
+        let wb: Vec<bf16> = w_host.iter().map(|&u| bf16::from_bits(u)).collect();
+        let b = Bufs {
+            x: stream.clone_htod(&x_host).unwrap_or_else(|e| panic!("{e}")),
+            w: stream.clone_htod(&w_host).unwrap_or_else(|e| panic!("{e}")),
+            out: stream
+                .alloc_zeros(m_max * n)
+                .unwrap_or_else(|e| panic!("{e}")),
+            ws: stream
+                .alloc_zeros(
+                    paths
+                        .iter()
+                        .map(|p| p.workspace_len(m_max, n, SEGMENTS))
+                        .max()
+                        .unwrap_or(0)
+                        .max(1),
+                )
+                .unwrap_or_else(|e| panic!("{e}")),
+            cnt: stream
+                .alloc_zeros(
+                    paths
+                        .iter()
+                        .map(|p| p.counters_len(m_max, n))
+                        .max()
+                        .unwrap_or(0)
+                        .max(1),
+                )
+                .unwrap_or_else(|e| panic!("{e}")),
+            stream: stream.clone(),
+            k,
+        };
+        let full = |m| TreeMatmul {
+            m,
+            n,
+            k,
+            seg_len: layout.seg_len,
+            n_seg: SEGMENTS,
+        };
+        for m in ms {
+            let y = b.call(&tg, Path::WgTma128, full(m), (0, 0, 0));
+            // The last row (in the partial last row tile where M is not a multiple of 128).
+            let xr: Vec<bf16> = x_host[(m - 1) * k..m * k]
+                .iter()
+                .map(|&u| bf16::from_bits(u))
+                .collect();
+            let mut row = vec![0.0f32; n];
+            tree_matmul(&xr, &wb, TreeMatmul { m: 1, ..full(m) }, &mut row);
+            let scale = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            for (j, (g, h)) in y[(m - 1) * n..].iter().zip(&row).enumerate() {
+                assert!(
+                    (g - h).abs() <= 1e-2 * scale,
+                    "K {k} N {n} M {m}: row {} column {j}: {g} vs host {h} (scale {scale})",
+                    m - 1
+                );
+            }
+            for &path in &paths {
+                let name = format!("{} K {k} N {n} M {m}", path.name());
+                same_bits(&b.call(&tg, path, full(m), (0, 0, 0)), &y, &name);
+                if !matches!(path, Path::WgTma128 | Path::WgQuad128 { .. }) {
+                    continue;
+                }
+                for world in [2usize, 4, 8] {
+                    let roots: Vec<Vec<f32>> = (0..world)
+                        .map(|rank| {
+                            let cols = layout.shard(rank, world);
+                            let shape = TreeMatmul {
+                                k: cols.len(),
+                                n_seg: SEGMENTS / world,
+                                ..full(m)
+                            };
+                            b.call(&tg, path, shape, (0, 0, cols.start))
+                        })
+                        .collect();
+                    let slices: Vec<&[f32]> = roots.iter().map(|r| r.as_slice()).collect();
+                    let mut combined = vec![0.0f32; m * n];
+                    combine_roots(&slices, &mut combined);
+                    same_bits(&combined, &y, &format!("{name}: TP={world} shards"));
+                }
+            }
+            let cnt = stream.clone_dtoh(&b.cnt).unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                cnt.iter().all(|&c| c == 0),
+                "K {k} N {n} M {m}: tile counters not reset"
+            );
+        }
+    }
+}
+
 /// The SiLU·mul epilogue of every TMA path: bit for bit the path's stored roots followed
 /// by the element-wise `silu_mul_pairs` kernel (the unfused MLP), in f32 and in bf16, at
 /// M inside one row tile, across row tiles and above 128 rows, with N a multiple of 4 and

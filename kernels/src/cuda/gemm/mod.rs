@@ -29,9 +29,12 @@ pub use args::{validate, Epilogue, GemmArgs, OutDtype};
 use error::driver;
 pub use error::GemmError;
 pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, GroupedWg, MoeTiles};
-pub use path::{Family, Path, QUAD_BNS, WHOLE_BNS};
+pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
-pub use select::{default_path_for, quad_tile, shard_whole_tile, whole_tile, wide_cluster_fits};
+pub use select::{
+    default_path_for, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile, whole_tile,
+    wide_cluster_fits, QUAD128_BY_DEFAULT, QUAD128_ENV,
+};
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
 #[repr(C)]
@@ -106,6 +109,8 @@ pub struct TreeGemm {
     /// Launch the TMA kernels with programmatic dependent launch (launch.rs); the other
     /// paths have no `pdl_wait` and always launch plainly.
     pdl: bool,
+    /// Whether the default path may take the 128-row quad tiles ([`quad128_enabled`]).
+    quad128: bool,
 }
 
 impl TreeGemm {
@@ -192,6 +197,7 @@ impl TreeGemm {
             sms: sms.max(1) as usize,
             cluster_capacity: [0; 4],
             pdl: super::launch::pdl_enabled(ctx),
+            quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
             tg.cluster_capacity[i] = tg
@@ -205,9 +211,14 @@ impl TreeGemm {
     /// device). All give the same bits (same leaf, same tree), so this choice may depend
     /// on the device.
     pub fn default_path(&self, shape: &TreeMatmul) -> Path {
-        default_path_for(shape, self.family, self.sms, &self.cluster_capacity, |p| {
-            self.has(p)
-        })
+        default_path_for(
+            shape,
+            self.family,
+            self.sms,
+            &self.cluster_capacity,
+            self.quad128,
+            |p| self.has(p),
+        )
     }
 
     /// For the cluster path: how many clusters of `n_seg` blocks fit on the device at once
@@ -298,9 +309,13 @@ impl TreeGemm {
         outh: CUdeviceptr,
     ) -> Result<(), GemmError> {
         let s = a.shape;
-        let x_rows = if path == Path::WgTma128 { 128 } else { 64 };
+        let x_rows = match path {
+            Path::WgTma128 | Path::WgQuad128 { .. } => 128,
+            _ => 64,
+        };
         let w_rows = match path {
             Path::WgWhole { bn } | Path::WgQuad { bn } => (bn / 2) as u32,
+            Path::WgQuad128 { bn } => bn as u32,
             _ => 128,
         };
         let p = tma::TmaParams {
@@ -321,7 +336,7 @@ impl TreeGemm {
             Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
             Path::WgWhole { .. } => (gx, None),
-            Path::WgQuad { .. } => (gx, Some(s.n_seg.div_ceil(4) as u32)),
+            Path::WgQuad { .. } | Path::WgQuad128 { .. } => (gx, Some(s.n_seg.div_ceil(4) as u32)),
             _ => (gx, Some(s.n_seg as u32)),
         };
         if gx > i32::MAX as usize || gy > 65535 {

@@ -23,6 +23,8 @@ pub const WHOLE_BNS: [usize; 5] = [224, 112, 64, 48, 32];
 const WHOLE_SMEM: u32 = 225 * 1024;
 /// Tile widths of the `wgquad` kernels.
 pub const QUAD_BNS: [usize; 2] = [96, 64];
+/// Tile widths of the `wgquad128x` kernels (128-row tiles), widest first.
+pub const QUAD128_BNS: [usize; 2] = [128, 64];
 
 /// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
 /// by speed.
@@ -64,6 +66,10 @@ pub enum Path {
     /// block) and the tile's `n_seg / 4` blocks a cluster combining over distributed shared
     /// memory; `bn` one of [`QUAD_BNS`]. For the narrow layers at small M.
     WgQuad { bn: usize },
+    /// As `WgQuad` on 128×`bn` tiles (`bn` one of [`QUAD128_BNS`]): the two consumer
+    /// warpgroups take 64 rows each and share the W tile. For 129 ≤ M ≤ 512, where
+    /// `wgtma128`'s few whole-K tiles leave SMs idle.
+    WgQuad128 { bn: usize },
 }
 
 impl Path {
@@ -101,6 +107,8 @@ impl Path {
                 Path::WgWhole { bn: 32 },
                 Path::WgQuad { bn: 96 },
                 Path::WgQuad { bn: 64 },
+                Path::WgQuad128 { bn: 128 },
+                Path::WgQuad128 { bn: 64 },
                 Path::WgTree128,
                 Path::WgSplit64,
             ],
@@ -117,7 +125,8 @@ impl Path {
             | Path::WgCluster64x2
             | Path::WgCluster64x2N256
             | Path::WgWhole { .. }
-            | Path::WgQuad { .. } => Family::Wgmma,
+            | Path::WgQuad { .. }
+            | Path::WgQuad128 { .. } => Family::Wgmma,
         }
     }
 
@@ -131,6 +140,7 @@ impl Path {
                 | Path::WgCluster64x2N256
                 | Path::WgWhole { .. }
                 | Path::WgQuad { .. }
+                | Path::WgQuad128 { .. }
         )
     }
 
@@ -154,6 +164,9 @@ impl Path {
             Path::WgQuad { bn: 96 } => "wgquad96",
             Path::WgQuad { bn: 64 } => "wgquad64",
             Path::WgQuad { .. } => "wgquad",
+            Path::WgQuad128 { bn: 128 } => "wgquad128x128",
+            Path::WgQuad128 { bn: 64 } => "wgquad128x64",
+            Path::WgQuad128 { .. } => "wgquad128",
         }
     }
 
@@ -226,6 +239,15 @@ impl Path {
                 let stages = ((WHOLE_SMEM - slots) / stage).min(8);
                 stages * stage + slots + 16 * stages + 1024
             }
+            // ClusterLayout<2, bn, true, true>: one f32 tree slot (bn / 2 values x 256
+            // consumer threads), stages of (128 + bn) x 64 bf16 as above.
+            Path::WgQuad128 { bn } => {
+                let bn = bn as u32;
+                let slots = (bn / 2) * 256 * 4;
+                let stage = (128 + bn) * 64 * 2;
+                let stages = ((WHOLE_SMEM - slots) / stage).min(8);
+                stages * stage + slots + 16 * stages + 1024
+            }
         }
     }
 
@@ -254,6 +276,10 @@ impl Path {
             ),
             Path::WgWhole { bn } => ((n.div_ceil(bn), m.div_ceil(64), 1), 288),
             Path::WgQuad { bn } => ((n.div_ceil(bn) * n_seg.div_ceil(4), m.div_ceil(64), 1), 288),
+            Path::WgQuad128 { bn } => (
+                (n.div_ceil(bn) * n_seg.div_ceil(4), m.div_ceil(128), 1),
+                288,
+            ),
         }
     }
 
@@ -277,6 +303,9 @@ impl Path {
             Path::WgQuad { bn: 96 } => "arbor_gemm_wg_quad_64x96",
             Path::WgQuad { bn: 64 } => "arbor_gemm_wg_quad_64x64",
             Path::WgQuad { .. } => "arbor_gemm_wg_quad",
+            Path::WgQuad128 { bn: 128 } => "arbor_gemm_wg_quad_128x128",
+            Path::WgQuad128 { bn: 64 } => "arbor_gemm_wg_quad_128x64",
+            Path::WgQuad128 { .. } => "arbor_gemm_wg_quad_128",
         }
     }
 }

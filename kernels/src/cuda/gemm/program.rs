@@ -107,6 +107,10 @@ mod tests {
             Err(e) => panic!("{e}"),
         };
         assert!(ptx.contains(".target sm_90a"), "PTX targets another arch");
+        // scripts/bench/ptxas-report.sh (PROGRAM=gemm) assembles it for registers and spills.
+        if let Ok(path) = std::env::var("ARBOR_GEMM_PTX_OUT") {
+            std::fs::write(&path, &ptx).unwrap_or_else(|e| panic!("writing {path}: {e}"));
+        }
         let paths = Path::all(Family::Mma)
             .iter()
             .chain(Path::all(Family::Wgmma));

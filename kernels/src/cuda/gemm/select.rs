@@ -1,8 +1,31 @@
 //! The default path of a call: the table `bench gemm` measured, as pure functions of the
 //! shape and the device (docs/gemm.md).
 
-use super::path::{Family, Path, QUAD_BNS};
+use super::error::GemmError;
+use super::path::{Family, Path, QUAD128_BNS, QUAD_BNS};
 use crate::cpu::matmul::TreeMatmul;
+
+/// The variable that lets the default path take the 128-row quad tiles
+/// ([`quad128_tile`]): `1` on, `0` off, unset [`QUAD128_BY_DEFAULT`].
+pub const QUAD128_ENV: &str = "ARBOR_GEMM_M256";
+
+/// Whether [`quad128_tile`] applies when [`QUAD128_ENV`] is unset. Off until `bench gemm`
+/// has measured the 128-row quad kernels against `wgtma128` on a device.
+pub const QUAD128_BY_DEFAULT: bool = false;
+
+/// [`QUAD128_ENV`]'s value (`None`: unset) as a switch.
+pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(QUAD128_BY_DEFAULT),
+        Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(GemmError::Env {
+            var: QUAD128_ENV,
+            value: v.to_string(),
+            msg: "expected 1 (128-row quad tiles for 129 <= M <= 512) or 0",
+        }),
+    }
+}
 
 /// The `wgwhole` tile width the default path takes for an M ≤ 64 call on `sms` SMs, if
 /// any: where its grid runs in waves that are each at least 3/4 full (whole-K blocks are
@@ -66,6 +89,35 @@ pub fn one_wave_whole_tile(m: usize, n: usize, sms: usize) -> Option<usize> {
     })
 }
 
+/// The `wgquad128x` tile width a call of 129 ≤ M ≤ 512 (decode at batch 256, short
+/// prefills) takes instead of `wgtma128`, if any: the widest of [`QUAD128_BNS`] whose grid
+/// (two blocks, a cluster, per 128×`bn` tile of eight segments) packs its waves to at
+/// least 7/8 and runs in at most 8 of them. `wgtma128` at M = 256 ran 0.55–0.65 of
+/// cuBLAS's speed (H200, docs/gemm.md run 14): its M/128 rows of whole-K tiles make 64
+/// blocks for 4096 × 4096, half the SMs. The quad tiles split each tile's K over a cluster
+/// of two: 128 blocks of 128×128 there, 384 of 128×64 for 4096 × 6144 (where 128×128
+/// makes 192, a second wave under half full). Many waves (the LM head: 4008 blocks) stay
+/// on the persistent `wgtma128`, whose producer runs on into the next tile where a
+/// one-shot block refills its ring from empty.
+pub fn quad128_tile(m: usize, n: usize, n_seg: usize, sms: usize) -> Option<usize> {
+    if !(129..=512).contains(&m) {
+        return None;
+    }
+    QUAD128_BNS.into_iter().find(|&bn| {
+        let blocks = n.div_ceil(bn) * m.div_ceil(128) * n_seg.div_ceil(4);
+        blocks <= 8 * sms && packs_waves(blocks, sms)
+    })
+}
+
+/// Whether a grid of `blocks` blocks, one per SM at a time, uses at least 7/8 of the
+/// block slots of the waves it runs in.
+fn packs_waves(blocks: usize, sms: usize) -> bool {
+    if blocks == 0 || sms == 0 {
+        return false;
+    }
+    8 * blocks >= 7 * blocks.div_ceil(sms) * sms
+}
+
 /// Whether an M ≤ 32 call takes the 64×256 two-segment cluster tiles: where they make at
 /// least 56 blocks. Fewer (a narrow q/k/v at TP 2 to 8, a row-parallel shard of four
 /// segments at TP 2) leave most SMs idle, and the 128-column one-segment clusters are
@@ -92,15 +144,26 @@ fn fills_waves(blocks: usize, sms: usize) -> bool {
 /// M ≤ 32 takes `wgcluster64x2n256` where [`wide_cluster_fits`], and a larger one whose
 /// grid has more clusters than the device holds at once (`cluster_capacity`, by
 /// log2 n_seg: it would run in two waves, the second nearly empty) takes `wgcluster64x2`,
-/// half the blocks. `has`: whether a path was compiled for the device.
+/// half the blocks. With `quad128` ([`QUAD128_ENV`]), a `wgtma128` call takes a
+/// `wgquad128x` kernel where [`quad128_tile`] names one. `has`: whether a path was compiled
+/// for the device.
 pub fn default_path_for(
     shape: &TreeMatmul,
     family: Family,
     sms: usize,
     cluster_capacity: &[u32; 4],
+    quad128: bool,
     has: impl Fn(Path) -> bool,
 ) -> Path {
     let path = Path::for_shape(shape, family);
+    if path == Path::WgTma128 && quad128 {
+        if let Some(p) = quad128_tile(shape.m, shape.n, shape.n_seg, sms)
+            .map(|bn| Path::WgQuad128 { bn })
+            .filter(|&p| has(p))
+        {
+            return p;
+        }
+    }
     if path == Path::WgTma128 {
         if let Some(p) = one_wave_whole_tile(shape.m, shape.n, sms)
             .map(|bn| Path::WgWhole { bn })
@@ -141,7 +204,7 @@ pub fn default_path_for(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::gemm::path::{QUAD_BNS, WHOLE_BNS};
+    use crate::cuda::gemm::path::{QUAD128_BNS, QUAD_BNS, WHOLE_BNS};
 
     /// The default paths of the llama3-8b layers at TP 1, 2, 4 and 8 on 132 SMs, as
     /// `bench gemm` (and `--tp`) measured them fastest or within noise of it on an H200
@@ -158,7 +221,7 @@ mod tests {
                 seg_len: 512,
                 n_seg,
             };
-            default_path_for(&shape, Family::Wgmma, 132, &cap, |_| true).name()
+            default_path_for(&shape, Family::Wgmma, 132, &cap, false, |_| true).name()
         };
         let cases = [
             // TP 1: q/k/v, o (and down), gate/up at decode batches.
@@ -216,7 +279,7 @@ mod tests {
             seg_len: 512,
             n_seg: 2,
         };
-        let no_whole = default_path_for(&shape, Family::Wgmma, 132, &cap, |p| {
+        let no_whole = default_path_for(&shape, Family::Wgmma, 132, &cap, false, |p| {
             !matches!(p, Path::WgWhole { .. })
         });
         assert_eq!(no_whole, Path::WgCluster64);
@@ -268,6 +331,76 @@ mod tests {
             );
             assert_eq!(p.kernel(), format!("arbor_gemm_wg_{kind}_64x{bn}"));
             assert_eq!(p.name(), format!("wg{kind}{bn}"));
+        }
+    }
+
+    /// The 128-row quad rule, on only with [`QUAD128_ENV`]: what it picks for the
+    /// llama3-8b layers at TP 1 (and a TP 2 / TP 4 row-parallel shard) on 132 SMs, that
+    /// every other M keeps today's path, and that it is off by default.
+    #[test]
+    fn quad128_tiles_only_in_their_band_and_only_when_enabled() {
+        let cap = [248, 124, 62, 30];
+        let pick = |m: usize, n: usize, n_seg: usize, on: bool| {
+            let shape = TreeMatmul {
+                m,
+                n,
+                k: 512 * n_seg,
+                seg_len: 512,
+                n_seg,
+            };
+            default_path_for(&shape, Family::Wgmma, 132, &cap, on, |_| true).name()
+        };
+        let cases = [
+            // o / down (N 4096): 128 blocks of 128×128 at M ≤ 256; at 384, 192 of them
+            // would leave a second wave half empty, so 128×64 (384 blocks).
+            (129, 4096, 8, "wgquad128x128"),
+            (200, 4096, 8, "wgquad128x128"),
+            (256, 4096, 8, "wgquad128x128"),
+            (384, 4096, 8, "wgquad128x64"),
+            (512, 4096, 8, "wgquad128x128"),
+            // q/k/v (N 6144): 192 blocks of 128×128 (1.45 waves), 384 of 128×64.
+            (256, 6144, 8, "wgquad128x64"),
+            (512, 6144, 8, "wgquad128x128"),
+            // gate/up (N 28672): 896 blocks (6.8 waves); at M = 512 1792 (13.6) stay on
+            // the persistent kernel, as does the LM head.
+            (256, 28672, 8, "wgquad128x128"),
+            (512, 28672, 8, "wgtma128"),
+            (256, 128256, 8, "wgtma128"),
+            // TP 2 / TP 4 o and down shards (4 and 2 segments: one block a tile).
+            (256, 4096, 4, "wgquad128x64"),
+            (256, 4096, 2, "wgquad128x64"),
+            // Outside the band: unchanged.
+            (128, 4096, 8, "wgwhole64"),
+            (128, 28672, 8, "wgtma128"),
+            (64, 4096, 8, "wgquad64"),
+            (1024, 4096, 8, "wgtma128"),
+        ];
+        for (m, n, n_seg, want) in cases {
+            assert_eq!(
+                pick(m, n, n_seg, true),
+                want,
+                "M = {m}, N = {n}, {n_seg} segments"
+            );
+            let off = pick(m, n, n_seg, false);
+            assert!(!off.starts_with("wgquad128"), "M = {m}, N = {n}: {off}");
+        }
+        assert_eq!(pick(256, 4096, 8, false), "wgtma128");
+        assert_eq!(quad128_enabled(None).unwrap(), QUAD128_BY_DEFAULT);
+        assert!(quad128_enabled(Some("1")).unwrap());
+        assert!(!quad128_enabled(Some("0")).unwrap());
+        let e = quad128_enabled(Some("yes")).unwrap_err().to_string();
+        assert!(e.contains("ARBOR_GEMM_M256") && e.contains("yes"), "{e}");
+        for bn in QUAD128_BNS {
+            let p = Path::WgQuad128 { bn };
+            assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
+            assert!(
+                p.smem_bytes() <= 227 * 1024,
+                "{}: {} B",
+                p.name(),
+                p.smem_bytes()
+            );
+            assert_eq!(p.kernel(), format!("arbor_gemm_wg_quad_128x{bn}"));
+            assert_eq!(p.name(), format!("wgquad128x{bn}"));
         }
     }
 }
