@@ -9,9 +9,9 @@ use crate::cpu::matmul::TreeMatmul;
 /// ([`quad128_tile`]): `1` on, `0` off, unset [`QUAD128_BY_DEFAULT`].
 pub const QUAD128_ENV: &str = "ARBOR_GEMM_M256";
 
-/// Whether [`quad128_tile`] applies when [`QUAD128_ENV`] is unset. Off until `bench gemm`
-/// has measured the 128-row quad kernels against `wgtma128` on a device.
-pub const QUAD128_BY_DEFAULT: bool = false;
+/// Whether [`quad128_tile`] applies when [`QUAD128_ENV`] is unset: on, where it was
+/// measured faster (docs/gemm.md run 15).
+pub const QUAD128_BY_DEFAULT: bool = true;
 
 /// [`QUAD128_ENV`]'s value (`None`: unset) as a switch.
 pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
@@ -22,7 +22,7 @@ pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
         Some(v) => Err(GemmError::Env {
             var: QUAD128_ENV,
             value: v.to_string(),
-            msg: "expected 1 (128-row quad tiles for 129 <= M <= 512) or 0",
+            msg: "expected 1 (128-row quad tiles for 97 <= M <= 256 where they fill one wave) or 0",
         }),
     }
 }
@@ -89,23 +89,23 @@ pub fn one_wave_whole_tile(m: usize, n: usize, sms: usize) -> Option<usize> {
     })
 }
 
-/// The `wgquad128x` tile width a call of 129 ≤ M ≤ 512 (decode at batch 256, short
-/// prefills) takes instead of `wgtma128`, if any: the widest of [`QUAD128_BNS`] whose grid
-/// (two blocks, a cluster, per 128×`bn` tile of eight segments) packs its waves to at
-/// least 7/8 and runs in at most 8 of them. `wgtma128` at M = 256 ran 0.55–0.65 of
-/// cuBLAS's speed (H200, docs/gemm.md run 14): its M/128 rows of whole-K tiles make 64
-/// blocks for 4096 × 4096, half the SMs. The quad tiles split each tile's K over a cluster
-/// of two: 128 blocks of 128×128 there, 384 of 128×64 for 4096 × 6144 (where 128×128
-/// makes 192, a second wave under half full). Many waves (the LM head: 4008 blocks) stay
-/// on the persistent `wgtma128`, whose producer runs on into the next tile where a
-/// one-shot block refills its ring from empty.
+/// The `wgquad128x` tile width a call of 97 ≤ M ≤ 256 of eight segments (TP 1's o and
+/// down at a decode batch of 128 to 256) takes instead of `wgtma128` or a `wgwhole`
+/// kernel, if any: the widest of [`QUAD128_BNS`] whose grid (two blocks, a cluster, per
+/// 128×`bn` tile) is one wave at least 7/8 full. `wgtma128`'s M/128 rows of whole-K tiles
+/// make 64 blocks for 4096 × 4096 at M = 256, half the SMs; the quad tiles split each
+/// tile's K over a cluster of two. Measured on an H100 (docs/gemm.md run 15, µs, against
+/// the path before): M = 256 o 28.6 / 37.9, down 67.1 / 91.2 (128×128); M = 128 o 22.5 /
+/// 24.0, down 51.1 / 63.7 (128×64). Where the grid needs a second wave (q/k/v and gate/up
+/// at M = 256, every layer at M = 512) the quad tiles lost (q/k/v 52.7–56.2 / 41.7, o at
+/// M = 512 51.8 / 40.4), and shards of fewer segments were not measured.
 pub fn quad128_tile(m: usize, n: usize, n_seg: usize, sms: usize) -> Option<usize> {
-    if !(129..=512).contains(&m) {
+    if !(97..=256).contains(&m) || n_seg != 8 {
         return None;
     }
     QUAD128_BNS.into_iter().find(|&bn| {
-        let blocks = n.div_ceil(bn) * m.div_ceil(128) * n_seg.div_ceil(4);
-        blocks <= 8 * sms && packs_waves(blocks, sms)
+        let blocks = n.div_ceil(bn) * m.div_ceil(128) * 2;
+        blocks <= sms && packs_waves(blocks, sms)
     })
 }
 
@@ -334,9 +334,8 @@ mod tests {
         }
     }
 
-    /// The 128-row quad rule, on only with [`QUAD128_ENV`]: what it picks for the
-    /// llama3-8b layers at TP 1 (and a TP 2 / TP 4 row-parallel shard) on 132 SMs, that
-    /// every other M keeps today's path, and that it is off by default.
+    /// The 128-row quad rule (off with [`QUAD128_ENV`]=0): what it picks for the llama3-8b
+    /// layers on 132 SMs, and that every other call keeps the path it had.
     #[test]
     fn quad128_tiles_only_in_their_band_and_only_when_enabled() {
         let cap = [248, 124, 62, 30];
@@ -351,27 +350,25 @@ mod tests {
             default_path_for(&shape, Family::Wgmma, 132, &cap, on, |_| true).name()
         };
         let cases = [
-            // o / down (N 4096): 128 blocks of 128×128 at M ≤ 256; at 384, 192 of them
-            // would leave a second wave half empty, so 128×64 (384 blocks).
+            // o / down (N 4096): one wave of 128 blocks, 128×128 tiles from M = 129 and
+            // 128×64 ones from M = 97.
+            (97, 4096, 8, "wgquad128x64"),
+            (128, 4096, 8, "wgquad128x64"),
             (129, 4096, 8, "wgquad128x128"),
             (200, 4096, 8, "wgquad128x128"),
             (256, 4096, 8, "wgquad128x128"),
-            (384, 4096, 8, "wgquad128x64"),
-            (512, 4096, 8, "wgquad128x128"),
-            // q/k/v (N 6144): 192 blocks of 128×128 (1.45 waves), 384 of 128×64.
-            (256, 6144, 8, "wgquad128x64"),
-            (512, 6144, 8, "wgquad128x128"),
-            // gate/up (N 28672): 896 blocks (6.8 waves); at M = 512 1792 (13.6) stay on
-            // the persistent kernel, as does the LM head.
-            (256, 28672, 8, "wgquad128x128"),
-            (512, 28672, 8, "wgtma128"),
+            // Two waves or more: q/k/v (N 6144), gate/up, the LM head, M over 256.
+            (128, 6144, 8, "wgwhole112"),
+            (256, 6144, 8, "wgtma128"),
+            (256, 28672, 8, "wgtma128"),
             (256, 128256, 8, "wgtma128"),
-            // TP 2 / TP 4 o and down shards (4 and 2 segments: one block a tile).
-            (256, 4096, 4, "wgquad128x64"),
-            (256, 4096, 2, "wgquad128x64"),
+            (384, 4096, 8, "wgtma128"),
+            (512, 4096, 8, "wgtma128"),
+            // Shards of fewer segments (TP 2 / TP 4 o and down): not measured, unchanged.
+            (256, 4096, 4, "wgtma128"),
+            (256, 4096, 2, "wgtma128"),
             // Outside the band: unchanged.
-            (128, 4096, 8, "wgwhole64"),
-            (128, 28672, 8, "wgtma128"),
+            (96, 4096, 8, "wgwhole64"),
             (64, 4096, 8, "wgquad64"),
             (1024, 4096, 8, "wgtma128"),
         ];
@@ -385,6 +382,7 @@ mod tests {
             assert!(!off.starts_with("wgquad128"), "M = {m}, N = {n}: {off}");
         }
         assert_eq!(pick(256, 4096, 8, false), "wgtma128");
+        assert_eq!(pick(128, 4096, 8, false), "wgwhole64");
         assert_eq!(quad128_enabled(None).unwrap(), QUAD128_BY_DEFAULT);
         assert!(quad128_enabled(Some("1")).unwrap());
         assert!(!quad128_enabled(Some("0")).unwrap());
