@@ -40,7 +40,7 @@ pub struct SchedulerConfig {
 pub const DEFAULT_STEP_TOKENS: usize = 8192;
 /// Prompt rows per step beside decode rows, in `arbor serve` by default (see
 /// `SchedulerConfig::prefill_beside_decode`).
-pub const DEFAULT_PREFILL_BESIDE_DECODE: usize = 1024;
+pub const DEFAULT_PREFILL_BESIDE_DECODE: usize = 512;
 /// Logits rows per step by default (see `SchedulerConfig::step_outputs`).
 pub const DEFAULT_STEP_OUTPUTS: usize = 1024;
 
