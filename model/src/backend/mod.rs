@@ -655,6 +655,11 @@ pub trait WeightsGroup: Send {
     /// A sum all-reduce of one f32 zero with every member, as vLLM's `PyNcclCommunicator`
     /// runs right after it joins (its members wait for it), waiting at most `timeout`.
     fn warm_up(&mut self, timeout: std::time::Duration) -> BResult<()>;
+
+    /// Leaves the group without waiting for the other members, as the process ends:
+    /// destroying a communicator waits for every member to destroy theirs, and a wait
+    /// still running when the process exits tears NCCL down under it.
+    fn abort(self: Box<Self>) {}
 }
 
 /// The output rows `want_row` asks for, in order.

@@ -53,6 +53,14 @@ impl Group {
         }
     }
 
+    /// Leaves the group without waiting for the trainer ([`WeightsGroup::abort`]); a join
+    /// still running is cancelled.
+    pub(super) fn abort(self) {
+        if let GroupSlot::Joined(g) = self.slot {
+            g.abort();
+        }
+    }
+
     /// vLLM's store barrier, where the group has one (TRL's client and server pass one
     /// after each broadcast).
     pub(super) fn barrier(&mut self, rank: usize, timeout: Duration) -> MResult<()> {

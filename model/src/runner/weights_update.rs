@@ -105,6 +105,17 @@ impl<B: Backend> Updates<B> {
     }
 }
 
+impl<B: Backend> Drop for Updates<B> {
+    /// The engine is ending: a group still joined is left without waiting for the trainer
+    /// (`destroy_weights_update_group` destroys it properly, on a thread of its own; here
+    /// the process may exit before such a thread finishes).
+    fn drop(&mut self) {
+        for (_, g) in self.group.take().into_iter().chain(self.new_group.take()) {
+            g.abort();
+        }
+    }
+}
+
 /// Tensors a pushed checkpoint may hold that the model does not read: dropped, not
 /// refused (a trainer's `state_dict()` lists a tied head twice, and older transformers
 /// stored RoPE's inverse frequencies).

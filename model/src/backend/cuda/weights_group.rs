@@ -229,6 +229,12 @@ impl WeightsGroup for CudaWeightsGroup {
         Ok(out)
     }
 
+    fn abort(mut self: Box<Self>) {
+        if let Some(comm) = self.comm.take() {
+            comm.abort();
+        }
+    }
+
     fn warm_up(&mut self, timeout: Duration) -> BResult<()> {
         let Some(comm) = self.comm.as_ref() else {
             return Err(self
