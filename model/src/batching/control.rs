@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::ipc::IpcBuffer;
 use crate::safetensors::DType;
 
 /// Where the weights of an update come from.
@@ -82,6 +83,10 @@ pub enum ControlMsg {
         timeout_s: f64,
         packed: Option<usize>,
     },
+    /// Stage the tensors a trainer on the same GPUs hands over by CUDA IPC handle
+    /// (`update_weights_from_tensor` with `serialized_named_tensors`): rank `i` reads
+    /// `ranks[i]`.
+    StageIpc { ranks: Vec<Vec<IpcBuffer>> },
     /// Drop the staged tensors.
     Discard,
     /// Replace the weights (every tensor the model reads) and drop the caches.
@@ -115,6 +120,7 @@ impl ControlMsg {
         match self {
             ControlMsg::Stage { .. } => "staging pushed tensors",
             ControlMsg::Receive { .. } => "receiving tensors over NCCL",
+            ControlMsg::StageIpc { .. } => "staging tensors handed over by CUDA IPC",
             ControlMsg::Discard => "discarding staged tensors",
             ControlMsg::Update(UpdateSource::Disk(_)) => "updating the weights from disk",
             ControlMsg::Update(UpdateSource::Staged) => "updating the weights from pushed tensors",

@@ -10,6 +10,7 @@
 //! and `score` are the same scheduler with a budget for whole prompts.
 
 pub mod control;
+pub mod ipc;
 pub mod kv;
 pub mod packed;
 pub mod plan;

@@ -23,6 +23,7 @@ use arbor_collective::Communicator;
 use super::weights_group::{join_serving_store, join_through_store, Group, GroupSlot, StoreSource};
 use super::Worker;
 use crate::backend::{Backend, KvSpec};
+use crate::batching::ipc::IpcBuffer;
 use crate::batching::{ControlMsg, Rendezvous, TensorMeta, UpdateSource};
 use crate::config::ModelConfig;
 use crate::error::{MResult, ModelError};
@@ -312,6 +313,7 @@ impl<B: Backend> Worker<B> {
                 let file = SafeFile::from_bytes(Path::new(label), std::mem::take(bytes))?;
                 self.stage(vec![file])
             }
+            ControlMsg::StageIpc { ranks } => self.stage_ipc(ranks),
             ControlMsg::Receive {
                 group,
                 tensors,
@@ -426,7 +428,7 @@ impl<B: Backend> Worker<B> {
     pub(super) fn control_finish(&mut self, msg: &ControlMsg, apply: bool) {
         let u = &mut self.updates;
         match msg {
-            ControlMsg::Stage { .. } | ControlMsg::Receive { .. } => {
+            ControlMsg::Stage { .. } | ControlMsg::StageIpc { .. } | ControlMsg::Receive { .. } => {
                 // A part that failed anywhere makes the whole push start over: no rank
                 // may hold tensors another rank does not.
                 if !apply {
@@ -694,6 +696,51 @@ impl<B: Backend> Worker<B> {
             u.staged.push(f);
         }
         Ok(())
+    }
+
+    /// The hand-off of tensors a trainer shares by CUDA IPC handle to the update staging:
+    /// this rank's element of `ranks` is read from the trainer's allocations (the backend
+    /// opens each handle on this rank's GPU, waits for the trainer's event, copies, closes)
+    /// and staged as a pushed part is. The copy comes to the host today; device-resident
+    /// staging replaces `read_ipc` + `from_packed` here and nothing else.
+    fn stage_ipc(&mut self, ranks: &[Vec<IpcBuffer>]) -> MResult<()> {
+        let rank = self.backend.rank();
+        let Some(mine) = ranks.get(rank) else {
+            return Err(ModelError::BadRequest {
+                id: 0,
+                msg: format!(
+                    "serialized_named_tensors has {} elements and this is rank {rank}: give one per TP rank",
+                    ranks.len()
+                ),
+            });
+        };
+        let t0 = std::time::Instant::now();
+        let data = self.backend.read_ipc(mine).map_err(|e| self.berr(e))?;
+        let label = Path::new("tensors handed over by CUDA IPC");
+        let mut files = Vec::with_capacity(mine.len());
+        let mut total = 0usize;
+        for (b, bytes) in mine.iter().zip(data) {
+            total += bytes.len();
+            let parts = b
+                .parts
+                .iter()
+                .map(|p| PackedPart {
+                    name: p.name.clone(),
+                    dtype: p.dtype,
+                    shape: p.shape.clone(),
+                    data: p.start as usize..p.end as usize,
+                })
+                .collect();
+            files.push(SafeFile::from_packed(label, bytes, parts)?);
+        }
+        tracing::info!(
+            rank,
+            buffers = mine.len(),
+            bytes = total,
+            seconds = t0.elapsed().as_secs_f64(),
+            "read tensors handed over by CUDA IPC"
+        );
+        self.stage(files)
     }
 
     /// Receives `tensors` from the trainer over the NCCL group and stages them. Every

@@ -388,6 +388,7 @@ impl WeightControl for FakeRunner {
             }
             ControlMsg::Discard | ControlMsg::FlushCache | ControlMsg::Release { .. } => Ok(()),
             ControlMsg::Receive { .. } => unsupported("receive over NCCL"),
+            ControlMsg::StageIpc { .. } => unsupported("read CUDA IPC handles"),
             ControlMsg::JoinGroup { .. } | ControlMsg::LeaveGroup { .. } => {
                 unsupported("join a NCCL group")
             }

@@ -254,16 +254,22 @@ struct TensorQuery {
     abort_all_requests: Option<bool>,
 }
 
-/// The body is one safetensors image (a part of the checkpoint); `?commit=false` stages
-/// it and waits for more, `?commit=true` (the default) stages it and applies everything
-/// staged; an empty body with `commit=true` applies what is staged; `?discard=true` drops
-/// it.
+/// The body is one safetensors image (a part of the checkpoint), or with `Content-Type:
+/// application/json` SGLang's JSON of CUDA IPC handles (ipc.rs); `?commit=false` stages
+/// it and waits for more, `?commit=true` stages it and applies everything staged, and
+/// without `commit` it applies once every tensor the model reads is staged; an empty body
+/// with `commit=true` applies what is staged; `?discard=true` drops it.
 async fn from_tensor(
     State(st): State<Arc<AppState>>,
     headers: HeaderMap,
     q: Result<Query<TensorQuery>, axum::extract::rejection::QueryRejection>,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let json = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    let tp = st.tp;
     guarded(st, headers, || {
         let Query(q) = q.map_err(|e| {
             ApiError::new(
@@ -280,6 +286,16 @@ async fn from_tensor(
                 ));
             }
             return Ok(ControlOp::Discard);
+        }
+        // An empty body is a commit or discard, whatever its content type.
+        if json && !bytes.iter().all(u8::is_ascii_whitespace) {
+            if q.weight_version.is_some() || q.policy.is_some() || q.abort_all_requests.is_some() {
+                return Err(ApiError::bad(
+                    "weight_version",
+                    "with a JSON body, weight_version, policy and abort_all_requests go in the body",
+                ));
+            }
+            return super::ipc::ipc_op(&bytes, tp, q.commit);
         }
         let commit = match q.commit {
             Some(false) => {

@@ -18,6 +18,7 @@ mod collective;
 mod foreign;
 pub mod gemm;
 pub mod graphs;
+mod ipc;
 mod kv;
 mod load;
 mod moe;
@@ -784,6 +785,10 @@ impl Backend for CudaBackend {
             "device memory given back"
         );
         Ok(Some(free as u64))
+    }
+
+    fn read_ipc(&self, buffers: &[crate::batching::ipc::IpcBuffer]) -> BResult<Vec<Vec<u8>>> {
+        self.read_ipc_buffers(buffers)
     }
 
     fn weights_group_joiner(
