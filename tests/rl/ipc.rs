@@ -24,20 +24,26 @@ use crate::server::Server;
 
 const TORCH: &str = "python3 -m pip install torch==2.11.0";
 
-/// The JSON body `ipc_pickles.py` prints.
-fn body(form: &str, layout: &str, ranks: usize, variant: &str) -> Value {
+/// The JSON bodies `ipc_pickles.py` prints for `specs` ("form,layout,ranks,variant"),
+/// made by one Python process (importing torch takes seconds).
+fn bodies(specs: &[&str]) -> Vec<Value> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rl/ipc_pickles.py");
     let o = Command::new("python3")
         .arg(&script)
-        .args([form, layout, &ranks.to_string(), variant])
+        .args(specs)
         .output()
         .expect("run python3");
     assert!(
         o.status.success(),
-        "ipc_pickles.py {form} {layout} {ranks} {variant}: {}",
+        "ipc_pickles.py {specs:?}: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    serde_json::from_slice(&o.stdout).expect("JSON body")
+    let out: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON body"))
+        .collect();
+    assert_eq!(out.len(), specs.len());
+    out
 }
 
 fn element(b: &Value, rank: usize) -> Vec<u8> {
@@ -62,11 +68,17 @@ fn reads_the_handles_torch_and_sglang_pickle() {
         return;
     }
     let uuid = "f1e2d3c4-b5a6-9788-6958-4a3b2c1d0e0f";
-    for form in ["torch", "sglang16", "sglang15"] {
-        for lay in ["pairs", "bucket"] {
-            let b = body(form, lay, 2, "ok");
+    let specs: Vec<String> = ["torch", "sglang16", "sglang15"]
+        .iter()
+        .flat_map(|f| ["pairs", "bucket"].map(|l| format!("{f},{l},2,ok")))
+        .collect();
+    let made = bodies(&specs.iter().map(String::as_str).collect::<Vec<_>>());
+    for (spec, b) in specs.iter().zip(&made) {
+        let mut it = spec.split(',');
+        let (form, lay) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
+        {
             for rank in 0..2 {
-                let bufs = parse_rank(&element(&b, rank), layout(lay))
+                let bufs = parse_rank(&element(b, rank), layout(lay))
                     .unwrap_or_else(|e| panic!("{form} {lay} rank {rank}: {e}"));
                 let handle: Vec<u8> = (0..64).map(|i| ((rank * 64 + i) % 256) as u8).collect();
                 let device = if form == "torch" {
@@ -118,7 +130,7 @@ fn refuses_what_is_not_a_cuda_tensor_arbor_takes() {
     if !python_has(&["torch"], TORCH) {
         return;
     }
-    for (variant, lay, want) in [
+    let cases = [
         (
             "evil_global",
             "pairs",
@@ -128,11 +140,16 @@ fn refuses_what_is_not_a_cuda_tensor_arbor_takes() {
         ("truncated", "pairs", "truncated"),
         ("strided", "pairs", "not contiguous"),
         ("ok", "bucket", "a list of (name, tensor) pairs, got a dict"),
-    ] {
+    ];
+    let specs: Vec<String> = cases
+        .iter()
+        .map(|(v, l, _)| format!("torch,{l},1,{v}"))
+        .collect();
+    let made = bodies(&specs.iter().map(String::as_str).collect::<Vec<_>>());
+    for ((variant, lay, want), b) in cases.into_iter().zip(&made) {
         // The bucket case reads a bucket as pairs: the layout must match load_format.
-        let b = body("torch", lay, 1, variant);
         let read_as = if variant == "ok" { "pairs" } else { lay };
-        let e = parse_rank(&element(&b, 0), layout(read_as)).unwrap_err();
+        let e = parse_rank(&element(b, 0), layout(read_as)).unwrap_err();
         assert!(e.0.contains(want), "{variant}: {e}");
     }
 }
@@ -142,6 +159,16 @@ fn a_cpu_server_refuses_ipc_with_400_and_keeps_serving() {
     if !python_has(&["torch"], TORCH) {
         return;
     }
+    let made = bodies(&[
+        "torch,pairs,1,ok",
+        "torch,bucket,1,ok",
+        "sglang16,pairs,1,ok",
+        "sglang16,bucket,1,ok",
+        "torch,pairs,2,ok",
+        "torch,pairs,1,evil_global",
+        "torch,pairs,1,float64",
+        "torch,pairs,1,truncated",
+    ]);
     let m = models();
     let s = Server::start(1, &m.a, &[], "ipc");
     let before = s.version();
@@ -156,36 +183,26 @@ fn a_cpu_server_refuses_ipc_with_400_and_keeps_serving() {
             assert!(msg.contains(n), "{n:?} in {msg}");
         }
     };
-    for form in ["torch", "sglang16"] {
-        for lay in ["pairs", "bucket"] {
-            let (status, v) = s.post(path, &body(form, lay, 1, "ok"));
-            assert_eq!(status, 400, "{form} {lay}: {v}");
-            let msg = v["message"].as_str().unwrap_or_default();
-            assert!(msg.contains("CUDA IPC needs a CUDA rank"), "{msg}");
-            assert!(msg.contains("nothing") || msg.contains("dropped"), "{msg}");
-        }
+    for ok in &made[..4] {
+        let (status, v) = s.post(path, ok);
+        assert_eq!(status, 400, "{v}");
+        let msg = v["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("CUDA IPC needs a CUDA rank"), "{msg}");
+        assert!(msg.contains("dropped"), "{msg}");
     }
     refused(
-        &body("torch", "pairs", 2, "ok"),
+        &made[4],
         "serialized_named_tensors",
         &["2 elements", "1 TP ranks"],
     );
     refused(
-        &body("torch", "pairs", 1, "evil_global"),
+        &made[5],
         "serialized_named_tensors[0]",
         &["posix.system", "not allowed"],
     );
-    refused(
-        &body("torch", "pairs", 1, "float64"),
-        "serialized_named_tensors[0]",
-        &["torch.float64"],
-    );
-    refused(
-        &body("torch", "pairs", 1, "truncated"),
-        "serialized_named_tensors[0]",
-        &["truncated"],
-    );
-    let mut wrong_format = body("torch", "pairs", 1, "ok");
+    refused(&made[6], "serialized_named_tensors[0]", &["torch.float64"]);
+    refused(&made[7], "serialized_named_tensors[0]", &["truncated"]);
+    let mut wrong_format = made[0].clone();
     wrong_format["load_format"] = json!("flattened_bucket");
     refused(
         &wrong_format,

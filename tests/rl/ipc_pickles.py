@@ -8,11 +8,12 @@ python/sglang/srt/utils). SGLang's patched reduction (python/sglang/srt/patch_to
 names `sglang.srt.patch_torch._rebuild_cuda_tensor_modified`: a stub module of that name
 is made here so that pickle can name the function, as on a trainer with SGLang.
 
-    python3 ipc_pickles.py FORM LAYOUT RANKS [VARIANT]
+    python3 ipc_pickles.py FORM,LAYOUT,RANKS,VARIANT ...
 
 FORM: torch | sglang16 (UUID inserted before the index) | sglang15 (UUID replaces it);
 LAYOUT: pairs | bucket; VARIANT: ok | evil_global | float64 | truncated | strided.
-Prints the JSON body; rank r's handle bytes are (r * 64 + i) % 256.
+Prints one JSON body per line, one per spec (torch is imported once); rank r's handle
+bytes are (r * 64 + i) % 256.
 """
 
 import base64
@@ -131,9 +132,7 @@ def payload(form: str, layout: str, rank: int, variant: str) -> object:
     return {"flattened_tensor": cuda_tensor(form, rank, [at], 0, variant), "metadata": metadata}
 
 
-def main() -> None:
-    form, layout, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    variant = sys.argv[4] if len(sys.argv) > 4 else "ok"
+def body(form: str, layout: str, ranks: int, variant: str) -> dict:
     out = []
     for rank in range(ranks):
         obj = payload(form, layout, rank, variant)
@@ -145,12 +144,17 @@ def main() -> None:
         if variant == "truncated":
             raw = raw[: len(raw) // 2]
         out.append(base64.b64encode(raw).decode())
-    body = {
+    return {
         "serialized_named_tensors": out,
         "load_format": "flattened_bucket" if layout == "bucket" else None,
         "flush_cache": True,
     }
-    print(json.dumps(body))
+
+
+def main() -> None:
+    for spec in sys.argv[1:]:
+        form, layout, ranks, variant = spec.split(",")
+        print(json.dumps(body(form, layout, int(ranks), variant)))
 
 
 if __name__ == "__main__":
