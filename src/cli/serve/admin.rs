@@ -295,27 +295,12 @@ async fn from_tensor(
                     "with a JSON body, weight_version, policy and abort_all_requests go in the body",
                 ));
             }
-            return super::ipc::ipc_op(&bytes, tp, q.commit);
+            let r: super::ipc::FromTensorIpc = parse(&bytes)?;
+            let ranks = super::ipc::ranks(&r, tp)?;
+            let commit = commit_of(q.commit, r.weight_version, r.policy, r.abort_all_requests)?;
+            return Ok(ControlOp::StageIpc { ranks, commit });
         }
-        let commit = match q.commit {
-            Some(false) => {
-                if q.weight_version.is_some() || q.policy.is_some() {
-                    return Err(ApiError::bad(
-                        "commit",
-                        "weight_version and policy go with the call that commits (commit=true, or no commit)",
-                    ));
-                }
-                Commit::No
-            }
-            given => {
-                let u = update_req(q.weight_version, q.policy.as_deref(), q.abort_all_requests)?;
-                if given.is_some() {
-                    Commit::Now(u)
-                } else {
-                    Commit::WhenComplete(u)
-                }
-            }
-        };
+        let commit = commit_of(q.commit, q.weight_version, q.policy, q.abort_all_requests)?;
         Ok(match (bytes.is_empty(), commit) {
             (true, Commit::Now(u) | Commit::WhenComplete(u)) => ControlOp::Commit(u),
             (true, Commit::No) => {
@@ -331,6 +316,34 @@ async fn from_tensor(
         })
     })
     .await
+}
+
+/// When a pushed part applies (`commit` of the query), and the update it is part of.
+fn commit_of(
+    commit: Option<bool>,
+    version: Option<String>,
+    policy: Option<String>,
+    abort_all: Option<bool>,
+) -> Result<Commit, ApiError> {
+    Ok(match commit {
+        Some(false) => {
+            if version.is_some() || policy.is_some() {
+                return Err(ApiError::bad(
+                    "commit",
+                    "weight_version and policy go with the call that commits (commit=true, or no commit)",
+                ));
+            }
+            Commit::No
+        }
+        given => {
+            let u = update_req(version, policy.as_deref(), abort_all)?;
+            if given.is_some() {
+                Commit::Now(u)
+            } else {
+                Commit::WhenComplete(u)
+            }
+        }
+    })
 }
 
 #[derive(Deserialize)]

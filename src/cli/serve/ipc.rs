@@ -6,26 +6,25 @@
 //! of the trainer's tensors; rank `i` reads element `i` (`arbor_model::batching::ipc`).
 //! A body of another content type is a safetensors image (admin.rs).
 
-use arbor_model::batching::ipc::{b64decode, parse_rank, IpcLayout};
-use arbor_serving::{Commit, ControlOp};
+use arbor_model::batching::ipc::{b64decode, parse_rank, IpcBuffer, IpcLayout};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::admin::{parse, update_req};
 use super::api::ApiError;
 
 /// Most ranks one call may name (one element each).
 const MAX_RANKS: usize = 64;
 
+/// The body (the query's `commit` says when it applies, as for a safetensors part).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct FromTensorIpc {
+pub(super) struct FromTensorIpc {
     serialized_named_tensors: Value,
     load_format: Option<String>,
-    weight_version: Option<String>,
+    pub weight_version: Option<String>,
     /// arbor's: what happens to the requests in flight (`wait`, `retract`, `abort`).
-    policy: Option<String>,
-    abort_all_requests: Option<bool>,
+    pub policy: Option<String>,
+    pub abort_all_requests: Option<bool>,
     /// Accepted for SGLang's clients: an update always drops the cached prefixes.
     #[allow(dead_code)]
     flush_cache: Option<bool>,
@@ -37,10 +36,9 @@ struct FromTensorIpc {
     torch_empty_cache: Option<bool>,
 }
 
-/// The operation of a JSON body: every rank's handles read and checked here, so a bad
-/// element is a 400 before any rank opens a handle.
-pub(super) fn ipc_op(body: &[u8], tp: usize, commit: Option<bool>) -> Result<ControlOp, ApiError> {
-    let r: FromTensorIpc = parse(body)?;
+/// Every rank's handles, read and checked here, so that a bad element is a 400 before
+/// any rank opens a handle.
+pub(super) fn ranks(r: &FromTensorIpc, tp: usize) -> Result<Vec<Vec<IpcBuffer>>, ApiError> {
     let layout = match r.load_format.as_deref() {
         None | Some("direct") => IpcLayout::Pairs,
         Some("flattened_bucket") => IpcLayout::FlattenedBucket,
@@ -81,26 +79,7 @@ pub(super) fn ipc_op(body: &[u8], tp: usize, commit: Option<bool>) -> Result<Con
             .map_err(|e| ApiError::bad(field.clone(), format!("{field}: {e}")))?;
         ranks.push(bufs);
     }
-    let commit = match commit {
-        Some(false) => {
-            if r.weight_version.is_some() || r.policy.is_some() {
-                return Err(ApiError::bad(
-                    "commit",
-                    "weight_version and policy go with the call that commits (commit=true, or no commit)",
-                ));
-            }
-            Commit::No
-        }
-        given => {
-            let u = update_req(r.weight_version, r.policy.as_deref(), r.abort_all_requests)?;
-            if given.is_some() {
-                Commit::Now(u)
-            } else {
-                Commit::WhenComplete(u)
-            }
-        }
-    };
-    Ok(ControlOp::StageIpc { ranks, commit })
+    Ok(ranks)
 }
 
 #[cfg(test)]
@@ -109,9 +88,12 @@ mod tests {
 
     #[test]
     fn refusals_name_the_field() {
-        let e = |body: &str| match ipc_op(body.as_bytes(), 2, None) {
-            Err(e) => (e.param.map(|p| p.to_string()), e.message),
-            Ok(_) => panic!("{body} accepted"),
+        let e = |body: &str| {
+            let r: FromTensorIpc = serde_json::from_str(body).expect("a body");
+            match ranks(&r, 2) {
+                Err(e) => (e.param.map(|p| p.to_string()), e.message),
+                Ok(_) => panic!("{body} accepted"),
+            }
         };
         let (p, m) = e(r#"{"serialized_named_tensors": ["AAAA"]}"#);
         assert_eq!(p.as_deref(), Some("serialized_named_tensors"));
