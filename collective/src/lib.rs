@@ -20,6 +20,7 @@ mod message_passing;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
+pub mod pickle;
 pub mod pickled_id;
 pub mod single;
 pub mod stateless_group;

@@ -2,9 +2,11 @@
 //! `ncclUniqueId` ctypes struct of `pynccl_wrapper` (`internal: c_byte * 128`),
 //! `pickle.dumps`-ed. A ctypes struct pickles as `_ctypes._unpickle(cls, ({}, raw))`.
 //!
-//! Nothing here runs a pickle: this reads the opcodes of exactly that shape (protocols 3
-//! to 5, as Python's `pickle.dumps` writes them) and refuses anything else, naming the
-//! first opcode or value it does not take.
+//! Nothing here runs a pickle: the restricted reader ([`crate::pickle`]) reads it with
+//! only those two globals allowed, and this takes exactly that shape (protocols 3 to 5, as
+//! Python's `pickle.dumps` writes them), naming what else it found.
+
+use crate::pickle::{self, Value};
 
 /// The globals a pickled id may name: `_ctypes._unpickle`, and the struct's class.
 const UNPICKLE: (&str, &str) = ("_ctypes", "_unpickle");
@@ -15,37 +17,10 @@ const MODULE_SUFFIX: &str = "pynccl_wrapper";
 /// The most bytes a pickled id may take (it takes ~240).
 const MAX_LEN: usize = 4096;
 
-#[derive(Debug, Clone, PartialEq)]
-enum Item {
-    Str(String),
-    Bytes(Vec<u8>),
-    Global(String, String),
-    EmptyDict,
-    Tuple(Vec<Item>),
-    Reduce(Box<Item>, Box<Item>),
-}
-
-fn take<'a>(b: &'a [u8], at: &mut usize, n: usize) -> Result<&'a [u8], String> {
-    let end = at
-        .checked_add(n)
-        .filter(|&e| e <= b.len())
-        .ok_or_else(|| format!("truncated at byte {at} (wants {n} more)"))?;
-    let s = &b[*at..end];
-    *at = end;
-    Ok(s)
-}
-
-fn len_u8(b: &[u8], at: &mut usize) -> Result<usize, String> {
-    Ok(take(b, at, 1)?[0] as usize)
-}
-
-fn len_u32(b: &[u8], at: &mut usize) -> Result<usize, String> {
-    let s = take(b, at, 4)?;
-    Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
-}
-
-fn text(s: &[u8]) -> Result<String, String> {
-    String::from_utf8(s.to_vec()).map_err(|_| "a string that is not UTF-8".to_string())
+fn id_global(module: &str, name: &str) -> bool {
+    (module, name) == UNPICKLE
+        || (name == CLASS
+            && (module == MODULE_SUFFIX || module.ends_with(&format!(".{MODULE_SUFFIX}"))))
 }
 
 /// The 128 bytes of a pickled vLLM `ncclUniqueId`, or what is wrong with `b`.
@@ -56,128 +31,39 @@ pub fn nccl_id_from_pickle(b: &[u8]) -> Result<[u8; 128], String> {
             b.len()
         ));
     }
-    let mut at = 0usize;
-    let mut stack: Vec<Item> = Vec::new();
-    let pop = |stack: &mut Vec<Item>, op: &str| {
-        stack
-            .pop()
-            .ok_or_else(|| format!("opcode {op} on an empty stack"))
-    };
-    match take(b, &mut at, 2)? {
-        [0x80, p @ 3..=5] => {
-            let _ = p;
-        }
-        other => {
-            return Err(format!(
-                "starts with {other:02x?}, not a pickle of protocol 3 to 5"
-            ))
-        }
+    // Protocol 2 writes the bytes as a call of `_codecs.encode`, which this shape excludes.
+    if !matches!(pickle::protocol(b), Some(3..=5)) {
+        return Err(format!(
+            "starts with {:02x?}, not a pickle of protocol 3 to 5",
+            &b[..b.len().min(2)]
+        ));
     }
-    let result = loop {
-        let pos = at;
-        let op = take(b, &mut at, 1)?[0];
-        match op {
-            // FRAME: the length of what follows; nothing to check.
-            0x95 => {
-                take(b, &mut at, 8)?;
-            }
-            // MEMOIZE, BINPUT, LONG_BINPUT: nothing is read back from the memo (no GET).
-            0x94 => {}
-            b'q' => {
-                take(b, &mut at, 1)?;
-            }
-            b'r' => {
-                take(b, &mut at, 4)?;
-            }
-            0x8c => {
-                let n = len_u8(b, &mut at)?;
-                stack.push(Item::Str(text(take(b, &mut at, n)?)?));
-            }
-            b'X' => {
-                let n = len_u32(b, &mut at)?;
-                stack.push(Item::Str(text(take(b, &mut at, n)?)?));
-            }
-            b'C' => {
-                let n = len_u8(b, &mut at)?;
-                stack.push(Item::Bytes(take(b, &mut at, n)?.to_vec()));
-            }
-            b'B' => {
-                let n = len_u32(b, &mut at)?;
-                stack.push(Item::Bytes(take(b, &mut at, n)?.to_vec()));
-            }
-            // GLOBAL "module\nname\n" (protocol 3).
-            b'c' => {
-                let mut parts = [String::new(), String::new()];
-                for p in &mut parts {
-                    let rest = &b[at..];
-                    let nl = rest
-                        .iter()
-                        .position(|&c| c == b'\n')
-                        .ok_or("GLOBAL without its newline")?;
-                    *p = text(&rest[..nl])?;
-                    at += nl + 1;
-                }
-                let [m, n] = parts;
-                stack.push(Item::Global(m, n));
-            }
-            // STACK_GLOBAL.
-            0x93 => {
-                let name = pop(&mut stack, "STACK_GLOBAL")?;
-                let module = pop(&mut stack, "STACK_GLOBAL")?;
-                match (module, name) {
-                    (Item::Str(m), Item::Str(n)) => stack.push(Item::Global(m, n)),
-                    _ => return Err("STACK_GLOBAL of values that are not strings".into()),
-                }
-            }
-            b'}' => stack.push(Item::EmptyDict),
-            // TUPLE2.
-            0x86 => {
-                let second = pop(&mut stack, "TUPLE2")?;
-                let first = pop(&mut stack, "TUPLE2")?;
-                stack.push(Item::Tuple(vec![first, second]));
-            }
-            b'R' => {
-                let args = pop(&mut stack, "REDUCE")?;
-                let f = pop(&mut stack, "REDUCE")?;
-                stack.push(Item::Reduce(Box::new(f), Box::new(args)));
-            }
-            b'.' => {
-                let top = pop(&mut stack, "STOP")?;
-                if !stack.is_empty() {
-                    return Err("STOP with more than one value on the stack".into());
-                }
-                break top;
-            }
-            other => {
-                return Err(format!(
-                    "opcode {other:#04x} at byte {pos}, which a pickled ncclUniqueId does not hold"
-                ))
-            }
+    let result = pickle::read(b, &id_global, pickle::Limits::new(MAX_LEN)).map_err(|e| {
+        if e.0.contains("not allowed") {
+            format!("not the pickle of a ncclUniqueId: {e}")
+        } else {
+            e.0
         }
-    };
-    if at != b.len() {
-        return Err(format!("{} bytes after STOP", b.len() - at));
-    }
+    })?;
     let shape = || {
-        format!("not the pickle of a ncclUniqueId (_ctypes._unpickle(ncclUniqueId, ({{}}, 128 bytes))): {result:?}")
+        format!("not the pickle of a ncclUniqueId (_ctypes._unpickle(ncclUniqueId, ({{}}, 128 bytes))): {}", result.kind())
     };
-    let Item::Reduce(f, args) = &result else {
+    let Value::Reduce(f, args) = &result else {
         return Err(shape());
     };
-    if **f != Item::Global(UNPICKLE.0.into(), UNPICKLE.1.into()) {
+    if f.global() != Some(UNPICKLE) {
         return Err(shape());
     }
-    let Item::Tuple(args) = &**args else {
+    let Value::Tuple(args) = &**args else {
         return Err(shape());
     };
     match args.as_slice() {
-        [Item::Global(module, class), Item::Tuple(state)]
-            if class == CLASS
-                && (module == MODULE_SUFFIX || module.ends_with(&format!(".{MODULE_SUFFIX}"))) =>
-        {
+        [Value::Global(_, class), Value::Tuple(state)] if class == CLASS => {
             match state.as_slice() {
-                [Item::EmptyDict, Item::Bytes(raw)] => <[u8; 128]>::try_from(raw.as_slice())
-                    .map_err(|_| format!("the ncclUniqueId holds {} bytes, not 128", raw.len())),
+                [Value::Dict(d), Value::Bytes(raw)] if d.is_empty() => {
+                    <[u8; 128]>::try_from(raw.as_slice())
+                        .map_err(|_| format!("the ncclUniqueId holds {} bytes, not 128", raw.len()))
+                }
                 _ => Err(shape()),
             }
         }
@@ -234,42 +120,10 @@ pub fn str_from_pickle(b: &[u8]) -> Result<String, String> {
     if b.len() > MAX_LEN {
         return Err(format!("{} bytes, more than a pickled barrier id", b.len()));
     }
-    let mut at = 0usize;
-    match take(b, &mut at, 2)? {
-        [0x80, 2..=5] => {}
-        other => {
-            return Err(format!(
-                "starts with {other:02x?}, not a pickle of protocol 2 to 5"
-            ))
-        }
-    }
-    let mut found = None;
-    loop {
-        let op = take(b, &mut at, 1)?[0];
-        match op {
-            0x95 => {
-                take(b, &mut at, 8)?;
-            }
-            0x94 => {}
-            b'q' => {
-                take(b, &mut at, 1)?;
-            }
-            0x8c if found.is_none() => {
-                let n = len_u8(b, &mut at)?;
-                found = Some(text(take(b, &mut at, n)?)?);
-            }
-            b'X' if found.is_none() => {
-                let n = len_u32(b, &mut at)?;
-                found = Some(text(take(b, &mut at, n)?)?);
-            }
-            b'.' if at == b.len() => return found.ok_or_else(|| "an empty pickle".into()),
-            other => {
-                return Err(format!(
-                    "opcode {other:#04x} at byte {}, not a pickled str",
-                    at - 1
-                ))
-            }
-        }
+    let no_globals = |_: &str, _: &str| false;
+    match pickle::read(b, &no_globals, pickle::Limits::new(MAX_LEN)).map_err(|e| e.0)? {
+        Value::Str(s) => Ok(s),
+        other => Err(format!("{}, not a pickled str", other.kind())),
     }
 }
 

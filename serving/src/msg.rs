@@ -59,6 +59,12 @@ pub enum ControlOp {
     /// One part of a push (a safetensors image, `update_weights_from_tensor`), and when
     /// the staged tensors replace the weights.
     Stage { bytes: Vec<u8>, commit: Commit },
+    /// One part of a push handed over by CUDA IPC handle (`serialized_named_tensors`):
+    /// rank `i` reads `ranks[i]`.
+    StageIpc {
+        ranks: Vec<Vec<arbor_model::batching::ipc::IpcBuffer>>,
+        commit: Commit,
+    },
     /// The staged tensors replace the weights (a commit without a part).
     Commit(UpdateReq),
     /// The end of an update whose parts commit once complete (vLLM's

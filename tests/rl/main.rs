@@ -26,6 +26,7 @@ mod buckets;
 mod checkpoint;
 mod control;
 mod frameworks;
+mod ipc;
 mod prime_rl;
 mod rendezvous;
 mod routed;

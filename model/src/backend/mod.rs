@@ -594,6 +594,21 @@ pub trait Backend {
         Ok(None)
     }
 
+    /// Copies the bytes of `buffers` (allocations a trainer on this rank's GPU shares by
+    /// CUDA IPC handle, `batching::ipc`) device to device into this backend's own memory,
+    /// one [`DeviceBytes`] per buffer, for [`Backend::mat_from_device`]. GPU backends only;
+    /// each buffer's device must be this rank's GPU.
+    fn copy_ipc(
+        &self,
+        _buffers: &[crate::batching::ipc::IpcBuffer],
+    ) -> BResult<Vec<std::sync::Arc<dyn DeviceBytes>>> {
+        Err(BackendError::Unsupported(format!(
+            "rank {}: CUDA IPC needs a CUDA rank (--device cuda) on the trainer's GPU; this rank runs on {}: send the tensors as a safetensors body (Content-Type: application/octet-stream) instead",
+            self.rank(),
+            self.device_name()
+        )))
+    }
+
     /// Joins the NCCL group of a trainer process that broadcasts new weights (the trainer
     /// is rank 0 of `world`; this backend's rank is `rank` in it). `unique_id` is the
     /// 128-byte `ncclUniqueId` the trainer made. Collective with the trainer: fails when

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::ipc::IpcBuffer;
 use crate::safetensors::DType;
 
 /// Where the weights of an update come from.
@@ -90,6 +91,10 @@ pub enum ControlMsg {
         timeout_s: f64,
         max_bytes: usize,
     },
+    /// Stage the tensors a trainer on the same GPUs hands over by CUDA IPC handle
+    /// (`update_weights_from_tensor` with `serialized_named_tensors`): rank `i` reads
+    /// `ranks[i]`.
+    StageIpc { ranks: Vec<Vec<IpcBuffer>> },
     /// Drop the staged tensors.
     Discard,
     /// Replace the weights (every tensor the model reads) and drop the caches.
@@ -125,6 +130,7 @@ impl ControlMsg {
             ControlMsg::Receive { .. } | ControlMsg::ReceiveInBand { .. } => {
                 "receiving tensors over NCCL"
             }
+            ControlMsg::StageIpc { .. } => "staging tensors handed over by CUDA IPC",
             ControlMsg::Discard => "discarding staged tensors",
             ControlMsg::Update(UpdateSource::Disk(_)) => "updating the weights from disk",
             ControlMsg::Update(UpdateSource::Staged) => "updating the weights from pushed tensors",

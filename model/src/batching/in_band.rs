@@ -9,9 +9,9 @@
 //!    tensor flattened and laid end to end.
 //!
 //! The metadata comes from the network, so nothing here runs a pickle: [`parse_metadata`]
-//! reads the opcodes `pickle.dumps` writes for exactly that shape (protocols 2 to 5) and
-//! refuses anything else, naming the first opcode, global or value it does not take. The
-//! only globals it knows are `torch.Size` and torch's dtypes, as names.
+//! reads it with arbor's restricted reader ([`arbor_collective::pickle`], protocols 2 to
+//! 5) and takes exactly that shape, naming the first opcode, global or value it does not
+//! take. The only globals it allows are `torch.Size` and torch's dtypes, as names.
 //!
 //! [`receive`] runs the order above against any source of broadcasts, so the CPU tests
 //! drive it with the bytes a real trainer's calls produce; the GPU rank passes its NCCL
@@ -19,6 +19,8 @@
 //! each one is received as the bytes the trainer's tensor holds.
 
 use std::ops::Range;
+
+use arbor_collective::pickle::{self, Limits, Value};
 
 use crate::safetensors::{DType, PackedPart};
 
@@ -110,338 +112,92 @@ impl Group {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
-enum V {
-    Str(String),
-    Int(i128),
-    Global(String, String),
-    Size(Vec<i128>),
-    Tuple(Vec<V>),
-    List(Vec<V>),
-    Dict(Vec<(V, V)>),
-    Mark,
+/// The globals the metadata may name: `torch.Size` and torch's dtypes, as names.
+fn allowed(module: &str, name: &str) -> bool {
+    module == "torch" && (name == "Size" || torch_dtype(name).is_some())
 }
 
-/// A memo slot: a copy of an immutable value, or a container (never read back in the
-/// shape prime-rl pickles, so a GET of one is refused rather than aliased).
-#[derive(Debug, Clone)]
-enum Memo {
-    Value(V),
-    Container,
-}
-
-fn take<'a>(b: &'a [u8], at: &mut usize, n: usize) -> Result<&'a [u8], String> {
-    let end = at
-        .checked_add(n)
-        .filter(|&e| e <= b.len())
-        .ok_or_else(|| format!("truncated at byte {at} (wants {n} more)"))?;
-    let s = &b[*at..end];
-    *at = end;
-    Ok(s)
-}
-
-fn le(s: &[u8]) -> u64 {
-    s.iter()
-        .rev()
-        .fold(0u64, |acc, &x| (acc << 8) | u64::from(x))
-}
-
-fn text(s: &[u8]) -> Result<String, String> {
-    String::from_utf8(s.to_vec()).map_err(|_| "a string that is not UTF-8".to_string())
-}
-
-fn pop(stack: &mut Vec<V>, op: &str) -> Result<V, String> {
-    match stack.pop() {
-        Some(V::Mark) | None => Err(format!("opcode {op} without a value to take")),
-        Some(v) => Ok(v),
-    }
-}
-
-/// The values above the topmost MARK, which is removed.
-fn pop_mark(stack: &mut Vec<V>, op: &str) -> Result<Vec<V>, String> {
-    let m = stack
-        .iter()
-        .rposition(|v| *v == V::Mark)
-        .ok_or_else(|| format!("opcode {op} without a MARK"))?;
-    let items = stack.split_off(m + 1);
-    stack.pop();
-    Ok(items)
-}
-
-fn push_items(target: &mut V, items: Vec<V>, op: &str) -> Result<(), String> {
-    match target {
-        V::List(l) => {
-            l.extend(items);
-            Ok(())
-        }
-        _ => Err(format!("opcode {op} on something that is not a list")),
-    }
-}
-
-fn set_items(target: &mut V, items: Vec<V>, op: &str) -> Result<(), String> {
-    let V::Dict(d) = target else {
-        return Err(format!("opcode {op} on something that is not a dict"));
-    };
-    if !items.len().is_multiple_of(2) {
-        return Err(format!("opcode {op} with an odd number of values"));
-    }
-    let mut it = items.into_iter();
-    while let (Some(k), Some(v)) = (it.next(), it.next()) {
-        d.push((k, v));
-    }
-    Ok(())
-}
-
-/// The global `module.name`, if the metadata may name it.
-fn global(module: String, name: String) -> Result<V, String> {
-    if module == "torch" && (name == "Size" || torch_dtype(&name).is_some()) {
-        Ok(V::Global(module, name))
-    } else {
-        Err(format!(
-            "the global {module}.{name}: the metadata names only torch.Size and torch's dtypes"
-        ))
-    }
-}
-
-/// The value of a pickle of the shape prime-rl's trainer writes, or what is wrong.
-fn unpickle(b: &[u8]) -> Result<V, String> {
-    let mut at = 0usize;
-    let mut stack: Vec<V> = Vec::new();
-    let mut memo: Vec<Memo> = Vec::new();
-    match take(b, &mut at, 2)? {
-        [0x80, 2..=5] => {}
-        other => {
-            return Err(format!(
-                "starts with {other:02x?}, not a pickle of protocol 2 to 5"
-            ))
-        }
-    }
-    let memo_put = |memo: &mut Vec<Memo>, idx: usize, v: &V| -> Result<(), String> {
-        if idx > memo.len() {
-            return Err(format!(
-                "memo slot {idx} written before slot {}",
-                memo.len()
-            ));
-        }
-        let slot = match v {
-            V::List(_) | V::Dict(_) => Memo::Container,
-            V::Mark => return Err("a MARK memoized".into()),
-            other => Memo::Value(other.clone()),
-        };
-        if idx == memo.len() {
-            memo.push(slot);
-        } else {
-            memo[idx] = slot;
-        }
-        Ok(())
-    };
-    let memo_get = |memo: &[Memo], idx: usize| -> Result<V, String> {
-        match memo.get(idx) {
-            Some(Memo::Value(v)) => Ok(v.clone()),
-            Some(Memo::Container) => Err(format!(
-                "memo slot {idx} is a list or dict read back: the metadata shares no container"
-            )),
-            None => Err(format!("memo slot {idx} read before it was written")),
-        }
-    };
-    loop {
-        let pos = at;
-        let op = take(b, &mut at, 1)?[0];
-        match op {
-            // FRAME: the length of what follows; nothing to check.
-            0x95 => {
-                take(b, &mut at, 8)?;
-            }
-            // MEMOIZE, BINPUT, LONG_BINPUT.
-            0x94 | b'q' | b'r' => {
-                let idx = match op {
-                    0x94 => memo.len(),
-                    b'q' => le(take(b, &mut at, 1)?) as usize,
-                    _ => le(take(b, &mut at, 4)?) as usize,
-                };
-                let top = stack.last().ok_or("a memo put on an empty stack")?;
-                memo_put(&mut memo, idx, top)?;
-            }
-            // BINGET, LONG_BINGET.
-            b'h' | b'j' => {
-                let n = if op == b'h' { 1 } else { 4 };
-                let idx = le(take(b, &mut at, n)?) as usize;
-                stack.push(memo_get(&memo, idx)?);
-            }
-            // SHORT_BINUNICODE, BINUNICODE, BINUNICODE8.
-            0x8c | b'X' | 0x8d => {
-                let w = match op {
-                    0x8c => 1,
-                    b'X' => 4,
-                    _ => 8,
-                };
-                let n = usize::try_from(le(take(b, &mut at, w)?))
-                    .map_err(|_| "a string longer than memory".to_string())?;
-                stack.push(V::Str(text(take(b, &mut at, n)?)?));
-            }
-            // GLOBAL "module\nname\n".
-            b'c' => {
-                let mut parts = [String::new(), String::new()];
-                for p in &mut parts {
-                    let rest = &b[at..];
-                    let nl = rest
-                        .iter()
-                        .position(|&c| c == b'\n')
-                        .ok_or("GLOBAL without its newline")?;
-                    *p = text(&rest[..nl])?;
-                    at += nl + 1;
-                }
-                let [m, n] = parts;
-                stack.push(global(m, n)?);
-            }
-            // STACK_GLOBAL.
-            0x93 => {
-                let name = pop(&mut stack, "STACK_GLOBAL")?;
-                let module = pop(&mut stack, "STACK_GLOBAL")?;
-                match (module, name) {
-                    (V::Str(m), V::Str(n)) => stack.push(global(m, n)?),
-                    _ => return Err("STACK_GLOBAL of values that are not strings".into()),
-                }
-            }
-            // BININT1, BININT2 (unsigned), BININT (signed 32 bits).
-            b'K' => stack.push(V::Int(i128::from(take(b, &mut at, 1)?[0]))),
-            b'M' => stack.push(V::Int(le(take(b, &mut at, 2)?) as i128)),
-            b'J' => stack.push(V::Int(i128::from(le(take(b, &mut at, 4)?) as u32 as i32))),
-            // LONG1: a little-endian two's complement of n bytes (numels past 2^31).
-            0x8a => {
-                let n = take(b, &mut at, 1)?[0] as usize;
-                if n > 8 {
-                    return Err(format!("an integer of {n} bytes"));
-                }
-                let s = take(b, &mut at, n)?;
-                let mut v = le(s) as i128;
-                if n > 0 && s[n - 1] & 0x80 != 0 {
-                    v -= 1i128 << (8 * n);
-                }
-                stack.push(V::Int(v));
-            }
-            b'(' => stack.push(V::Mark),
-            b'}' => stack.push(V::Dict(Vec::new())),
-            b']' => stack.push(V::List(Vec::new())),
-            b')' => stack.push(V::Tuple(Vec::new())),
-            0x85..=0x87 => {
-                let n = (op - 0x84) as usize;
-                let mut items = Vec::with_capacity(n);
-                for _ in 0..n {
-                    items.push(pop(&mut stack, "TUPLE1-3")?);
-                }
-                items.reverse();
-                stack.push(V::Tuple(items));
-            }
-            b't' => {
-                let items = pop_mark(&mut stack, "TUPLE")?;
-                stack.push(V::Tuple(items));
-            }
-            b'l' => {
-                let items = pop_mark(&mut stack, "LIST")?;
-                stack.push(V::List(items));
-            }
-            b'a' => {
-                let v = pop(&mut stack, "APPEND")?;
-                let l = stack.last_mut().ok_or("APPEND on an empty stack")?;
-                push_items(l, vec![v], "APPEND")?;
-            }
-            b'e' => {
-                let items = pop_mark(&mut stack, "APPENDS")?;
-                let l = stack.last_mut().ok_or("APPENDS on an empty stack")?;
-                push_items(l, items, "APPENDS")?;
-            }
-            b's' => {
-                let v = pop(&mut stack, "SETITEM")?;
-                let k = pop(&mut stack, "SETITEM")?;
-                let d = stack.last_mut().ok_or("SETITEM on an empty stack")?;
-                set_items(d, vec![k, v], "SETITEM")?;
-            }
-            b'u' => {
-                let items = pop_mark(&mut stack, "SETITEMS")?;
-                let d = stack.last_mut().ok_or("SETITEMS on an empty stack")?;
-                set_items(d, items, "SETITEMS")?;
-            }
-            // REDUCE: only torch.Size(tuple of ints), as a torch.Size pickles.
-            b'R' => {
-                let args = pop(&mut stack, "REDUCE")?;
-                let f = pop(&mut stack, "REDUCE")?;
-                match (&f, &args) {
-                    (V::Global(m, n), V::Tuple(a)) if m == "torch" && n == "Size" => {
-                        let dims = match a.as_slice() {
-                            [V::Tuple(d)] | [V::List(d)] => d
-                                .iter()
-                                .map(|x| match x {
-                                    V::Int(i) => Ok(*i),
-                                    other => Err(format!("a torch.Size holding {other:?}")),
-                                })
-                                .collect::<Result<Vec<_>, _>>()?,
-                            _ => return Err(format!("torch.Size called with {args:?}")),
-                        };
-                        stack.push(V::Size(dims));
-                    }
-                    _ => {
-                        return Err(format!(
-                            "REDUCE of {f:?} at byte {pos}: the metadata calls only torch.Size"
-                        ))
-                    }
-                }
-            }
-            b'.' => {
-                let top = pop(&mut stack, "STOP")?;
-                if !stack.is_empty() {
-                    return Err("STOP with more than one value on the stack".into());
-                }
-                if at != b.len() {
-                    return Err(format!("{} bytes after STOP", b.len() - at));
-                }
-                return Ok(top);
-            }
-            other => {
-                return Err(format!(
-                    "opcode {other:#04x} at byte {pos}, which prime-rl's metadata does not hold"
-                ))
-            }
-        }
-    }
-}
-
-fn count(v: i128, what: &str, name: &str) -> Result<usize, String> {
+fn count(v: i64, what: &str, name: &str) -> Result<usize, String> {
     usize::try_from(v).map_err(|_| format!("tensor {name:?}: {what} {v}"))
+}
+
+/// The dimensions of a `torch.Size`, which pickles as `torch.Size((d0, d1, ...))`.
+fn size(v: &Value) -> Option<Vec<i64>> {
+    let Value::Reduce(f, args) = v else {
+        return None;
+    };
+    if f.global() != Some(("torch", "Size")) {
+        return None;
+    }
+    let Value::Tuple(a) = &**args else {
+        return None;
+    };
+    let ([Value::Tuple(d)] | [Value::List(d)]) = a.as_slice() else {
+        return None;
+    };
+    d.iter()
+        .map(|x| match x {
+            Value::Int(i) => Some(*i),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The dtype groups of one state dict's metadata: `pickle.dumps` of
 /// `{torch.dtype: [(name, torch.Size, numel), ...]}`, as prime-rl's `broadcast_state_dict`
 /// builds it. Every numel must be its shape's product.
 pub fn parse_metadata(b: &[u8]) -> Result<Vec<Group>, String> {
-    let V::Dict(items) = unpickle(b)? else {
-        return Err("the pickled value is not a dict".into());
+    // Every tensor's entry is about ten values; a state dict is a layer's tensors.
+    let limits = Limits {
+        max_values: 1 << 22,
+        ..Limits::new(MAX_METADATA_BYTES)
+    };
+    let v = pickle::read(b, &allowed, limits).map_err(|e| e.to_string())?;
+    let Value::Dict(items) = v else {
+        return Err(format!("the pickled value is {}, not a dict", v.kind()));
     };
     let mut out = Vec::with_capacity(items.len());
     for (k, v) in items {
-        let dtype = match &k {
-            V::Global(m, n) if m == "torch" => {
+        let dtype = match k.global() {
+            Some(("torch", n)) => {
                 torch_dtype(n).ok_or_else(|| format!("the key torch.{n} is not a dtype"))?
             }
-            other => return Err(format!("a key {other:?}, not a torch dtype")),
+            _ => return Err(format!("a key {}, not a torch dtype", k.kind())),
         };
         if out.iter().any(|g: &Group| g.dtype == dtype) {
             return Err(format!("torch.{} twice", dtype.name));
         }
-        let V::List(list) = v else {
-            return Err(format!("torch.{}'s value is not a list", dtype.name));
+        let Value::List(list) = v else {
+            return Err(format!(
+                "torch.{}'s value is {}, not a list",
+                dtype.name,
+                v.kind()
+            ));
         };
         let mut entries = Vec::with_capacity(list.len());
         for e in list {
             let (name, dims, numel) = match e {
-                V::Tuple(t) => match <[V; 3]>::try_from(t) {
-                    Ok([V::Str(name), V::Size(dims), V::Int(numel)]) => (name, dims, numel),
-                    Ok(other) => {
-                        return Err(format!("an entry {other:?}, not (name, torch.Size, numel)"))
+                Value::Tuple(t) => match <[Value; 3]>::try_from(t) {
+                    Ok([Value::Str(name), dims, Value::Int(numel)]) => match size(&dims) {
+                        Some(dims) => (name, dims, numel),
+                        None => {
+                            return Err(format!(
+                                "tensor {name:?}: a shape of {}, not a torch.Size of ints",
+                                dims.kind()
+                            ))
+                        }
+                    },
+                    Ok([a, b, c]) => {
+                        return Err(format!(
+                            "an entry ({}, {}, {}), not (name, torch.Size, numel)",
+                            a.kind(),
+                            b.kind(),
+                            c.kind()
+                        ))
                     }
                     Err(t) => return Err(format!("an entry of {} values, not 3", t.len())),
                 },
-                other => return Err(format!("an entry {other:?}, not a tuple")),
+                other => return Err(format!("an entry of {}, not a tuple", other.kind())),
             };
             let shape = dims
                 .iter()

@@ -11,6 +11,7 @@
 
 pub mod control;
 pub mod in_band;
+pub mod ipc;
 pub mod kv;
 pub mod packed;
 pub mod plan;

@@ -23,6 +23,7 @@ use arbor_collective::Communicator;
 use super::weights_group::{join_serving_store, join_through_store, Group, GroupSlot, StoreSource};
 use super::Worker;
 use crate::backend::{Backend, DeviceTensor, KvSpec, Wire};
+use crate::batching::ipc::IpcBuffer;
 use crate::batching::{ControlMsg, Rendezvous, TensorMeta, UpdateSource};
 use crate::config::ModelConfig;
 use crate::error::{MResult, ModelError};
@@ -30,6 +31,11 @@ use crate::forward::{HeadPlan, Model};
 use crate::layers::LoadCtx;
 use crate::safetensors::SafeFile;
 use crate::weights::WeightStore;
+
+/// Where device-resident staged tensors came from, as errors about them name it.
+const NCCL_LABEL: &str = "tensors received over NCCL";
+const IN_BAND_LABEL: &str = "tensors received over NCCL (prime-rl)";
+const IPC_LABEL: &str = "tensors handed over by CUDA IPC";
 
 /// Where the serving weights came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -325,8 +331,9 @@ impl<B: Backend> Worker<B> {
         match msg {
             ControlMsg::Stage { label, bytes } => {
                 let file = SafeFile::from_bytes(Path::new(label), std::mem::take(bytes))?;
-                self.stage(vec![file], Vec::new())
+                self.stage(vec![file], Vec::new(), "")
             }
+            ControlMsg::StageIpc { ranks } => self.stage_ipc(ranks),
             ControlMsg::Receive {
                 group,
                 tensors,
@@ -447,6 +454,7 @@ impl<B: Backend> Worker<B> {
         let u = &mut self.updates;
         match msg {
             ControlMsg::Stage { .. }
+            | ControlMsg::StageIpc { .. }
             | ControlMsg::Receive { .. }
             | ControlMsg::ReceiveInBand { .. } => {
                 // A part that failed anywhere makes the whole push start over: no rank
@@ -698,7 +706,13 @@ impl<B: Backend> Worker<B> {
     /// Checks pushed tensors against the model and stages them: known names (or ones the
     /// model ignores), each once, the shapes the model reads, bf16/f16/f32. Values are
     /// checked (finite in bf16) when the update cuts the shards, as a load checks them.
-    fn stage(&mut self, files: Vec<SafeFile>, device: Vec<(String, DeviceTensor)>) -> MResult<()> {
+    /// `source` names where the device-resident tensors came from, for errors.
+    fn stage(
+        &mut self,
+        files: Vec<SafeFile>,
+        device: Vec<(String, DeviceTensor)>,
+        source: &str,
+    ) -> MResult<()> {
         let u = &mut self.updates;
         let mut names = HashSet::new();
         // Whether the model reads `name` as `found` (false: a tensor it ignores).
@@ -747,7 +761,7 @@ impl<B: Backend> Worker<B> {
             }
             kept.push(f);
         }
-        let label = Path::new("tensors received over NCCL");
+        let label = Path::new(source);
         let mut kept_device = Vec::with_capacity(device.len());
         for (name, t) in device {
             if check(label, &name, &t.shape)? {
@@ -765,6 +779,57 @@ impl<B: Backend> Worker<B> {
             u.staged_device.push((name, t));
         }
         Ok(())
+    }
+
+    /// Stages the tensors a trainer on this rank's GPU shares by CUDA IPC handle: this
+    /// rank's element of `ranks` is copied device to device from the trainer's
+    /// allocations into buffers of this rank's own (the backend opens each handle, waits
+    /// for the trainer's event, copies, closes), and each tensor is staged as a range of
+    /// its buffer, cut into shards on the device at the update as a NCCL receive's are.
+    fn stage_ipc(&mut self, ranks: &[Vec<IpcBuffer>]) -> MResult<()> {
+        let rank = self.backend.rank();
+        let Some(mine) = ranks.get(rank) else {
+            return Err(ModelError::BadRequest {
+                id: 0,
+                msg: format!(
+                    "serialized_named_tensors has {} elements and this is rank {rank}: give one per TP rank",
+                    ranks.len()
+                ),
+            });
+        };
+        if self.updates.staged_device.is_empty() {
+            // As in `receive`: the copies stay on the device until the update.
+            self.make_room_for_update()?;
+        }
+        let t0 = std::time::Instant::now();
+        let copied = self.backend.copy_ipc(mine).map_err(|e| self.berr(e))?;
+        let bad = |name: &str, msg: String| ModelError::Safetensors {
+            path: PathBuf::from(IPC_LABEL),
+            msg: format!("tensor {name:?}: {msg}"),
+        };
+        let mut device = Vec::new();
+        let mut total = 0usize;
+        for (b, bytes) in mine.iter().zip(copied) {
+            total += bytes.len();
+            for p in &b.parts {
+                let range = usize::try_from(p.start).unwrap_or(usize::MAX)
+                    ..usize::try_from(p.end).unwrap_or(usize::MAX);
+                let d = DeviceTensor::new(p.dtype, p.shape.clone(), bytes.clone(), range)
+                    .map_err(|m| bad(&p.name, m))?;
+                device.push((p.name.clone(), d));
+            }
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        tracing::info!(
+            rank,
+            buffers = mine.len(),
+            tensors = device.len(),
+            bytes = total,
+            copy_seconds = seconds,
+            gb_per_s = total as f64 / seconds.max(1e-9) / 1e9,
+            "copied tensors handed over by CUDA IPC into device memory"
+        );
+        self.stage(Vec::new(), device, IPC_LABEL)
     }
 
     /// Receives `tensors` from the trainer over the NCCL group into device memory and
@@ -853,7 +918,7 @@ impl<B: Backend> Worker<B> {
             "received tensors from the trainer into device memory"
         );
         let bad = |name: &str, msg: String| ModelError::Safetensors {
-            path: PathBuf::from("tensors received over NCCL"),
+            path: PathBuf::from(NCCL_LABEL),
             msg: format!("tensor {name:?}: {msg}"),
         };
         let mut device = Vec::with_capacity(tensors.len());
@@ -887,7 +952,7 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
-        self.stage(Vec::new(), device)
+        self.stage(Vec::new(), device, NCCL_LABEL)
     }
 
     /// prime-rl's layout (`batching::in_band`): the count, then per state dict its pickled
@@ -943,7 +1008,7 @@ impl<B: Backend> Worker<B> {
             },
         })?;
         let bad = |name: &str, msg: String| ModelError::Safetensors {
-            path: PathBuf::from("tensors received over NCCL (prime-rl)"),
+            path: PathBuf::from(IN_BAND_LABEL),
             msg: format!("tensor {name:?}: {msg}"),
         };
         let (mut device, mut total) = (Vec::new(), 0usize);
@@ -967,7 +1032,7 @@ impl<B: Backend> Worker<B> {
             gb_per_s = total as f64 / seconds.max(1e-9) / 1e9,
             "received a prime-rl update from the trainer into device memory"
         );
-        self.stage(Vec::new(), device)
+        self.stage(Vec::new(), device, IN_BAND_LABEL)
     }
 }
 

@@ -164,6 +164,7 @@ impl Control {
             match op {
                 ControlOp::FromDisk { path, update } => self.update_from_disk(cx, path, update)?,
                 ControlOp::Stage { bytes, commit } => self.stage(cx, bytes, commit)?,
+                ControlOp::StageIpc { ranks, commit } => self.stage_ipc(cx, ranks, commit)?,
                 ControlOp::Commit(update) => self.commit(cx, update)?,
                 ControlOp::Finish(update) => self.finish(cx, update)?,
                 ControlOp::Discard => self.discard(cx)?,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use arbor_model::batching::ipc::IpcBuffer;
 use arbor_model::batching::{ControlMsg, Rendezvous, TensorMeta, UpdateSource};
 use arbor_model::runner::weights_update::Origin;
 use serde_json::{json, Value};
@@ -38,6 +39,25 @@ impl Control {
     ) -> Result<Outcome, ServeError> {
         let label = format!("update_weights_from_tensor body ({} bytes)", bytes.len());
         match self.run(cx, ControlMsg::Stage { label, bytes })? {
+            Ok(()) => self.staged_then(cx, commit),
+            Err(e) => {
+                self.staged_at = None;
+                Ok(Outcome::Done(refused(
+                    &e,
+                    format!("{e}; every tensor staged so far was dropped: push again from the first part"),
+                )))
+            }
+        }
+    }
+
+    /// Stages one part handed over by CUDA IPC handle; `commit` as for [`Self::stage`].
+    pub(super) fn stage_ipc(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        ranks: Vec<Vec<IpcBuffer>>,
+        commit: Commit,
+    ) -> Result<Outcome, ServeError> {
+        match self.run(cx, ControlMsg::StageIpc { ranks })? {
             Ok(()) => self.staged_then(cx, commit),
             Err(e) => {
                 self.staged_at = None;

@@ -390,6 +390,7 @@ impl WeightControl for FakeRunner {
             ControlMsg::Receive { .. } | ControlMsg::ReceiveInBand { .. } => {
                 unsupported("receive over NCCL")
             }
+            ControlMsg::StageIpc { .. } => unsupported("read CUDA IPC handles"),
             ControlMsg::JoinGroup { .. } | ControlMsg::LeaveGroup { .. } => {
                 unsupported("join a NCCL group")
             }

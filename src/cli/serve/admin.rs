@@ -254,16 +254,22 @@ struct TensorQuery {
     abort_all_requests: Option<bool>,
 }
 
-/// The body is one safetensors image (a part of the checkpoint); `?commit=false` stages
-/// it and waits for more, `?commit=true` (the default) stages it and applies everything
-/// staged; an empty body with `commit=true` applies what is staged; `?discard=true` drops
-/// it.
+/// The body is one safetensors image (a part of the checkpoint), or with `Content-Type:
+/// application/json` SGLang's JSON of CUDA IPC handles (ipc.rs); `?commit=false` stages
+/// it and waits for more, `?commit=true` stages it and applies everything staged, and
+/// without `commit` it applies once every tensor the model reads is staged; an empty body
+/// with `commit=true` applies what is staged; `?discard=true` drops it.
 async fn from_tensor(
     State(st): State<Arc<AppState>>,
     headers: HeaderMap,
     q: Result<Query<TensorQuery>, axum::extract::rejection::QueryRejection>,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let json = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    let tp = st.tp;
     guarded(st, headers, || {
         let Query(q) = q.map_err(|e| {
             ApiError::new(
@@ -281,25 +287,20 @@ async fn from_tensor(
             }
             return Ok(ControlOp::Discard);
         }
-        let commit = match q.commit {
-            Some(false) => {
-                if q.weight_version.is_some() || q.policy.is_some() {
-                    return Err(ApiError::bad(
-                        "commit",
-                        "weight_version and policy go with the call that commits (commit=true, or no commit)",
-                    ));
-                }
-                Commit::No
+        // An empty body is a commit or discard, whatever its content type.
+        if json && !bytes.iter().all(u8::is_ascii_whitespace) {
+            if q.weight_version.is_some() || q.policy.is_some() || q.abort_all_requests.is_some() {
+                return Err(ApiError::bad(
+                    "weight_version",
+                    "with a JSON body, weight_version, policy and abort_all_requests go in the body",
+                ));
             }
-            given => {
-                let u = update_req(q.weight_version, q.policy.as_deref(), q.abort_all_requests)?;
-                if given.is_some() {
-                    Commit::Now(u)
-                } else {
-                    Commit::WhenComplete(u)
-                }
-            }
-        };
+            let r: super::ipc::FromTensorIpc = parse(&bytes)?;
+            let ranks = super::ipc::ranks(&r, tp)?;
+            let commit = commit_of(q.commit, r.weight_version, r.policy, r.abort_all_requests)?;
+            return Ok(ControlOp::StageIpc { ranks, commit });
+        }
+        let commit = commit_of(q.commit, q.weight_version, q.policy, q.abort_all_requests)?;
         Ok(match (bytes.is_empty(), commit) {
             (true, Commit::Now(u) | Commit::WhenComplete(u)) => ControlOp::Commit(u),
             (true, Commit::No) => {
@@ -315,6 +316,34 @@ async fn from_tensor(
         })
     })
     .await
+}
+
+/// When a pushed part applies (`commit` of the query), and the update it is part of.
+fn commit_of(
+    commit: Option<bool>,
+    version: Option<String>,
+    policy: Option<String>,
+    abort_all: Option<bool>,
+) -> Result<Commit, ApiError> {
+    Ok(match commit {
+        Some(false) => {
+            if version.is_some() || policy.is_some() {
+                return Err(ApiError::bad(
+                    "commit",
+                    "weight_version and policy go with the call that commits (commit=true, or no commit)",
+                ));
+            }
+            Commit::No
+        }
+        given => {
+            let u = update_req(version, policy.as_deref(), abort_all)?;
+            if given.is_some() {
+                Commit::Now(u)
+            } else {
+                Commit::WhenComplete(u)
+            }
+        }
+    })
 }
 
 #[derive(Deserialize)]

@@ -12,6 +12,7 @@ pub mod conn;
 pub mod error;
 pub mod fields;
 pub mod http;
+pub mod ipc;
 pub mod job;
 pub mod leader;
 pub mod openai;

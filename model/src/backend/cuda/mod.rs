@@ -18,6 +18,7 @@ mod collective;
 mod foreign;
 pub mod gemm;
 pub mod graphs;
+mod ipc;
 mod kv;
 mod load;
 mod moe;
@@ -816,6 +817,13 @@ impl Backend for CudaBackend {
             "device memory given back"
         );
         Ok(Some(free as u64))
+    }
+
+    fn copy_ipc(
+        &self,
+        buffers: &[crate::batching::ipc::IpcBuffer],
+    ) -> BResult<Vec<Arc<dyn super::DeviceBytes>>> {
+        self.copy_ipc_buffers(buffers)
     }
 
     fn weights_group_joiner(
