@@ -97,7 +97,9 @@ def cuda_tensor(form: str, rank: int, shape: list, offset: int, variant: str) ->
         torch.storage.TypedStorage,
         dtype,
         0,  # device index
-        bytes((rank * 64 + i) % 256 for i in range(64)),
+        # torch's storage handle: version 2, type 'c' (a cudaMalloc block), then the
+        # 64-byte cudaIpcMemHandle_t (c10 CUDACachingAllocator::shareIpcHandle).
+        b"\x02c" + bytes((rank * 64 + i) % 256 for i in range(64)),
         2 * (offset + numel) + 256,  # storage_size_bytes
         1024 * (rank + 1),  # storage_offset_bytes
         False,

@@ -383,6 +383,31 @@ fn bytes_of(v: &Value, what: &str, len: Option<usize>) -> Result<Vec<u8>, IpcErr
     }
 }
 
+/// The `cudaIpcMemHandle_t` in a storage handle as torch's caching allocator writes it
+/// (`CUDACachingAllocator::shareIpcHandle`): a version byte (2 in torch 2.11, 3 from 2.13),
+/// a type byte — `c`, a `cudaMalloc` block, followed by the 64-byte handle; `e`, an
+/// expandable segment, shared by file descriptor, which a CUDA IPC handle cannot carry —
+/// and the payload. A bare 64-byte handle is taken as it is.
+fn cuda_malloc_handle(b: &[u8]) -> Result<Vec<u8>, IpcError> {
+    const HANDLE: usize = 64;
+    match b {
+        _ if b.len() == HANDLE => Ok(b.to_vec()),
+        [1..=3, b'c', rest @ ..] if rest.len() == HANDLE => Ok(rest.to_vec()),
+        [1..=3, b'e', ..] => bad(
+            "handle: the tensor lies in an expandable segment of torch's allocator \
+             (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which torch shares by file \
+             descriptor, not by CUDA IPC handle: turn expandable segments off in the trainer",
+        ),
+        [v, t, ..] => bad(format!(
+            "handle: {} bytes of version {v} and type {:?}, not torch's `cudaMalloc` handle \
+             (version 1 to 3, type 'c', then 64 bytes) nor a bare 64-byte one",
+            b.len(),
+            *t as char
+        )),
+        _ => bad(format!("handle: {} bytes, not a CUDA IPC handle", b.len())),
+    }
+}
+
 /// `rebuild_cuda_tensor(*args)` (or SGLang's patched form) of a contiguous tensor.
 fn cuda_tensor(v: &Value) -> Result<CudaTensor, IpcError> {
     let Value::Reduce(f, args) = v else {
@@ -452,7 +477,7 @@ fn cuda_tensor(v: &Value) -> Result<CudaTensor, IpcError> {
         _ => return bad(format!("storage class {}", a[4].kind())),
     }
     let dtype = dtype(a[5])?;
-    let handle = bytes_of(a[7], "handle", Some(64))?;
+    let handle = cuda_malloc_handle(&bytes_of(a[7], "handle", None)?)?;
     let storage_size = uint_of(a[8], "storage_size_bytes")?;
     let storage_offset = uint_of(a[9], "storage_offset_bytes")?;
     let ref_counter = match (a[11], a[12]) {
@@ -626,6 +651,26 @@ fn release_ref_counter_in(dir: &std::path::Path, name: &[u8], offset: u64) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn storage_handles_are_read_as_torch_writes_them() {
+        let h: Vec<u8> = (0..64).collect();
+        assert_eq!(cuda_malloc_handle(&h).unwrap(), h);
+        for version in [1u8, 2, 3] {
+            let mut torch = vec![version, b'c'];
+            torch.extend(&h);
+            assert_eq!(cuda_malloc_handle(&torch).unwrap(), h, "version {version}");
+        }
+        let mut expandable = vec![2u8, b'e'];
+        expandable.extend(&h);
+        let e = format!("{:?}", cuda_malloc_handle(&expandable).unwrap_err());
+        assert!(e.contains("expandable"), "{e}");
+        let mut future = vec![4u8, b'c'];
+        future.extend(&h);
+        let e = format!("{:?}", cuda_malloc_handle(&future).unwrap_err());
+        assert!(e.contains("version 4"), "{e}");
+        assert!(cuda_malloc_handle(&h[..10]).is_err());
+    }
 
     fn hex(s: &str) -> Vec<u8> {
         (0..s.len())
