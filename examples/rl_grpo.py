@@ -67,7 +67,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from arbor.torch import CausalLM, reference
 
 
@@ -274,18 +273,91 @@ def rollouts(
             else:
                 lps, text = c["logprobs"]["token_logprobs"], c["text"]
             assert len(lps) == len(c["token_ids"]), "one log-prob per token"
-            if args.reward == "even-ids":
-                ids = c["token_ids"]
-                reward = sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1)
-            else:
-                reward = float(re.search(rf"(?<!\d){a + b}(?!\d)", text) is not None)
+            reward = reward_of(args, c["token_ids"], text, a + b)
             group.append(Rollout(c["prompt_token_ids"], c["token_ids"], lps, reward))
-        rewards = torch.tensor([g.reward for g in group])
-        spread = float(rewards.std()) if len(group) > 1 else 0.0
-        for g in group:
-            g.advantage = (g.reward - float(rewards.mean())) / (spread + 1e-4)
+        group_advantages(group)
         out.extend(group)
     return out
+
+
+def group_advantages(group: list[Rollout]) -> None:
+    rewards = torch.tensor([g.reward for g in group])
+    spread = float(rewards.std()) if len(group) > 1 else 0.0
+    for g in group:
+        g.advantage = (g.reward - float(rewards.mean())) / (spread + 1e-4)
+
+
+def reward_of(args: argparse.Namespace, ids: list[int], text: str, answer: int) -> float:
+    if args.reward == "even-ids":
+        return sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1)
+    return float(re.search(rf"(?<!\d){answer}(?!\d)", text) is not None)
+
+
+class RendererClient:
+    """prime-rl's rollout client, unmodified: the `renderers` package (PyPI; what
+    prime-rl's orchestrator and verifiers' `RendererClient` call) renders each
+    conversation with the model's chat template and POSTs the ids to vLLM's
+    `/inference/v1/generate` (`renderers/client.py`, `generate`), one sample per call
+    with its own seed."""
+
+    def __init__(self, addr: str, model: str) -> None:
+        from renderers import DefaultRendererConfig, create_renderer
+        from transformers import AutoTokenizer
+
+        if os.path.isdir(model):
+            tok = AutoTokenizer.from_pretrained(model)
+        else:
+            tok = AutoTokenizer.from_pretrained(
+                os.path.dirname(model) or ".", gguf_file=os.path.basename(model)
+            )
+        self.renderer = create_renderer(tok, DefaultRendererConfig())
+        self.base_url = f"http://{addr}/v1"
+        self.model = call(addr, "/v1/models")[1]["data"][0]["id"]
+
+    def rollouts(self, step: int, rng: random.Random, args: argparse.Namespace) -> list[Rollout]:
+        import asyncio
+
+        from openai import AsyncOpenAI
+        from renderers.client import generate
+
+        async def one(client: AsyncOpenAI, question: str, seed: int) -> dict[str, Any]:
+            return await generate(
+                client=client,
+                renderer=self.renderer,
+                messages=[{"role": "user", "content": question}],  # type: ignore[list-item]
+                model=self.model,
+                sampling_params={
+                    "max_tokens": args.max_tokens,
+                    "temperature": args.temperature,
+                    "top_p": 1.0,
+                    "seed": seed,
+                },
+            )
+
+        async def run() -> list[Rollout]:
+            # One client per step: its connections belong to this step's event loop.
+            client = AsyncOpenAI(base_url=self.base_url, api_key="EMPTY")
+            out = []
+            for q in range(args.questions):
+                a, b = rng.randint(2, 49), rng.randint(2, 49)
+                question = f"What is {a} + {b}? Answer with the number."
+                seeds = [1_000_000 * step + 1000 * q + g for g in range(args.group)]
+                answers = await asyncio.gather(*(one(client, question, s) for s in seeds))
+                group = [
+                    Rollout(
+                        r["prompt_ids"],
+                        r["completion_ids"],
+                        r["completion_logprobs"],
+                        reward_of(args, r["completion_ids"], r["content"] or "", a + b),
+                    )
+                    for r in answers
+                ]
+                group_advantages(group)
+                out.extend(group)
+            await client.close()
+            return out
+
+        return asyncio.run(run())
 
 
 def batch(rs: list[Rollout], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,6 +425,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--serve-gpus", help="CUDA_VISIBLE_DEVICES of the server, e.g. 2,3")
     ap.add_argument("--push", choices=["http", "nccl"], help="default: nccl on GPUs, else http")
     ap.add_argument("--reward", choices=["addition", "even-ids"], default="addition")
+    ap.add_argument(
+        "--client",
+        choices=["arbor", "renderers"],
+        default="arbor",
+        help="who asks for the rollouts: this script's own HTTP calls, or prime-rl's "
+        "rollout client unmodified (`pip install renderers`; chat models)",
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--questions", type=int, default=2, help="questions per step")
     ap.add_argument("--group", type=int, default=4, help="samples per question")
@@ -417,6 +496,7 @@ def main() -> None:
     # forward's parameters, and what each push is compared with.
     shadow = CausalLM.from_pretrained(args.model, device=str(dev)) if lead else None
     proc = pusher = None
+    renderer: RendererClient | None = None
     addr = version = ""  # rank 0's: the server's address and the weights it runs
     stats = Stats(dev, world)
     rng = random.Random(0)
@@ -430,19 +510,34 @@ def main() -> None:
                 port = s.getsockname()[1]
             proc, addr = start_server(args, port)
             version = call(addr, "/get_weight_version")[1]["weight_version"]
+            if args.client == "renderers":
+                if not args.chat:
+                    sys.exit("--client renderers renders a chat: the model needs a chat template")
+                renderer = RendererClient(addr, args.model)
             if args.push == "nccl":
                 pusher = NcclPush(addr, args.tp, dev)
             else:
                 pusher = HttpPush(addr, args.part_bytes)
             say(
                 f"arbor serve at TP {args.tp} ({args.serve_device}) on {addr}, weight version "
-                f"{version}; prompts via {'chat' if args.chat else 'text'} completions; "
-                f"pushes over {pusher.name}",
+                f"{version}; "
+                + (
+                    "rollouts by prime-rl's client (renderers -> /inference/v1/generate); "
+                    if renderer is not None
+                    else f"prompts via {'chat' if args.chat else 'text'} completions; "
+                )
+                + f"pushes over {pusher.name}",
                 flush=True,
             )
         for step in range(1, args.steps + 1):
             t_step = time.time()
-            box: list[Any] = [rollouts(addr, step, rng, args, version) if lead else None]
+            if not lead:
+                got = None
+            elif renderer is not None:
+                got = renderer.rollouts(step, rng, args)
+            else:
+                got = rollouts(addr, step, rng, args, version)
+            box: list[Any] = [got]
             if world > 1:
                 dist.broadcast_object_list(box, src=0)
             rs: list[Rollout] = box[0]

@@ -5,6 +5,7 @@ rollouts run on. A server on other weights than the trainer's must make it fail.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -90,3 +91,32 @@ def test_a_server_on_other_weights_fails(cli: Cli, tiny: dict[str, Path], tmp_pa
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_prime_rl_rollout_client_unmodified(
+    cli: Cli, tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """The rollouts asked for by prime-rl's own client (`renderers`, PyPI), unmodified:
+    the trainer's log-probs are still the rollouts', bit for bit."""
+    for module in ("renderers", "transformers", "openai"):
+        pytest.importorskip(module, reason=f"pip install {module} (prime-rl's client)")
+    model = tmp_path / "chat-model"
+    shutil.copytree(tiny["llama"], model)
+    # The tiny tokenizer's own special tokens, and a chat template to render with.
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+        "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (model / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|end_of_text|>",
+                "chat_template": template,
+            }
+        )
+    )
+    rc, log = _run(cli, model, tmp_path / "work", "--steps", "1", "--client", "renderers")
+    assert rc == 0, log
+    assert "rollouts by prime-rl's client (renderers -> /inference/v1/generate)" in log
+    _check_steps(log, 1)
