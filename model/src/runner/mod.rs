@@ -13,6 +13,7 @@ mod load;
 mod records;
 mod step;
 mod weights_group;
+mod weights_receive;
 pub mod weights_update;
 
 use std::path::PathBuf;

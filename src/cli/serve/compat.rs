@@ -18,9 +18,10 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::admin::{body, check_version, fail, guarded, guarded_opt, parse, tags, Empty};
+use super::admin::{body, check_version, fail, guarded, guarded_opt, parse};
 use super::api::{ApiError, Common};
 use super::job::Job;
+use super::lifecycle::{tags, Empty};
 use super::state::AppState;
 
 /// How long `/health_generate` waits for its one token.
@@ -36,7 +37,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/get_load", get(load))
         .route("/update_weight_version", post(update_weight_version))
         .route("/pause", post(pause))
-        .route("/resume", post(super::admin::continue_generation))
+        .route("/resume", post(super::lifecycle::continue_generation))
         .route("/get_world_size", get(world_size))
         .route("/sleep", post(sleep))
         .route("/wake_up", post(wake_up))

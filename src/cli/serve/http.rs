@@ -64,6 +64,7 @@ fn router(st: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .merge(super::admin::routes(st.max_upload))
+        .merge(super::lifecycle::routes())
         // SGLang's /generate and the info, health and control routes of SGLang and vLLM.
         .merge(super::compat::routes())
         .merge(super::vllm_weights::routes())

@@ -15,6 +15,7 @@ pub mod http;
 pub mod ipc;
 pub mod job;
 pub mod leader;
+pub mod lifecycle;
 pub mod openai;
 pub mod options;
 pub mod prime_rl;

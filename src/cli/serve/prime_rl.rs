@@ -33,10 +33,7 @@ use serde_json::{json, Value};
 
 use super::admin::{command, fail, master_address, master_port, parse, timeout};
 use super::api::ApiError;
-use super::state::AppState;
-
-/// The name arbor gives prime-rl's broadcast group.
-pub const GROUP: &str = "prime-rl-broadcast";
+use super::state::{AppState, PRIME_RL_GROUP};
 
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
@@ -85,7 +82,7 @@ fn init_op(st: &AppState, i: Init) -> Result<(ControlOp, f64), ApiError> {
     }
     let t = timeout(i.timeout).map_err(|e| rename(e, "timeout"))?;
     let op = ControlOp::InitGroup {
-        name: GROUP.into(),
+        name: PRIME_RL_GROUP.into(),
         rendezvous: Rendezvous::Store {
             host: master_address(&i.host).map_err(|e| rename(e, "host"))?,
             port: master_port(&i.port).map_err(|e| rename(e, "port"))?,
@@ -151,7 +148,7 @@ pub(super) fn update_op(
     if let Some(timeout_s) = broadcaster {
         // prime-rl's NCCL worker ignores the directory (the trainer's marker lives there).
         return Ok(ControlOp::ReceiveInBand {
-            group: GROUP.into(),
+            group: PRIME_RL_GROUP.into(),
             timeout_s,
             max_bytes: st.max_push_bytes,
             commit: Commit::Now(update),

@@ -16,6 +16,10 @@ use arbor_serving::{ServingHandle, Stats};
 use super::Args;
 use crate::cli::model_api::Runner;
 
+/// The name arbor gives prime-rl's broadcast group (its routes, and the group whose leaving
+/// makes `/update_weights {weight_dir}` read the directory again).
+pub const PRIME_RL_GROUP: &str = "prime-rl-broadcast";
+
 pub struct AppState {
     pub(super) handle: ServingHandle,
     tokenizer: Option<tokenizers::Tokenizer>,
