@@ -161,40 +161,64 @@ def stub_vllm_id_class():
     return sys.modules[name].ncclUniqueId
 
 
-def vllm_style(args, weights, world, dev):
+def nccl_with_all_reduce(args):
+    """The NCCL library, its all-reduce typed for the warm-up a vLLM member runs."""
     nccl = Nccl(args.nccl or find_nccl())
-    lib = nccl.lib
-    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.ncclAllReduce.restype = ctypes.c_int
+    nccl.lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_void_p]
+    nccl.lib.ncclAllReduce.restype = ctypes.c_int
+    return nccl
+
+
+class VllmGroupRank0:
+    """The trainer as rank 0 of a vLLM `StatelessProcessGroup` + `PyNcclCommunicator`,
+    while the server joins it (its join call `th` / `res`, on the route `route`).
+
+    StatelessProcessGroup.create, rank 0 (vllm/distributed/utils.py): it listens itself
+    and hands the socket to a legacy-server TCPStore that waits for `world` members.
+    PyNcclCommunicator.__init__ (vllm/distributed/device_communicators/pynccl.py): rank 0
+    makes the id and broadcast_obj's it (pickled, key broadcast_from/0/0), every member
+    inits its rank, then all-reduces one zero to warm up."""
+
+    def __init__(self, nccl, port, world, dev, th, res, route):
+        self.listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listen.bind(("127.0.0.1", port))
+        self.listen.listen()
+        self.store = dist.TCPStore(host_name="127.0.0.1", port=port, world_size=world,
+                                   is_master=True, timeout=timedelta(seconds=300),
+                                   use_libuv=False, master_listen_fd=self.listen.fileno())
+        uid = nccl.unique_id()
+        vuid = stub_vllm_id_class()()
+        ctypes.memmove(ctypes.addressof(vuid), ctypes.addressof(uid), 128)
+        self.store.set("broadcast_from/0/0", pickle.dumps(vuid))
+        th.join()
+        check(*res[0], route)
+        self.comm = nccl.init_rank(world, uid, 0)
+        self.stream = torch.cuda.current_stream(dev).cuda_stream
+        warm = torch.zeros(1, device=dev)
+        ptr = ctypes.c_void_p(warm.data_ptr())
+        nccl.check(nccl.lib.ncclAllReduce(ptr, ptr, 1, NCCL_TYPES[torch.float32], 0, self.comm,
+                                          ctypes.c_void_p(self.stream)),
+                   "ncclAllReduce (warm-up)")
+        torch.cuda.synchronize()
+
+    def close(self):
+        del self.store
+        try:
+            self.listen.close()
+        except OSError:
+            pass  # the store took the socket over and closed it
+
+
+def vllm_style(args, weights, world, dev):
+    nccl = nccl_with_all_reduce(args)
     th, res = in_thread(args.server, "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1,
         "world_size": world, "group_name": "vllm", "backend": "nccl", "rendezvous": "vllm"})
-    # StatelessProcessGroup.create, rank 0 (vllm/distributed/utils.py): it listens itself
-    # and hands the socket to a legacy-server TCPStore that waits for `world` members.
-    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listen.bind(("127.0.0.1", args.port))
-    listen.listen()
-    store = dist.TCPStore(host_name="127.0.0.1", port=args.port, world_size=world,
-                          is_master=True, timeout=timedelta(seconds=300), use_libuv=False,
-                          master_listen_fd=listen.fileno())
-    # PyNcclCommunicator.__init__ (vllm/distributed/device_communicators/pynccl.py): rank 0
-    # makes the id and broadcast_obj's it (pickled, key broadcast_from/0/0), every member
-    # inits its rank, then all-reduces one zero to warm up.
-    uid = nccl.unique_id()
-    vuid = stub_vllm_id_class()()
-    ctypes.memmove(ctypes.addressof(vuid), ctypes.addressof(uid), 128)
-    store.set("broadcast_from/0/0", pickle.dumps(vuid))
-    th.join()
-    check(*res[0], "init_weights_update_group")
-    comm = nccl.init_rank(world, uid, 0)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    warm = torch.zeros(1, device=dev)
-    nccl.check(lib.ncclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
-                                 1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
-               "ncclAllReduce (warm-up)")
-    torch.cuda.synchronize()
+    group = VllmGroupRank0(nccl, args.port, world, dev, th, res, "init_weights_update_group")
+    comm, stream = group.comm, group.stream
     last = None
     for i, n in enumerate(weights):
         th, res = in_thread(args.server, "/update_weights_from_distributed", {
@@ -209,11 +233,7 @@ def vllm_style(args, weights, world, dev):
     nccl.destroy(comm)
     th.join()
     check(*res[0], "destroy_weights_update_group")
-    del store
-    try:
-        listen.close()
-    except OSError:
-        pass  # the store took the socket over and closed it
+    group.close()
     return last
 
 
@@ -241,34 +261,13 @@ def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], wor
     drive it): /init_weight_transfer_engine while the trainer makes the group vLLM style,
     /start_weight_update, /update_weights (names, dtype_names, shapes, packed) while the
     packed uint8 buffers are broadcast, /finish_weight_update."""
-    nccl = Nccl(args.nccl or find_nccl())
+    nccl = nccl_with_all_reduce(args)
     lib = nccl.lib
-    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.ncclAllReduce.restype = ctypes.c_int
     th, res = in_thread(args.server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1,
         "world_size": world}})
-    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listen.bind(("127.0.0.1", args.port))
-    listen.listen()
-    store = dist.TCPStore(host_name="127.0.0.1", port=args.port, world_size=world,
-                          is_master=True, timeout=timedelta(seconds=300), use_libuv=False,
-                          master_listen_fd=listen.fileno())
-    uid = nccl.unique_id()
-    vuid = stub_vllm_id_class()()
-    ctypes.memmove(ctypes.addressof(vuid), ctypes.addressof(uid), 128)
-    store.set("broadcast_from/0/0", pickle.dumps(vuid))
-    th.join()
-    check(*res[0], "init_weight_transfer_engine")
-    comm = nccl.init_rank(world, uid, 0)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    warm = torch.zeros(1, device=dev)
-    nccl.check(lib.ncclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
-                                 1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
-               "ncclAllReduce (warm-up)")
-    torch.cuda.synchronize()
+    group = VllmGroupRank0(nccl, args.port, world, dev, th, res, "init_weight_transfer_engine")
+    comm, stream = group.comm, group.stream
     status, body = post_wait(args.server, "/start_weight_update", {"is_checkpoint_format": True})
     check(status, body, "start_weight_update")
     names = list(weights)
@@ -298,11 +297,7 @@ def packed_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], wor
     nccl.destroy(comm)
     th.join()
     check(*res[0], "destroy_weights_update_group")
-    del store
-    try:
-        listen.close()
-    except OSError:
-        pass  # the store took the socket over and closed it
+    group.close()
     return 200, {"weight_version": args.version}
 
 
@@ -315,35 +310,14 @@ def prime_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], worl
     number of state dicts, and per state dict (the non-layer weights, then each layer) the
     pickled {dtype: [(name, shape, numel)]} metadata and one concatenated tensor per dtype;
     then /resume."""
-    nccl = Nccl(args.nccl or find_nccl())
+    nccl = nccl_with_all_reduce(args)
     lib = nccl.lib
-    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.ncclAllReduce.restype = ctypes.c_int
     th, res = in_thread(args.server, "/init_broadcaster", {
         "host": "127.0.0.1", "port": args.port, "rank_offset": 0,
         "inference_world_size": world - 1, "timeout": 300,
         "quantize_in_weight_transfer": False})
-    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listen.bind(("127.0.0.1", args.port))
-    listen.listen()
-    store = dist.TCPStore(host_name="127.0.0.1", port=args.port, world_size=world,
-                          is_master=True, timeout=timedelta(seconds=300), use_libuv=False,
-                          master_listen_fd=listen.fileno())
-    uid = nccl.unique_id()
-    vuid = stub_vllm_id_class()()
-    ctypes.memmove(ctypes.addressof(vuid), ctypes.addressof(uid), 128)
-    store.set("broadcast_from/0/0", pickle.dumps(vuid))
-    th.join()
-    check(*res[0], "init_broadcaster")
-    comm = nccl.init_rank(world, uid, 0)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    warm = torch.zeros(1, device=dev)
-    nccl.check(lib.ncclAllReduce(ctypes.c_void_p(warm.data_ptr()), ctypes.c_void_p(warm.data_ptr()),
-                                 1, NCCL_TYPES[torch.float32], 0, comm, ctypes.c_void_p(stream)),
-               "ncclAllReduce (warm-up)")
-    torch.cuda.synchronize()
+    group = VllmGroupRank0(nccl, args.port, world, dev, th, res, "init_broadcaster")
+    comm, stream = group.comm, group.stream
     types_ = {**NCCL_TYPES, torch.int64: 4, torch.uint8: 1}
 
     def bcast(t: torch.Tensor) -> None:
@@ -385,11 +359,7 @@ def prime_style(args: argparse.Namespace, weights: dict[str, torch.Tensor], worl
     nccl.destroy(comm)
     th.join()
     check(*res[0], "destroy_weights_update_group")
-    del store
-    try:
-        listen.close()
-    except OSError:
-        pass  # the store took the socket over and closed it
+    group.close()
     return 200, {"weight_version": args.version}
 
 
@@ -458,11 +428,8 @@ class Stateless:
 
 
 def trl_style(args, weights, dev):
-    nccl = Nccl(args.nccl or find_nccl())
+    nccl = nccl_with_all_reduce(args)
     lib = nccl.lib
-    lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.ncclAllReduce.restype = ctypes.c_int
     before = get(args.server, "/get_weight_version")[1]["weight_version"]
     # VLLMClient.init_communicator: the server's world size, the client last.
     status, body = get(args.server, "/get_world_size/")
