@@ -4,17 +4,45 @@
 //! are received into device memory and staged there ([`DeviceTensor`]s), to be cut into
 //! shards on the device when the update applies ([`super::weights_update`]).
 
+use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::weights_update::{IN_BAND_LABEL, IPC_LABEL, NCCL_LABEL};
 use super::Worker;
-use crate::backend::{Backend, DeviceTensor, Wire};
+use crate::backend::{Backend, DeviceBytes, DeviceTensor, Wire};
 use crate::batching::ipc::IpcBuffer;
 use crate::batching::TensorMeta;
 use crate::error::{MResult, ModelError};
+use crate::safetensors::DType;
+
+/// Tensor `name` at `range` of received `bytes`, or the refusal naming where it came from.
+fn staged(
+    source: &str,
+    name: &str,
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: &Arc<dyn DeviceBytes>,
+    range: Range<usize>,
+) -> MResult<DeviceTensor> {
+    DeviceTensor::new(dtype, shape, bytes.clone(), range).map_err(|msg| ModelError::Safetensors {
+        path: PathBuf::from(source),
+        msg: format!("tensor {name:?}: {msg}"),
+    })
+}
 
 impl<B: Backend> Worker<B> {
+    /// Received tensors stay in device memory until the update: where the second copy of
+    /// the weights has no room beside the KV cache, the first of an update's receives frees
+    /// the cache (made again when the update applies or the tensors are dropped).
+    fn make_room_for_staging(&mut self) -> MResult<()> {
+        if self.updates.staged_device.is_empty() {
+            self.make_room_for_update()?;
+        }
+        Ok(())
+    }
+
     /// Stages the tensors a trainer on this rank's GPU shares by CUDA IPC handle: this
     /// rank's element of `ranks` is copied device to device from the trainer's
     /// allocations into buffers of this rank's own (the backend opens each handle, waits
@@ -31,16 +59,9 @@ impl<B: Backend> Worker<B> {
                 ),
             });
         };
-        if self.updates.staged_device.is_empty() {
-            // As in `receive`: the copies stay on the device until the update.
-            self.make_room_for_update()?;
-        }
+        self.make_room_for_staging()?;
         let t0 = std::time::Instant::now();
         let copied = self.backend.copy_ipc(mine).map_err(|e| self.berr(e))?;
-        let bad = |name: &str, msg: String| ModelError::Safetensors {
-            path: PathBuf::from(IPC_LABEL),
-            msg: format!("tensor {name:?}: {msg}"),
-        };
         let mut device = Vec::new();
         let mut total = 0usize;
         for (b, bytes) in mine.iter().zip(copied) {
@@ -48,8 +69,7 @@ impl<B: Backend> Worker<B> {
             for p in &b.parts {
                 let range = usize::try_from(p.start).unwrap_or(usize::MAX)
                     ..usize::try_from(p.end).unwrap_or(usize::MAX);
-                let d = DeviceTensor::new(p.dtype, p.shape.clone(), bytes.clone(), range)
-                    .map_err(|m| bad(&p.name, m))?;
+                let d = staged(IPC_LABEL, &p.name, p.dtype, p.shape.clone(), &bytes, range)?;
                 device.push((p.name.clone(), d));
             }
         }
@@ -95,12 +115,7 @@ impl<B: Backend> Worker<B> {
         };
         let root = g.root;
         g.slot.joined(rank, timeout)?;
-        if self.updates.staged_device.is_empty() {
-            // The tensors stay in device memory until the update: where the second copy
-            // of the weights has no room beside the KV cache, the cache goes now (made
-            // again when the update applies or the tensors are dropped).
-            self.make_room_for_update()?;
-        }
+        self.make_room_for_staging()?;
         let t0 = std::time::Instant::now();
         let berr = |source| ModelError::Backend { rank, source };
         let (buffers, wires) = match packed {
@@ -151,10 +166,6 @@ impl<B: Backend> Worker<B> {
             gb_per_s = total as f64 / seconds.max(1e-9) / 1e9,
             "received tensors from the trainer into device memory"
         );
-        let bad = |name: &str, msg: String| ModelError::Safetensors {
-            path: PathBuf::from(NCCL_LABEL),
-            msg: format!("tensor {name:?}: {msg}"),
-        };
         let mut device = Vec::with_capacity(tensors.len());
         match buffers {
             // vLLM's packed layout: each buffer holds many tensors back to back
@@ -171,8 +182,8 @@ impl<B: Backend> Worker<B> {
                             }
                         })?;
                     for (t, range) in list.iter().zip(ranges) {
-                        let d = DeviceTensor::new(t.dtype, t.shape.clone(), bytes.clone(), range)
-                            .map_err(|m| bad(&t.name, m))?;
+                        let d =
+                            staged(NCCL_LABEL, &t.name, t.dtype, t.shape.clone(), &bytes, range)?;
                         device.push((t.name.clone(), d));
                     }
                 }
@@ -180,8 +191,7 @@ impl<B: Backend> Worker<B> {
             None => {
                 for (t, bytes) in tensors.iter().zip(received) {
                     let range = 0..bytes.len();
-                    let d = DeviceTensor::new(t.dtype, t.shape.clone(), bytes, range)
-                        .map_err(|m| bad(&t.name, m))?;
+                    let d = staged(NCCL_LABEL, &t.name, t.dtype, t.shape.clone(), &bytes, range)?;
                     device.push((t.name.clone(), d));
                 }
             }
@@ -209,10 +219,7 @@ impl<B: Backend> Worker<B> {
                 )))
             }
         }
-        if self.updates.staged_device.is_empty() {
-            // As in `receive`: the tensors stay on the device until the update.
-            self.make_room_for_update()?;
-        }
+        self.make_room_for_staging()?;
         let Some((_, g)) = &mut self.updates.group else {
             return Err(ModelError::Unavailable(
                 "no weight-update group: init_broadcaster first".into(),
@@ -246,10 +253,6 @@ impl<B: Backend> Worker<B> {
                 msg: other.to_string(),
             },
         })?;
-        let bad = |name: &str, msg: String| ModelError::Safetensors {
-            path: PathBuf::from(IN_BAND_LABEL),
-            msg: format!("tensor {name:?}: {msg}"),
-        };
         let (mut device, mut total) = (Vec::new(), 0usize);
         for r in received {
             let parts = r
@@ -257,8 +260,14 @@ impl<B: Backend> Worker<B> {
                 .map_err(|msg| ModelError::BadRequest { id: 0, msg })?;
             total += r.bytes.len();
             for part in parts {
-                let d = DeviceTensor::new(part.dtype, part.shape, r.bytes.clone(), part.data)
-                    .map_err(|m| bad(&part.name, m))?;
+                let d = staged(
+                    IN_BAND_LABEL,
+                    &part.name,
+                    part.dtype,
+                    part.shape,
+                    &r.bytes,
+                    part.data,
+                )?;
                 device.push((part.name, d));
             }
         }
