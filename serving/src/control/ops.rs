@@ -38,16 +38,7 @@ impl Control {
         commit: Commit,
     ) -> Result<Outcome, ServeError> {
         let label = format!("update_weights_from_tensor body ({} bytes)", bytes.len());
-        match self.run(cx, ControlMsg::Stage { label, bytes })? {
-            Ok(()) => self.staged_then(cx, commit),
-            Err(e) => {
-                self.staged_at = None;
-                Ok(Outcome::Done(refused(
-                    &e,
-                    format!("{e}; every tensor staged so far was dropped: push again from the first part"),
-                )))
-            }
-        }
+        self.stage_part(cx, ControlMsg::Stage { label, bytes }, commit)
     }
 
     /// Stages one part handed over by CUDA IPC handle; `commit` as for [`Self::stage`].
@@ -57,7 +48,17 @@ impl Control {
         ranks: Vec<Vec<IpcBuffer>>,
         commit: Commit,
     ) -> Result<Outcome, ServeError> {
-        match self.run(cx, ControlMsg::StageIpc { ranks })? {
+        self.stage_part(cx, ControlMsg::StageIpc { ranks }, commit)
+    }
+
+    /// Runs one staging command; a refused part drops everything staged (the ranks did).
+    fn stage_part(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        msg: ControlMsg,
+        commit: Commit,
+    ) -> Result<Outcome, ServeError> {
+        match self.run(cx, msg)? {
             Ok(()) => self.staged_then(cx, commit),
             Err(e) => {
                 self.staged_at = None;
