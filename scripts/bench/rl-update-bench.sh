@@ -65,13 +65,6 @@ note "PASS  arbor serve up in $(($(date +%s) - t)) s (load + NVRTC)"
 
 PROBE='{"prompt":[128000,9906,11,1917,0,1226,374,264],"max_tokens":16,"temperature":0,"logprobs":1}'
 # Helpers that read arbor's answers (files, so that no quoting gets in the way).
-cat >"$WORK/probe.py" <<'PY'
-import hashlib, json, struct, sys
-r = json.load(sys.stdin)
-c = r["choices"][0]
-bits = "".join("%08x" % struct.unpack("<I", struct.pack("<f", x))[0] for x in c["logprobs"]["token_logprobs"])
-print(r["weight_version"], c["token_ids"][:4], hashlib.sha256(bits.encode()).hexdigest()[:16])
-PY
 cat >"$WORK/answer.py" <<'PY'
 import json, sys
 r = json.load(sys.stdin)
@@ -106,7 +99,7 @@ for line in sys.stdin:
             print("SPLIT %-7s " % part + " ".join("%s=%s" % (k, kv[k]) for k in keys if k in kv))
 PY
 probe() { # greedy: the version, the first tokens, a hash of the log-prob bits
-    curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 "$WORK/probe.py"
+    curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 scripts/gpu/probe_digest.py
 }
 P0=$(probe); note "probe v0: $P0"
 same_bits() { [[ ${1##* } == "${P0##* }" ]]; }

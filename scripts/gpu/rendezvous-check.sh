@@ -67,14 +67,7 @@ done
 note "PASS  arbor serve up in $(($(date +%s) - t)) s"
 
 PROBE='{"prompt":[1,17,42,99,7,3,250,11],"max_tokens":16,"temperature":0,"logprobs":1}'
-cat >"$WORK/probe.py" <<'PY'
-import hashlib, json, struct, sys
-r = json.load(sys.stdin)
-c = r["choices"][0]
-bits = "".join("%08x" % struct.unpack("<I", struct.pack("<f", x))[0] for x in c["logprobs"]["token_logprobs"])
-print(r["weight_version"], c["token_ids"][:4], hashlib.sha256(bits.encode()).hexdigest()[:16])
-PY
-probe() { curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 "$WORK/probe.py"; }
+probe() { curl -s "$ADDR/v1/completions" -d "$PROBE" | python3 scripts/gpu/probe_digest.py; }
 bits() { echo "${1##* }"; }
 version() { echo "${1%% *}"; }
 disk() { # disk DIR VERSION
