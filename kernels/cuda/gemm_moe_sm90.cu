@@ -21,7 +21,6 @@ struct __align__(64) MoeTmaParams {
     const int* n_tiles;
     float* outf;  // [P, N] f32 roots (not SILU)
     u16* outh;    // SILU: [P, N / 2] bf16 silu(gate)·up
-    float* ws;    // 64 x 256 f32 per block (the s6 partials)
     int P, N, seg_len, n_seg;
 };
 
@@ -37,7 +36,7 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
     extern __shared__ unsigned char moe_tma_smem[];
     const u32 raw = smem_addr(moe_tma_smem);
     const u32 base = (raw + 1023u) & ~1023u;
-    // The dense kernel's layout: STAGES x [A 128x64 | B 128x64], the p1 slot, barriers.
+    // The dense kernel's layout: STAGES x [A 128x64 | B 128x64], the s6 slot, barriers.
     const u32 ring = base;
     float* slot = (float*)(moe_tma_smem + (base - raw) + TMA_STAGES * TMA_STAGE_BYTES);
     const u32 full = base + TMA_STAGES * TMA_STAGE_BYTES + 64 * 256 * 4;
@@ -63,6 +62,7 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
     const int tps = (p.seg_len + 63) / 64;
 
     if (wg == 2) {
+        producer_registers();
         if (tid != 256) return;
         u32 it = 0;
         int fenced = -1;
@@ -94,49 +94,15 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
     const int wl = tid & 127;
     const int ct = tid;
     const bool releaser = wl == 0;
-    float acc[64], root[64];
-    float* s6 = p.ws + (long long)blockIdx.x * 64 * 256;
-#define P1(i) slot[(i) * 256 + ct]
-#define P2(i) s6[(i) * 256 + ct]
+    consumer_registers();
+    float acc[64], root[64], p1[64];
     u32 it = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
         tile_coords(t, num_m, num_n, mt, nt);
-        for (int s = 0; s < p.n_seg; ++s) {
-            leaf_segment<TMA_STAGES, TMA_STAGE_BYTES>(acc, ring, ring + TMA_A_BYTES, full, empty,
-                                                      g * 64 * 128, p.seg_len, tps, it, releaser);
-            // The dense kernel's tree, evaluated as the segments arrive.
-            switch (s) {
-                case 0:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = acc[i];
-                    break;
-                case 1:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = root[i] + acc[i];
-                    break;
-                case 3:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = root[i] + (P1(i) + acc[i]);
-                    break;
-                case 2:
-                case 4:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) P1(i) = acc[i];
-                    break;
-                case 5:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) P1(i) = P1(i) + acc[i];
-                    break;
-                case 6:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) P2(i) = acc[i];
-                    break;
-                default:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = root[i] + (P1(i) + (P2(i) + acc[i]));
-            }
-        }
+        tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(root, acc, p1, slot + ct, ring, full,
+                                                            empty, g * 64 * 128, p.seg_len, tps,
+                                                            p.n_seg, it, releaser);
         // Rows from the tile's first pair up to its expert's end are this tile's.
         const int row0 = p.tile_row0[mt] + g * 64, end = p.tile_end[mt], col0 = nt * 128;
 #pragma unroll
@@ -159,8 +125,6 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
             }
         }
     }
-#undef P1
-#undef P2
 }
 
 // 384 threads: two consumer warpgroups (rows 0-63 and 64-127 of the tile), one producer.

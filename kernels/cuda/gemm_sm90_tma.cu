@@ -12,11 +12,10 @@
 // The kernels:
 // - arbor_gemm_wg_tma_128x128 (large M): persistent, one producer thread issuing TMA into
 //   a 5-deep ring guarded by mbarriers, two consumer warpgroups of 64x128 each running the
-//   whole tree of their tile. The tree needs up to three pending 64x128 partials besides
-//   the running leaf; a 384-thread block caps registers at 168 per thread (and with
-//   setmaxnreg 240 for the consumers ptxas still spilled leaf + root + p1), so the leaf
-//   and the root are in registers, p1 in shared memory and s6 in a global (L2-resident)
-//   workspace.
+//   whole tree of their tile (tile_tree). The tree needs up to three pending 64x128
+//   partials besides the running leaf; the producer gives registers to the consumers
+//   (setmaxnreg), so the leaf, the root and p1 are in registers and s6 waits in shared
+//   memory.
 // - arbor_gemm_wg_cluster_64x128 (small M): one block per (128 columns, segment, 64 rows),
 //   the n_seg blocks of a tile form a thread-block cluster; each leaves its segment sum in
 //   its own shared memory and the cluster combines them over distributed shared memory in
@@ -41,7 +40,6 @@ struct __align__(64) TmaParams {
     TensorMap tw;  // W as [N][n_seg][seg_len], box {64, 1, 128}
     float* outf;   // [M, N] f32 result, or null
     u16* outh;     // [M, N] bf16 result, or null
-    float* ws;     // large-M kernel: 64 x 256 f32 per block (the s6 partials)
     int M, N, seg_len, n_seg;
     // 1: W is constant while the previous kernels run (model weights), so a kernel launched
     // with PDL may load its first W tiles before pdl_enter().
@@ -204,6 +202,57 @@ DEVI void store_silu(const TmaParams& p, long long row, int j, int n, float y0, 
     }
 }
 
+// Register budgets of the persistent 384-thread kernels: the block starts with 168 a
+// thread (65536 / 384, rounded down to a multiple of 8); the producer warpgroup, which
+// only issues TMA, gives back down to 40 and the two consumer warpgroups take 232 each
+// (2·128·232 + 128·40 = 64512 of the 65536), enough for three live 64x128 tiles of the
+// tree (leaf, root and p1) without spills.
+DEVI void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
+DEVI void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
+
+// The consumer side of one 64x128 output tile of a persistent kernel: the leaves of its
+// n_seg segments (8, or 1, 2 or 4 for a TP shard's subtree) from the ring, summed into
+// root as ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) while they arrive. Straight-line, so each
+// leaf runs into the register tile that keeps it: root, acc and p1 are registers, s6 waits
+// for one segment in a thread-private shared-memory slot (`s6[64 · 256]`, the thread's
+// values 256 floats apart: conflict-free).
+template <int STAGES, int STAGE_BYTES, int A_BYTES>
+DEVI void tile_tree(float* root, float* acc, float* p1, float* s6, u32 ring, u32 full,
+                    u32 empty, int a_row_off, int seg_len, int tps, int n_seg, u32& it,
+                    bool releaser) {
+    // Each leaf drains its wgmma groups before the tree step. Chaining a leaf into another
+    // tile without draining (s1 issued while s0's last group runs), even with that tile
+    // zeroed beforehand, makes ptxas (13.0) serialise every wgmma of the kernel (C7515:
+    // non-wgmma instructions define accumulator registers inside a pipeline stage).
+#define LEAF(dst) \
+    leaf_segment<STAGES, STAGE_BYTES>(dst, ring, ring + A_BYTES, full, empty, a_row_off, seg_len, tps, it, releaser)
+    LEAF(root);
+    if (n_seg > 1) {
+        LEAF(acc);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) root[i] = root[i] + acc[i];
+    }
+    if (n_seg > 2) {
+        LEAF(p1);
+        LEAF(acc);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) root[i] = root[i] + (p1[i] + acc[i]);
+    }
+    if (n_seg > 4) {
+        LEAF(p1);
+        LEAF(acc);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) p1[i] = p1[i] + acc[i];
+        LEAF(acc);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) s6[i * 256] = acc[i];
+        LEAF(acc);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) root[i] = root[i] + (p1[i] + (s6[i * 256] + acc[i]));
+    }
+#undef LEAF
+}
+
 // ---------------------------------------------------------------------------------------
 // Large M: persistent 128x128 tiles, warp-specialised.
 
@@ -231,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     extern __shared__ unsigned char tma_smem[];
     const u32 raw = smem_addr(tma_smem);
     const u32 base = (raw + 1023u) & ~1023u;
-    // Layout: STAGES x [A 128x64 | B 128x64], the p1 slot (64 floats x 256 consumer
+    // Layout: STAGES x [A 128x64 | B 128x64], the s6 slot (64 floats x 256 consumer
     // threads), then the full and empty barriers.
     const u32 ring = base;
     float* slot = (float*)(tma_smem + (base - raw) + TMA_STAGES * TMA_STAGE_BYTES);
@@ -258,6 +307,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int tps = (p.seg_len + 63) / 64;
 
     if (wg == 2) {
+        producer_registers();
         if (tid != 256) return;
         u32 it = 0;
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -276,54 +326,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int wl = tid & 127;
     const int ct = tid;            // consumer thread 0..255 (spill slot index)
     const bool releaser = wl == 0;
-    float acc[64], root[64];
-    // s6 waits for one segment in this block's slice of the global workspace (L2), so
-    // that shared memory holds 5 stages: [block][value][thread], coalesced.
-    float* s6 = p.ws + (long long)blockIdx.x * 64 * 256;
-#define P1(i) slot[(i) * 256 + ct]
-#define P2(i) s6[(i) * 256 + ct]
+    consumer_registers();
+    float acc[64], root[64], p1[64];
     u32 it = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
         tile_coords(t, num_m, num_n, mt, nt);
-        for (int s = 0; s < p.n_seg; ++s) {
-            leaf_segment<TMA_STAGES, TMA_STAGE_BYTES>(acc, ring, ring + TMA_A_BYTES, full, empty,
-                                                      g * 64 * 128, p.seg_len, tps, it, releaser);
-            // The tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), evaluated as the segments
-            // arrive: root in registers, the pending partial p1 (s2, then s4+s5) in a
-            // thread-private shared-memory slot ([value][thread], conflict-free), s6 in
-            // the block's workspace slice.
-            switch (s) {
-                case 0:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = acc[i];
-                    break;
-                case 1:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = root[i] + acc[i];
-                    break;
-                case 3:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = root[i] + (P1(i) + acc[i]);
-                    break;
-                case 2:
-                case 4:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) P1(i) = acc[i];
-                    break;
-                case 5:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) P1(i) = P1(i) + acc[i];
-                    break;
-                case 6:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) P2(i) = acc[i];
-                    break;
-                default:
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) root[i] = root[i] + (P1(i) + (P2(i) + acc[i]));
-            }
-        }
+        tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(root, acc, p1, slot + ct, ring, full,
+                                                            empty, g * 64 * 128, p.seg_len, tps,
+                                                            p.n_seg, it, releaser);
         const int row0 = mt * 128 + g * 64, col0 = nt * 128;
 #pragma unroll
         for (int i = 0; i < 64; i += 2) {

@@ -174,7 +174,6 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
 mod tests {
     use super::*;
     use crate::cuda::gemm::path::Family;
-    use crate::cuda::gemm::tma;
 
     fn args(shape: TreeMatmul) -> GemmArgs {
         GemmArgs {
@@ -297,12 +296,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("k == n_seg·seg_len = 4096"), "{e}");
-        // s6 partials: one 64 x 256 slice per persistent block, bounded whatever M and N.
-        assert_eq!(
-            Path::WgTma128.workspace_len(4096, 14336, 8),
-            tma::MAX_PERSISTENT_BLOCKS * 64 * 256
-        );
-        assert_eq!(Path::WgTma128.workspace_len(200, 200, 8), 4 * 64 * 256);
+        // The tree paths keep their partials on the chip: no workspace at any shape.
+        assert_eq!(Path::WgTma128.workspace_len(4096, 14336, 8), 0);
         assert_eq!(Path::WgTma128.workspace_len(4096, 4096, 4), 0);
         assert_eq!(Path::WgCluster64.counters_len(64, 4096), 0);
     }

@@ -12,7 +12,6 @@ use super::error::{driver, GemmError};
 use super::path::Path;
 use super::{tma, Params, TreeGemm};
 use crate::cpu::matmul::TreeMatmul;
-use crate::tree::SEGMENTS;
 
 /// Which grouped kernel runs a call: the three mma.sync block shapes, and on Hopper the
 /// wgmma + TMA kernel for many pairs per expert. The mma.sync shapes give the same bits;
@@ -150,14 +149,9 @@ impl GroupedPath {
         (pairs + experts.min(pairs) * (bm - 1)).div_ceil(bm)
     }
 
-    /// f32 elements of workspace a call needs (the split paths' segment sums; the wgmma
-    /// kernel's s6 partials, for at most [`tma::MAX_PERSISTENT_BLOCKS`] blocks).
+    /// f32 elements of workspace a call needs (the split paths' segment sums).
     pub fn workspace_len(self, pairs: usize, n: usize, n_seg: usize) -> usize {
         match self {
-            Self::WgTma128 if n_seg == SEGMENTS => {
-                tma::MAX_PERSISTENT_BLOCKS * tma::S6_FLOATS_PER_BLOCK
-            }
-            Self::WgTma128 => 0,
             _ if self.is_split() => n_seg * pairs * n,
             _ => 0,
         }
@@ -262,7 +256,6 @@ struct MoeTmaParams {
     n_tiles: CUdeviceptr,
     outf: CUdeviceptr,
     outh: CUdeviceptr,
-    ws: CUdeviceptr,
     p: i32,
     n: i32,
     seg_len: i32,
@@ -413,7 +406,6 @@ impl TreeGemm {
             n_tiles: a.tiles.n_tiles,
             outf,
             outh,
-            ws: a.ws,
             p: s.m as i32,
             n: s.n as i32,
             seg_len: s.seg_len as i32,
@@ -537,9 +529,9 @@ mod tests {
     #[test]
     fn moe_tma_params_match_the_c_struct() {
         assert_eq!(std::mem::offset_of!(MoeTmaParams, tw), 128);
-        assert_eq!(std::mem::offset_of!(MoeTmaParams, ws), 184);
-        assert_eq!(std::mem::offset_of!(MoeTmaParams, p), 192);
-        assert_eq!(std::mem::offset_of!(MoeTmaParams, n_seg), 204);
+        assert_eq!(std::mem::offset_of!(MoeTmaParams, outh), 176);
+        assert_eq!(std::mem::offset_of!(MoeTmaParams, p), 184);
+        assert_eq!(std::mem::offset_of!(MoeTmaParams, n_seg), 196);
         assert_eq!(std::mem::size_of::<MoeTmaParams>(), 256);
     }
 

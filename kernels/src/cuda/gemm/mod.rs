@@ -323,7 +323,6 @@ impl TreeGemm {
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
             outf,
             outh,
-            ws: a.ws,
             m: s.m as i32,
             n: s.n as i32,
             seg_len: s.seg_len as i32,

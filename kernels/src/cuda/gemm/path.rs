@@ -3,7 +3,6 @@
 
 use super::tma;
 use crate::cpu::matmul::TreeMatmul;
-use crate::tree::SEGMENTS;
 
 /// Which tensor-core instruction the leaf is made of. Paths of one family give the same
 /// bits; the two families need not agree with each other, so a device always uses one.
@@ -176,15 +175,12 @@ impl Path {
     }
 
     /// f32 elements of workspace the path needs: the split paths keep each segment sum
-    /// (`n_seg·m·n`); `wgtma128` keeps the tree's s6 partials per block (only with all 8
-    /// segments); 0 for the others. Need not be initialised.
+    /// (`n_seg·m·n`); 0 for the others. Need not be initialised.
     pub fn workspace_len(self, m: usize, n: usize, n_seg: usize) -> usize {
-        match self {
-            _ if self.is_split() => n_seg * m * n,
-            Path::WgTma128 if n_seg == SEGMENTS => {
-                self.persistent_blocks(m, n, usize::MAX) * tma::S6_FLOATS_PER_BLOCK
-            }
-            _ => 0,
+        if self.is_split() {
+            n_seg * m * n
+        } else {
+            0
         }
     }
 

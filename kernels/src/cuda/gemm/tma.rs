@@ -18,12 +18,7 @@ use super::error::GemmError;
 /// Columns per TMA box: one 128-byte swizzled row of bf16.
 pub const BOX_K: u32 = 64;
 
-/// f32 of workspace each block of the large-M kernel keeps its s6 partials in (64 values
-/// × 256 consumer threads).
-pub const S6_FLOATS_PER_BLOCK: usize = 64 * 256;
-
-/// Most blocks the persistent large-M kernel launches (it also stops at the SM count), so
-/// its workspace is bounded whatever the shape.
+/// Most blocks the persistent large-M kernel launches (it also stops at the SM count).
 pub const MAX_PERSISTENT_BLOCKS: usize = 256;
 
 /// A `CUtensorMap` as the kernel's `struct TensorMap` (64-byte aligned, 128 bytes).
@@ -39,8 +34,6 @@ pub struct TmaParams {
     pub tw: TensorMapBytes,
     pub outf: CUdeviceptr,
     pub outh: CUdeviceptr,
-    /// The large-M kernel's s6 partials: [`S6_FLOATS_PER_BLOCK`] f32 per block.
-    pub ws: CUdeviceptr,
     pub m: i32,
     pub n: i32,
     pub seg_len: i32,
@@ -228,15 +221,14 @@ mod tests {
 
     #[test]
     fn params_match_the_c_struct() {
-        // struct TmaParams: two 128-byte maps, three pointers, seven ints, padded to 64.
+        // struct TmaParams: two 128-byte maps, two pointers, six ints, padded to 64.
         assert_eq!(std::mem::align_of::<TmaParams>(), 64);
         assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
         assert_eq!(std::mem::offset_of!(TmaParams, outf), 256);
-        assert_eq!(std::mem::offset_of!(TmaParams, ws), 272);
-        assert_eq!(std::mem::offset_of!(TmaParams, m), 280);
-        assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 292);
-        assert_eq!(std::mem::offset_of!(TmaParams, w_early), 296);
-        assert_eq!(std::mem::offset_of!(TmaParams, epi), 300);
+        assert_eq!(std::mem::offset_of!(TmaParams, m), 272);
+        assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 284);
+        assert_eq!(std::mem::offset_of!(TmaParams, w_early), 288);
+        assert_eq!(std::mem::offset_of!(TmaParams, epi), 292);
         assert_eq!(std::mem::size_of::<TmaParams>(), 320);
     }
 }
