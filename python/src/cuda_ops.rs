@@ -1,7 +1,8 @@
 //! `arbor._native.CudaOps`: the forward of `arbor.torch`'s operations on CUDA tensors. Each
 //! runs arbor's CUDA backend — the same methods, so the same kernels chosen the same way,
 //! as a serving rank's step at TP 1 — on views of the torch tensors (weights and inputs are
-//! read in place), and copies the result into the output tensor torch allocated. arbor's
+//! read in place), and writes the result into the output tensor torch allocated (the
+//! kernels write there themselves: the backend's `*_to` methods). arbor's
 //! stream waits for the caller's stream before the op and the caller's stream waits for
 //! arbor's after it, so torch's own ordering (and its allocator's reuse of freed memory)
 //! holds across the call.
@@ -9,15 +10,16 @@
 use std::sync::Mutex;
 
 use arbor_kernels::cpu::RowDraw;
+use arbor_kernels::cuda::ops::{ROW_STATS_F32, ROW_STATS_U64};
 use arbor_kernels::paged::blocks_for;
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
-use arbor_model::backend::cuda::{CudaAct, CudaBackend};
+use arbor_model::backend::cuda::CudaBackend;
 use arbor_model::backend::{Backend, HeadSpec, KvRows, KvSpec, SeqRows, TreeSpec};
 use arbor_model::safetensors::DType;
 use pyo3::prelude::*;
 
 use crate::error::{NResult, NativeError};
-use crate::ops::{expect_shape, operand, sequences, Mem, Place};
+use crate::ops::{expect_shape, int64_operand, operand, sequences, Mem, Place};
 use crate::spec::ModelSpec;
 
 #[pyclass(module = "arbor._native", name = "CudaOps", frozen)]
@@ -55,15 +57,6 @@ impl CudaOps {
 
 fn model_err(e: arbor_model::backend::BackendError) -> NativeError {
     NativeError::Backend(e)
-}
-
-/// `a` into the output tensor at `out`.
-///
-/// # Safety
-/// `out` is an f32 CUDA tensor of `a`'s size on the backend's device, an argument of the
-/// caller's call.
-unsafe fn store(b: &CudaBackend, a: &CudaAct, out: &Mem) -> NResult<()> {
-    b.copy_act_to(a, out.addr()).map_err(model_err)
 }
 
 #[pymethods]
@@ -123,13 +116,70 @@ impl CudaOps {
                     None => b.borrow_act(x.addr(), m, k),
                 };
                 let wm = b.borrow_mat(w.addr(), n, k);
-                let y = b.matmul(&xa, &wm, tree).map_err(model_err)?;
-                store(b, &y, &o)
+                b.matmul_to(&xa, &wm, tree, o.addr()).map_err(model_err)
             }
         })?)
     }
 
-    /// Per row `x / sqrt(mean(x²) + eps) · weight`, f32 `[R, C]`, `weight` f32 `[C]`.
+    /// `out = silu(gate)·up` of `bf16(x) · wᵀ` whose weight rows alternate gate and up
+    /// (row 2j gate j, row 2j + 1 up j): the engine's fused gate/up projection, its
+    /// epilogue computing SiLU·mul where the GEMM has one (the bits of `tree_linear` then
+    /// `silu_mul` on the two halves). `x` f32 `[M, K]` (`xb` its bf16), `w` bf16 `[2I, K]`,
+    /// `out` f32 `[M, I]`, `outb` (optional) bf16 `[M, I]`: `out` rounded to bf16.
+    #[pyo3(signature = (x, xb, w, out, outb, stream))]
+    fn tree_linear_silu(
+        &self,
+        x: &Bound<'_, PyAny>,
+        xb: Option<&Bound<'_, PyAny>>,
+        w: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        outb: Option<&Bound<'_, PyAny>>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "tree_linear_silu";
+        let x = operand(OP, "x", x, DType::F32, 2, self.place())?;
+        let xb = xb
+            .map(|t| operand(OP, "xb", t, DType::BF16, 2, self.place()))
+            .transpose()?;
+        if let Some(b) = &xb {
+            expect_shape(OP, "xb", b, &x.shape)?;
+        }
+        let w = operand(OP, "weight", w, DType::BF16, 2, self.place())?;
+        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
+        expect_shape(OP, "weight", &w, &[n, k])?;
+        if n % 2 != 0 {
+            return Err(NativeError::Input(format!(
+                "{OP}: the gate/up weight has {n} rows, not an even count"
+            ))
+            .into());
+        }
+        let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
+        expect_shape(OP, "out", &o, &[m, n / 2])?;
+        let ob = bf16_out(OP, outb, &[m, n / 2], self.place())?;
+        let tree = TreeSpec {
+            seg_len: SegmentLayout::new(k).seg_len,
+            n_seg: SEGMENTS,
+            k,
+        };
+        Ok(self.run(stream, |b| {
+            // SAFETY: as in `tree_linear`; outb, when given, is a bf16 CUDA tensor of out's
+            // shape on this device, held by the caller for the call.
+            unsafe {
+                let xa = match &xb {
+                    Some(xb) => b.borrow_act_with_bf16(x.addr(), xb.addr(), m, k),
+                    None => b.borrow_act(x.addr(), m, k),
+                };
+                let wm = b.borrow_mat(w.addr(), n, k);
+                b.matmul_silu_mul_to(&xa, &wm, tree, o.addr(), ob.as_ref().map(Mem::addr))
+                    .map_err(model_err)
+            }
+        })?)
+    }
+
+    /// Per row `x / sqrt(mean(x²) + eps) · weight`, f32 `[R, C]`, `weight` f32 `[C]`;
+    /// `outb` (optional) bf16 `[R, C]`: `out` rounded to bf16, written by the same kernel
+    /// (the input a following linear reads).
+    #[pyo3(signature = (x, weight, eps, out, stream, outb=None))]
     fn rms_norm(
         &self,
         x: &Bound<'_, PyAny>,
@@ -137,6 +187,7 @@ impl CudaOps {
         eps: f32,
         out: &Bound<'_, PyAny>,
         stream: u64,
+        outb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         const OP: &str = "rms_norm";
         let x = operand(OP, "x", x, DType::F32, 2, self.place())?;
@@ -145,13 +196,14 @@ impl CudaOps {
         let (r, c) = (x.shape[0], x.shape[1]);
         expect_shape(OP, "weight", &w, &[c])?;
         expect_shape(OP, "out", &o, &[r, c])?;
+        let ob = bf16_out(OP, outb, &[r, c], self.place())?;
         Ok(self.run(stream, |b| {
-            // SAFETY: as in `tree_linear`.
+            // SAFETY: as in `tree_linear_silu`.
             unsafe {
                 let xa = b.borrow_act(x.addr(), r, c);
                 let wa = b.borrow_act(w.addr(), 1, c);
-                let y = b.rms_norm(&xa, &wa, eps).map_err(model_err)?;
-                store(b, &y, &o)
+                b.rms_norm_to(&xa, &wa, eps, o.addr(), ob.as_ref().map(Mem::addr))
+                    .map_err(model_err)
             }
         })?)
     }
@@ -176,8 +228,40 @@ impl CudaOps {
             unsafe {
                 let ga = b.borrow_act(g.addr(), r, c);
                 let ua = b.borrow_act(u.addr(), r, c);
-                let y = b.silu_mul(&ga, &ua).map_err(model_err)?;
-                store(b, &y, &o)
+                b.silu_mul_to(&ga, &ua, o.addr()).map_err(model_err)
+            }
+        })?)
+    }
+
+    /// `silu(gate)·up` of `gu` f32 `[R, 2C]` whose columns alternate gate and up (column
+    /// 2j gate j, 2j + 1 up j), into `out` f32 `[R, C]` and, rounded to bf16, `outb`
+    /// (optional, bf16 `[R, C]`): the bits of `silu_mul` on the two halves.
+    #[pyo3(signature = (gu, out, outb, stream))]
+    fn silu_mul_pairs(
+        &self,
+        gu: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        outb: Option<&Bound<'_, PyAny>>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "silu_mul_pairs";
+        let g = operand(OP, "gu", gu, DType::F32, 2, self.place())?;
+        let (r, c2) = (g.shape[0], g.shape[1]);
+        if c2 % 2 != 0 {
+            return Err(NativeError::Input(format!(
+                "{OP}: gu has {c2} columns, not an even count"
+            ))
+            .into());
+        }
+        let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
+        expect_shape(OP, "out", &o, &[r, c2 / 2])?;
+        let ob = bf16_out(OP, outb, &[r, c2 / 2], self.place())?;
+        Ok(self.run(stream, |b| {
+            // SAFETY: as in `tree_linear_silu`.
+            unsafe {
+                let ga = b.borrow_act(g.addr(), r, c2);
+                b.silu_mul_pairs_to(&ga, o.addr(), ob.as_ref().map(Mem::addr))
+                    .map_err(model_err)
             }
         })?)
     }
@@ -189,7 +273,9 @@ impl CudaOps {
     /// without q/k norms); otherwise `q`, `k`, `v` are separate (the engine's path for
     /// Qwen3). `out` f32 `[T, n_heads·head_dim]`.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (spec, qkv, q, k, v, cu_seqlens, n_heads, n_kv_heads, out, stream))]
+    /// `outb` (optional) bf16 of `out`'s shape: `out` rounded to bf16 (the o projection's
+    /// input).
+    #[pyo3(signature = (spec, qkv, q, k, v, cu_seqlens, n_heads, n_kv_heads, out, stream, outb=None))]
     fn rope_attention(
         &self,
         spec: &ModelSpec,
@@ -202,6 +288,7 @@ impl CudaOps {
         n_kv_heads: usize,
         out: &Bound<'_, PyAny>,
         stream: u64,
+        outb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         const OP: &str = "rope_attention";
         let hd = spec.head_dim();
@@ -209,6 +296,7 @@ impl CudaOps {
         let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
         let rows = o.shape[0];
         expect_shape(OP, "out", &o, &[rows, qw])?;
+        let ob = bf16_out(OP, outb, &[rows, qw], self.place())?;
         let seqs = sequences(OP, &cu_seqlens, rows)?;
         let longest = seqs.iter().map(|&(_, n)| n).max().unwrap_or(0);
         let table = spec.table(longest)?;
@@ -286,10 +374,59 @@ impl CudaOps {
                         qa
                     }
                 };
-                let a = b
-                    .attention(&q, &cache, 0, kv_rows, heads)
-                    .map_err(model_err)?;
-                store(b, &a, &o)
+                b.attention_to(
+                    &q,
+                    &cache,
+                    0,
+                    kv_rows,
+                    heads,
+                    o.addr(),
+                    ob.as_ref().map(Mem::addr),
+                )
+                .map_err(model_err)
+            }
+        })?)
+    }
+
+    /// The GPU's row statistics of `logits` (f32 `[R, C]`, its first `vocab` columns)
+    /// with everything on the device, nothing read back, so that torch's stream runs on
+    /// without the host waiting: `params` int64 `[R, 3]` (per row the picked column, a
+    /// value ≥ `vocab` for none, then 0, 0: no draw), `out_f` f32 `[R, 6]` (max,
+    /// log-sum-exp, the picked value, …) and `out_u` int64 `[R, 3]` (argmax, digest, …)
+    /// written by the kernel `token_logprobs` runs, so a token's log-prob is
+    /// `out_f[r, 2] − out_f[r, 1]`, the same bits. A pick outside the vocabulary gives a
+    /// NaN picked value (the kernel reads nothing outside the row).
+    fn row_stats(
+        &self,
+        logits: &Bound<'_, PyAny>,
+        vocab: usize,
+        params: &Bound<'_, PyAny>,
+        out_f: &Bound<'_, PyAny>,
+        out_u: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "row_stats";
+        let l = operand(OP, "logits", logits, DType::F32, 2, self.place())?;
+        let (rows, cols) = (l.shape[0], l.shape[1]);
+        if vocab > cols {
+            return Err(NativeError::Input(format!(
+                "{OP}: vocab {vocab} for rows of {cols} logits"
+            ))
+            .into());
+        }
+        let p = int64_operand(OP, "params", params, 2, self.place())?;
+        expect_shape(OP, "params", &p, &[rows, 3])?;
+        let f = operand(OP, "out_f", out_f, DType::F32, 2, self.place())?;
+        expect_shape(OP, "out_f", &f, &[rows, ROW_STATS_F32])?;
+        let u = int64_operand(OP, "out_u", out_u, 2, self.place())?;
+        expect_shape(OP, "out_u", &u, &[rows, ROW_STATS_U64])?;
+        Ok(self.run(stream, |b| {
+            // SAFETY: as in `tree_linear`; torch's allocations are 8-byte aligned (the
+            // kernel checks it too).
+            unsafe {
+                let la = b.borrow_act(l.addr(), rows, cols);
+                b.row_stats_to(&la, vocab, p.addr(), f.addr(), u.addr())
+                    .map_err(model_err)
             }
         })?)
     }
@@ -333,4 +470,19 @@ impl CudaOps {
         })?;
         Ok(stats.iter().map(|s| (s.picked - s.lse, s.digest)).unzip())
     }
+}
+
+/// The optional bf16 companion output `outb` of an op, checked to be `shape`.
+fn bf16_out(
+    op: &str,
+    outb: Option<&Bound<'_, PyAny>>,
+    shape: &[usize],
+    place: Place,
+) -> NResult<Option<Mem>> {
+    outb.map(|t| {
+        let m = operand(op, "outb", t, DType::BF16, 2, place)?;
+        expect_shape(op, "outb", &m, shape)?;
+        Ok(m)
+    })
+    .transpose()
 }

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyByteArray;
 
 use crate::error::{NResult, NativeError};
-use crate::tensors::{device, memory};
+use crate::tensors::{device, int64_memory, memory};
 
 /// A tensor's memory: where it starts, how many bytes, its shape.
 #[derive(Debug, Clone)]
@@ -118,6 +118,37 @@ pub fn operand(
         bytes: d.nbytes(),
         shape: d.shape,
     })
+}
+
+/// An int64 operand of an op (indices, or results the kernel writes as u64): on `place`,
+/// contiguous, `dims` dimensions.
+pub fn int64_operand(
+    op: &str,
+    what: &str,
+    t: &Bound<'_, PyAny>,
+    dims: usize,
+    place: Place,
+) -> NResult<Mem> {
+    let name = format!("{op}: {what}");
+    let (kind, index) =
+        device(t, &name).map_err(|_| NativeError::Type(format!("{name}: not a torch.Tensor")))?;
+    let on_place = match place {
+        Place::Cpu => kind == "cpu",
+        Place::Cuda(ordinal) => kind == "cuda" && index == Some(ordinal),
+    };
+    if !on_place {
+        return Err(NativeError::Input(format!(
+            "{name} is on {kind}:{}, not where the op runs",
+            index.map_or("?".into(), |i| i.to_string())
+        )));
+    }
+    let (ptr, shape, bytes) = int64_memory(t, &name)?;
+    if shape.len() != dims {
+        return Err(NativeError::Input(format!(
+            "{name}: shape {shape:?} where {dims} dimensions are expected"
+        )));
+    }
+    Ok(Mem { ptr, bytes, shape })
 }
 
 pub fn expect_shape(op: &str, what: &str, m: &Mem, shape: &[usize]) -> NResult<()> {

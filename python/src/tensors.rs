@@ -131,6 +131,45 @@ pub fn memory(name: &str, t: &Bound<'_, PyAny>, what: &str) -> NResult<TorchTens
     })
 }
 
+/// An int64 tensor's address, shape and byte size (contiguous and strided, on any
+/// device): index and result operands of the CUDA ops, which no safetensors dtype names.
+pub fn int64_memory(t: &Bound<'_, PyAny>, what: &str) -> NResult<(usize, Vec<usize>, usize)> {
+    let dtype = attr(t, "dtype", what)?
+        .str()
+        .map(|s| s.to_string())
+        .map_err(|e| NativeError::Type(format!("{what}: dtype: {e}")))?;
+    if dtype != "torch.int64" {
+        return Err(NativeError::Type(format!(
+            "{what}: dtype {dtype} where torch.int64 is expected"
+        )));
+    }
+    let layout = attr(t, "layout", what)?.str().map(|s| s.to_string());
+    if layout.as_deref().ok() != Some("torch.strided") {
+        return Err(NativeError::Type(format!(
+            "{what}: not a strided tensor (a sparse or nested one)"
+        )));
+    }
+    if !call0::<bool>(t, "is_contiguous", what)? {
+        return Err(NativeError::Input(format!(
+            "{what} is not contiguous: pass .contiguous()"
+        )));
+    }
+    let shape: Vec<usize> = attr(t, "shape", what)?
+        .extract()
+        .map_err(|e| NativeError::Type(format!("{what}: shape: {e}")))?;
+    let nbytes = shape
+        .iter()
+        .try_fold(8usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| NativeError::Input(format!("{what}: shape {shape:?} overflows")))?;
+    let ptr: usize = call0(t, "data_ptr", what)?;
+    if nbytes > 0 && ptr == 0 {
+        return Err(NativeError::Input(format!(
+            "{what} has no data (a null data_ptr)"
+        )));
+    }
+    Ok((ptr, shape, nbytes))
+}
+
 /// The tensors as one safetensors image (header, then each tensor's bytes in order): the
 /// one copy out of torch's memory. The caller holds the tensors (and the GIL) while this
 /// runs, so no Python code frees or resizes them under the copy.

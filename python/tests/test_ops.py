@@ -191,3 +191,34 @@ def test_gradients_agree_with_the_plain_pytorch_forward(tiny: dict[str, Path]) -
         for n, p in model.named_parameters()
     )
     assert worst[0] > MIN_COSINE, worst
+
+
+def test_fused_ops_gradcheck_in_f64_and_give_each_linears_bits(spec: _native.ModelSpec) -> None:
+    """`fused_linear` (q|k|v, interleaved gate/up), `SiluMulPairs` and `RopeAttentionQKV`:
+    their backward is the separate ops' (gradcheck in f64), and in f32 each column has the
+    bits of its own linear / the separate ops' result."""
+    ws = (_f64(5, 16, seed=1), _f64(3, 16, seed=2), _f64(3, 16, seed=3))
+    assert gradcheck(lambda x, *w: ops.fused_linear(x, w), (_f64(4, 16), *ws))
+    assert gradcheck(
+        lambda x, g, u: ops.gate_up_silu(x, g, u), (_f64(4, 16), ws[1], ws[2].detach().clone())
+    )
+    at = _at(spec)
+    assert gradcheck(
+        lambda qkv: ops.rope_attention_qkv(qkv, at, HEADS, KV_HEADS),
+        (torch.cat([t.detach() for t in _packed_qkv(spec)], 1).requires_grad_(),),
+        fast_mode=True,
+    )
+
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(3))
+    w32 = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (48, 16, 16)]
+    w = [t.to(torch.bfloat16) for t in w32]
+    fused = ops.fused_linear(x, w)
+    assert torch.equal(fused, torch.cat([ops.tree_linear(x, t) for t in w], 1))
+    want = ops.silu_mul(ops.tree_linear(x, w[1]), ops.tree_linear(x, w[2]))
+    assert torch.equal(ops.gate_up_silu(x, w[1], w[2]), want)
+    q, k, v = fused.split([48, 16, 16], 1)
+    cu = [0, 30, 37]
+    at = ops.Positions(cu, spec, torch.device("cpu"))
+    assert torch.equal(
+        ops.rope_attention_qkv(fused, at, 3, 1), ops.rope_attention(q, k, v, at, 3, 1)
+    )

@@ -289,6 +289,126 @@ def timed(f, reps: int) -> tuple[float, float]:
     return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
 
 
+def op_bits() -> dict:
+    """The forward's fast paths against the op by op ones, bit for bit, on this GPU: the
+    token log-probs kept on the device against the host-result path, q|k|v and gate/up
+    as one GEMM against separate linears, the GEMM's SiLU·mul epilogue (no-grad) against
+    the GEMM then SiLU·mul, and the kernels' bf16 companions against torch's rounding."""
+    from arbor.torch import ops
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda") * scale
+
+    def same(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+        ok = a.shape == b.shape and torch.equal(
+            a.view(torch.int32), b.view(torch.int32)
+        )
+        check(f"op bits: {name}", ok, "" if ok else f"{(a != b).sum().item()} differ")
+        return ok
+
+    res: dict = {}
+    logits = rnd(37, 128256, scale=4.0)
+    targets = torch.randint(0, 128256, (37,), generator=g, device="cuda")
+    cuda, stream = ops._cuda(logits)
+    host, _ = cuda.token_logprobs(logits, targets.tolist(), stream)
+    dev = ops._logprob_values(logits, targets)
+    res["logprobs"] = same(
+        "device log-probs == host path", dev, torch.tensor(host, device="cuda")
+    )
+    try:
+        ops.token_logprobs(logits, torch.full((37,), 128256, device="cuda"))
+        check("op bits: out-of-vocabulary target raises", False, "no exception")
+    except Exception as e:  # noqa: BLE001
+        check(
+            "op bits: out-of-vocabulary target raises", "vocabulary" in str(e), str(e)
+        )
+
+    x = rnd(300, 4096)
+    ws = [rnd(n, 4096, scale=0.02).to(torch.bfloat16) for n in (4096, 1024, 1024)]
+    fused = ops.fused_linear(x, ws)
+    res["qkv"] = same(
+        "q|k|v one GEMM == three",
+        fused,
+        torch.cat([ops.tree_linear(x, w) for w in ws], 1),
+    )
+    wg, wu = (rnd(14336, 4096, scale=0.02).to(torch.bfloat16) for _ in range(2))
+    want = ops.silu_mul(ops.tree_linear(x, wg), ops.tree_linear(x, wu))
+    with torch.no_grad():
+        res["gate_up_epilogue"] = same(
+            "gate/up GEMM+SiLU epilogue == linears, silu_mul",
+            ops.gate_up_silu(x, wg, wu),
+            want,
+        )
+    xg = x.clone().requires_grad_()
+    y = ops.gate_up_silu(xg, wg, wu)
+    res["gate_up"] = same(
+        "gate/up one GEMM, silu_mul_pairs == linears, silu_mul", y, want
+    )
+    res["companion"] = same(
+        "silu companion == torch bf16",
+        ops._input_bf16(y).float(),
+        y.detach().to(torch.bfloat16).float(),
+    )
+    w = rnd(4096).to(torch.bfloat16)
+    n = ops.rms_norm(x, w, 1e-5)
+    res["norm_companion"] = same(
+        "rms_norm companion == torch bf16",
+        ops._input_bf16(n).float(),
+        n.to(torch.bfloat16).float(),
+    )
+    return res
+
+
+def profile_summary(name: str, f, top: int = 12) -> dict:
+    """One run of `f` under torch's profiler: its wall time, the kernels' summed time, the
+    time the GPU ran any kernel (overlaps merged) and so the GPU's idle time from the
+    first kernel to the last, and the `top` kernels by total time. Prints it, returns it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    f()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels = [e for e in p.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    summed = sum(e - s for s, e in spans) / 1e3
+    busy, reach = 0.0, float("-inf")
+    for s, e in spans:
+        if e > reach:
+            busy += e - max(s, reach)
+            reach = e
+    extent = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        t = by_name.setdefault(e.name, [0.0, 0])
+        t[0] += e.time_range.elapsed_us() / 1e3
+        t[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    print(
+        f"  profile {name}: wall {wall:.1f} ms; {len(kernels)} kernels, {summed:.1f} ms summed, "
+        f"GPU busy {busy / 1e3:.1f} ms of the {extent:.1f} ms from first to last kernel "
+        f"(idle {extent - busy / 1e3:.1f} ms)",
+        flush=True,
+    )
+    for k, (ms, n) in ranked:
+        print(f"    {ms:8.2f} ms  {n:5d}x  {k[:100]}", flush=True)
+    return {
+        "wall_ms": wall,
+        "kernels": len(kernels),
+        "kernel_ms_summed": summed,
+        "gpu_busy_ms": busy / 1e3,
+        "first_to_last_ms": extent,
+        "top": [{"name": k, "ms": ms, "count": n} for k, (ms, n) in ranked],
+    }
+
+
 def bench(
     work: Path, layers: int, shapes: list[tuple[int, int]], reps: int, profile: bool
 ) -> dict:
@@ -357,16 +477,12 @@ def bench(
             flush=True,
         )
         if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as prof
-
-            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                arbor_fwd()
-                torch.cuda.synchronize()
-            print(
-                p.key_averages().table(sort_by="cuda_time_total", row_limit=14),
-                flush=True,
-            )
+            for name, f in [
+                ("arbor_fwd", arbor_fwd),
+                ("plain_fwd", plain_fwd),
+                ("arbor_fwd_bwd", arbor_fwd_bwd),
+            ]:
+                res[f"profile_{name}"] = profile_summary(name, f)
             profile = False
     return out
 
@@ -425,7 +541,11 @@ def main() -> int:
         "--bench-shapes", default="4x4096,8x2048", help="rows x tokens, comma-separated"
     )
     ap.add_argument(
-        "--profile", action="store_true", help="kernel table of one arbor forward"
+        "--profile",
+        action="store_true",
+        help="for the first shape: one arbor forward, plain forward and arbor "
+        "forward+backward under torch's profiler (top kernels, kernel time vs wall "
+        "time, GPU idle time)",
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--skip-parity", action="store_true")
@@ -443,6 +563,7 @@ def main() -> int:
         work = Path(tmp)
         if not a.skip_parity:
             result["parity"] = parity(a.bin, work)
+        result["op_bits"] = op_bits()
         if a.shape_bits:
             result["shape_bits"] = shape_bits(a.bin, work, a.shape_bits)
         if a.bench_layers:

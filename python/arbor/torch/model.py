@@ -57,6 +57,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, at: ops.Positions) -> torch.Tensor:
         c = self.c
         rows = x.shape[0]
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not c.qk_norm:
+            # The engine's path: q, k and v by one GEMM over the three weights (each
+            # column the bits of its own linear), read side by side by the one-pass
+            # RoPE + KV + attention kernel.
+            qkv = ops.fused_linear(x, [p.weight for p in projs])
+            if c.qkv_bias:
+                bias = torch.cat([p.bias for p in projs])  # type: ignore[misc]
+                qkv = qkv + ops._bias(bias, qkv)
+            a = ops.rope_attention_qkv(qkv, at, c.num_heads, c.num_kv_heads)
+            return self.o_proj(a)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if c.qk_norm:
             # Per head: rows of head_dim.
@@ -75,6 +86,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj.bias is None and self.up_proj.bias is None and x.dim() == 2:
+            # The engine's path: one GEMM over the interleaved gate/up weight.
+            return self.down_proj(ops.gate_up_silu(x, self.gate_proj.weight, self.up_proj.weight))
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -89,6 +103,8 @@ class MixtralExpert(nn.Module):
         self.w3 = Linear(hidden, intermediate, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.w2(ops.gate_up_silu(x, self.w1.weight, self.w3.weight))
         return self.w2(ops.silu_mul(self.w1(x), self.w3(x)))
 
 
@@ -304,13 +320,15 @@ class CausalLM(nn.Module):
         h = self.model(ids, at)
         if return_token_logprobs:
             # Rows that predict a token of their own sequence: all but each one's last.
-            rows = torch.tensor(
-                [r for s, e in pairwise(cu) for r in range(s, e - 1)],
-                dtype=torch.long,
-                device=device,
+            rows = ops._device_copy(
+                torch.tensor(
+                    [r for s, e in pairwise(cu) for r in range(s, e - 1)], dtype=torch.long
+                ),
+                device,
             )
             x = self.model.norm(h[rows])
-            lp = ops.head_logprobs(x, self.lm_head.weight, ids[rows + 1])
+            # The targets are input ids, checked against the vocabulary by `_unpack`.
+            lp = ops.head_logprobs(x, self.lm_head.weight, ids[rows + 1], checked=True)
             out = lp.new_zeros(ids.shape[0]).index_put((rows,), lp)
             if not batched:
                 return out
@@ -344,8 +362,11 @@ def _check_ids(
     if input_ids.device != device:
         raise ValueError(f"input_ids is on {input_ids.device}, the model on {device}")
     ids = input_ids.long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        bad = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
+    # One host sync on CUDA ids (the check's answer), before any of the forward's work is
+    # queued: the embedding and the log-probs' targets rely on it.
+    out_of_range = (ids < 0) | (ids >= vocab)
+    if ids.numel() and bool(out_of_range.any()):
+        bad = out_of_range.nonzero()[0].tolist()
         at = ", ".join(str(i) for i in bad)
         raise _native.InvalidInput(
             f"input_ids[{at}] = {int(ids[tuple(bad)])} is outside the vocabulary (size {vocab})"
@@ -378,14 +399,14 @@ def _unpack(
         return ids, [b - a for a, b in pairwise(cu)], False
     ids = _check_ids(input_ids, vocab, 2, device)
     lengths = _lengths(ids, attention_mask)
-    real = _real(lengths, ids.shape[1]).to(device)
+    real = ops._device_copy(_real(lengths, ids.shape[1]), device)
     return ids[real], lengths, True
 
 
 def _to_batch(packed: torch.Tensor, lengths: list[int], t: int) -> torch.Tensor:
     """Packed rows `[N, ...]` back to `[B, T, ...]`, zeros where a row is padded."""
     out = packed.new_zeros(len(lengths), t, *packed.shape[1:])
-    return out.index_put((_real(lengths, t).to(packed.device),), packed)
+    return out.index_put((ops._device_copy(_real(lengths, t), packed.device),), packed)
 
 
 def _lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:

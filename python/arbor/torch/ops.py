@@ -3,7 +3,8 @@
 The forward of each runs arbor's own kernel on the tensors' memory: on CPU tensors the CPU
 backend's kernel (`arbor._native`, no copy in or out); on CUDA tensors the CUDA backend's
 method a serving rank runs (`arbor._native.CudaOps`: inputs and weights read in place,
-the result copied into the output tensor, ordered with torch's current stream). A model
+the kernels writing into the output tensor torch allocated, ordered with torch's current
+stream, the host never waiting for the device). A model
 built from these operations computes, value for value, what `arbor score` and `arbor
 serve` compute on the same kind of device at any TP size (the CPU's bits and the GPU's
 differ from each other). The backward is PyTorch's:
@@ -35,8 +36,37 @@ def _f64(*xs: torch.Tensor) -> bool:
 
 
 def _bf16(w: torch.Tensor) -> torch.Tensor:
-    """The bf16 values arbor computes with (a copy only when `w` is not bf16 already)."""
+    """The bf16 values arbor computes with (a copy only when `w` is not bf16 and
+    contiguous already)."""
     return w.to(torch.bfloat16).contiguous()
+
+
+def _with_bf16(out: torch.Tensor, outb: torch.Tensor) -> torch.Tensor:
+    """`out` carrying `outb`, its values rounded to bf16 by the kernel that wrote them
+    (the engine's bf16 companion, `CudaAct.bf16`), so that a linear reading `out` next
+    takes it instead of converting again. Tied to `out`'s version: an in-place change of
+    `out` drops it."""
+    out._arbor_bf16 = (outb, out._version)  # type: ignore[attr-defined]
+    return out
+
+
+def _input_bf16(x: torch.Tensor) -> torch.Tensor:
+    """`bf16(x)` of an f32 activation: the companion its producer wrote, else a conversion
+    (round to nearest even, as arbor rounds: the same bits either way)."""
+    held = getattr(x, "_arbor_bf16", None)
+    if held is not None:
+        outb, version = held
+        if version == x._version and outb.shape == x.shape:
+            return outb
+    return _bf16(x)
+
+
+def _device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for the device: a plain
+    `.to("cuda")` of pageable memory synchronises the stream; a pinned one is queued."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _activations(op: str, *xs: torch.Tensor) -> None:
@@ -68,7 +98,8 @@ def _grad_as(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def _linear_values(x: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """arbor's `bf16(x) · bf16(W)ᵀ`, f32 `[M, N]`, for `x` f32 `[M, K]` (`xb` its bf16)."""
+    """arbor's `bf16(x) · bf16(W)ᵀ`, f32 `[M, N]`, for `x` f32 `[M, K]` (`xb` its bf16). On
+    CUDA the GEMM writes the output tensor itself."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
     if out.numel() == 0:
         # An expert no row was routed to (see `SparseMoeBlock`): nothing to compute.
@@ -82,14 +113,43 @@ def _linear_values(x: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> t
 
 
 def _logprob_values(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """arbor's token log-probs of the rows of `logits` (f32 `[R, V]`, contiguous)."""
+    """arbor's token log-probs of the rows of `logits` (f32 `[R, V]`, contiguous).
+
+    On CUDA everything stays on the device: the targets go to the row-stats kernel as a
+    device tensor and the log-prob is `picked - lse` of its results, subtracted by torch
+    (one IEEE subtraction, the bits the host computes from the same two values). The
+    targets must be in the vocabulary (`_check_targets`): the kernel gives NaN for one
+    that is not, it does not raise."""
     if logits.is_cuda:
         cuda, stream = _cuda(logits)
-        lp, _ = _retry(cuda.token_logprobs, logits, targets.tolist(), stream)
-        return torch.tensor(lp, dtype=torch.float32, device=logits.device)
+        rows, vocab = logits.shape
+        params = torch.zeros(rows, 3, dtype=torch.int64, device=logits.device)
+        params[:, 0] = targets
+        stats = torch.empty(rows, 6, dtype=torch.float32, device=logits.device)
+        words = torch.empty(rows, 3, dtype=torch.int64, device=logits.device)
+        if rows:
+            _retry(cuda.row_stats, logits, vocab, params, stats, words, stream)
+        return stats[:, 2] - stats[:, 1]
     out = torch.empty(logits.shape[0], dtype=torch.float32)
     _native.token_logprobs(logits, targets.tolist(), out)
     return out
+
+
+def _check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Raises for a target outside `[0, vocab)` (for CUDA logits: the kernel itself gives
+    NaN there, it cannot raise). On CUDA tensors this is one device sync (the check's
+    result comes to the host) per call of the op, before its kernels are queued; the
+    model's own forward skips it (its targets are its input ids, checked when they came
+    in). The CPU kernel checks its targets itself."""
+    if targets.numel() == 0:
+        return
+    bad = (targets < 0) | (targets >= vocab)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise _native.InvalidInput(
+            f"token_logprobs: target {int(targets[r])} of row {r} is outside the vocabulary "
+            f"(size {vocab})"
+        )
 
 
 def _retry(op: Any, *args: Any) -> Any:
@@ -116,7 +176,7 @@ class TreeLinear(torch.autograd.Function):
             return x @ weight.t()
         _activations("tree_linear", x)
         x2 = x.reshape(-1, x.shape[-1])
-        xb = _bf16(x2)
+        xb = _input_bf16(x).reshape(x2.shape)
         out = _linear_values(x2, xb, weight)
         # The bf16 input is what the backward needs (half the f32 activation's memory).
         ctx.save_for_backward(xb, weight)
@@ -153,7 +213,9 @@ class RMSNorm(torch.autograd.Function):
         out = torch.empty_like(x2)
         if x.is_cuda:
             cuda, stream = _cuda(x)
-            _retry(cuda.rms_norm, x2, _bf16(weight).float(), eps, out, stream)
+            outb = torch.empty(out.shape, dtype=torch.bfloat16, device=x.device)
+            _retry(cuda.rms_norm, x2, _bf16(weight).float(), eps, out, stream, outb)
+            return _with_bf16(out.view(x.shape), outb.view(x.shape))
         else:
             _native.rms_norm(x2, _bf16(weight).float(), eps, out)
         return out.view(x.shape)
@@ -203,6 +265,127 @@ class SiluMul(torch.autograd.Function):
         gg = grad * up * s * (1 + gate * (1 - s))
         gu = grad * gate * s
         return gg, gu
+
+
+def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`[R, 2C]` whose column 2j is `a[:, j]` and 2j + 1 `b[:, j]` (the engine's gate/up
+    layout)."""
+    return torch.stack((a, b), dim=-1).reshape(a.shape[0], 2 * a.shape[1])
+
+
+class FusedLinear(torch.autograd.Function):
+    """Several linears of one input as one GEMM: `bf16(x) · bf16(W)ᵀ` for `W` the weights'
+    rows one after another (`interleave=False`: q|k|v, the engine's fused attention input)
+    or alternating (`interleave=True`, two weights: gate and up, the engine's gate/up
+    layout). The tree GEMM's output element depends on its X row and W row alone, so each
+    column holds the bits its own linear gives; the weights are concatenated (a copy of
+    them) per forward, the parameters stay separate. The backward is each `TreeLinear`'s."""
+
+    @staticmethod
+    def forward(
+        ctx: Ctx, x: torch.Tensor, interleave: bool, *weights: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.interleave = interleave
+        ctx.widths = [w.shape[0] for w in weights]
+        if _f64(x, *weights):
+            ctx.save_for_backward(x, *weights)
+            ys = [x @ w.t() for w in weights]
+            return _interleave(*ys) if interleave else torch.cat(ys, dim=1)
+        _activations("tree_linear", x)
+        xb = _input_bf16(x)
+        parts = [_bf16(w) for w in weights]
+        if interleave:
+            w = torch.stack(parts, dim=1).reshape(-1, x.shape[1])
+        else:
+            w = torch.cat(parts)
+        out = _linear_values(x, xb, w)
+        ctx.save_for_backward(xb, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        if ctx.interleave:
+            gs = [grad[:, j :: len(weights)] for j in range(len(weights))]
+        else:
+            gs = list(grad.split(ctx.widths, dim=1))
+        mm = torch.bfloat16 if grad.is_cuda else grad.dtype
+        gx = None
+        if ctx.needs_input_grad[0]:
+            for g, weight in zip(gs, weights, strict=True):
+                w = weight if weight.dtype == torch.float64 else _bf16(weight)
+                part = (g.to(mm) @ w.to(mm)).to(grad.dtype)
+                gx = part if gx is None else gx + part
+        gws = [
+            (g.t().to(mm) @ x.to(mm)).to(w.dtype) if ctx.needs_input_grad[2 + i] else None
+            for i, (g, w) in enumerate(zip(gs, weights, strict=True))
+        ]
+        return gx, None, *gws
+
+
+def fused_linear(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], interleave: bool = False
+) -> torch.Tensor:
+    """[`FusedLinear`]: the linears of `x` by `weights` as one GEMM, f32 `[M, ΣN]`."""
+    return FusedLinear.apply(x, interleave, *weights)
+
+
+class SiluMulPairs(torch.autograd.Function):
+    """`silu(gate)·up` of `gu` `[R, 2C]` whose columns alternate gate and up: the bits of
+    `SiluMul` on the two halves (the engine's kernel for its gate/up layout)."""
+
+    @staticmethod
+    def forward(ctx: Ctx, gu: torch.Tensor) -> torch.Tensor:
+        if _f64(gu):
+            ctx.save_for_backward(gu)
+            return F.silu(gu[:, 0::2]) * gu[:, 1::2]
+        _activations("silu_mul", gu)
+        gu = gu.contiguous()
+        rows, c = gu.shape[0], gu.shape[1] // 2
+        out = torch.empty(rows, c, dtype=torch.float32, device=gu.device)
+        if gu.is_cuda:
+            # As `SiluMul`: the backward reads a bf16 copy on a GPU.
+            ctx.save_for_backward(gu.to(torch.bfloat16))
+            outb = torch.empty(rows, c, dtype=torch.bfloat16, device=gu.device)
+            if out.numel():
+                cuda, stream = _cuda(gu)
+                _retry(cuda.silu_mul_pairs, gu, out, outb, stream)
+            return _with_bf16(out, outb)
+        ctx.save_for_backward(gu)
+        if out.numel():
+            _native.silu_mul(gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous(), out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (gu,) = ctx.saved_tensors
+        gate, up = gu[:, 0::2].to(grad.dtype), gu[:, 1::2].to(grad.dtype)
+        s = torch.sigmoid(gate)
+        gg = grad * up * s * (1 + gate * (1 - s))
+        gup = grad * gate * s
+        return _interleave(gg, gup)
+
+
+def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(bf16(x)·bf16(Wg)ᵀ) · (bf16(x)·bf16(Wu)ᵀ)`: the MLP's first half as the engine
+    runs it, one GEMM over the interleaved gate/up weight, then SiLU·mul; the bits of
+    `silu_mul(tree_linear(x, Wg), tree_linear(x, Wu))`. With no gradient wanted, on CUDA,
+    the GEMM's own SiLU·mul epilogue where the kernel has one (no `[M, 2I]` intermediate)."""
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or gate.requires_grad or up.requires_grad
+    )
+    if x.is_cuda and not wants_grad and not _f64(x, gate, up) and x.numel():
+        _activations("tree_linear", x)
+        x = x.contiguous()
+        w = torch.stack((_bf16(gate), _bf16(up)), dim=1).reshape(-1, x.shape[1])
+        rows, c = x.shape[0], gate.shape[0]
+        out = torch.empty(rows, c, dtype=torch.float32, device=x.device)
+        outb = torch.empty(rows, c, dtype=torch.bfloat16, device=x.device)
+        if out.numel():
+            cuda, stream = _cuda(x)
+            _retry(cuda.tree_linear_silu, x, _input_bf16(x), w, out, outb, stream)
+        return _with_bf16(out, outb)
+    return SiluMulPairs.apply(fused_linear(x, (gate, up), interleave=True))
 
 
 def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -289,10 +472,40 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int)
     return torch.cat((a * c - b * s, b * c + a * s), dim=-1).reshape(x.shape)
 
 
+# arbor's RoPE table on a device, per (spec, device): (spec, positions, cos, sin). The
+# spec is held so that its id is not reused while the entry lives.
+_RopeEntry = tuple[_native.ModelSpec, int, torch.Tensor, torch.Tensor]
+_ROPE: dict[tuple[int, torch.device], _RopeEntry] = {}
+
+
+def _rope_table(
+    spec: _native.ModelSpec, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """arbor's RoPE table of positions `0..n` (at least) on `device`, `[n', head_dim/2]`
+    each: made and uploaded once, again only when a longer sequence comes."""
+    key = (id(spec), device)
+    held = _ROPE.get(key)
+    if held is None or held[1] < n:
+        # Grow by doubling, as the spec's own table does, so a run of rising lengths
+        # uploads a few times only.
+        size = max(n, 2 * held[1]) if held is not None else n
+        size = min(size, max(n, int(spec.config["max_position_embeddings"])))
+        cos, sin = spec.rope_table(size)
+        half = len(cos) // (4 * size) if size else 0
+        cos_t, sin_t = (
+            _device_copy(torch.frombuffer(t, dtype=torch.float32).view(size, half), device)
+            for t in (cos, sin)
+        )
+        held = (spec, size, cos_t, sin_t)
+        _ROPE[key] = held
+    return held[2], held[3]
+
+
 class Positions:
     """Packed sequences (`cu_seqlens`: each one's first row, then the row count), each
     starting at position 0, with arbor's RoPE table for them (`spec`: the checkpoint's
-    `arbor._native.ModelSpec`)."""
+    `arbor._native.ModelSpec`). The table lives on the device once; the rows' positions
+    go up pinned, so making one queues work without waiting for the device."""
 
     def __init__(
         self, cu_seqlens: Sequence[int], spec: _native.ModelSpec, device: torch.device
@@ -301,11 +514,9 @@ class Positions:
         self.spec = spec
         pos = [p for s, e in pairwise(self.cu_seqlens) for p in range(e - s)]
         n = max(pos, default=0) + 1
-        cos, sin = spec.rope_table(n)
-        half = len(cos) // (4 * n)
-        index = torch.tensor(pos, dtype=torch.long)
-        table = [torch.frombuffer(t, dtype=torch.float32).view(n, half)[index] for t in (cos, sin)]
-        self.cos, self.sin = (t.to(device) for t in table)
+        cos, sin = _rope_table(spec, n, device)
+        index = _device_copy(torch.tensor(pos, dtype=torch.long), device)
+        self.cos, self.sin = cos[index], sin[index]
         self.positions = pos
 
 
@@ -344,36 +555,20 @@ class RopeAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         if q.is_cuda:
             cuda, stream = _cuda(q)
-            if fused:
-                qkv = torch.cat((q, k, v), dim=1)
-                _retry(
-                    cuda.rope_attention,
-                    at.spec,
-                    qkv,
-                    None,
-                    None,
-                    None,
-                    at.cu_seqlens,
-                    n_heads,
-                    n_kv_heads,
-                    out,
-                    stream,
-                )
-            else:
-                _retry(
-                    cuda.rope_attention,
-                    at.spec,
-                    None,
-                    q,
-                    k,
-                    v,
-                    at.cu_seqlens,
-                    n_heads,
-                    n_kv_heads,
-                    out,
-                    stream,
-                )
-            return out
+            outb = torch.empty(out.shape, dtype=torch.bfloat16, device=q.device)
+            inputs = (torch.cat((q, k, v), dim=1), None, None, None) if fused else (None, q, k, v)
+            _retry(
+                cuda.rope_attention,
+                at.spec,
+                *inputs,
+                at.cu_seqlens,
+                n_heads,
+                n_kv_heads,
+                out,
+                stream,
+                outb,
+            )
+            return _with_bf16(out, outb)
         qr, kr = q.clone(), k.clone()
         at.spec.rope(qr, at.positions, n_heads)
         at.spec.rope(kr, at.positions, n_kv_heads)
@@ -383,23 +578,96 @@ class RopeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v = ctx.saved_tensors
-        at, (n_heads, n_kv_heads) = ctx.at, ctx.heads
-        dt = torch.bfloat16 if grad.is_cuda else grad.dtype
-        cos, sin = at.cos.to(dt), at.sin.to(dt)
-        with torch.enable_grad():
-            q_, k_, v_ = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
-            qr = _rotate(q_, cos, sin, n_heads)
-            kr = _rotate(k_, cos, sin, n_kv_heads)
-            if dt == torch.float32:
-                # The keys and values the forward read (the rounding's gradient is the identity).
-                kr = kr + (kr.to(torch.bfloat16).to(dt) - kr).detach()
-                v2 = v_ + (v_.to(torch.bfloat16).to(dt) - v_).detach()
+        gq, gk, gv = _attention_grads(q, k, v, ctx.at, *ctx.heads, grad)
+        return gq, gk, gv, None, None, None, None
+
+
+class RopeAttentionQKV(torch.autograd.Function):
+    """`RopeAttention` with q, k and v side by side in one tensor `qkv` `[T, (n_heads +
+    2·n_kv_heads)·d]` (what `fused_linear` of the three projections gives): on CUDA the
+    engine's one-pass kernel reads it as it is (models without q/k norms)."""
+
+    @staticmethod
+    def forward(
+        ctx: Ctx, qkv: torch.Tensor, at: Positions, n_heads: int, n_kv_heads: int
+    ) -> torch.Tensor:
+        ctx.at, ctx.heads = at, (n_heads, n_kv_heads)
+        d = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+        ctx.widths = [n_heads * d, n_kv_heads * d, n_kv_heads * d]
+        if not qkv.is_cuda or _f64(qkv):
+            q, k, v = qkv.split(ctx.widths, dim=1)
+            if qkv.is_cuda:
+                ctx.save_for_backward(qkv.to(torch.bfloat16))
             else:
-                v2 = v_
-            out = _sdpa_packed(qr, kr, v2, at.cu_seqlens, n_heads, n_kv_heads)
-            gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad.to(dt))
-        f = grad.dtype
-        return gq.to(f), gk.to(f), gv.to(f), None, None, None, None
+                ctx.save_for_backward(qkv)
+            with torch.no_grad():
+                return RopeAttention.forward(_NoCtx(), q, k, v, at, n_heads, n_kv_heads, False)
+        _activations("rope_attention", qkv)
+        qkv = qkv.contiguous()
+        # bf16 for the backward, which runs flash attention in bf16 on a GPU.
+        ctx.save_for_backward(qkv.to(torch.bfloat16))
+        out = torch.empty(qkv.shape[0], ctx.widths[0], dtype=torch.float32, device=qkv.device)
+        outb = torch.empty(out.shape, dtype=torch.bfloat16, device=qkv.device)
+        cuda, stream = _cuda(qkv)
+        _retry(
+            cuda.rope_attention,
+            at.spec,
+            qkv,
+            None,
+            None,
+            None,
+            at.cu_seqlens,
+            n_heads,
+            n_kv_heads,
+            out,
+            stream,
+            outb,
+        )
+        return _with_bf16(out, outb)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (qkv,) = ctx.saved_tensors
+        q, k, v = qkv.split(ctx.widths, dim=1)
+        grads = _attention_grads(q, k, v, ctx.at, *ctx.heads, grad)
+        return torch.cat(grads, dim=1), None, None, None
+
+
+class _NoCtx:
+    """A stand-in context for calling another Function's forward from inside one (its
+    saved tensors are dropped; the caller saves its own)."""
+
+    def save_for_backward(self, *_: torch.Tensor) -> None:
+        pass
+
+
+def _attention_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    at: Positions,
+    n_heads: int,
+    n_kv_heads: int,
+    grad: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `RopeAttention` with respect to q, k and v (as saved by its
+    forward: bf16 on a GPU)."""
+    dt = torch.bfloat16 if grad.is_cuda else grad.dtype
+    cos, sin = at.cos.to(dt), at.sin.to(dt)
+    with torch.enable_grad():
+        q_, k_, v_ = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        qr = _rotate(q_, cos, sin, n_heads)
+        kr = _rotate(k_, cos, sin, n_kv_heads)
+        if dt == torch.float32:
+            # The keys and values the forward read (the rounding's gradient is the identity).
+            kr = kr + (kr.to(torch.bfloat16).to(dt) - kr).detach()
+            v2 = v_ + (v_.to(torch.bfloat16).to(dt) - v_).detach()
+        else:
+            v2 = v_
+        out = _sdpa_packed(qr, kr, v2, at.cu_seqlens, n_heads, n_kv_heads)
+        gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad.to(dt))
+    f = grad.dtype
+    return gq.to(f), gk.to(f), gv.to(f)
 
 
 def _sdpa_packed(
@@ -455,14 +723,16 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+        ctx: Ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, checked: bool
     ) -> torch.Tensor:
         if _f64(x, weight):
             ctx.save_for_backward(x, weight, targets)
             lp = torch.log_softmax(x @ weight.t(), -1)
             return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         _activations("head_logprobs", x)
-        xb = _bf16(x)
+        if x.is_cuda and not checked:
+            _check_targets(targets, weight.shape[0])
+        xb = _input_bf16(x)
         out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         for r in _chunks(x.shape[0], weight.shape[0]):
             logits = _linear_values(x[r], xb[r], weight)
@@ -485,7 +755,7 @@ class HeadLogprobs(torch.autograd.Function):
             g = _logprob_grad((x[r].to(mm) @ w.to(mm).t()).to(grad.dtype), targets[r], grad[r])
             gx[r] = (g.to(mm) @ w.to(mm)).to(grad.dtype)
             gw += (g.t().to(mm) @ x[r].to(mm)).to(gw.dtype)
-        return gx, gw.to(weight.dtype), None
+        return gx, gw.to(weight.dtype), None, None
 
 
 # f32 logits a chunk of `HeadLogprobs` holds at once.
@@ -515,6 +785,8 @@ class TokenLogprobs(torch.autograd.Function):
         if _f64(logits):
             return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         _activations("token_logprobs", logits)
+        if logits.is_cuda:
+            _check_targets(targets, logits.shape[1])
         return _logprob_values(logits.contiguous(), targets)
 
     @staticmethod
@@ -544,6 +816,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return SiluMul.apply(gate, up)
 
 
+def rope_attention_qkv(
+    qkv: torch.Tensor, at: Positions, n_heads: int, n_kv_heads: int
+) -> torch.Tensor:
+    return RopeAttentionQKV.apply(qkv, at, n_heads, n_kv_heads)
+
+
 def rope_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -556,8 +834,12 @@ def rope_attention(
     return RopeAttention.apply(q, k, v, at, n_heads, n_kv_heads, fused)
 
 
-def head_logprobs(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return HeadLogprobs.apply(x, weight, targets)
+def head_logprobs(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, checked: bool = False
+) -> torch.Tensor:
+    """`HeadLogprobs`. `checked`: the caller vouches that every target is in the
+    vocabulary (skips `_check_targets`, the one host sync of the op on CUDA)."""
+    return HeadLogprobs.apply(x, weight, targets, checked)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,28 @@
 //! Element-wise ops: SiLU·mul, the row bias, the residual add.
 
-use super::{arg_bf16_out, check, check_bf16_out, elementwise_cfg, i32_of, DevBf16, DevF32};
+use super::{
+    arg_bf16_out, check, check_bf16_out, elementwise_cfg, i32_of, output, DevBf16, DevF32,
+};
 use crate::cuda::{CudaError, GpuDevice};
 
 impl GpuDevice {
     pub fn silu_mul(&self, gate: &DevF32, up: &DevF32) -> Result<DevF32, CudaError> {
+        self.silu_mul_into(gate, up, None)
+    }
+
+    /// [`GpuDevice::silu_mul`] written into `out` when given (`gate`'s length).
+    pub fn silu_mul_into(
+        &self,
+        gate: &DevF32,
+        up: &DevF32,
+        out: Option<DevF32>,
+    ) -> Result<DevF32, CudaError> {
         const K: &str = "silu_mul_kernel";
         check(K, gate.len() == up.len(), || {
             format!("gate has {} values, up {}", gate.len(), up.len())
         })?;
         let count = gate.len();
-        let mut out = self.empty_f32(count)?;
+        let mut out = output(self, K, out, count)?;
         if count == 0 {
             return Ok(out);
         }
@@ -30,12 +42,24 @@ impl GpuDevice {
         inter: usize,
         outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
+        self.silu_mul_pairs_into(gu, rows, inter, None, outb)
+    }
+
+    /// [`GpuDevice::silu_mul_pairs`] written into `out` when given (`[rows, inter]`).
+    pub fn silu_mul_pairs_into(
+        &self,
+        gu: &DevF32,
+        rows: usize,
+        inter: usize,
+        out: Option<DevF32>,
+        outb: Option<&mut DevBf16>,
+    ) -> Result<DevF32, CudaError> {
         const K: &str = "silu_mul_pairs_kernel";
         check_bf16_out(K, &outb, rows * inter)?;
         check(K, gu.len() == rows * 2 * inter, || {
             format!("gate/up has {} values, expected {rows}×2×{inter}", gu.len())
         })?;
-        let mut out = self.empty_f32(rows * inter)?;
+        let mut out = output(self, K, out, rows * inter)?;
         if rows == 0 || inter == 0 {
             return Ok(out);
         }

@@ -53,6 +53,29 @@ fn i32_of(kernel: &'static str, what: &str, v: usize) -> Result<i32, CudaError> 
     })
 }
 
+/// The output buffer of an op: `out` when the caller gives one (memory it lends, e.g. a
+/// torch tensor's: the kernel writes there instead of a buffer of its own), checked to
+/// hold exactly `len` values, else a fresh buffer of `len`.
+fn output(
+    dev: &GpuDevice,
+    kernel: &'static str,
+    out: Option<DevF32>,
+    len: usize,
+) -> Result<DevF32, CudaError> {
+    match out {
+        None => dev.empty_f32(len),
+        Some(o) => {
+            check(kernel, o.len() == len, || {
+                format!(
+                    "the output given has {} values, the op writes {len}",
+                    o.len()
+                )
+            })?;
+            Ok(o)
+        }
+    }
+}
+
 fn check(kernel: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<(), CudaError> {
     if ok {
         Ok(())

@@ -2,7 +2,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{arg_bf16_out, check, check_bf16_out, i32_of, DevBf16, DevF32};
+use super::{arg_bf16_out, check, check_bf16_out, i32_of, output, DevBf16, DevF32};
 use crate::cuda::{CudaError, GpuDevice};
 
 const NORM_THREADS: u32 = 256;
@@ -42,12 +42,27 @@ impl GpuDevice {
         eps: f32,
         outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
+        self.rms_norm_into(x, rows, cols, weight, eps, None, outb)
+    }
+
+    /// [`GpuDevice::rms_norm`] written into `out` when given (`[rows, cols]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_into(
+        &self,
+        x: &DevF32,
+        rows: usize,
+        cols: usize,
+        weight: &DevF32,
+        eps: f32,
+        out: Option<DevF32>,
+        outb: Option<&mut DevBf16>,
+    ) -> Result<DevF32, CudaError> {
         const K: &str = "rms_norm_kernel";
         check(K, x.len() == rows * cols, || {
             format!("x has {} values, expected {rows}×{cols}", x.len())
         })?;
         let cfg = norm_launch(K, rows, cols, weight, &outb)?;
-        let mut out = self.empty_f32(rows * cols)?;
+        let mut out = output(self, K, out, rows * cols)?;
         if rows == 0 || cols == 0 {
             return Ok(out);
         }

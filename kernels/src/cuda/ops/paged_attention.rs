@@ -7,7 +7,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::{arg_bf16_out, check, check_bf16_out, i32_of, DevBf16, DevF32, DevU32};
+use super::{arg_bf16_out, check, check_bf16_out, i32_of, output, DevBf16, DevF32, DevU32};
 use crate::cuda::{CudaError, GpuDevice};
 use crate::paged::{splits_of, PagedKvLayout, ATTN_SPLIT, KV_BLOCK};
 
@@ -232,6 +232,27 @@ impl GpuDevice {
         scale: f32,
         outb: Option<&mut DevBf16>,
     ) -> Result<DevF32, CudaError> {
+        self.paged_attention_into(
+            q, k, v, layout, layer, rows, routing, n_heads, scale, None, outb,
+        )
+    }
+
+    /// [`GpuDevice::paged_attention`] written into `out` when given (`q`'s length).
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_into(
+        &self,
+        q: &DevF32,
+        k: &DevBf16,
+        v: &DevBf16,
+        layout: PagedKvLayout,
+        layer: usize,
+        rows: &PagedRows,
+        routing: &AttnRouting,
+        n_heads: usize,
+        scale: f32,
+        out: Option<DevF32>,
+        outb: Option<&mut DevBf16>,
+    ) -> Result<DevF32, CudaError> {
         const K: &str = "paged attention";
         let PagedKvLayout {
             n_kv_heads,
@@ -269,7 +290,7 @@ impl GpuDevice {
         check(K, routing.n_tiles == 0 || hd <= 128, || {
             format!("prefill tiles for head_dim {head_dim} (decode only above 128)")
         })?;
-        let mut out = self.empty_f32(q.len())?;
+        let mut out = output(self, K, out, q.len())?;
         if rows.rows == 0 || n_heads == 0 {
             return Ok(out);
         }

@@ -237,7 +237,27 @@ impl TensorGemm {
         w: &DevBf16,
         n: usize,
         tree: TreeSpec,
+        out: GemmOut<'_>,
+    ) -> Result<Option<DevF32>, TensorGemmError> {
+        self.matmul_into(dev, x, xb, m, k, w, n, tree, out, None)
+    }
+
+    /// [`TensorGemm::matmul`] written into `dst` when given (`[m, n]`, or `[m, n/2]` for
+    /// [`GemmOut::SiluMulPairs`]): memory the caller lends, e.g. a torch tensor's. The
+    /// bits are `matmul`'s; `Ok(None)` as there (nothing ran).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_into(
+        &self,
+        dev: &GpuDevice,
+        x: &DevF32,
+        xb: Option<&DevBf16>,
+        m: usize,
+        k: usize,
+        w: &DevBf16,
+        n: usize,
+        tree: TreeSpec,
         mut out: GemmOut<'_>,
+        dst: Option<DevF32>,
     ) -> Result<Option<DevF32>, TensorGemmError> {
         let layout = SegmentLayout::new(tree.k);
         if !tensor_eligible(tree) || layout.seg_len != tree.seg_len {
@@ -275,7 +295,16 @@ impl TensorGemm {
                 n / 2
             }
         };
-        let mut y = dev.empty_f32(m * out_cols)?;
+        let mut y = match dst {
+            None => dev.empty_f32(m * out_cols)?,
+            Some(d) if d.len() == m * out_cols => d,
+            Some(d) => {
+                return Err(TensorGemmError::Shape(format!(
+                    "the output given has {} values for [{m}, {out_cols}]",
+                    d.len()
+                )))
+            }
+        };
         if m == 0 || n == 0 {
             return Ok(Some(y));
         }

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use arbor_kernels::cuda::paged_attention::{decode_pos_limit, SeqSpan};
-use arbor_kernels::cuda::{DevBf16, RowMeta};
+use arbor_kernels::cuda::{DevBf16, DevF32, RowMeta};
 use arbor_kernels::paged::PagedKvLayout;
 
 use super::step::StepMeta;
@@ -22,6 +22,13 @@ pub struct CudaKv {
 
 /// Cache ids: never reused, so a recording made on a dropped cache never runs again.
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Output buffers an op writes instead of its own: the f32 values, and their bf16
+/// rounding where wanted.
+pub(super) struct Placed {
+    pub(super) f32: DevF32,
+    pub(super) bf16: Option<DevBf16>,
+}
 
 impl CudaBackend {
     pub(super) fn kv_cache_untimed(&self, spec: KvSpec) -> BResult<CudaKv> {
@@ -81,6 +88,19 @@ impl CudaBackend {
         step: &mut StepMeta,
         heads: HeadSpec,
     ) -> BResult<CudaAct> {
+        self.attention_untimed_into(q, cache, layer, step, heads, None)
+    }
+
+    /// `attention_untimed` written into the buffers of `out` when given.
+    pub(super) fn attention_untimed_into(
+        &self,
+        q: &CudaAct,
+        cache: &CudaKv,
+        layer: usize,
+        step: &mut StepMeta,
+        heads: HeadSpec,
+        out: Option<Placed>,
+    ) -> BResult<CudaAct> {
         const K: &str = "paged attention";
         if q.cols != heads.n_heads * heads.head_dim
             || heads.n_kv_heads != cache.layout.n_kv_heads
@@ -135,10 +155,13 @@ impl CudaBackend {
                 )
                 .map_err(|e| self.dev_err(e))?;
         }
-        let mut bf16 = self.bf16_out(q.rows * q.cols)?;
+        let (dst, mut bf16) = match out {
+            Some(p) => (Some(p.f32), p.bf16),
+            None => (None, self.bf16_out(q.rows * q.cols)?),
+        };
         let buf = self
             .dev
-            .paged_attention(
+            .paged_attention_into(
                 &q.buf,
                 &cache.k,
                 &cache.v,
@@ -148,6 +171,7 @@ impl CudaBackend {
                 routing,
                 heads.n_heads,
                 heads.scale,
+                dst,
                 bf16.as_mut(),
             )
             .map_err(|e| self.dev_err(e))?;

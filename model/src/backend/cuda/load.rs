@@ -105,6 +105,7 @@ impl CudaBackend {
             graphs: Mutex::new(Graphs::new(graphs && prof.is_none())),
             prof,
             host_reads: AtomicU64::new(0),
+            handoff: Mutex::new(None),
         };
         backend.warm_up_collectives()?;
         Ok(backend)
@@ -130,6 +131,7 @@ impl CudaBackend {
             graphs: Mutex::new(Graphs::new(false)),
             prof: None,
             host_reads: AtomicU64::new(0),
+            handoff: Mutex::new(None),
         }
     }
 

@@ -95,6 +95,10 @@ pub struct CudaBackend {
     /// some (a mixture-of-experts layer that routes its rows on the host) is never
     /// recorded: a replay would repeat the first step's host decisions (graphs.rs).
     host_reads: AtomicU64,
+    /// The two events that order arbor's stream with a foreign one (foreign.rs), made on
+    /// first use and re-recorded by every call: a wait takes the event's state when it is
+    /// queued, so one event per direction serves every op.
+    handoff: Mutex<Option<[cudarc::driver::CudaEvent; 2]>>,
 }
 
 impl CudaBackend {

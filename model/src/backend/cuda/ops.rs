@@ -25,12 +25,25 @@ impl CudaBackend {
         w: &CudaMat,
         tree: TreeSpec,
     ) -> BResult<CudaAct> {
+        self.matmul_untimed_into(x, w, tree, None)
+    }
+
+    /// `matmul_untimed` with its result in `dst` when given (`[x.rows, w.n]` f32): the
+    /// tensor GEMM writes there itself; the other kernels' results are copied there.
+    pub(super) fn matmul_untimed_into(
+        &self,
+        x: &CudaAct,
+        w: &CudaMat,
+        tree: TreeSpec,
+        dst: Option<DevF32>,
+    ) -> BResult<CudaAct> {
         if let Some(blas) = &self.blas {
-            return self.blas_matmul(blas, x, w);
+            let y = self.blas_matmul(blas, x, w)?;
+            return self.placed(y, dst);
         }
         if let Some(g) = self.gemm.as_ref().filter(|_| tensor_eligible(tree)) {
             let buf = g
-                .matmul(
+                .matmul_into(
                     &self.dev,
                     &x.buf,
                     x.bf16.as_ref(),
@@ -40,6 +53,7 @@ impl CudaBackend {
                     w.n,
                     tree,
                     GemmOut::Roots,
+                    dst,
                 )
                 .map_err(|e| self.gemm_err("matmul", x, w, e))?
                 .ok_or_else(|| self.gemm_err("matmul", x, w, "no output"))?;
@@ -57,7 +71,34 @@ impl CudaBackend {
                 tree.n_seg,
             )
             .map_err(|e| self.dev_err(e))?;
-        Ok(self.act(buf, x.rows, w.n))
+        self.placed(self.act(buf, x.rows, w.n), dst)
+    }
+
+    /// `a`, copied into `dst` when given (an op whose kernel allocates its own output).
+    fn placed(&self, a: CudaAct, dst: Option<DevF32>) -> BResult<CudaAct> {
+        let Some(mut dst) = dst else {
+            return Ok(a);
+        };
+        if dst.len() != a.buf.len() {
+            return Err(self.shape_err(format!(
+                "output of {} values for [{}, {}]",
+                dst.len(),
+                a.rows,
+                a.cols
+            )));
+        }
+        if !dst.is_empty() {
+            self.dev
+                .stream
+                .memcpy_dtod(&*a.buf, &mut *dst)
+                .map_err(|e| self.dev_err_msg("copying an output into place", e))?;
+        }
+        Ok(CudaAct {
+            buf: dst,
+            rows: a.rows,
+            cols: a.cols,
+            bf16: None,
+        })
     }
 
     /// `--numerics fast`: Y = bf16(X)·Wᵀ by cuBLAS, f32 out.
