@@ -194,7 +194,7 @@ def test_gradients_agree_with_the_plain_pytorch_forward(tiny: dict[str, Path]) -
 
 
 def test_fused_ops_gradcheck_in_f64_and_give_each_linears_bits(spec: _native.ModelSpec) -> None:
-    """`fused_linear` (q|k|v, interleaved gate/up), `SiluMulPairs` and `RopeAttentionQKV`:
+    """`fused_linear` (q|k|v), `gate_up_silu` and `RopeAttentionQKV`:
     their backward is the separate ops' (gradcheck in f64), and in f32 each column has the
     bits of its own linear / the separate ops' result."""
     ws = (_f64(5, 16, seed=1), _f64(3, 16, seed=2), _f64(3, 16, seed=3))
@@ -222,3 +222,22 @@ def test_fused_ops_gradcheck_in_f64_and_give_each_linears_bits(spec: _native.Mod
     assert torch.equal(
         ops.rope_attention_qkv(fused, at, 3, 1), ops.rope_attention(q, k, v, at, 3, 1)
     )
+
+
+def test_the_gpu_head_backward_computes_the_head_gradient() -> None:
+    """`HeadLogprobs`' GPU backward (bf16 products, the logits' gradient kept in bf16 for
+    one weight GEMM), run here on CPU tensors, against the f64 gradient of the same
+    function, within bf16 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(300, 64, generator=gen).to(torch.bfloat16)
+    targets = torch.randint(0, 300, (37,), generator=gen)
+    grad = torch.randn(37, generator=gen)
+    gx, gw = ops._head_grads_cuda(x, w, targets, grad)
+    assert gx.dtype == torch.float32 and gw.dtype == torch.bfloat16
+    x64, w64 = (t.double().requires_grad_() for t in (x, w))
+    lp = torch.log_softmax(x64 @ w64.t(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want_x, want_w = torch.autograd.grad(lp, (x64, w64), grad.double())
+    for got, want in ((gx, want_x), (gw, want_w)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, err

@@ -190,12 +190,13 @@ class TreeLinear(torch.autograd.Function):
         # training runs them (f32 products there are an order of magnitude slower); on the
         # CPU in f32.
         mm = torch.bfloat16 if grad.is_cuda else grad.dtype
+        g = g.to(mm)
         gx = gw = None
         if ctx.needs_input_grad[0]:
             w = weight if weight.dtype == torch.float64 else _bf16(weight)
-            gx = (g.to(mm) @ w.to(mm)).to(grad.dtype).view(*grad.shape[:-1], weight.shape[1])
+            gx = (g @ w.to(mm)).to(grad.dtype).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
-            gw = (g.t().to(mm) @ x.reshape(-1, x.shape[-1]).to(mm)).to(weight.dtype)
+            gw = (g.t() @ x.reshape(-1, x.shape[-1]).to(mm)).to(weight.dtype)
         return gx, gw
 
 
@@ -267,125 +268,140 @@ class SiluMul(torch.autograd.Function):
         return gg, gu
 
 
-def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`[R, 2C]` whose column 2j is `a[:, j]` and 2j + 1 `b[:, j]` (the engine's gate/up
-    layout)."""
-    return torch.stack((a, b), dim=-1).reshape(a.shape[0], 2 * a.shape[1])
+def _gate_up_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The engine's gate/up weight: rows alternating gate and up, bf16 (a copy)."""
+    return torch.stack((_bf16(gate), _bf16(up)), dim=1).reshape(-1, gate.shape[1])
 
 
 class FusedLinear(torch.autograd.Function):
     """Several linears of one input as one GEMM: `bf16(x) · bf16(W)ᵀ` for `W` the weights'
-    rows one after another (`interleave=False`: q|k|v, the engine's fused attention input)
-    or alternating (`interleave=True`, two weights: gate and up, the engine's gate/up
-    layout). The tree GEMM's output element depends on its X row and W row alone, so each
-    column holds the bits its own linear gives; the weights are concatenated (a copy of
-    them) per forward, the parameters stay separate. The backward is each `TreeLinear`'s."""
+    rows one after another (q|k|v, the engine's fused attention input). The tree GEMM's
+    output element depends on its X row and W row alone, so each column holds the bits its
+    own linear gives; the weights are concatenated (a copy of them) per forward, the
+    parameters stay separate. The backward is the linears' (one GEMM for the input's
+    gradient over the concatenated weight, one for the weights')."""
 
     @staticmethod
-    def forward(
-        ctx: Ctx, x: torch.Tensor, interleave: bool, *weights: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.interleave = interleave
+    def forward(ctx: Ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         ctx.widths = [w.shape[0] for w in weights]
         if _f64(x, *weights):
             ctx.save_for_backward(x, *weights)
-            ys = [x @ w.t() for w in weights]
-            return _interleave(*ys) if interleave else torch.cat(ys, dim=1)
+            return torch.cat([x @ w.t() for w in weights], dim=1)
         _activations("tree_linear", x)
         xb = _input_bf16(x)
-        parts = [_bf16(w) for w in weights]
-        if interleave:
-            w = torch.stack(parts, dim=1).reshape(-1, x.shape[1])
-        else:
-            w = torch.cat(parts)
-        out = _linear_values(x, xb, w)
+        out = _linear_values(x, xb, torch.cat([_bf16(w) for w in weights]))
         ctx.save_for_backward(xb, *weights)
         return out
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
-        if ctx.interleave:
-            gs = [grad[:, j :: len(weights)] for j in range(len(weights))]
-        else:
-            gs = list(grad.split(ctx.widths, dim=1))
+        f64 = grad.dtype == torch.float64
         mm = torch.bfloat16 if grad.is_cuda else grad.dtype
+        g = grad.to(mm)
         gx = None
         if ctx.needs_input_grad[0]:
-            for g, weight in zip(gs, weights, strict=True):
-                w = weight if weight.dtype == torch.float64 else _bf16(weight)
-                part = (g.to(mm) @ w.to(mm)).to(grad.dtype)
-                gx = part if gx is None else gx + part
-        gws = [
-            (g.t().to(mm) @ x.to(mm)).to(w.dtype) if ctx.needs_input_grad[2 + i] else None
-            for i, (g, w) in enumerate(zip(gs, weights, strict=True))
-        ]
-        return gx, None, *gws
+            w = torch.cat([w if f64 else _bf16(w) for w in weights]).to(mm)
+            gx = (g @ w).to(grad.dtype)
+        gws: list[torch.Tensor | None] = [None] * len(weights)
+        if any(ctx.needs_input_grad[1:]):
+            parts = (g.t() @ x.to(mm)).split(ctx.widths)
+            gws = [
+                gw.to(w.dtype) if ctx.needs_input_grad[1 + i] else None
+                for i, (gw, w) in enumerate(zip(parts, weights, strict=True))
+            ]
+        return gx, *gws
 
 
-def fused_linear(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], interleave: bool = False
-) -> torch.Tensor:
+def fused_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """[`FusedLinear`]: the linears of `x` by `weights` as one GEMM, f32 `[M, ΣN]`."""
-    return FusedLinear.apply(x, interleave, *weights)
+    return FusedLinear.apply(x, *weights)
 
 
-class SiluMulPairs(torch.autograd.Function):
-    """`silu(gate)·up` of `gu` `[R, 2C]` whose columns alternate gate and up: the bits of
-    `SiluMul` on the two halves (the engine's kernel for its gate/up layout)."""
+def _silu_mul_grads(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `silu(gate)·up` by gate and by up, in `grad`'s dtype (PyTorch's
+    own SiLU backward kernel)."""
+    gg = torch.ops.aten.silu_backward(grad * up, gate)
+    return gg, grad * F.silu(gate)
+
+
+class GateUpSilu(torch.autograd.Function):
+    """`silu(bf16(x)·bf16(Wg)ᵀ) · (bf16(x)·bf16(Wu)ᵀ)`: the MLP's first half as the engine
+    runs it, one GEMM over the interleaved gate/up weight, then the paired SiLU·mul kernel;
+    the bits of `silu_mul(tree_linear(x, Wg), tree_linear(x, Wu))`. What the backward keeps
+    is `bf16(x)` and the gate/up values in bf16 (as plain bf16 training keeps them); on a
+    GPU its element-wise work runs in bf16 and its products on the tensor cores, and the
+    gradients by gate and by up go to their own GEMMs (no interleaved `[M, 2I]` gradient)."""
 
     @staticmethod
-    def forward(ctx: Ctx, gu: torch.Tensor) -> torch.Tensor:
-        if _f64(gu):
-            ctx.save_for_backward(gu)
-            return F.silu(gu[:, 0::2]) * gu[:, 1::2]
-        _activations("silu_mul", gu)
-        gu = gu.contiguous()
+    def forward(ctx: Ctx, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if _f64(x, gate, up):
+            g, u = x @ gate.t(), x @ up.t()
+            ctx.save_for_backward(x, gate, up, g, u)
+            return F.silu(g) * u
+        _activations("tree_linear", x)
+        xb = _input_bf16(x)
+        gu = _linear_values(x, xb, _gate_up_weight(gate, up))
         rows, c = gu.shape[0], gu.shape[1] // 2
         out = torch.empty(rows, c, dtype=torch.float32, device=gu.device)
         if gu.is_cuda:
-            # As `SiluMul`: the backward reads a bf16 copy on a GPU.
-            ctx.save_for_backward(gu.to(torch.bfloat16))
+            gub = gu.to(torch.bfloat16)
+            ctx.save_for_backward(xb, gate, up, gub[:, 0::2], gub[:, 1::2])
             outb = torch.empty(rows, c, dtype=torch.bfloat16, device=gu.device)
             if out.numel():
                 cuda, stream = _cuda(gu)
                 _retry(cuda.silu_mul_pairs, gu, out, outb, stream)
             return _with_bf16(out, outb)
-        ctx.save_for_backward(gu)
+        g, u = gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous()
+        ctx.save_for_backward(xb, gate, up, g, u)
         if out.numel():
-            _native.silu_mul(gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous(), out)
+            _native.silu_mul(g, u, out)
         return out
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (gu,) = ctx.saved_tensors
-        gate, up = gu[:, 0::2].to(grad.dtype), gu[:, 1::2].to(grad.dtype)
-        s = torch.sigmoid(gate)
-        gg = grad * up * s * (1 + gate * (1 - s))
-        gup = grad * gate * s
-        return _interleave(gg, gup)
+        x, gate, up, g, u = ctx.saved_tensors
+        f64 = grad.dtype == torch.float64
+        mm = torch.bfloat16 if grad.is_cuda else grad.dtype
+        gg, gu = _silu_mul_grads(grad.to(mm), g.to(mm), u.to(mm))
+        gx = None
+        if ctx.needs_input_grad[0]:
+            wg = gate if f64 else _bf16(gate)
+            wu = up if f64 else _bf16(up)
+            gx = (gg @ wg.to(mm)).to(grad.dtype) + (gu @ wu.to(mm)).to(grad.dtype)
+        xm = x.to(mm)
+        ggate = (gg.t() @ xm).to(gate.dtype) if ctx.needs_input_grad[1] else None
+        gup = (gu.t() @ xm).to(up.dtype) if ctx.needs_input_grad[2] else None
+        return gx, ggate, gup
 
 
 def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(bf16(x)·bf16(Wg)ᵀ) · (bf16(x)·bf16(Wu)ᵀ)`: the MLP's first half as the engine
-    runs it, one GEMM over the interleaved gate/up weight, then SiLU·mul; the bits of
-    `silu_mul(tree_linear(x, Wg), tree_linear(x, Wu))`. With no gradient wanted, on CUDA,
-    the GEMM's own SiLU·mul epilogue where the kernel has one (no `[M, 2I]` intermediate)."""
+    """[`GateUpSilu`]. With no gradient wanted, on CUDA, the GEMM's own SiLU·mul epilogue
+    (no `[M, 2I]` intermediate): the same bits."""
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or gate.requires_grad or up.requires_grad
     )
     if x.is_cuda and not wants_grad and not _f64(x, gate, up) and x.numel():
         _activations("tree_linear", x)
         x = x.contiguous()
-        w = torch.stack((_bf16(gate), _bf16(up)), dim=1).reshape(-1, x.shape[1])
         rows, c = x.shape[0], gate.shape[0]
         out = torch.empty(rows, c, dtype=torch.float32, device=x.device)
         outb = torch.empty(rows, c, dtype=torch.bfloat16, device=x.device)
         if out.numel():
             cuda, stream = _cuda(x)
-            _retry(cuda.tree_linear_silu, x, _input_bf16(x), w, out, outb, stream)
+            _retry(
+                cuda.tree_linear_silu,
+                x,
+                _input_bf16(x),
+                _gate_up_weight(gate, up),
+                out,
+                outb,
+                stream,
+            )
         return _with_bf16(out, outb)
-    return SiluMulPairs.apply(fused_linear(x, (gate, up), interleave=True))
+    return GateUpSilu.apply(x, gate, up)
 
 
 def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -744,18 +760,35 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, targets = ctx.saved_tensors
+        if grad.is_cuda:
+            return (*_head_grads_cuda(x, weight, targets, grad), None, None)
         f64 = weight.dtype == torch.float64
-        mm = torch.bfloat16 if grad.is_cuda else grad.dtype
-        w = weight if f64 else _bf16(weight)
         gx = torch.empty(x.shape, dtype=grad.dtype, device=x.device)
-        gw = torch.zeros(
-            weight.shape, dtype=torch.float32 if not f64 else weight.dtype, device=weight.device
-        )
+        gw = torch.zeros(weight.shape, dtype=grad.dtype, device=weight.device)
+        w = weight if f64 else _bf16(weight).to(grad.dtype)
         for r in _chunks(x.shape[0], weight.shape[0]):
-            g = _logprob_grad((x[r].to(mm) @ w.to(mm).t()).to(grad.dtype), targets[r], grad[r])
-            gx[r] = (g.to(mm) @ w.to(mm)).to(grad.dtype)
-            gw += (g.t().to(mm) @ x[r].to(mm)).to(gw.dtype)
+            g = _logprob_grad(x[r].to(grad.dtype) @ w.t(), targets[r], grad[r])
+            gx[r] = g @ w
+            gw += g.t() @ x[r].to(grad.dtype)
         return gx, gw.to(weight.dtype), None, None
+
+
+def _head_grads_cuda(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`HeadLogprobs`' gradients on a GPU, as plain bf16 training computes them: each
+    chunk's logits recomputed in bf16, the softmax in f32, the logits' gradient kept in
+    bf16 for all rows (half the f32 logits plain PyTorch keeps) so that the weight's
+    gradient is one GEMM, not an f32 sum over the chunks."""
+    wb = _bf16(weight)
+    gx = torch.empty(x.shape, dtype=grad.dtype, device=x.device)
+    gl = torch.empty(x.shape[0], wb.shape[0], dtype=torch.bfloat16, device=x.device)
+    for r in _chunks(x.shape[0], weight.shape[0]):
+        p = torch.softmax(x[r] @ wb.t(), -1, dtype=torch.float32)
+        gl[r] = _logprob_grad_from_softmax(p, targets[r], grad[r])
+        del p
+        gx[r] = (gl[r] @ wb).to(grad.dtype)
+    return gx, (gl.t() @ x).to(weight.dtype)
 
 
 # f32 logits a chunk of `HeadLogprobs` holds at once.
@@ -770,8 +803,15 @@ def _chunks(rows: int, vocab: int) -> list[slice]:
 def _logprob_grad(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of `log_softmax(logits)[targets]` weighted by `grad`, per row:
     `grad · (onehot(target) - softmax(logits))`."""
-    g = -torch.softmax(logits, -1) * grad.unsqueeze(-1)
-    return g.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+    return _logprob_grad_from_softmax(torch.softmax(logits, -1), targets, grad)
+
+
+def _logprob_grad_from_softmax(
+    p: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """[`_logprob_grad`] given the rows' softmax `p`, which it overwrites."""
+    p.mul_(-grad.unsqueeze(-1))
+    return p.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
 
 
 class TokenLogprobs(torch.autograd.Function):
