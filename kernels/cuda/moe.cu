@@ -14,7 +14,8 @@
 
 // Per row of router logits [rows, E]: the top k experts of the f32 softmax, listed in
 // expert order with their probabilities, renormalised over the chosen k when norm is set.
-// The numbers are the host's (layers/moe.rs `route`): max, then exp(l - max) per expert,
+// The order is the host's (layers/moe.rs `route`), but exp is the GPU's expf, whose
+// results need not be the host's bit for bit: max, then exp(l - max) per expert,
 // their sum in index order from +0, the k largest exps (ties to the lower index: an
 // exact argmax, whichever lanes compare them), p = exp / sum, and the chosen p summed in
 // expert order. One warp per row; the row's exps and choices in shared memory

@@ -19,8 +19,9 @@ use arbor_model::safetensors::DType;
 use pyo3::prelude::*;
 
 use crate::error::{NResult, NativeError};
-use crate::ops::{expect_shape, int64_operand, operand, sequences, Mem, Place};
+use crate::ops::{expect_shape, int64_operand, int_operand, operand, sequences, Mem, Place};
 use crate::spec::ModelSpec;
+use crate::tensors::IntDType;
 
 #[pyclass(module = "arbor._native", name = "CudaOps", frozen)]
 pub struct CudaOps {
@@ -384,6 +385,58 @@ impl CudaOps {
                     ob.as_ref().map(Mem::addr),
                 )
                 .map_err(model_err)
+            }
+        })?)
+    }
+
+    /// Whether the engine runs a TP-1 MoE block of `experts` experts, `hidden` wide with
+    /// `inter` intermediate columns each and `top_k` a token, on the device (its routing
+    /// kernel and grouped GEMM: the default on a GPU with the tensor GEMM, unless
+    /// `ARBOR_MOE=host`); otherwise it routes on the host.
+    fn moe_routes_on_device(
+        &self,
+        hidden: usize,
+        inter: usize,
+        experts: usize,
+        top_k: usize,
+    ) -> PyResult<bool> {
+        let b = self
+            .backend
+            .lock()
+            .map_err(|e| NativeError::Poisoned(e.to_string()))?;
+        Ok(b.moe_routes_on_device(hidden, inter, experts, top_k)
+            .map_err(model_err)?)
+    }
+
+    /// The engine's device routing of router logits (f32 `[R, E]`): each row's `top_k`
+    /// experts of the f32 softmax (ties to the lower index) in increasing index at
+    /// `experts` (int32 `[R, top_k]`), their probabilities (renormalised over the chosen
+    /// where `norm`) at `weights` (f32 `[R, top_k]`) — the kernel the engine's device MoE
+    /// path routes with, so its bits (its exp is the GPU's, not the host's).
+    #[pyo3(signature = (logits, top_k, norm, weights, experts, stream))]
+    fn moe_route(
+        &self,
+        logits: &Bound<'_, PyAny>,
+        top_k: usize,
+        norm: bool,
+        weights: &Bound<'_, PyAny>,
+        experts: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        const OP: &str = "moe_route";
+        let l = operand(OP, "logits", logits, DType::F32, 2, self.place())?;
+        let (rows, e) = (l.shape[0], l.shape[1]);
+        let w = operand(OP, "weights", weights, DType::F32, 2, self.place())?;
+        expect_shape(OP, "weights", &w, &[rows, top_k])?;
+        let x = int_operand(OP, "experts", experts, IntDType::I32, 2, self.place())?;
+        expect_shape(OP, "experts", &x, &[rows, top_k])?;
+        Ok(self.run(stream, |b| {
+            // SAFETY: as in `tree_linear`; weights and experts hold rows × top_k f32 and
+            // i32 values on this device.
+            unsafe {
+                let la = b.borrow_act(l.addr(), rows, e);
+                b.moe_route_to(&la, top_k, norm, x.addr(), w.addr())
+                    .map_err(model_err)
             }
         })?)
     }

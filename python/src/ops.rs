@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyByteArray;
 
 use crate::error::{NResult, NativeError};
-use crate::tensors::{device, int64_memory, memory};
+use crate::tensors::{device, int_memory, memory, IntDType};
 
 /// A tensor's memory: where it starts, how many bytes, its shape.
 #[derive(Debug, Clone)]
@@ -129,6 +129,18 @@ pub fn int64_operand(
     dims: usize,
     place: Place,
 ) -> NResult<Mem> {
+    int_operand(op, what, t, IntDType::I64, dims, place)
+}
+
+/// An integer operand of `int`'s dtype: on `place`, contiguous, `dims` dimensions.
+pub fn int_operand(
+    op: &str,
+    what: &str,
+    t: &Bound<'_, PyAny>,
+    int: IntDType,
+    dims: usize,
+    place: Place,
+) -> NResult<Mem> {
     let name = format!("{op}: {what}");
     let (kind, index) =
         device(t, &name).map_err(|_| NativeError::Type(format!("{name}: not a torch.Tensor")))?;
@@ -142,7 +154,7 @@ pub fn int64_operand(
             index.map_or("?".into(), |i| i.to_string())
         )));
     }
-    let (ptr, shape, bytes) = int64_memory(t, &name)?;
+    let (ptr, shape, bytes) = int_memory(t, &name, int)?;
     if shape.len() != dims {
         return Err(NativeError::Input(format!(
             "{name}: shape {shape:?} where {dims} dimensions are expected"

@@ -131,16 +131,44 @@ pub fn memory(name: &str, t: &Bound<'_, PyAny>, what: &str) -> NResult<TorchTens
     })
 }
 
-/// An int64 tensor's address, shape and byte size (contiguous and strided, on any
-/// device): index and result operands of the CUDA ops, which no safetensors dtype names.
-pub fn int64_memory(t: &Bound<'_, PyAny>, what: &str) -> NResult<(usize, Vec<usize>, usize)> {
+/// The integer dtypes of index and result operands, which no safetensors dtype names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntDType {
+    I32,
+    I64,
+}
+
+impl IntDType {
+    fn torch_name(self) -> &'static str {
+        match self {
+            IntDType::I32 => "torch.int32",
+            IntDType::I64 => "torch.int64",
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            IntDType::I32 => 4,
+            IntDType::I64 => 8,
+        }
+    }
+}
+
+/// An integer tensor's address, shape and byte size (contiguous and strided, on any
+/// device): index and result operands of the CUDA ops.
+pub fn int_memory(
+    t: &Bound<'_, PyAny>,
+    what: &str,
+    int: IntDType,
+) -> NResult<(usize, Vec<usize>, usize)> {
     let dtype = attr(t, "dtype", what)?
         .str()
         .map(|s| s.to_string())
         .map_err(|e| NativeError::Type(format!("{what}: dtype: {e}")))?;
-    if dtype != "torch.int64" {
+    if dtype != int.torch_name() {
         return Err(NativeError::Type(format!(
-            "{what}: dtype {dtype} where torch.int64 is expected"
+            "{what}: dtype {dtype} where {} is expected",
+            int.torch_name()
         )));
     }
     let layout = attr(t, "layout", what)?.str().map(|s| s.to_string());
@@ -159,7 +187,7 @@ pub fn int64_memory(t: &Bound<'_, PyAny>, what: &str) -> NResult<(usize, Vec<usi
         .map_err(|e| NativeError::Type(format!("{what}: shape: {e}")))?;
     let nbytes = shape
         .iter()
-        .try_fold(8usize, |acc, &d| acc.checked_mul(d))
+        .try_fold(int.size(), |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| NativeError::Input(format!("{what}: shape {shape:?} overflows")))?;
     let ptr: usize = call0(t, "data_ptr", what)?;
     if nbytes > 0 && ptr == 0 {

@@ -335,6 +335,40 @@ def test_moe_route_refuses_bad_operands() -> None:
     assert w.shape == (0, 2) and e.shape == (0, 2)
 
 
+def test_device_routing_is_for_cuda_logits_only() -> None:
+    """The CPU routes on the host whatever `ARBOR_MOE` says; asking for the device
+    kernel on CPU logits is refused, not silently served by the host function."""
+    x = torch.zeros(3, 8)
+    assert not ops.moe_routes_on_device(x, 8, 16, 8, 2)
+    with pytest.raises(ValueError, match="on_device routing needs CUDA logits"):
+        ops.moe_route(x, 2, True, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device routing kernel needs a GPU")
+def test_device_routing_against_the_host_function() -> None:
+    """The engine's device kernel on CUDA logits: the host function's experts where no
+    two chosen-or-next exps are near a tie, weights within a few ulp (the GPU's exp is
+    not the host's), and the same gradient formula."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(256, 64, generator=g)
+    logits[0, :8] = torch.tensor([0.0, 2.0, 1.0, 2.0, -1.0, 2.0, 0.5, 0.0])
+    logits[0, 8:] = -9.0  # a 3-way tie among the first eight
+    for norm in (True, False):
+        x = logits.cuda().requires_grad_(True)
+        w, e = ops.moe_route(x, 4, norm, True)
+        assert e.dtype == torch.int64 and e.is_cuda and w.is_cuda and not e.requires_grad
+        hw, he = ops.moe_route(logits, 4, norm)
+        assert e[0].tolist() == [1, 2, 3, 5]
+        assert torch.equal(e.cpu(), he)
+        torch.testing.assert_close(w.cpu(), hw, rtol=1e-6, atol=1e-7)
+        gw = torch.randn(256, 4, generator=g)
+        (w * gw.cuda()).sum().backward()
+        y = logits.clone().requires_grad_(True)
+        (ops.moe_route(y, 4, norm)[0] * gw).sum().backward()
+        assert x.grad is not None and y.grad is not None
+        torch.testing.assert_close(x.grad.cpu(), y.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_every_parameter_gets_a_gradient(moe: dict[str, Path]) -> None:
     """Three tokens reach at most 6 of 8 experts a layer; the others run on no rows, so
     every parameter has a gradient (zeros there), as DDP and FSDP expect."""

@@ -111,7 +111,8 @@ class MixtralExpert(nn.Module):
 class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP with the checkpoint's names (`gate.weight`, the router;
     `experts.N.…`) and the engine's bits (model/src/layers/moe.rs): the router's logits
-    through the tree GEMM in f32, the engine's own routing (`ops.moe_route`), each expert
+    through the tree GEMM in f32, the engine's own routing (`ops.moe_route`: on CUDA
+    tensors its device kernel where the engine routes on the device), each expert
     the dense MLP on the rows routed to it (in row order), and each row's k weighted
     outputs added in expert-index order (`ops.moe_combine`)."""
 
@@ -122,6 +123,8 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"{c.arch_name} has no experts")
         self.top_k = m.top_k
         self.norm_topk_prob = m.norm_topk_prob
+        self.hidden = c.hidden_size
+        self.inter = m.expert_intermediate
         self.gate = Linear(c.hidden_size, m.num_experts, bias=False)
         expert: Callable[[], nn.Module] = (
             (lambda: MixtralExpert(c.hidden_size, m.expert_intermediate))
@@ -132,7 +135,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, k = x.shape[0], self.top_k
-        weights, experts = ops.moe_route(self.gate(x), k, self.norm_topk_prob)
+        # Where the engine routes such a block (on a GPU: its device kernel, unless
+        # ARBOR_MOE=host), so that the weights have its bits.
+        on_device = ops.moe_routes_on_device(x, self.hidden, self.inter, len(self.experts), k)
+        weights, experts = ops.moe_route(self.gate(x), k, self.norm_topk_prob, on_device)
         # Which (row, slot) pairs each expert serves, in row order; the grouping is made
         # on the host (the routes are there already on CUDA tensors' path).
         flat = experts.reshape(-1).cpu()

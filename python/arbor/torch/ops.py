@@ -421,14 +421,17 @@ class MoeRoute(torch.autograd.Function):
     """A token's experts and their weights from its router logits `[R, E]`: the f32
     softmax, the `top_k` most probable (ties to the lower index), their probabilities
     renormalised where `norm`. Returns `(weights [R, k], experts [R, k])`, each row's
-    experts in increasing index. The choice is the engine's own routing function (on the
-    host: the logits of CUDA tensors come to the CPU, the result goes back); it has no
-    gradient. The weights' gradient is the softmax's (and the renormalisation's), as
-    transformers' MoE blocks have it."""
+    experts in increasing index. The choice is the engine's own routing: with `on_device`
+    (CUDA logits) its device kernel, run on the logits where they are (the engine's
+    default on a GPU; the GPU's `exp` is not the host's, so the weights' last bits may
+    differ from the host routing's); otherwise its host function (the logits of CUDA
+    tensors come to the CPU, the result goes back). The choice has no gradient. The
+    weights' gradient is the softmax's (and the renormalisation's), as transformers' MoE
+    blocks have it."""
 
     @staticmethod
     def forward(
-        ctx: Ctx, logits: torch.Tensor, top_k: int, norm: bool
+        ctx: Ctx, logits: torch.Tensor, top_k: int, norm: bool, on_device: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, n = logits.shape
         if not 1 <= top_k <= n:
@@ -436,6 +439,18 @@ class MoeRoute(torch.autograd.Function):
         if _f64(logits):
             experts = _top_k(logits, top_k)
             weights = _route_weights(logits, experts, norm)
+        elif on_device:
+            if not logits.is_cuda:
+                raise ValueError("moe_route: on_device routing needs CUDA logits")
+            _activations("moe_route", logits)
+            weights = torch.empty(rows, top_k, dtype=torch.float32, device=logits.device)
+            ids = torch.empty(rows, top_k, dtype=torch.int32, device=logits.device)
+            if rows:
+                cuda, stream = _cuda(logits)
+                _retry(
+                    cuda.moe_route, logits.detach().contiguous(), top_k, norm, weights, ids, stream
+                )
+            experts = ids.to(torch.int64)
         else:
             _activations("moe_route", logits)
             host = logits.detach().to("cpu").contiguous()
@@ -462,7 +477,7 @@ class MoeRoute(torch.autograd.Function):
             g = (g - (g * chosen).sum(-1, keepdim=True) / total) / total
         gp = torch.zeros_like(p).scatter_(1, experts, g)
         gl = p * (gp - (gp * p).sum(-1, keepdim=True))
-        return gl.to(logits.dtype), None, None
+        return gl.to(logits.dtype), None, None, None
 
 
 def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
@@ -886,8 +901,24 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return TokenLogprobs.apply(logits, targets)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return MoeRoute.apply(logits, top_k, norm)
+def moe_route(
+    logits: torch.Tensor, top_k: int, norm: bool, on_device: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return MoeRoute.apply(logits, top_k, norm, on_device)
+
+
+def moe_routes_on_device(
+    x: torch.Tensor, hidden: int, inter: int, experts: int, top_k: int
+) -> bool:
+    """Whether the engine runs this MoE block on the device for activations like `x`: on
+    CUDA, where its backend has the tensor GEMM and `ARBOR_MOE` is unset or `device`
+    (`model/src/backend/cuda/moe.rs`); there it routes with its device kernel
+    (`moe_route(..., on_device=True)` runs the same) and its grouped expert GEMM gives
+    the dense tree GEMM's bits. Otherwise it routes on the host."""
+    if not x.is_cuda or _f64(x):
+        return False
+    cuda, _ = _cuda(x)
+    return bool(cuda.moe_routes_on_device(hidden, inter, experts, top_k))
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

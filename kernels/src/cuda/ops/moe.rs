@@ -187,19 +187,10 @@ impl GpuDevice {
             at(l.n_tiles),
         );
         let w = dev_ptr(&route.weights, s);
-        let norm = i32::from(norm);
         // SAFETY: every pointer lies in `route`'s buffers at the offsets of its layout,
         // sized for these rows, k and experts; the logits hold [rows, experts].
         unsafe {
-            let mut b = self.launch(self.func(K)?);
-            b.arg(logits).arg(&r32).arg(&e32).arg(&k32).arg(&norm);
-            b.arg(&ids).arg(&w);
-            let cfg = cudarc::driver::LaunchConfig {
-                grid_dim: (rows.div_ceil(ROUTE_WARPS) as u32, 1, 1),
-                block_dim: (32 * ROUTE_WARPS as u32, 1, 1),
-                shared_mem_bytes: (ROUTE_WARPS * (experts + MOE_TOP_K_MAX) * 4) as u32,
-            };
-            self.launched(K, b.launch(cfg))?;
+            self.route_kernel(logits, rows, experts, k, norm, ids, w)?;
 
             const C: &str = "moe_count_kernel";
             let mut b = self.launch(self.func(C)?);
@@ -231,6 +222,79 @@ impl GpuDevice {
             self.launched(X, b.launch(elementwise_cfg(pairs)))?;
         }
         Ok(route)
+    }
+
+    /// `moe_route_kernel` alone: each row's `k` experts (i32, expert order) at `ids` and
+    /// their weights (f32) at `w`, both `[rows, k]`, in memory another library owns
+    /// (`arbor.torch`'s tensors). The same kernel and launch as [`GpuDevice::moe_route`], so
+    /// the same bits; no pair layout is made.
+    ///
+    /// # Safety
+    /// `ids` and `w` address `rows·k` i32 and f32 values on this GPU, used by no other work
+    /// until the kernel has run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn moe_route_raw(
+        &self,
+        logits: &DevF32,
+        rows: usize,
+        experts: usize,
+        k: usize,
+        norm: bool,
+        ids: u64,
+        w: u64,
+    ) -> Result<(), CudaError> {
+        const K: &str = "moe_route_kernel";
+        check(K, logits.len() == rows * experts, || {
+            format!(
+                "router logits of {} values for [{rows}, {experts}]",
+                logits.len()
+            )
+        })?;
+        check(
+            K,
+            (1..=MOE_EXPERTS_MAX).contains(&experts)
+                && (1..=experts.min(MOE_TOP_K_MAX)).contains(&k),
+            || {
+                format!("top-{k} of {experts} experts (at most {MOE_EXPERTS_MAX} experts and {MOE_TOP_K_MAX} per token, 1 ≤ k ≤ experts)")
+            },
+        )?;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.route_kernel(logits, rows, experts, k, norm, ids, w)
+    }
+
+    /// Launches `moe_route_kernel` over `rows` rows (at least one).
+    ///
+    /// # Safety
+    /// As [`GpuDevice::moe_route_raw`]; `experts` and `k` within the kernel's limits.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn route_kernel(
+        &self,
+        logits: &DevF32,
+        rows: usize,
+        experts: usize,
+        k: usize,
+        norm: bool,
+        ids: u64,
+        w: u64,
+    ) -> Result<(), CudaError> {
+        const K: &str = "moe_route_kernel";
+        let (r32, e32, k32) = (
+            i32_of(K, "rows", rows)?,
+            i32_of(K, "experts", experts)?,
+            i32_of(K, "k", k)?,
+        );
+        let norm = i32::from(norm);
+        let mut b = self.launch(self.func(K)?);
+        b.arg(logits).arg(&r32).arg(&e32).arg(&k32).arg(&norm);
+        b.arg(&ids).arg(&w);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (rows.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+            block_dim: (32 * ROUTE_WARPS as u32, 1, 1),
+            shared_mem_bytes: (ROUTE_WARPS * (experts + MOE_TOP_K_MAX) * 4) as u32,
+        };
+        self.launched(K, b.launch(cfg))
     }
 
     /// Each row's output: its experts' rows of `y` (`[pairs, cols]` in the route's

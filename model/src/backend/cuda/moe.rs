@@ -17,7 +17,8 @@ use arbor_kernels::cuda::DevBuf;
 
 use super::gemm::tensor_eligible;
 use super::{CudaAct, CudaBackend, CudaMat};
-use crate::backend::{BResult, Backend, BackendError, MoeSpec};
+use crate::backend::{BResult, Backend, BackendError, MoeSpec, TreeSpec};
+use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 
 /// The environment variable that picks where MoE blocks route.
 pub const ENV: &str = "ARBOR_MOE";
@@ -75,17 +76,69 @@ fn device_routing() -> BResult<bool> {
 }
 
 impl CudaBackend {
+    /// Whether a block whose experts have these trees runs on the device (the routing
+    /// kernel, the grouped GEMM, the combine kernel) rather than through the host routing
+    /// of `layers::moe`.
+    fn routes_on_device(&self, gate_up: TreeSpec, down: TreeSpec) -> BResult<bool> {
+        Ok(self.gemm.is_some()
+            && device_routing()?
+            && tensor_eligible(gate_up)
+            && tensor_eligible(down))
+    }
+
+    /// Whether this backend runs a TP-1 MoE block of `experts` experts (`hidden` wide,
+    /// `inter` intermediate columns each, `top_k` a token) on the device, as
+    /// [`Backend::moe_experts`] decides it; `false` too for a block over the device
+    /// kernels' limits (the engine refuses to load such a block while routing on the
+    /// device).
+    pub fn moe_routes_on_device(
+        &self,
+        hidden: usize,
+        inter: usize,
+        experts: usize,
+        top_k: usize,
+    ) -> BResult<bool> {
+        let tree = |k: usize| TreeSpec {
+            seg_len: SegmentLayout::new(k).seg_len,
+            n_seg: SEGMENTS,
+            k,
+        };
+        Ok(self.routes_on_device(tree(hidden), tree(inter))?
+            && (1..=MOE_EXPERTS_MAX).contains(&experts)
+            && (1..=experts.min(MOE_TOP_K_MAX)).contains(&top_k))
+    }
+
+    /// The device routing of the rows of `logits` (`[rows, experts]` f32): each row's
+    /// `top_k` experts (i32, in expert order) at `ids` and their weights (f32, renormalised
+    /// if `norm`) at `w`, both `[rows, top_k]` — the kernel [`Backend::moe_forward`] routes
+    /// with, so its bits.
+    ///
+    /// # Safety
+    /// `ids` and `w` address `rows·top_k` i32 and f32 values on this GPU, used by no other
+    /// work until the kernel has run (order their owner's stream after it with
+    /// [`CudaBackend::release_to_stream`]).
+    pub unsafe fn moe_route_to(
+        &self,
+        logits: &CudaAct,
+        top_k: usize,
+        norm: bool,
+        ids: u64,
+        w: u64,
+    ) -> BResult<()> {
+        self.timed("moe route (into)", logits.rows, || {
+            self.dev
+                .moe_route_raw(&logits.buf, logits.rows, logits.cols, top_k, norm, ids, w)
+                .map_err(|e| self.dev_err(e))
+        })
+    }
+
     pub(super) fn moe_experts_untimed(
         &self,
         gate_up: &[&CudaMat],
         down: &[&CudaMat],
         spec: MoeSpec,
     ) -> BResult<Option<CudaExperts>> {
-        if self.gemm.is_none()
-            || !device_routing()?
-            || !tensor_eligible(spec.gate_up)
-            || !tensor_eligible(spec.down)
-        {
+        if !self.routes_on_device(spec.gate_up, spec.down)? {
             return Ok(None);
         }
         let experts = gate_up.len();
