@@ -913,8 +913,9 @@ def moe_routes_on_device(
     """Whether the engine runs this MoE block on the device for activations like `x`: on
     CUDA, where its backend has the tensor GEMM and `ARBOR_MOE` is unset or `device`
     (`model/src/backend/cuda/moe.rs`); there it routes with its device kernel
-    (`moe_route(..., on_device=True)` runs the same) and its grouped expert GEMM gives
-    the dense tree GEMM's bits. Otherwise it routes on the host."""
+    (`moe_route(..., on_device=True)` runs the same) and its grouped expert GEMM, whose
+    bits the GPU tests find equal to the dense tree GEMM's. Otherwise it routes on the
+    host."""
     if not x.is_cuda or _f64(x):
         return False
     cuda, _ = _cuda(x)
