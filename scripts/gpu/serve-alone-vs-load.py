@@ -135,7 +135,7 @@ def main():
         deadline = time.time() + 60
         while True:
             with lock:
-                flying, done = state["in_flight"], state["done"]
+                flying = state["in_flight"]
             if flying >= want_in_flight or time.time() > deadline:
                 break
             time.sleep(0.005)
