@@ -92,7 +92,6 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
 
     const int g = wg;
     const int wl = tid & 127;
-    const int ct = tid;
     const bool releaser = wl == 0;
     consumer_registers();
     float acc[64], root[64], p1[64];
@@ -100,9 +99,9 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
         tile_coords(t, num_m, num_n, mt, nt);
-        tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(root, acc, p1, slot + ct, ring, full,
-                                                            empty, g * 64 * 128, p.seg_len, tps,
-                                                            p.n_seg, it, releaser);
+        tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(
+            root, acc, p1, slot + g * 64 * 128 + wl, ring, full, empty, g * 64 * 128, p.seg_len,
+            tps, p.n_seg, it, releaser, [] {});
         // Rows from the tile's first pair up to its expert's end are this tile's.
         const int row0 = p.tile_row0[mt] + g * 64, end = p.tile_end[mt], col0 = nt * 128;
 #pragma unroll

@@ -38,6 +38,7 @@ struct __align__(64) TensorMap {
 struct __align__(64) TmaParams {
     TensorMap tx;  // X as [M][n_seg][seg_len], box {64, 1, BM}
     TensorMap tw;  // W as [N][n_seg][seg_len], box {64, 1, 128}
+    TensorMap to;  // large-M kernel with tma_out: the f32 [M, N] result, box {32, 64}
     float* outf;   // [M, N] f32 result, or null
     u16* outh;     // [M, N] bf16 result, or null
     int M, N, seg_len, n_seg;
@@ -47,6 +48,9 @@ struct __align__(64) TmaParams {
     // 0: store the [M, N] roots. 1: W's rows alternate gate and up (N = 2·inter); store
     // silu(gate)·up, [M, N/2], to outf and, if set, rounded to bf16 to outh.
     int epi;
+    // Large-M kernel: 1 when the result is f32 roots (epi 0, no bf16) stored by TMA from
+    // shared memory through `to`, overlapping the next tile's mainloop.
+    int tma_out;
 };
 
 DEVI void mbar_init(u32 bar, u32 count) {
@@ -83,6 +87,22 @@ DEVI void tma_load_3d(u32 dst, const TensorMap* map, int k, int seg, int row, u3
 DEVI void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)map) : "memory");
 }
+// The TMA store of one 2-D box from shared memory at `src` to (col, row) of `map`, in this
+// thread's bulk group.
+DEVI void tma_store_2d(const TensorMap* map, u32 src, int col, int row) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                     (u64)map),
+                 "r"(col), "r"(row), "r"(src)
+                 : "memory");
+}
+DEVI void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// This thread's bulk stores have read their shared memory (it may be rewritten).
+DEVI void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+DEVI void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Shared-memory writes of this thread visible to the async proxy (a TMA store's reads).
+DEVI void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// A barrier of the 128 threads of one warpgroup (ids 1 and 2; 0 is __syncthreads).
+DEVI void warpgroup_bar(int g) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + g) : "memory"); }
 
 // The host sizes dynamic shared memory from its own copy of the layout (Path::smem_bytes);
 // a block given less than the layout needs stops here instead of corrupting memory.
@@ -214,12 +234,13 @@ DEVI void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 2
 // n_seg segments (8, or 1, 2 or 4 for a TP shard's subtree) from the ring, summed into
 // root as ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) while they arrive. Straight-line, so each
 // leaf runs into the register tile that keeps it: root, acc and p1 are registers, s6 waits
-// for one segment in a thread-private shared-memory slot (`s6[64 · 256]`, the thread's
-// values 256 floats apart: conflict-free).
-template <int STAGES, int STAGE_BYTES, int A_BYTES>
+// for one segment in a thread-private shared-memory slot (`s6[64 · 128]`: the thread's
+// values 128 floats apart in its warpgroup's half of the slot, conflict-free). `before_s6`
+// runs before the slot is written (the dense kernel's TMA store may still be reading it).
+template <int STAGES, int STAGE_BYTES, int A_BYTES, typename BeforeS6>
 DEVI void tile_tree(float* root, float* acc, float* p1, float* s6, u32 ring, u32 full,
                     u32 empty, int a_row_off, int seg_len, int tps, int n_seg, u32& it,
-                    bool releaser) {
+                    bool releaser, BeforeS6 before_s6) {
     // Each leaf drains its wgmma groups before the tree step. Chaining a leaf into another
     // tile without draining (s1 issued while s0's last group runs), even with that tile
     // zeroed beforehand, makes ptxas (13.0) serialise every wgmma of the kernel (C7515:
@@ -244,11 +265,12 @@ DEVI void tile_tree(float* root, float* acc, float* p1, float* s6, u32 ring, u32
 #pragma unroll
         for (int i = 0; i < 64; ++i) p1[i] = p1[i] + acc[i];
         LEAF(acc);
+        before_s6();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) s6[i * 256] = acc[i];
+        for (int i = 0; i < 64; ++i) s6[i * 128] = acc[i];
         LEAF(acc);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) root[i] = root[i] + (p1[i] + (s6[i * 256] + acc[i]));
+        for (int i = 0; i < 64; ++i) root[i] = root[i] + (p1[i] + (s6[i * 128] + acc[i]));
     }
 #undef LEAF
 }
@@ -299,6 +321,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         tma_prefetch_map(&p.tx);
         tma_prefetch_map(&p.tw);
+        if (p.tma_out) tma_prefetch_map(&p.to);
     }
     __syncthreads();
 
@@ -324,18 +347,45 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
     const int g = wg;              // consumer warpgroup: rows 64g .. 64g + 63 of the tile
     const int wl = tid & 127;
-    const int ct = tid;            // consumer thread 0..255 (spill slot index)
     const bool releaser = wl == 0;
     consumer_registers();
     float acc[64], root[64], p1[64];
+    // This warpgroup's half of the slot: s6 during the tree, then the tile's roots for the
+    // TMA store (four 128-byte-swizzled boxes of 64 rows x 32 columns).
+    float* half = slot + g * 64 * 128;
+    const u32 stage_out = smem_addr(half);
+    // The previous tile's TMA store reads `half` until its bulk group says otherwise.
+    auto store_done = [&] {
+        if (!p.tma_out) return;
+        if (releaser) bulk_wait_read();
+        warpgroup_bar(g);
+    };
     u32 it = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
         tile_coords(t, num_m, num_n, mt, nt);
-        tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(root, acc, p1, slot + ct, ring, full,
+        tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(root, acc, p1, half + wl, ring, full,
                                                             empty, g * 64 * 128, p.seg_len, tps,
-                                                            p.n_seg, it, releaser);
+                                                            p.n_seg, it, releaser, store_done);
         const int row0 = mt * 128 + g * 64, col0 = nt * 128;
+        if (p.tma_out) {
+            store_done();
+#pragma unroll
+            for (int i = 0; i < 64; i += 2) {
+                const int r = acc_row(wl, i), c = acc_col(wl, i);
+                const int cc = c & 31;
+                const u32 off = (c >> 5) * 8192 + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
+                *(float2*)((unsigned char*)half + off) = make_float2(root[i], root[i + 1]);
+            }
+            fence_async_smem();
+            warpgroup_bar(g);
+            if (releaser) {
+#pragma unroll
+                for (int b = 0; b < 4; ++b) tma_store_2d(&p.to, stage_out + b * 8192, col0 + 32 * b, row0);
+                bulk_commit();
+            }
+            continue;
+        }
 #pragma unroll
         for (int i = 0; i < 64; i += 2) {
             const int r = row0 + acc_row(wl, i);
@@ -355,6 +405,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             }
         }
     }
+    if (p.tma_out && releaser) bulk_wait_all();
 }
 
 // ---------------------------------------------------------------------------------------

@@ -32,8 +32,9 @@ pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, Group
 pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
-    default_path_for, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile, whole_tile,
-    wide_cluster_fits, QUAD128_BY_DEFAULT, QUAD128_ENV,
+    default_path_for, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile,
+    tma_store_enabled, whole_tile, wide_cluster_fits, QUAD128_BY_DEFAULT, QUAD128_ENV,
+    TMA_STORE_BY_DEFAULT, TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -111,6 +112,8 @@ pub struct TreeGemm {
     pdl: bool,
     /// Whether the default path may take the 128-row quad tiles ([`quad128_enabled`]).
     quad128: bool,
+    /// Whether `wgtma128` stores plain f32 roots by TMA ([`tma_store_enabled`]).
+    tma_store: bool,
 }
 
 impl TreeGemm {
@@ -198,6 +201,7 @@ impl TreeGemm {
             cluster_capacity: [0; 4],
             pdl: super::launch::pdl_enabled(ctx),
             quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
+            tma_store: tma_store_enabled(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
             tg.cluster_capacity[i] = tg
@@ -318,9 +322,21 @@ impl TreeGemm {
             Path::WgQuad128 { bn } => bn as u32,
             _ => 128,
         };
+        // The large-M kernel stores plain f32 roots by TMA, overlapping the next tile.
+        let tma_out = path == Path::WgTma128
+            && matches!(a.epilogue, Epilogue::Store)
+            && outh == 0
+            && self.tma_store
+            && tma::out_map_fits(outf, s.n);
+        let to = if tma_out {
+            tma::encode_out(outf, s.m, s.n)?
+        } else {
+            tma::TensorMapBytes([0; 16])
+        };
         let p = tma::TmaParams {
             tx: tma::encode("x", a.x, s.m, a.ldx, s.seg_len, s.n_seg, x_rows)?,
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
+            to,
             outf,
             outh,
             m: s.m as i32,
@@ -329,6 +345,7 @@ impl TreeGemm {
             n_seg: s.n_seg as i32,
             w_early: i32::from(a.w_constant),
             epi: i32::from(matches!(a.epilogue, Epilogue::SiluMulPairs { .. })),
+            tma_out: i32::from(tma_out),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {

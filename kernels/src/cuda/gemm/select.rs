@@ -15,14 +15,48 @@ pub const QUAD128_BY_DEFAULT: bool = true;
 
 /// [`QUAD128_ENV`]'s value (`None`: unset) as a switch.
 pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
+    switch(
+        QUAD128_ENV,
+        value,
+        QUAD128_BY_DEFAULT,
+        "expected 1 (128-row quad tiles for 97 <= M <= 256 where they fill one wave) or 0",
+    )
+}
+
+/// The variable that lets the large-M kernel (`wgtma128`) store its f32 roots by TMA from
+/// shared memory, overlapping the next tile: `1` on, `0` off (the threads' own stores),
+/// unset [`TMA_STORE_BY_DEFAULT`]. Either gives the same bits.
+pub const TMA_STORE_ENV: &str = "ARBOR_GEMM_TMA_STORE";
+
+/// Whether the large-M kernel stores by TMA when [`TMA_STORE_ENV`] is unset.
+pub const TMA_STORE_BY_DEFAULT: bool = true;
+
+/// [`TMA_STORE_ENV`]'s value (`None`: unset) as a switch.
+pub fn tma_store_enabled(value: Option<&str>) -> Result<bool, GemmError> {
+    switch(
+        TMA_STORE_ENV,
+        value,
+        TMA_STORE_BY_DEFAULT,
+        "expected 1 (the large-M kernel stores its f32 roots by TMA) or 0",
+    )
+}
+
+/// An on/off variable's value: `1`, `0`, or unset / empty for `default`; anything else an
+/// error naming the variable.
+fn switch(
+    var: &'static str,
+    value: Option<&str>,
+    default: bool,
+    msg: &'static str,
+) -> Result<bool, GemmError> {
     match value.map(str::trim) {
-        None | Some("") => Ok(QUAD128_BY_DEFAULT),
+        None | Some("") => Ok(default),
         Some("1") => Ok(true),
         Some("0") => Ok(false),
         Some(v) => Err(GemmError::Env {
-            var: QUAD128_ENV,
+            var,
             value: v.to_string(),
-            msg: "expected 1 (128-row quad tiles for 97 <= M <= 256 where they fill one wave) or 0",
+            msg,
         }),
     }
 }
@@ -383,6 +417,10 @@ mod tests {
         }
         assert_eq!(pick(256, 4096, 8, false), "wgtma128");
         assert_eq!(pick(128, 4096, 8, false), "wgwhole64");
+        assert_eq!(tma_store_enabled(None).unwrap(), TMA_STORE_BY_DEFAULT);
+        assert!(!tma_store_enabled(Some(" 0 ")).unwrap());
+        let e = tma_store_enabled(Some("on")).unwrap_err().to_string();
+        assert!(e.contains(TMA_STORE_ENV) && e.contains("on"), "{e}");
         assert_eq!(quad128_enabled(None).unwrap(), QUAD128_BY_DEFAULT);
         assert!(quad128_enabled(Some("1")).unwrap());
         assert!(!quad128_enabled(Some("0")).unwrap());

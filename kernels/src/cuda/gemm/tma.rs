@@ -32,6 +32,8 @@ pub struct TensorMapBytes(pub [u64; 16]);
 pub struct TmaParams {
     pub tx: TensorMapBytes,
     pub tw: TensorMapBytes,
+    /// The large-M kernel's f32 result for its TMA stores (with `tma_out`).
+    pub to: TensorMapBytes,
     pub outf: CUdeviceptr,
     pub outh: CUdeviceptr,
     pub m: i32,
@@ -42,6 +44,57 @@ pub struct TmaParams {
     pub w_early: i32,
     /// 1: the SiLU·mul epilogue of alternating gate/up rows (`Epilogue::SiluMulPairs`).
     pub epi: i32,
+    /// 1: the large-M kernel stores its f32 roots by TMA through `to`.
+    pub tma_out: i32,
+}
+
+/// Rows of the large-M kernel's TMA store box (a consumer warpgroup's rows).
+pub const OUT_BOX_ROWS: u32 = 64;
+/// Columns of that box: one 128-byte swizzled row of f32.
+pub const OUT_BOX_COLS: u32 = 32;
+
+/// The f32 result `[rows, cols]` (row stride `cols`) at `ptr` as the 2-D tensor the
+/// large-M kernel's TMA stores write, boxes of [`OUT_BOX_ROWS`] × [`OUT_BOX_COLS`] with the
+/// 128-byte swizzle its shared-memory staging uses; TMA clips what falls outside. Needs
+/// `ptr` 16-byte aligned and `cols` a multiple of 4 ([`out_map_fits`]).
+pub fn encode_out(ptr: CUdeviceptr, rows: usize, cols: usize) -> Result<TensorMapBytes, GemmError> {
+    let dims: [u64; 2] = [cols as u64, rows as u64];
+    let strides: [u64; 1] = [cols as u64 * 4];
+    let boxes: [u32; 2] = [OUT_BOX_COLS, OUT_BOX_ROWS];
+    let elem: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::uninit();
+    // SAFETY: all arrays have the rank (2) the call is told; `map` is written by the call.
+    let res = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            2,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    res.result().map_err(|source| GemmError::Driver {
+        what: format!(
+            "cuTensorMapEncodeTiled(output: {ptr:#x}, dims {dims:?}, byte strides {strides:?}, box {boxes:?})"
+        ),
+        source,
+    })?;
+    // SAFETY: initialised by the successful call above.
+    let map = unsafe { map.assume_init() };
+    Ok(TensorMapBytes(map.opaque))
+}
+
+/// Whether an f32 result at `ptr` with `cols` columns can be a TMA store's tensor (16-byte
+/// aligned base and row stride).
+pub fn out_map_fits(ptr: CUdeviceptr, cols: usize) -> bool {
+    ptr.is_multiple_of(16) && cols.is_multiple_of(4)
 }
 
 /// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
@@ -221,14 +274,16 @@ mod tests {
 
     #[test]
     fn params_match_the_c_struct() {
-        // struct TmaParams: two 128-byte maps, two pointers, six ints, padded to 64.
+        // struct TmaParams: three 128-byte maps, two pointers, seven ints, padded to 64.
         assert_eq!(std::mem::align_of::<TmaParams>(), 64);
         assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
-        assert_eq!(std::mem::offset_of!(TmaParams, outf), 256);
-        assert_eq!(std::mem::offset_of!(TmaParams, m), 272);
-        assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 284);
-        assert_eq!(std::mem::offset_of!(TmaParams, w_early), 288);
-        assert_eq!(std::mem::offset_of!(TmaParams, epi), 292);
-        assert_eq!(std::mem::size_of::<TmaParams>(), 320);
+        assert_eq!(std::mem::offset_of!(TmaParams, to), 256);
+        assert_eq!(std::mem::offset_of!(TmaParams, outf), 384);
+        assert_eq!(std::mem::offset_of!(TmaParams, m), 400);
+        assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 412);
+        assert_eq!(std::mem::offset_of!(TmaParams, w_early), 416);
+        assert_eq!(std::mem::offset_of!(TmaParams, epi), 420);
+        assert_eq!(std::mem::offset_of!(TmaParams, tma_out), 424);
+        assert_eq!(std::mem::size_of::<TmaParams>(), 448);
     }
 }
