@@ -13,7 +13,7 @@ use arbor_kernels::cpu::RowDraw;
 use arbor_kernels::cuda::ops::{ROW_STATS_F32, ROW_STATS_U64};
 use arbor_kernels::paged::blocks_for;
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
-use arbor_model::backend::cuda::CudaBackend;
+use arbor_model::backend::cuda::{CudaAct, CudaBackend, CudaMat};
 use arbor_model::backend::{Backend, HeadSpec, KvRows, KvSpec, SeqRows, TreeSpec};
 use arbor_model::safetensors::DType;
 use pyo3::prelude::*;
@@ -91,33 +91,15 @@ impl CudaOps {
         stream: u64,
     ) -> PyResult<()> {
         const OP: &str = "tree_linear";
-        let x = operand(OP, "x", x, DType::F32, 2, self.place())?;
-        let xb = xb
-            .map(|t| operand(OP, "xb", t, DType::BF16, 2, self.place()))
-            .transpose()?;
-        if let Some(b) = &xb {
-            expect_shape(OP, "xb", b, &x.shape)?;
-        }
-        let w = operand(OP, "weight", w, DType::BF16, 2, self.place())?;
+        let lin = LinearIn::new(OP, x, xb, w, self.place())?;
         let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
-        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
-        expect_shape(OP, "weight", &w, &[n, k])?;
-        expect_shape(OP, "out", &o, &[m, n])?;
-        let tree = TreeSpec {
-            seg_len: SegmentLayout::new(k).seg_len,
-            n_seg: SEGMENTS,
-            k,
-        };
+        expect_shape(OP, "out", &o, &[lin.m, lin.n])?;
         Ok(self.run(stream, |b| {
             // SAFETY: x, w and out are CUDA tensors of these shapes on this device, held by
             // the caller for the call; the caller's stream waits for this op before reusing them.
             unsafe {
-                let xa = match &xb {
-                    Some(xb) => b.borrow_act_with_bf16(x.addr(), xb.addr(), m, k),
-                    None => b.borrow_act(x.addr(), m, k),
-                };
-                let wm = b.borrow_mat(w.addr(), n, k);
-                b.matmul_to(&xa, &wm, tree, o.addr()).map_err(model_err)
+                let (xa, wm) = lin.borrow(b);
+                b.matmul_to(&xa, &wm, lin.tree, o.addr()).map_err(model_err)
             }
         })?)
     }
@@ -138,16 +120,8 @@ impl CudaOps {
         stream: u64,
     ) -> PyResult<()> {
         const OP: &str = "tree_linear_silu";
-        let x = operand(OP, "x", x, DType::F32, 2, self.place())?;
-        let xb = xb
-            .map(|t| operand(OP, "xb", t, DType::BF16, 2, self.place()))
-            .transpose()?;
-        if let Some(b) = &xb {
-            expect_shape(OP, "xb", b, &x.shape)?;
-        }
-        let w = operand(OP, "weight", w, DType::BF16, 2, self.place())?;
-        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
-        expect_shape(OP, "weight", &w, &[n, k])?;
+        let lin = LinearIn::new(OP, x, xb, w, self.place())?;
+        let (m, n) = (lin.m, lin.n);
         if n % 2 != 0 {
             return Err(NativeError::Input(format!(
                 "{OP}: the gate/up weight has {n} rows, not an even count"
@@ -157,21 +131,12 @@ impl CudaOps {
         let o = operand(OP, "out", out, DType::F32, 2, self.place())?;
         expect_shape(OP, "out", &o, &[m, n / 2])?;
         let ob = bf16_out(OP, outb, &[m, n / 2], self.place())?;
-        let tree = TreeSpec {
-            seg_len: SegmentLayout::new(k).seg_len,
-            n_seg: SEGMENTS,
-            k,
-        };
         Ok(self.run(stream, |b| {
             // SAFETY: as in `tree_linear`; outb, when given, is a bf16 CUDA tensor of out's
             // shape on this device, held by the caller for the call.
             unsafe {
-                let xa = match &xb {
-                    Some(xb) => b.borrow_act_with_bf16(x.addr(), xb.addr(), m, k),
-                    None => b.borrow_act(x.addr(), m, k),
-                };
-                let wm = b.borrow_mat(w.addr(), n, k);
-                b.matmul_silu_mul_to(&xa, &wm, tree, o.addr(), ob.as_ref().map(Mem::addr))
+                let (xa, wm) = lin.borrow(b);
+                b.matmul_silu_mul_to(&xa, &wm, lin.tree, o.addr(), ob.as_ref().map(Mem::addr))
                     .map_err(model_err)
             }
         })?)
@@ -522,6 +487,67 @@ impl CudaOps {
             b.row_stats(&la, vocab, &pick, &draws).map_err(model_err)
         })?;
         Ok(stats.iter().map(|s| (s.picked - s.lse, s.digest)).unzip())
+    }
+}
+
+/// A linear's inputs: `x` f32 `[M, K]`, `xb` (optional) its bf16 rounding, the weight bf16
+/// `[N, K]`, and the tree over K that every TP size cuts.
+struct LinearIn {
+    x: Mem,
+    xb: Option<Mem>,
+    w: Mem,
+    m: usize,
+    k: usize,
+    n: usize,
+    tree: TreeSpec,
+}
+
+impl LinearIn {
+    fn new(
+        op: &str,
+        x: &Bound<'_, PyAny>,
+        xb: Option<&Bound<'_, PyAny>>,
+        w: &Bound<'_, PyAny>,
+        place: Place,
+    ) -> NResult<Self> {
+        let x = operand(op, "x", x, DType::F32, 2, place)?;
+        let xb = xb
+            .map(|t| operand(op, "xb", t, DType::BF16, 2, place))
+            .transpose()?;
+        if let Some(b) = &xb {
+            expect_shape(op, "xb", b, &x.shape)?;
+        }
+        let w = operand(op, "weight", w, DType::BF16, 2, place)?;
+        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
+        expect_shape(op, "weight", &w, &[n, k])?;
+        let tree = TreeSpec {
+            seg_len: SegmentLayout::new(k).seg_len,
+            n_seg: SEGMENTS,
+            k,
+        };
+        Ok(LinearIn {
+            x,
+            xb,
+            w,
+            m,
+            k,
+            n,
+            tree,
+        })
+    }
+
+    /// Views of x (with its bf16 companion when given) and the weight on `b`.
+    ///
+    /// # Safety
+    /// The tensors stay allocated, and are written by no other work, while the views and
+    /// the kernels reading them live.
+    unsafe fn borrow(&self, b: &CudaBackend) -> (CudaAct, CudaMat) {
+        let (m, k, n) = (self.m, self.k, self.n);
+        let xa = match &self.xb {
+            Some(xb) => b.borrow_act_with_bf16(self.x.addr(), xb.addr(), m, k),
+            None => b.borrow_act(self.x.addr(), m, k),
+        };
+        (xa, b.borrow_mat(self.w.addr(), n, k))
     }
 }
 

@@ -81,24 +81,7 @@ pub fn operand(
     dims: usize,
     place: Place,
 ) -> NResult<Mem> {
-    let name = format!("{op}: {what}");
-    let (kind, index) =
-        device(t, &name).map_err(|_| NativeError::Type(format!("{name}: not a torch.Tensor")))?;
-    match place {
-        Place::Cpu if kind != "cpu" => {
-            return Err(NativeError::NotYet(format!(
-            "{name} is on the {kind} device: this function runs arbor's CPU kernel (arbor.torch \
-                 hands CUDA tensors to arbor._native.CudaOps)"
-        )))
-        }
-        Place::Cuda(ordinal) if kind != "cuda" || index != Some(ordinal) => {
-            return Err(NativeError::Input(format!(
-                "{name} is on {kind}:{}, the op runs on cuda:{ordinal}",
-                index.map_or("?".into(), |i| i.to_string())
-            )))
-        }
-        _ => {}
-    }
+    let name = at_place(op, what, t, place)?;
     let d = memory(&name, t, &name)?;
     if d.dtype != dtype {
         return Err(NativeError::Type(format!(
@@ -107,12 +90,7 @@ pub fn operand(
             dtype.name()
         )));
     }
-    if d.shape.len() != dims {
-        return Err(NativeError::Input(format!(
-            "{name}: shape {:?} where {dims} dimensions are expected",
-            d.shape
-        )));
-    }
+    check_dims(&name, &d.shape, dims)?;
     Ok(Mem {
         ptr: d.ptr(),
         bytes: d.nbytes(),
@@ -141,26 +119,39 @@ pub fn int_operand(
     dims: usize,
     place: Place,
 ) -> NResult<Mem> {
+    let name = at_place(op, what, t, place)?;
+    let (ptr, shape, bytes) = int_memory(t, &name, int)?;
+    check_dims(&name, &shape, dims)?;
+    Ok(Mem { ptr, bytes, shape })
+}
+
+/// `op: what`, once `t` is a torch tensor on `place` (the name its errors carry).
+fn at_place(op: &str, what: &str, t: &Bound<'_, PyAny>, place: Place) -> NResult<String> {
     let name = format!("{op}: {what}");
     let (kind, index) =
         device(t, &name).map_err(|_| NativeError::Type(format!("{name}: not a torch.Tensor")))?;
-    let on_place = match place {
-        Place::Cpu => kind == "cpu",
-        Place::Cuda(ordinal) => kind == "cuda" && index == Some(ordinal),
-    };
-    if !on_place {
-        return Err(NativeError::Input(format!(
-            "{name} is on {kind}:{}, not where the op runs",
-            index.map_or("?".into(), |i| i.to_string())
-        )));
+    match place {
+        Place::Cpu if kind != "cpu" => Err(NativeError::NotYet(format!(
+            "{name} is on the {kind} device: this function runs arbor's CPU kernel (arbor.torch \
+             hands CUDA tensors to arbor._native.CudaOps)"
+        ))),
+        Place::Cuda(ordinal) if kind != "cuda" || index != Some(ordinal) => {
+            Err(NativeError::Input(format!(
+                "{name} is on {kind}:{}, the op runs on cuda:{ordinal}",
+                index.map_or("?".into(), |i| i.to_string())
+            )))
+        }
+        _ => Ok(name),
     }
-    let (ptr, shape, bytes) = int_memory(t, &name, int)?;
+}
+
+fn check_dims(name: &str, shape: &[usize], dims: usize) -> NResult<()> {
     if shape.len() != dims {
         return Err(NativeError::Input(format!(
             "{name}: shape {shape:?} where {dims} dimensions are expected"
         )));
     }
-    Ok(Mem { ptr, bytes, shape })
+    Ok(())
 }
 
 pub fn expect_shape(op: &str, what: &str, m: &Mem, shape: &[usize]) -> NResult<()> {

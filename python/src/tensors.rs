@@ -75,18 +75,8 @@ pub fn describe(name: &str, t: &Bound<'_, PyAny>) -> NResult<TorchTensor> {
 /// What [`describe`] reads of a tensor on any device: strided and contiguous, bf16 / f16 /
 /// f32, a byte size that matches its shape, its address.
 pub fn memory(name: &str, t: &Bound<'_, PyAny>, what: &str) -> NResult<TorchTensor> {
-    let layout = attr(t, "layout", what)?.str().map(|s| s.to_string());
-    if layout.as_deref().ok() != Some("torch.strided") {
-        return Err(NativeError::Type(format!(
-            "{what}: layout {} is not torch.strided (a sparse or nested tensor)",
-            layout.unwrap_or_else(|_| "?".into())
-        )));
-    }
-    let dtype_name = attr(t, "dtype", what)?
-        .str()
-        .map(|s| s.to_string())
-        .map_err(|e| NativeError::Type(format!("{what}: dtype: {e}")))?;
-    let dtype = match dtype_name.as_str() {
+    strided(t, what)?;
+    let dtype = match dtype_name(t, what)?.as_str() {
         "torch.bfloat16" => DType::BF16,
         "torch.float16" => DType::F16,
         "torch.float32" => DType::F32,
@@ -96,6 +86,47 @@ pub fn memory(name: &str, t: &Bound<'_, PyAny>, what: &str) -> NResult<TorchTens
             )))
         }
     };
+    let (shape, nbytes) = contiguous_shape(t, what, dtype.size())?;
+    let numel: usize = call0(t, "numel", what)?;
+    let elem: usize = call0(t, "element_size", what)?;
+    if elem != dtype.size() || numel.checked_mul(elem) != Some(nbytes) {
+        return Err(NativeError::Type(format!(
+            "{what}: {numel} elements of {elem} bytes do not make shape {shape:?} of {}",
+            dtype.name()
+        )));
+    }
+    let ptr = data_ptr(t, what, nbytes)?;
+    Ok(TorchTensor {
+        name: name.to_string(),
+        dtype,
+        shape,
+        ptr,
+        nbytes,
+    })
+}
+
+/// `t`'s layout is torch's strided one (not a sparse or nested tensor).
+fn strided(t: &Bound<'_, PyAny>, what: &str) -> NResult<()> {
+    let layout = attr(t, "layout", what)?.str().map(|s| s.to_string());
+    if layout.as_deref().ok() != Some("torch.strided") {
+        return Err(NativeError::Type(format!(
+            "{what}: layout {} is not torch.strided (a sparse or nested tensor)",
+            layout.unwrap_or_else(|_| "?".into())
+        )));
+    }
+    Ok(())
+}
+
+/// `t`'s dtype as torch names it (`torch.float32`, ...).
+fn dtype_name(t: &Bound<'_, PyAny>, what: &str) -> NResult<String> {
+    attr(t, "dtype", what)?
+        .str()
+        .map(|s| s.to_string())
+        .map_err(|e| NativeError::Type(format!("{what}: dtype: {e}")))
+}
+
+/// A contiguous `t`'s shape and its byte size at `elem` bytes an element.
+fn contiguous_shape(t: &Bound<'_, PyAny>, what: &str, elem: usize) -> NResult<(Vec<usize>, usize)> {
     if !call0::<bool>(t, "is_contiguous", what)? {
         return Err(NativeError::Input(format!(
             "{what} is not contiguous: pass .contiguous()"
@@ -104,31 +135,22 @@ pub fn memory(name: &str, t: &Bound<'_, PyAny>, what: &str) -> NResult<TorchTens
     let shape: Vec<usize> = attr(t, "shape", what)?
         .extract()
         .map_err(|e| NativeError::Type(format!("{what}: shape: {e}")))?;
-    let numel: usize = call0(t, "numel", what)?;
-    let elem: usize = call0(t, "element_size", what)?;
     let nbytes = shape
         .iter()
-        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+        .try_fold(elem, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| NativeError::Input(format!("{what}: shape {shape:?} overflows")))?;
-    if elem != dtype.size() || numel.checked_mul(elem) != Some(nbytes) {
-        return Err(NativeError::Type(format!(
-            "{what}: {numel} elements of {elem} bytes do not make shape {shape:?} of {}",
-            dtype.name()
-        )));
-    }
+    Ok((shape, nbytes))
+}
+
+/// `t`'s address, which must not be null where it holds `nbytes > 0`.
+fn data_ptr(t: &Bound<'_, PyAny>, what: &str, nbytes: usize) -> NResult<usize> {
     let ptr: usize = call0(t, "data_ptr", what)?;
     if nbytes > 0 && ptr == 0 {
         return Err(NativeError::Input(format!(
             "{what} has no data (a null data_ptr)"
         )));
     }
-    Ok(TorchTensor {
-        name: name.to_string(),
-        dtype,
-        shape,
-        ptr,
-        nbytes,
-    })
+    Ok(ptr)
 }
 
 /// The integer dtypes of index and result operands, which no safetensors dtype names.
@@ -161,41 +183,16 @@ pub fn int_memory(
     what: &str,
     int: IntDType,
 ) -> NResult<(usize, Vec<usize>, usize)> {
-    let dtype = attr(t, "dtype", what)?
-        .str()
-        .map(|s| s.to_string())
-        .map_err(|e| NativeError::Type(format!("{what}: dtype: {e}")))?;
+    let dtype = dtype_name(t, what)?;
     if dtype != int.torch_name() {
         return Err(NativeError::Type(format!(
             "{what}: dtype {dtype} where {} is expected",
             int.torch_name()
         )));
     }
-    let layout = attr(t, "layout", what)?.str().map(|s| s.to_string());
-    if layout.as_deref().ok() != Some("torch.strided") {
-        return Err(NativeError::Type(format!(
-            "{what}: not a strided tensor (a sparse or nested one)"
-        )));
-    }
-    if !call0::<bool>(t, "is_contiguous", what)? {
-        return Err(NativeError::Input(format!(
-            "{what} is not contiguous: pass .contiguous()"
-        )));
-    }
-    let shape: Vec<usize> = attr(t, "shape", what)?
-        .extract()
-        .map_err(|e| NativeError::Type(format!("{what}: shape: {e}")))?;
-    let nbytes = shape
-        .iter()
-        .try_fold(int.size(), |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| NativeError::Input(format!("{what}: shape {shape:?} overflows")))?;
-    let ptr: usize = call0(t, "data_ptr", what)?;
-    if nbytes > 0 && ptr == 0 {
-        return Err(NativeError::Input(format!(
-            "{what} has no data (a null data_ptr)"
-        )));
-    }
-    Ok((ptr, shape, nbytes))
+    strided(t, what)?;
+    let (shape, nbytes) = contiguous_shape(t, what, int.size())?;
+    Ok((data_ptr(t, what, nbytes)?, shape, nbytes))
 }
 
 /// The tensors as one safetensors image (header, then each tensor's bytes in order): the

@@ -141,6 +141,21 @@ decode_report() {
     fi
 }
 
+# need_binaries NAME FILE...: exits 2, naming script NAME and the file, unless each FILE
+# (relative to BIN) is an executable there; then sets ARBOR and LAUNCH from BIN.
+need_binaries() {
+    local name=$1 f
+    shift
+    for f in "$@"; do
+        if [[ ! -x "$BIN/$f" ]]; then
+            echo "$name: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
+            exit 2
+        fi
+    done
+    ARBOR=$BIN/arbor
+    LAUNCH=$BIN/arbor-launch
+}
+
 # script_start SUMMARY_NAME: the shared start of the decode scripts. OUT (exported, default
 # /tmp/arbor-out), SUMMARY=$OUT/SUMMARY_NAME (emptied), BIN (.device) and ARBOR.
 script_start() {

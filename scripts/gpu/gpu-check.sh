@@ -83,16 +83,8 @@ mkdir -p "$OUT" "$WORK"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
-for f in arbor arbor-launch tests/kernels-gpu tests/model-gpu; do
-    if [[ ! -x "$BIN/$f" ]]; then
-        echo "gpu-check: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
-        exit 2
-    fi
-done
-ARBOR=$BIN/arbor
-LAUNCH=$BIN/arbor-launch
-
 source scripts/gpu/device-lib.sh
+need_binaries gpu-check arbor arbor-launch tests/kernels-gpu tests/model-gpu
 
 TESTS_LOG=$OUT/tests.log
 TINY_LOG=$OUT/tiny.log

@@ -39,16 +39,10 @@ mkdir -p "$OUT" "$WORK"
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
 
-for f in arbor arbor-launch tests/model-gpu; do
-    if [[ ! -x "$BIN/$f" ]]; then
-        echo "gpu-gemm-model: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
-        exit 2
-    fi
-done
-ARBOR=$BIN/arbor
+source scripts/gpu/device-lib.sh
+need_binaries gpu-gemm-model arbor arbor-launch tests/model-gpu
 
 STEP_MIN_LEFT=10 STEP_KILL_AFTER=5
-source scripts/gpu/device-lib.sh
 unset ARBOR_GPU_GEMM
 
 TESTS_LOG=$OUT/tests.log

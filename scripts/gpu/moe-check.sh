@@ -40,15 +40,8 @@ SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
 part() { [[ ,$PARTS, == *,$1,* ]]; }
 
-for f in arbor arbor-launch tests/model-gpu; do
-    if [[ ! -x "$BIN/$f" ]]; then
-        echo "moe-check: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
-        exit 2
-    fi
-done
-ARBOR=$BIN/arbor
-LAUNCH=$BIN/arbor-launch
 source scripts/gpu/device-lib.sh
+need_binaries moe-check arbor arbor-launch tests/model-gpu
 
 TESTS_LOG=$OUT/tests.log
 LOG=$OUT/moe.log

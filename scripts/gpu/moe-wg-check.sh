@@ -31,12 +31,7 @@ SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
 TESTS_LOG=$OUT/tests.log
 BENCH_LOG=$OUT/bench.log
-for f in arbor tests/kernels-gpu tests/model-gpu; do
-    if [[ ! -x "$BIN/$f" ]]; then
-        echo "moe-wg-check: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
-        exit 2
-    fi
-done
+need_binaries moe-wg-check arbor tests/kernels-gpu tests/model-gpu
 {
     echo "moe-wg-check on $(hostname) at $(date -u +%FT%TZ)"
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader

@@ -54,18 +54,11 @@ OUT=$(cd "$OUT" && pwd)
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
 rm -f "$OUT"/*.log "$OUT"/*.json
-for f in arbor arbor-launch; do
-    if [[ ! -x "$BIN/$f" ]]; then
-        echo "rollout-bits: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
-        exit 2
-    fi
-done
-ARBOR=$BIN/arbor
-LAUNCH=$BIN/arbor-launch
+source scripts/gpu/device-lib.sh
+need_binaries rollout-bits arbor arbor-launch
 PY_DIR=${ARBOR_PY_DIR:-$BIN/py}
 [[ $PY_DIR == /* ]] || PY_DIR=$PWD/$PY_DIR
 export PYTHONPATH=$PY_DIR${PYTHONPATH:+:$PYTHONPATH}
-source scripts/gpu/device-lib.sh
 # Ranks share a GPU only where there are fewer GPUs than ranks.
 export ARBOR_RANKS_PER_GPU=auto
 PY=scripts/gpu/rollout_bits.py

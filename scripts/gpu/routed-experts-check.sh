@@ -42,15 +42,8 @@ mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd)
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
-for f in arbor arbor-launch; do
-    if [[ ! -x "$BIN/$f" ]]; then
-        echo "routed-experts-check: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
-        exit 2
-    fi
-done
-ARBOR=$BIN/arbor
-LAUNCH=$BIN/arbor-launch
 source scripts/gpu/device-lib.sh
+need_binaries routed-experts-check arbor arbor-launch
 export ARBOR_RANKS_PER_GPU=auto
 PY=scripts/gpu/routed-experts-check.py
 

@@ -57,15 +57,8 @@ OUT=$(cd "$OUT" && pwd)
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
 rm -f "$OUT"/*.log "$OUT"/*.json
-for f in arbor arbor-launch; do
-    if [[ ! -x "$BIN/$f" ]]; then
-        echo "structured-check: $BIN/$f is missing: run scripts/gpu/build-device.sh here first" >&2
-        exit 2
-    fi
-done
-ARBOR=$BIN/arbor
-LAUNCH=$BIN/arbor-launch
 source scripts/gpu/device-lib.sh
+need_binaries structured-check arbor arbor-launch
 export ARBOR_RANKS_PER_GPU=auto
 PY=scripts/gpu/structured-check.py
 FAILED=0

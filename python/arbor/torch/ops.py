@@ -583,23 +583,10 @@ class RopeAttention(torch.autograd.Function):
                 return _sdpa_packed(qr, kr, v, at.cu_seqlens, n_heads, n_kv_heads)
         _activations("rope_attention", q, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.empty_like(q)
         if q.is_cuda:
-            cuda, stream = _cuda(q)
-            outb = torch.empty(out.shape, dtype=torch.bfloat16, device=q.device)
             inputs = (torch.cat((q, k, v), dim=1), None, None, None) if fused else (None, q, k, v)
-            _retry(
-                cuda.rope_attention,
-                at.spec,
-                *inputs,
-                at.cu_seqlens,
-                n_heads,
-                n_kv_heads,
-                out,
-                stream,
-                outb,
-            )
-            return _with_bf16(out, outb)
+            return _cuda_attention(inputs, at, n_heads, n_kv_heads, q.shape)
+        out = torch.empty_like(q)
         qr, kr = q.clone(), k.clone()
         at.spec.rope(qr, at.positions, n_heads)
         at.spec.rope(kr, at.positions, n_kv_heads)
@@ -611,6 +598,33 @@ class RopeAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         gq, gk, gv = _attention_grads(q, k, v, ctx.at, *ctx.heads, grad)
         return gq, gk, gv, None, None, None, None
+
+
+def _cuda_attention(
+    inputs: tuple[torch.Tensor | None, ...],
+    at: Positions,
+    n_heads: int,
+    n_kv_heads: int,
+    shape: Sequence[int],
+) -> torch.Tensor:
+    """`CudaOps.rope_attention` of `inputs` (`(qkv, None, None, None)` or `(None, q, k,
+    v)`) into a new f32 output of `shape` with its bf16 companion."""
+    like = next(t for t in inputs if t is not None)
+    out = torch.empty(*shape, dtype=torch.float32, device=like.device)
+    outb = torch.empty(out.shape, dtype=torch.bfloat16, device=like.device)
+    cuda, stream = _cuda(like)
+    _retry(
+        cuda.rope_attention,
+        at.spec,
+        *inputs,
+        at.cu_seqlens,
+        n_heads,
+        n_kv_heads,
+        out,
+        stream,
+        outb,
+    )
+    return _with_bf16(out, outb)
 
 
 class RopeAttentionQKV(torch.autograd.Function):
@@ -637,24 +651,8 @@ class RopeAttentionQKV(torch.autograd.Function):
         qkv = qkv.contiguous()
         # bf16 for the backward, which runs flash attention in bf16 on a GPU.
         ctx.save_for_backward(qkv.to(torch.bfloat16))
-        out = torch.empty(qkv.shape[0], ctx.widths[0], dtype=torch.float32, device=qkv.device)
-        outb = torch.empty(out.shape, dtype=torch.bfloat16, device=qkv.device)
-        cuda, stream = _cuda(qkv)
-        _retry(
-            cuda.rope_attention,
-            at.spec,
-            qkv,
-            None,
-            None,
-            None,
-            at.cu_seqlens,
-            n_heads,
-            n_kv_heads,
-            out,
-            stream,
-            outb,
-        )
-        return _with_bf16(out, outb)
+        inputs = (qkv, None, None, None)
+        return _cuda_attention(inputs, at, n_heads, n_kv_heads, (qkv.shape[0], ctx.widths[0]))
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

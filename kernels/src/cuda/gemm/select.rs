@@ -240,23 +240,28 @@ mod tests {
     use super::*;
     use crate::cuda::gemm::path::{QUAD128_BNS, QUAD_BNS, WHOLE_BNS};
 
+    /// `wgcluster64` clusters resident at once by log2 n_seg, as an H200 reports it.
+    const H200_CAP: [u32; 4] = [248, 124, 62, 30];
+
+    /// The Wgmma default path's name for M × N over `n_seg` segments of 512 on 132 SMs
+    /// with an H200's `wgcluster64` capacity.
+    fn h200_path(m: usize, n: usize, n_seg: usize, quad128: bool) -> &'static str {
+        let shape = TreeMatmul {
+            m,
+            n,
+            k: 512 * n_seg,
+            seg_len: 512,
+            n_seg,
+        };
+        default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, quad128, |_| true).name()
+    }
+
     /// The default paths of the llama3-8b layers at TP 1, 2, 4 and 8 on 132 SMs, as
     /// `bench gemm` (and `--tp`) measured them fastest or within noise of it on an H200
     /// (docs/gemm.md runs 8, 11, 12 and 13).
     #[test]
     fn default_paths_of_every_tp_follow_the_measurements() {
-        // wgcluster64 capacity (clusters resident) by log2 n_seg, as an H200 reports it.
-        let cap = [248, 124, 62, 30];
-        let pick = |m: usize, n: usize, n_seg: usize| {
-            let shape = TreeMatmul {
-                m,
-                n,
-                k: 512 * n_seg,
-                seg_len: 512,
-                n_seg,
-            };
-            default_path_for(&shape, Family::Wgmma, 132, &cap, false, |_| true).name()
-        };
+        let pick = |m: usize, n: usize, n_seg: usize| h200_path(m, n, n_seg, false);
         let cases = [
             // TP 1: q/k/v, o (and down), gate/up at decode batches.
             (1, 6144, 8, "wgcluster64x2n256"),
@@ -313,7 +318,7 @@ mod tests {
             seg_len: 512,
             n_seg: 2,
         };
-        let no_whole = default_path_for(&shape, Family::Wgmma, 132, &cap, false, |p| {
+        let no_whole = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, false, |p| {
             !matches!(p, Path::WgWhole { .. })
         });
         assert_eq!(no_whole, Path::WgCluster64);
@@ -372,17 +377,7 @@ mod tests {
     /// layers on 132 SMs, and that every other call keeps the path it had.
     #[test]
     fn quad128_tiles_only_in_their_band_and_only_when_enabled() {
-        let cap = [248, 124, 62, 30];
-        let pick = |m: usize, n: usize, n_seg: usize, on: bool| {
-            let shape = TreeMatmul {
-                m,
-                n,
-                k: 512 * n_seg,
-                seg_len: 512,
-                n_seg,
-            };
-            default_path_for(&shape, Family::Wgmma, 132, &cap, on, |_| true).name()
-        };
+        let pick = h200_path;
         let cases = [
             // o / down (N 4096): one wave of 128 blocks, 128×128 tiles from M = 129 and
             // 128×64 ones from M = 97.

@@ -48,55 +48,6 @@ pub struct TmaParams {
     pub tma_out: i32,
 }
 
-/// Rows of the large-M kernel's TMA store box (a consumer warpgroup's rows).
-pub const OUT_BOX_ROWS: u32 = 64;
-/// Columns of that box: one 128-byte swizzled row of f32.
-pub const OUT_BOX_COLS: u32 = 32;
-
-/// The f32 result `[rows, cols]` (row stride `cols`) at `ptr` as the 2-D tensor the
-/// large-M kernel's TMA stores write, boxes of [`OUT_BOX_ROWS`] × [`OUT_BOX_COLS`] with the
-/// 128-byte swizzle its shared-memory staging uses; TMA clips what falls outside. Needs
-/// `ptr` 16-byte aligned and `cols` a multiple of 4 ([`out_map_fits`]).
-pub fn encode_out(ptr: CUdeviceptr, rows: usize, cols: usize) -> Result<TensorMapBytes, GemmError> {
-    let dims: [u64; 2] = [cols as u64, rows as u64];
-    let strides: [u64; 1] = [cols as u64 * 4];
-    let boxes: [u32; 2] = [OUT_BOX_COLS, OUT_BOX_ROWS];
-    let elem: [u32; 2] = [1, 1];
-    let mut map = std::mem::MaybeUninit::<CUtensorMap>::uninit();
-    // SAFETY: all arrays have the rank (2) the call is told; `map` is written by the call.
-    let res = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-            2,
-            ptr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    res.result().map_err(|source| GemmError::Driver {
-        what: format!(
-            "cuTensorMapEncodeTiled(output: {ptr:#x}, dims {dims:?}, byte strides {strides:?}, box {boxes:?})"
-        ),
-        source,
-    })?;
-    // SAFETY: initialised by the successful call above.
-    let map = unsafe { map.assume_init() };
-    Ok(TensorMapBytes(map.opaque))
-}
-
-/// Whether an f32 result at `ptr` with `cols` columns can be a TMA store's tensor (16-byte
-/// aligned base and row stride).
-pub fn out_map_fits(ptr: CUdeviceptr, cols: usize) -> bool {
-    ptr.is_multiple_of(16) && cols.is_multiple_of(4)
-}
-
 /// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
 /// used) as the 3-D tensor `[rows][n_seg][seg_len]` with boxes of `{64, 1, box_rows}`,
 /// 128-byte swizzle (the layout the wgmma descriptors read), out-of-bounds elements zero.
@@ -109,18 +60,61 @@ pub fn encode(
     n_seg: usize,
     box_rows: u32,
 ) -> Result<TensorMapBytes, GemmError> {
-    let dims: [u64; 3] = [seg_len as u64, n_seg as u64, rows as u64];
-    // Byte strides of dims 1 and 2 (dim 0 is contiguous).
-    let strides: [u64; 2] = [seg_len as u64 * 2, ld as u64 * 2];
-    let boxes: [u32; 3] = [BOX_K, 1, box_rows];
-    let elem: [u32; 3] = [1, 1, 1];
+    encode_tiled(
+        what,
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        ptr,
+        &[seg_len as u64, n_seg as u64, rows as u64],
+        // Byte strides of dims 1 and 2 (dim 0 is contiguous).
+        &[seg_len as u64 * 2, ld as u64 * 2],
+        &[BOX_K, 1, box_rows],
+        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    )
+}
+
+/// Rows of the large-M kernel's TMA store box (a consumer warpgroup's rows).
+pub const OUT_BOX_ROWS: u32 = 64;
+/// Columns of that box: one 128-byte swizzled row of f32.
+pub const OUT_BOX_COLS: u32 = 32;
+
+/// The f32 result `[rows, cols]` (row stride `cols`) at `ptr` as the 2-D tensor the
+/// large-M kernel's TMA stores write, boxes of [`OUT_BOX_ROWS`] × [`OUT_BOX_COLS`] with the
+/// 128-byte swizzle its shared-memory staging uses; TMA clips what falls outside. Needs
+/// `ptr` 16-byte aligned and `cols` a multiple of 4 ([`out_map_fits`]).
+pub fn encode_out(ptr: CUdeviceptr, rows: usize, cols: usize) -> Result<TensorMapBytes, GemmError> {
+    encode_tiled(
+        "output",
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        ptr,
+        &[cols as u64, rows as u64],
+        &[cols as u64 * 4],
+        &[OUT_BOX_COLS, OUT_BOX_ROWS],
+        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+    )
+}
+
+/// `cuTensorMapEncodeTiled` of the tensor at `ptr` with these dims (innermost first), byte
+/// strides of dims 1.. and box, unit element strides, 128-byte swizzle, no
+/// out-of-bounds fill (zeros), the failure naming `what` and the arguments.
+fn encode_tiled(
+    what: &str,
+    dtype: CUtensorMapDataType,
+    ptr: CUdeviceptr,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+    l2: CUtensorMapL2promotion,
+) -> Result<TensorMapBytes, GemmError> {
+    debug_assert!(strides.len() + 1 == dims.len() && boxes.len() == dims.len());
+    let elem = [1u32; 5];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::uninit();
-    // SAFETY: all arrays have the rank (3) the call is told; `map` is written by the call.
+    // SAFETY: `dims` and `boxes` have the rank the call is told, `strides` one less, `elem`
+    // at least that many; `map` is written by the call.
     let res = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            3,
+            dtype,
+            dims.len() as u32,
             ptr as *mut c_void,
             dims.as_ptr(),
             strides.as_ptr(),
@@ -128,7 +122,7 @@ pub fn encode(
             elem.as_ptr(),
             CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            l2,
             CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
@@ -141,6 +135,12 @@ pub fn encode(
     // SAFETY: initialised by the successful call above.
     let map = unsafe { map.assume_init() };
     Ok(TensorMapBytes(map.opaque))
+}
+
+/// Whether an f32 result at `ptr` with `cols` columns can be a TMA store's tensor (16-byte
+/// aligned base and row stride).
+pub fn out_map_fits(ptr: CUdeviceptr, cols: usize) -> bool {
+    ptr.is_multiple_of(16) && cols.is_multiple_of(4)
 }
 
 /// Grid, block, dynamic shared memory and cluster width of one launch.

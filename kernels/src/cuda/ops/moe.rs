@@ -118,6 +118,27 @@ impl MoeRoute {
     }
 }
 
+/// The routing kernel (`moe.cu`), the name its errors carry.
+const ROUTE: &str = "moe_route_kernel";
+
+/// What `moe_route_kernel` takes: `[rows, experts]` logits, at most [`MOE_EXPERTS_MAX`]
+/// experts and `1 ≤ k ≤ min(experts, MOE_TOP_K_MAX)`.
+fn check_route(logits: &DevF32, rows: usize, experts: usize, k: usize) -> Result<(), CudaError> {
+    check(ROUTE, logits.len() == rows * experts, || {
+        format!(
+            "router logits of {} values for [{rows}, {experts}]",
+            logits.len()
+        )
+    })?;
+    check(
+        ROUTE,
+        (1..=MOE_EXPERTS_MAX).contains(&experts) && (1..=experts.min(MOE_TOP_K_MAX)).contains(&k),
+        || {
+            format!("top-{k} of {experts} experts (at most {MOE_EXPERTS_MAX} experts and {MOE_TOP_K_MAX} per token, 1 ≤ k ≤ experts)")
+        },
+    )
+}
+
 impl GpuDevice {
     /// Routes the rows of `logits` (`[rows, experts]` f32): each row's `k` most probable
     /// experts (renormalised if `norm`), and the pairs laid out for `path`'s tiles.
@@ -130,21 +151,7 @@ impl GpuDevice {
         norm: bool,
         path: GroupedPath,
     ) -> Result<MoeRoute, CudaError> {
-        const K: &str = "moe_route_kernel";
-        check(K, logits.len() == rows * experts, || {
-            format!(
-                "router logits of {} values for [{rows}, {experts}]",
-                logits.len()
-            )
-        })?;
-        check(
-            K,
-            (1..=MOE_EXPERTS_MAX).contains(&experts)
-                && (1..=experts.min(MOE_TOP_K_MAX)).contains(&k),
-            || {
-                format!("top-{k} of {experts} experts (at most {MOE_EXPERTS_MAX} experts and {MOE_TOP_K_MAX} per token, 1 ≤ k ≤ experts)")
-            },
-        )?;
+        check_route(logits, rows, experts, k)?;
         let pairs = rows * k;
         let max_tiles = path.max_tiles(pairs, experts);
         let l = Layout::new(pairs, experts, max_tiles);
@@ -166,11 +173,11 @@ impl GpuDevice {
         }
         let s = &self.stream;
         let (r32, e32, k32) = (
-            i32_of(K, "rows", rows)?,
-            i32_of(K, "experts", experts)?,
-            i32_of(K, "k", k)?,
+            i32_of(ROUTE, "rows", rows)?,
+            i32_of(ROUTE, "experts", experts)?,
+            i32_of(ROUTE, "k", k)?,
         );
-        let p32 = i32_of(K, "pairs", pairs)?;
+        let p32 = i32_of(ROUTE, "pairs", pairs)?;
         let at = |o: usize| route.at(s, o);
         let (ids, rank, pair_pos, sorted_row, counts, offsets) = (
             at(l.ids),
@@ -243,21 +250,7 @@ impl GpuDevice {
         ids: u64,
         w: u64,
     ) -> Result<(), CudaError> {
-        const K: &str = "moe_route_kernel";
-        check(K, logits.len() == rows * experts, || {
-            format!(
-                "router logits of {} values for [{rows}, {experts}]",
-                logits.len()
-            )
-        })?;
-        check(
-            K,
-            (1..=MOE_EXPERTS_MAX).contains(&experts)
-                && (1..=experts.min(MOE_TOP_K_MAX)).contains(&k),
-            || {
-                format!("top-{k} of {experts} experts (at most {MOE_EXPERTS_MAX} experts and {MOE_TOP_K_MAX} per token, 1 ≤ k ≤ experts)")
-            },
-        )?;
+        check_route(logits, rows, experts, k)?;
         if rows == 0 {
             return Ok(());
         }
@@ -279,14 +272,13 @@ impl GpuDevice {
         ids: u64,
         w: u64,
     ) -> Result<(), CudaError> {
-        const K: &str = "moe_route_kernel";
         let (r32, e32, k32) = (
-            i32_of(K, "rows", rows)?,
-            i32_of(K, "experts", experts)?,
-            i32_of(K, "k", k)?,
+            i32_of(ROUTE, "rows", rows)?,
+            i32_of(ROUTE, "experts", experts)?,
+            i32_of(ROUTE, "k", k)?,
         );
         let norm = i32::from(norm);
-        let mut b = self.launch(self.func(K)?);
+        let mut b = self.launch(self.func(ROUTE)?);
         b.arg(logits).arg(&r32).arg(&e32).arg(&k32).arg(&norm);
         b.arg(&ids).arg(&w);
         let cfg = cudarc::driver::LaunchConfig {
@@ -294,7 +286,7 @@ impl GpuDevice {
             block_dim: (32 * ROUTE_WARPS as u32, 1, 1),
             shared_mem_bytes: (ROUTE_WARPS * (experts + MOE_TOP_K_MAX) * 4) as u32,
         };
-        self.launched(K, b.launch(cfg))
+        self.launched(ROUTE, b.launch(cfg))
     }
 
     /// Each row's output: its experts' rows of `y` (`[pairs, cols]` in the route's

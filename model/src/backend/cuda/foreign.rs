@@ -9,7 +9,7 @@ use std::sync::{Arc, MutexGuard};
 use arbor_kernels::cuda::{DevBf16, DevBuf, DevF32, GpuDevice};
 use cudarc::driver::{sys, CudaEvent};
 
-use super::gemm::{tensor_eligible, GemmKind, GemmOut};
+use super::gemm::{tensor_eligible, GemmKind};
 use super::kv::Placed;
 use super::{CudaAct, CudaBackend, CudaKv, CudaMat};
 use crate::backend::{BResult, Backend, BackendError, HeadSpec, KvRows, TreeSpec};
@@ -156,19 +156,7 @@ impl CudaBackend {
         {
             let mut outb = self.lent_bf16(dst_bf16, len);
             let done = self.timed("matmul+silu (into)", x.rows, || {
-                g.matmul_into(
-                    &self.dev,
-                    &x.buf,
-                    x.bf16.as_ref(),
-                    x.rows,
-                    x.cols,
-                    &w.buf,
-                    w.n,
-                    tree,
-                    GemmOut::SiluMulPairs(outb.as_mut()),
-                    Some(self.lent_f32(dst, len)),
-                )
-                .map_err(|e| self.gemm_err("matmul+silu", x, w, e))
+                self.gemm_silu_mul(g, x, w, tree, outb.as_mut(), Some(self.lent_f32(dst, len)))
             })?;
             if done.is_some() {
                 return Ok(());

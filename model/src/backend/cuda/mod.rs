@@ -215,6 +215,33 @@ impl CudaBackend {
             .map_err(|e| self.dev_err(e))
     }
 
+    /// The tensor GEMM of `x · wᵀ` over gate/up rows with its SiLU·mul epilogue, into
+    /// `dst` when given (`[x.rows, w.n/2]` f32) and its bf16 rounding into `bf16`: `None`
+    /// where the path has no such epilogue (nothing ran).
+    fn gemm_silu_mul(
+        &self,
+        g: &TensorGemm,
+        x: &CudaAct,
+        w: &CudaMat,
+        tree: TreeSpec,
+        bf16: Option<&mut DevBf16>,
+        dst: Option<DevF32>,
+    ) -> BResult<Option<DevF32>> {
+        g.matmul_into(
+            &self.dev,
+            &x.buf,
+            x.bf16.as_ref(),
+            x.rows,
+            x.cols,
+            &w.buf,
+            w.n,
+            tree,
+            GemmOut::SiluMulPairs(bf16),
+            dst,
+        )
+        .map_err(|e| self.gemm_err("matmul+silu", x, w, e))
+    }
+
     /// Runs one op, timed by the profiler when there is one.
     fn timed<T>(&self, op: &str, rows: usize, f: impl FnOnce() -> BResult<T>) -> BResult<T> {
         match &self.prof {
@@ -530,18 +557,7 @@ impl Backend for CudaBackend {
                 .map(|_| format!("matmul+silu n={} k={}", w.n, w.k))
                 .unwrap_or_default();
             let buf = self.timed(&label, x.rows, || {
-                g.matmul(
-                    &self.dev,
-                    &x.buf,
-                    x.bf16.as_ref(),
-                    x.rows,
-                    x.cols,
-                    &w.buf,
-                    w.n,
-                    tree,
-                    GemmOut::SiluMulPairs(bf16.as_mut()),
-                )
-                .map_err(|e| self.gemm_err("matmul+silu", x, w, e))
+                self.gemm_silu_mul(g, x, w, tree, bf16.as_mut(), None)
             })?;
             if let Some(buf) = buf {
                 return Ok(self.act_with_bf16(buf, x.rows, inter, bf16));
