@@ -7,6 +7,9 @@
       averages the last two decode steps and prints their kernels grouped by name, their
       sum, and the step's wall time from WALL_LOG (an unprofiled `bench decode` in the same
       call): wall - sum is the GPU's time between kernels plus any host stall.
+  profile-report.py arbor-steps NCU_CSV [TITLE]
+      The same CSV cut into steps the same way: each step's kernel time and launch count,
+      then the kernels of the first step (a `bench decode` run's prefill) grouped by name.
   profile-report.py reference decode_baseline.py ARGS...
       Runs the reference loop with torch.profiler around five replays of each batch's CUDA
       graph and prints the same table (kernels of one step, their sum, the replay's span).
@@ -65,14 +68,30 @@ def merge(items):
     return dict(out)
 
 
-def arbor(csv_path, wall_log, numerics, batch):
-    launches = read_ncu(csv_path)
+def cut_steps(launches):
+    """Launches cut after each row-stats kernel (the last kernel of every step)."""
     steps, cur = [], []
     for name, ns in launches:
         cur.append((name, ns))
         if "row_stats" in name:
             steps.append(cur)
             cur = []
+    return steps
+
+
+def arbor_steps(csv_path, title):
+    steps = cut_steps(read_ncu(csv_path))
+    if not steps:
+        print(f"{title}: no complete step in {csv_path}")
+        return
+    for i, s in enumerate(steps):
+        print(f"{title} step {i}: {sum(ns for _, ns in s) / 1e3:.0f} µs of kernels in {len(s)} launches")
+    table(f"{title}, step 0 (ncu)", merge((short(name), (ns / 1e3, 1)) for name, ns in steps[0]), 1)
+
+
+def arbor(csv_path, wall_log, numerics, batch):
+    launches = read_ncu(csv_path)
+    steps = cut_steps(launches)
     print(f"arbor {numerics} batch {batch}: {len(launches)} launches, {len(steps)} steps "
           f"(prefill and warm-up included)")
     if len(steps) < 3:
@@ -124,6 +143,8 @@ def reference(script, args):
 if __name__ == "__main__":
     if len(sys.argv) >= 6 and sys.argv[1] == "arbor":
         arbor(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "arbor-steps":
+        arbor_steps(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "arbor")
     elif len(sys.argv) >= 3 and sys.argv[1] == "reference":
         reference(sys.argv[2], sys.argv[3:])
     else:
