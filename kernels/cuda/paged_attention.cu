@@ -3,10 +3,11 @@
 //
 // Two kernels compute attention rows, and a row's result has the same bits whichever one
 // computes it, because both run the same per-block routines (pa_scores, pa_pv) on a
-// warp's 16 rows, and a row's arithmetic in an mma never depends on the other rows of
-// its tile:
-//   - the prefill kernel: a CTA of 4 warps takes 64 consecutive query rows of one
-//     sequence and one query head (flash-attention style: Q tile against K/V blocks);
+// warp's m16 tiles of rows, and a row's arithmetic in an mma never depends on the other
+// rows of its tile:
+//   - the prefill kernel: a CTA takes consecutive query rows of one sequence and one query
+//     head (flash-attention style: Q tile against K/V blocks), in two builds: 4 warps ×
+//     16 rows (64-row tiles) or 3 warps × 32 rows (96-row tiles, two m16 tiles per warp);
 //   - the decode kernel: a CTA of one warp takes one row, the query heads that share one
 //     KV head (GQA: the heads are the tile's rows), and one split of its keys.
 //
@@ -39,8 +40,10 @@
 #define PA_BLOCK 64
 #define PA_SPLIT_BLOCKS 8
 #define PA_SPLIT (PA_BLOCK * PA_SPLIT_BLOCKS)
-#define PA_PREFILL_WARPS 4
-#define PA_PREFILL_ROWS (16 * PA_PREFILL_WARPS)
+// The prefill kernel's two builds (paged_tiles.rs, PrefillTiles): 4 warps × 16 rows, and
+// 3 warps × 32 rows (two m16 tiles per warp).
+#define PA_PREFILL_ROWS 64
+#define PA_PREFILL2_ROWS 96
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define PA_MMA 1
@@ -145,9 +148,11 @@ __device__ __forceinline__ void pa_load_kv(bf16_t* tile, const bf16_t* src, int 
         const bf16_t* s = src + r0 * HD + c * 8;
         const unsigned d = pa_smem(tile + pa_chunk<HD>(r0, c) * 8);
 #pragma unroll
-        for (int k = 0; k < PA_BLOCK / RPI; ++k) {
+        for (int k = 0; k < (PA_BLOCK + RPI - 1) / RPI; ++k) {
             // Rows past nvalid are zero-filled: the source is not read (it is in the block).
-            pa_cp16(d + k * RPI * (HD + 8) * 2, s + k * RPI * HD, r0 + k * RPI < nvalid);
+            // Past the block's 64 rows (3 warps: RPI does not divide 64) nothing is copied.
+            if (PA_BLOCK % RPI == 0 || r0 + k * RPI < PA_BLOCK)
+                pa_cp16(d + k * RPI * (HD + 8) * 2, s + k * RPI * HD, r0 + k * RPI < nvalid);
         }
     } else if ((head_dim & 7) == 0) {
         const int gch = head_dim / 8;
@@ -264,68 +269,146 @@ __device__ __forceinline__ void pa_softmax(PaState<HD>& st, float (&s)[8][4], in
     }
 }
 
-// One key block (keys key0 .. key0+63) into the warp's state, in two halves: pa_scores
-// (the scores against sk, the online-softmax update of m and l, acc scaled; leaves the
-// probabilities in s) then pa_pv (acc += bf16(p) · sv). rowpos: the positions of this
-// thread's two rows (−1: a row that sees no key). See the header.
-template <int HD>
-__device__ __forceinline__ void pa_scores(PaState<HD>& st, float (&s)[8][4], const bf16_t* sq, const bf16_t* sk,
-                                          int key0, const int (&rowpos)[2], float sl, int lane) {
+// One key block (keys key0 .. key0+63) into a warp's MT tiles of 16 rows (MT = 1 or 2;
+// tile m's state st[m], its q rows at sq + m·16 rows), in two halves: pa_scores (the
+// scores against sk, the online-softmax update of m and l, acc scaled; leaves the
+// probabilities in s) then pa_pv (acc += bf16(p) · sv). rowpos[m]: the positions of this
+// thread's two rows of tile m (−1: a row that sees no key). See the header. The tiles
+// share every K and V fragment (one ldmatrix feeds MT mma); an mma's row never depends on
+// the other rows of its tile, and each row's chains run in the same order for any MT
+// (scores: over the k-steps in order; P·V: over the block's 16-key steps in order), so MT
+// changes no bit.
+template <int HD, int MT>
+__device__ __forceinline__ void pa_scores(PaState<HD> (&st)[MT], float (&s)[MT][8][4], const bf16_t* sq,
+                                          const bf16_t* sk, int key0, const int (&rowpos)[MT][2], float sl,
+                                          int lane) {
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[m][n][e] = 0.0f;
     // q's fragments a k-step at a time (registers for one, not all), keys in n-tiles of 8;
     // each score's mma chain runs over the k-steps in order.
     const int qi = lane >> 3;
     const int qr = (qi & 1) * 8 + (lane & 7);
     if (HD / 16 == 1) {
-        unsigned a[4];
-        pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(qr, qi >> 1) * 8), a[0], a[1], a[2], a[3]);
+        unsigned a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+            pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, qi >> 1) * 8), a[m][0], a[m][1], a[m][2], a[m][3]);
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
             unsigned b0, b1;
             pa_ldsm_x2(pa_smem(sk + pa_chunk<HD>(n * 8 + (lane & 7), (lane >> 3) & 1) * 8), b0, b1);
-            pa_mma(s[n], a, b0, b1);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) pa_mma(s[m][n], a[m], b0, b1);
+        }
+    } else if (MT > 1) {
+        // One k-step's q fragments at a time (8 registers for two tiles), K's fragments of
+        // that k-step for two n-tiles by one ldmatrix: the same ldmatrix count as below.
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, 2 * kk + (qi >> 1)) * 8), a[m][0], a[m][1], a[m][2],
+                           a[m][3]);
+#pragma unroll
+            for (int n = 0; n < 8; n += 2) {
+                unsigned b0, b1, b2, b3;
+                const int kr = n * 8 + (lane >> 4) * 8 + (lane & 7);
+                pa_ldsm_x4(pa_smem(sk + pa_chunk<HD>(kr, 2 * kk + ((lane >> 3) & 1)) * 8), b0, b1, b2, b3);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) pa_mma(s[m][n], a[m], b0, b1);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) pa_mma(s[m][n + 1], a[m], b2, b3);
+            }
         }
     } else {
 #pragma unroll
         for (int kk = 0; kk + 1 < HD / 16; kk += 2) {
-            unsigned a0[4], a1[4];
-            pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(qr, 2 * kk + (qi >> 1)) * 8), a0[0], a0[1], a0[2], a0[3]);
-            pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(qr, 2 * kk + 2 + (qi >> 1)) * 8), a1[0], a1[1], a1[2], a1[3]);
+            unsigned a0[MT][4], a1[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, 2 * kk + (qi >> 1)) * 8), a0[m][0], a0[m][1],
+                           a0[m][2], a0[m][3]);
+                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, 2 * kk + 2 + (qi >> 1)) * 8), a1[m][0], a1[m][1],
+                           a1[m][2], a1[m][3]);
+            }
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 unsigned b0, b1, b2, b3;
                 pa_ldsm_x4(pa_smem(sk + pa_chunk<HD>(n * 8 + (lane & 7), 2 * kk + (lane >> 3)) * 8), b0, b1, b2, b3);
-                pa_mma(s[n], a0, b0, b1);
-                pa_mma(s[n], a1, b2, b3);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) pa_mma(s[m][n], a0[m], b0, b1);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) pa_mma(s[m][n], a1[m], b2, b3);
             }
         }
     }
 
-    // A block every row of the warp sees whole needs no mask (the same values).
-    if (__all_sync(FULL_MASK, key0 + PA_BLOCK - 1 <= min(rowpos[0], rowpos[1])))
-        pa_softmax<HD, false>(st, s, key0, rowpos, sl, lane);
-    else
-        pa_softmax<HD, true>(st, s, key0, rowpos, sl, lane);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        // A block every row of the tile sees whole needs no mask (the same values).
+        if (__all_sync(FULL_MASK, key0 + PA_BLOCK - 1 <= min(rowpos[m][0], rowpos[m][1])))
+            pa_softmax<HD, false>(st[m], s[m], key0, rowpos[m], sl, lane);
+        else
+            pa_softmax<HD, true>(st[m], s[m], key0, rowpos[m], sl, lane);
+    }
 }
 
+// bf16(p) of keys kk·16 .. kk·16+15 as P·V's A fragment.
+__device__ __forceinline__ void pa_pfrag(unsigned (&a)[4], const float (&s)[8][4], int kk) {
+    a[0] = pa_pack(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pa_pack(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+template <int MT>
+__device__ __forceinline__ void pa_pack_p(unsigned (&P)[MT][4][4], const float (&s)[MT][8][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) pa_pfrag(P[m][kk], s[m], kk);
+}
+
+// P·V from the probabilities s (packed a 16-key step at a time, as the mma needs them).
 template <int HD>
-__device__ __forceinline__ void pa_pv(PaState<HD>& st, const float (&s)[8][4], const bf16_t* sv, int lane) {
+__device__ __forceinline__ void pa_pv(PaState<HD> (&st)[1], const float (&s)[1][8][4], const bf16_t* sv, int lane) {
     const int i = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-        const unsigned pa[4] = {pa_pack(s[2 * kk][0], s[2 * kk][1]), pa_pack(s[2 * kk][2], s[2 * kk][3]),
-                                pa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                pa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        unsigned pa[4];
+        pa_pfrag(pa, s[0], kk);
         const int vr = kk * 16 + (i & 1) * 8 + (lane & 7);
 #pragma unroll
         for (int j = 0; j < HD / 8; j += 2) {
             unsigned b0, b1, b2, b3;
             pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD>(vr, j + (i >> 1)) * 8), b0, b1, b2, b3);
-            pa_mma(st.acc[j], pa, b0, b1);
-            pa_mma(st.acc[j + 1], pa, b2, b3);
+            pa_mma(st[0].acc[j], pa, b0, b1);
+            pa_mma(st[0].acc[j + 1], pa, b2, b3);
+        }
+    }
+}
+
+// P·V from bf16(p) packed after the scores (pa_pack_p: 16 registers a tile where the
+// probabilities take 32, which lets two tiles' states fit).
+template <int HD, int MT>
+__device__ __forceinline__ void pa_pv(PaState<HD> (&st)[MT], const unsigned (&P)[MT][4][4], const bf16_t* sv,
+                                      int lane) {
+    const int i = lane >> 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const int vr = kk * 16 + (i & 1) * 8 + (lane & 7);
+#pragma unroll
+        for (int j = 0; j < HD / 8; j += 2) {
+            unsigned b0, b1, b2, b3;
+            pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD>(vr, j + (i >> 1)) * 8), b0, b1, b2, b3);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) pa_mma(st[m].acc[j], P[m][kk], b0, b1);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) pa_mma(st[m].acc[j + 1], P[m][kk], b2, b3);
         }
     }
 }
@@ -392,42 +475,53 @@ __device__ __forceinline__ const bf16_t* pa_kv_at(const bf16_t* pool, unsigned i
 }
 
 // ---------------------------------------------------------------------------------------
-// Prefill: grid (tiles, n_heads), PA_PREFILL_WARPS warps. tiles[t] = (q row of the tile's
-// first row, rows in the tile (1..=64), its position, the sequence's block-table offset);
-// the rows of a tile are consecutive positions of one sequence. One K and one V buffer: the
-// next block's K loads while this block's P·V runs, its V while the next scores run. The
-// rows' total state lives in shared memory (thread-private slots, touched once a split),
-// so registers hold one state and two CTAs fit an SM at head_dim 128. Dynamic shared
-// memory: see paged_attention.rs.
+// Prefill: grid (tiles, n_heads), WARPS warps of MT·16 rows each. tiles[t] = (q row of
+// the tile's first row, rows in the tile (1..=WARPS·MT·16), its position, the sequence's
+// block-table offset); the rows of a tile are consecutive positions of one sequence. One K
+// and one V buffer: the next block's K loads while this block's P·V runs, its V while the
+// next scores run. The rows' total state lives in shared memory (thread-private slots,
+// touched once a split), so registers hold only the split's state. Two builds (a speed
+// choice, the same bits): 4 warps × 16 rows (pa_prefill_hd*, 64-row tiles) and 3 warps ×
+// 32 rows (pa_prefill96_hd*, 96-row tiles: two m16 tiles per warp share every K and V
+// fragment, FA2's structure; 113 KB of shared memory at head_dim 128, two CTAs per SM).
+// Dynamic shared memory: see paged_tiles.rs.
 #define PA_PREFILL_ARGS                                                                                        \
     const float *__restrict__ q, const bf16_t *__restrict__ kpool, const bf16_t *__restrict__ vpool,             \
         float *__restrict__ out, bf16_t *__restrict__ outb, const unsigned *__restrict__ tiles,                  \
         const unsigned *__restrict__ table, int n_tiles, int n_heads, int n_kv_heads, int head_dim, float sl,    \
         long long layer_blocks
 #define PA_PREFILL_PASS q, kpool, vpool, out, outb, tiles, table, n_tiles, n_heads, n_kv_heads, head_dim, sl, layer_blocks
-#define PA_PREFILL_THREADS (PA_PREFILL_WARPS * 32)
 
-template <int HD>
-__device__ __forceinline__ void pa_fold_smem(float (&tm)[2], float (&tl)[2], float* tacc, const PaState<HD>& sp) {
+// Tile m's value (j, e) of this thread's row r in the total state: slot ((m·HD/8 + j)·4 +
+// 2r + e)·NT from the thread's own.
+template <int HD, int NT>
+__device__ __forceinline__ int pa_tslot(int m, int j, int r, int e) {
+    return ((m * (HD / 8) + j) * 4 + 2 * r + e) * NT;
+}
+
+template <int HD, int NT, typename TotalML>
+__device__ __forceinline__ void pa_fold_smem(TotalML ml, float* tacc, const PaState<HD>& sp, int m) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const PaFold f = pa_fold_row(tm[r], tl[r], sp.m[r], sp.l[r]);
+        const PaFold f = pa_fold_row(ml(m, r, 0), ml(m, r, 1), sp.m[r], sp.l[r]);
         if (f.kind == 0) continue;
 #pragma unroll
         for (int j = 0; j < HD / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float* t = tacc + (j * 4 + 2 * r + e) * PA_PREFILL_THREADS;
+                float* t = tacc + pa_tslot<HD, NT>(m, j, r, e);
                 *t = pa_fold_val(f, *t, sp.acc[j][2 * r + e]);
             }
     }
 }
 
-template <int HD>
+template <int HD, int WARPS, int MT>
 __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
+    constexpr int NT = WARPS * 32;
+    constexpr int ROWS = WARPS * MT * 16;
     extern __shared__ uint4 pa_shm[];
     bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
-    bf16_t* sk = sq + pa_tile_elems<HD>(PA_PREFILL_ROWS);
+    bf16_t* sk = sq + pa_tile_elems<HD>(ROWS);
     bf16_t* sv = sk + pa_tile_elems<HD>(PA_BLOCK);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* tacc = reinterpret_cast<float*>(sv + pa_tile_elems<HD>(PA_BLOCK)) + tid;
@@ -441,8 +535,8 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
     const int last = pos0 + nrows - 1;
     const int nblk = last / PA_BLOCK + 1;
     auto load = [&](bf16_t* dst, const bf16_t* pool, unsigned id, int blk) {
-        pa_load_kv<HD, PA_PREFILL_THREADS>(dst, pa_kv_at(pool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
-                                           min(PA_BLOCK, last - blk * PA_BLOCK + 1), tid);
+        pa_load_kv<HD, NT>(dst, pa_kv_at(pool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
+                           min(PA_BLOCK, last - blk * PA_BLOCK + 1), tid);
         pa_commit();
     };
     {
@@ -450,19 +544,43 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
         load(sk, kpool, id0, 0);
         load(sv, vpool, id0, 0);
     }
-    pa_load_q<HD, PA_PREFILL_THREADS>(
-        sq, PA_PREFILL_ROWS, nrows, head_dim,
-        [&](int r) { return q + (size_t)(row0 + r) * width + (size_t)h * head_dim; }, tid);
+    pa_load_q<HD, NT>(
+        sq, ROWS, nrows, head_dim, [&](int r) { return q + (size_t)(row0 + r) * width + (size_t)h * head_dim; },
+        tid);
 
     const int g = lane >> 2;
-    const int wr = warp * 16;
+    const int wr = warp * MT * 16;
     const bf16_t* wq = sq + pa_tile_elems<HD>(wr);
-    const int rowpos[2] = {wr + g < nrows ? pos0 + wr + g : -1, wr + g + 8 < nrows ? pos0 + wr + g + 8 : -1};
-    const int warp_last = wr < nrows ? pos0 + min(wr + 15, nrows - 1) : -1;
-    float tm[2] = {NEG_INF, NEG_INF}, tl[2] = {0.0f, 0.0f};
-    PaState<HD> spl;
+    int rowpos[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = wr + 16 * m + 8 * r + g;
+            rowpos[m][r] = i < nrows ? pos0 + i : -1;
+        }
+    const int warp_last = wr < nrows ? pos0 + min(wr + MT * 16 - 1, nrows - 1) : -1;
+    // The rows' total m and l (ml(m, r, 0 | 1)): in registers for one tile, in thread-private
+    // shared slots past the total acc for two (8 registers the two states need).
+    float tml_r[MT == 1 ? 2 : 1][2];
+    float* tml_s = tacc + ROWS * HD;
+    auto ml = [&](int m, int r, int w) -> float& {
+        if constexpr (MT == 1)
+            return tml_r[r][w];
+        else
+            return tml_s[((m * 2 + r) * 2 + w) * NT];
+    };
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            ml(m, r, 0) = NEG_INF;
+            ml(m, r, 1) = 0.0f;
+        }
+    PaState<HD> spl[MT];
     for (int b0 = 0; b0 < nblk; b0 += PA_SPLIT_BLOCKS) {
-        pa_reset(spl);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) pa_reset(spl[m]);
         const int b1 = min(b0 + PA_SPLIT_BLOCKS, nblk);
         for (int blk = b0; blk < b1; ++blk) {
             const bool more = blk + 1 < nblk;
@@ -471,8 +589,14 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
             pa_wait<1>();  // K(blk) has landed (V(blk) may be in flight)
             __syncthreads();
             const bool active = blk * PA_BLOCK <= warp_last;
-            float s[8][4];
-            if (active) pa_scores<HD>(spl, s, wq, sk, blk * PA_BLOCK, rowpos, sl, lane);
+            // MT = 1: the probabilities stay f32 until P·V (the 64-row build as it was);
+            // MT = 2: packed to bf16 right away, to hold two tiles' states.
+            float s[MT][8][4];
+            unsigned P[MT][4][4];
+            if (active) {
+                pa_scores<HD, MT>(spl, s, wq, sk, blk * PA_BLOCK, rowpos, sl, lane);
+                if constexpr (MT > 1) pa_pack_p<MT>(P, s);
+            }
             __syncthreads();  // every warp is done with K(blk)
             if (more) {
                 load(sk, kpool, nid, blk + 1);
@@ -481,26 +605,34 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
                 pa_wait<0>();
             }
             __syncthreads();
-            if (active) pa_pv<HD>(spl, s, sv, lane);
+            if (active) {
+                if constexpr (MT == 1)
+                    pa_pv<HD>(spl, s, sv, lane);
+                else
+                    pa_pv<HD, MT>(spl, P, sv, lane);
+            }
             __syncthreads();  // every warp is done with V(blk)
             if (more) load(sv, vpool, nid, blk + 1);
         }
-        pa_fold_smem<HD>(tm, tl, tacc, spl);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) pa_fold_smem<HD, NT>(ml, tacc, spl[m], m);
     }
     const int t4 = lane & 3;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (rowpos[r] < 0) continue;
-        const size_t at = (size_t)(row0 + wr + g + 8 * r) * width + (size_t)h * head_dim;
-        const float inv = pa_rcp(tl[r]);
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int j = 0; j < HD / 8; ++j) {
-            const int d = j * 8 + 2 * t4;
-            if (d < head_dim)
-                pa_put2(out, outb, at + d, tacc[(j * 4 + 2 * r) * PA_PREFILL_THREADS] * inv,
-                        tacc[(j * 4 + 2 * r + 1) * PA_PREFILL_THREADS] * inv);
+        for (int r = 0; r < 2; ++r) {
+            if (rowpos[m][r] < 0) continue;
+            const size_t at = (size_t)(row0 + wr + 16 * m + 8 * r + g) * width + (size_t)h * head_dim;
+            const float inv = pa_rcp(ml(m, r, 1));
+#pragma unroll
+            for (int j = 0; j < HD / 8; ++j) {
+                const int d = j * 8 + 2 * t4;
+                if (d < head_dim)
+                    pa_put2(out, outb, at + d, tacc[pa_tslot<HD, NT>(m, j, r, 0)] * inv,
+                            tacc[pa_tslot<HD, NT>(m, j, r, 1)] * inv);
+            }
         }
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -579,16 +711,16 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
         sq, 16, nh, head_dim, [&](int r) { return q + (size_t)row * width + (size_t)(h0 + r) * head_dim; }, lane);
 
     const int g = lane >> 2;
-    const int rowpos[2] = {g < nh ? pos : -1, g + 8 < nh ? pos : -1};
-    PaState<HD> spl;
-    pa_reset(spl);
+    const int rowpos[1][2] = {{g < nh ? pos : -1, g + 8 < nh ? pos : -1}};
+    PaState<HD> spl[1];
+    pa_reset(spl[0]);
     for (int blk = b0; blk < b1; ++blk) {
-        float s[8][4];
+        float s[1][8][4];
         if constexpr (STAGES == 1) {
             const bool more = blk + 1 < b1;
             pa_wait<1>();  // K(blk) has landed (V(blk) may be in flight)
             __syncwarp();
-            pa_scores<HD>(spl, s, sq, skv, blk * PA_BLOCK, rowpos, sl, lane);
+            pa_scores<HD, 1>(spl, s, sq, skv, blk * PA_BLOCK, rowpos, sl, lane);
             __syncwarp();  // every lane is done with K(blk)
             if (more) load(skv, 0, blk + 1);
             pa_commit();
@@ -608,15 +740,15 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
             }
             pa_commit();
             const bf16_t* st = stage(blk);
-            pa_scores<HD>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
+            pa_scores<HD, 1>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
             pa_pv<HD>(spl, s, st + TILE, lane);
         }
     }
     if (n_splits == 1) {
         pa_store<HD>(
-            spl,
+            spl[0],
             [&](int r) -> long long {
-                return rowpos[r] < 0 ? -1 : (long long)row * width + (long long)(h0 + g + 8 * r) * head_dim;
+                return rowpos[0][r] < 0 ? -1 : (long long)row * width + (long long)(h0 + g + 8 * r) * head_dim;
             },
             head_dim, lane, out, outb);
         return;
@@ -625,18 +757,18 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     const int stride = head_dim + 2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        if (rowpos[r] < 0) continue;
+        if (rowpos[0][r] < 0) continue;
         float* p = part + (((size_t)i * n_heads + h0 + g + 8 * r) * max_splits + split) * stride;
 #pragma unroll
         for (int j = 0; j < HD / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int d = j * 8 + 2 * t4 + e;
-                if (d < head_dim) p[d] = spl.acc[j][2 * r + e];
+                if (d < head_dim) p[d] = spl[0].acc[j][2 * r + e];
             }
         if (t4 == 0) {
-            p[head_dim] = spl.m[r];
-            p[head_dim + 1] = spl.l[r];
+            p[head_dim] = spl[0].m[r];
+            p[head_dim + 1] = spl[0].l[r];
         }
     }
 }
@@ -646,12 +778,16 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
         pdl_enter();                                                       \
         pa_decode_body<HD, STAGES>(PA_DECODE_PASS);                        \
     }
-#define PA_ENTRIES(HD)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(PA_PREFILL_THREADS) pa_prefill_hd##HD(PA_PREFILL_ARGS) { \
-        pdl_enter();                                                                                   \
-        pa_prefill_body<HD>(PA_PREFILL_PASS);                                                          \
-    }                                                                                                  \
-    PA_DECODE_ENTRY(pa_decode_hd##HD, HD, 2)                                                           \
+// A prefill build of ROWS-row tiles, MT m16 tiles per warp.
+#define PA_PREFILL_ENTRY(NAME, HD, ROWS, MT)                                                   \
+    extern "C" __global__ void __launch_bounds__(ROWS / MT / 16 * 32) NAME(PA_PREFILL_ARGS) { \
+        pdl_enter();                                                                           \
+        pa_prefill_body<HD, ROWS / MT / 16, MT>(PA_PREFILL_PASS);                              \
+    }
+#define PA_ENTRIES(HD)                                                     \
+    PA_PREFILL_ENTRY(pa_prefill_hd##HD, HD, PA_PREFILL_ROWS, 1)            \
+    PA_PREFILL_ENTRY(pa_prefill96_hd##HD, HD, PA_PREFILL2_ROWS, 2)         \
+    PA_DECODE_ENTRY(pa_decode_hd##HD, HD, 2)                               \
     PA_DECODE_ENTRY(pa_decode1_hd##HD, HD, 1)
 
 PA_ENTRIES(16)

@@ -122,7 +122,8 @@ mod tests {
     }
 
     /// With ARBOR_PTX_OUT set, writes the program's PTX there (scripts/bench/ptxas-report.sh
-    /// assembles it with ptxas for the registers and spills of every kernel).
+    /// assembles it with ptxas for the registers and spills of every kernel), for the arch
+    /// ARBOR_PTX_ARCH names (sm_90a when unset; e.g. sm_80 for the mma.sync paths alone).
     #[test]
     fn write_ptx_when_asked() {
         let Ok(path) = std::env::var("ARBOR_PTX_OUT") else {
@@ -132,7 +133,8 @@ mod tests {
             eprintln!("skipped: {e}");
             return;
         }
-        let ptx = compile_ptx("sm_90a").unwrap_or_else(|e| panic!("{e}"));
+        let arch = std::env::var("ARBOR_PTX_ARCH").unwrap_or_else(|_| "sm_90a".into());
+        let ptx = compile_ptx(&arch).unwrap_or_else(|e| panic!("{e}"));
         std::fs::write(&path, ptx).unwrap_or_else(|e| panic!("writing {path}: {e}"));
     }
 

@@ -24,7 +24,11 @@ pub struct Args {
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     /// Prefill shapes, BATCHxTOKENS (causal, each sequence from position 0).
-    #[arg(long, value_delimiter = ',', default_value = "8x1024,64x1024,4x8192")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "8x1024,64x1024,4x8192,2x16384"
+    )]
     prefill: Vec<String>,
     /// Decode shapes, BATCHxCONTEXT (one new row per sequence at position CONTEXT-1).
     #[arg(
@@ -238,8 +242,14 @@ fn bench(
         tflops: flops / (us * 1e-6) / 1e12,
         kv_gbs: kv_bytes / (us * 1e-6) / 1e9,
     };
+    // Which prefill build ran (ARBOR_ATTN_PREFILL_ROWS), for A/B logs.
+    let tiles = if decode {
+        String::new()
+    } else {
+        format!(", {}-row tiles", routing.prefill_tiles().rows())
+    };
     println!(
-        "{:>8} {:>6} {:>7} {:>10.1} {:>9.1} {:>10.0}   (splits {})",
+        "{:>8} {:>6} {:>7} {:>10.1} {:>9.1} {:>10.0}   (splits {}{tiles})",
         kind,
         batch,
         tokens,

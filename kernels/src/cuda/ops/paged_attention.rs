@@ -1,9 +1,10 @@
 //! Causal GQA attention over the paged KV cache on tensor cores (paged_attention.cu).
 //!
-//! Two kernels compute rows with the same bits: the prefill kernel takes tiles of 64
-//! consecutive rows of one sequence, the decode kernel one row (its GQA heads as the
-//! tile's rows) and one split of its keys, with a combine kernel folding the splits. Which
-//! rows go to which kernel is a speed choice only ([`AttnRouting`]).
+//! Two kernels compute rows with the same bits: the prefill kernel takes tiles of 96 (or,
+//! in its 16-rows-per-warp build, 64) consecutive rows of one sequence, the decode kernel
+//! one row (its GQA heads as the tile's rows) and one split of its keys, with a combine
+//! kernel folding the splits. Which rows go to which kernel, and which prefill build runs
+//! ([`PrefillTiles`], `ARBOR_ATTN_PREFILL_ROWS`), is a speed choice only ([`AttnRouting`]).
 
 use cudarc::driver::LaunchConfig;
 
@@ -13,10 +14,9 @@ use crate::paged::{splits_of, PagedKvLayout, ATTN_SPLIT, KV_BLOCK};
 
 use super::paged_tiles::{
     decode_kernel, decode_smem_bytes, padded_head_dim, prefill_smem_bytes, DecodeStages,
-    PREFILL_TILE_ROWS,
 };
+pub use super::paged_tiles::{PrefillTiles, PREFILL_ROWS_ENV};
 
-const PREFILL_THREADS: u32 = 128;
 /// A sequence with at least this many rows in a step goes to the prefill kernel; fewer
 /// rows are cheaper one by one, with their keys cut into splits.
 pub const PREFILL_MIN_ROWS: usize = 16;
@@ -115,6 +115,8 @@ pub struct AttnRouting {
     /// The decode kernel's variant; `None`: by the launch's size
     /// ([`DecodeStages::for_launch`], or `ARBOR_ATTN_DECODE_STAGES`).
     decode_stages: Option<DecodeStages>,
+    /// The prefill build the tiles were cut for.
+    prefill: PrefillTiles,
 }
 
 impl AttnRouting {
@@ -126,6 +128,10 @@ impl AttnRouting {
 
     pub fn max_splits(&self) -> usize {
         self.max_splits
+    }
+
+    pub fn prefill_tiles(&self) -> PrefillTiles {
+        self.prefill
     }
 
     /// The same routing with the decode kernel's variant fixed (tests, A/B benchmarks).
@@ -149,39 +155,78 @@ fn stages_override() -> Option<DecodeStages> {
     })
 }
 
+/// `ARBOR_ATTN_PREFILL_ROWS` (64 or 96): the prefill build, for A/B benchmarks; read once.
+/// Unset: the 96-row build; any other value is an error at every routing.
+fn prefill_tiles_env() -> Result<PrefillTiles, CudaError> {
+    static S: std::sync::OnceLock<Result<PrefillTiles, String>> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        let v = std::env::var(PREFILL_ROWS_ENV).ok();
+        PrefillTiles::from_env_value(v.as_deref())
+    })
+    .clone()
+    .map_err(|msg| CudaError::Launch {
+        kernel: "paged attention",
+        msg,
+    })
+}
+
+/// The prefill tiles (4 u32 each: first q row, rows, first position, table offset) of
+/// `rows` rows at most, for every sequence of at least [`PREFILL_MIN_ROWS`] rows when the
+/// padded head dim `hd` has a prefill kernel; the other rows go to the decode kernel
+/// (their q rows, and the largest position among them).
+fn route_rows(
+    seqs: &[SeqSpan],
+    hd: usize,
+    rows: usize,
+) -> Result<(Vec<u32>, Vec<u32>, usize), CudaError> {
+    let (mut tiles, mut decode) = (Vec::new(), Vec::new());
+    let mut max_pos = 0usize;
+    for s in seqs {
+        if s.len >= PREFILL_MIN_ROWS && hd <= 128 {
+            for t0 in (0..s.len).step_by(rows) {
+                let n = (s.len - t0).min(rows);
+                for v in [s.row0 + t0, n, s.pos0 + t0, s.table0] {
+                    tiles.push(u32::try_from(v).map_err(|_| CudaError::Launch {
+                        kernel: "paged attention",
+                        msg: format!("tile value {v} does not fit u32"),
+                    })?);
+                }
+            }
+        } else {
+            for i in 0..s.len {
+                decode.push((s.row0 + i) as u32);
+                max_pos = max_pos.max(s.pos0 + i);
+            }
+        }
+    }
+    Ok((tiles, decode, max_pos))
+}
+
 impl GpuDevice {
     /// The routing of a ragged step whose sequences are `seqs` (rows in q order) for a
-    /// model of `head_dim`.
+    /// model of `head_dim`, with the prefill build `ARBOR_ATTN_PREFILL_ROWS` names (the
+    /// 96-row one when unset).
     pub fn attn_routing(
         &self,
         seqs: &[SeqSpan],
         head_dim: usize,
+    ) -> Result<AttnRouting, CudaError> {
+        self.attn_routing_with(seqs, head_dim, prefill_tiles_env()?)
+    }
+
+    /// [`GpuDevice::attn_routing`] with the prefill build given (tests, A/B benchmarks).
+    pub fn attn_routing_with(
+        &self,
+        seqs: &[SeqSpan],
+        head_dim: usize,
+        prefill: PrefillTiles,
     ) -> Result<AttnRouting, CudaError> {
         const K: &str = "paged attention";
         let hd = padded_head_dim(head_dim).ok_or_else(|| CudaError::Launch {
             kernel: K,
             msg: format!("head_dim {head_dim} is above 256"),
         })?;
-        let (mut tiles, mut decode) = (Vec::new(), Vec::new());
-        let mut max_pos = 0usize;
-        for s in seqs {
-            if s.len >= PREFILL_MIN_ROWS && hd <= 128 {
-                for t0 in (0..s.len).step_by(PREFILL_TILE_ROWS) {
-                    let n = (s.len - t0).min(PREFILL_TILE_ROWS);
-                    for v in [s.row0 + t0, n, s.pos0 + t0, s.table0] {
-                        tiles.push(u32::try_from(v).map_err(|_| CudaError::Launch {
-                            kernel: K,
-                            msg: format!("tile value {v} does not fit u32"),
-                        })?);
-                    }
-                }
-            } else {
-                for i in 0..s.len {
-                    decode.push((s.row0 + i) as u32);
-                    max_pos = max_pos.max(s.pos0 + i);
-                }
-            }
-        }
+        let (tiles, decode, max_pos) = route_rows(seqs, hd, prefill.rows())?;
         let n_tiles = tiles.len() / 4;
         let n_decode = decode.len();
         Ok(AttnRouting {
@@ -195,6 +240,7 @@ impl GpuDevice {
             n_decode,
             max_splits: splits_of(max_pos),
             decode_stages: None,
+            prefill,
         })
     }
 
@@ -208,6 +254,7 @@ impl GpuDevice {
             n_decode: rows,
             max_splits: max_splits.max(1),
             decode_stages: None,
+            prefill: PrefillTiles::Rows96,
         }
     }
 
@@ -302,12 +349,11 @@ impl GpuDevice {
         let mut outb = outb;
 
         if let Some(tiles) = &routing.tiles {
-            let name = match hd {
-                16 => "pa_prefill_hd16",
-                32 => "pa_prefill_hd32",
-                64 => "pa_prefill_hd64",
-                _ => "pa_prefill_hd128",
-            };
+            let pt = routing.prefill;
+            let name = pt.kernel(hd).ok_or_else(|| CudaError::Launch {
+                kernel: K,
+                msg: format!("no prefill kernel for head_dim {head_dim} ({pt:?})"),
+            })?;
             let nt = i32_of(K, "tiles", routing.n_tiles)?;
             let mut b = self.launch(self.func(name)?);
             b.arg(q).arg(k).arg(v).out(&mut out);
@@ -321,8 +367,8 @@ impl GpuDevice {
             b.arg(&sl).arg(&layer_blocks);
             let cfg = LaunchConfig {
                 grid_dim: (routing.n_tiles as u32, n_heads as u32, 1),
-                block_dim: (PREFILL_THREADS, 1, 1),
-                shared_mem_bytes: prefill_smem_bytes(hd) as u32,
+                block_dim: (pt.threads() as u32, 1, 1),
+                shared_mem_bytes: prefill_smem_bytes(hd, pt) as u32,
             };
             self.launched(name, unsafe { b.launch(cfg) })?;
         }
@@ -405,6 +451,42 @@ pub fn decode_pos_limit(max_splits: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn span(row0: usize, len: usize, pos0: usize, table0: usize) -> SeqSpan {
+        SeqSpan {
+            row0,
+            len,
+            pos0,
+            table0,
+        }
+    }
+
+    #[test]
+    fn tiles_follow_the_build_rows() {
+        // A 200-row sequence from position 37, a 15-row one (decode), a 16-row one.
+        let seqs = [
+            span(0, 200, 37, 0),
+            span(200, 15, 500, 9),
+            span(215, 16, 0, 20),
+        ];
+        let (t96, d96, mx96) = route_rows(&seqs, 128, PrefillTiles::Rows96.rows()).unwrap();
+        assert_eq!(
+            t96,
+            [0, 96, 37, 0, 96, 96, 133, 0, 192, 8, 229, 0, 215, 16, 0, 20]
+        );
+        let (t64, d64, mx64) = route_rows(&seqs, 128, PrefillTiles::Rows64.rows()).unwrap();
+        assert_eq!(
+            t64,
+            [0, 64, 37, 0, 64, 64, 101, 0, 128, 64, 165, 0, 192, 8, 229, 0, 215, 16, 0, 20]
+        );
+        // The decode rows do not depend on the build.
+        assert_eq!(d96, (200..215).collect::<Vec<u32>>());
+        assert_eq!((d64, mx64), (d96.clone(), mx96));
+        assert_eq!(mx96, 514);
+        // Above head_dim 128 every row decodes.
+        let (t, d, _) = route_rows(&seqs, 256, 96).unwrap();
+        assert!(t.is_empty() && d.len() == 231);
+    }
 
     #[test]
     fn tables_are_checked() {

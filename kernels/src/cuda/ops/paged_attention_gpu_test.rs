@@ -1,7 +1,7 @@
 //! GPU tests of the paged attention kernels (skipped, saying why, without a GPU): every row
-//! has the same bits from the prefill kernel (whole or chunked at any offset), from the
-//! decode kernel with its splits, and inside any batch; and the values agree with an f64
-//! reference over the same bf16 inputs.
+//! has the same bits from either prefill build (64-row and 96-row tiles; whole or chunked
+//! at any offset), from the decode kernel with its splits, and inside any batch; and the
+//! values agree with an f64 reference over the same bf16 inputs.
 
 use half::bf16;
 
@@ -132,6 +132,17 @@ fn upload(dev: &GpuDevice, c: &Case) -> OnDevice {
     }
 }
 
+/// How a test step routes its rows.
+#[derive(Clone, Copy, Debug)]
+enum Route {
+    /// Every row through the decode kernel, in this variant.
+    Decode(DecodeStages),
+    /// Runs of at least 16 rows to this prefill build, the others to the decode kernel.
+    Prefill(PrefillTiles),
+}
+
+const BUILDS: [PrefillTiles; 2] = [PrefillTiles::Rows64, PrefillTiles::Rows96];
+
 /// Attention of the given (position, q row) list, whose rows form the given spans, with
 /// the case's table for every span. Returns f32 `[rows, n_heads·head_dim]` and its bf16.
 fn run(
@@ -140,8 +151,7 @@ fn run(
     kv: &OnDevice,
     positions: &[usize],
     spans: &[SeqSpan],
-    decode_only: bool,
-    stages: Option<DecodeStages>,
+    route: Route,
 ) -> (Vec<f32>, Vec<u16>) {
     let w = c.n_heads * c.layout.head_dim;
     let q: Vec<f32> = positions
@@ -164,19 +174,21 @@ fn run(
             crate::cuda::ops::dev_ptr(&dtab, s),
         )
     };
-    let routing = if decode_only {
-        let ms = positions
-            .iter()
-            .map(|&p| crate::paged::splits_of(p))
-            .max()
-            .unwrap_or(1);
-        let r = dev.attn_routing_decode(positions.len(), ms);
-        match stages {
-            Some(st) => r.with_decode_stages(st),
-            None => r,
+    let routing = match route {
+        Route::Decode(st) => {
+            let ms = positions
+                .iter()
+                .map(|&p| crate::paged::splits_of(p))
+                .max()
+                .unwrap_or(1);
+            dev.attn_routing_decode(positions.len(), ms)
+                .with_decode_stages(st)
         }
-    } else {
-        dev.attn_routing(spans, c.layout.head_dim).unwrap()
+        Route::Prefill(pt) => {
+            let r = dev.attn_routing_with(spans, c.layout.head_dim, pt).unwrap();
+            assert_eq!(r.prefill_tiles(), pt);
+            r
+        }
     };
     let mut outb = dev.empty_bf16(q.len()).unwrap();
     let out = dev
@@ -208,7 +220,15 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
     let Some(dev) = device() else { return };
     let c = Case::new(n_heads, n_kv, head_dim, len, seed);
     let kv = upload(&dev, &c);
-    let w = n_heads * head_dim;
+    for pt in BUILDS {
+        check_build(&dev, &c, &kv, len, pt);
+    }
+}
+
+/// The checks of [`check_shape`] with prefill build `pt`.
+fn check_build(dev: &GpuDevice, c: &Case, kv: &OnDevice, len: usize, pt: PrefillTiles) {
+    let head_dim = c.layout.head_dim;
+    let w = c.n_heads * head_dim;
     let all: Vec<usize> = (0..len).collect();
     let whole = [SeqSpan {
         row0: 0,
@@ -216,10 +236,10 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         pos0: 0,
         table0: 0,
     }];
-    let (pre, preb) = run(&dev, &c, &kv, &all, &whole, false, None);
+    let (pre, preb) = run(dev, c, kv, &all, &whole, Route::Prefill(pt));
     assert!(
         pre.iter().all(|x| x.is_finite()),
-        "hd {head_dim}: non-finite output (read past the keys?)"
+        "hd {head_dim} {pt:?}: non-finite output (read past the keys?)"
     );
 
     // Against f64, on a spread of rows (the first, across blocks and splits, the last).
@@ -235,15 +255,18 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         let den: f64 = want.iter().map(|x| x * x).sum();
         worst = worst.max((num / den.max(1e-30)).sqrt());
     }
-    assert!(worst < 8e-3, "hd {head_dim}: relative error {worst} vs f64");
+    assert!(
+        worst < 8e-3,
+        "hd {head_dim} {pt:?}: relative error {worst} vs f64"
+    );
 
     // Every row through the decode kernel (splits, combine), in each of its variants
     // (how far ahead it loads): the same bits.
     for stages in [DecodeStages::One, DecodeStages::Two] {
-        let (dec, decb) = run(&dev, &c, &kv, &all, &whole, true, Some(stages));
+        let (dec, decb) = run(dev, c, kv, &all, &whole, Route::Decode(stages));
         if let Some(i) = (0..pre.len()).find(|&i| pre[i].to_bits() != dec[i].to_bits()) {
             panic!(
-                "hd {head_dim}: decode ({stages:?} stages) differs from prefill at row {}, value {} ({} vs {})",
+                "hd {head_dim}: decode ({stages:?} stages) differs from prefill ({pt:?}) at row {}, value {} ({} vs {})",
                 i / w,
                 i % w,
                 dec[i],
@@ -252,7 +275,7 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         }
         assert_eq!(
             preb, decb,
-            "hd {head_dim}: bf16 outputs differ ({stages:?} stages)"
+            "hd {head_dim}: bf16 outputs differ ({stages:?} stages, {pt:?})"
         );
     }
 
@@ -266,11 +289,11 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         pos0: a,
         table0: 0,
     }];
-    let (ch, _) = run(&dev, &c, &kv, &chunk, &span, false, None);
+    let (ch, _) = run(dev, c, kv, &chunk, &span, Route::Prefill(pt));
     assert_eq!(
         bits(&ch),
         bits(&pre[a * w..b * w]),
-        "hd {head_dim}: chunk {a}..{b}"
+        "hd {head_dim} {pt:?}: chunk {a}..{b}"
     );
 
     let mixed_pos: Vec<usize> = [len - 1, 3, 5, 6, 7]
@@ -296,12 +319,12 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
         }
         v
     };
-    let (mx, _) = run(&dev, &c, &kv, &mixed_pos, &spans, false, None);
+    let (mx, _) = run(dev, c, kv, &mixed_pos, &spans, Route::Prefill(pt));
     for (i, &p) in mixed_pos.iter().enumerate() {
         assert_eq!(
             bits(&mx[i * w..(i + 1) * w]),
             bits(&pre[p * w..(p + 1) * w]),
-            "hd {head_dim}: batch row {i} (position {p})"
+            "hd {head_dim} {pt:?}: batch row {i} (position {p})"
         );
     }
 }

@@ -3,8 +3,79 @@
 
 use crate::paged::KV_BLOCK;
 
-/// paged_attention.cu's PA_PREFILL_ROWS: query rows per prefill tile.
-pub const PREFILL_TILE_ROWS: usize = 64;
+/// paged_attention.cu's PA_PREFILL2_ROWS: query rows per tile of the default prefill
+/// build (3 warps × 32 rows, two m16 tiles per warp).
+pub const PREFILL_TILE_ROWS: usize = 96;
+/// paged_attention.cu's PA_PREFILL_ROWS: query rows per tile of the 16-rows-per-warp
+/// prefill build (4 warps × 16 rows).
+pub const PREFILL_TILE_ROWS_NARROW: usize = 64;
+
+/// The environment variable that picks the prefill build for A/B runs.
+pub const PREFILL_ROWS_ENV: &str = "ARBOR_ATTN_PREFILL_ROWS";
+
+/// The prefill kernel's build: a speed choice only (a row's arithmetic is the same in
+/// both, and equals the decode kernel's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillTiles {
+    /// 64-row tiles, 4 warps of 16 rows (`pa_prefill_hd*`).
+    Rows64,
+    /// 96-row tiles, 3 warps of 32 rows sharing each K and V fragment between two m16
+    /// tiles (`pa_prefill96_hd*`); the default.
+    Rows96,
+}
+
+impl PrefillTiles {
+    pub fn rows(self) -> usize {
+        match self {
+            Self::Rows64 => PREFILL_TILE_ROWS_NARROW,
+            Self::Rows96 => PREFILL_TILE_ROWS,
+        }
+    }
+
+    /// Threads per CTA: 32 per warp, 16 rows per warp (64) or 32 (96).
+    pub(crate) fn threads(self) -> usize {
+        match self {
+            Self::Rows64 => 32 * PREFILL_TILE_ROWS_NARROW / 16,
+            Self::Rows96 => 32 * PREFILL_TILE_ROWS / 32,
+        }
+    }
+
+    /// From `64` or `96` (the rows of a tile).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim() {
+            "64" => Some(Self::Rows64),
+            "96" => Some(Self::Rows96),
+            _ => None,
+        }
+    }
+
+    /// The build `ARBOR_ATTN_PREFILL_ROWS` names (`value`), the default when unset; an
+    /// error naming the variable and the value otherwise.
+    pub fn from_env_value(value: Option<&str>) -> Result<Self, String> {
+        match value {
+            None => Ok(Self::Rows96),
+            Some(v) => Self::parse(v).ok_or_else(|| {
+                format!("{PREFILL_ROWS_ENV}={v:?} is not 64 or 96 (rows per prefill tile)")
+            }),
+        }
+    }
+
+    /// The prefill kernel of this build for padded head dim `hd` (none above 128).
+    pub(crate) fn kernel(self, hd: usize) -> Option<&'static str> {
+        use PrefillTiles::*;
+        Some(match (hd, self) {
+            (16, Rows64) => "pa_prefill_hd16",
+            (32, Rows64) => "pa_prefill_hd32",
+            (64, Rows64) => "pa_prefill_hd64",
+            (128, Rows64) => "pa_prefill_hd128",
+            (16, Rows96) => "pa_prefill96_hd16",
+            (32, Rows96) => "pa_prefill96_hd32",
+            (64, Rows96) => "pa_prefill96_hd64",
+            (128, Rows96) => "pa_prefill96_hd128",
+            _ => return None,
+        })
+    }
+}
 
 /// The head dimension a kernel is compiled for: head_dim padded with zeros to the next of
 /// 16, 32, 64, 128, 256 (zeros change no dot product).
@@ -17,10 +88,15 @@ fn tile_elems(hd: usize, rows: usize) -> usize {
 }
 
 /// Dynamic shared memory of the prefill kernel: a Q tile, one K and one V tile, the rows'
-/// total state (HD f32 per row).
-pub(crate) fn prefill_smem_bytes(hd: usize) -> usize {
-    2 * (tile_elems(hd, PREFILL_TILE_ROWS) + 2 * tile_elems(hd, KV_BLOCK))
-        + 4 * PREFILL_TILE_ROWS * hd
+/// total state (HD f32 per row), and for 32 rows per warp the rows' total m and l too
+/// (thread-private: 8 f32 per thread, 8 per row).
+pub(crate) fn prefill_smem_bytes(hd: usize, tiles: PrefillTiles) -> usize {
+    let rows = tiles.rows();
+    let ml = match tiles {
+        PrefillTiles::Rows64 => 0,
+        PrefillTiles::Rows96 => 4 * 8 * tiles.threads(),
+    };
+    2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK)) + 4 * rows * hd + ml
 }
 
 /// How far ahead the decode kernel loads its key blocks (paged_attention.cu, STAGES). A
@@ -89,13 +165,12 @@ pub(crate) fn decode_kernel(hd: usize, stages: DecodeStages) -> Option<&'static 
 /// when the module is loaded (those above the default 48 KiB need it).
 pub(crate) fn smem_attributes() -> Vec<(&'static str, usize)> {
     let mut v = Vec::new();
-    for (hd, pre) in [
-        (16, "pa_prefill_hd16"),
-        (32, "pa_prefill_hd32"),
-        (64, "pa_prefill_hd64"),
-        (128, "pa_prefill_hd128"),
-    ] {
-        v.push((pre, prefill_smem_bytes(hd)));
+    for hd in [16, 32, 64, 128] {
+        for t in [PrefillTiles::Rows64, PrefillTiles::Rows96] {
+            if let Some(name) = t.kernel(hd) {
+                v.push((name, prefill_smem_bytes(hd, t)));
+            }
+        }
     }
     for hd in [16, 32, 64, 128, 256] {
         for st in [DecodeStages::One, DecodeStages::Two] {
@@ -113,8 +188,41 @@ mod tests {
 
     #[test]
     fn shared_memory_fits_a_hopper_sm_twice_for_prefill() {
-        // 2 prefill CTAs per SM (228 KiB, 1 KiB reserved per block) at head_dim 128.
-        assert!(2 * (prefill_smem_bytes(128) + 1024) <= 228 * 1024);
+        // 2 prefill CTAs per SM (228 KiB, 1 KiB reserved per block) at head_dim 128, in
+        // both builds; a third 96-row CTA would not fit (the occupancy the build assumes).
+        for t in [PrefillTiles::Rows64, PrefillTiles::Rows96] {
+            let per_sm = 228 * 1024 / (prefill_smem_bytes(128, t) + 1024);
+            assert!(per_sm >= 2, "{t:?}: {per_sm} CTAs per SM");
+        }
+        assert_eq!(prefill_smem_bytes(128, PrefillTiles::Rows96), 113_152);
+        assert_eq!(228 * 1024 / (113_152 + 1024), 2);
+    }
+
+    #[test]
+    fn prefill_builds_parse_strictly() {
+        assert_eq!(PrefillTiles::from_env_value(None), Ok(PrefillTiles::Rows96));
+        assert_eq!(
+            PrefillTiles::from_env_value(Some(" 64")),
+            Ok(PrefillTiles::Rows64)
+        );
+        assert_eq!(
+            PrefillTiles::from_env_value(Some("96")),
+            Ok(PrefillTiles::Rows96)
+        );
+        for bad in ["", "32", "16", "96x", "auto"] {
+            let e = PrefillTiles::from_env_value(Some(bad)).unwrap_err();
+            assert!(
+                e.contains("ARBOR_ATTN_PREFILL_ROWS") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        assert_eq!(PrefillTiles::Rows64.rows(), 64);
+        assert_eq!(PrefillTiles::Rows96.rows(), 96);
+        // A warp owns 16 rows in one build, 32 in the other.
+        assert_eq!(PrefillTiles::Rows64.threads(), 128);
+        assert_eq!(PrefillTiles::Rows96.threads(), 96);
+        assert_eq!(PrefillTiles::Rows96.kernel(128), Some("pa_prefill96_hd128"));
+        assert_eq!(PrefillTiles::Rows64.kernel(256), None);
     }
 
     #[test]
