@@ -38,7 +38,8 @@ struct __align__(64) TensorMap {
 struct __align__(64) TmaParams {
     TensorMap tx;  // X as [M][n_seg][seg_len], box {64, 1, BM}
     TensorMap tw;  // W as [N][n_seg][seg_len], box {64, 1, 128}
-    TensorMap to;  // large-M kernel with tma_out: the f32 [M, N] result, box {32, 64}
+    TensorMap to;  // large-M kernel with tma_out: the f32 [M, N] result (epi 1: [M, N/2]), box {32, 64}
+    TensorMap toh; // large-M kernel with tma_out, epi 1, outh set: the bf16 [M, N/2] result, box {64, 64}
     float* outf;   // [M, N] f32 result, or null
     u16* outh;     // [M, N] bf16 result, or null
     int M, N, seg_len, n_seg;
@@ -48,8 +49,9 @@ struct __align__(64) TmaParams {
     // 0: store the [M, N] roots. 1: W's rows alternate gate and up (N = 2·inter); store
     // silu(gate)·up, [M, N/2], to outf and, if set, rounded to bf16 to outh.
     int epi;
-    // Large-M kernel: 1 when the result is f32 roots (epi 0, no bf16) stored by TMA from
-    // shared memory through `to`, overlapping the next tile's mainloop.
+    // Large-M kernel: 1 when the result leaves by TMA store from shared memory, overlapping
+    // the next tile's mainloop: epi 0, f32 roots (no bf16) through `to`; epi 1, silu(gate)·up
+    // through `to` (f32, where outf is set) and `toh` (bf16, where outh is set).
     int tma_out;
 };
 
@@ -321,7 +323,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         tma_prefetch_map(&p.tx);
         tma_prefetch_map(&p.tw);
-        if (p.tma_out) tma_prefetch_map(&p.to);
+        if (p.tma_out) {
+            tma_prefetch_map(&p.to);
+            if (p.epi && p.outh) tma_prefetch_map(&p.toh);
+        }
     }
     __syncthreads();
 
@@ -368,6 +373,36 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                                                             empty, g * 64 * 128, p.seg_len, tps,
                                                             p.n_seg, it, releaser, store_done);
         const int row0 = mt * 128 + g * 64, col0 = nt * 128;
+        if (p.tma_out && p.epi) {
+            // silu(gate)·up of the tile's 64 column pairs: f32 as two 64x32 boxes at the
+            // half's start, bf16 as one 64x64 box after them (both 128-byte swizzled).
+            store_done();
+#pragma unroll
+            for (int i = 0; i < 64; i += 2) {
+                const int r = acc_row(wl, i), j = acc_col(wl, i) >> 1;
+                const float y = silu_mul(root[i], root[i + 1]);
+                if (p.outf) {
+                    const int cc = j & 31;
+                    const u32 off = (j >> 5) * 8192 + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
+                    *(float*)((unsigned char*)half + off) = y;
+                }
+                if (p.outh) {
+                    const u32 off = 16384 + r * 128 + ((((j >> 3) ^ (r & 7)) << 4) | ((j & 7) << 1));
+                    *(u16*)((unsigned char*)half + off) = f32_to_bf16(y);
+                }
+            }
+            fence_async_smem();
+            warpgroup_bar(g);
+            if (releaser) {
+                if (p.outf) {
+                    tma_store_2d(&p.to, stage_out, col0 / 2, row0);
+                    tma_store_2d(&p.to, stage_out + 8192, col0 / 2 + 32, row0);
+                }
+                if (p.outh) tma_store_2d(&p.toh, stage_out + 16384, col0 / 2, row0);
+                bulk_commit();
+            }
+            continue;
+        }
         if (p.tma_out) {
             store_done();
 #pragma unroll

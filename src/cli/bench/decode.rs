@@ -50,6 +50,12 @@ pub struct Args {
     /// `--top-k`, a nucleus beyond the device's 1024 candidates brings its row to the host.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Time each batch's prefill as the first at its size (buffer growth and first touches
+    /// included). By default an untimed prefill of other prompts of the same shape runs
+    /// first, so the figure is a steady-state prefill, as the reference loops time theirs
+    /// after warm-up runs.
+    #[arg(long)]
+    cold_prefill: bool,
     /// JSON output (rank 0).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -82,6 +88,8 @@ struct Row {
     decode_records_ms_per_step: f64,
     prefill_ms: f64,
     prefill_tokens: usize,
+    /// The prefill timed was the first at its size (`--cold-prefill`).
+    cold_prefill: bool,
     /// bf16 weight bytes each rank holds in its layers and LM head shard: what a dense
     /// decode step streams; a mixture of experts' step reads only the experts its rows
     /// take, so less at small batches.
@@ -199,7 +207,7 @@ pub fn run(a: Args) -> Result<()> {
 
     let t = Instant::now();
     let mut warm = prompts(1, a.prompt_len.min(16), vocab, 1 << 40, a.batch.len());
-    warm[0].max_new_tokens = 4;
+    warm[0].max_new_tokens = a.steps.min(4);
     runner
         .generate(&warm, &sampling, 0)
         .context("warm-up generate")?;
@@ -216,6 +224,23 @@ pub fn run(a: Args) -> Result<()> {
     }
     let mut rows = Vec::new();
     for (i, &b) in a.batch.iter().enumerate() {
+        if !a.cold_prefill {
+            // Other prompts (no prefix shared with the timed ones), one new token: a prefill
+            // of the timed shape and nothing else.
+            let mut warm = prompts(
+                b,
+                a.prompt_len,
+                vocab,
+                ((i as u64) << 20) | (1 << 19),
+                a.batch.len() + 1 + i,
+            );
+            for r in &mut warm {
+                r.max_new_tokens = 1;
+            }
+            runner
+                .generate(&warm, &sampling, 0)
+                .with_context(|| format!("warm-up prefill at batch {b}"))?;
+        }
         let mut reqs = prompts(b, a.prompt_len, vocab, (i as u64) << 20, i);
         for r in &mut reqs {
             r.max_new_tokens = a.steps;
@@ -246,6 +271,7 @@ pub fn run(a: Args) -> Result<()> {
                 / steps.max(1) as f64,
             prefill_ms: 1e3 * (after.prefill_s - before.prefill_s),
             prefill_tokens: after.prefill_tokens - before.prefill_tokens,
+            cold_prefill: a.cold_prefill,
             weight_bytes_per_rank: bytes,
             rank_of_tp: a.rank_of_tp,
             shared_gpu_ranks: shared.map(|(_, n)| n),
@@ -257,7 +283,7 @@ pub fn run(a: Args) -> Result<()> {
         };
         if rank == 0 {
             println!(
-                "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step, {}); prefill {:>9.1} ms for {} tokens{}",
+                "TP {} {:<9}{} batch {:>3}: decode {:>8.3} ms/step ({:>8.0} tok/s, {} steps, host records {:.3} ms/step, {}); prefill {:>9.1} ms for {} tokens{}{}",
                 row.tp,
                 numerics,
                 sampling_label(a.temperature, a.top_k, a.top_p),
@@ -273,6 +299,7 @@ pub fn run(a: Args) -> Result<()> {
                 },
                 row.prefill_ms,
                 row.prefill_tokens,
+                if a.cold_prefill { " (cold)" } else { "" },
                 if shared.is_some() {
                     " [ranks share a GPU: not representative]"
                 } else {

@@ -322,21 +322,39 @@ impl TreeGemm {
             Path::WgQuad128 { bn } => bn as u32,
             _ => 128,
         };
-        // The large-M kernel stores plain f32 roots by TMA, overlapping the next tile.
+        // The large-M kernel stores plain f32 roots, or the SiLU·mul epilogue's values, by
+        // TMA, overlapping the next tile.
+        let none = tma::TensorMapBytes([0; 16]);
+        let silu = matches!(a.epilogue, Epilogue::SiluMulPairs { .. });
         let tma_out = path == Path::WgTma128
-            && matches!(a.epilogue, Epilogue::Store)
-            && outh == 0
             && self.tma_store
-            && tma::out_map_fits(outf, s.n);
-        let to = if tma_out {
-            tma::encode_out(outf, s.m, s.n)?
-        } else {
-            tma::TensorMapBytes([0; 16])
+            && if silu {
+                (outf == 0 || tma::out_map_fits(outf, s.n / 2))
+                    && (outh == 0 || tma::out_map_fits_bf16(outh, s.n / 2))
+            } else {
+                outh == 0 && tma::out_map_fits(outf, s.n)
+            };
+        let (to, toh) = match (tma_out, silu) {
+            (false, _) => (none, none),
+            (true, false) => (tma::encode_out(outf, s.m, s.n)?, none),
+            (true, true) => (
+                if outf == 0 {
+                    none
+                } else {
+                    tma::encode_out(outf, s.m, s.n / 2)?
+                },
+                if outh == 0 {
+                    none
+                } else {
+                    tma::encode_out_bf16(outh, s.m, s.n / 2)?
+                },
+            ),
         };
         let p = tma::TmaParams {
             tx: tma::encode("x", a.x, s.m, a.ldx, s.seg_len, s.n_seg, x_rows)?,
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
             to,
+            toh,
             outf,
             outh,
             m: s.m as i32,

@@ -32,8 +32,12 @@ pub struct TensorMapBytes(pub [u64; 16]);
 pub struct TmaParams {
     pub tx: TensorMapBytes,
     pub tw: TensorMapBytes,
-    /// The large-M kernel's f32 result for its TMA stores (with `tma_out`).
+    /// The large-M kernel's f32 result for its TMA stores (with `tma_out`; the SiLU·mul
+    /// epilogue's `[m, n/2]` values where `outf` is set).
     pub to: TensorMapBytes,
+    /// The SiLU·mul epilogue's bf16 `[m, n/2]` values for the TMA stores (with `tma_out`,
+    /// where `outh` is set).
+    pub toh: TensorMapBytes,
     pub outf: CUdeviceptr,
     pub outh: CUdeviceptr,
     pub m: i32,
@@ -44,7 +48,8 @@ pub struct TmaParams {
     pub w_early: i32,
     /// 1: the SiLU·mul epilogue of alternating gate/up rows (`Epilogue::SiluMulPairs`).
     pub epi: i32,
-    /// 1: the large-M kernel stores its f32 roots by TMA through `to`.
+    /// 1: the large-M kernel's result leaves by TMA store: f32 roots through `to`, or the
+    /// SiLU·mul epilogue's values through `to` (f32) and `toh` (bf16).
     pub tma_out: i32,
 }
 
@@ -89,6 +94,29 @@ pub fn encode_out(ptr: CUdeviceptr, rows: usize, cols: usize) -> Result<TensorMa
         &[cols as u64, rows as u64],
         &[cols as u64 * 4],
         &[OUT_BOX_COLS, OUT_BOX_ROWS],
+        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+    )
+}
+
+/// Columns of the bf16 TMA store box: one 128-byte swizzled row of bf16.
+pub const OUT_BOX_COLS_BF16: u32 = 64;
+
+/// The bf16 result `[rows, cols]` (row stride `cols`) at `ptr` as the 2-D tensor of the
+/// large-M kernel's bf16 TMA stores, boxes of [`OUT_BOX_ROWS`] × [`OUT_BOX_COLS_BF16`],
+/// 128-byte swizzle. Needs `ptr` 16-byte aligned and `cols` a multiple of 8
+/// ([`out_map_fits_bf16`]).
+pub fn encode_out_bf16(
+    ptr: CUdeviceptr,
+    rows: usize,
+    cols: usize,
+) -> Result<TensorMapBytes, GemmError> {
+    encode_tiled(
+        "bf16 output",
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        ptr,
+        &[cols as u64, rows as u64],
+        &[cols as u64 * 2],
+        &[OUT_BOX_COLS_BF16, OUT_BOX_ROWS],
         CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
     )
 }
@@ -141,6 +169,11 @@ fn encode_tiled(
 /// aligned base and row stride).
 pub fn out_map_fits(ptr: CUdeviceptr, cols: usize) -> bool {
     ptr.is_multiple_of(16) && cols.is_multiple_of(4)
+}
+
+/// Whether a bf16 result at `ptr` with `cols` columns can be a TMA store's tensor.
+pub fn out_map_fits_bf16(ptr: CUdeviceptr, cols: usize) -> bool {
+    ptr.is_multiple_of(16) && cols.is_multiple_of(8)
 }
 
 /// Grid, block, dynamic shared memory and cluster width of one launch.
@@ -278,12 +311,13 @@ mod tests {
         assert_eq!(std::mem::align_of::<TmaParams>(), 64);
         assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
         assert_eq!(std::mem::offset_of!(TmaParams, to), 256);
-        assert_eq!(std::mem::offset_of!(TmaParams, outf), 384);
-        assert_eq!(std::mem::offset_of!(TmaParams, m), 400);
-        assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 412);
-        assert_eq!(std::mem::offset_of!(TmaParams, w_early), 416);
-        assert_eq!(std::mem::offset_of!(TmaParams, epi), 420);
-        assert_eq!(std::mem::offset_of!(TmaParams, tma_out), 424);
-        assert_eq!(std::mem::size_of::<TmaParams>(), 448);
+        assert_eq!(std::mem::offset_of!(TmaParams, toh), 384);
+        assert_eq!(std::mem::offset_of!(TmaParams, outf), 512);
+        assert_eq!(std::mem::offset_of!(TmaParams, m), 528);
+        assert_eq!(std::mem::offset_of!(TmaParams, n_seg), 540);
+        assert_eq!(std::mem::offset_of!(TmaParams, w_early), 544);
+        assert_eq!(std::mem::offset_of!(TmaParams, epi), 548);
+        assert_eq!(std::mem::offset_of!(TmaParams, tma_out), 552);
+        assert_eq!(std::mem::size_of::<TmaParams>(), 576);
     }
 }
