@@ -14,15 +14,12 @@
       Runs the reference loop with torch.profiler around five replays of each batch's CUDA
       graph and prints the same table (kernels of one step, their sum, the replay's span).
 """
-import csv
 import re
 import sys
 from collections import defaultdict
 
-
-def short(name):
-    name = re.sub(r"\(.*", "", name)  # argument lists of demangled names
-    return name if len(name) <= 58 else name[:55] + "..."
+# scripts/bench/ is on sys.path: python puts the script's own folder there.
+from ncu_steps import cut_steps, read_ncu, short
 
 
 def table(title, per_kernel, steps, span_us=None):
@@ -35,48 +32,12 @@ def table(title, per_kernel, steps, span_us=None):
         print(f"  {name:<58} {c / steps:>6.1f} {t / steps:>9.1f} {t / c:>8.2f} {100 * t / steps / total:>5.1f}%")
 
 
-def read_ncu(path):
-    """[(kernel name, ns)] in launch order."""
-    with open(path, newline="", errors="replace") as f:
-        lines = [l for l in f if l.startswith('"')]
-    rows = list(csv.reader(lines))
-    head, body = rows[0], rows[1:]
-    col = {h: i for i, h in enumerate(head)}
-    out = {}
-    if "Metric Name" in col:  # the details page: one row per (launch, metric)
-        for r in body:
-            if r[col["Metric Name"]] == "gpu__time_duration.sum":
-                unit = r[col["Metric Unit"]] if "Metric Unit" in col else "nsecond"
-                v = float(r[col["Metric Value"]].replace(",", ""))
-                scale = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6}.get(unit, 1)
-                out[int(r[col["ID"]])] = (r[col["Kernel Name"]], v * scale)
-    else:  # the raw page: one row per launch (a units row first)
-        m = col["gpu__time_duration.sum"]
-        for r in body:
-            try:
-                out[int(r[col["ID"]])] = (r[col["Kernel Name"]], float(r[m].replace(",", "")))
-            except ValueError:
-                continue
-    return [out[i] for i in sorted(out)]
-
-
 def merge(items):
     """{name: (µs, calls)} summed over entries whose short names agree."""
     out = defaultdict(lambda: (0.0, 0))
     for name, (t, c) in items:
         out[name] = (out[name][0] + t, out[name][1] + c)
     return dict(out)
-
-
-def cut_steps(launches):
-    """Launches cut after each row-stats kernel (the last kernel of every step)."""
-    steps, cur = [], []
-    for name, ns in launches:
-        cur.append((name, ns))
-        if "row_stats" in name:
-            steps.append(cur)
-            cur = []
-    return steps
 
 
 def arbor_steps(csv_path, title):
