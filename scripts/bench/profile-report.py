@@ -9,7 +9,7 @@
       call): wall - sum is the GPU's time between kernels plus any host stall.
   profile-report.py arbor-steps NCU_CSV [TITLE]
       The same CSV cut into steps the same way: each step's kernel time and launch count,
-      then the kernels of the first step (a `bench decode` run's prefill) grouped by name.
+      then the kernels of the longest step (a `bench decode` run's prefill) grouped by name.
   profile-report.py reference decode_baseline.py ARGS...
       Runs the reference loop with torch.profiler around five replays of each batch's CUDA
       graph and prints the same table (kernels of one step, their sum, the replay's span).
@@ -47,7 +47,8 @@ def arbor_steps(csv_path, title):
         return
     for i, s in enumerate(steps):
         print(f"{title} step {i}: {sum(ns for _, ns in s) / 1e3:.0f} µs of kernels in {len(s)} launches")
-    table(f"{title}, step 0 (ncu)", merge((short(name), (ns / 1e3, 1)) for name, ns in steps[0]), 1)
+    i = max(range(len(steps)), key=lambda j: sum(ns for _, ns in steps[j]))
+    table(f"{title}, step {i}, the longest (ncu)", merge((short(name), (ns / 1e3, 1)) for name, ns in steps[i]), 1)
 
 
 def arbor(csv_path, wall_log, numerics, batch):

@@ -157,8 +157,9 @@ fn stages_override() -> Option<DecodeStages> {
 
 /// `ARBOR_ATTN_PREFILL_ROWS` (64 or 96): the prefill build, for A/B benchmarks; read once.
 /// Unset: the 96-row build; any other value is an error at every routing.
-fn prefill_tiles_env() -> Result<PrefillTiles, CudaError> {
-    static S: std::sync::OnceLock<Result<PrefillTiles, String>> = std::sync::OnceLock::new();
+fn prefill_tiles_env() -> Result<Option<PrefillTiles>, CudaError> {
+    static S: std::sync::OnceLock<Result<Option<PrefillTiles>, String>> =
+        std::sync::OnceLock::new();
     S.get_or_init(|| {
         let v = std::env::var(PREFILL_ROWS_ENV).ok();
         PrefillTiles::from_env_value(v.as_deref())
@@ -204,14 +205,24 @@ fn route_rows(
 
 impl GpuDevice {
     /// The routing of a ragged step whose sequences are `seqs` (rows in q order) for a
-    /// model of `head_dim`, with the prefill build `ARBOR_ATTN_PREFILL_ROWS` names (the
-    /// 96-row one when unset).
+    /// model of `head_dim`, with the prefill build `ARBOR_ATTN_PREFILL_ROWS` names, or
+    /// when unset the one [`PrefillTiles::for_longest`] picks for the step's prefill runs.
     pub fn attn_routing(
         &self,
         seqs: &[SeqSpan],
         head_dim: usize,
     ) -> Result<AttnRouting, CudaError> {
-        self.attn_routing_with(seqs, head_dim, prefill_tiles_env()?)
+        let build = match prefill_tiles_env()? {
+            Some(b) => b,
+            None => PrefillTiles::for_longest(
+                seqs.iter()
+                    .filter(|s| s.len >= PREFILL_MIN_ROWS)
+                    .map(|s| s.pos0 + s.len)
+                    .max()
+                    .unwrap_or(0),
+            ),
+        };
+        self.attn_routing_with(seqs, head_dim, build)
     }
 
     /// [`GpuDevice::attn_routing`] with the prefill build given (tests, A/B benchmarks).
