@@ -388,7 +388,7 @@ impl TreeGemm {
                 block,
                 smem: path.smem_bytes(),
                 cluster_x: cluster,
-                pdl: self.pdl,
+                pdl: self.pdl && crate::cuda::launch::step_pdl(),
             },
             &p,
         )

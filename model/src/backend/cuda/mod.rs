@@ -800,6 +800,9 @@ impl Backend for CudaBackend {
         } else {
             None
         };
+        // PDL's overlap pays in decode steps and cost a long prefill time (launch.rs).
+        let pdl = arbor_kernels::cuda::launch::PdlPolicy::from_env();
+        arbor_kernels::cuda::launch::set_step_pdl(pdl.for_step(inputs.ids.len(), key.is_none()));
         match key {
             Some(key) => self.step_recorded(inputs, forward, masked, want_row, key),
             None => self.step_eager(inputs, forward, masked, want_row),
