@@ -324,29 +324,30 @@ impl TreeGemm {
         };
         // The large-M kernel stores plain f32 roots, or the SiLU·mul epilogue's values, by
         // TMA, overlapping the next tile.
+        use tma::OutElem;
         let none = tma::TensorMapBytes([0; 16]);
         let silu = matches!(a.epilogue, Epilogue::SiluMulPairs { .. });
         let tma_out = path == Path::WgTma128
             && self.tma_store
             && if silu {
-                (outf == 0 || tma::out_map_fits(outf, s.n / 2))
-                    && (outh == 0 || tma::out_map_fits_bf16(outh, s.n / 2))
+                (outf == 0 || tma::out_map_fits(outf, s.n / 2, OutElem::F32))
+                    && (outh == 0 || tma::out_map_fits(outh, s.n / 2, OutElem::Bf16))
             } else {
-                outh == 0 && tma::out_map_fits(outf, s.n)
+                outh == 0 && tma::out_map_fits(outf, s.n, OutElem::F32)
             };
         let (to, toh) = match (tma_out, silu) {
             (false, _) => (none, none),
-            (true, false) => (tma::encode_out(outf, s.m, s.n)?, none),
+            (true, false) => (tma::encode_out(outf, s.m, s.n, OutElem::F32)?, none),
             (true, true) => (
                 if outf == 0 {
                     none
                 } else {
-                    tma::encode_out(outf, s.m, s.n / 2)?
+                    tma::encode_out(outf, s.m, s.n / 2, OutElem::F32)?
                 },
                 if outh == 0 {
                     none
                 } else {
-                    tma::encode_out_bf16(outh, s.m, s.n / 2)?
+                    tma::encode_out(outh, s.m, s.n / 2, OutElem::Bf16)?
                 },
             ),
         };

@@ -79,44 +79,55 @@ pub fn encode(
 
 /// Rows of the large-M kernel's TMA store box (a consumer warpgroup's rows).
 pub const OUT_BOX_ROWS: u32 = 64;
-/// Columns of that box: one 128-byte swizzled row of f32.
-pub const OUT_BOX_COLS: u32 = 32;
 
-/// The f32 result `[rows, cols]` (row stride `cols`) at `ptr` as the 2-D tensor the
-/// large-M kernel's TMA stores write, boxes of [`OUT_BOX_ROWS`] × [`OUT_BOX_COLS`] with the
-/// 128-byte swizzle its shared-memory staging uses; TMA clips what falls outside. Needs
-/// `ptr` 16-byte aligned and `cols` a multiple of 4 ([`out_map_fits`]).
-pub fn encode_out(ptr: CUdeviceptr, rows: usize, cols: usize) -> Result<TensorMapBytes, GemmError> {
-    encode_tiled(
-        "output",
-        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        ptr,
-        &[cols as u64, rows as u64],
-        &[cols as u64 * 4],
-        &[OUT_BOX_COLS, OUT_BOX_ROWS],
-        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
-    )
+/// The element type of a result the large-M kernel stores by TMA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutElem {
+    F32,
+    Bf16,
 }
 
-/// Columns of the bf16 TMA store box: one 128-byte swizzled row of bf16.
-pub const OUT_BOX_COLS_BF16: u32 = 64;
+impl OutElem {
+    fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
 
-/// The bf16 result `[rows, cols]` (row stride `cols`) at `ptr` as the 2-D tensor of the
-/// large-M kernel's bf16 TMA stores, boxes of [`OUT_BOX_ROWS`] × [`OUT_BOX_COLS_BF16`],
-/// 128-byte swizzle. Needs `ptr` 16-byte aligned and `cols` a multiple of 8
-/// ([`out_map_fits_bf16`]).
-pub fn encode_out_bf16(
+    /// Columns of the store box: one 128-byte swizzled row.
+    pub fn box_cols(self) -> u32 {
+        (128 / self.bytes()) as u32
+    }
+}
+
+/// The result `[rows, cols]` of `elem` (row stride `cols`) at `ptr` as the 2-D tensor the
+/// large-M kernel's TMA stores write, boxes of [`OUT_BOX_ROWS`] rows × one 128-byte row
+/// ([`OutElem::box_cols`]) with the 128-byte swizzle its shared-memory staging uses; TMA
+/// clips what falls outside. Needs [`out_map_fits`].
+pub fn encode_out(
     ptr: CUdeviceptr,
     rows: usize,
     cols: usize,
+    elem: OutElem,
 ) -> Result<TensorMapBytes, GemmError> {
+    let (what, dtype) = match elem {
+        OutElem::F32 => (
+            "output",
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        ),
+        OutElem::Bf16 => (
+            "bf16 output",
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        ),
+    };
     encode_tiled(
-        "bf16 output",
-        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        what,
+        dtype,
         ptr,
         &[cols as u64, rows as u64],
-        &[cols as u64 * 2],
-        &[OUT_BOX_COLS_BF16, OUT_BOX_ROWS],
+        &[(cols * elem.bytes()) as u64],
+        &[elem.box_cols(), OUT_BOX_ROWS],
         CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
     )
 }
@@ -165,15 +176,10 @@ fn encode_tiled(
     Ok(TensorMapBytes(map.opaque))
 }
 
-/// Whether an f32 result at `ptr` with `cols` columns can be a TMA store's tensor (16-byte
-/// aligned base and row stride).
-pub fn out_map_fits(ptr: CUdeviceptr, cols: usize) -> bool {
-    ptr.is_multiple_of(16) && cols.is_multiple_of(4)
-}
-
-/// Whether a bf16 result at `ptr` with `cols` columns can be a TMA store's tensor.
-pub fn out_map_fits_bf16(ptr: CUdeviceptr, cols: usize) -> bool {
-    ptr.is_multiple_of(16) && cols.is_multiple_of(8)
+/// Whether a result of `elem` at `ptr` with `cols` columns can be a TMA store's tensor
+/// (16-byte aligned base and row stride).
+pub fn out_map_fits(ptr: CUdeviceptr, cols: usize, elem: OutElem) -> bool {
+    ptr.is_multiple_of(16) && (cols * elem.bytes()).is_multiple_of(16)
 }
 
 /// Grid, block, dynamic shared memory and cluster width of one launch.
@@ -306,8 +312,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn store_boxes_are_one_swizzled_row_and_need_aligned_rows() {
+        assert_eq!(OutElem::F32.box_cols(), 32);
+        assert_eq!(OutElem::Bf16.box_cols(), 64);
+        assert!(out_map_fits(0x1000, 4, OutElem::F32));
+        assert!(!out_map_fits(0x1000, 6, OutElem::F32));
+        assert!(!out_map_fits(0x1008, 8, OutElem::F32));
+        // 132 bf16 columns are 264 bytes a row: not a multiple of 16.
+        assert!(!out_map_fits(0x1000, 132, OutElem::Bf16));
+        assert!(out_map_fits(0x1000, 136, OutElem::Bf16));
+    }
+
+    #[test]
     fn params_match_the_c_struct() {
-        // struct TmaParams: three 128-byte maps, two pointers, seven ints, padded to 64.
+        // struct TmaParams: four 128-byte maps, two pointers, seven ints, padded to 64.
         assert_eq!(std::mem::align_of::<TmaParams>(), 64);
         assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
         assert_eq!(std::mem::offset_of!(TmaParams, to), 256);
