@@ -92,7 +92,10 @@ impl GpuDevice {
         // A stream of its own rather than the legacy default stream, whose implicit
         // synchronisation with other streams PDL gains nothing from.
         let stream = ctx.new_stream().map_err(drv("creating the stream"))?;
-        let pdl = super::launch::pdl_enabled(&ctx);
+        let pdl = super::launch::pdl_enabled(&ctx).map_err(|msg| CudaError::Launch {
+            kernel: "programmatic dependent launch",
+            msg,
+        })?;
         let sms = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,

@@ -62,16 +62,12 @@ impl PdlPolicy {
         }
     }
 
-    /// The policy `ARBOR_PDL` names, read once; a bad value is logged and taken as `auto`
-    /// (the attribute changes no result).
-    pub fn from_env() -> Self {
-        static P: std::sync::OnceLock<PdlPolicy> = std::sync::OnceLock::new();
-        *P.get_or_init(|| {
-            Self::parse(std::env::var(PDL_ENV).ok().as_deref()).unwrap_or_else(|e| {
-                tracing::warn!("{e}: taking auto");
-                Self::Auto
-            })
-        })
+    /// The policy `ARBOR_PDL` names, read once; an error naming the variable and the value
+    /// for any other value (opening a device reports it: [`pdl_enabled`]).
+    pub fn from_env() -> Result<Self, String> {
+        static P: std::sync::OnceLock<Result<PdlPolicy, String>> = std::sync::OnceLock::new();
+        P.get_or_init(|| Self::parse(std::env::var(PDL_ENV).ok().as_deref()))
+            .clone()
     }
 
     /// Whether a step of `rows` rows run op by op (`eager`) or recorded launches with PDL.
@@ -101,10 +97,10 @@ pub fn step_pdl() -> bool {
 }
 
 /// Whether launches on this context may use PDL: compute capability 9.0 or later and not
-/// turned off by `ARBOR_PDL=0`.
-pub fn pdl_enabled(ctx: &CudaContext) -> bool {
+/// turned off by `ARBOR_PDL=0`; an error naming the variable for a value it does not take.
+pub fn pdl_enabled(ctx: &CudaContext) -> Result<bool, String> {
     let sm90 = ctx.compute_capability().is_ok_and(|(major, _)| major >= 9);
-    sm90 && PdlPolicy::from_env() != PdlPolicy::Off
+    Ok(sm90 && PdlPolicy::from_env()? != PdlPolicy::Off)
 }
 
 /// The launch attribute that allows the overlap (see the module comment).

@@ -199,7 +199,11 @@ impl TreeGemm {
             gather,
             sms: sms.max(1) as usize,
             cluster_capacity: [0; 4],
-            pdl: super::launch::pdl_enabled(ctx),
+            pdl: super::launch::pdl_enabled(ctx).map_err(|_| GemmError::Env {
+                var: super::launch::PDL_ENV,
+                value: std::env::var(super::launch::PDL_ENV).unwrap_or_default(),
+                msg: "expected 0, 1 or auto",
+            })?,
             quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
             tma_store: tma_store_enabled(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
         };

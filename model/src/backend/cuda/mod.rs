@@ -801,7 +801,9 @@ impl Backend for CudaBackend {
             None
         };
         // PDL's overlap pays in decode steps and cost a long prefill time (launch.rs).
-        let pdl = arbor_kernels::cuda::launch::PdlPolicy::from_env();
+        // Opening the device checked the variable: an error here cannot occur.
+        let pdl = arbor_kernels::cuda::launch::PdlPolicy::from_env()
+            .unwrap_or(arbor_kernels::cuda::launch::PdlPolicy::Auto);
         arbor_kernels::cuda::launch::set_step_pdl(pdl.for_step(inputs.ids.len(), key.is_none()));
         match key {
             Some(key) => self.step_recorded(inputs, forward, masked, want_row, key),
