@@ -1,7 +1,7 @@
 //! Causal GQA attention over the paged KV cache on tensor cores (paged_attention.cu).
 //!
-//! Two kernels compute rows with the same bits: the prefill kernel takes tiles of 96 (or,
-//! in its 16-rows-per-warp build, 64) consecutive rows of one sequence, the decode kernel
+//! Two kernels compute rows with the same bits: the prefill kernel takes tiles of 64 (16
+//! rows a warp) or 96 (32 rows a warp) consecutive rows of one sequence, the decode kernel
 //! one row (its GQA heads as the tile's rows) and one split of its keys, with a combine
 //! kernel folding the splits. Which rows go to which kernel, and which prefill build runs
 //! ([`PrefillTiles`], `ARBOR_ATTN_PREFILL_ROWS`), is a speed choice only ([`AttnRouting`]).
@@ -156,7 +156,8 @@ fn stages_override() -> Option<DecodeStages> {
 }
 
 /// `ARBOR_ATTN_PREFILL_ROWS` (64 or 96): the prefill build, for A/B benchmarks; read once.
-/// Unset: the 96-row build; any other value is an error at every routing.
+/// Unset: `None` (each step's build by [`PrefillTiles::for_longest`]); any other value is
+/// an error at every routing.
 fn prefill_tiles_env() -> Result<Option<PrefillTiles>, CudaError> {
     static S: std::sync::OnceLock<Result<Option<PrefillTiles>, String>> =
         std::sync::OnceLock::new();
