@@ -58,3 +58,8 @@ def cut_steps(launches: list[Launch]) -> list[list[Launch]]:
             steps.append(cur)
             cur = []
     return steps
+
+
+def longest_step(steps: list[list[Launch]]) -> int:
+    """The index of the step with the most kernel time (a `bench decode` run's prefill)."""
+    return max(range(len(steps)), key=lambda i: sum(ns for _, ns in steps[i]))

@@ -19,7 +19,7 @@ import sys
 from collections import defaultdict
 
 # scripts/bench/ is on sys.path: python puts the script's own folder there.
-from ncu_steps import cut_steps, read_ncu, short
+from ncu_steps import cut_steps, longest_step, read_ncu, short
 
 
 def table(title, per_kernel, steps, span_us=None):
@@ -47,7 +47,7 @@ def arbor_steps(csv_path, title):
         return
     for i, s in enumerate(steps):
         print(f"{title} step {i}: {sum(ns for _, ns in s) / 1e3:.0f} µs of kernels in {len(s)} launches")
-    i = max(range(len(steps)), key=lambda j: sum(ns for _, ns in steps[j]))
+    i = longest_step(steps)
     table(f"{title}, step {i}, the longest (ncu)", merge((short(name), (ns / 1e3, 1)) for name, ns in steps[i]), 1)
 
 

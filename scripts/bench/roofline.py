@@ -43,7 +43,7 @@ import sys
 from dataclasses import dataclass
 
 # scripts/bench/ is on sys.path: python puts the script's own folder there.
-from ncu_steps import Launch, cut_steps, read_ncu, short
+from ncu_steps import Launch, cut_steps, longest_step, read_ncu, short
 
 # Dense bf16 tensor-core FLOP/s and HBM bytes/s of the SXM cards.
 PEAKS: dict[str, tuple[float, float, str]] = {
@@ -354,7 +354,7 @@ def report(items: list[Classified], gpu: str, markdown: bool) -> str:
 
 def pick_step(steps: list[list[Launch]], which: str | None) -> int:
     if which is None:
-        return max(range(len(steps)), key=lambda i: sum(ns for _, ns in steps[i]))
+        return longest_step(steps)
     if which == "last":
         return len(steps) - 1
     try:

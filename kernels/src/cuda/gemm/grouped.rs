@@ -423,7 +423,7 @@ impl TreeGemm {
                 block: 384,
                 smem: path.smem_bytes(),
                 cluster_x: None,
-                pdl: self.pdl && crate::cuda::launch::step_pdl(),
+                pdl: self.pdl,
             },
             &p,
         )

@@ -393,7 +393,7 @@ impl TreeGemm {
                 block,
                 smem: path.smem_bytes(),
                 cluster_x: cluster,
-                pdl: self.pdl && crate::cuda::launch::step_pdl(),
+                pdl: self.pdl,
             },
             &p,
         )

@@ -278,7 +278,8 @@ pub unsafe fn launch<P: Copy>(
             value,
         });
     }
-    if pdl {
+    // While the running step wants it (launch.rs, `set_step_pdl`).
+    if pdl && crate::cuda::launch::step_pdl() {
         attrs.push(crate::cuda::launch::pdl_attribute());
     }
     let cfg = CUlaunchConfig {

@@ -215,16 +215,18 @@ impl CudaBackend {
             .map_err(|e| self.dev_err(e))
     }
 
-    /// The tensor GEMM of `x · wᵀ` over gate/up rows with its SiLU·mul epilogue, into
-    /// `dst` when given (`[x.rows, w.n/2]` f32) and its bf16 rounding into `bf16`: `None`
-    /// where the path has no such epilogue (nothing ran).
-    fn gemm_silu_mul(
+    /// The tensor GEMM of `x · wᵀ` with the output `out` names, into `dst` when given;
+    /// `None` where the path has no such epilogue (nothing ran). `op` names the call in
+    /// errors.
+    #[allow(clippy::too_many_arguments)]
+    fn tensor_gemm(
         &self,
         g: &TensorGemm,
+        op: &str,
         x: &CudaAct,
         w: &CudaMat,
         tree: TreeSpec,
-        bf16: Option<&mut DevBf16>,
+        out: GemmOut<'_>,
         dst: Option<DevF32>,
     ) -> BResult<Option<DevF32>> {
         g.matmul_into(
@@ -236,10 +238,32 @@ impl CudaBackend {
             &w.buf,
             w.n,
             tree,
+            out,
+            dst,
+        )
+        .map_err(|e| self.gemm_err(op, x, w, e))
+    }
+
+    /// [`CudaBackend::tensor_gemm`] over gate/up rows with its SiLU·mul epilogue, into
+    /// `dst` when given (`[x.rows, w.n/2]` f32) and its bf16 rounding into `bf16`.
+    fn gemm_silu_mul(
+        &self,
+        g: &TensorGemm,
+        x: &CudaAct,
+        w: &CudaMat,
+        tree: TreeSpec,
+        bf16: Option<&mut DevBf16>,
+        dst: Option<DevF32>,
+    ) -> BResult<Option<DevF32>> {
+        self.tensor_gemm(
+            g,
+            "matmul+silu",
+            x,
+            w,
+            tree,
             GemmOut::SiluMulPairs(bf16),
             dst,
         )
-        .map_err(|e| self.gemm_err("matmul+silu", x, w, e))
     }
 
     /// Runs one op, timed by the profiler when there is one.

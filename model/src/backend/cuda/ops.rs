@@ -42,20 +42,8 @@ impl CudaBackend {
             return self.placed(y, dst);
         }
         if let Some(g) = self.gemm.as_ref().filter(|_| tensor_eligible(tree)) {
-            let buf = g
-                .matmul_into(
-                    &self.dev,
-                    &x.buf,
-                    x.bf16.as_ref(),
-                    x.rows,
-                    x.cols,
-                    &w.buf,
-                    w.n,
-                    tree,
-                    GemmOut::Roots,
-                    dst,
-                )
-                .map_err(|e| self.gemm_err("matmul", x, w, e))?
+            let buf = self
+                .tensor_gemm(g, "matmul", x, w, tree, GemmOut::Roots, dst)?
                 .ok_or_else(|| self.gemm_err("matmul", x, w, "no output"))?;
             return Ok(self.act(buf, x.rows, w.n));
         }
