@@ -209,17 +209,18 @@ DEVI void store_roots4(const TmaParams& p, long long row, int col, const float* 
 }
 
 // silu(gate)·up of n (1 or 2) gate/up column pairs, output columns j, j + 1 of a row of N/2.
+// Either output may be null (not both): a bf16-only result feeds the next GEMM alone.
 DEVI void store_silu(const TmaParams& p, long long row, int j, int n, float y0, float y1) {
     const long long idx = row * (p.N >> 1) + j;
     if (n == 2 && (idx & 1) == 0) {
-        *(float2*)(p.outf + idx) = make_float2(y0, y1);
+        if (p.outf) *(float2*)(p.outf + idx) = make_float2(y0, y1);
         if (p.outh) *(u32*)(p.outh + idx) = (u32)f32_to_bf16(y0) | ((u32)f32_to_bf16(y1) << 16);
         return;
     }
-    p.outf[idx] = y0;
+    if (p.outf) p.outf[idx] = y0;
     if (p.outh) p.outh[idx] = f32_to_bf16(y0);
     if (n == 2) {
-        p.outf[idx + 1] = y1;
+        if (p.outf) p.outf[idx + 1] = y1;
         if (p.outh) p.outh[idx + 1] = f32_to_bf16(y1);
     }
 }

@@ -6,9 +6,11 @@
 # Environment: CLIENTS (256), REQUESTS (768), PROMPTS (128:2048), OUTPUTS (128:1024),
 # REPEATS (2), SHARED (0: tokens every prompt starts with, for the prefix cache), EXTRA
 # (more server flags for both runs), TP (1: the server's ranks, one per GPU), NUMERICS
-# ("invariant fast"). Prints throughput, TTFT and
-# inter-token percentiles per numerics and their ratio; distinct outputs per repeated prompt
-# must be 1 for the invariant server. Writes $OUT/serve-*.json|log and serve-summary.txt.
+# ("invariant fast"). Prints throughput, TTFT and inter-token percentiles per numerics and
+# their ratio, and the engine's steps split into decode-only steps and steps with prompt
+# rows (count, mean ms, rows); distinct outputs per repeated prompt must be 1 for the
+# invariant server (the fast one may differ: it says so). Writes $OUT/serve-*.json|log and
+# serve-summary.txt.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
@@ -30,7 +32,7 @@ for num in $NUMERICS; do
         --requests "$REQUESTS" --concurrency "$CLIENTS" --prompt-len "$PROMPTS" --output-len "$OUTPUTS" \
         --repeat "$REPEATS" --shared-prefix "$SHARED" --temperature 0.8 --server-args "--numerics $num ${EXTRA:-}" \
         --json "$OUT/serve-$num.json"
-    grep -E "listening|capacity|KV cache|^requests|^throughput|^TTFT|^inter-token|^end-to-end|^distinct|^prefix cache" \
+    grep -E "listening|capacity|KV cache|^requests|^throughput|^TTFT|^inter-token|^end-to-end|^distinct|^prefix cache|^engine steps|^serving loop|fast numerics" \
         "$OUT/serve-$num.log" | tee -a "$SUMMARY"
 done
 python3 - "$OUT" <<'PY' | tee -a "$SUMMARY"
@@ -50,5 +52,16 @@ if len(r) == 2:
         print(f"{n:>9}: TTFT p50/p90/p99 {x['ttft_ms_p50']:.0f}/{x['ttft_ms_p90']:.0f}/{x['ttft_ms_p99']:.0f} ms, "
               f"inter-token p50/p90/p99 {x['itl_ms_p50']:.1f}/{x['itl_ms_p90']:.1f}/{x['itl_ms_p99']:.1f} ms, "
               f"distinct outputs per repeated prompt {x['max_distinct_outputs_per_prompt']}, failed {x['requests_failed']}")
+    # Where the device time went: decode-only steps and steps carrying prompt rows.
+    for n, x in r.items():
+        e = x.get("engine")
+        if not e:
+            continue
+        mixed = e["steps"] - e["decode_steps"]
+        dms = 1e3 * e["decode_step_s"] / max(e["decode_steps"], 1)
+        mms = 1e3 * (e["step_s"] - e["decode_step_s"]) / max(mixed, 1)
+        print(f"{n:>9}: steps {e['steps']:.0f} in {e['step_s']:.1f} s; decode only {e['decode_steps']:.0f} "
+              f"({dms:.1f} ms, {e['decode_rows'] / max(e['decode_steps'], 1):.0f} rows), with prompt rows "
+              f"{mixed:.0f} ({mms:.1f} ms, {(e['rows'] - e['decode_rows']) / max(mixed, 1):.0f} rows)")
 PY
 echo "==== bench-serve ($(elapsed) s)"

@@ -20,6 +20,11 @@ pub struct Stats {
     step_seconds_bits: AtomicU64,
     last_step_seconds_bits: AtomicU64,
     pub step_rows: AtomicU64,
+    /// The steps without prompt rows (decode only), apart: with the totals they split the
+    /// step time into decode and prefill-carrying steps.
+    pub decode_steps: AtomicU64,
+    decode_step_seconds_bits: AtomicU64,
+    pub decode_step_rows: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub requests: AtomicU64,
@@ -96,6 +101,12 @@ impl Stats {
         self.last_step_seconds_bits
             .store(seconds.to_bits(), Ordering::Relaxed);
         self.step_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        if prompt_rows == 0 {
+            self.decode_steps.fetch_add(1, Ordering::Relaxed);
+            add_f64(&self.decode_step_seconds_bits, seconds);
+            self.decode_step_rows
+                .fetch_add(rows as u64, Ordering::Relaxed);
+        }
         self.prompt_tokens
             .fetch_add(prompt_rows as u64, Ordering::Relaxed);
         self.generated_tokens
@@ -288,6 +299,24 @@ impl Stats {
             g(&self.step_rows).to_string(),
         );
         metric(
+            "arbor_decode_steps_total",
+            "counter",
+            "Engine steps without prompt rows (decode only).",
+            g(&self.decode_steps).to_string(),
+        );
+        metric(
+            "arbor_decode_step_seconds_total",
+            "counter",
+            "Time spent in engine steps without prompt rows.",
+            format!("{:.6}", f64::from_bits(g(&self.decode_step_seconds_bits))),
+        );
+        metric(
+            "arbor_decode_step_rows_total",
+            "counter",
+            "Rows of the engine steps without prompt rows.",
+            g(&self.decode_step_rows).to_string(),
+        );
+        metric(
             "arbor_prompt_tokens_total",
             "counter",
             "Prompt tokens prefilled.",
@@ -389,6 +418,17 @@ mod tests {
         assert!(t.contains("arbor_kv_usage_ratio 0.250000"), "{t}");
         assert!(t.contains("arbor_generation_tokens_total 2\n"), "{t}");
         assert!(t.contains("arbor_step_seconds_total 0.500000"), "{t}");
+        // That step had prompt rows; a decode-only one counts apart as well.
+        assert!(t.contains("arbor_decode_steps_total 0\n"), "{t}");
+        s.record_step(0.25, 4, 0, 4);
+        let t = s.render();
+        assert!(t.contains("arbor_steps_total 2\n"), "{t}");
+        assert!(t.contains("arbor_decode_steps_total 1\n"), "{t}");
+        assert!(
+            t.contains("arbor_decode_step_seconds_total 0.250000\n"),
+            "{t}"
+        );
+        assert!(t.contains("arbor_decode_step_rows_total 4\n"), "{t}");
         s.add_phase(Phase::Masks, 0.25);
         s.add_phase(Phase::Masks, 0.5);
         let t = s.render();
@@ -401,7 +441,7 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("arbor_generation_tokens_per_second 0.200"),
+            t.contains("arbor_generation_tokens_per_second 0.600"),
             "{t}"
         );
     }

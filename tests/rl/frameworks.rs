@@ -282,6 +282,10 @@ fn info_health_and_vllm_control_routes() {
         .as_u64()
         .is_some_and(|t| t > 0));
     assert!(server["version"].is_string());
+    // The server's numerics, so that a client (or `bench serve`) knows whether a prompt's
+    // output may depend on load.
+    assert_eq!(server["numerics"], "invariant");
+    assert_eq!(server["enable_deterministic_inference"], true);
     assert_eq!(get("/get_load")[0]["dp_rank"], 0);
     assert_eq!(get("/get_world_size")["world_size"], 1);
 

@@ -569,4 +569,14 @@ fn bench_serve_reports_one_output_per_repeated_prompt() {
         v["prefix_cache_hit_tokens"].as_f64().unwrap() >= 128.0,
         "{v}"
     );
+    // The engine's steps during the run, split into decode-only steps and the others.
+    let e = &v["engine"];
+    let steps = e["steps"].as_f64().unwrap();
+    let decode = e["decode_steps"].as_f64().unwrap();
+    assert!(steps > 0.0 && decode > 0.0 && decode < steps, "{e}");
+    // Every prompt row went through a step that carried prompt rows.
+    assert!(e["prompt_rows"].as_f64().unwrap() > 0.0, "{e}");
+    assert!(e["rows"].as_f64().unwrap() >= steps, "{e}");
+    assert!(stdout.contains("engine steps       "), "{stdout}");
+    assert!(stdout.contains("serving loop (s)   execute "), "{stdout}");
 }

@@ -46,9 +46,10 @@ pub enum Epilogue {
     /// The roots, `[m, n]` of `out_dtype`.
     Store,
     /// The MLP's gate/up projection with W's rows alternating gate and up (row 2j gate j,
-    /// 2j + 1 up j; `n` even): `silu(gate)·up`, `[m, n/2]` f32 at `out` and, where `bf16`
-    /// is not 0, rounded to bf16 there too. The bits of the stored roots followed by the
-    /// element-wise `silu_mul_pairs` kernel; the TMA paths only ([`Path::is_tma`]).
+    /// 2j + 1 up j; `n` even): `silu(gate)·up`, `[m, n/2]` f32 at `out` where `out` is not
+    /// 0 and, where `bf16` is not 0, rounded to bf16 there (at least one of the two). The
+    /// bits of the stored roots followed by the element-wise `silu_mul_pairs` kernel; the
+    /// TMA paths only ([`Path::is_tma`]).
     SiluMulPairs { bf16: CUdeviceptr },
 }
 
@@ -124,6 +125,12 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
         }
         if !bf16.is_multiple_of(16) {
             return bad(format!("bf16 output {bf16:#x} must be 16-byte aligned"));
+        }
+        if a.out == 0 && bf16 == 0 {
+            return bad(
+                "the SiLU·mul epilogue needs an f32 output, a bf16 one or both; both are null"
+                    .into(),
+            );
         }
     }
     if path.is_tma() && s.k != s.n_seg * s.seg_len {
@@ -253,6 +260,15 @@ mod tests {
         );
         a.ldx = 4000;
         assert!(validate(&a, Path::Tree128).is_err());
+        // The SiLU·mul epilogue: f32, bf16 or both, never neither.
+        let mut s = args(good);
+        s.epilogue = Epilogue::SiluMulPairs { bf16: 0x6000 };
+        assert!(validate(&s, Path::WgTma128).is_ok());
+        s.out = 0;
+        assert!(validate(&s, Path::WgTma128).is_ok(), "bf16 alone");
+        s.epilogue = Epilogue::SiluMulPairs { bf16: 0 };
+        let e = validate(&s, Path::WgTma128).unwrap_err().to_string();
+        assert!(e.contains("both are null"), "{e}");
     }
 
     #[test]

@@ -371,7 +371,8 @@ fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
 /// The SiLU·mul epilogue of every TMA path: bit for bit the path's stored roots followed
 /// by the element-wise `silu_mul_pairs` kernel (the unfused MLP), in f32 and in bf16, at
 /// M inside one row tile, across row tiles and above 128 rows, with N a multiple of 4 and
-/// N = 2 mod 4 (a last pair alone in its 4-column group).
+/// N = 2 mod 4 (a last pair alone in its 4-column group); with both outputs, f32 alone and
+/// bf16 alone.
 #[test]
 fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
     if let Err(e) = probe() {
@@ -426,14 +427,15 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                 n_seg: SEGMENTS,
             };
             let what = format!("{} M {m} N {n}", path.name());
-            let run = |epilogue: Epilogue, out: &mut CudaSlice<f32>| {
+            // `out` 0: no f32 output (the bf16 one alone).
+            let run = |epilogue: Epilogue, out: u64| {
                 let a = GemmArgs {
                     shape,
                     x: p(&x),
                     ldx: k,
                     w: p(&w),
                     ldw: k,
-                    out: out.device_ptr_mut(&stream).0,
+                    out,
                     out_dtype: OutDtype::F32,
                     ws: ws.device_ptr(&stream).0,
                     ws_len: ws.len(),
@@ -446,10 +448,11 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                 unsafe { tg.launch(&stream, &a, Some(path)) }
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
             };
+            let ptr_f32 = |b: &mut CudaSlice<f32>| b.device_ptr_mut(&stream).0;
             let mut roots = dev
                 .upload_f32(&vec![f32::NAN; m * n])
                 .unwrap_or_else(|e| panic!("{e}"));
-            run(Epilogue::Store, &mut roots);
+            run(Epilogue::Store, ptr_f32(&mut roots));
             let mut want_b = dev.empty_bf16(m * n / 2).unwrap_or_else(|e| panic!("{e}"));
             let want = dev
                 .silu_mul_pairs(&roots, m, n / 2, Some(&mut want_b))
@@ -461,7 +464,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                 .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
                 .unwrap_or_else(|e| panic!("{e}"));
             let bp = got_b.device_ptr_mut(&stream).0;
-            run(Epilogue::SiluMulPairs { bf16: bp }, &mut got);
+            run(Epilogue::SiluMulPairs { bf16: bp }, ptr_f32(&mut got));
             let host = |b: &crate::cuda::DevF32| {
                 dev.download_f32(b)
                     .unwrap_or_else(|e| panic!("{what}: {e}"))
@@ -484,8 +487,19 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
             let mut got_f = dev
                 .upload_f32(&vec![f32::NAN; m * n / 2])
                 .unwrap_or_else(|e| panic!("{e}"));
-            run(Epilogue::SiluMulPairs { bf16: 0 }, &mut got_f);
+            run(Epilogue::SiluMulPairs { bf16: 0 }, ptr_f32(&mut got_f));
             same_bits(&host(&got_f), &want_h, &format!("{what} (f32 alone)"));
+            // Without the f32 copy (bf16 alone).
+            let mut alone_b = dev
+                .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
+                .unwrap_or_else(|e| panic!("{e}"));
+            let ap = alone_b.device_ptr_mut(&stream).0;
+            run(Epilogue::SiluMulPairs { bf16: ap }, 0);
+            same_bits(
+                &bits(&alone_b),
+                &bits(&want_b),
+                &format!("{what} (bf16 alone)"),
+            );
         }
     }
 }

@@ -16,11 +16,17 @@ use anyhow::{bail, Context, Result};
 use arbor_kernels::cpu::matmul::TreeMatmul;
 use arbor_kernels::cuda::cublas::Blas;
 use arbor_kernels::cuda::gemm::{self, Epilogue, Family, GemmArgs, OutDtype, Path, TreeGemm};
-use arbor_kernels::tree::{combine_roots, SegmentLayout, SEGMENTS};
+use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use serde::Serialize;
+
+mod checks;
+use checks::{
+    call_f32, check_bf16, check_cols, check_counters, check_paths, check_repeat, check_rows,
+    check_silu_bf16, check_tp, first_mismatch, rel_err, Call,
+};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -64,6 +70,19 @@ pub struct Args {
     /// the same shard. 1: the whole layer.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// What arbor's timed call stores: the roots (`store`), or the MLP's SiLU·mul of
+    /// alternating gate/up columns as f32 and bf16 (`silu`, what the model's gate/up layer
+    /// writes) or bf16 alone (`silu-bf16`). cuBLAS times the plain GEMM either way. N must
+    /// be even for the SiLU epilogues.
+    #[arg(long, value_enum, default_value = "store")]
+    epilogue: EpilogueArg,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum EpilogueArg {
+    Store,
+    Silu,
+    SiluBf16,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -139,6 +158,14 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.iters == 0 {
         bail!("--iters must be at least 1");
+    }
+    if args.epilogue != EpilogueArg::Store {
+        if let Some((k, n)) = shapes.iter().find(|(_, n)| n % 2 != 0) {
+            bail!("--epilogue silu needs gate/up pairs: N = {n} (shape {k}x{n}) is odd");
+        }
+        if args.out != OutArg::F32 {
+            bail!("--epilogue silu writes its own outputs (f32 and/or bf16); leave --out at f32");
+        }
     }
     if !arbor_kernels::tree::is_valid_world(args.tp) {
         bail!("--tp {} must be 1, 2, 4 or 8", args.tp);
@@ -229,6 +256,11 @@ pub fn run(args: Args) -> Result<()> {
         "%copy",
         "rel err"
     );
+    match args.epilogue {
+        EpilogueArg::Store => {}
+        EpilogueArg::Silu => println!("arbor times include the SiLU·mul epilogue (f32 and bf16 out); cuBLAS times the GEMM alone"),
+        EpilogueArg::SiluBf16 => println!("arbor times include the SiLU·mul epilogue (bf16 out only); cuBLAS times the GEMM alone"),
+    }
     let mut rows = Vec::new();
     for &(k, n) in &shapes {
         let shape_rows = bench_shape(
@@ -401,6 +433,10 @@ struct Operands {
     w: Vec<CudaSlice<u16>>,
     out: CudaSlice<f32>,
     out2: CudaSlice<f32>,
+    /// The SiLU·mul epilogue's bf16 outputs (`--epilogue silu*`): the timed call's, and the
+    /// other mode's for the check that both write the same bits.
+    silu_h: CudaSlice<u16>,
+    silu_h2: CudaSlice<u16>,
     ws: CudaSlice<f32>,
     ws_len: usize,
     /// Tile arrival counters of the split paths: zeroed once, left at zero by every call.
@@ -468,6 +504,8 @@ fn bench_shape(
         w: w_copies,
         out: zeros(stream, m_ref * n)?,
         out2: zeros(stream, m_ref * n)?,
+        silu_h: zeros(stream, m_ref * n / 2)?,
+        silu_h2: zeros(stream, m_ref * n / 2)?,
         ws: zeros(stream, ws_len)?,
         ws_len,
         cnt: zeros(stream, cnt_len)?,
@@ -498,26 +536,59 @@ fn bench_shape(
         let ws_p = ptr(&ops.ws, stream);
         let cnt_p = ptr(&ops.cnt, stream);
         let wp: Vec<CUdeviceptr> = ops.w.iter().map(|w| ptr(w, stream)).collect();
+        let silu_p = ptr(&ops.silu_h, stream);
+        let timed_args = |w: CUdeviceptr, epilogue: EpilogueArg, bf16: CUdeviceptr| GemmArgs {
+            shape: full(m),
+            x: x_p,
+            ldx: k,
+            w,
+            ldw: k,
+            out: if epilogue == EpilogueArg::SiluBf16 {
+                0
+            } else {
+                out_p
+            },
+            out_dtype,
+            ws: ws_p,
+            ws_len: ops.ws_len,
+            counters: cnt_p,
+            counters_len: ops.cnt_len,
+            w_constant: true,
+            epilogue: match epilogue {
+                EpilogueArg::Store => Epilogue::Store,
+                EpilogueArg::Silu | EpilogueArg::SiluBf16 => Epilogue::SiluMulPairs { bf16 },
+            },
+        };
         let arbor_ms = timer.median_ms(|i| {
-            let a = GemmArgs {
-                shape: full(m),
-                x: x_p,
-                ldx: k,
-                w: wp[i % wp.len()],
-                ldw: k,
-                out: out_p,
-                out_dtype,
-                ws: ws_p,
-                ws_len: ops.ws_len,
-                counters: cnt_p,
-                counters_len: ops.cnt_len,
-                w_constant: true,
-                epilogue: Epilogue::Store,
-            };
+            let a = timed_args(wp[i % wp.len()], args.epilogue, silu_p);
             // SAFETY: all pointers are live buffers sized for `full(m)`.
             unsafe { tg.launch(stream, &a, Some(path)) }?;
             Ok(())
         })?;
+        // The epilogue's bf16 values must not depend on whether its f32 copy is written.
+        let silu_check = match args.epilogue {
+            EpilogueArg::Store => None,
+            e => Some(check_silu_bf16(
+                stream,
+                tg,
+                &ops,
+                path,
+                m,
+                n,
+                |bf16, alone| {
+                    timed_args(
+                        wp[0],
+                        if alone {
+                            EpilogueArg::SiluBf16
+                        } else {
+                            EpilogueArg::Silu
+                        },
+                        bf16,
+                    )
+                },
+                e == EpilogueArg::SiluBf16,
+            )?),
+        };
         let out2_p = ptr(&ops.out2, stream);
         let cublas_ms = timer.median_ms(|i| {
             // SAFETY: the operands were allocated for this (m, n, k) on the bench stream.
@@ -532,7 +603,7 @@ fn bench_shape(
             .map_err(anyhow::Error::msg)?;
         let y_blas: Vec<f32> = stream.clone_dtoh(&ops.out2)?[..m * n].to_vec();
         let rel_err = rel_err(&y, &y_blas);
-        let mut checks = Vec::new();
+        let mut checks: Vec<Check> = silu_check.into_iter().collect();
         if args.tp == 1 {
             checks.push(check_tp(stream, tg, &ops, &layout, m, &y)?);
         }
@@ -636,328 +707,4 @@ fn print_row(r: &Row) {
     for c in r.checks.iter().filter(|c| !c.pass) {
         println!("    {}: {}", c.name, c.detail);
     }
-}
-
-/// max |a - b| / max |b|.
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let mut num = 0.0f64;
-    let mut den = 0.0f64;
-    for (&x, &y) in a.iter().zip(b) {
-        num = num.max((x as f64 - y as f64).abs());
-        den = den.max((y as f64).abs());
-    }
-    if a.iter().chain(b).any(|v| !v.is_finite()) {
-        return f64::INFINITY;
-    }
-    num / den.max(f64::MIN_POSITIVE)
-}
-
-/// One call of the tree GEMM on the bench operands: `x_row` / `w_row` shift the operands
-/// by rows (a batch position, a column shard of W), `k_off` by columns (a TP shard of K).
-struct Call {
-    shape: TreeMatmul,
-    x_row: usize,
-    w_row: usize,
-    k_off: usize,
-    path: Option<Path>,
-    out_dtype: OutDtype,
-}
-
-impl Call {
-    fn new(shape: TreeMatmul) -> Self {
-        Self {
-            shape,
-            x_row: 0,
-            w_row: 0,
-            k_off: 0,
-            path: None,
-            out_dtype: OutDtype::F32,
-        }
-    }
-}
-
-fn launch(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    c: &Call,
-    out: &CudaSlice<f32>,
-) -> Result<()> {
-    let s = c.shape;
-    let out_elems = match c.out_dtype {
-        OutDtype::F32 => s.m * s.n,
-        OutDtype::Bf16 => (s.m * s.n).div_ceil(2),
-    };
-    let fits = (c.x_row + s.m) * ops.k <= ops.x.len()
-        && (c.w_row + s.n) * ops.k <= ops.w[0].len()
-        && c.k_off + s.k <= ops.k
-        && out_elems <= out.len();
-    if !fits {
-        bail!(
-            "bench call {:?} at rows {}/{} does not fit its buffers",
-            s,
-            c.x_row,
-            c.w_row
-        );
-    }
-    let a = GemmArgs {
-        shape: s,
-        x: ptr(&ops.x, stream) + ((c.x_row * ops.k + c.k_off) * 2) as u64,
-        ldx: ops.k,
-        w: ptr(&ops.w[0], stream) + ((c.w_row * ops.k + c.k_off) * 2) as u64,
-        ldw: ops.k,
-        out: ptr(out, stream),
-        out_dtype: c.out_dtype,
-        ws: ptr(&ops.ws, stream),
-        ws_len: ops.ws_len,
-        counters: ptr(&ops.cnt, stream),
-        counters_len: ops.cnt_len,
-        w_constant: true,
-        epilogue: Epilogue::Store,
-    };
-    let path = c.path.unwrap_or(Path::for_shape(&s, ops.family));
-    // Poison the output and the segment-sum workspace (all bits set: NaN) so that a call
-    // that leaves an output element unwritten, or combines a segment sum it did not
-    // write, cannot pass by finding an earlier call's value there.
-    for (p, bytes) in [(a.out, out.len() * 4), (a.ws, ops.ws.len() * 4)] {
-        // SAFETY: `p` is the start of a live allocation of `bytes` bytes on this stream.
-        unsafe { cudarc::driver::result::memset_d8_async(p, 0xFF, bytes, stream.cu_stream()) }
-            .with_context(|| format!("cuMemsetD8Async of {bytes} bytes"))?;
-    }
-    // SAFETY: checked above that every operand lies inside its buffer.
-    unsafe { tg.launch(stream, &a, Some(path)) }?;
-    Ok(())
-}
-
-/// Runs an f32 call and returns its [m, n] result.
-fn call_f32(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    c: &Call,
-    out: &CudaSlice<f32>,
-) -> Result<Vec<f32>> {
-    launch(stream, tg, ops, c, out)?;
-    let mut host = stream.clone_dtoh(out)?;
-    host.truncate(c.shape.m * c.shape.n);
-    Ok(host)
-}
-
-/// The first element whose bits differ, as "(row, col): got vs want".
-fn first_mismatch(got: &[f32], want: &[f32], cols: usize) -> Option<String> {
-    if got.len() != want.len() {
-        return Some(format!("length {} vs {}", got.len(), want.len()));
-    }
-    got.iter()
-        .zip(want)
-        .position(|(a, b)| a.to_bits() != b.to_bits())
-        .map(|i| {
-            format!(
-                "first at ({}, {}): {:e} vs {:e}",
-                i / cols,
-                i % cols,
-                got[i],
-                want[i]
-            )
-        })
-}
-
-fn verdict(name: String, mismatch: Option<String>, ok_detail: String) -> Check {
-    match mismatch {
-        None => Check {
-            name,
-            pass: true,
-            detail: ok_detail,
-        },
-        Some(d) => Check {
-            name,
-            pass: false,
-            detail: d,
-        },
-    }
-}
-
-/// Full result vs the host tree-combination of the TP = 2, 4, 8 shard roots.
-fn check_tp(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    layout: &SegmentLayout,
-    m: usize,
-    y: &[f32],
-) -> Result<Check> {
-    let n = ops.n;
-    let mut bad = None;
-    for world in [2usize, 4, 8] {
-        let mut roots = Vec::with_capacity(world);
-        for rank in 0..world {
-            let cols = layout.shard(rank, world);
-            let shape = TreeMatmul {
-                m,
-                n,
-                k: cols.len(),
-                seg_len: layout.seg_len,
-                n_seg: SEGMENTS / world,
-            };
-            let c = Call {
-                k_off: cols.start,
-                ..Call::new(shape)
-            };
-            roots.push(call_f32(stream, tg, ops, &c, &ops.out2)?);
-        }
-        let slices: Vec<&[f32]> = roots.iter().map(|r| r.as_slice()).collect();
-        let mut combined = vec![0.0f32; m * n];
-        combine_roots(&slices, &mut combined);
-        if let Some(d) = first_mismatch(&combined, y, n) {
-            bad = Some(format!("TP={world}: {d}"));
-            break;
-        }
-    }
-    Ok(verdict(
-        "tp_shards".into(),
-        bad,
-        "TP 2/4/8 roots combine to the full bits".into(),
-    ))
-}
-
-/// Rows computed at M = m from a shifted batch position vs the same rows at M = m_ref.
-fn check_rows(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    shape: TreeMatmul,
-    m_ref: usize,
-    ref_y: &[f32],
-) -> Result<Check> {
-    let n = ops.n;
-    let off = 3.min(m_ref - shape.m);
-    let c = Call {
-        x_row: off,
-        ..Call::new(shape)
-    };
-    let got = call_f32(stream, tg, ops, &c, &ops.out2)?;
-    let want = &ref_y[off * n..(off + shape.m) * n];
-    Ok(verdict(
-        "rows_vs_m".into(),
-        first_mismatch(&got, want, n)
-            .map(|d| format!("M={} at row offset {off} vs M={m_ref}: {d}", shape.m)),
-        format!(
-            "rows {off}..{} equal at M={} and M={m_ref}",
-            off + shape.m,
-            shape.m
-        ),
-    ))
-}
-
-/// A column shard of W (N-sharding, as a column-parallel layer does) vs the full result.
-fn check_cols(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    shape: TreeMatmul,
-    y: &[f32],
-) -> Result<Check> {
-    let n = ops.n;
-    let n0 = (n / 2 / 8 * 8 + 8).min(n - 1);
-    let nn = n - n0;
-    let c = Call {
-        w_row: n0,
-        ..Call::new(TreeMatmul { n: nn, ..shape })
-    };
-    let got = call_f32(stream, tg, ops, &c, &ops.out2)?;
-    let want: Vec<f32> = (0..shape.m)
-        .flat_map(|r| y[r * n + n0..(r + 1) * n].iter().copied())
-        .collect();
-    Ok(verdict(
-        "cols_shard".into(),
-        first_mismatch(&got, &want, nn).map(|d| format!("columns {n0}..{n}: {d}")),
-        format!("columns {n0}..{n} equal as an N shard"),
-    ))
-}
-
-/// Every launch path (tile shapes, split or in-block tree) gives the same bits.
-fn check_paths(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    shape: TreeMatmul,
-    y: &[f32],
-) -> Result<Check> {
-    let mut bad = None;
-    for &p in Path::all(ops.family) {
-        let c = Call {
-            path: Some(p),
-            ..Call::new(shape)
-        };
-        if let Some(d) = first_mismatch(&call_f32(stream, tg, ops, &c, &ops.out2)?, y, ops.n) {
-            bad = Some(format!("path {}: {d}", p.name()));
-            break;
-        }
-    }
-    Ok(verdict(
-        "paths".into(),
-        bad,
-        "every path of the family agrees".into(),
-    ))
-}
-
-/// bf16 output is the f32 root rounded to nearest even.
-fn check_bf16(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    shape: TreeMatmul,
-    y: &[f32],
-) -> Result<Check> {
-    let c = Call {
-        out_dtype: OutDtype::Bf16,
-        ..Call::new(shape)
-    };
-    launch(stream, tg, ops, &c, &ops.out2)?;
-    let raw = stream.clone_dtoh(&ops.out2)?;
-    // Little-endian: f32 word i holds bf16 elements 2i (low half) and 2i + 1.
-    let got = raw.iter().flat_map(|w| {
-        let b = w.to_bits();
-        [(b & 0xffff) as u16, (b >> 16) as u16]
-    });
-    let bad = got
-        .zip(y)
-        .position(|(g, v)| g != half::bf16::from_f32(*v).to_bits())
-        .map(|i| format!("element {i}: f32 root {:e}", y[i]));
-    Ok(verdict(
-        "bf16_out".into(),
-        bad,
-        "bf16 output = RNE(f32 root)".into(),
-    ))
-}
-
-/// The full call again, after the other checks' calls of other shapes: state they left
-/// behind (workspace, counters) must not change its bits.
-fn check_repeat(
-    stream: &Arc<CudaStream>,
-    tg: &TreeGemm,
-    ops: &Operands,
-    shape: TreeMatmul,
-    y: &[f32],
-) -> Result<Check> {
-    let got = call_f32(stream, tg, ops, &Call::new(shape), &ops.out2)?;
-    Ok(verdict(
-        "repeat".into(),
-        first_mismatch(&got, y, ops.n).map(|d| format!("after other shapes' calls: {d}")),
-        "same bits after calls of other shapes".into(),
-    ))
-}
-
-/// Every split call must leave its tile counters at zero for the next call.
-fn check_counters(stream: &Arc<CudaStream>, ops: &Operands) -> Result<Check> {
-    let cnt = stream.clone_dtoh(&ops.cnt)?;
-    let bad = cnt
-        .iter()
-        .position(|&c| c != 0)
-        .map(|i| format!("counter {i} is {} after the calls (must be 0)", cnt[i]));
-    Ok(verdict(
-        "counters_zero".into(),
-        bad,
-        "every tile counter back at zero".into(),
-    ))
 }
