@@ -2,7 +2,11 @@
 # `arbor bench attention`, one layer, median of CUDA-event-timed calls. Not arbor: the
 # non-deterministic reference the paged kernels are measured against (GPU machine only).
 # Usage: python3 scripts/bench/attention-reference.py [--prefill 8x1024,...] [--decode 1x1024,...] [--out f.json]
-import argparse, json, torch
+import argparse
+import functools
+import json
+
+import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -42,13 +46,17 @@ with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             q = torch.randn(B, H, tq, D, device=dev, dtype=bf)
             k = torch.randn(B, KVH, T, D, device=dev, dtype=bf)
             v = torch.randn(B, KVH, T, D, device=dev, dtype=bf)
-            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=(kind == "prefill"), enable_gqa=True)
+            fn = functools.partial(
+                F.scaled_dot_product_attention, q, k, v, is_causal=(kind == "prefill"), enable_gqa=True
+            )
             us = timed(fn)
             keys = B * T if kind == "decode" else B * T * (T + 1) / 2
             fl = 4 * keys * H * D
             kvb = B * T * KVH * D * 4
-            rows.append(dict(kind=kind, batch=B, tokens=T, us=us, tflops=fl / us / 1e6, kv_gbs=kvb / us / 1e3))
+            rows.append({"kind": kind, "batch": B, "tokens": T, "us": us, "tflops": fl / us / 1e6,
+                         "kv_gbs": kvb / us / 1e3})
             print(f"{kind:>8} {B:>6} {T:>7} {us:>10.1f} {fl / us / 1e6:>9.1f} {kvb / us / 1e3:>10.0f}", flush=True)
-            del q, k, v
+            del fn, q, k, v
 if a.out:
-    json.dump(rows, open(a.out, "w"))
+    with open(a.out, "w") as f:
+        json.dump(rows, f)

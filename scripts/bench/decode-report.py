@@ -8,23 +8,33 @@ DIR/decode-reference-tp*.json (decode_baseline.py) and DIR/decode-copy.json; pri
 and the ratios the engine's targets are stated in, and writes DIR/decode-report.json
 and DIR/decode-report.svg (ms/step vs batch, one line per TP and engine).
 """
-import glob, json, os, re, sys
+import glob
+import json
+import math
+import os
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
 
 d = sys.argv[1] if len(sys.argv) > 1 else "."
 arbor = {}  # (tp, numerics, batch) -> row; numerics "invariant-eager" for runs without graphs
 for f in glob.glob(os.path.join(d, "decode-arbor-tp*-*.json")):
-    for r in json.load(open(f)):
+    for r in load(f):
         # Runs older than the CUDA graphs carry no flag and recorded nothing.
         eager = "-eager" if r.get("cuda_graphs") is False else ""
         arbor[(r["tp"], r["numerics"] + eager, r["batch"])] = r
 ref = {}  # (tp, batch) -> ms
 for f in glob.glob(os.path.join(d, "decode-reference-tp*.json")):
-    j = json.load(open(f))
+    j = load(f)
     for b, ms in j["ms_per_step"].items():
         ref[(int(j["world"]), int(b))] = float(ms)
 copy_gbps = None
 if os.path.exists(os.path.join(d, "decode-copy.json")):
-    copy_gbps = json.load(open(os.path.join(d, "decode-copy.json")))["copy_gbps"]
+    copy_gbps = load(os.path.join(d, "decode-copy.json"))["copy_gbps"]
 
 tps = sorted({k[0] for k in arbor} | {k[0] for k in ref})
 batches = sorted({k[2] for k in arbor} | {k[1] for k in ref})
@@ -47,13 +57,13 @@ for tp in tps:
         r = arbor.get((tp, "invariant", b)) or arbor.get((tp, "fast", b))
         roof = r["weight_bytes_per_rank"] / (copy_gbps * 1e9) * 1e3 if r and copy_gbps else None
         tp1 = ratio(ms(1, "invariant", b), inv) if tp != 1 else None
-        row = dict(tp=tp, batch=b, invariant_ms=inv, fast_ms=fast, reference_ms=rf, roofline_ms=roof,
-                   invariant_over_reference=ratio(inv, rf), invariant_over_fast=ratio(inv, fast),
-                   fast_over_reference=ratio(fast, rf), invariant_over_roofline=ratio(inv, roof),
-                   tp1_over_this_tp=tp1, invariant_eager_ms=eager,
-                   eager_over_invariant=ratio(eager, inv),
-                   prefill_ms_invariant=(arbor.get((tp, "invariant", b)) or {}).get("prefill_ms"),
-                   prefill_ms_fast=(arbor.get((tp, "fast", b)) or {}).get("prefill_ms"))
+        row = {"tp": tp, "batch": b, "invariant_ms": inv, "fast_ms": fast, "reference_ms": rf,
+               "roofline_ms": roof, "invariant_over_reference": ratio(inv, rf),
+               "invariant_over_fast": ratio(inv, fast), "fast_over_reference": ratio(fast, rf),
+               "invariant_over_roofline": ratio(inv, roof), "tp1_over_this_tp": tp1,
+               "invariant_eager_ms": eager, "eager_over_invariant": ratio(eager, inv),
+               "prefill_ms_invariant": (arbor.get((tp, "invariant", b)) or {}).get("prefill_ms"),
+               "prefill_ms_fast": (arbor.get((tp, "fast", b)) or {}).get("prefill_ms")}
         rows.append(row)
         print(f"{tp:>2} {b:>5} {fmt(inv):>10} {fmt(fast):>8} {fmt(rf):>9} {fmt(roof):>8} {fmt(eager):>9} | "
               f"{fmt(row['invariant_over_reference'], 2):>7} {fmt(row['invariant_over_fast'], 2):>8} "
@@ -66,7 +76,7 @@ for r in rows:
 # Sampled decode (invariant): DIR/decode-sampled-tp*-*.json, next to greedy.
 sampled = {}  # (tp, label, batch) -> ms
 for f in glob.glob(os.path.join(d, "decode-sampled-tp*-*.json")):
-    for r in json.load(open(f)):
+    for r in load(f):
         label = (f"T={r['temperature']:g}" + (f" top-k {r['top_k']}" if r.get("top_k") else "")
                  + (f" top-p {r['top_p']:g}" if r.get("top_p", 1.0) < 1.0 else ""))
         sampled[(r["tp"], label, r["batch"])] = r["decode_ms_per_step"]
@@ -75,11 +85,12 @@ if sampled:
     print("sampled decode ms/step (invariant; a pure temperature draws on the device; top-k and top-p draw on the host from candidates selected on the device, a top-p nucleus beyond them from its row):")
     for tp, label, b in sorted(sampled):
         g = ms(tp, "invariant", b)
-        sampled_rows.append(dict(tp=tp, sampling=label, batch=b, ms=sampled[(tp, label, b)], greedy_ms=g))
+        sampled_rows.append({"tp": tp, "sampling": label, "batch": b, "ms": sampled[(tp, label, b)],
+                             "greedy_ms": g})
         print(f"  TP {tp} {label:<20} batch {b:>3}: {fmt(sampled[(tp, label, b)])} (greedy {fmt(g)}, "
               f"ratio {fmt(ratio(sampled[(tp, label, b)], g), 2)})")
-json.dump({"copy_gbps": copy_gbps, "rows": rows, "sampled": sampled_rows},
-          open(os.path.join(d, "decode-report.json"), "w"), indent=1)
+with open(os.path.join(d, "decode-report.json"), "w") as out_json:
+    json.dump({"copy_gbps": copy_gbps, "rows": rows, "sampled": sampled_rows}, out_json, indent=1)
 
 # SVG: ms/step vs batch (log2 x), one polyline per (TP, engine).
 W, H, L, B = 720, 420, 60, 50
@@ -91,7 +102,6 @@ for r in rows:
             series.setdefault(f"{name} TP{r['tp']}", []).append((r["batch"], r[key]))
 if series:
     ymax = max(v for s in series.values() for _, v in s) * 1.1
-    import math
     xs = sorted({b for s in series.values() for b, _ in s})
     lx = lambda b: L + (W - L - 170) * (math.log2(b) - math.log2(xs[0])) / max(math.log2(xs[-1]) - math.log2(xs[0]), 1)
     ly = lambda v: H - B - (H - B - 20) * v / ymax
@@ -111,4 +121,5 @@ if series:
         out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="' + " ".join(f"{lx(b):.1f},{ly(v):.1f}" for b, v in pts) + '"/>')
         out.append(f'<text x="{W-160}" y="{30+16*i}" fill="{c}">{name}</text>')
     out.append("</svg>")
-    open(os.path.join(d, "decode-report.svg"), "w").write("\n".join(out))
+    with open(os.path.join(d, "decode-report.svg"), "w") as svg:
+        svg.write("\n".join(out))
