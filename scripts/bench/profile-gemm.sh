@@ -4,8 +4,11 @@
 # two can be read side by side (DRAM throughput, stalls, occupancy, waves).
 # Run from the repo root after `bash scripts/gpu/build-device.sh`:
 #   SHAPE=4096x28672 M=64 PATHS="wgcluster64x2 wgcluster64x2n256" bash scripts/bench/profile-gemm.sh
-# Writes $OUT/profile-gemm-*.txt (ncu's report per kernel) and profile-gemm-summary.txt
-# (the lines that say what bounds each kernel). Timings: `arbor bench gemm --path P`
+# Writes $OUT/profile-gemm-*.ncu-rep and .txt (ncu's report per kernel) and
+# profile-gemm-summary.txt (the lines that say what bounds each kernel, then its largest
+# stall reasons). STALLS=1 adds source-level PC sampling to the reports, e.g. for the
+# large-M kernel against cuBLAS's:
+#   SHAPE=4096x4096 M=4096 PATHS=wgtma128 STALLS=1 bash scripts/bench/profile-gemm.sh Timings: `arbor bench gemm --path P`
 # for every path first (no profiler attached), so the report sits next to wall figures.
 set -uo pipefail
 T0=$(date +%s)
@@ -43,17 +46,46 @@ kernel_of() {
         *) echo "arbor_gemm_$1" ;;
     esac
 }
+# Where the warps of a report wait: every collected metric whose name says "issue_stalled"
+# (the warp-state averages, and the PC-sampling counts with STALLS=1), largest first.
+stalls() {
+    "$NCU" --import "$1" --page raw --csv 2>/dev/null | python3 -c '
+import csv, sys
+rows = list(csv.reader(sys.stdin))
+if len(rows) < 3:
+    sys.exit("no raw metrics in the report")
+names, values = rows[0], rows[-1]
+def num(v):
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return None
+got = [(num(v), n) for n, v in zip(names, values) if "issue_stalled" in n and num(v)]
+for v, n in sorted(got, reverse=True)[:14]:
+    print(f"  stall {n}: {v:g}")
+' | tee -a "$SUMMARY"
+}
+# STALLS=1: also the source-level PC sampling (which instruction each stall sits at), kept
+# in the .ncu-rep files for `ncu --import F --page source`.
+SOURCE=()
+[[ ${STALLS:-0} == 1 ]] && SOURCE=(--import-source yes --section SourceCounters)
 if [[ -n $NCU ]]; then
     for path in $PATHS; do
         # By the kernel's own name: the bench's checks launch every other path too.
-        step "ncu $path" "$OUT/profile-gemm-$path.txt" 150 "$NCU" --clock-control none \
-            --set full -k "regex:^$(kernel_of "$path")\$" --launch-skip 5 --launch-count 1 \
+        step "ncu $path" "$OUT/profile-gemm-$path.log" 150 "$NCU" --clock-control none \
+            --set full "${SOURCE[@]}" -o "$OUT/profile-gemm-$path" -f \
+            -k "regex:^$(kernel_of "$path")\$" --launch-skip 5 --launch-count 1 \
             "$ARBOR" bench gemm --shapes "$SHAPE" --m "$M" --iters 30 --path "$path"
+        "$NCU" --import "$OUT/profile-gemm-$path.ncu-rep" > "$OUT/profile-gemm-$path.txt" 2>&1
         digest "$OUT/profile-gemm-$path.txt"
+        stalls "$OUT/profile-gemm-$path.ncu-rep"
     done
-    step "ncu cuBLAS" "$OUT/profile-gemm-cublas.txt" 150 "$NCU" --clock-control none --set full \
+    step "ncu cuBLAS" "$OUT/profile-gemm-cublas.log" 150 "$NCU" --clock-control none --set full \
+        "${SOURCE[@]}" -o "$OUT/profile-gemm-cublas" -f \
         -k "regex:nvjet|xmma|cutlass" --launch-skip 5 --launch-count 1 \
         "$ARBOR" bench gemm --shapes "$SHAPE" --m "$M" --iters 30
+    "$NCU" --import "$OUT/profile-gemm-cublas.ncu-rep" > "$OUT/profile-gemm-cublas.txt" 2>&1
     digest "$OUT/profile-gemm-cublas.txt"
+    stalls "$OUT/profile-gemm-cublas.ncu-rep"
 fi
 echo "==== profile-gemm ($(elapsed) s)"
