@@ -103,6 +103,8 @@ struct Report {
     device: String,
     arch: String,
     out_dtype: &'static str,
+    /// What arbor's timed call stored (`--epilogue`); cuBLAS always times the plain GEMM.
+    epilogue: &'static str,
     copy_ceiling_gbps: f64,
     iters: usize,
     results: Vec<Row>,
@@ -275,6 +277,11 @@ pub fn run(args: Args) -> Result<()> {
     let report = Report {
         device,
         arch: tg.arch.clone(),
+        epilogue: match args.epilogue {
+            EpilogueArg::Store => "store",
+            EpilogueArg::Silu => "silu (f32 + bf16)",
+            EpilogueArg::SiluBf16 => "silu (bf16)",
+        },
         out_dtype: match out_dtype {
             OutDtype::F32 => "f32",
             OutDtype::Bf16 => "bf16",
