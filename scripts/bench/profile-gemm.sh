@@ -29,8 +29,8 @@ done
 
 # What ncu's full set says bounds a kernel, one block of lines per kernel.
 digest() {
-    grep -E "^  [A-Za-z_].*\(|Duration|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Waves Per SM|Grid Size|Block Size|Cluster Size|Est. Speedup|One or More Eligible|Issued Warp|Stall" \
-        "$1" | head -n 40 | tee -a "$SUMMARY"
+    grep -E "^  [A-Za-z_].*\(|Duration|Memory Throughput|DRAM Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Shared Memory|Achieved Occupancy|Registers Per|Waves Per SM|Grid Size|Block Size|Cluster Size|Est. Speedup|One or More Eligible|Issued Warp|Stall" \
+        "$1" | head -n 48 | tee -a "$SUMMARY"
 }
 kernel_of() {
     case $1 in
@@ -47,7 +47,8 @@ kernel_of() {
     esac
 }
 # Where the warps of a report wait: every collected metric whose name says "issue_stalled"
-# (the warp-state averages, and the PC-sampling counts with STALLS=1), largest first.
+# (the warp-state averages, and the PC-sampling counts with STALLS=1), largest first; then
+# the shared-memory and tensor pipes' use against their peaks.
 stalls() {
     "$NCU" --import "$1" --page raw --csv 2>/dev/null | python3 -c '
 import csv, sys
@@ -63,6 +64,13 @@ def num(v):
 got = [(num(v), n) for n, v in zip(names, values) if "issue_stalled" in n and num(v)]
 for v, n in sorted(got, reverse=True)[:14]:
     print(f"  stall {n}: {v:g}")
+# How busy the shared-memory and tensor pipes were (the large-M kernel is predicted to be
+# bound by shared-memory bandwidth: docs/gemm.md).
+pipes = [(n, num(v)) for n, v in zip(names, values)
+         if "pct_of_peak" in n and any(w in n for w in ("shared", "tensor", "gmma", "lsu"))]
+for n, v in pipes:
+    if v is not None:
+        print(f"  pipe {n}: {v:g} %")
 ' | tee -a "$SUMMARY"
 }
 # STALLS=1: also the source-level PC sampling (which instruction each stall sits at), kept
