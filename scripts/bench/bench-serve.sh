@@ -52,16 +52,5 @@ if len(r) == 2:
         print(f"{n:>9}: TTFT p50/p90/p99 {x['ttft_ms_p50']:.0f}/{x['ttft_ms_p90']:.0f}/{x['ttft_ms_p99']:.0f} ms, "
               f"inter-token p50/p90/p99 {x['itl_ms_p50']:.1f}/{x['itl_ms_p90']:.1f}/{x['itl_ms_p99']:.1f} ms, "
               f"distinct outputs per repeated prompt {x['max_distinct_outputs_per_prompt']}, failed {x['requests_failed']}")
-    # Where the device time went: decode-only steps and steps carrying prompt rows.
-    for n, x in r.items():
-        e = x.get("engine")
-        if not e:
-            continue
-        mixed = e["steps"] - e["decode_steps"]
-        dms = 1e3 * e["decode_step_s"] / max(e["decode_steps"], 1)
-        mms = 1e3 * (e["step_s"] - e["decode_step_s"]) / max(mixed, 1)
-        print(f"{n:>9}: steps {e['steps']:.0f} in {e['step_s']:.1f} s; decode only {e['decode_steps']:.0f} "
-              f"({dms:.1f} ms, {e['decode_rows'] / max(e['decode_steps'], 1):.0f} rows), with prompt rows "
-              f"{mixed:.0f} ({mms:.1f} ms, {(e['rows'] - e['decode_rows']) / max(mixed, 1):.0f} rows)")
 PY
 echo "==== bench-serve ($(elapsed) s)"

@@ -15,6 +15,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::cli::common::{self, DeviceArg};
+use crate::cli::model_api::Numerics;
 use crate::cli::serve::client;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -118,12 +119,16 @@ struct EngineSteps {
     loop_between_s: f64,
 }
 
-fn server_metrics(addr: &str) -> String {
-    client::get(addr, "/metrics")
+/// The body of a GET that answered 200; None for any other answer or none.
+fn get_ok(addr: &str, path: &str) -> Option<String> {
+    client::get(addr, path)
         .ok()
         .filter(|r| r.status == 200)
         .map(|r| r.body)
-        .unwrap_or_default()
+}
+
+fn server_metrics(addr: &str) -> String {
+    get_ok(addr, "/metrics").unwrap_or_default()
 }
 
 /// `after - before` of each counter; None unless the server reports them all.
@@ -575,7 +580,7 @@ pub fn run(args: Args) -> Result<()> {
     if max_distinct > 1 {
         // Only a server that says its numerics are fast may answer a prompt differently
         // under load; any other (invariant, or one that does not say) fails the run.
-        if server_numerics(&addr).as_deref() == Some("fast") {
+        if server_numerics(&addr) == Some(Numerics::Fast) {
             println!("(the server runs fast numerics: outputs may depend on load and batch)");
         } else {
             bail!("a repeated prompt got {max_distinct} different outputs: outputs depend on load");
@@ -584,14 +589,11 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The numerics a server reports in `/get_server_info` (`invariant` or `fast`; `None` for a
-/// server that does not say).
-fn server_numerics(addr: &str) -> Option<String> {
-    let r = client::get(addr, "/get_server_info")
-        .ok()
-        .filter(|r| r.status == 200)?;
-    let v: serde_json::Value = serde_json::from_str(&r.body).ok()?;
-    v.get("numerics")?.as_str().map(str::to_string)
+/// The numerics a server reports in `/get_server_info`; `None` for a server that does not
+/// say.
+fn server_numerics(addr: &str) -> Option<Numerics> {
+    let v: Value = serde_json::from_str(&get_ok(addr, "/get_server_info")?).ok()?;
+    v.get("numerics")?.as_str()?.parse().ok()
 }
 
 #[cfg(test)]

@@ -337,11 +337,9 @@ fn server_info(args: &Args, runner: &dyn Runner, model_name: &str) -> serde_json
         "engine": "arbor",
         // arbor's own key, and SGLang's name for the same promise: with invariant numerics
         // a prompt's output does not depend on load, batch or TP size.
-        "numerics": match args.numerics {
-            crate::cli::common::NumericsArg::Invariant => "invariant",
-            crate::cli::common::NumericsArg::Fast => "fast",
-        },
-        "enable_deterministic_inference": args.numerics == crate::cli::common::NumericsArg::Invariant,
+        "numerics": args.numerics.resolve().as_str(),
+        "enable_deterministic_inference":
+            args.numerics.resolve() == crate::cli::model_api::Numerics::Invariant,
     })
 }
 

@@ -575,26 +575,24 @@ fn bench_shape(
         // The epilogue's bf16 values must not depend on whether its f32 copy is written.
         let silu_check = match args.epilogue {
             EpilogueArg::Store => None,
-            e => Some(check_silu_bf16(
-                stream,
-                tg,
-                &ops,
-                path,
-                m,
-                n,
-                |bf16, alone| {
-                    timed_args(
-                        wp[0],
-                        if alone {
-                            EpilogueArg::SiluBf16
-                        } else {
-                            EpilogueArg::Silu
-                        },
-                        bf16,
-                    )
-                },
-                e == EpilogueArg::SiluBf16,
-            )?),
+            EpilogueArg::Silu | EpilogueArg::SiluBf16 => {
+                let mode = |alone| {
+                    if alone {
+                        EpilogueArg::SiluBf16
+                    } else {
+                        EpilogueArg::Silu
+                    }
+                };
+                Some(check_silu_bf16(
+                    stream,
+                    tg,
+                    &ops,
+                    path,
+                    m,
+                    n,
+                    |bf16, alone| timed_args(wp[0], mode(alone), bf16),
+                )?)
+            }
         };
         let out2_p = ptr(&ops.out2, stream);
         let cublas_ms = timer.median_ms(|i| {
