@@ -35,7 +35,8 @@ use anyhow::{Context, Result};
 
 use super::common::{self, DeviceArg, KvArgs, NumericsArg};
 use super::model_api::{
-    self, LoadOptions, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS,
+    self, LoadOptions, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_ROW_TILE, DEFAULT_STEP_OUTPUTS,
+    DEFAULT_STEP_TOKENS,
 };
 
 /// `--update-memory`.
@@ -98,6 +99,12 @@ pub struct Args {
     /// step's prompt rows, so this bounds inter-token latency while new prompts arrive.
     #[arg(long, default_value_t = DEFAULT_PREFILL_BESIDE_DECODE)]
     pub prefill_beside_decode: usize,
+    /// Beside decode rows, take prompt rows up to the next multiple of this many rows in
+    /// the step (within --max-num-batched-tokens): the GEMMs work in tiles of 128 rows, and
+    /// a partly filled last tile costs a whole one. 1 turns the rounding off. Speed only:
+    /// chunking changes no output.
+    #[arg(long, default_value_t = DEFAULT_ROW_TILE)]
+    pub row_tile: usize,
     #[command(flatten)]
     pub kv: KvArgs,
     /// Reserve KV for every position a request may use when it is admitted, instead of

@@ -16,6 +16,11 @@ pub struct SchedulerConfig {
     /// the inter-token latency while new prompts arrive. A step without decode rows
     /// takes up to `step_tokens`.
     pub prefill_beside_decode: usize,
+    /// Rows of the GEMMs' row tile (`DEFAULT_ROW_TILE` on a GPU, 1 for none). Beside
+    /// decode rows the prompt budget is rounded up (within `step_tokens`) so that the
+    /// step's rows fill whole tiles: a GEMM's partly filled last row tile costs as much as
+    /// a full one, so the rows that fill it come almost free. Chunking changes no bit.
+    pub row_tile: usize,
     /// Most rows whose logits one step computes (scoring targets and sampled rows): bounds
     /// the step's logits memory; a scoring prompt's chunk is cut to fit.
     pub step_outputs: usize,
@@ -41,6 +46,9 @@ pub const DEFAULT_STEP_TOKENS: usize = 8192;
 /// Prompt rows per step beside decode rows, in `arbor serve` by default (see
 /// `SchedulerConfig::prefill_beside_decode`).
 pub const DEFAULT_PREFILL_BESIDE_DECODE: usize = 512;
+/// Rows of the large-M GEMM's tile (`wgtma128`: 128 × 128), the default `row_tile` of
+/// `arbor serve`.
+pub const DEFAULT_ROW_TILE: usize = 128;
 /// Logits rows per step by default (see `SchedulerConfig::step_outputs`).
 pub const DEFAULT_STEP_OUTPUTS: usize = 1024;
 
@@ -61,6 +69,7 @@ impl SchedulerConfig {
             chunk: step_tokens,
             step_tokens,
             prefill_beside_decode: step_tokens,
+            row_tile: 1,
             step_outputs: DEFAULT_STEP_OUTPUTS,
             kv_blocks,
             eos,
@@ -68,5 +77,41 @@ impl SchedulerConfig {
             prefill_first: true,
             prefix_cache: true,
         }
+    }
+}
+
+/// The prompt rows a step takes beside `decode_rows` decode rows: `beside`, raised so that
+/// the step's rows are a multiple of `row_tile`, but never past `left` (the step's token
+/// budget after its decode rows).
+pub(crate) fn fill_row_tiles(
+    decode_rows: usize,
+    beside: usize,
+    row_tile: usize,
+    left: usize,
+) -> usize {
+    let tile = row_tile.max(1);
+    let filled = decode_rows
+        .saturating_add(beside)
+        .div_ceil(tile)
+        .saturating_mul(tile);
+    filled.saturating_sub(decode_rows).min(left)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fill_row_tiles;
+
+    #[test]
+    fn prompt_rows_beside_decode_fill_the_last_row_tile() {
+        // 143 decode rows + 512 prompt rows = 655: the sixth 128-row tile is filled.
+        assert_eq!(fill_row_tiles(143, 512, 128, 8192 - 143), 768 - 143);
+        // Already a multiple: unchanged.
+        assert_eq!(fill_row_tiles(128, 512, 128, 8192), 512);
+        // The step's budget caps it.
+        assert_eq!(fill_row_tiles(143, 512, 128, 600), 600);
+        assert_eq!(fill_row_tiles(143, 512, 128, 300), 300);
+        // No tile: the budget as given.
+        assert_eq!(fill_row_tiles(143, 512, 1, 8192), 512);
+        assert_eq!(fill_row_tiles(0, 7, 4, 100), 8);
     }
 }
