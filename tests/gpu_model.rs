@@ -488,7 +488,7 @@ fn session_outputs<B: Backend>(
         chunk: 64,
         step_tokens: 256,
         prefill_beside_decode: 256,
-        row_tile: 1,
+        row_multiple: 1,
         step_outputs: 1024,
         kv_blocks: cap.blocks,
         eos: w.eos_token_ids().to_vec(),

@@ -28,9 +28,14 @@ from collections import defaultdict
 def read_rows(text: str) -> list[dict[str, str]]:
     """The CSV's rows as dicts; ncu prints a few header lines before the table."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if '"Source"' in line or "Source," in line), None)
+    start = next(
+        (i for i, line in enumerate(lines) if '"Source"' in line or "Source," in line),
+        None,
+    )
     if start is None:
-        raise SystemExit("no source table in the input (was the report taken with --import-source yes?)")
+        raise SystemExit(
+            "no source table in the input (was the report taken with --import-source yes?)"
+        )
     return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
 
 
@@ -54,13 +59,22 @@ def summarize(rows: list[dict[str, str]], top: int) -> str:
     if not rows:
         return "no instructions in the source table\n"
     columns = list(rows[0].keys())
-    samples = next((c for c in columns if c.startswith("Warp Stall Sampling (All")), None)
+    samples = next(
+        (c for c in columns if c.startswith("Warp Stall Sampling (All")), None
+    )
     if samples is None:
-        raise SystemExit(f"no 'Warp Stall Sampling (All Samples)' column; columns: {columns}")
+        raise SystemExit(
+            f"no 'Warp Stall Sampling (All Samples)' column; columns: {columns}"
+        )
     address = next((c for c in columns if "Address" in c), columns[0])
-    counted = [(number(r.get(samples)), r.get(address, ""), r.get("Source", "")) for r in rows]
+    counted = [
+        (number(r.get(samples)), r.get(address, ""), r.get("Source", "")) for r in rows
+    ]
     total = sum(n for n, _, _ in counted) or 1.0
-    out = [f"{total:.0f} stall samples over {len(rows)} instructions", "top instructions:"]
+    out = [
+        f"{total:.0f} stall samples over {len(rows)} instructions",
+        "top instructions:",
+    ]
     for n, addr, src in sorted(counted, reverse=True)[:top]:
         if n <= 0:
             break
@@ -78,15 +92,30 @@ def summarize(rows: list[dict[str, str]], top: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("report", nargs="?", help="an .ncu-rep file (else the CSV on stdin)")
-    ap.add_argument("--top", type=int, default=25, help="instructions and opcodes to list")
+    ap.add_argument(
+        "report", nargs="?", help="an .ncu-rep file (else the CSV on stdin)"
+    )
+    ap.add_argument(
+        "--top", type=int, default=25, help="instructions and opcodes to list"
+    )
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     args = ap.parse_args()
     if args.report:
-        cmd = [args.ncu, "--import", args.report, "--page", "source", "--csv", "--print-source", "sass"]
+        cmd = [
+            args.ncu,
+            "--import",
+            args.report,
+            "--page",
+            "source",
+            "--csv",
+            "--print-source",
+            "sass",
+        ]
         got = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if got.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed ({got.returncode}): {got.stderr.strip()[:400]}")
+            raise SystemExit(
+                f"{' '.join(cmd)} failed ({got.returncode}): {got.stderr.strip()[:400]}"
+            )
         text = got.stdout
     else:
         text = sys.stdin.read()

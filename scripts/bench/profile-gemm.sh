@@ -6,7 +6,8 @@
 #   SHAPE=4096x28672 M=64 PATHS="wgcluster64x2 wgcluster64x2n256" bash scripts/bench/profile-gemm.sh
 # Writes $OUT/profile-gemm-*.ncu-rep and .txt (ncu's report per kernel) and
 # profile-gemm-summary.txt (the lines that say what bounds each kernel, then its largest
-# stall reasons). STALLS=1 adds source-level PC sampling to the reports, e.g. for the
+# stall reasons). STALLS=1 adds source-level PC sampling to the reports and their samples
+# by SASS instruction to the summary (scripts/bench/ncu_source_top.py), e.g. for the
 # large-M kernel against cuBLAS's:
 #   SHAPE=4096x4096 M=4096 PATHS=wgtma128 STALLS=1 bash scripts/bench/profile-gemm.sh Timings: `arbor bench gemm --path P`
 # for every path first (no profiler attached), so the report sits next to wall figures.
@@ -69,9 +70,17 @@ for v, n in sorted(got, reverse=True)[:14]:
 pipes = [(n, num(v)) for n, v in zip(names, values)
          if "pct_of_peak" in n and any(w in n for w in ("shared", "tensor", "gmma", "lsu"))]
 for n, v in pipes:
-    if v is not None:
+    # The averages that are not zero: the min / max / sum variants and the idle pipes
+    # (fp64, int8, sparsity, ...) only bury them.
+    if v and not any(x in n for x in (".min.", ".max.", ".sum.")):
         print(f"  pipe {n}: {v:g} %")
 ' | tee -a "$SUMMARY"
+}
+# With STALLS=1: the PC samples by SASS instruction and by opcode (what a warp waits on:
+# its wgmma group, an mbarrier, a named barrier).
+sass_stalls() {
+    [[ ${STALLS:-0} == 1 ]] || return 0
+    python3 scripts/bench/ncu_source_top.py --ncu "$NCU" --top 20 "$1" | tee -a "$SUMMARY"
 }
 # STALLS=1: also the source-level PC sampling (which instruction each stall sits at), kept
 # in the .ncu-rep files for `ncu --import F --page source`.
@@ -87,6 +96,7 @@ if [[ -n $NCU ]]; then
         "$NCU" --import "$OUT/profile-gemm-$path.ncu-rep" > "$OUT/profile-gemm-$path.txt" 2>&1
         digest "$OUT/profile-gemm-$path.txt"
         stalls "$OUT/profile-gemm-$path.ncu-rep"
+        sass_stalls "$OUT/profile-gemm-$path.ncu-rep"
     done
     step "ncu cuBLAS" "$OUT/profile-gemm-cublas.log" 150 "$NCU" --clock-control none --set full \
         "${SOURCE[@]}" -o "$OUT/profile-gemm-cublas" -f \
@@ -95,5 +105,6 @@ if [[ -n $NCU ]]; then
     "$NCU" --import "$OUT/profile-gemm-cublas.ncu-rep" > "$OUT/profile-gemm-cublas.txt" 2>&1
     digest "$OUT/profile-gemm-cublas.txt"
     stalls "$OUT/profile-gemm-cublas.ncu-rep"
+    sass_stalls "$OUT/profile-gemm-cublas.ncu-rep"
 fi
 echo "==== profile-gemm ($(elapsed) s)"

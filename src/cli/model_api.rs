@@ -2,7 +2,7 @@
 //! synthetic-model writer, in one place so the subcommands name one module.
 
 pub use arbor_model::batching::scheduler::{
-    DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_ROW_TILE, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS,
+    DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_ROW_MULTIPLE, DEFAULT_STEP_OUTPUTS, DEFAULT_STEP_TOKENS,
 };
 pub use arbor_model::runner::capacity::DEFAULT_GPU_MEMORY_UTILIZATION;
 pub use arbor_model::runner::{

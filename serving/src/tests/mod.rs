@@ -35,7 +35,7 @@ fn config() -> ServeConfig {
             chunk: 64,
             step_tokens: 256,
             prefill_beside_decode: 256,
-            row_tile: 1,
+            row_multiple: 1,
             step_outputs: 256,
             kv_blocks: 64,
             eos: vec![0],

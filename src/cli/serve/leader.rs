@@ -31,7 +31,7 @@ pub fn lead(
         chunk: args.prefill_chunk,
         step_tokens: args.max_num_batched_tokens,
         prefill_beside_decode: args.prefill_beside_decode,
-        row_tile: args.row_tile,
+        row_multiple: args.row_multiple,
         step_outputs: super::step_outputs(args),
         kv_blocks: cap.blocks,
         eos: runner.eos_token_ids().to_vec(),

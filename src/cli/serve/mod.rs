@@ -35,7 +35,7 @@ use anyhow::{Context, Result};
 
 use super::common::{self, DeviceArg, KvArgs, NumericsArg};
 use super::model_api::{
-    self, LoadOptions, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_ROW_TILE, DEFAULT_STEP_OUTPUTS,
+    self, LoadOptions, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_ROW_MULTIPLE, DEFAULT_STEP_OUTPUTS,
     DEFAULT_STEP_TOKENS,
 };
 
@@ -100,11 +100,12 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_PREFILL_BESIDE_DECODE)]
     pub prefill_beside_decode: usize,
     /// Beside decode rows, take prompt rows up to the next multiple of this many rows in
-    /// the step (within --max-num-batched-tokens): the GEMMs work in tiles of 128 rows, and
-    /// a partly filled last tile costs a whole one. 1 turns the rounding off. Speed only:
-    /// chunking changes no output.
-    #[arg(long, default_value_t = DEFAULT_ROW_TILE)]
-    pub row_tile: usize,
+    /// the step (within --max-num-batched-tokens). A GEMM's time grows by whole rounds of
+    /// its 128-row tiles over the SMs; at 1024 rows every llama3-8b layer fills its last
+    /// round on an H100, so rows that fill it come almost free. 1 turns the rounding off.
+    /// Speed only: chunking changes no output.
+    #[arg(long, default_value_t = DEFAULT_ROW_MULTIPLE)]
+    pub row_multiple: usize,
     #[command(flatten)]
     pub kv: KvArgs,
     /// Reserve KV for every position a request may use when it is admitted, instead of

@@ -23,9 +23,9 @@ pub fn check_flags(args: &Args) -> Result<SocketAddr> {
         || args.max_num_batched_tokens == 0
         || args.prefill_chunk == 0
         || args.prefill_beside_decode == 0
-        || args.row_tile == 0
+        || args.row_multiple == 0
     {
-        bail!("--max-num-seqs, --max-num-batched-tokens, --prefill-chunk, --prefill-beside-decode and --row-tile must be at least 1");
+        bail!("--max-num-seqs, --max-num-batched-tokens, --prefill-chunk, --prefill-beside-decode and --row-multiple must be at least 1");
     }
     if args.max_queue == 0 || args.max_n == 0 {
         bail!("--max-queue and --max-n must be at least 1");

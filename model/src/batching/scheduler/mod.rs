@@ -28,9 +28,9 @@ use std::collections::VecDeque;
 
 use arbor_kernels::paged::{blocks_for, KV_BLOCK};
 
-use config::fill_row_tiles;
+use config::round_step_rows;
 pub use config::{
-    SchedulerConfig, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_ROW_TILE, DEFAULT_STEP_OUTPUTS,
+    SchedulerConfig, DEFAULT_PREFILL_BESIDE_DECODE, DEFAULT_ROW_MULTIPLE, DEFAULT_STEP_OUTPUTS,
     DEFAULT_STEP_TOKENS,
 };
 pub use request::{Event, FinishReason, SeqId, SeqSpec};
@@ -78,13 +78,13 @@ impl Scheduler {
             || cfg.chunk == 0
             || cfg.step_tokens == 0
             || cfg.prefill_beside_decode == 0
-            || cfg.row_tile == 0
+            || cfg.row_multiple == 0
             || cfg.step_outputs == 0
             || cfg.kv_blocks == 0
         {
             return Err(ModelError::Plan(format!(
-                "scheduler limits must be at least 1: running sequences {}, chunk {}, step tokens {}, prefill beside decode {}, row tile {}, step outputs {}, KV blocks {}",
-                cfg.max_running, cfg.chunk, cfg.step_tokens, cfg.prefill_beside_decode, cfg.row_tile, cfg.step_outputs, cfg.kv_blocks
+                "scheduler limits must be at least 1: running sequences {}, chunk {}, step tokens {}, prefill beside decode {}, row multiple {}, step outputs {}, KV blocks {}",
+                cfg.max_running, cfg.chunk, cfg.step_tokens, cfg.prefill_beside_decode, cfg.row_multiple, cfg.step_outputs, cfg.kv_blocks
             )));
         }
         Ok(Scheduler {
@@ -346,7 +346,7 @@ impl Scheduler {
         if !rows.is_empty() {
             let decode_rows = rows.len();
             let beside = self.cfg.prefill_beside_decode.min(budget);
-            budget = fill_row_tiles(decode_rows, beside, self.cfg.row_tile, budget);
+            budget = round_step_rows(decode_rows, beside, self.cfg.row_multiple, budget);
         }
         for r in &self.running {
             if budget == 0 {
@@ -612,10 +612,10 @@ mod tests {
     }
 
     #[test]
-    fn prompt_rows_beside_decode_rows_fill_the_row_tile() {
+    fn prompt_rows_beside_decode_rows_round_the_step_up() {
         let mut s = Scheduler::new(SchedulerConfig {
             prefill_beside_decode: 2,
-            row_tile: 4,
+            row_multiple: 4,
             ..cfg(4, 8, 8, 64)
         })
         .unwrap();
@@ -636,18 +636,18 @@ mod tests {
             steps.push((rows(a), rows(b)));
             s.apply(&p, &run(&p)).unwrap();
         }
-        // One decode row of a and 2 prompt rows of b make 3: b takes a third to fill the
-        // tile of 4, until its prompt runs out.
+        // One decode row of a and 2 prompt rows of b make 3: b takes a third to make the
+        // step a multiple of 4, until its prompt runs out.
         assert_eq!(steps, vec![(1, 3), (1, 3), (1, 1)]);
     }
 
     #[test]
     fn the_prefill_budget_beside_decode_changes_no_token() {
         let specs: Vec<SeqSpec> = (0..6).map(|k| spec(k, 5 + 7 * k as usize, 9)).collect();
-        let tokens = |beside: usize, row_tile: usize| {
+        let tokens = |beside: usize, row_multiple: usize| {
             let mut s = Scheduler::new(SchedulerConfig {
                 prefill_beside_decode: beside,
-                row_tile,
+                row_multiple,
                 ..cfg(4, 16, 32, 64)
             })
             .unwrap();
@@ -659,9 +659,9 @@ mod tests {
         };
         let (whole, whole_rows) = tokens(32, 1);
         let (small, small_rows) = tokens(3, 1);
-        let (tiled, _) = tokens(3, 8);
+        let (rounded, _) = tokens(3, 8);
         assert_eq!(small, whole);
-        assert_eq!(tiled, whole);
+        assert_eq!(rounded, whole);
         assert!(
             small_rows > whole_rows,
             "a budget of 3 prompt rows beside decode rows cuts the prompts into more chunks ({small_rows} rows vs {whole_rows})"

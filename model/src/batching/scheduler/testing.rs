@@ -37,7 +37,7 @@ pub(super) fn cfg(running: usize, chunk: usize, step: usize, blocks: usize) -> S
         chunk,
         step_tokens: step,
         prefill_beside_decode: step,
-        row_tile: 1,
+        row_multiple: 1,
         step_outputs: 1024,
         kv_blocks: blocks,
         eos: vec![2],
