@@ -94,11 +94,11 @@ pub(crate) fn round_step_rows(
     row_multiple: usize,
     left: usize,
 ) -> usize {
-    let tile = row_multiple.max(1);
+    let multiple = row_multiple.max(1);
     let filled = decode_rows
         .saturating_add(beside)
-        .div_ceil(tile)
-        .saturating_mul(tile);
+        .div_ceil(multiple)
+        .saturating_mul(multiple);
     filled.saturating_sub(decode_rows).min(left)
 }
 

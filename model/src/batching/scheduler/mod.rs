@@ -344,9 +344,12 @@ impl Scheduler {
             }
         }
         if !rows.is_empty() {
-            let decode_rows = rows.len();
-            let beside = self.cfg.prefill_beside_decode.min(budget);
-            budget = round_step_rows(decode_rows, beside, self.cfg.row_multiple, budget);
+            budget = round_step_rows(
+                rows.len(),
+                self.cfg.prefill_beside_decode,
+                self.cfg.row_multiple,
+                budget,
+            );
         }
         for r in &self.running {
             if budget == 0 {
