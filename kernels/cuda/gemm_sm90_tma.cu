@@ -15,7 +15,8 @@
 //   whole tree of their tile (tile_tree). The tree needs up to three pending 64x128
 //   partials besides the running leaf; the producer gives registers to the consumers
 //   (setmaxnreg), so the leaf, the root and p1 are in registers and s6 waits in shared
-//   memory.
+//   memory. arbor_gemm_wg_tma_128x{96,64}: the same on narrower tiles (more tiles, so
+//   that a layer at 129-1024 rows fills the SMs' last round), with a deeper ring.
 // - arbor_gemm_wg_cluster_64x128 (small M): one block per (128 columns, segment, 64 rows),
 //   the n_seg blocks of a tile form a thread-block cluster; each leaves its segment sum in
 //   its own shared memory and the cluster combines them over distributed shared memory in
@@ -240,7 +241,8 @@ DEVI void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 2
 // for one segment in a thread-private shared-memory slot (`s6[64 · 128]`: the thread's
 // values 128 floats apart in its warpgroup's half of the slot, conflict-free). `before_s6`
 // runs before the slot is written (the dense kernel's TMA store may still be reading it).
-template <int STAGES, int STAGE_BYTES, int A_BYTES, typename BeforeS6>
+// WN: the tile's columns (each leaf a 64 x WN wgmma chain, WN / 2 values a thread).
+template <int STAGES, int STAGE_BYTES, int A_BYTES, int WN = 128, typename BeforeS6>
 DEVI void tile_tree(float* root, float* acc, float* p1, float* s6, u32 ring, u32 full,
                     u32 empty, int a_row_off, int seg_len, int tps, int n_seg, u32& it,
                     bool releaser, BeforeS6 before_s6) {
@@ -249,31 +251,31 @@ DEVI void tile_tree(float* root, float* acc, float* p1, float* s6, u32 ring, u32
     // zeroed beforehand, makes ptxas (13.0) serialise every wgmma of the kernel (C7515:
     // non-wgmma instructions define accumulator registers inside a pipeline stage).
 #define LEAF(dst) \
-    leaf_segment<STAGES, STAGE_BYTES>(dst, ring, ring + A_BYTES, full, empty, a_row_off, seg_len, tps, it, releaser)
+    leaf_segment<STAGES, STAGE_BYTES, WN>(dst, ring, ring + A_BYTES, full, empty, a_row_off, seg_len, tps, it, releaser)
     LEAF(root);
     if (n_seg > 1) {
         LEAF(acc);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) root[i] = root[i] + acc[i];
+        for (int i = 0; i < WN / 2; ++i) root[i] = root[i] + acc[i];
     }
     if (n_seg > 2) {
         LEAF(p1);
         LEAF(acc);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) root[i] = root[i] + (p1[i] + acc[i]);
+        for (int i = 0; i < WN / 2; ++i) root[i] = root[i] + (p1[i] + acc[i]);
     }
     if (n_seg > 4) {
         LEAF(p1);
         LEAF(acc);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) p1[i] = p1[i] + acc[i];
+        for (int i = 0; i < WN / 2; ++i) p1[i] = p1[i] + acc[i];
         LEAF(acc);
         before_s6();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) s6[i * 128] = acc[i];
+        for (int i = 0; i < WN / 2; ++i) s6[i * 128] = acc[i];
         LEAF(acc);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) root[i] = root[i] + (p1[i] + (s6[i * 128] + acc[i]));
+        for (int i = 0; i < WN / 2; ++i) root[i] = root[i] + (p1[i] + (s6[i * 128] + acc[i]));
     }
 #undef LEAF
 }
@@ -298,26 +300,52 @@ DEVI void tile_coords(int t, int num_m, int num_n, int& m_tile, int& n_tile) {
     n_tile = (t % per_group) / gsize;
 }
 
+// Shared memory of a persistent kernel besides alignment and barriers: its ring and the
+// s6 slot, which is also the TMA store's staging.
+constexpr int TMA_SMEM = 226 * 1024;
+
+// The persistent kernel of 128 x WN tiles: stages of [X 128x64 | W WNx64] (each a whole
+// number of 1024-byte swizzle atoms), as many as fit beside the s6 slot (WN / 2 values x
+// 256 consumer threads), at most 8: WN = 128 5 (TMA_STAGES), 96 6, 64 8.
+template <int WN>
+struct TmaLayout {
+    static constexpr int A = WN / 2;  // accumulator values a consumer thread
+    static constexpr int A_BYTES = TMA_A_BYTES;
+    static constexpr int STAGE_BYTES = A_BYTES + WN * 64 * 2;
+    static constexpr int SLOT_BYTES = A * 256 * 4;
+    static constexpr int FIT = (TMA_SMEM - SLOT_BYTES) / STAGE_BYTES;
+    static constexpr int STAGES = FIT < 8 ? FIT : 8;
+    static_assert(STAGE_BYTES % 1024 == 0, "a stage must keep the swizzle atoms aligned");
+};
+static_assert(TmaLayout<128>::STAGES == TMA_STAGES && TmaLayout<128>::STAGE_BYTES == TMA_STAGE_BYTES,
+              "the 128-column layout is the one the MoE kernel shares");
+
 // 384 threads: warpgroups 0 and 1 consume (rows 0-63 and 64-127 of the tile), warpgroup 2
-// produces (one thread issues every TMA).
-extern "C" __global__ void __launch_bounds__(384, 1)
-    arbor_gemm_wg_tma_128x128(const __grid_constant__ TmaParams p) {
+// produces (one thread issues every TMA). WN < 128: narrower tiles, more of them, for the
+// M where 128 x 128 tiles fill only part of the SMs' last round (M = 256: q/k/v makes 96
+// tiles of 128 columns, 128 of 96). Each leaf is the 64 x WN wgmma chain, whose values do
+// not depend on WN, so every width gives the same bits.
+template <int WN>
+DEVI void persistent_body(const TmaParams& p) {
+    using L = TmaLayout<WN>;
+    constexpr int STAGES = L::STAGES, STAGE_BYTES = L::STAGE_BYTES, A_BYTES = L::A_BYTES, A = L::A;
     extern __shared__ unsigned char tma_smem[];
     const u32 raw = smem_addr(tma_smem);
     const u32 base = (raw + 1023u) & ~1023u;
-    // Layout: STAGES x [A 128x64 | B 128x64], the s6 slot (64 floats x 256 consumer
-    // threads), then the full and empty barriers.
+    // Layout: STAGES x [A 128x64 | B WNx64], the s6 slot, then the full and empty barriers.
     const u32 ring = base;
-    float* slot = (float*)(tma_smem + (base - raw) + TMA_STAGES * TMA_STAGE_BYTES);
-    const u32 full = base + TMA_STAGES * TMA_STAGE_BYTES + 64 * 256 * 4;
-    const u32 empty = full + 8 * TMA_STAGES;
-    require_smem(empty + 8 * TMA_STAGES - raw);
+    float* slot = (float*)(tma_smem + (base - raw) + STAGES * STAGE_BYTES);
+    const u32 full = base + STAGES * STAGE_BYTES + L::SLOT_BYTES;
+    const u32 empty = full + 8 * STAGES;
+    require_smem(empty + 8 * STAGES - raw);
+    // The TMA stores stage whole 32-column f32 boxes (the SiLU·mul epilogue's two f32 and
+    // one bf16 box: 128 columns); the host sets tma_out only for widths that have them.
+    if (p.tma_out && (p.epi ? WN != 128 : WN % 32 != 0)) __trap();
 
     const int tid = threadIdx.x;
     const int wg = warpgroup_uniform();
-    pdl_enter();
     if (tid == 0) {
-        for (int s = 0; s < TMA_STAGES; ++s) {
+        for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, 2);  // one arrival per consumer warpgroup
         }
@@ -331,34 +359,57 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     __syncthreads();
 
-    const int num_m = (p.M + 127) / 128, num_n = (p.N + 127) / 128;
+    const int num_m = (p.M + 127) / 128, num_n = (p.N + WN - 1) / WN;
     const int tiles = num_m * num_n;
     const int tps = (p.seg_len + 63) / 64;
 
     if (wg == 2) {
         producer_registers();
-        if (tid != 256) return;
+        if (tid != 256) {
+            pdl_enter();
+            return;
+        }
+        // The first tile's first stages of W (constant data) go out before the wait, so
+        // under PDL they stream while the previous kernel finishes; their X boxes follow
+        // the wait, each stage's full barrier expecting both (as in small_m_body).
+        int mt0 = 0, nt0 = 0;
+        int early = 0;
+        if (p.w_early && (int)blockIdx.x < tiles) {
+            tile_coords(blockIdx.x, num_m, num_n, mt0, nt0);
+            early = min(STAGES, p.n_seg * tps);
+            for (int e = 0; e < early; ++e) {
+                mbar_expect_tx(full + 8 * e, STAGE_BYTES);
+                load_w_boxes<1, WN>(p, ring + e * STAGE_BYTES + A_BYTES, e % tps, e / tps, nt0 * WN,
+                                    full + 8 * e);
+            }
+        }
+        pdl_enter();
+        for (int e = 0; e < early; ++e)
+            tma_load_3d(ring + e * STAGE_BYTES, &p.tx, (e % tps) * 64, e / tps, mt0 * 128, full + 8 * e);
         u32 it = 0;
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
             int mt, nt;
             tile_coords(t, num_m, num_n, mt, nt);
             for (int s = 0; s < p.n_seg; ++s) {
-                for (int kt = 0; kt < tps; ++kt, ++it)
-                    produce_stage<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(
-                        p, ring, full, empty, it, kt, s, mt * 128, nt * 128);
+                for (int kt = 0; kt < tps; ++kt, ++it) {
+                    if ((int)it < early) continue;
+                    produce_stage<STAGES, STAGE_BYTES, A_BYTES, 1, WN>(p, ring, full, empty, it, kt, s,
+                                                                      mt * 128, nt * WN);
+                }
             }
         }
         return;
     }
 
+    pdl_enter();
     const int g = wg;              // consumer warpgroup: rows 64g .. 64g + 63 of the tile
     const int wl = tid & 127;
     const bool releaser = wl == 0;
     consumer_registers();
-    float acc[64], root[64], p1[64];
+    float acc[A], root[A], p1[A];
     // This warpgroup's half of the slot: s6 during the tree, then the tile's roots for the
-    // TMA store (four 128-byte-swizzled boxes of 64 rows x 32 columns).
-    float* half = slot + g * 64 * 128;
+    // TMA store (WN / 32 128-byte-swizzled boxes of 64 rows x 32 columns).
+    float* half = slot + g * A * 128;
     const u32 stage_out = smem_addr(half);
     // The previous tile's TMA store reads `half` until its bulk group says otherwise.
     auto store_done = [&] {
@@ -370,68 +421,82 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
         tile_coords(t, num_m, num_n, mt, nt);
-        tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(root, acc, p1, half + wl, ring, full,
-                                                            empty, g * 64 * 128, p.seg_len, tps,
-                                                            p.n_seg, it, releaser, store_done);
-        const int row0 = mt * 128 + g * 64, col0 = nt * 128;
-        if (p.tma_out && p.epi) {
-            // silu(gate)·up of the tile's 64 column pairs: f32 as two 64x32 boxes at the
-            // half's start, bf16 as one 64x64 box after them (both 128-byte swizzled).
-            store_done();
+        tile_tree<STAGES, STAGE_BYTES, A_BYTES, WN>(root, acc, p1, half + wl, ring, full, empty,
+                                                    g * 64 * 128, p.seg_len, tps, p.n_seg, it,
+                                                    releaser, store_done);
+        const int row0 = mt * 128 + g * 64, col0 = nt * WN;
+        if constexpr (WN == 128) {
+            if (p.tma_out && p.epi) {
+                // silu(gate)·up of the tile's 64 column pairs: f32 as two 64x32 boxes at the
+                // half's start, bf16 as one 64x64 box after them (both 128-byte swizzled).
+                store_done();
 #pragma unroll
-            for (int i = 0; i < 64; i += 2) {
-                const int r = acc_row(wl, i), j = acc_col(wl, i) >> 1;
+                for (int i = 0; i < A; i += 2) {
+                    const int r = acc_row(wl, i), j = acc_col(wl, i) >> 1;
+                    const float y = silu_mul(root[i], root[i + 1]);
+                    if (p.outf) {
+                        const int cc = j & 31;
+                        const u32 off = (j >> 5) * 8192 + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
+                        *(float*)((unsigned char*)half + off) = y;
+                    }
+                    if (p.outh) {
+                        const u32 off = 16384 + r * 128 + ((((j >> 3) ^ (r & 7)) << 4) | ((j & 7) << 1));
+                        *(u16*)((unsigned char*)half + off) = f32_to_bf16(y);
+                    }
+                }
+                fence_async_smem();
+                warpgroup_bar(g);
+                if (releaser) {
+                    if (p.outf) {
+                        tma_store_2d(&p.to, stage_out, col0 / 2, row0);
+                        tma_store_2d(&p.to, stage_out + 8192, col0 / 2 + 32, row0);
+                    }
+                    if (p.outh) tma_store_2d(&p.toh, stage_out + 16384, col0 / 2, row0);
+                    bulk_commit();
+                }
+                continue;
+            }
+        }
+        if constexpr (WN % 32 == 0) {
+            if (p.tma_out) {
+                store_done();
+#pragma unroll
+                for (int i = 0; i < A; i += 2) {
+                    const int r = acc_row(wl, i), c = acc_col(wl, i);
+                    const int cc = c & 31;
+                    const u32 off = (c >> 5) * 8192 + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
+                    *(float2*)((unsigned char*)half + off) = make_float2(root[i], root[i + 1]);
+                }
+                fence_async_smem();
+                warpgroup_bar(g);
+                if (releaser) {
+#pragma unroll
+                    for (int b = 0; b < WN / 32; ++b) tma_store_2d(&p.to, stage_out + b * 8192, col0 + 32 * b, row0);
+                    bulk_commit();
+                }
+                continue;
+            }
+        }
+        if (p.epi) {
+            // c is even: the pair (c, c + 1) is (gate j, up j), j = c / 2. Lanes 2l and
+            // 2l + 1 hold j and j + 1 of one row: the even lane stores both.
+#pragma unroll
+            for (int i = 0; i < A; i += 2) {
+                const int r = row0 + acc_row(wl, i);
+                const int c = col0 + acc_col(wl, i);
                 const float y = silu_mul(root[i], root[i + 1]);
-                if (p.outf) {
-                    const int cc = j & 31;
-                    const u32 off = (j >> 5) * 8192 + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
-                    *(float*)((unsigned char*)half + off) = y;
-                }
-                if (p.outh) {
-                    const u32 off = 16384 + r * 128 + ((((j >> 3) ^ (r & 7)) << 4) | ((j & 7) << 1));
-                    *(u16*)((unsigned char*)half + off) = f32_to_bf16(y);
-                }
-            }
-            fence_async_smem();
-            warpgroup_bar(g);
-            if (releaser) {
-                if (p.outf) {
-                    tma_store_2d(&p.to, stage_out, col0 / 2, row0);
-                    tma_store_2d(&p.to, stage_out + 8192, col0 / 2 + 32, row0);
-                }
-                if (p.outh) tma_store_2d(&p.toh, stage_out + 16384, col0 / 2, row0);
-                bulk_commit();
-            }
-            continue;
-        }
-        if (p.tma_out) {
-            store_done();
-#pragma unroll
-            for (int i = 0; i < 64; i += 2) {
-                const int r = acc_row(wl, i), c = acc_col(wl, i);
-                const int cc = c & 31;
-                const u32 off = (c >> 5) * 8192 + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
-                *(float2*)((unsigned char*)half + off) = make_float2(root[i], root[i + 1]);
-            }
-            fence_async_smem();
-            warpgroup_bar(g);
-            if (releaser) {
-#pragma unroll
-                for (int b = 0; b < 4; ++b) tma_store_2d(&p.to, stage_out + b * 8192, col0 + 32 * b, row0);
-                bulk_commit();
+                const float y1 = __shfl_down_sync(0xffffffffu, y, 1);
+                if (r >= p.M || (wl & 1)) continue;
+                const int n = c + 3 < p.N ? 2 : (c + 1 < p.N ? 1 : 0);
+                if (n > 0) store_silu(p, r, c >> 1, n, y, y1);
             }
             continue;
         }
 #pragma unroll
-        for (int i = 0; i < 64; i += 2) {
+        for (int i = 0; i < A; i += 2) {
             const int r = row0 + acc_row(wl, i);
             const int c = col0 + acc_col(wl, i);
             if (r >= p.M) continue;
-            if (p.epi) {
-                // c is even: the pair (c, c + 1) is (gate j, up j), j = c / 2.
-                if (c + 1 < p.N) store_silu(p, r, c >> 1, 1, silu_mul(root[i], root[i + 1]), 0.f);
-                continue;
-            }
             const long long idx = (long long)r * p.N + c;
             if (c + 1 < p.N && p.outf && (((u64)(p.outf + idx) & 7) == 0)) {
                 *(float2*)(p.outf + idx) = make_float2(root[i], root[i + 1]);
@@ -443,6 +508,16 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     if (p.tma_out && releaser) bulk_wait_all();
 }
+
+#define PERSISTENT_KERNEL(BN)                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1)                    \
+        arbor_gemm_wg_tma_128x##BN(const __grid_constant__ TmaParams p) {   \
+        persistent_body<BN>(p);                                              \
+    }
+PERSISTENT_KERNEL(128)
+PERSISTENT_KERNEL(96)
+PERSISTENT_KERNEL(64)
+#undef PERSISTENT_KERNEL
 
 // ---------------------------------------------------------------------------------------
 // Small M: a cluster of the n_seg segment blocks of one 64-row tile, combined over DSMEM.

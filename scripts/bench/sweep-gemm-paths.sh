@@ -6,8 +6,9 @@
 # call), so the rules only move time.
 #   SHAPES="4096x1536 tp4:4096x4096" MS=1,8,32,64 bash scripts/bench/sweep-gemm-paths.sh
 # A shape "tpN:KxN" is a row-parallel layer's shard at TP N (`bench gemm --tp N`).
-# The band 129 <= M <= 512 (decode at batch 256): MS=256,512 PATHS="default wgtma128
-# wgquad128x128 wgquad128x64" (ARBOR_GEMM_M256=1 lets "default" take the quad128 rule).
+# The band 129 <= M <= 1024 (decode at batch 256, serving's steps with prompt rows):
+# MS=256,384,512,768,1024 PATHS="default wgtma128 wgtma128x96 wgtma128x64 wgquad128x128"
+# (ARBOR_GEMM_NARROW=0 / ARBOR_GEMM_M256=0 keep "default" off the narrow / quad rules).
 # Prints "shape M path arbor_us cublas_us" rows and, per (shape, M), the fastest path.
 set -uo pipefail
 T0=$(date +%s)

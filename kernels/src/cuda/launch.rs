@@ -16,12 +16,16 @@
 //! Kernels without the wait (cuBLAS, the collectives, the portable GEMM paths) are
 //! launched without the attribute and keep full serialisation.
 //!
-//! Which steps use it ([`PdlPolicy`], `ARBOR_PDL`): by default every step but one run op
-//! by op with at least [`PDL_MAX_ROWS`] rows. A prefill of 8 × 1024 tokens of the llama3-8b
-//! shape took 265 ms with PDL and 233 ms without (H100), and `arbor serve`'s steps that
-//! carry prompt rows beside decode rows (~650 rows) 38.5 ms with PDL and 37.5 without,
-//! while decode steps, whose kernels are microseconds long, gain from it. Only time
-//! changes: the order of memory effects is the plain launch order either way.
+//! Which steps use it ([`PdlPolicy`], `ARBOR_PDL`): by default the steps of fewer than
+//! [`PDL_OFF_FROM_ROWS`] rows, recorded or run op by op. Decode steps, whose kernels are
+//! microseconds long, gain from it (batch 128 on an H100: 8.26–8.35 ms a step with it,
+//! 8.44–8.47 without). From 256 rows the GEMMs run the persistent kernels' narrow tiles
+//! (gemm `tma_tile`), which lose with it: the batch-256 step took 12.39 ms with PDL and
+//! 12.08 without (with the 128-column and quad tiles it took 12.16 with PDL, 12.30
+//! without); a prefill of 8 × 1024 tokens 265 ms with and 233 without, and `arbor serve`'s
+//! steps that carry prompt rows beside decode rows (~650 rows) 38.5 ms with and 37.5
+//! without. Only time changes: the order of memory effects is the plain launch order
+//! either way.
 //! `ARBOR_PDL=0` turns the attribute off everywhere, `1` on in every step (both for
 //! measuring what it buys).
 
@@ -38,8 +42,9 @@ use cudarc::driver::{
 
 pub const PDL_ENV: &str = "ARBOR_PDL";
 
-/// Rows from which a step run op by op launches without PDL by default.
-pub const PDL_MAX_ROWS: usize = 512;
+/// Rows from which a step launches without PDL by default: where the GEMMs' narrow
+/// persistent tiles start (gemm `NARROW_FROM_ROWS`).
+pub const PDL_OFF_FROM_ROWS: usize = 256;
 
 /// Which steps launch with PDL (`ARBOR_PDL`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,8 +53,7 @@ pub enum PdlPolicy {
     Off,
     /// `1`: every launch that can.
     On,
-    /// Unset or `auto`: every launch but those of a step run op by op with at least
-    /// [`PDL_MAX_ROWS`] rows.
+    /// Unset or `auto`: the launches of steps of fewer than [`PDL_OFF_FROM_ROWS`] rows.
     Auto,
 }
 
@@ -72,12 +76,12 @@ impl PdlPolicy {
             .clone()
     }
 
-    /// Whether a step of `rows` rows run op by op (`eager`) or recorded launches with PDL.
-    pub fn for_step(self, rows: usize, eager: bool) -> bool {
+    /// Whether a step of `rows` rows launches with PDL.
+    pub fn for_step(self, rows: usize) -> bool {
         match self {
             Self::Off => false,
             Self::On => true,
-            Self::Auto => !(eager && rows >= PDL_MAX_ROWS),
+            Self::Auto => rows < PDL_OFF_FROM_ROWS,
         }
     }
 }
@@ -305,7 +309,7 @@ mod pdl_policy_tests {
     use super::*;
 
     #[test]
-    fn policy_parses_strictly_and_spares_long_eager_steps() {
+    fn policy_parses_strictly_and_spares_steps_of_many_rows() {
         assert_eq!(PdlPolicy::parse(None), Ok(PdlPolicy::Auto));
         assert_eq!(PdlPolicy::parse(Some(" auto")), Ok(PdlPolicy::Auto));
         assert_eq!(PdlPolicy::parse(Some("0")), Ok(PdlPolicy::Off));
@@ -313,12 +317,12 @@ mod pdl_policy_tests {
         let e = PdlPolicy::parse(Some("yes")).unwrap_err();
         assert!(e.contains("ARBOR_PDL") && e.contains("\"yes\""), "{e}");
         let auto = PdlPolicy::Auto;
-        assert!(auto.for_step(256, true));
-        assert!(auto.for_step(PDL_MAX_ROWS - 1, true));
-        assert!(!auto.for_step(PDL_MAX_ROWS, true));
-        // Recorded steps keep it whatever their rows.
-        assert!(auto.for_step(PDL_MAX_ROWS, false));
-        assert!(!PdlPolicy::Off.for_step(1, false));
-        assert!(PdlPolicy::On.for_step(8192, true));
+        assert!(auto.for_step(1));
+        assert!(auto.for_step(192));
+        assert!(!auto.for_step(PDL_OFF_FROM_ROWS));
+        assert_eq!(PDL_OFF_FROM_ROWS, crate::cuda::gemm::NARROW_FROM_ROWS);
+        assert!(!auto.for_step(8192));
+        assert!(!PdlPolicy::Off.for_step(1));
+        assert!(PdlPolicy::On.for_step(8192));
     }
 }

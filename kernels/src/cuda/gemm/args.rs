@@ -263,11 +263,13 @@ mod tests {
         // The SiLU·mul epilogue: f32, bf16 or both, never neither.
         let mut s = args(good);
         s.epilogue = Epilogue::SiluMulPairs { bf16: 0x6000 };
-        assert!(validate(&s, Path::WgTma128).is_ok());
+        assert!(validate(&s, Path::WgTma { bn: 128 }).is_ok());
         s.out = 0;
-        assert!(validate(&s, Path::WgTma128).is_ok(), "bf16 alone");
+        assert!(validate(&s, Path::WgTma { bn: 128 }).is_ok(), "bf16 alone");
         s.epilogue = Epilogue::SiluMulPairs { bf16: 0 };
-        let e = validate(&s, Path::WgTma128).unwrap_err().to_string();
+        let e = validate(&s, Path::WgTma { bn: 128 })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("both are null"), "{e}");
     }
 
@@ -308,13 +310,16 @@ mod tests {
                 }
             }
         }
-        let e = validate(&args(TreeMatmul { m: 4096, ..short }), Path::WgTma128)
-            .unwrap_err()
-            .to_string();
+        let e = validate(
+            &args(TreeMatmul { m: 4096, ..short }),
+            Path::WgTma { bn: 128 },
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("k == n_seg·seg_len = 4096"), "{e}");
         // The tree paths keep their partials on the chip: no workspace at any shape.
-        assert_eq!(Path::WgTma128.workspace_len(4096, 14336, 8), 0);
-        assert_eq!(Path::WgTma128.workspace_len(4096, 4096, 4), 0);
+        assert_eq!(Path::WgTma { bn: 128 }.workspace_len(4096, 14336, 8), 0);
+        assert_eq!(Path::WgTma { bn: 128 }.workspace_len(4096, 4096, 4), 0);
         assert_eq!(Path::WgCluster64.counters_len(64, 4096), 0);
     }
 }

@@ -319,7 +319,7 @@ fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
             n_seg: SEGMENTS,
         };
         for m in ms {
-            let y = b.call(&tg, Path::WgTma128, full(m), (0, 0, 0));
+            let y = b.call(&tg, Path::WgTma { bn: 128 }, full(m), (0, 0, 0));
             // The last row (in the partial last row tile where M is not a multiple of 128).
             let xr: Vec<bf16> = x_host[(m - 1) * k..m * k]
                 .iter()
@@ -338,7 +338,7 @@ fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
             for &path in &paths {
                 let name = format!("{} K {k} N {n} M {m}", path.name());
                 same_bits(&b.call(&tg, path, full(m), (0, 0, 0)), &y, &name);
-                if !matches!(path, Path::WgTma128 | Path::WgQuad128 { .. }) {
+                if !matches!(path, Path::WgTma { .. } | Path::WgQuad128 { .. }) {
                     continue;
                 }
                 for world in [2usize, 4, 8] {

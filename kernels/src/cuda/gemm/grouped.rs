@@ -120,7 +120,7 @@ impl GroupedPath {
             Self::Split16 => Path::Split16,
             Self::Split64 => Path::Split64,
             Self::Tree128 => Path::Tree128,
-            Self::WgTma128 => Path::WgTma128,
+            Self::WgTma128 => Path::WgTma { bn: 128 },
         }
     }
 

@@ -29,12 +29,13 @@ pub use args::{validate, Epilogue, GemmArgs, OutDtype};
 use error::driver;
 pub use error::GemmError;
 pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, GroupedWg, MoeTiles};
-pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, WHOLE_BNS};
+pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
-    default_path_for, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile,
-    tma_store_enabled, whole_tile, wide_cluster_fits, QUAD128_BY_DEFAULT, QUAD128_ENV,
-    TMA_STORE_BY_DEFAULT, TMA_STORE_ENV,
+    default_path_for, narrow_enabled, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile,
+    tma_store_enabled, tma_tile, whole_tile, wide_cluster_fits, Switches, NARROW_BY_DEFAULT,
+    NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV, TMA_STORE_BY_DEFAULT,
+    TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -110,9 +111,9 @@ pub struct TreeGemm {
     /// Launch the TMA kernels with programmatic dependent launch (launch.rs); the other
     /// paths have no `pdl_wait` and always launch plainly.
     pdl: bool,
-    /// Whether the default path may take the 128-row quad tiles ([`quad128_enabled`]).
-    quad128: bool,
-    /// Whether `wgtma128` stores plain f32 roots by TMA ([`tma_store_enabled`]).
+    /// The default path's on/off rules ([`Switches::from_env`]).
+    switches: Switches,
+    /// Whether the persistent kernels store their results by TMA ([`tma_store_enabled`]).
     tma_store: bool,
 }
 
@@ -204,7 +205,7 @@ impl TreeGemm {
                 value: std::env::var(super::launch::PDL_ENV).unwrap_or_default(),
                 msg: "expected 0, 1 or auto",
             })?,
-            quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
+            switches: Switches::from_env()?,
             tma_store: tma_store_enabled(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
@@ -216,15 +217,16 @@ impl TreeGemm {
     }
 
     /// The path a call of this shape takes by default ([`default_path_for`] on this
-    /// device). All give the same bits (same leaf, same tree), so this choice may depend
-    /// on the device.
-    pub fn default_path(&self, shape: &TreeMatmul) -> Path {
+    /// device; `silu`: the call ends in the SiLU·mul epilogue). All give the same bits
+    /// (same leaf, same tree), so this choice may depend on the device.
+    pub fn default_path(&self, shape: &TreeMatmul, silu: bool) -> Path {
         default_path_for(
             shape,
             self.family,
             self.sms,
             &self.cluster_capacity,
-            self.quad128,
+            self.switches,
+            silu,
             |p| self.has(p),
         )
     }
@@ -262,7 +264,8 @@ impl TreeGemm {
         path: Option<Path>,
     ) -> Result<(), GemmError> {
         let s = a.shape;
-        let path = path.unwrap_or_else(|| self.default_path(&s));
+        let silu = matches!(a.epilogue, Epilogue::SiluMulPairs { .. });
+        let path = path.unwrap_or_else(|| self.default_path(&s, silu));
         validate(a, path)?;
         let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
             return Err(GemmError::Shape {
@@ -318,20 +321,20 @@ impl TreeGemm {
     ) -> Result<(), GemmError> {
         let s = a.shape;
         let x_rows = match path {
-            Path::WgTma128 | Path::WgQuad128 { .. } => 128,
+            Path::WgTma { .. } | Path::WgQuad128 { .. } => 128,
             _ => 64,
         };
         let w_rows = match path {
             Path::WgWhole { bn } | Path::WgQuad { bn } => (bn / 2) as u32,
-            Path::WgQuad128 { bn } => bn as u32,
+            Path::WgQuad128 { bn } | Path::WgTma { bn } => bn as u32,
             _ => 128,
         };
-        // The large-M kernel stores plain f32 roots, or the SiLU·mul epilogue's values, by
-        // TMA, overlapping the next tile.
+        // The persistent kernels store plain f32 roots, or the SiLU·mul epilogue's values, by
+        // TMA, overlapping the next tile, where their tiles are whole store boxes.
         use tma::OutElem;
         let none = tma::TensorMapBytes([0; 16]);
         let silu = matches!(a.epilogue, Epilogue::SiluMulPairs { .. });
-        let tma_out = path == Path::WgTma128
+        let tma_out = path.tma_stores(silu)
             && self.tma_store
             && if silu {
                 (outf == 0 || tma::out_map_fits(outf, s.n / 2, OutElem::F32))
@@ -372,7 +375,7 @@ impl TreeGemm {
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {
-            Path::WgTma128 => (path.persistent_blocks(s.m, s.n, self.sms), None),
+            Path::WgTma { bn } => (Path::persistent_blocks(bn, s.m, s.n, self.sms), None),
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
             Path::WgWhole { .. } => (gx, None),
             Path::WgQuad { .. } | Path::WgQuad128 { .. } => (gx, Some(s.n_seg.div_ceil(4) as u32)),

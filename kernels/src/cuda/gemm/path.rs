@@ -24,6 +24,11 @@ const WHOLE_SMEM: u32 = 225 * 1024;
 pub const QUAD_BNS: [usize; 2] = [96, 64];
 /// Tile widths of the `wgquad128x` kernels (128-row tiles), widest first.
 pub const QUAD128_BNS: [usize; 2] = [128, 64];
+/// Tile widths of the persistent `wgtma128` kernels (128-row tiles), widest first.
+pub const TMA_BNS: [usize; 3] = [128, 96, 64];
+/// gemm_sm90_tma.cu TMA_SMEM: the shared memory a persistent block fills with its ring
+/// stages and its s6 slot.
+const TMA_SMEM: u32 = 226 * 1024;
 
 /// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
 /// by speed.
@@ -42,9 +47,9 @@ pub enum Path {
     /// wgmma, one block per (128 columns, segment, 64 rows); the last block of a tile
     /// combines.
     WgSplit64,
-    /// wgmma fed by TMA, warp-specialised and persistent, 128×128 tiles, the whole tree in
-    /// the block. Needs `k == n_seg·seg_len`.
-    WgTma128,
+    /// wgmma fed by TMA, warp-specialised and persistent, 128×`bn` tiles (`bn` one of
+    /// [`TMA_BNS`]), the whole tree in the block. Needs `k == n_seg·seg_len`.
+    WgTma { bn: usize },
     /// wgmma fed by TMA, one block per (128 columns, segment, 64 rows); the tile's
     /// `n_seg` blocks are a cluster and combine over distributed shared memory. Needs
     /// `k == n_seg·seg_len`.
@@ -84,7 +89,7 @@ impl Path {
             (Family::Mma, 17..=256) => Path::Split64,
             (Family::Mma, _) => Path::Tree128,
             (Family::Wgmma, 0..=64) if tma => Path::WgCluster64,
-            (Family::Wgmma, _) if tma => Path::WgTma128,
+            (Family::Wgmma, _) if tma => Path::WgTma { bn: 128 },
             (Family::Wgmma, 0..=256) => Path::WgSplit64,
             (Family::Wgmma, _) => Path::WgTree128,
         }
@@ -95,7 +100,9 @@ impl Path {
         match family {
             Family::Mma => &[Path::Tree128, Path::Split16, Path::Split64],
             Family::Wgmma => &[
-                Path::WgTma128,
+                Path::WgTma { bn: 128 },
+                Path::WgTma { bn: 96 },
+                Path::WgTma { bn: 64 },
                 Path::WgCluster64,
                 Path::WgCluster64x2,
                 Path::WgCluster64x2N256,
@@ -119,7 +126,7 @@ impl Path {
             Path::Tree128 | Path::Split16 | Path::Split64 => Family::Mma,
             Path::WgTree128
             | Path::WgSplit64
-            | Path::WgTma128
+            | Path::WgTma { .. }
             | Path::WgCluster64
             | Path::WgCluster64x2
             | Path::WgCluster64x2N256
@@ -133,7 +140,7 @@ impl Path {
     pub fn is_tma(self) -> bool {
         matches!(
             self,
-            Path::WgTma128
+            Path::WgTma { .. }
                 | Path::WgCluster64
                 | Path::WgCluster64x2
                 | Path::WgCluster64x2N256
@@ -150,7 +157,10 @@ impl Path {
             Path::Split64 => "split64",
             Path::WgTree128 => "wgtree128",
             Path::WgSplit64 => "wgsplit64",
-            Path::WgTma128 => "wgtma128",
+            Path::WgTma { bn: 128 } => "wgtma128",
+            Path::WgTma { bn: 96 } => "wgtma128x96",
+            Path::WgTma { bn: 64 } => "wgtma128x64",
+            Path::WgTma { .. } => "wgtma",
             Path::WgCluster64 => "wgcluster64",
             Path::WgCluster64x2 => "wgcluster64x2",
             Path::WgCluster64x2N256 => "wgcluster64x2n256",
@@ -169,6 +179,17 @@ impl Path {
         }
     }
 
+    /// Whether the path can store its result by TMA (`TmaParams::tma_out`): the persistent
+    /// kernels whose tiles are whole store boxes, 32 f32 columns for plain roots, 128
+    /// columns (two f32 boxes and one bf16 box of SiLU·mul values) for the epilogue.
+    pub(super) fn tma_stores(self, silu: bool) -> bool {
+        match self {
+            Path::WgTma { bn } if silu => bn == 128,
+            Path::WgTma { bn } => bn.is_multiple_of(32),
+            _ => false,
+        }
+    }
+
     /// Whether the path keeps segment sums in the workspace (and arrival counters).
     pub(super) fn is_split(self) -> bool {
         matches!(self, Path::Split16 | Path::Split64 | Path::WgSplit64)
@@ -184,10 +205,10 @@ impl Path {
         }
     }
 
-    /// Blocks of the persistent kernel: one per tile, at most one per SM and at most
-    /// [`tma::MAX_PERSISTENT_BLOCKS`].
-    pub(super) fn persistent_blocks(self, m: usize, n: usize, sms: usize) -> usize {
-        (m.div_ceil(128) * n.div_ceil(128))
+    /// Blocks of a persistent kernel of 128×`bn` tiles: one per tile, at most one per SM
+    /// and at most [`tma::MAX_PERSISTENT_BLOCKS`].
+    pub(super) fn persistent_blocks(bn: usize, m: usize, n: usize, sms: usize) -> usize {
+        (m.div_ceil(128) * n.div_ceil(bn))
             .min(sms)
             .min(tma::MAX_PERSISTENT_BLOCKS)
     }
@@ -217,9 +238,16 @@ impl Path {
             Path::Split64 => 4 * (64 + 64) * 64 * 2,
             Path::WgTree128 => 3 * (128 + 128) * 64 * 2 + SLOTS + 1024,
             Path::WgSplit64 => 4 * (64 + 128) * 64 * 2 + 1024,
-            // gemm_sm90_tma.cu: TMA_STAGES = 5 stages of (128 + 128) x 64 bf16, one f32
-            // tree slot (64 values x 256 consumer threads), 2 x 5 mbarriers, alignment.
-            Path::WgTma128 => 5 * (128 + 128) * 64 * 2 + 64 * 256 * 4 + 80 + 1024,
+            // gemm_sm90_tma.cu TmaLayout<bn>: one f32 tree slot (bn / 2 values x 256
+            // consumer threads), as many stages of (128 + bn) x 64 bf16 as fit in TMA_SMEM
+            // beside it (at most 8; 5 at bn = 128), 2 mbarriers a stage, alignment.
+            Path::WgTma { bn } => {
+                let bn = bn as u32;
+                let slot = (bn / 2) * 256 * 4;
+                let stage = (128 + bn) * 64 * 2;
+                let stages = ((TMA_SMEM - slot) / stage).min(8);
+                stages * stage + slot + 16 * stages + 1024
+            }
             // CL_STAGES = 4 stages of (64 + 128) x 64 bf16, 2 x 4 mbarriers, alignment (two
             // blocks fit on an SM).
             Path::WgCluster64 | Path::WgCluster64x2 => 4 * (64 + 128) * 64 * 2 + 64 + 1024,
@@ -260,7 +288,7 @@ impl Path {
             Path::Split64 => ((n.div_ceil(64), n_seg, m.div_ceil(64)), 128),
             Path::WgSplit64 => ((n.div_ceil(128), n_seg, m.div_ceil(64)), 128),
             // Persistent: the launch caps the grid at the number of SMs.
-            Path::WgTma128 => ((m.div_ceil(128) * n.div_ceil(128), 1, 1), 384),
+            Path::WgTma { bn } => ((m.div_ceil(128) * n.div_ceil(bn), 1, 1), 384),
             Path::WgCluster64 => ((n.div_ceil(128) * n_seg, m.div_ceil(64), 1), 160),
             Path::WgCluster64x2 => (
                 (n.div_ceil(128) * n_seg.div_ceil(2), m.div_ceil(64), 1),
@@ -286,7 +314,10 @@ impl Path {
             Path::Split64 => "arbor_gemm_split_64x64",
             Path::WgTree128 => "arbor_gemm_wg_tree_128x128",
             Path::WgSplit64 => "arbor_gemm_wg_split_64x128",
-            Path::WgTma128 => "arbor_gemm_wg_tma_128x128",
+            Path::WgTma { bn: 128 } => "arbor_gemm_wg_tma_128x128",
+            Path::WgTma { bn: 96 } => "arbor_gemm_wg_tma_128x96",
+            Path::WgTma { bn: 64 } => "arbor_gemm_wg_tma_128x64",
+            Path::WgTma { .. } => "arbor_gemm_wg_tma",
             Path::WgCluster64 => "arbor_gemm_wg_cluster_64x128",
             Path::WgCluster64x2 => "arbor_gemm_wg_cluster2_64x128",
             Path::WgCluster64x2N256 => "arbor_gemm_wg_cluster2_64x256",

@@ -2,7 +2,7 @@
 //! shape and the device (docs/gemm.md).
 
 use super::error::GemmError;
-use super::path::{Family, Path, QUAD128_BNS, QUAD_BNS};
+use super::path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS};
 use crate::cpu::matmul::TreeMatmul;
 
 /// The variable that lets the default path take the 128-row quad tiles
@@ -20,6 +20,48 @@ pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
         value,
         QUAD128_BY_DEFAULT,
         "expected 1 (128-row quad tiles for 97 <= M <= 256 where they fill one wave) or 0",
+    )
+}
+
+/// The variable that lets the default path take the persistent kernel's narrower tiles
+/// ([`tma_tile`]): `1` on, `0` off, unset [`NARROW_BY_DEFAULT`].
+pub const NARROW_ENV: &str = "ARBOR_GEMM_NARROW";
+
+/// Whether [`tma_tile`] applies when [`NARROW_ENV`] is unset.
+pub const NARROW_BY_DEFAULT: bool = true;
+
+/// [`NARROW_ENV`]'s value (`None`: unset) as a switch.
+pub fn narrow_enabled(value: Option<&str>) -> Result<bool, GemmError> {
+    switch(
+        NARROW_ENV,
+        value,
+        NARROW_BY_DEFAULT,
+        "expected 1 (the persistent kernel's 128-row tiles narrower than 128 columns where they fill the SMs' rounds better) or 0",
+    )
+}
+
+/// Rows from which the default path may take the persistent kernel's narrow tiles
+/// ([`tma_tile`]). At 192 rows the decode step was slower with them (13.85 ms against 13.12
+/// on an H100, docs/gemm.md run 22), at 256 faster (12.11 against 12.26).
+pub const NARROW_FROM_ROWS: usize = 256;
+
+/// The persistent kernel's tile width (one of [`TMA_BNS`]) for a call of at least
+/// [`NARROW_FROM_ROWS`] rows on `sms` SMs: the width whose rounds of tiles over the SMs cost least, a round of 128×`bn`
+/// tiles costed as `bn + 24` columns (each tile's X rows and its tree do not shrink with
+/// `bn`), the widest among equals. `bench gemm` on an H100 (docs/gemm.md run 22) found the
+/// width this cost picks fastest at all 20 of its llama3-8b points from M = 256 to 1024:
+/// at M = 256 q/k/v (N 6144) 96 columns, 31.0 µs against 35.1 for 128 (128 tiles in one
+/// round where 128 columns make 96), o 64 (22.9 against 27.6 for the quad tiles), down 64
+/// (61.1 against 66.7), gate/up 96 (127.1 against 129.7). 112 columns lost at every point.
+/// Fewer rows: 128 (the `wgwhole` and `wgquad128x` rules cover most of those).
+pub fn tma_tile(m: usize, n: usize, sms: usize) -> usize {
+    if m < NARROW_FROM_ROWS || sms == 0 {
+        return 128;
+    }
+    let cost = |bn: usize| (m.div_ceil(128) * n.div_ceil(bn)).div_ceil(sms) * (bn + 24);
+    TMA_BNS.into_iter().fold(
+        128,
+        |best, bn| if cost(bn) < cost(best) { bn } else { best },
     )
 }
 
@@ -172,6 +214,25 @@ fn fills_waves(blocks: usize, sms: usize) -> bool {
     4 * last >= 3 * sms
 }
 
+/// The on/off rules of [`default_path_for`], each from its variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Switches {
+    /// [`QUAD128_ENV`]: the 128-row quad tiles.
+    pub quad128: bool,
+    /// [`NARROW_ENV`]: the persistent kernel's narrower tiles.
+    pub narrow: bool,
+}
+
+impl Switches {
+    /// The switches from the process's environment.
+    pub fn from_env() -> Result<Self, GemmError> {
+        Ok(Switches {
+            quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
+            narrow: narrow_enabled(std::env::var(NARROW_ENV).ok().as_deref())?,
+        })
+    }
+}
+
 /// The default path of a call on a device of `sms` SMs: [`Path::for_shape`], except that
 /// a `wgcluster64` call takes a `wgwhole` kernel where [`shard_whole_tile`] or
 /// [`whole_tile`] names one, a `wgquad` kernel where [`quad_tile`] does; otherwise one of
@@ -179,18 +240,32 @@ fn fills_waves(blocks: usize, sms: usize) -> bool {
 /// grid has more clusters than the device holds at once (`cluster_capacity`, by
 /// log2 n_seg: it would run in two waves, the second nearly empty) takes `wgcluster64x2`,
 /// half the blocks. With `quad128` ([`QUAD128_ENV`]), a `wgtma128` call takes a
-/// `wgquad128x` kernel where [`quad128_tile`] names one. `has`: whether a path was compiled
-/// for the device.
+/// `wgquad128x` kernel where [`quad128_tile`] names one; before that, with `narrow`
+/// ([`NARROW_ENV`]), a call of at least [`NARROW_FROM_ROWS`] rows takes the narrower
+/// persistent tiles [`tma_tile`] names, unless it ends in the SiLU·mul epilogue (`silu`)
+/// and the narrow tile cannot store that by TMA: its stores from registers made the
+/// gate/up layer at M = 256 slower than 128-column tiles (161.3 µs against 144.8 in the
+/// decode step, docs/gemm.md run 22). `has`: whether a path was compiled for the device.
 pub fn default_path_for(
     shape: &TreeMatmul,
     family: Family,
     sms: usize,
     cluster_capacity: &[u32; 4],
-    quad128: bool,
+    switches: Switches,
+    silu: bool,
     has: impl Fn(Path) -> bool,
 ) -> Path {
+    let Switches { quad128, narrow } = switches;
     let path = Path::for_shape(shape, family);
-    if path == Path::WgTma128 && quad128 {
+    if path == (Path::WgTma { bn: 128 }) && narrow {
+        let p = Path::WgTma {
+            bn: tma_tile(shape.m, shape.n, sms),
+        };
+        if p != path && has(p) && (!silu || p.tma_stores(true)) {
+            return p;
+        }
+    }
+    if path == (Path::WgTma { bn: 128 }) && quad128 {
         if let Some(p) = quad128_tile(shape.m, shape.n, shape.n_seg, sms)
             .map(|bn| Path::WgQuad128 { bn })
             .filter(|&p| has(p))
@@ -198,7 +273,7 @@ pub fn default_path_for(
             return p;
         }
     }
-    if path == Path::WgTma128 {
+    if path == (Path::WgTma { bn: 128 }) {
         if let Some(p) = one_wave_whole_tile(shape.m, shape.n, sms)
             .map(|bn| Path::WgWhole { bn })
             .filter(|&p| has(p))
@@ -246,6 +321,19 @@ mod tests {
     /// The Wgmma default path's name for M × N over `n_seg` segments of 512 on 132 SMs
     /// with an H200's `wgcluster64` capacity.
     fn h200_path(m: usize, n: usize, n_seg: usize, quad128: bool) -> &'static str {
+        h200_path_with(
+            m,
+            n,
+            n_seg,
+            Switches {
+                quad128,
+                narrow: false,
+            },
+        )
+    }
+
+    /// As [`h200_path`] with both switches given.
+    fn h200_path_with(m: usize, n: usize, n_seg: usize, switches: Switches) -> &'static str {
         let shape = TreeMatmul {
             m,
             n,
@@ -253,7 +341,16 @@ mod tests {
             seg_len: 512,
             n_seg,
         };
-        default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, quad128, |_| true).name()
+        default_path_for(
+            &shape,
+            Family::Wgmma,
+            132,
+            &H200_CAP,
+            switches,
+            false,
+            |_| true,
+        )
+        .name()
     }
 
     /// The default paths of the llama3-8b layers at TP 1, 2, 4 and 8 on 132 SMs, as
@@ -318,7 +415,11 @@ mod tests {
             seg_len: 512,
             n_seg: 2,
         };
-        let no_whole = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, false, |p| {
+        let off = Switches {
+            quad128: false,
+            narrow: false,
+        };
+        let no_whole = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, off, false, |p| {
             !matches!(p, Path::WgWhole { .. })
         });
         assert_eq!(no_whole, Path::WgCluster64);
@@ -433,5 +534,85 @@ mod tests {
             assert_eq!(p.kernel(), format!("arbor_gemm_wg_quad_128x{bn}"));
             assert_eq!(p.name(), format!("wgquad128x{bn}"));
         }
+    }
+
+    /// The narrow persistent tiles (off with [`NARROW_ENV`]=0): the widths the rounds pick
+    /// for the llama3-8b layers on 132 SMs, and that they replace only `wgtma128` from
+    /// [`NARROW_FROM_ROWS`] rows.
+    #[test]
+    fn narrow_tiles_fill_the_rounds_from_256_rows() {
+        let widths = [
+            // (M, N, width): q/k/v, o / down, gate/up, the LM head.
+            (256, 6144, 96),
+            (256, 4096, 64),
+            (256, 28672, 96),
+            (384, 6144, 96),
+            (384, 4096, 96),
+            (384, 28672, 96),
+            (512, 4096, 128),
+            (512, 6144, 96),
+            (512, 28672, 128),
+            (768, 6144, 96),
+            (768, 4096, 96),
+            (768, 28672, 128),
+            (1024, 4096, 128),
+            (1024, 6144, 128),
+            (1024, 28672, 128),
+            (2048, 28672, 128),
+            (4096, 4096, 128),
+            (192, 4096, 128),
+            (128, 4096, 128),
+            (1, 4096, 128),
+        ];
+        for (m, n, want) in widths {
+            assert_eq!(tma_tile(m, n, 132), want, "M = {m}, N = {n}");
+        }
+        assert_eq!(tma_tile(256, 4096, 0), 128);
+        let on = Switches {
+            quad128: true,
+            narrow: true,
+        };
+        // From 256 rows the narrow tiles come before the quad ones; below, nothing changes.
+        assert_eq!(h200_path_with(256, 4096, 8, on), "wgtma128x64");
+        assert_eq!(h200_path_with(256, 6144, 8, on), "wgtma128x96");
+        assert_eq!(h200_path_with(256, 28672, 8, on), "wgtma128x96");
+        // The SiLU·mul epilogue keeps the 128-column tiles, which store it by TMA.
+        let gate_up = TreeMatmul {
+            m: 256,
+            n: 28672,
+            k: 4096,
+            seg_len: 512,
+            n_seg: 8,
+        };
+        let silu = default_path_for(&gate_up, Family::Wgmma, 132, &H200_CAP, on, true, |_| true);
+        assert_eq!(silu.name(), "wgtma128");
+        assert_eq!(h200_path_with(4096, 4096, 8, on), "wgtma128");
+        assert_eq!(h200_path_with(192, 4096, 8, on), "wgquad128x128");
+        assert_eq!(h200_path_with(128, 4096, 8, on), "wgquad128x64");
+        assert_eq!(h200_path_with(128, 28672, 8, on), "wgtma128");
+        assert_eq!(h200_path_with(64, 4096, 8, on), "wgquad64");
+        assert_eq!(h200_path(256, 4096, 8, true), "wgquad128x128");
+        assert_eq!(narrow_enabled(None).unwrap(), NARROW_BY_DEFAULT);
+        assert!(!narrow_enabled(Some("0")).unwrap());
+        let e = narrow_enabled(Some("2")).unwrap_err().to_string();
+        assert!(e.contains(NARROW_ENV) && e.contains('2'), "{e}");
+        for bn in TMA_BNS {
+            let p = Path::WgTma { bn };
+            assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());
+            assert!(
+                p.smem_bytes() <= 227 * 1024,
+                "{}: {} B",
+                p.name(),
+                p.smem_bytes()
+            );
+            assert_eq!(p.kernel(), format!("arbor_gemm_wg_tma_128x{bn}"));
+        }
+        assert_eq!(Path::WgTma { bn: 128 }.smem_bytes(), 230_480);
+        assert!(TMA_BNS
+            .iter()
+            .all(|&bn| Path::WgTma { bn }.tma_stores(false)));
+        assert!(
+            Path::WgTma { bn: 128 }.tma_stores(true) && !Path::WgTma { bn: 64 }.tma_stores(true)
+        );
     }
 }

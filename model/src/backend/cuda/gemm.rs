@@ -281,7 +281,9 @@ impl TensorGemm {
             seg_len: tree.seg_len,
             n_seg: tree.n_seg,
         };
-        let path = self.kernels.default_path(&shape);
+        let path = self
+            .kernels
+            .default_path(&shape, matches!(out, GemmOut::SiluMulPairs(_)));
         let out_cols = match &out {
             GemmOut::Roots => n,
             GemmOut::SiluMulPairs(_) if !path.is_tma() => return Ok(None),

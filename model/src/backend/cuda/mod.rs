@@ -828,7 +828,7 @@ impl Backend for CudaBackend {
         // Opening the device checked the variable: an error here cannot occur.
         let pdl = arbor_kernels::cuda::launch::PdlPolicy::from_env()
             .unwrap_or(arbor_kernels::cuda::launch::PdlPolicy::Auto);
-        arbor_kernels::cuda::launch::set_step_pdl(pdl.for_step(inputs.ids.len(), key.is_none()));
+        arbor_kernels::cuda::launch::set_step_pdl(pdl.for_step(inputs.ids.len()));
         match key {
             Some(key) => self.step_recorded(inputs, forward, masked, want_row, key),
             None => self.step_eager(inputs, forward, masked, want_row),

@@ -533,7 +533,7 @@ fn bench_shape(
     for &m in ms {
         let path = forced.unwrap_or_else(|| {
             if family == tg.family {
-                tg.default_path(&full(m))
+                tg.default_path(&full(m), args.epilogue != EpilogueArg::Store)
             } else {
                 Path::for_shape(&full(m), family)
             }
