@@ -7,6 +7,10 @@
 # Run from the repo root after `bash scripts/gpu/build-device.sh` and copying the baseline
 # binary (built from another commit) into .device/:
 #   BINS="base=.device/arbor-base new=.device/arbor" bash scripts/bench/ab-decode.sh
+# or one binary under two configurations: ENV_<name> holds the variables of that entry's
+# runs, e.g. the GEMM rules before the narrow tiles against the default:
+#   BINS="before=.device/arbor now=.device/arbor" ENV_before="ARBOR_GEMM_NARROW=0 ARBOR_PDL=1" \
+#     BATCHES=128,192,256 NCU_BATCHES="" bash scripts/bench/ab-decode.sh
 # BATCHES (wall, default 1,8,32,64), NCU_BATCHES (default "1 64"), ROUNDS (default 2),
 # NUMERICS (default invariant); NCU_BATCHES="" skips ncu. Writes $OUT/ab-*.{log,csv} and ab-summary.txt.
 set -uo pipefail
@@ -21,18 +25,28 @@ ROUNDS=${ROUNDS:-2}
 NUMERICS=${NUMERICS:-invariant}
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 for b in $BINS; do
-    if [[ $b != *=* || ! -x ${b#*=} ]]; then
-        note "ab-decode: '$b' is not NAME=EXECUTABLE"
+    if [[ $b != *=* || ! -x ${b#*=} || ! ${b%%=*} =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]]; then
+        note "ab-decode: '$b' is not NAME=EXECUTABLE (NAME: letters, digits, _)"
         exit 2
     fi
 done
+# envs NAME: the entry's ENV_<NAME> variables as words for `env`.
+envs() {
+    local var="ENV_$1"
+    read -ra ENVS <<<"${!var:-}"
+}
 note "binaries: $BINS; numerics $NUMERICS; ncu: ${NCU:-not found}"
+for b in $BINS; do
+    envs "${b%%=*}"
+    ((${#ENVS[@]})) && note "  ${b%%=*}: ${ENVS[*]}"
+done
 
 l8b_model "$OUT/ab-make.log"
 for round in $(seq "$ROUNDS"); do
     for b in $BINS; do
         name=${b%%=*}
-        step "wall $name round $round" "$OUT/ab-wall-$name.log" 90 "${b#*=}" bench decode \
+        envs "$name"
+        step "wall $name round $round" "$OUT/ab-wall-$name.log" 90 env "${ENVS[@]}" "${b#*=}" bench decode \
             --model "$L8B" --device cuda --numerics "$NUMERICS" --batch "$BATCHES" --steps 64
         grep -E "TP 1 $NUMERICS +batch" "$OUT/ab-wall-$name.log" | tail -n "$(echo "$BATCHES" | tr ',' '\n' | wc -l)" |
             sed "s/^/$name r$round  /" | tee -a "$SUMMARY"
@@ -41,8 +55,9 @@ done
 if [[ -n $NCU ]]; then
     for b in $BINS; do
         name=${b%%=*}
+        envs "$name"
         for nb in $NCU_BATCHES; do
-            step "ncu $name batch $nb" "$OUT/ab-ncu.log" 120 "$NCU" --clock-control none \
+            step "ncu $name batch $nb" "$OUT/ab-ncu.log" 120 env "${ENVS[@]}" "$NCU" --clock-control none \
                 --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
                 --log-file "$OUT/ab-ncu-$name-b$nb.csv" "${b#*=}" bench decode --model "$L8B" \
                 --device cuda --numerics "$NUMERICS" --batch "$nb" --steps 4 &&

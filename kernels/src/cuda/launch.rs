@@ -320,7 +320,6 @@ mod pdl_policy_tests {
         assert!(auto.for_step(1));
         assert!(auto.for_step(192));
         assert!(!auto.for_step(PDL_OFF_FROM_ROWS));
-        assert_eq!(PDL_OFF_FROM_ROWS, crate::cuda::gemm::NARROW_FROM_ROWS);
         assert!(!auto.for_step(8192));
         assert!(!PdlPolicy::Off.for_step(1));
         assert!(PdlPolicy::On.for_step(8192));

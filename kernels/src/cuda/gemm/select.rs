@@ -568,6 +568,8 @@ mod tests {
             assert_eq!(tma_tile(m, n, 132), want, "M = {m}, N = {n}");
         }
         assert_eq!(tma_tile(256, 4096, 0), 128);
+        // Steps launch without PDL where the narrow tiles start (launch.rs).
+        assert_eq!(crate::cuda::launch::PDL_OFF_FROM_ROWS, NARROW_FROM_ROWS);
         let on = Switches {
             quad128: true,
             narrow: true,
