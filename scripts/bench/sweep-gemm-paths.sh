@@ -9,6 +9,8 @@
 # The band 129 <= M <= 1024 (decode at batch 256, serving's steps with prompt rows):
 # MS=256,384,512,768,1024 PATHS="default wgtma128 wgtma128x96 wgtma128x64 wgquad128x128"
 # (ARBOR_GEMM_NARROW=0 / ARBOR_GEMM_M256=0 keep "default" off the narrow / quad rules).
+# EPILOGUE=silu (or silu-bf16) times arbor's calls with the MLP's SiLU·mul epilogue, as the
+# model's gate/up layer runs (cuBLAS times the plain GEMM either way; N must be even).
 # Prints "shape M path arbor_us cublas_us" rows and, per (shape, M), the fastest path.
 set -uo pipefail
 T0=$(date +%s)
@@ -33,7 +35,8 @@ for spec in $SHAPES; do
         shape=${spec#*:}
     fi
     for p in $PATHS; do
-        args=(bench gemm --shapes "$shape" --m "$MS" --tp "$tp" --iters 30 --warmup 5)
+        args=(bench gemm --shapes "$shape" --m "$MS" --tp "$tp" --iters 30 --warmup 5
+            --epilogue "${EPILOGUE:-store}")
         [[ $p == default ]] || args+=(--path "$p")
         log=$WORK/sweep-${spec/:/-}-$p.log
         rm -f "$log"
