@@ -370,7 +370,7 @@ impl TreeGemm {
             seg_len: s.seg_len as i32,
             n_seg: s.n_seg as i32,
             w_early: i32::from(a.w_constant),
-            epi: i32::from(matches!(a.epilogue, Epilogue::SiluMulPairs { .. })),
+            epi: i32::from(silu),
             tma_out: i32::from(tma_out),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);

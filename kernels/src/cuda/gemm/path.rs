@@ -30,6 +30,15 @@ pub const TMA_BNS: [usize; 3] = [128, 96, 64];
 /// stages and its s6 slot.
 const TMA_SMEM: u32 = 226 * 1024;
 
+/// Dynamic shared memory of a TMA kernel that fills `budget` bytes with `slots` bytes of
+/// tree slots and as many ring stages of `stage` bytes as fit beside them (at most 8), plus
+/// two mbarriers a stage and 1024 bytes for aligning the swizzle atoms: the kernels'
+/// layouts (`TmaLayout`, `ClusterLayout` in gemm_sm90_tma.cu).
+fn ring_smem(budget: u32, slots: u32, stage: u32) -> u32 {
+    let stages = ((budget - slots) / stage).min(8);
+    stages * stage + slots + 16 * stages + 1024
+}
+
 /// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
 /// by speed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,10 +252,7 @@ impl Path {
             // beside it (at most 8; 5 at bn = 128), 2 mbarriers a stage, alignment.
             Path::WgTma { bn } => {
                 let bn = bn as u32;
-                let slot = (bn / 2) * 256 * 4;
-                let stage = (128 + bn) * 64 * 2;
-                let stages = ((TMA_SMEM - slot) / stage).min(8);
-                stages * stage + slot + 16 * stages + 1024
+                ring_smem(TMA_SMEM, (bn / 2) * 256 * 4, (128 + bn) * 64 * 2)
             }
             // CL_STAGES = 4 stages of (64 + 128) x 64 bf16, 2 x 4 mbarriers, alignment (two
             // blocks fit on an SM).
@@ -258,19 +264,13 @@ impl Path {
             // WHOLE_SMEM beside them (at most 8), 2 mbarriers a stage, alignment.
             Path::WgWhole { bn } | Path::WgQuad { bn } => {
                 let bn = bn as u32;
-                let slots = 2 * (bn / 4) * 256 * 4;
-                let stage = (64 + bn) * 64 * 2;
-                let stages = ((WHOLE_SMEM - slots) / stage).min(8);
-                stages * stage + slots + 16 * stages + 1024
+                ring_smem(WHOLE_SMEM, 2 * (bn / 4) * 256 * 4, (64 + bn) * 64 * 2)
             }
             // ClusterLayout<2, bn, true, true>: one f32 tree slot (bn / 2 values x 256
             // consumer threads), stages of (128 + bn) x 64 bf16 as above.
             Path::WgQuad128 { bn } => {
                 let bn = bn as u32;
-                let slots = (bn / 2) * 256 * 4;
-                let stage = (128 + bn) * 64 * 2;
-                let stages = ((WHOLE_SMEM - slots) / stage).min(8);
-                stages * stage + slots + 16 * stages + 1024
+                ring_smem(WHOLE_SMEM, (bn / 2) * 256 * 4, (128 + bn) * 64 * 2)
             }
         }
     }
