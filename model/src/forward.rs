@@ -10,7 +10,7 @@
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::tree::is_valid_world;
 
-use crate::backend::{BResult, Backend, HeadSpec, KvRows, KvSpec, PrefetchWindow, TreeSpec};
+use crate::backend::{BResult, Backend, HeadSpec, KvRows, KvSpec};
 use crate::config::ModelConfig;
 use crate::error::{MResult, ModelError};
 use crate::layers::{
@@ -395,17 +395,13 @@ impl<B: Backend> Model<B> {
             };
             // Keys go to the cache before attention reads them, so prefill and decode read
             // the same bf16 keys.
-            // Weights start into L2 where the ops before their GEMM leave memory idle.
-            let prefetch =
-                |(w, tree): (&B::Mat, TreeSpec), window| b.prefetch(w, tree, ids.len(), window);
             let q = if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                let parts = l.qkv.forward_parts(b, &n)?;
-                prefetch(l.o.mat(), PrefetchWindow::Attention)?;
-                let [q, k, v]: [B::Act; 3] = parts.try_into().map_err(|_| {
-                    crate::backend::BackendError::Shape(
-                        "q/k/v split into other than 3 parts".into(),
-                    )
-                })?;
+                let [q, k, v]: [B::Act; 3] =
+                    l.qkv.forward_parts(b, &n)?.try_into().map_err(|_| {
+                        crate::backend::BackendError::Shape(
+                            "q/k/v split into other than 3 parts".into(),
+                        )
+                    })?;
                 let mut q = self.head_norm(b, q, hs.n_heads, qn)?;
                 let mut k = self.head_norm(b, k, hs.n_kv_heads, kn)?;
                 b.rope(&mut q, rows.seqs, hs.n_heads, &self.rope)?;
@@ -414,14 +410,10 @@ impl<B: Backend> Model<B> {
                 q
             } else {
                 let qkv = l.qkv.forward(b, &n)?;
-                prefetch(l.o.mat(), PrefetchWindow::Attention)?;
                 b.qkv_rope_kv(&qkv, cache, li, rows, hs, &self.rope)?
             };
             let a = b.attention(&q, cache, li, rows, hs)?;
             let o = l.o.forward(b, &a)?;
-            if let Mlp::Dense { gate_up, .. } = &l.mlp {
-                prefetch(gate_up.mat(), PrefetchWindow::Norm)?;
-            }
             let n = b.add_rms_norm(&mut x, &o, &l.post_norm.w, eps)?;
             let capture = routed.is_some() && matches!(l.mlp, Mlp::Experts(_));
             layer_routes.clear();
@@ -440,10 +432,7 @@ impl<B: Backend> Model<B> {
                 }
             }
             match self.layers.get(li + 1) {
-                Some(next) => {
-                    prefetch(next.qkv.mat(), PrefetchWindow::Norm)?;
-                    normed = Some(b.add_rms_norm(&mut x, &d, &next.input_norm.w, eps)?)
-                }
+                Some(next) => normed = Some(b.add_rms_norm(&mut x, &d, &next.input_norm.w, eps)?),
                 None => b.add_assign(&mut x, &d)?,
             }
             if let Some(t) = trace.as_deref_mut() {

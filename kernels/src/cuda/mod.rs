@@ -28,7 +28,7 @@ pub use compile::{arch_for, compile_ptx};
 pub use device::GpuDevice;
 pub use error::CudaError;
 pub use ops::paged_attention;
-pub use ops::{CutDest, CutSource, DevBf16, DevF32, DevU32, PrefetchPlan, RowMeta, SourceType};
+pub use ops::{CutDest, CutSource, DevBf16, DevF32, DevU32, RowMeta, SourceType};
 
 #[cfg(test)]
 mod gpu_tests;

@@ -16,7 +16,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rowstats.cu", include_str!("../../cuda/rowstats.cu")),
     ("select.cu", include_str!("../../cuda/select.cu")),
     ("moe.cu", include_str!("../../cuda/moe.cu")),
-    ("prefetch.cu", include_str!("../../cuda/prefetch.cu")),
 ];
 
 /// Every kernel entry point the module must export (checked when it is loaded).
@@ -68,7 +67,6 @@ pub const KERNELS: &[&str] = &[
     "moe_schedule_kernel",
     "moe_scatter_kernel",
     "moe_combine_kernel",
-    "l2_prefetch_kernel",
 ];
 
 /// The whole program: the sources concatenated, each preceded by a `#line` directive so

@@ -140,16 +140,6 @@ pub struct TreeSpec {
     pub k: usize,
 }
 
-/// What runs between a [`Backend::prefetch`] and the GEMM that reads the weight: how long
-/// the memory bus would otherwise idle, which bounds what is worth fetching.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefetchWindow {
-    /// RoPE, the KV write and attention (q/k/v GEMM → o GEMM).
-    Attention,
-    /// One residual add and norm (o → gate/up, down → the next layer's q/k/v).
-    Norm,
-}
-
 /// A mixture-of-experts block as [`Backend::moe_forward`] runs it: each token's `top_k`
 /// experts (renormalised when `norm_topk_prob`), and the trees of the experts' gate/up
 /// (rows alternating gate and up) and down projections.
@@ -359,19 +349,6 @@ pub trait Backend {
     fn embedding(&self, table: &Self::Mat, ids: &[u32]) -> BResult<Self::Act>;
     /// Per-row RMSNorm; `weight` is `[1, cols]`.
     fn rms_norm(&self, x: &Self::Act, weight: &Self::Act, eps: f32) -> BResult<Self::Act>;
-    /// Starts pulling part of `w` into the device's cache for a GEMM that reads it after
-    /// the ops `window` names, in a step of `rows` rows. Only time changes; by default
-    /// nothing is done.
-    fn prefetch(
-        &self,
-        w: &Self::Mat,
-        tree: TreeSpec,
-        rows: usize,
-        window: PrefetchWindow,
-    ) -> BResult<()> {
-        let _ = (w, tree, rows, window);
-        Ok(())
-    }
     /// x (rounded to bf16) · wᵀ, the subtree root over the weight's local segments.
     fn matmul(&self, x: &Self::Act, w: &Self::Mat, tree: TreeSpec) -> BResult<Self::Act>;
     fn add_row_bias(&self, x: &mut Self::Act, bias: &Self::Act) -> BResult<()>;

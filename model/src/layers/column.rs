@@ -127,11 +127,6 @@ impl<B: Backend> ColumnParallelLinear<B> {
         })
     }
 
-    /// The weight and its tree, whatever the bias (e.g. to prefetch it).
-    pub fn mat(&self) -> (&B::Mat, TreeSpec) {
-        (&self.w, self.tree)
-    }
-
     /// The weight, its tree and its bias, for a layer that runs its own op on them.
     pub(super) fn weight_and_bias(&self) -> (&B::Mat, TreeSpec, Option<&B::Act>) {
         (&self.w, self.tree, self.bias.as_ref())

@@ -27,11 +27,6 @@ impl<B: Backend> GateUpLinear<B> {
         })
     }
 
-    /// The weight and its tree, whatever the bias (e.g. to prefetch it).
-    pub fn mat(&self) -> (&B::Mat, TreeSpec) {
-        self.lin.mat()
-    }
-
     /// The weight (rows alternating gate and up) and its tree, where the layer has no
     /// bias (a grouped kernel over several experts has no bias step).
     pub fn weight(&self) -> Option<(&B::Mat, TreeSpec)> {

@@ -84,12 +84,6 @@ impl<B: Backend> RowParallelLinear<B> {
         })
     }
 
-    /// The weight (this rank's columns) and its tree, whatever the bias (e.g. to
-    /// prefetch it).
-    pub fn mat(&self) -> (&B::Mat, TreeSpec) {
-        (&self.w, self.tree)
-    }
-
     /// The weight (this rank's columns) and its tree, where the layer has no bias.
     pub fn weight(&self) -> Option<(&B::Mat, TreeSpec)> {
         match self.bias {

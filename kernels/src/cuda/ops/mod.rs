@@ -4,8 +4,8 @@
 //! One file per kernel family: device memory (memory.rs), the simple tree matmul
 //! (matmul.rs), norms, element-wise ops, gathers (embedding, row selection, column
 //! copies), per-row stats and top-k selection (row_stats.rs), the rows' map into the paged
-//! KV cache (row_meta.rs), RoPE and the KV write (rope_kv.rs), attention over the paged
-//! cache (paged_attention.rs), and weights prefetched into L2 (prefetch.rs).
+//! KV cache (row_meta.rs), RoPE and the KV write (rope_kv.rs), and attention over the
+//! paged cache (paged_attention.rs).
 
 mod elementwise;
 mod gather;
@@ -15,7 +15,6 @@ pub mod moe;
 mod norm;
 pub mod paged_attention;
 pub(crate) mod paged_tiles;
-mod prefetch;
 mod rope_kv;
 mod row_meta;
 mod row_stats;
@@ -28,7 +27,6 @@ use super::{CudaError, GpuDevice};
 
 pub use elementwise::{CutDest, CutSource, SourceType};
 pub use paged_tiles::DecodeStages;
-pub use prefetch::PrefetchPlan;
 pub use row_meta::{row_bounds, RowMeta};
 pub use row_stats::{
     decode_row_stats, decode_top_k, row_stats_params, ROW_STATS_F32, ROW_STATS_U64, TOP_K_MAX,

@@ -23,7 +23,6 @@ mod kv;
 mod load;
 mod moe;
 mod ops;
-pub mod prefetch;
 mod profile;
 mod received;
 mod run_step;
@@ -39,11 +38,11 @@ use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::cuda::cublas::Blas;
 use arbor_kernels::cuda::upload_ring::RowsUploadError;
-use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice, PrefetchPlan};
+use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
 
 use super::{
-    BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, PrefetchWindow, RowFill, SeqRows,
-    StepForward, StepInputs, StepResults, TreeSpec, WantRow,
+    BResult, Backend, BackendError, HeadSpec, KvRows, KvSpec, RowFill, SeqRows, StepForward,
+    StepInputs, StepResults, TreeSpec, WantRow,
 };
 use gemm::{tensor_eligible, GemmKind, GemmOut, TensorGemm};
 use graphs::{Graphs, Key};
@@ -455,26 +454,6 @@ impl Backend for CudaBackend {
                 .map_err(|e| self.dev_err(e))
         })?;
         Ok(self.act_with_bf16(buf, x.rows, x.cols, bf16))
-    }
-
-    fn prefetch(
-        &self,
-        w: &CudaMat,
-        tree: TreeSpec,
-        rows: usize,
-        window: PrefetchWindow,
-    ) -> BResult<()> {
-        let policy = prefetch::PrefetchPolicy::from_env().map_err(|msg| BackendError::Device {
-            rank: self.rank(),
-            msg,
-        })?;
-        let budget = policy.budget(window, rows);
-        let Some(plan) = PrefetchPlan::new(w.n, w.k, tree.seg_len, tree.n_seg, budget) else {
-            return Ok(());
-        };
-        self.dev
-            .prefetch_l2(&w.buf, &plan)
-            .map_err(|e| self.dev_err(e))
     }
 
     fn matmul(&self, x: &CudaAct, w: &CudaMat, tree: TreeSpec) -> BResult<CudaAct> {
