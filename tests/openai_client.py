@@ -13,7 +13,8 @@ models = client.models.list()
 assert [m.id for m in models.data] == [model], models
 
 # Completions from token ids; arbor's extensions arrive as extra fields.
-req = dict(model=model, prompt=[1, 2, 3, 4], max_tokens=5, temperature=0.7, seed=5, logprobs=0)
+req = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 5, "temperature": 0.7, "seed": 5,
+       "logprobs": 0}
 c = client.completions.create(**req)
 choice = c.choices[0]
 ids = choice.model_extra["token_ids"]

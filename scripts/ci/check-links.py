@@ -160,10 +160,10 @@ class Checker:
                 return
         else:
             dest = md
-        if anchor and dest.suffix == ".md" and dest.is_file():
-            if anchor not in anchors_of(dest):
-                self.report(md, n, f"link {target!r}: no heading with anchor #{anchor} in "
-                            f"{dest.relative_to(ROOT).as_posix()}")
+        if (anchor and dest.suffix == ".md" and dest.is_file()
+                and anchor not in anchors_of(dest)):
+            self.report(md, n, f"link {target!r}: no heading with anchor #{anchor} in "
+                        f"{dest.relative_to(ROOT).as_posix()}")
 
     def check_code_span(self, md, n, code):
         for word in re.split(r"[\s=(),;:'\"]+", code):

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 CRATE_DIRS = [".", "collective", "kernels", "model", "serving", "launcher"]
 
@@ -97,8 +98,8 @@ class Crate:
             return
         self.files[path] = modpath
         self.modules[modpath] = path
-        text = strip(open(path, encoding="utf-8").read())
-        raw = open(path, encoding="utf-8").read()
+        raw = Path(path).read_text(encoding="utf-8")
+        text = strip(raw)
         depth = brace_depths(text)
         for m in ITEM_RE.finditer(text):
             scope = inline_scope(text, m.start())
@@ -310,7 +311,7 @@ def resolve(crate, modpath, segs, with_rest=False):
 def edges_of(crate, strict=False):
     edges = defaultdict(set)
     for path, filemod in crate.files.items():
-        raw = open(path, encoding="utf-8").read()
+        raw = Path(path).read_text(encoding="utf-8")
         text = strip(raw)
         seen = []
         for m in USE_RE.finditer(text):
@@ -434,7 +435,7 @@ def main():
                 if len(comp) > 1:
                     circles.append((comp, cycle_in(comp, edges)))
             for f in crate.files:
-                n = sum(1 for _ in open(f, encoding="utf-8"))
+                n = len(Path(f).read_text(encoding="utf-8").splitlines())
                 if n > args.limit and (f, n) not in long_files:
                     long_files.append((f, n))
 
