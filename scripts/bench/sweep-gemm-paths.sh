@@ -11,6 +11,8 @@
 # (ARBOR_GEMM_NARROW=0 / ARBOR_GEMM_M256=0 keep "default" off the narrow / quad rules).
 # EPILOGUE=silu (or silu-bf16) times arbor's calls with the MLP's SiLU·mul epilogue, as the
 # model's gate/up layer runs (cuBLAS times the plain GEMM either way; N must be even).
+# X_ROWS=exact gives arbor's calls X of exactly M rows, padded rounds them up to whole
+# 128-row boxes; the default, model, reads as the model does (gemm::x_rows_to_read).
 # Prints "shape M path arbor_us cublas_us" rows and, per (shape, M), the fastest path.
 set -uo pipefail
 T0=$(date +%s)
@@ -36,7 +38,7 @@ for spec in $SHAPES; do
     fi
     for p in $PATHS; do
         args=(bench gemm --shapes "$shape" --m "$MS" --tp "$tp" --iters 30 --warmup 5
-            --epilogue "${EPILOGUE:-store}")
+            --epilogue "${EPILOGUE:-store}" --x-rows "${X_ROWS:-model}")
         [[ $p == default ]] || args+=(--path "$p")
         log=$WORK/sweep-${spec/:/-}-$p.log
         rm -f "$log"

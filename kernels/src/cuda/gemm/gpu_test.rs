@@ -54,6 +54,9 @@ impl Bufs {
             shape,
             x: self.p(&self.x) + ((x_row * self.k + k_off) * 2) as u64,
             ldx: self.k,
+            // Every row from x_row on may be read: the rows past M are other data, which
+            // must not reach the M rows' bits (the row checks compare them).
+            x_rows: self.x.len() / self.k - x_row,
             w: self.p(&self.w) + ((w_row * self.k + k_off) * 2) as u64,
             ldw: self.k,
             out,
@@ -433,6 +436,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                     shape,
                     x: p(&x),
                     ldx: k,
+                    x_rows: x.len() / k,
                     w: p(&w),
                     ldw: k,
                     out,

@@ -25,7 +25,7 @@ use cudarc::driver::{
 };
 
 use crate::cpu::matmul::TreeMatmul;
-pub use args::{validate, Epilogue, GemmArgs, OutDtype};
+pub use args::{padded_rows, validate, x_rows_to_read, Epilogue, GemmArgs, OutDtype, X_ROW_BOX};
 use error::driver;
 pub use error::GemmError;
 pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, GroupedWg, MoeTiles};
@@ -320,7 +320,7 @@ impl TreeGemm {
         outh: CUdeviceptr,
     ) -> Result<(), GemmError> {
         let s = a.shape;
-        let x_rows = match path {
+        let x_box = match path {
             Path::WgTma { .. } | Path::WgQuad128 { .. } => 128,
             _ => 64,
         };
@@ -359,7 +359,7 @@ impl TreeGemm {
             ),
         };
         let p = tma::TmaParams {
-            tx: tma::encode("x", a.x, s.m, a.ldx, s.seg_len, s.n_seg, x_rows)?,
+            tx: tma::encode("x", a.x, a.x_rows, a.ldx, s.seg_len, s.n_seg, x_box)?,
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
             to,
             toh,

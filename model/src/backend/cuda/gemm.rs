@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use arbor_kernels::cpu::TreeMatmul;
 use arbor_kernels::cuda::gemm::{
-    expert_maps, Epilogue, GemmArgs, GemmError, GroupedArgs, GroupedPath, GroupedWg, OutDtype,
-    TreeGemm,
+    expert_maps, padded_rows, x_rows_to_read, Epilogue, GemmArgs, GemmError, GroupedArgs,
+    GroupedPath, GroupedWg, OutDtype, TreeGemm,
 };
 use arbor_kernels::cuda::ops::moe::MoeRoute;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevBuf, DevF32, DevU32, GpuDevice};
@@ -267,10 +267,11 @@ impl TensorGemm {
                 tree.k, tree.seg_len, layout.seg_len
             )));
         }
-        if x.len() != m * k || w.len() != n * k || xb.is_some_and(|b| b.len() != m * k) {
+        if x.len() != m * k || w.len() != n * k || xb.is_some_and(|b| b.len() < m * k) {
             return Err(TensorGemmError::Shape(format!(
-                "x has {} values for [{m}, {k}], w has {} for [{n}, {k}]",
+                "x has {} values for [{m}, {k}] (its bf16 copy {:?}), w has {} for [{n}, {k}]",
                 x.len(),
+                xb.map(|b| b.len()),
                 w.len()
             )));
         }
@@ -288,9 +289,9 @@ impl TensorGemm {
             GemmOut::Roots => n,
             GemmOut::SiluMulPairs(_) if !path.is_tma() => return Ok(None),
             GemmOut::SiluMulPairs(outb) => {
-                if !n.is_multiple_of(2) || outb.as_ref().is_some_and(|b| b.len() != m * n / 2) {
+                if !n.is_multiple_of(2) || outb.as_ref().is_some_and(|b| b.len() < m * n / 2) {
                     return Err(TensorGemmError::Shape(format!(
-                        "SiLU·mul epilogue: n = {n} must be even and the bf16 output hold {m}×{}",
+                        "SiLU·mul epilogue: n = {n} must be even and the bf16 output hold at least {m}×{}",
                         n / 2
                     )));
                 }
@@ -325,7 +326,7 @@ impl TensorGemm {
                     scratch_xb,
                     &mut retire,
                     |b| b.len(),
-                    m * k,
+                    padded_rows(m) * k,
                     |l| dev.zeros_bf16(l),
                 )?;
                 dev.f32_to_bf16_into(x, b)?;
@@ -378,6 +379,8 @@ impl TensorGemm {
                 shape,
                 x: xp,
                 ldx: k,
+                // The bf16 X buffers hold whole TMA boxes of rows (`padded_rows`).
+                x_rows: x_rows_to_read(m, xb.len() / k),
                 w: wp,
                 ldw: k,
                 out: op,
@@ -459,7 +462,7 @@ impl TensorGemm {
     ) -> Result<(), TensorGemmError> {
         let pairs = route.pairs();
         let x_rows = if gather { route.rows } else { pairs };
-        if xb.len() != x_rows * k || w_table.len() != route.experts {
+        if xb.len() < x_rows * k || w_table.len() != route.experts {
             return Err(TensorGemmError::Shape(format!(
                 "grouped GEMM: x has {} values for [{x_rows}, {k}], {} expert weights for {} experts",
                 xb.len(),
@@ -628,6 +631,7 @@ mod tests {
                                     shape,
                                     x: 0x1000,
                                     ldx: k_local,
+                                    x_rows: m,
                                     w: 0x2000,
                                     ldw: k_local,
                                     out: 0x3000,

@@ -157,7 +157,7 @@ impl CudaBackend {
         }
         let (dst, mut bf16) = match out {
             Some(p) => (Some(p.f32), p.bf16),
-            None => (None, self.bf16_out(q.rows * q.cols)?),
+            None => (None, self.bf16_out(q.rows, q.cols)?),
         };
         let buf = self
             .dev

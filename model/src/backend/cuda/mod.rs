@@ -37,6 +37,7 @@ use arbor_collective::gpu::{Algo, GpuCollective};
 use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::cuda::cublas::Blas;
+use arbor_kernels::cuda::gemm::padded_rows;
 use arbor_kernels::cuda::upload_ring::RowsUploadError;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
 
@@ -203,14 +204,16 @@ impl CudaBackend {
         }
     }
 
-    /// A bf16 companion buffer of `len` values for an op whose output feeds a GEMM, when
+    /// A bf16 companion buffer of `[rows, cols]` for an op whose output feeds a GEMM, when
     /// the GEMMs read bf16 (the tensor-core kernels and cuBLAS; the simple kernel reads f32).
-    fn bf16_out(&self, len: usize) -> BResult<Option<DevBf16>> {
+    /// Its rows are padded to whole TMA boxes (`padded_rows`): a box that reaches past the
+    /// buffer costs the TMA unit time, and the rows past `rows` are read, never stored.
+    fn bf16_out(&self, rows: usize, cols: usize) -> BResult<Option<DevBf16>> {
         if self.gemm.is_none() && self.blas.is_none() {
             return Ok(None);
         }
         self.dev
-            .empty_bf16(len)
+            .empty_bf16(padded_rows(rows) * cols)
             .map(Some)
             .map_err(|e| self.dev_err(e))
     }
@@ -447,7 +450,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaAct, weight: &CudaAct, eps: f32) -> BResult<CudaAct> {
-        let mut bf16 = self.bf16_out(x.rows * x.cols)?;
+        let mut bf16 = self.bf16_out(x.rows, x.cols)?;
         let buf = self.timed("rms_norm", x.rows, || {
             self.dev
                 .rms_norm(&x.buf, x.rows, x.cols, &weight.buf, eps, bf16.as_mut())
@@ -552,7 +555,7 @@ impl Backend for CudaBackend {
             )));
         }
         let inter = gu.cols / 2;
-        let mut bf16 = self.bf16_out(gu.rows * inter)?;
+        let mut bf16 = self.bf16_out(gu.rows, inter)?;
         let buf = self.timed("silu_mul_pairs", gu.rows, || {
             self.dev
                 .silu_mul_pairs(&gu.buf, gu.rows, inter, bf16.as_mut())
@@ -574,7 +577,7 @@ impl Backend for CudaBackend {
                 )));
             }
             let inter = w.n / 2;
-            let mut bf16 = self.bf16_out(x.rows * inter)?;
+            let mut bf16 = self.bf16_out(x.rows, inter)?;
             let label = self
                 .prof
                 .as_ref()
@@ -641,7 +644,7 @@ impl Backend for CudaBackend {
             )));
         }
         let (rows, cols) = (x.rows, x.cols);
-        let mut bf16 = self.bf16_out(rows * cols)?;
+        let mut bf16 = self.bf16_out(rows, cols)?;
         // x changes: a bf16 copy of its old values would be stale.
         x.bf16 = None;
         let buf = self.timed("add_rms_norm", rows, || {

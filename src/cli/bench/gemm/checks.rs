@@ -80,6 +80,9 @@ pub(super) fn launch(
         shape: s,
         x: ptr(&ops.x, stream) + ((c.x_row * ops.k + c.k_off) * 2) as u64,
         ldx: ops.k,
+        // Every row from x_row on may be read, as the model's padded buffers are: the rows
+        // past M are other data, which the row checks show does not reach the M rows.
+        x_rows: ops.x.len() / ops.k - c.x_row,
         w: ptr(&ops.w[0], stream) + ((c.w_row * ops.k + c.k_off) * 2) as u64,
         ldw: ops.k,
         out: ptr(out, stream),

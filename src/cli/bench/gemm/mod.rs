@@ -15,7 +15,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use arbor_kernels::cpu::matmul::TreeMatmul;
 use arbor_kernels::cuda::cublas::Blas;
-use arbor_kernels::cuda::gemm::{self, Epilogue, Family, GemmArgs, OutDtype, Path, TreeGemm};
+use arbor_kernels::cuda::gemm::{
+    self, padded_rows, Epilogue, Family, GemmArgs, OutDtype, Path, TreeGemm,
+};
 use arbor_kernels::tree::{SegmentLayout, SEGMENTS};
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUevent_flags};
@@ -76,6 +78,18 @@ pub struct Args {
     /// be even for the SiLU epilogues.
     #[arg(long, value_enum, default_value = "store")]
     epilogue: EpilogueArg,
+    /// Rows of X arbor's timed call may read: `model` (the model's rule,
+    /// `gemm::x_rows_to_read`), `padded` (M rounded up to whole 128-row boxes) or `exact`
+    /// (M: the boxes of the last row tile reach past X and the TMA unit fills them).
+    #[arg(long, value_enum, default_value = "model")]
+    x_rows: XRowsArg,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum XRowsArg {
+    Model,
+    Padded,
+    Exact,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -105,6 +119,8 @@ struct Report {
     out_dtype: &'static str,
     /// What arbor's timed call stored (`--epilogue`); cuBLAS always times the plain GEMM.
     epilogue: &'static str,
+    /// Rows of X arbor's timed calls read (`--x-rows`).
+    x_rows: &'static str,
     copy_ceiling_gbps: f64,
     iters: usize,
     results: Vec<Row>,
@@ -281,6 +297,11 @@ pub fn run(args: Args) -> Result<()> {
             EpilogueArg::Store => "store",
             EpilogueArg::Silu => "silu (f32 + bf16)",
             EpilogueArg::SiluBf16 => "silu (bf16)",
+        },
+        x_rows: match args.x_rows {
+            XRowsArg::Model => "model",
+            XRowsArg::Padded => "padded",
+            XRowsArg::Exact => "exact",
         },
         out_dtype: match out_dtype {
             OutDtype::F32 => "f32",
@@ -474,7 +495,7 @@ fn bench_shape(
     let n_seg = SEGMENTS / args.tp;
     let k = layout.shard(0, args.tp).len();
     let m_ref = *ms.last().context("no M")?;
-    let x_rows = m_ref + 8;
+    let x_rows = padded_rows(m_ref + 8);
     let w_bytes = n * k * 2;
     // Enough weight copies that one pass over them is 3× L2: a timed call never finds W
     // cached by the previous one.
@@ -548,6 +569,11 @@ fn bench_shape(
             shape: full(m),
             x: x_p,
             ldx: k,
+            x_rows: match args.x_rows {
+                XRowsArg::Model => gemm::x_rows_to_read(m, padded_rows(m)),
+                XRowsArg::Padded => padded_rows(m),
+                XRowsArg::Exact => m,
+            },
             w,
             ldw: k,
             out: if epilogue == EpilogueArg::SiluBf16 {
