@@ -71,6 +71,51 @@ impl GemmKind {
     }
 }
 
+/// The variable that says how the GEMMs use the rows past M of their bf16 X buffers.
+pub const PAD_ENV: &str = "ARBOR_GEMM_PAD_ROWS";
+
+/// How the rows past M of a bf16 X buffer (allocated with `padded_rows`) are used
+/// (`ARBOR_GEMM_PAD_ROWS`). The same bits every way: rows past M are never stored, and
+/// each output row depends only on its own row of X.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PadRows {
+    /// `read`, the default: above 128 rows the GEMM reads them (`x_rows_to_read`).
+    Read,
+    /// `zero`: as `read`, each buffer's padded rows zeroed first (a memset each): to
+    /// measure whether the stale values they hold cost the GEMM time (gemm-log run 23).
+    Zero,
+    /// `exact`: M rows are read; the TMA unit fills the last tile's boxes.
+    Exact,
+}
+
+impl PadRows {
+    pub fn parse(var: Option<&str>) -> Result<Self, String> {
+        match var.map(str::trim) {
+            None | Some("read") => Ok(Self::Read),
+            Some("zero") => Ok(Self::Zero),
+            Some("exact") => Ok(Self::Exact),
+            Some(other) => Err(format!(
+                "{PAD_ENV}={other:?}: expected \"read\" (the default), \"zero\" or \"exact\""
+            )),
+        }
+    }
+
+    /// The value the environment names, read once.
+    pub fn from_env() -> Result<Self, String> {
+        static P: std::sync::OnceLock<Result<PadRows, String>> = std::sync::OnceLock::new();
+        P.get_or_init(|| Self::parse(std::env::var(PAD_ENV).ok().as_deref()))
+            .clone()
+    }
+
+    /// Rows of a bf16 X buffer of `available` rows that a call of `m` rows reads.
+    pub fn x_rows(self, m: usize, available: usize) -> usize {
+        match self {
+            Self::Exact => m,
+            Self::Read | Self::Zero => x_rows_to_read(m, available),
+        }
+    }
+}
+
 /// Whether a layer takes the tensor kernel. A function of the weight's global K and the
 /// global `seg_len` only: K and `seg_len` multiples of 8 make every segment boundary, hence
 /// every rank's K shard and row stride at every TP, a multiple of 8 (what the kernel needs);
@@ -311,6 +356,7 @@ impl TensorGemm {
         if m == 0 || n == 0 {
             return Ok(Some(y));
         }
+        let pad = PadRows::from_env().map_err(TensorGemmError::Shape)?;
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch {
             xb: scratch_xb,
@@ -380,7 +426,7 @@ impl TensorGemm {
                 x: xp,
                 ldx: k,
                 // The bf16 X buffers hold whole TMA boxes of rows (`padded_rows`).
-                x_rows: x_rows_to_read(m, xb.len() / k),
+                x_rows: pad.x_rows(m, xb.len() / k),
                 w: wp,
                 ldw: k,
                 out: op,
@@ -723,5 +769,23 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn pad_rows_read_whole_boxes_above_128_rows_unless_exact() {
+        assert_eq!(PadRows::parse(None), Ok(PadRows::Read));
+        assert_eq!(PadRows::parse(Some("zero")), Ok(PadRows::Zero));
+        assert_eq!(PadRows::parse(Some(" exact ")), Ok(PadRows::Exact));
+        for bad in ["", "1", "padded"] {
+            let e = PadRows::parse(Some(bad)).unwrap_err();
+            assert!(
+                e.contains(PAD_ENV) && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        assert_eq!(PadRows::Read.x_rows(160, 256), 256);
+        assert_eq!(PadRows::Zero.x_rows(160, 256), 256);
+        assert_eq!(PadRows::Exact.x_rows(160, 256), 160);
+        assert_eq!(PadRows::Read.x_rows(1, 128), 1);
     }
 }

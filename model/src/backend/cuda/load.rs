@@ -51,6 +51,7 @@ impl CudaBackend {
         let err = |msg: String| BackendError::Device { rank, msg };
         // Checked before the device is opened, so a bad value is reported on any machine.
         let kind = GemmKind::from_env().map_err(err)?;
+        super::gemm::PadRows::from_env().map_err(err)?;
         let allow_shared = RanksPerGpu::from_env().map_err(err)?.allows_sharing();
         let slot = device_slot().map_err(err)?;
         let dev = GpuDevice::open(slot.ordinal).map_err(|e| err(e.to_string()))?;
