@@ -29,7 +29,7 @@ pub struct GemmArgs {
     /// or 128 rows, and a box that reaches past the rows its tensor map holds costs the
     /// TMA unit time (a 160-row gate/up call took 1.4× a 256-row one). Rows from `m` on
     /// are read, never stored: each output row depends only on its own row of X, so
-    /// their contents do not matter. `m` where nothing lies past X.
+    /// their contents change no result. `m` where nothing lies past X.
     pub x_rows: usize,
     pub w: CUdeviceptr,
     pub ldw: usize,

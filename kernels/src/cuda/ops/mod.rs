@@ -101,8 +101,8 @@ fn check_bf16_out(
     len: usize,
 ) -> Result<(), CudaError> {
     match outb {
-        // Longer is fine: a GEMM's X may be padded to whole TMA boxes (gemm `padded_rows`),
-        // and the values past `len` are never stored.
+        // Longer is fine: the buffer may be a GEMM's X padded to whole TMA boxes (gemm
+        // `padded_rows`); the kernel writes its first `len` values.
         Some(o) => check(kernel, o.len() >= len, || {
             format!(
                 "bf16 output has {} values, expected at least {len}",
