@@ -55,6 +55,16 @@ pub fn padded_rows(m: usize) -> usize {
     m.next_multiple_of(X_ROW_BOX)
 }
 
+/// Rows to allocate for an X buffer of `m` rows that [`x_rows_to_read`] reads whole:
+/// [`padded_rows`] above one 128-row box, else `m` (nothing past `m` would be read).
+pub fn x_rows_to_allocate(m: usize) -> usize {
+    if m > X_ROW_BOX {
+        padded_rows(m)
+    } else {
+        m
+    }
+}
+
 /// [`GemmArgs::x_rows`] for a call of `m` rows whose X buffer holds `available` rows:
 /// all of them above one 128-row box (`m` > [`X_ROW_BOX`]), else `m`. Measured on an H100
 /// (`bench gemm --x-rows`): with X of exactly `m` rows the last row tile's boxes reach past
@@ -242,9 +252,12 @@ mod tests {
         // Up to one box the TMA unit's zero fill is the cheaper way (batch-1 decode).
         for m in [1, 8, 64, 100, 128] {
             assert_eq!(x_rows_to_read(m, padded_rows(m)), m);
+            assert_eq!(x_rows_to_allocate(m), m);
         }
         for m in [129, 160, 192, 255, 256, 1000] {
             assert_eq!(x_rows_to_read(m, padded_rows(m)), padded_rows(m));
+            assert_eq!(x_rows_to_allocate(m), padded_rows(m));
+            assert_eq!(x_rows_to_read(m, x_rows_to_allocate(m)), padded_rows(m));
         }
         // A buffer of exactly M rows is read as it is.
         assert_eq!(x_rows_to_read(200, 200), 200);

@@ -25,7 +25,10 @@ use cudarc::driver::{
 };
 
 use crate::cpu::matmul::TreeMatmul;
-pub use args::{padded_rows, validate, x_rows_to_read, Epilogue, GemmArgs, OutDtype, X_ROW_BOX};
+pub use args::{
+    padded_rows, validate, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, OutDtype,
+    X_ROW_BOX,
+};
 use error::driver;
 pub use error::GemmError;
 pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, GroupedWg, MoeTiles};

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use arbor_kernels::cpu::TreeMatmul;
 use arbor_kernels::cuda::gemm::{
-    expert_maps, padded_rows, x_rows_to_read, Epilogue, GemmArgs, GemmError, GroupedArgs,
+    expert_maps, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, GemmError, GroupedArgs,
     GroupedPath, GroupedWg, OutDtype, TreeGemm,
 };
 use arbor_kernels::cuda::ops::moe::MoeRoute;
@@ -74,7 +74,7 @@ impl GemmKind {
 /// The variable that says how the GEMMs use the rows past M of their bf16 X buffers.
 pub const PAD_ENV: &str = "ARBOR_GEMM_PAD_ROWS";
 
-/// How the rows past M of a bf16 X buffer (allocated with `padded_rows`) are used
+/// How the rows past M of a bf16 X buffer (allocated with `x_rows_to_allocate`) are used
 /// (`ARBOR_GEMM_PAD_ROWS`). The same bits every way: rows past M are never stored, and
 /// each output row depends only on its own row of X.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -372,7 +372,7 @@ impl TensorGemm {
                     scratch_xb,
                     &mut retire,
                     |b| b.len(),
-                    padded_rows(m) * k,
+                    x_rows_to_allocate(m) * k,
                     |l| dev.zeros_bf16(l),
                 )?;
                 dev.f32_to_bf16_into(x, b)?;
@@ -425,7 +425,7 @@ impl TensorGemm {
                 shape,
                 x: xp,
                 ldx: k,
-                // The bf16 X buffers hold whole TMA boxes of rows (`padded_rows`).
+                // Above 128 rows the bf16 X buffers hold whole TMA boxes (`x_rows_to_allocate`).
                 x_rows: pad.x_rows(m, xb.len() / k),
                 w: wp,
                 ldw: k,
