@@ -48,7 +48,7 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
     if (tid == 0) {
         for (int s = 0; s < TMA_STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 2);
+            mbar_init(empty + 8 * s, 2 * EMPTY_ARRIVALS);  // two consumer warpgroups
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         tma_prefetch_map(&p.tx);
@@ -99,11 +99,12 @@ DEVI void moe_wg_tma_body(const MoeTmaParams& p) {
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
         tile_coords(t, num_m, num_n, mt, nt);
+        // Rows from the tile's first pair up to its expert's end are this tile's; a
+        // warpgroup with none of them runs no wgmma.
+        const int row0 = p.tile_row0[mt] + g * 64, end = p.tile_end[mt], col0 = nt * 128;
         tile_tree<TMA_STAGES, TMA_STAGE_BYTES, TMA_A_BYTES>(
             root, acc, p1, slot + g * 64 * 128 + wl, ring, full, empty, g * 64 * 128, p.seg_len,
-            tps, p.n_seg, it, releaser, [] {});
-        // Rows from the tile's first pair up to its expert's end are this tile's.
-        const int row0 = p.tile_row0[mt] + g * 64, end = p.tile_end[mt], col0 = nt * 128;
+            tps, p.n_seg, it, releaser, [] {}, row0 >= end);
 #pragma unroll
         for (int i = 0; i < 64; i += 2) {
             const int r = row0 + acc_row(wl, i);

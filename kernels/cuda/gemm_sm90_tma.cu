@@ -54,6 +54,10 @@ struct __align__(64) TmaParams {
     // the next tile's mainloop: epi 0, f32 roots (no bf16) through `to`; epi 1, silu(gate)·up
     // through `to` (f32, where outf is set) and `toh` (bf16, where outh is set).
     int tma_out;
+    // 1: a consumer warpgroup whose 64 rows all lie at or past M (the last tile of
+    // 129-192 rows) runs no wgmma: it only passes the ring's stages on. Those rows are
+    // never stored; their MMAs cost the SM's tensor cores (and power) all the same.
+    int skip_idle;
 };
 
 DEVI void mbar_init(u32 bar, u32 count) {
@@ -65,6 +69,13 @@ DEVI void mbar_expect_tx(u32 bar, u32 bytes) {
 }
 DEVI void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// A stage's empty barrier expects this many arrivals from each consumer warpgroup: its
+// releaser's one arrival of this count after the stage's wgmma group, or one from each
+// of its warps where it runs none (leaf_segment, idle).
+constexpr u32 EMPTY_ARRIVALS = 4;
+DEVI void mbar_release(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(EMPTY_ARRIVALS) : "memory");
 }
 DEVI void mbar_wait(u32 bar, u32 parity) {
     u32 done = 0;
@@ -154,11 +165,24 @@ DEVI int chunks_in_tile(int seg_len, int kt) { return min(4, (seg_len - kt * 64 
 // this warpgroup's 64 rows x WN columns into acc (WN / 2 values a thread), releasing each
 // stage once its wgmma group is done. `it` counts k-tiles consumed by this block
 // (stage = it % STAGES, parity = its round).
+// idle (uniform in the warpgroup): its rows are never stored, so it only waits for each
+// stage and releases it, and acc stays zero. Each warp releases the stage itself: with no
+// wgmma tying the warps to one releaser, a warp left two rounds of the ring behind would
+// read a later phase's parity as its own and wait forever. (A releaser-only walk with a
+// warpgroup barrier makes ptxas serialise every wgmma of the kernel: C7520.)
 template <int STAGES, int STAGE_BYTES, int WN = 128>
 DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_row_off,
-                       int seg_len, int tiles_per_seg, u32& it, bool releaser) {
+                       int seg_len, int tiles_per_seg, u32& it, bool releaser, bool idle = false) {
 #pragma unroll
     for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
+    if (idle) {
+        for (int kt = 0; kt < tiles_per_seg; ++kt, ++it) {
+            const int stage = (int)(it % STAGES);
+            mbar_wait(full + 8 * stage, (it / STAGES) & 1);
+            if ((threadIdx.x & 31) == 0) mbar_arrive(empty + 8 * stage);
+        }
+        return;
+    }
     int prev = -1;
     for (int kt = 0; kt < tiles_per_seg; ++kt, ++it) {
         const int stage = (int)(it % STAGES);
@@ -176,11 +200,11 @@ DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_ro
         wgmma_commit();
         // Keep one group in flight: the previous tile's group is done, free its stage.
         wgmma_wait1();
-        if (prev >= 0 && releaser) mbar_arrive(empty + 8 * prev);
+        if (prev >= 0 && releaser) mbar_release(empty + 8 * prev);
         prev = stage;
     }
     wgmma_wait0();
-    if (prev >= 0 && releaser) mbar_arrive(empty + 8 * prev);
+    if (prev >= 0 && releaser) mbar_release(empty + 8 * prev);
 }
 
 // Accumulator element i of a thread of a 64x128 wgmma tile: row 16*(warp in group) +
@@ -245,13 +269,13 @@ DEVI void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 2
 template <int STAGES, int STAGE_BYTES, int A_BYTES, int WN = 128, typename BeforeS6>
 DEVI void tile_tree(float* root, float* acc, float* p1, float* s6, u32 ring, u32 full,
                     u32 empty, int a_row_off, int seg_len, int tps, int n_seg, u32& it,
-                    bool releaser, BeforeS6 before_s6) {
+                    bool releaser, BeforeS6 before_s6, bool idle = false) {
     // Each leaf drains its wgmma groups before the tree step. Chaining a leaf into another
     // tile without draining (s1 issued while s0's last group runs), even with that tile
     // zeroed beforehand, makes ptxas (13.0) serialise every wgmma of the kernel (C7515:
     // non-wgmma instructions define accumulator registers inside a pipeline stage).
 #define LEAF(dst) \
-    leaf_segment<STAGES, STAGE_BYTES, WN>(dst, ring, ring + A_BYTES, full, empty, a_row_off, seg_len, tps, it, releaser)
+    leaf_segment<STAGES, STAGE_BYTES, WN>(dst, ring, ring + A_BYTES, full, empty, a_row_off, seg_len, tps, it, releaser, idle)
     LEAF(root);
     if (n_seg > 1) {
         LEAF(acc);
@@ -347,7 +371,7 @@ DEVI void persistent_body(const TmaParams& p) {
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 2);  // one arrival per consumer warpgroup
+            mbar_init(empty + 8 * s, 2 * EMPTY_ARRIVALS);  // two consumer warpgroups
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         tma_prefetch_map(&p.tx);
@@ -421,10 +445,10 @@ DEVI void persistent_body(const TmaParams& p) {
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int mt, nt;
         tile_coords(t, num_m, num_n, mt, nt);
+        const int row0 = mt * 128 + g * 64, col0 = nt * WN;
         tile_tree<STAGES, STAGE_BYTES, A_BYTES, WN>(root, acc, p1, half + wl, ring, full, empty,
                                                     g * 64 * 128, p.seg_len, tps, p.n_seg, it,
-                                                    releaser, store_done);
-        const int row0 = mt * 128 + g * 64, col0 = nt * WN;
+                                                    releaser, store_done, p.skip_idle && row0 >= p.M);
         // A store box that reaches past M costs the TMA unit time (160 rows of the gate/up
         // layer: 178 µs with the threads' own stores, 197 with TMA stores): the rows of a
         // last, partial tile leave from registers.
@@ -629,7 +653,7 @@ DEVI void small_m_body(const TmaParams& p) {
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, NW);  // one arrival per consumer warpgroup
+            mbar_init(empty + 8 * s, NW * EMPTY_ARRIVALS);  // NW consumer warpgroups
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -674,6 +698,7 @@ DEVI void small_m_body(const TmaParams& p) {
         const u32 sw = ring + A_BYTES + (TALL ? 0 : wg * L::W_BYTES);
         const int a_off = TALL ? wg * 64 * 128 : 0;
         const bool releaser = (tid & 127) == 0;
+        const bool idle = TALL && p.skip_idle && mt * BM + wg * 64 >= p.M;
         u32 it = 0;
         if constexpr (TREE) {
             // The tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), or its first spc leaves (the
@@ -686,7 +711,7 @@ DEVI void small_m_body(const TmaParams& p) {
 #define S6(i) slot[(A + (i)) * (128 * NW) + tid]
             for (int s = 0; s < spc; ++s) {
                 leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, a_off, p.seg_len, tps, it,
-                                                      releaser);
+                                                      releaser, idle);
                 switch (s) {
                     case 0:
 #pragma unroll
@@ -724,13 +749,13 @@ DEVI void small_m_body(const TmaParams& p) {
             for (int i = 0; i < A; ++i) acc[i] = root[i];
         } else {
             leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, a_off, p.seg_len, tps, it,
-                                                  releaser);
+                                                  releaser, idle);
             if (SPC == 2) {
                 float part[A];
 #pragma unroll
                 for (int i = 0; i < A; ++i) part[i] = acc[i];
                 leaf_segment<STAGES, STAGE_BYTES, WN>(acc, ring, sw, full, empty, a_off, p.seg_len, tps, it,
-                                                      releaser);
+                                                      releaser, idle);
 #pragma unroll
                 for (int i = 0; i < A; ++i) acc[i] = part[i] + acc[i];
             }

@@ -27,7 +27,8 @@
 //! without. Only time changes: the order of memory effects is the plain launch order
 //! either way.
 //! `ARBOR_PDL=0` turns the attribute off everywhere, `1` on in every step (both for
-//! measuring what it buys).
+//! measuring what it buys), `below:ROWS` on in the steps of fewer than ROWS rows (for
+//! re-measuring the rule beside `ARBOR_GEMM_NARROW=from:ROWS`).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,6 +56,9 @@ pub enum PdlPolicy {
     On,
     /// Unset or `auto`: the launches of steps of fewer than [`PDL_OFF_FROM_ROWS`] rows.
     Auto,
+    /// `below:ROWS`: the launches of steps of fewer than ROWS rows (to re-measure the
+    /// rule beside `ARBOR_GEMM_NARROW=from:ROWS`).
+    Below(usize),
 }
 
 impl PdlPolicy {
@@ -64,7 +68,10 @@ impl PdlPolicy {
             None | Some("auto") => Ok(Self::Auto),
             Some("0") => Ok(Self::Off),
             Some("1") => Ok(Self::On),
-            Some(v) => Err(format!("{PDL_ENV}={v:?} is not 0, 1 or auto")),
+            Some(v) => match v.strip_prefix("below:").map(|r| r.trim().parse::<usize>()) {
+                Some(Ok(rows)) => Ok(Self::Below(rows)),
+                _ => Err(format!("{PDL_ENV}={v:?} is not 0, 1, auto or below:ROWS")),
+            },
         }
     }
 
@@ -82,6 +89,7 @@ impl PdlPolicy {
             Self::Off => false,
             Self::On => true,
             Self::Auto => rows < PDL_OFF_FROM_ROWS,
+            Self::Below(limit) => rows < limit,
         }
     }
 }
@@ -314,8 +322,19 @@ mod pdl_policy_tests {
         assert_eq!(PdlPolicy::parse(Some(" auto")), Ok(PdlPolicy::Auto));
         assert_eq!(PdlPolicy::parse(Some("0")), Ok(PdlPolicy::Off));
         assert_eq!(PdlPolicy::parse(Some("1")), Ok(PdlPolicy::On));
-        let e = PdlPolicy::parse(Some("yes")).unwrap_err();
-        assert!(e.contains("ARBOR_PDL") && e.contains("\"yes\""), "{e}");
+        assert_eq!(
+            PdlPolicy::parse(Some("below:160")),
+            Ok(PdlPolicy::Below(160))
+        );
+        for bad in ["yes", "below:", "below:-1", "160"] {
+            let e = PdlPolicy::parse(Some(bad)).unwrap_err();
+            assert!(
+                e.contains("ARBOR_PDL") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        assert!(PdlPolicy::Below(160).for_step(159));
+        assert!(!PdlPolicy::Below(160).for_step(160));
         let auto = PdlPolicy::Auto;
         assert!(auto.for_step(1));
         assert!(auto.for_step(192));

@@ -35,10 +35,10 @@ pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, Group
 pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
-    default_path_for, narrow_enabled, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile,
-    tma_store_enabled, tma_tile, whole_tile, wide_cluster_fits, Switches, NARROW_BY_DEFAULT,
-    NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV, TMA_STORE_BY_DEFAULT,
-    TMA_STORE_ENV,
+    default_path_for, narrow_from, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile,
+    skip_idle_enabled, tma_store_enabled, tma_tile, whole_tile, wide_cluster_fits, Switches,
+    NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV,
+    SKIP_IDLE_ENV, TMA_STORE_BY_DEFAULT, TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -118,6 +118,8 @@ pub struct TreeGemm {
     switches: Switches,
     /// Whether the persistent kernels store their results by TMA ([`tma_store_enabled`]).
     tma_store: bool,
+    /// Whether idle consumer warpgroups skip their wgmma ([`skip_idle_enabled`]).
+    skip_idle: bool,
 }
 
 impl TreeGemm {
@@ -206,10 +208,11 @@ impl TreeGemm {
             pdl: super::launch::pdl_enabled(ctx).map_err(|_| GemmError::Env {
                 var: super::launch::PDL_ENV,
                 value: std::env::var(super::launch::PDL_ENV).unwrap_or_default(),
-                msg: "expected 0, 1 or auto",
+                msg: "expected 0, 1, auto or below:ROWS",
             })?,
             switches: Switches::from_env()?,
             tma_store: tma_store_enabled(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
+            skip_idle: skip_idle_enabled(std::env::var(SKIP_IDLE_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
             tg.cluster_capacity[i] = tg
@@ -375,6 +378,7 @@ impl TreeGemm {
             w_early: i32::from(a.w_constant),
             epi: i32::from(silu),
             tma_out: i32::from(tma_out),
+            skip_idle: i32::from(self.skip_idle),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {

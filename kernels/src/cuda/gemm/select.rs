@@ -23,21 +23,35 @@ pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
     )
 }
 
-/// The variable that lets the default path take the persistent kernel's narrower tiles
-/// ([`tma_tile`]): `1` on, `0` off, unset [`NARROW_BY_DEFAULT`].
+/// The variable that sets the rows from which the default path takes the persistent
+/// kernel's narrower tiles ([`tma_tile`]): `1` from [`NARROW_FROM_ROWS`], `from:ROWS` from
+/// that many rows (to re-measure the rule), `0` never; unset [`NARROW_BY_DEFAULT`].
 pub const NARROW_ENV: &str = "ARBOR_GEMM_NARROW";
 
 /// Whether [`tma_tile`] applies when [`NARROW_ENV`] is unset.
 pub const NARROW_BY_DEFAULT: bool = true;
 
-/// [`NARROW_ENV`]'s value (`None`: unset) as a switch.
-pub fn narrow_enabled(value: Option<&str>) -> Result<bool, GemmError> {
-    switch(
+/// [`NARROW_ENV`]'s value (`None`: unset): the rows from which the narrow tiles apply, or
+/// `None` for never.
+pub fn narrow_from(value: Option<&str>) -> Result<Option<usize>, GemmError> {
+    let value = value.map(str::trim);
+    if let Some(rows) = value.and_then(|v| v.strip_prefix("from:")) {
+        return match rows.trim().parse::<usize>() {
+            Ok(r) if r > 0 => Ok(Some(r)),
+            _ => Err(GemmError::Env {
+                var: NARROW_ENV,
+                value: value.unwrap_or_default().to_string(),
+                msg: "from:ROWS takes a row count of at least 1",
+            }),
+        };
+    }
+    let on = switch(
         NARROW_ENV,
         value,
         NARROW_BY_DEFAULT,
-        "expected 1 (the persistent kernel's 128-row tiles narrower than 128 columns where they fill the SMs' rounds better) or 0",
-    )
+        "expected 1 (the persistent kernel's 128-row tiles narrower than 128 columns where they fill the SMs' rounds better, from 256 rows), from:ROWS or 0",
+    )?;
+    Ok(on.then_some(NARROW_FROM_ROWS))
 }
 
 /// Rows from which the default path may take the persistent kernel's narrow tiles
@@ -46,7 +60,7 @@ pub fn narrow_enabled(value: Option<&str>) -> Result<bool, GemmError> {
 pub const NARROW_FROM_ROWS: usize = 256;
 
 /// The persistent kernel's tile width (one of [`TMA_BNS`]) for a call of at least
-/// [`NARROW_FROM_ROWS`] rows on `sms` SMs: the width whose rounds of tiles over the SMs cost least, a round of 128×`bn`
+/// `from_rows` rows ([`NARROW_FROM_ROWS`] by default) on `sms` SMs: the width whose rounds of tiles over the SMs cost least, a round of 128×`bn`
 /// tiles costed as `bn + 24` columns (each tile's X rows and its tree do not shrink with
 /// `bn`), the widest among equals. `bench gemm` on an H100 (docs/gemm.md run 22) found the
 /// width this cost picks fastest at all 20 of its llama3-8b points from M = 256 to 1024:
@@ -54,8 +68,8 @@ pub const NARROW_FROM_ROWS: usize = 256;
 /// round where 128 columns make 96), o 64 (22.9 against 27.6 for the quad tiles), down 64
 /// (61.1 against 66.7), gate/up 96 (127.1 against 129.7). 112 columns lost at every point.
 /// Fewer rows: 128 (the `wgwhole` and `wgquad128x` rules cover most of those).
-pub fn tma_tile(m: usize, n: usize, sms: usize) -> usize {
-    if m < NARROW_FROM_ROWS || sms == 0 {
+pub fn tma_tile(m: usize, n: usize, sms: usize, from_rows: usize) -> usize {
+    if m < from_rows || sms == 0 {
         return 128;
     }
     let cost = |bn: usize| (m.div_ceil(128) * n.div_ceil(bn)).div_ceil(sms) * (bn + 24);
@@ -80,6 +94,25 @@ pub fn tma_store_enabled(value: Option<&str>) -> Result<bool, GemmError> {
         value,
         TMA_STORE_BY_DEFAULT,
         "expected 1 (the large-M kernel stores its f32 roots by TMA) or 0",
+    )
+}
+
+/// The variable that lets a persistent or tall-tile kernel's consumer warpgroup whose 64
+/// rows all lie at or past M (the last tile of 129–192 rows) skip its wgmma: `1` on, `0`
+/// off, unset [`SKIP_IDLE_BY_DEFAULT`]. Either gives the same bits (those rows are never
+/// stored).
+pub const SKIP_IDLE_ENV: &str = "ARBOR_GEMM_SKIP_IDLE";
+
+/// Whether idle warpgroups skip their wgmma when [`SKIP_IDLE_ENV`] is unset.
+pub const SKIP_IDLE_BY_DEFAULT: bool = true;
+
+/// [`SKIP_IDLE_ENV`]'s value (`None`: unset) as a switch.
+pub fn skip_idle_enabled(value: Option<&str>) -> Result<bool, GemmError> {
+    switch(
+        SKIP_IDLE_ENV,
+        value,
+        SKIP_IDLE_BY_DEFAULT,
+        "expected 1 (warpgroups with no row below M run no wgmma) or 0",
     )
 }
 
@@ -219,8 +252,9 @@ fn fills_waves(blocks: usize, sms: usize) -> bool {
 pub struct Switches {
     /// [`QUAD128_ENV`]: the 128-row quad tiles.
     pub quad128: bool,
-    /// [`NARROW_ENV`]: the persistent kernel's narrower tiles.
-    pub narrow: bool,
+    /// [`NARROW_ENV`]: the rows from which the persistent kernel's narrower tiles apply
+    /// (`None`: never).
+    pub narrow_from: Option<usize>,
 }
 
 impl Switches {
@@ -228,7 +262,7 @@ impl Switches {
     pub fn from_env() -> Result<Self, GemmError> {
         Ok(Switches {
             quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
-            narrow: narrow_enabled(std::env::var(NARROW_ENV).ok().as_deref())?,
+            narrow_from: narrow_from(std::env::var(NARROW_ENV).ok().as_deref())?,
         })
     }
 }
@@ -240,8 +274,8 @@ impl Switches {
 /// grid has more clusters than the device holds at once (`cluster_capacity`, by
 /// log2 n_seg: it would run in two waves, the second nearly empty) takes `wgcluster64x2`,
 /// half the blocks. With `quad128` ([`QUAD128_ENV`]), a `wgtma128` call takes a
-/// `wgquad128x` kernel where [`quad128_tile`] names one; before that, with `narrow`
-/// ([`NARROW_ENV`]), a call of at least [`NARROW_FROM_ROWS`] rows takes the narrower
+/// `wgquad128x` kernel where [`quad128_tile`] names one; before that, with `narrow_from`
+/// ([`NARROW_ENV`]), a call of at least that many rows takes the narrower
 /// persistent tiles [`tma_tile`] names, unless it ends in the SiLU·mul epilogue (`silu`)
 /// and the narrow tile cannot store that by TMA: its stores from registers made the
 /// gate/up layer at M = 256 slower than 128-column tiles (161.3 µs against 144.8 in the
@@ -255,11 +289,14 @@ pub fn default_path_for(
     silu: bool,
     has: impl Fn(Path) -> bool,
 ) -> Path {
-    let Switches { quad128, narrow } = switches;
+    let Switches {
+        quad128,
+        narrow_from,
+    } = switches;
     let path = Path::for_shape(shape, family);
-    if path == (Path::WgTma { bn: 128 }) && narrow {
+    if let (Path::WgTma { bn: 128 }, Some(from)) = (path, narrow_from) {
         let p = Path::WgTma {
-            bn: tma_tile(shape.m, shape.n, sms),
+            bn: tma_tile(shape.m, shape.n, sms, from),
         };
         if p != path && has(p) && (!silu || p.tma_stores(true)) {
             return p;
@@ -327,7 +364,7 @@ mod tests {
             n_seg,
             Switches {
                 quad128,
-                narrow: false,
+                narrow_from: None,
             },
         )
     }
@@ -417,7 +454,7 @@ mod tests {
         };
         let off = Switches {
             quad128: false,
-            narrow: false,
+            narrow_from: None,
         };
         let no_whole = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, off, false, |p| {
             !matches!(p, Path::WgWhole { .. })
@@ -517,6 +554,10 @@ mod tests {
         assert!(!tma_store_enabled(Some(" 0 ")).unwrap());
         let e = tma_store_enabled(Some("on")).unwrap_err().to_string();
         assert!(e.contains(TMA_STORE_ENV) && e.contains("on"), "{e}");
+        assert_eq!(skip_idle_enabled(None).unwrap(), SKIP_IDLE_BY_DEFAULT);
+        assert!(!skip_idle_enabled(Some("0")).unwrap());
+        let e = skip_idle_enabled(Some("2")).unwrap_err().to_string();
+        assert!(e.contains(SKIP_IDLE_ENV) && e.contains('2'), "{e}");
         assert_eq!(quad128_enabled(None).unwrap(), QUAD128_BY_DEFAULT);
         assert!(quad128_enabled(Some("1")).unwrap());
         assert!(!quad128_enabled(Some("0")).unwrap());
@@ -565,14 +606,21 @@ mod tests {
             (1, 4096, 128),
         ];
         for (m, n, want) in widths {
-            assert_eq!(tma_tile(m, n, 132), want, "M = {m}, N = {n}");
+            assert_eq!(
+                tma_tile(m, n, 132, NARROW_FROM_ROWS),
+                want,
+                "M = {m}, N = {n}"
+            );
         }
-        assert_eq!(tma_tile(256, 4096, 0), 128);
+        assert_eq!(tma_tile(256, 4096, 0, NARROW_FROM_ROWS), 128);
+        // A lower threshold lets the rounds choose below 256 rows.
+        assert_eq!(tma_tile(192, 6144, 132, 160), 96);
+        assert_eq!(tma_tile(128, 6144, 132, 160), 128);
         // Steps launch without PDL where the narrow tiles start (launch.rs).
         assert_eq!(crate::cuda::launch::PDL_OFF_FROM_ROWS, NARROW_FROM_ROWS);
         let on = Switches {
             quad128: true,
-            narrow: true,
+            narrow_from: Some(NARROW_FROM_ROWS),
         };
         // From 256 rows the narrow tiles come before the quad ones; below, nothing changes.
         assert_eq!(h200_path_with(256, 4096, 8, on), "wgtma128x64");
@@ -594,10 +642,17 @@ mod tests {
         assert_eq!(h200_path_with(128, 28672, 8, on), "wgtma128");
         assert_eq!(h200_path_with(64, 4096, 8, on), "wgquad64");
         assert_eq!(h200_path(256, 4096, 8, true), "wgquad128x128");
-        assert_eq!(narrow_enabled(None).unwrap(), NARROW_BY_DEFAULT);
-        assert!(!narrow_enabled(Some("0")).unwrap());
-        let e = narrow_enabled(Some("2")).unwrap_err().to_string();
-        assert!(e.contains(NARROW_ENV) && e.contains('2'), "{e}");
+        assert_eq!(
+            narrow_from(None).unwrap(),
+            NARROW_BY_DEFAULT.then_some(NARROW_FROM_ROWS)
+        );
+        assert_eq!(narrow_from(Some("1")).unwrap(), Some(NARROW_FROM_ROWS));
+        assert_eq!(narrow_from(Some("0")).unwrap(), None);
+        assert_eq!(narrow_from(Some(" from:160 ")).unwrap(), Some(160));
+        for bad in ["2", "from:", "from:0", "from:x", "160"] {
+            let e = narrow_from(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(NARROW_ENV) && e.contains(bad), "{bad}: {e}");
+        }
         for bn in TMA_BNS {
             let p = Path::WgTma { bn };
             assert!(Path::all(Family::Wgmma).contains(&p) && p.is_tma());

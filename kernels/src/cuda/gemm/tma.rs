@@ -51,6 +51,8 @@ pub struct TmaParams {
     /// 1: the large-M kernel's result leaves by TMA store: f32 roots through `to`, or the
     /// SiLU·mul epilogue's values through `to` (f32) and `toh` (bf16).
     pub tma_out: i32,
+    /// 1: a consumer warpgroup whose 64 rows all lie at or past `m` runs no wgmma.
+    pub skip_idle: i32,
 }
 
 /// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
@@ -337,6 +339,7 @@ mod tests {
         assert_eq!(std::mem::offset_of!(TmaParams, w_early), 544);
         assert_eq!(std::mem::offset_of!(TmaParams, epi), 548);
         assert_eq!(std::mem::offset_of!(TmaParams, tma_out), 552);
+        assert_eq!(std::mem::offset_of!(TmaParams, skip_idle), 556);
         assert_eq!(std::mem::size_of::<TmaParams>(), 576);
     }
 }

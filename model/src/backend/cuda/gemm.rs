@@ -79,11 +79,10 @@ pub const PAD_ENV: &str = "ARBOR_GEMM_PAD_ROWS";
 /// each output row depends only on its own row of X.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PadRows {
-    /// `read`, the default: above 128 rows the GEMM reads them (`x_rows_to_read`).
+    /// `read`, the default: above 128 rows the GEMM reads them (`x_rows_to_read`). Zeroing
+    /// them first (a memset a buffer) made the decode step slower at 160 and 192 rows
+    /// (gemm-log run 24): their stale values cost the GEMMs nothing measurable.
     Read,
-    /// `zero`: as `read`, each buffer's padded rows zeroed first (a memset each): to
-    /// measure whether the stale values they hold cost the GEMM time (gemm-log run 23).
-    Zero,
     /// `exact`: M rows are read; the TMA unit fills the last tile's boxes.
     Exact,
 }
@@ -92,10 +91,9 @@ impl PadRows {
     pub fn parse(var: Option<&str>) -> Result<Self, String> {
         match var.map(str::trim) {
             None | Some("read") => Ok(Self::Read),
-            Some("zero") => Ok(Self::Zero),
             Some("exact") => Ok(Self::Exact),
             Some(other) => Err(format!(
-                "{PAD_ENV}={other:?}: expected \"read\" (the default), \"zero\" or \"exact\""
+                "{PAD_ENV}={other:?}: expected \"read\" (the default) or \"exact\""
             )),
         }
     }
@@ -111,7 +109,7 @@ impl PadRows {
     pub fn x_rows(self, m: usize, available: usize) -> usize {
         match self {
             Self::Exact => m,
-            Self::Read | Self::Zero => x_rows_to_read(m, available),
+            Self::Read => x_rows_to_read(m, available),
         }
     }
 }
@@ -774,9 +772,8 @@ mod tests {
     #[test]
     fn pad_rows_read_whole_boxes_above_128_rows_unless_exact() {
         assert_eq!(PadRows::parse(None), Ok(PadRows::Read));
-        assert_eq!(PadRows::parse(Some("zero")), Ok(PadRows::Zero));
         assert_eq!(PadRows::parse(Some(" exact ")), Ok(PadRows::Exact));
-        for bad in ["", "1", "padded"] {
+        for bad in ["", "1", "padded", "zero"] {
             let e = PadRows::parse(Some(bad)).unwrap_err();
             assert!(
                 e.contains(PAD_ENV) && e.contains(&format!("{bad:?}")),
@@ -784,7 +781,6 @@ mod tests {
             );
         }
         assert_eq!(PadRows::Read.x_rows(160, 256), 256);
-        assert_eq!(PadRows::Zero.x_rows(160, 256), 256);
         assert_eq!(PadRows::Exact.x_rows(160, 256), 160);
         assert_eq!(PadRows::Read.x_rows(1, 128), 1);
     }
