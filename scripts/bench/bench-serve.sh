@@ -32,7 +32,7 @@ for num in $NUMERICS; do
         --requests "$REQUESTS" --concurrency "$CLIENTS" --prompt-len "$PROMPTS" --output-len "$OUTPUTS" \
         --repeat "$REPEATS" --shared-prefix "$SHARED" --temperature 0.8 --server-args "--numerics $num ${EXTRA:-}" \
         --json "$OUT/serve-$num.json"
-    grep -E "listening|capacity|KV cache|^requests|^throughput|^TTFT|^inter-token|^end-to-end|^distinct|^prefix cache|^engine steps|^serving loop|fast numerics" \
+    grep -E "listening|capacity|KV cache|^requests|^throughput|^TTFT|^inter-token|^end-to-end|^distinct|^prefix cache|^engine steps|^decode-only steps|^serving loop|fast numerics" \
         "$OUT/serve-$num.log" | tee -a "$SUMMARY"
 done
 python3 - "$OUT" <<'PY' | tee -a "$SUMMARY"

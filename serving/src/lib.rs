@@ -39,7 +39,7 @@ pub use leader::{Leader, ServeConfig};
 pub use msg::{
     Commit, ControlOp, ControlReply, PauseMode, Policy, Refusal, RefusalKind, SeqEvent, UpdateReq,
 };
-pub use stats::Stats;
+pub use stats::{Stats, DECODE_ROW_BANDS};
 
 #[cfg(test)]
 mod tests;

@@ -25,6 +25,9 @@ pub struct Stats {
     pub decode_steps: AtomicU64,
     decode_step_seconds_bits: AtomicU64,
     pub decode_step_rows: AtomicU64,
+    /// The decode-only steps by [`DECODE_ROW_BANDS`]: count and seconds.
+    decode_band_steps: [AtomicU64; DECODE_ROW_BANDS.len()],
+    decode_band_seconds_bits: [AtomicU64; DECODE_ROW_BANDS.len()],
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub requests: AtomicU64,
@@ -85,6 +88,27 @@ impl Phase {
     }
 }
 
+/// Bands of rows (the most rows, the label) the decode-only steps are counted in
+/// (`arbor_decode_band_steps_total{rows="…"}`), cut at the GEMMs' 64-row warpgroup tiles:
+/// a step's time is not proportional to its rows, and its mean over all steps hides which
+/// tile shapes the time went to (at 129–192 rows the last tile's second warpgroup has no
+/// row; at 193–256 both have some).
+pub const DECODE_ROW_BANDS: [(usize, &str); 5] = [
+    (64, "1-64"),
+    (128, "65-128"),
+    (192, "129-192"),
+    (256, "193-256"),
+    (usize::MAX, "257+"),
+];
+
+/// The index in [`DECODE_ROW_BANDS`] of a step of `rows` rows.
+fn decode_band(rows: usize) -> usize {
+    DECODE_ROW_BANDS
+        .iter()
+        .position(|&(most, _)| rows <= most)
+        .unwrap_or(DECODE_ROW_BANDS.len() - 1)
+}
+
 /// Generated tokens per second are measured over this window.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
@@ -106,6 +130,9 @@ impl Stats {
             add_f64(&self.decode_step_seconds_bits, seconds);
             self.decode_step_rows
                 .fetch_add(rows as u64, Ordering::Relaxed);
+            let band = decode_band(rows);
+            self.decode_band_steps[band].fetch_add(1, Ordering::Relaxed);
+            add_f64(&self.decode_band_seconds_bits[band], seconds);
         }
         self.prompt_tokens
             .fetch_add(prompt_rows as u64, Ordering::Relaxed);
@@ -382,6 +409,28 @@ impl Stats {
         );
         let _ = writeln!(
             out,
+            "# HELP arbor_decode_band_steps_total Engine steps without prompt rows, by their rows.\n# TYPE arbor_decode_band_steps_total counter"
+        );
+        for (i, (_, label)) in DECODE_ROW_BANDS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "arbor_decode_band_steps_total{{rows=\"{label}\"}} {}",
+                g(&self.decode_band_steps[i])
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP arbor_decode_band_seconds_total Time spent in engine steps without prompt rows, by their rows.\n# TYPE arbor_decode_band_seconds_total counter"
+        );
+        for (i, (_, label)) in DECODE_ROW_BANDS.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "arbor_decode_band_seconds_total{{rows=\"{label}\"}} {:.6}",
+                f64::from_bits(g(&self.decode_band_seconds_bits[i]))
+            );
+        }
+        let _ = writeln!(
+            out,
             "# HELP arbor_loop_seconds_total Time of rank 0's serving loop by phase (masks: within execute).\n# TYPE arbor_loop_seconds_total counter"
         );
         for p in Phase::ALL {
@@ -399,6 +448,19 @@ impl Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_bands_cut_at_the_warpgroup_tiles() {
+        let band = |rows| DECODE_ROW_BANDS[decode_band(rows)].1;
+        assert_eq!(band(1), "1-64");
+        assert_eq!(band(64), "1-64");
+        assert_eq!(band(65), "65-128");
+        assert_eq!(band(129), "129-192");
+        assert_eq!(band(192), "129-192");
+        assert_eq!(band(193), "193-256");
+        assert_eq!(band(256), "193-256");
+        assert_eq!(band(257), "257+");
+    }
 
     #[test]
     fn renders_prometheus_text() {
@@ -429,6 +491,33 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("arbor_decode_step_rows_total 4\n"), "{t}");
+        assert!(
+            t.contains("arbor_decode_band_steps_total{rows=\"1-64\"} 1\n"),
+            "{t}"
+        );
+        let b = Stats::default();
+        b.record_step(0.125, 160, 0, 160);
+        b.record_step(0.125, 192, 0, 192);
+        b.record_step(0.5, 300, 0, 300);
+        b.record_step(0.5, 300, 100, 300);
+        let t = b.render();
+        assert!(
+            t.contains("arbor_decode_band_steps_total{rows=\"129-192\"} 2\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("arbor_decode_band_seconds_total{rows=\"129-192\"} 0.250000\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("arbor_decode_band_steps_total{rows=\"193-256\"} 0\n"),
+            "{t}"
+        );
+        // The step with prompt rows is not a decode-only step.
+        assert!(
+            t.contains("arbor_decode_band_steps_total{rows=\"257+\"} 1\n"),
+            "{t}"
+        );
         s.add_phase(Phase::Masks, 0.25);
         s.add_phase(Phase::Masks, 0.5);
         let t = s.render();

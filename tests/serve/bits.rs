@@ -579,4 +579,10 @@ fn bench_serve_reports_one_output_per_repeated_prompt() {
     assert!(e["rows"].as_f64().unwrap() >= steps, "{e}");
     assert!(stdout.contains("engine steps       "), "{stdout}");
     assert!(stdout.contains("serving loop (s)   execute "), "{stdout}");
+    // The decode-only steps by band of rows add up to them.
+    let bands = e["decode_bands"].as_array().unwrap();
+    assert_eq!(bands.len(), 5, "{e}");
+    let band_steps: f64 = bands.iter().map(|b| b["steps"].as_f64().unwrap()).sum();
+    assert_eq!(band_steps, decode, "{e}");
+    assert!(stdout.contains("decode-only steps 1-64 rows "), "{stdout}");
 }

@@ -117,6 +117,17 @@ struct EngineSteps {
     loop_plan_s: f64,
     loop_apply_s: f64,
     loop_between_s: f64,
+    /// The decode-only steps by rows (`arbor_decode_band_*`); empty when the server does
+    /// not report them.
+    decode_bands: Vec<DecodeBand>,
+}
+
+/// The decode-only steps of one band of rows ([`arbor_serving::DECODE_ROW_BANDS`]).
+#[derive(serde::Serialize, Debug, PartialEq)]
+struct DecodeBand {
+    rows: &'static str,
+    steps: f64,
+    seconds: f64,
 }
 
 /// The body of a GET that answered 200; None for any other answer or none.
@@ -148,10 +159,39 @@ fn engine_steps(before: &str, after: &str) -> Option<EngineSteps> {
         loop_plan_s: phase("plan")?,
         loop_apply_s: phase("apply")?,
         loop_between_s: phase("between")?,
+        decode_bands: arbor_serving::DECODE_ROW_BANDS
+            .iter()
+            .filter_map(|&(_, rows)| {
+                let band = |name: &str| d(&format!("{name}{{rows=\"{rows}\"}}"));
+                Some(DecodeBand {
+                    rows,
+                    steps: band("arbor_decode_band_steps_total")?,
+                    seconds: band("arbor_decode_band_seconds_total")?,
+                })
+            })
+            .collect(),
     })
 }
 
 impl EngineSteps {
+    /// The decode-only steps by band of rows, the bands that had any: count and mean ms.
+    fn band_line(&self) -> Option<String> {
+        let bands: Vec<String> = self
+            .decode_bands
+            .iter()
+            .filter(|b| b.steps > 0.0)
+            .map(|b| {
+                format!(
+                    "{} rows {:.0} × {:.1} ms",
+                    b.rows,
+                    b.steps,
+                    1e3 * b.seconds / b.steps
+                )
+            })
+            .collect();
+        (!bands.is_empty()).then(|| format!("decode-only steps {}", bands.join(", ")))
+    }
+
     /// Two summary lines: the steps by kind (mean ms and rows each), the loop by phase.
     fn lines(&self) -> [String; 2] {
         let per = |x: f64, n: f64| if n > 0.0 { x / n } else { 0.0 };
@@ -565,6 +605,9 @@ pub fn run(args: Args) -> Result<()> {
         for line in e.lines() {
             println!("{line}");
         }
+        if let Some(line) = e.band_line() {
+            println!("{line}");
+        }
     }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&sum)? + "\n")
@@ -611,7 +654,11 @@ mod tests {
              arbor_loop_seconds_total{{phase=\"plan\"}} 0.500000\n\
              arbor_loop_seconds_total{{phase=\"execute\"}} {execute:.6}\n\
              arbor_loop_seconds_total{{phase=\"masks\"}} 0.100000\n\
-             arbor_loop_seconds_total{{phase=\"apply\"}} 0.250000\n",
+             arbor_loop_seconds_total{{phase=\"apply\"}} 0.250000\n\
+             arbor_decode_band_steps_total{{rows=\"1-64\"}} {decode}\n\
+             arbor_decode_band_seconds_total{{rows=\"1-64\"}} {decode_secs:.6}\n\
+             arbor_decode_band_steps_total{{rows=\"65-128\"}} 0\n\
+             arbor_decode_band_seconds_total{{rows=\"65-128\"}} 0.000000\n",
             100 * steps,
             40 * (steps - decode),
             60 * decode,
@@ -638,6 +685,14 @@ mod tests {
         );
         assert!(steps.contains("with prompt rows 6 (383.3 ms"), "{steps}");
         assert!(lp.contains("execute 3.0"), "{lp}");
+        // Bands the server reports; a band with no steps in the run is left out.
+        assert_eq!(e.decode_bands.len(), 2);
+        assert_eq!(
+            e.band_line().as_deref(),
+            Some("decode-only steps 1-64 rows 14 × 50.0 ms")
+        );
+        let no_bands = engine_steps("", &after.replace("arbor_decode_band", "other"));
+        assert_eq!(no_bands.and_then(|e| e.band_line()), None);
         // A server without the counters (not arbor, or older): nothing, not zeros.
         assert_eq!(engine_steps("", "arbor_steps_total 3\n"), None);
         // Without the before text (first scrape failed), the totals are the run's.
