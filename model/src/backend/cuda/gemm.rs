@@ -81,7 +81,7 @@ pub const PAD_ENV: &str = "ARBOR_GEMM_PAD_ROWS";
 pub enum PadRows {
     /// `read`, the default: above 128 rows the GEMM reads them (`x_rows_to_read`). Zeroing
     /// them first (a memset a buffer) made the decode step slower at 160 and 192 rows
-    /// (gemm-log run 24): their stale values cost the GEMMs nothing measurable.
+    /// (gemm-log run 24).
     Read,
     /// `exact`: M rows are read; the TMA unit fills the last tile's boxes.
     Exact,
