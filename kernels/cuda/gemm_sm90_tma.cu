@@ -58,6 +58,9 @@ struct __align__(64) TmaParams {
     // 129-192 rows) runs no wgmma: it only passes the ring's stages on. Those rows are
     // never stored; their MMAs cost the SM's tensor cores (and power) all the same.
     int skip_idle;
+    // 1 (with tma_out): a warpgroup with only some rows below M stores by TMA as well (the
+    // TMA unit clips the box at M); 0: such a warpgroup stores from registers.
+    int tma_partial;
 };
 
 DEVI void mbar_init(u32 bar, u32 count) {
@@ -452,7 +455,7 @@ DEVI void persistent_body(const TmaParams& p) {
         // A store box that reaches past M costs the TMA unit time (160 rows of the gate/up
         // layer: 178 µs with the threads' own stores, 197 with TMA stores): the rows of a
         // last, partial tile leave from registers.
-        const bool tma_out = p.tma_out && row0 + 64 <= p.M;
+        const bool tma_out = p.tma_out && (row0 + 64 <= p.M || (p.tma_partial && row0 < p.M));
         if constexpr (WN == 128) {
             if (tma_out && p.epi) {
                 // silu(gate)·up of the tile's 64 column pairs: f32 as two 64x32 boxes at the

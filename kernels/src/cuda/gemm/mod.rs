@@ -36,9 +36,9 @@ pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
     default_path_for, narrow_from, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile,
-    skip_idle_enabled, tma_store_enabled, tma_tile, whole_tile, wide_cluster_fits, Switches,
+    skip_idle_enabled, tma_store, tma_tile, whole_tile, wide_cluster_fits, Switches, TmaStore,
     NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV,
-    SKIP_IDLE_ENV, TMA_STORE_BY_DEFAULT, TMA_STORE_ENV,
+    SKIP_IDLE_ENV, TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -116,8 +116,8 @@ pub struct TreeGemm {
     pdl: bool,
     /// The default path's on/off rules ([`Switches::from_env`]).
     switches: Switches,
-    /// Whether the persistent kernels store their results by TMA ([`tma_store_enabled`]).
-    tma_store: bool,
+    /// How the persistent kernels store their results ([`tma_store`]).
+    tma_store: TmaStore,
     /// Whether idle consumer warpgroups skip their wgmma ([`skip_idle_enabled`]).
     skip_idle: bool,
 }
@@ -211,7 +211,7 @@ impl TreeGemm {
                 msg: "expected 0, 1, auto or below:ROWS",
             })?,
             switches: Switches::from_env()?,
-            tma_store: tma_store_enabled(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
+            tma_store: tma_store(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
             skip_idle: skip_idle_enabled(std::env::var(SKIP_IDLE_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
@@ -341,7 +341,7 @@ impl TreeGemm {
         let none = tma::TensorMapBytes([0; 16]);
         let silu = matches!(a.epilogue, Epilogue::SiluMulPairs { .. });
         let tma_out = path.tma_stores(silu)
-            && self.tma_store
+            && self.tma_store != TmaStore::Off
             && if silu {
                 (outf == 0 || tma::out_map_fits(outf, s.n / 2, OutElem::F32))
                     && (outh == 0 || tma::out_map_fits(outh, s.n / 2, OutElem::Bf16))
@@ -379,6 +379,7 @@ impl TreeGemm {
             epi: i32::from(silu),
             tma_out: i32::from(tma_out),
             skip_idle: i32::from(self.skip_idle),
+            tma_partial: i32::from(self.tma_store == TmaStore::Partial),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {

@@ -79,22 +79,37 @@ pub fn tma_tile(m: usize, n: usize, sms: usize, from_rows: usize) -> usize {
     )
 }
 
-/// The variable that lets the large-M kernel (`wgtma128`) store its f32 roots by TMA from
-/// shared memory, overlapping the next tile: `1` on, `0` off (the threads' own stores),
-/// unset [`TMA_STORE_BY_DEFAULT`]. Either gives the same bits.
+/// The variable that sets how the persistent kernels (`wgtma128*`) store their results:
+/// `1` by TMA from shared memory, overlapping the next tile, each warpgroup whose 64 rows
+/// all lie below M, the rest from registers (the default); `partial` by TMA also for a
+/// warpgroup with some rows past M (the TMA unit clips the box; how it ran before gemm-log
+/// run 23, kept to measure 193–255 rows); `0` from registers (the threads' own stores).
+/// Every way gives the same bits.
 pub const TMA_STORE_ENV: &str = "ARBOR_GEMM_TMA_STORE";
 
-/// Whether the large-M kernel stores by TMA when [`TMA_STORE_ENV`] is unset.
-pub const TMA_STORE_BY_DEFAULT: bool = true;
+/// How the persistent kernels store their results ([`TMA_STORE_ENV`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TmaStore {
+    /// `0`: from registers.
+    Off,
+    /// `1`, the default: by TMA where a warpgroup's 64 rows all lie below M.
+    Whole,
+    /// `partial`: by TMA wherever a warpgroup has a row below M.
+    Partial,
+}
 
-/// [`TMA_STORE_ENV`]'s value (`None`: unset) as a switch.
-pub fn tma_store_enabled(value: Option<&str>) -> Result<bool, GemmError> {
-    switch(
-        TMA_STORE_ENV,
-        value,
-        TMA_STORE_BY_DEFAULT,
-        "expected 1 (the large-M kernel stores its f32 roots by TMA) or 0",
-    )
+/// [`TMA_STORE_ENV`]'s value (`None`: unset).
+pub fn tma_store(value: Option<&str>) -> Result<TmaStore, GemmError> {
+    match value.map(str::trim) {
+        None | Some("") | Some("1") => Ok(TmaStore::Whole),
+        Some("0") => Ok(TmaStore::Off),
+        Some("partial") => Ok(TmaStore::Partial),
+        Some(v) => Err(GemmError::Env {
+            var: TMA_STORE_ENV,
+            value: v.to_string(),
+            msg: "expected 1 (the persistent kernels store by TMA where a warpgroup's rows all lie below M), partial (also where some do) or 0",
+        }),
+    }
 }
 
 /// The variable that lets a persistent or tall-tile kernel's consumer warpgroup whose 64
@@ -550,9 +565,11 @@ mod tests {
         }
         assert_eq!(pick(256, 4096, 8, false), "wgtma128");
         assert_eq!(pick(128, 4096, 8, false), "wgwhole64");
-        assert_eq!(tma_store_enabled(None).unwrap(), TMA_STORE_BY_DEFAULT);
-        assert!(!tma_store_enabled(Some(" 0 ")).unwrap());
-        let e = tma_store_enabled(Some("on")).unwrap_err().to_string();
+        assert_eq!(tma_store(None).unwrap(), TmaStore::Whole);
+        assert_eq!(tma_store(Some("1")).unwrap(), TmaStore::Whole);
+        assert_eq!(tma_store(Some(" 0 ")).unwrap(), TmaStore::Off);
+        assert_eq!(tma_store(Some("partial")).unwrap(), TmaStore::Partial);
+        let e = tma_store(Some("on")).unwrap_err().to_string();
         assert!(e.contains(TMA_STORE_ENV) && e.contains("on"), "{e}");
         assert_eq!(skip_idle_enabled(None).unwrap(), SKIP_IDLE_BY_DEFAULT);
         assert!(!skip_idle_enabled(Some("0")).unwrap());

@@ -146,6 +146,25 @@ impl GpuDevice {
         self.alloc(len)
     }
 
+    /// Zeroes `buf`'s values from `from` on (stream-ordered).
+    pub fn zero_from<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        buf: &mut DevBuf<T>,
+        from: usize,
+    ) -> Result<(), CudaError> {
+        check("zero_from", from <= buf.len(), || {
+            format!("zeroing from {from} in a buffer of {}", buf.len())
+        })?;
+        if from == buf.len() {
+            return Ok(());
+        }
+        let len = buf.len();
+        self.drv(
+            "zeroing",
+            self.stream.memset_zeros(&mut buf.slice_mut(from..len)),
+        )
+    }
+
     pub fn zeros_f32(&self, len: usize) -> Result<DevF32, CudaError> {
         self.alloc_zeroed(len)
     }

@@ -79,12 +79,17 @@ pub const PAD_ENV: &str = "ARBOR_GEMM_PAD_ROWS";
 /// each output row depends only on its own row of X.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PadRows {
-    /// `read`, the default: above 128 rows the GEMM reads them (`x_rows_to_read`). Zeroing
-    /// them first (a memset a buffer) made the decode step slower at 160 and 192 rows
-    /// (gemm-log run 24).
+    /// `read`, the default: above 128 rows the GEMM reads them (`x_rows_to_read`).
     Read,
     /// `exact`: M rows are read; the TMA unit fills the last tile's boxes.
     Exact,
+    /// `zero`: as `read`, each buffer's padded rows zeroed first (a memset each). Slower at
+    /// 160 and 192 rows, where the last tile's second warpgroup is idle (gemm-log run 24);
+    /// kept to measure 193–255 rows, where the stale rows are multiplied.
+    Zero,
+    /// `first-half`: as `read` where the last tile's rows fill at most its first
+    /// warpgroup (`m % 128` in 1..=64, the second one idle), as `exact` elsewhere.
+    FirstHalf,
 }
 
 impl PadRows {
@@ -92,8 +97,10 @@ impl PadRows {
         match var.map(str::trim) {
             None | Some("read") => Ok(Self::Read),
             Some("exact") => Ok(Self::Exact),
+            Some("zero") => Ok(Self::Zero),
+            Some("first-half") => Ok(Self::FirstHalf),
             Some(other) => Err(format!(
-                "{PAD_ENV}={other:?}: expected \"read\" (the default) or \"exact\""
+                "{PAD_ENV}={other:?}: expected \"read\" (the default), \"exact\", \"zero\" or \"first-half\""
             )),
         }
     }
@@ -109,7 +116,9 @@ impl PadRows {
     pub fn x_rows(self, m: usize, available: usize) -> usize {
         match self {
             Self::Exact => m,
-            Self::Read => x_rows_to_read(m, available),
+            Self::Read | Self::Zero => x_rows_to_read(m, available),
+            Self::FirstHalf if (1..=64).contains(&(m % 128)) => x_rows_to_read(m, available),
+            Self::FirstHalf => m,
         }
     }
 }
@@ -773,7 +782,7 @@ mod tests {
     fn pad_rows_read_whole_boxes_above_128_rows_unless_exact() {
         assert_eq!(PadRows::parse(None), Ok(PadRows::Read));
         assert_eq!(PadRows::parse(Some(" exact ")), Ok(PadRows::Exact));
-        for bad in ["", "1", "padded", "zero"] {
+        for bad in ["", "1", "padded", "half"] {
             let e = PadRows::parse(Some(bad)).unwrap_err();
             assert!(
                 e.contains(PAD_ENV) && e.contains(&format!("{bad:?}")),
@@ -783,5 +792,13 @@ mod tests {
         assert_eq!(PadRows::Read.x_rows(160, 256), 256);
         assert_eq!(PadRows::Exact.x_rows(160, 256), 160);
         assert_eq!(PadRows::Read.x_rows(1, 128), 1);
+        assert_eq!(PadRows::parse(Some("zero")), Ok(PadRows::Zero));
+        assert_eq!(PadRows::Zero.x_rows(224, 256), 256);
+        assert_eq!(PadRows::parse(Some("first-half")), Ok(PadRows::FirstHalf));
+        assert_eq!(PadRows::FirstHalf.x_rows(160, 256), 256);
+        assert_eq!(PadRows::FirstHalf.x_rows(192, 256), 256);
+        assert_eq!(PadRows::FirstHalf.x_rows(224, 256), 224);
+        assert_eq!(PadRows::FirstHalf.x_rows(256, 256), 256);
+        assert_eq!(PadRows::FirstHalf.x_rows(1, 1), 1);
     }
 }

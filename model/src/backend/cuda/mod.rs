@@ -213,10 +213,16 @@ impl CudaBackend {
         if self.gemm.is_none() && self.blas.is_none() {
             return Ok(None);
         }
-        self.dev
+        let mut b = self
+            .dev
             .empty_bf16(x_rows_to_allocate(rows) * cols)
-            .map(Some)
-            .map_err(|e| self.dev_err(e))
+            .map_err(|e| self.dev_err(e))?;
+        if gemm::PadRows::from_env() == Ok(gemm::PadRows::Zero) {
+            self.dev
+                .zero_from(&mut b, rows * cols)
+                .map_err(|e| self.dev_err(e))?;
+        }
+        Ok(Some(b))
     }
 
     /// The tensor GEMM of `x · wᵀ` with the output `out` names, into `dst` when given;
