@@ -454,7 +454,8 @@ DEVI void persistent_body(const TmaParams& p) {
                                                     releaser, store_done, p.skip_idle && row0 >= p.M);
         // A store box that reaches past M costs the TMA unit time (160 rows of the gate/up
         // layer: 178 µs with the threads' own stores, 197 with TMA stores): the rows of a
-        // last, partial tile leave from registers.
+        // last, partial tile leave from registers, unless the host asks for the clipped
+        // box (tma_partial: where the tile's second warpgroup has rows below M).
         const bool tma_out = p.tma_out && (row0 + 64 <= p.M || (p.tma_partial && row0 < p.M));
         if constexpr (WN == 128) {
             if (tma_out && p.epi) {

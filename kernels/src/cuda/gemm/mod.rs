@@ -26,8 +26,8 @@ use cudarc::driver::{
 
 use crate::cpu::matmul::TreeMatmul;
 pub use args::{
-    padded_rows, validate, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, OutDtype,
-    X_ROW_BOX,
+    last_tile_past_first_warpgroup, padded_rows, validate, x_rows_padded, x_rows_to_allocate,
+    x_rows_to_read, Epilogue, GemmArgs, OutDtype, WARPGROUP_ROWS, X_ROW_BOX,
 };
 use error::driver;
 pub use error::GemmError;
@@ -379,7 +379,11 @@ impl TreeGemm {
             epi: i32::from(silu),
             tma_out: i32::from(tma_out),
             skip_idle: i32::from(self.skip_idle),
-            tma_partial: i32::from(self.tma_store == TmaStore::Partial),
+            tma_partial: i32::from(match self.tma_store {
+                TmaStore::Partial => true,
+                TmaStore::Auto => last_tile_past_first_warpgroup(s.m),
+                TmaStore::Whole | TmaStore::Off => false,
+            }),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {

@@ -79,12 +79,13 @@ pub fn tma_tile(m: usize, n: usize, sms: usize, from_rows: usize) -> usize {
     )
 }
 
-/// The variable that sets how the persistent kernels (`wgtma128*`) store their results:
-/// `1` by TMA from shared memory, overlapping the next tile, each warpgroup whose 64 rows
-/// all lie below M, the rest from registers (the default); `partial` by TMA also for a
-/// warpgroup with some rows past M (the TMA unit clips the box; how it ran before gemm-log
-/// run 23, kept to measure 193–255 rows); `0` from registers (the threads' own stores).
-/// Every way gives the same bits.
+/// The variable that sets how the persistent kernels (`wgtma128*`) store their results: by
+/// TMA from shared memory, overlapping the next tile, or from registers. Unset or `auto`:
+/// by TMA each warpgroup whose 64 rows all lie below M, and a warpgroup with rows on both
+/// sides of M where the last tile reaches into its second warpgroup (the TMA unit clips
+/// the box), else from registers ([`TmaStore::Auto`]); `1` by TMA only whole warpgroups;
+/// `partial` by TMA every warpgroup with a row below M; `0` from registers. Every way
+/// gives the same bits.
 pub const TMA_STORE_ENV: &str = "ARBOR_GEMM_TMA_STORE";
 
 /// How the persistent kernels store their results ([`TMA_STORE_ENV`]).
@@ -92,22 +93,30 @@ pub const TMA_STORE_ENV: &str = "ARBOR_GEMM_TMA_STORE";
 pub enum TmaStore {
     /// `0`: from registers.
     Off,
-    /// `1`, the default: by TMA where a warpgroup's 64 rows all lie below M.
+    /// `1`: by TMA where a warpgroup's 64 rows all lie below M, the rest from registers
+    /// (gemm-log run 23: at 160 rows the clipped box cost the gate/up layer 197 µs against
+    /// 178 from registers).
     Whole,
     /// `partial`: by TMA wherever a warpgroup has a row below M.
     Partial,
+    /// Unset or `auto`: [`TmaStore::Partial`] where the last tile has rows of its second
+    /// warpgroup (`gemm::last_tile_past_first_warpgroup`: 193–255 rows, where the step
+    /// took 12.54 ms so and 13.63–13.73 from registers, gemm-log run 24), else
+    /// [`TmaStore::Whole`].
+    Auto,
 }
 
 /// [`TMA_STORE_ENV`]'s value (`None`: unset).
 pub fn tma_store(value: Option<&str>) -> Result<TmaStore, GemmError> {
     match value.map(str::trim) {
-        None | Some("") | Some("1") => Ok(TmaStore::Whole),
+        None | Some("") | Some("auto") => Ok(TmaStore::Auto),
+        Some("1") => Ok(TmaStore::Whole),
         Some("0") => Ok(TmaStore::Off),
         Some("partial") => Ok(TmaStore::Partial),
         Some(v) => Err(GemmError::Env {
             var: TMA_STORE_ENV,
             value: v.to_string(),
-            msg: "expected 1 (the persistent kernels store by TMA where a warpgroup's rows all lie below M), partial (also where some do) or 0",
+            msg: "expected auto (the default), 1 (by TMA where a warpgroup's rows all lie below M), partial (also where some do) or 0",
         }),
     }
 }
@@ -565,7 +574,8 @@ mod tests {
         }
         assert_eq!(pick(256, 4096, 8, false), "wgtma128");
         assert_eq!(pick(128, 4096, 8, false), "wgwhole64");
-        assert_eq!(tma_store(None).unwrap(), TmaStore::Whole);
+        assert_eq!(tma_store(None).unwrap(), TmaStore::Auto);
+        assert_eq!(tma_store(Some("auto")).unwrap(), TmaStore::Auto);
         assert_eq!(tma_store(Some("1")).unwrap(), TmaStore::Whole);
         assert_eq!(tma_store(Some(" 0 ")).unwrap(), TmaStore::Off);
         assert_eq!(tma_store(Some("partial")).unwrap(), TmaStore::Partial);

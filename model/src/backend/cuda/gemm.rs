@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use arbor_kernels::cpu::TreeMatmul;
 use arbor_kernels::cuda::gemm::{
-    expert_maps, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, GemmError, GroupedArgs,
-    GroupedPath, GroupedWg, OutDtype, TreeGemm,
+    expert_maps, x_rows_padded, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, GemmError,
+    GroupedArgs, GroupedPath, GroupedWg, OutDtype, TreeGemm,
 };
 use arbor_kernels::cuda::ops::moe::MoeRoute;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevBuf, DevF32, DevU32, GpuDevice};
@@ -79,28 +79,28 @@ pub const PAD_ENV: &str = "ARBOR_GEMM_PAD_ROWS";
 /// each output row depends only on its own row of X.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PadRows {
-    /// `read`, the default: above 128 rows the GEMM reads them (`x_rows_to_read`).
+    /// Unset or `auto`: read where the last tile's second warpgroup is idle
+    /// (`x_rows_to_read`).
+    Auto,
+    /// `read`: read above 128 rows at every M (`x_rows_padded`, gemm-log run 23's rule).
     Read,
     /// `exact`: M rows are read; the TMA unit fills the last tile's boxes.
     Exact,
     /// `zero`: as `read`, each buffer's padded rows zeroed first (a memset each). Slower at
     /// 160 and 192 rows, where the last tile's second warpgroup is idle (gemm-log run 24);
-    /// kept to measure 193–255 rows, where the stale rows are multiplied.
+    /// kept to measure 193–255 rows, where that warpgroup multiplies them.
     Zero,
-    /// `first-half`: as `read` where the last tile's rows fill at most its first
-    /// warpgroup (`m % 128` in 1..=64, the second one idle), as `exact` elsewhere.
-    FirstHalf,
 }
 
 impl PadRows {
     pub fn parse(var: Option<&str>) -> Result<Self, String> {
         match var.map(str::trim) {
-            None | Some("read") => Ok(Self::Read),
+            None | Some("auto") => Ok(Self::Auto),
+            Some("read") => Ok(Self::Read),
             Some("exact") => Ok(Self::Exact),
             Some("zero") => Ok(Self::Zero),
-            Some("first-half") => Ok(Self::FirstHalf),
             Some(other) => Err(format!(
-                "{PAD_ENV}={other:?}: expected \"read\" (the default), \"exact\", \"zero\" or \"first-half\""
+                "{PAD_ENV}={other:?}: expected \"auto\" (the default), \"read\", \"exact\" or \"zero\""
             )),
         }
     }
@@ -115,10 +115,9 @@ impl PadRows {
     /// Rows of a bf16 X buffer of `available` rows that a call of `m` rows reads.
     pub fn x_rows(self, m: usize, available: usize) -> usize {
         match self {
+            Self::Auto => x_rows_to_read(m, available),
+            Self::Read | Self::Zero => x_rows_padded(m, available),
             Self::Exact => m,
-            Self::Read | Self::Zero => x_rows_to_read(m, available),
-            Self::FirstHalf if (1..=64).contains(&(m % 128)) => x_rows_to_read(m, available),
-            Self::FirstHalf => m,
         }
     }
 }
@@ -780,25 +779,25 @@ mod tests {
 
     #[test]
     fn pad_rows_read_whole_boxes_above_128_rows_unless_exact() {
-        assert_eq!(PadRows::parse(None), Ok(PadRows::Read));
+        assert_eq!(PadRows::parse(None), Ok(PadRows::Auto));
+        assert_eq!(PadRows::parse(Some("read")), Ok(PadRows::Read));
         assert_eq!(PadRows::parse(Some(" exact ")), Ok(PadRows::Exact));
-        for bad in ["", "1", "padded", "half"] {
+        assert_eq!(PadRows::parse(Some("zero")), Ok(PadRows::Zero));
+        for bad in ["", "1", "padded", "first-half"] {
             let e = PadRows::parse(Some(bad)).unwrap_err();
             assert!(
                 e.contains(PAD_ENV) && e.contains(&format!("{bad:?}")),
                 "{e}"
             );
         }
-        assert_eq!(PadRows::Read.x_rows(160, 256), 256);
+        // The default reads whole boxes where the last tile's second warpgroup is idle.
+        assert_eq!(PadRows::Auto.x_rows(160, 256), 256);
+        assert_eq!(PadRows::Auto.x_rows(192, 256), 256);
+        assert_eq!(PadRows::Auto.x_rows(224, 256), 224);
+        assert_eq!(PadRows::Auto.x_rows(1, 1), 1);
+        assert_eq!(PadRows::Read.x_rows(224, 256), 256);
+        assert_eq!(PadRows::Zero.x_rows(224, 256), 256);
         assert_eq!(PadRows::Exact.x_rows(160, 256), 160);
         assert_eq!(PadRows::Read.x_rows(1, 128), 1);
-        assert_eq!(PadRows::parse(Some("zero")), Ok(PadRows::Zero));
-        assert_eq!(PadRows::Zero.x_rows(224, 256), 256);
-        assert_eq!(PadRows::parse(Some("first-half")), Ok(PadRows::FirstHalf));
-        assert_eq!(PadRows::FirstHalf.x_rows(160, 256), 256);
-        assert_eq!(PadRows::FirstHalf.x_rows(192, 256), 256);
-        assert_eq!(PadRows::FirstHalf.x_rows(224, 256), 224);
-        assert_eq!(PadRows::FirstHalf.x_rows(256, 256), 256);
-        assert_eq!(PadRows::FirstHalf.x_rows(1, 1), 1);
     }
 }
