@@ -84,7 +84,7 @@ pub fn last_tile_past_first_warpgroup(m: usize) -> bool {
 /// against 66); at one row the zero-filled box is the cheaper one (down 47.2 against 48.6
 /// µs, the decode step at batch 1 0.12 ms). Where the second warpgroup runs, it would
 /// multiply the padded rows: the step at 224 rows took 12.54 ms before run 23 (`m` rows
-/// read, clipped TMA stores) and 13.63–13.73 after (run 24, across sessions), so there `m`
+/// read, clipped TMA stores) and 13.63–13.73 after (gemm-log run 24), so there `m`
 /// rows are read, as before run 23. [`x_rows_padded`] reads them all everywhere.
 pub fn x_rows_to_read(m: usize, available: usize) -> usize {
     if last_tile_past_first_warpgroup(m) {
