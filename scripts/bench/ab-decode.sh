@@ -12,7 +12,8 @@
 #   BINS="before=.device/arbor now=.device/arbor" ENV_before="ARBOR_GEMM_NARROW=0 ARBOR_PDL=1" \
 #     BATCHES=128,192,256 NCU_BATCHES="" bash scripts/bench/ab-decode.sh
 # BATCHES (wall, default 1,8,32,64), NCU_BATCHES (default "1 64"), ROUNDS (default 2),
-# NUMERICS (default invariant); NCU_BATCHES="" skips ncu. Writes $OUT/ab-*.{log,csv} and ab-summary.txt.
+# NUMERICS (default invariant); NCU_BATCHES="" skips ncu. Writes $OUT/ab-wall.log, ab-ncu.log,
+# ab-ncu.tgz (the ncu tables), ab-make.log and ab-summary.txt.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
@@ -42,14 +43,21 @@ for b in $BINS; do
 done
 
 l8b_model "$OUT/ab-make.log"
+# Each run logs to a file of its own (a run that hangs shows no figures, not the previous
+# round's); all of them end up in $OUT/ab-wall.log, and each entry's runs in
+# $WORK/ab-wall-NAME.log for the ncu report's wall column. The device tool returns only a
+# few files, so the ncu tables go into one archive at the end.
+WORK=$(mktemp -d /tmp/arbor-ab.XXXXXX)
 for round in $(seq "$ROUNDS"); do
     for b in $BINS; do
         name=${b%%=*}
         envs "$name"
-        step "wall $name round $round" "$OUT/ab-wall-$name.log" 90 env "${ENVS[@]}" "${b#*=}" bench decode \
+        run_log="$WORK/run-$name-$round.log"
+        step "wall $name round $round" "$run_log" 90 env "${ENVS[@]}" "${b#*=}" bench decode \
             --model "$L8B" --device cuda --numerics "$NUMERICS" --batch "$BATCHES" --steps 64
-        grep -E "TP 1 $NUMERICS +batch" "$OUT/ab-wall-$name.log" | tail -n "$(echo "$BATCHES" | tr ',' '\n' | wc -l)" |
-            sed "s/^/$name r$round  /" | tee -a "$SUMMARY"
+        cat "$run_log" >>"$OUT/ab-wall.log"
+        cat "$run_log" >>"$WORK/ab-wall-$name.log"
+        grep -E "TP 1 $NUMERICS +batch" "$run_log" | sed "s/^/$name r$round  /" | tee -a "$SUMMARY"
     done
 done
 if [[ -n $NCU ]]; then
@@ -62,8 +70,10 @@ if [[ -n $NCU ]]; then
                 --log-file "$OUT/ab-ncu-$name-b$nb.csv" "${b#*=}" bench decode --model "$L8B" \
                 --device cuda --numerics "$NUMERICS" --batch "$nb" --steps 4 &&
                 python3 scripts/bench/profile-report.py arbor "$OUT/ab-ncu-$name-b$nb.csv" \
-                    "$OUT/ab-wall-$name.log" "$NUMERICS" "$nb" | sed "s/^arbor/$name/" | tee -a "$SUMMARY"
+                    "$WORK/ab-wall-$name.log" "$NUMERICS" "$nb" | sed "s/^arbor/$name/" | tee -a "$SUMMARY"
         done
     done
+    (cd "$OUT" && compgen -G "ab-ncu-*.csv" >/dev/null && tar czf ab-ncu.tgz ab-ncu-*.csv && rm -f ab-ncu-*.csv)
 fi
+rm -rf "$WORK"
 echo "==== ab-decode ($(elapsed) s)"
