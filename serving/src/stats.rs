@@ -109,6 +109,20 @@ fn decode_band(rows: usize) -> usize {
         .unwrap_or(DECODE_ROW_BANDS.len() - 1)
 }
 
+/// One counter family with a label: its HELP and TYPE lines, then a sample per value.
+fn labelled<'a>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    key: &str,
+    samples: impl Iterator<Item = (&'a str, String)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for (label, value) in samples {
+        let _ = writeln!(out, "{name}{{{key}=\"{label}\"}} {value}");
+    }
+}
+
 /// Generated tokens per second are measured over this window.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
@@ -407,40 +421,31 @@ impl Stats {
             out,
             "# HELP arbor_weight_version_info The weight version serving now (label version).\n# TYPE arbor_weight_version_info gauge\narbor_weight_version_info{{version=\"{v}\"}} 1"
         );
-        let _ = writeln!(
-            out,
-            "# HELP arbor_decode_band_steps_total Engine steps without prompt rows, by their rows.\n# TYPE arbor_decode_band_steps_total counter"
+        let secs = |a: &AtomicU64| format!("{:.6}", f64::from_bits(g(a)));
+        let bands = || DECODE_ROW_BANDS.iter().map(|&(_, label)| label);
+        labelled(
+            &mut out,
+            "arbor_decode_band_steps_total",
+            "Engine steps without prompt rows, by their rows.",
+            "rows",
+            bands().zip(self.decode_band_steps.iter().map(|a| g(a).to_string())),
         );
-        for (i, (_, label)) in DECODE_ROW_BANDS.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "arbor_decode_band_steps_total{{rows=\"{label}\"}} {}",
-                g(&self.decode_band_steps[i])
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP arbor_decode_band_seconds_total Time spent in engine steps without prompt rows, by their rows.\n# TYPE arbor_decode_band_seconds_total counter"
+        labelled(
+            &mut out,
+            "arbor_decode_band_seconds_total",
+            "Time spent in engine steps without prompt rows, by their rows.",
+            "rows",
+            bands().zip(self.decode_band_seconds_bits.iter().map(secs)),
         );
-        for (i, (_, label)) in DECODE_ROW_BANDS.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "arbor_decode_band_seconds_total{{rows=\"{label}\"}} {:.6}",
-                f64::from_bits(g(&self.decode_band_seconds_bits[i]))
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP arbor_loop_seconds_total Time of rank 0's serving loop by phase (masks: within execute).\n# TYPE arbor_loop_seconds_total counter"
+        labelled(
+            &mut out,
+            "arbor_loop_seconds_total",
+            "Time of rank 0's serving loop by phase (masks: within execute).",
+            "phase",
+            Phase::ALL
+                .iter()
+                .map(|&p| (p.label(), secs(&self.phase_seconds_bits[p as usize]))),
         );
-        for p in Phase::ALL {
-            let _ = writeln!(
-                out,
-                "arbor_loop_seconds_total{{phase=\"{}\"}} {:.6}",
-                p.label(),
-                f64::from_bits(g(&self.phase_seconds_bits[p as usize]))
-            );
-        }
         out
     }
 }

@@ -60,13 +60,14 @@ pub fn narrow_from(value: Option<&str>) -> Result<Option<usize>, GemmError> {
 pub const NARROW_FROM_ROWS: usize = 256;
 
 /// The persistent kernel's tile width (one of [`TMA_BNS`]) for a call of at least
-/// `from_rows` rows ([`NARROW_FROM_ROWS`] by default) on `sms` SMs: the width whose rounds of tiles over the SMs cost least, a round of 128×`bn`
-/// tiles costed as `bn + 24` columns (each tile's X rows and its tree do not shrink with
-/// `bn`), the widest among equals. `bench gemm` on an H100 (docs/gemm.md run 22) found the
-/// width this cost picks fastest at all 20 of its llama3-8b points from M = 256 to 1024:
-/// at M = 256 q/k/v (N 6144) 96 columns, 31.0 µs against 35.1 for 128 (128 tiles in one
-/// round where 128 columns make 96), o 64 (22.9 against 27.6 for the quad tiles), down 64
-/// (61.1 against 66.7), gate/up 96 (127.1 against 129.7). 112 columns lost at every point.
+/// `from_rows` rows ([`NARROW_FROM_ROWS`] by default) on `sms` SMs: the width whose rounds
+/// of tiles over the SMs cost least, a round of 128×`bn` tiles costed as `bn + 24` columns
+/// (each tile's X rows and its tree do not shrink with `bn`), the widest among equals.
+/// `bench gemm` on an H100 (docs/gemm.md run 22) found the width this cost picks fastest
+/// at all 20 of its llama3-8b points from M = 256 to 1024: at M = 256 q/k/v (N 6144) 96
+/// columns, 31.0 µs against 35.1 for 128 (128 tiles in one round where 128 columns make
+/// 96), o 64 (22.9 against 27.6 for the quad tiles), down 64 (61.1 against 66.7), gate/up
+/// 96 (127.1 against 129.7). 112 columns lost at every point.
 /// Fewer rows: 128 (the `wgwhole` and `wgquad128x` rules cover most of those).
 pub fn tma_tile(m: usize, n: usize, sms: usize, from_rows: usize) -> usize {
     if m < from_rows || sms == 0 {
