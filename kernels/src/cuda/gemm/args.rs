@@ -55,49 +55,31 @@ pub fn padded_rows(m: usize) -> usize {
     m.next_multiple_of(X_ROW_BOX)
 }
 
+/// The rows above which the model's bf16 X buffers hold whole 128-row boxes
+/// ([`x_rows_to_allocate`]) and the GEMMs read all of them ([`x_rows_to_read`]): above one
+/// 64-row warpgroup's rows, where the 128-row tiles take over from the 64-row ones.
+pub const PAD_ABOVE_ROWS: usize = 64;
+
 /// Rows to allocate for an X buffer of `m` rows that [`x_rows_to_read`] reads whole:
-/// [`padded_rows`] above one 128-row box, else `m` (nothing past `m` would be read).
-pub fn x_rows_to_allocate(m: usize) -> usize {
-    if m > X_ROW_BOX {
+/// [`padded_rows`] above `pad_above` rows, else `m` (nothing past `m` would be read).
+pub fn x_rows_to_allocate(m: usize, pad_above: usize) -> usize {
+    if m > pad_above {
         padded_rows(m)
     } else {
         m
     }
 }
 
-/// Rows of a 128-row tile one consumer warpgroup of the persistent and tall kernels
-/// computes.
-pub const WARPGROUP_ROWS: usize = 64;
-
-/// Whether the last 128-row tile of a call of `m` rows has rows of its second warpgroup
-/// (`m % 128` in 65..=127): both warpgroups then run, the second with rows on both sides
-/// of `m`. At `m % 128` in 1..=64 the second warpgroup is idle (it runs no wgmma).
-pub fn last_tile_past_first_warpgroup(m: usize) -> bool {
-    m % X_ROW_BOX > WARPGROUP_ROWS
-}
-
 /// [`GemmArgs::x_rows`] for a call of `m` rows whose X buffer holds `available` rows:
-/// all of them above one 128-row box where the last tile's rows fill at most its first
-/// warpgroup, else `m`. Measured on an H100 (`bench gemm --x-rows`, gemm-log run 23): with
-/// X of exactly `m` rows the last row tile's boxes reach past X and cost the TMA unit
-/// time, 160 rows of the gate/up layer 185 µs against 151 with X padded to 256 (down 78
-/// against 66); at one row the zero-filled box is the cheaper one (down 47.2 against 48.6
-/// µs, the decode step at batch 1 0.12 ms). Where the second warpgroup runs, it would
-/// multiply the padded rows: the step at 224 rows took 12.54 ms before run 23 (`m` rows
-/// read, clipped TMA stores) and 13.63–13.73 after (gemm-log run 24), so there `m`
-/// rows are read, as before run 23. [`x_rows_padded`] reads them all everywhere.
-pub fn x_rows_to_read(m: usize, available: usize) -> usize {
-    if last_tile_past_first_warpgroup(m) {
-        m
-    } else {
-        x_rows_padded(m, available)
-    }
-}
-
-/// [`GemmArgs::x_rows`] that reads every row of the buffer above one 128-row box (`m` >
-/// [`X_ROW_BOX`]), else `m`: run 23's rule at every `m`, kept for measuring.
-pub fn x_rows_padded(m: usize, available: usize) -> usize {
-    if m > X_ROW_BOX && available > m {
+/// all of them above `pad_above` rows ([`PAD_ABOVE_ROWS`] by default), else `m`.
+/// Measured on an H100 (gemm-log runs 23 and 25): with X of exactly `m` rows the last row
+/// tile's boxes reach past X and cost the TMA unit time (160 rows of the gate/up layer
+/// 185 µs against 151 with X padded to 256; the decode step at 96 rows 8.53 ms against
+/// 9.21, at 224 rows 12.11 against 12.40, all with TMA stores clipped at M); at one row
+/// the zero-filled box is the cheaper one (down 47.2 against 48.6 µs, the decode step at
+/// batch 1 0.12 ms).
+pub fn x_rows_to_read(m: usize, available: usize, pad_above: usize) -> usize {
+    if m > pad_above && available > m {
         available
     } else {
         m
@@ -274,26 +256,27 @@ mod tests {
         assert_eq!(padded_rows(128), 128);
         assert_eq!(padded_rows(129), 256);
         assert_eq!(padded_rows(0), 0);
-        // Up to one box the TMA unit's zero fill is the cheaper way (batch-1 decode).
-        for m in [1, 8, 64, 100, 128] {
-            assert_eq!(x_rows_to_read(m, padded_rows(m)), m);
-            assert_eq!(x_rows_to_allocate(m), m);
+        // Up to one warpgroup's rows the TMA unit's zero fill is the cheaper way (batch 1).
+        let above = PAD_ABOVE_ROWS;
+        for m in [1, 8, 63, 64] {
+            assert_eq!(x_rows_to_read(m, padded_rows(m), above), m);
+            assert_eq!(x_rows_to_allocate(m, above), m);
         }
-        for m in [129, 160, 192, 256, 1000, 1024] {
-            assert_eq!(x_rows_padded(m, padded_rows(m)), padded_rows(m));
-            assert_eq!(x_rows_to_allocate(m), padded_rows(m));
+        for m in [
+            65, 72, 96, 127, 128, 129, 160, 192, 200, 224, 255, 256, 1000, 1024,
+        ] {
+            assert_eq!(
+                x_rows_to_read(m, x_rows_to_allocate(m, above), above),
+                padded_rows(m)
+            );
+            assert_eq!(x_rows_to_allocate(m, above), padded_rows(m));
         }
-        // By default whole boxes only where the last tile's second warpgroup is idle.
-        for m in [129, 160, 192, 256, 1024, 1088] {
-            assert!(!last_tile_past_first_warpgroup(m));
-            assert_eq!(x_rows_to_read(m, x_rows_to_allocate(m)), padded_rows(m));
-        }
-        for m in [193, 224, 255, 1000] {
-            assert!(last_tile_past_first_warpgroup(m));
-            assert_eq!(x_rows_to_read(m, x_rows_to_allocate(m)), m);
-        }
+        // Another threshold pads from there on.
+        assert_eq!(x_rows_to_allocate(96, 128), 96);
+        assert_eq!(x_rows_to_read(96, 128, 128), 96);
+        assert_eq!(x_rows_to_read(160, 256, 128), 256);
         // A buffer of exactly M rows is read as it is.
-        assert_eq!(x_rows_to_read(200, 200), 200);
+        assert_eq!(x_rows_to_read(200, 200, above), 200);
     }
 
     #[test]

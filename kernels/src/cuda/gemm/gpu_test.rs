@@ -84,6 +84,17 @@ impl Bufs {
     }
 }
 
+/// `call` with the persistent kernels taking their tiles by column on a device of three
+/// SMs, as the test counts them (three blocks, each taking many columns in turn, its last
+/// row tile partial where M is not a multiple of 128); `tg` as it was afterwards.
+fn by_column<T>(tg: &mut TreeGemm, call: impl FnOnce(&TreeGemm) -> T) -> T {
+    let (order, sms) = (tg.column_order_rows.replace(usize::MAX), tg.sms);
+    tg.sms = 3;
+    let out = call(tg);
+    (tg.column_order_rows, tg.sms) = (order, sms);
+    out
+}
+
 fn same_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if let Some(i) = got
@@ -263,7 +274,7 @@ fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
     // SAFETY: every buffer is used on this one stream only.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().unwrap_or_else(|e| panic!("{e}"));
-    let tg = TreeGemm::new(&ctx).unwrap_or_else(|e| panic!("{e}"));
+    let mut tg = TreeGemm::new(&ctx).unwrap_or_else(|e| panic!("{e}"));
     if tg.family != Family::Wgmma {
         eprintln!("skipped: {} runs the Mma family", tg.arch);
         return;
@@ -341,6 +352,13 @@ fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
             for &path in &paths {
                 let name = format!("{} K {k} N {n} M {m}", path.name());
                 same_bits(&b.call(&tg, path, full(m), (0, 0, 0)), &y, &name);
+                if matches!(path, Path::WgTma { .. }) {
+                    same_bits(
+                        &by_column(&mut tg, |tg| b.call(tg, path, full(m), (0, 0, 0))),
+                        &y,
+                        &format!("{name}, tiles by column"),
+                    );
+                }
                 if !matches!(path, Path::WgTma { .. } | Path::WgQuad128 { .. }) {
                     continue;
                 }
@@ -384,7 +402,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
     }
     let dev =
         crate::cuda::GpuDevice::open(0).unwrap_or_else(|e| panic!("a GPU is present but: {e}"));
-    let tg = TreeGemm::new(&dev.ctx).unwrap_or_else(|e| panic!("{e}"));
+    let mut tg = TreeGemm::new(&dev.ctx).unwrap_or_else(|e| panic!("{e}"));
     let stream = dev.stream.clone();
     let k = 1024usize;
     let layout = SegmentLayout::new(k);
@@ -431,7 +449,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
             };
             let what = format!("{} M {m} N {n}", path.name());
             // `out` 0: no f32 output (the bf16 one alone).
-            let run = |epilogue: Epilogue, out: u64| {
+            let run = |tg: &TreeGemm, epilogue: Epilogue, out: u64| {
                 let a = GemmArgs {
                     shape,
                     x: p(&x),
@@ -456,7 +474,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
             let mut roots = dev
                 .upload_f32(&vec![f32::NAN; m * n])
                 .unwrap_or_else(|e| panic!("{e}"));
-            run(Epilogue::Store, ptr_f32(&mut roots));
+            run(&tg, Epilogue::Store, ptr_f32(&mut roots));
             let mut want_b = dev.empty_bf16(m * n / 2).unwrap_or_else(|e| panic!("{e}"));
             let want = dev
                 .silu_mul_pairs(&roots, m, n / 2, Some(&mut want_b))
@@ -468,7 +486,7 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                 .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
                 .unwrap_or_else(|e| panic!("{e}"));
             let bp = got_b.device_ptr_mut(&stream).0;
-            run(Epilogue::SiluMulPairs { bf16: bp }, ptr_f32(&mut got));
+            run(&tg, Epilogue::SiluMulPairs { bf16: bp }, ptr_f32(&mut got));
             let host = |b: &crate::cuda::DevF32| {
                 dev.download_f32(b)
                     .unwrap_or_else(|e| panic!("{what}: {e}"))
@@ -491,19 +509,38 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
             let mut got_f = dev
                 .upload_f32(&vec![f32::NAN; m * n / 2])
                 .unwrap_or_else(|e| panic!("{e}"));
-            run(Epilogue::SiluMulPairs { bf16: 0 }, ptr_f32(&mut got_f));
+            run(&tg, Epilogue::SiluMulPairs { bf16: 0 }, ptr_f32(&mut got_f));
             same_bits(&host(&got_f), &want_h, &format!("{what} (f32 alone)"));
             // Without the f32 copy (bf16 alone).
             let mut alone_b = dev
                 .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
                 .unwrap_or_else(|e| panic!("{e}"));
             let ap = alone_b.device_ptr_mut(&stream).0;
-            run(Epilogue::SiluMulPairs { bf16: ap }, 0);
+            run(&tg, Epilogue::SiluMulPairs { bf16: ap }, 0);
             same_bits(
                 &bits(&alone_b),
                 &bits(&want_b),
                 &format!("{what} (bf16 alone)"),
             );
+            if matches!(path, Path::WgTma { .. }) {
+                let mut col = dev
+                    .upload_f32(&vec![f32::NAN; m * n / 2])
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let mut col_b = dev
+                    .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let cp = col_b.device_ptr_mut(&stream).0;
+                let cf = ptr_f32(&mut col);
+                by_column(&mut tg, |tg| {
+                    run(tg, Epilogue::SiluMulPairs { bf16: cp }, cf)
+                });
+                same_bits(&host(&col), &want_h, &format!("{what}, tiles by column"));
+                same_bits(
+                    &bits(&col_b),
+                    &bits(&want_b),
+                    &format!("{what} (bf16), tiles by column"),
+                );
+            }
         }
     }
 }

@@ -26,8 +26,8 @@ use cudarc::driver::{
 
 use crate::cpu::matmul::TreeMatmul;
 pub use args::{
-    last_tile_past_first_warpgroup, padded_rows, validate, x_rows_padded, x_rows_to_allocate,
-    x_rows_to_read, Epilogue, GemmArgs, OutDtype, WARPGROUP_ROWS, X_ROW_BOX,
+    padded_rows, validate, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, OutDtype,
+    PAD_ABOVE_ROWS, X_ROW_BOX,
 };
 use error::driver;
 pub use error::GemmError;
@@ -35,10 +35,11 @@ pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, Group
 pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
-    default_path_for, narrow_from, quad128_enabled, quad128_tile, quad_tile, shard_whole_tile,
-    skip_idle_enabled, tma_store, tma_tile, whole_tile, wide_cluster_fits, Switches, TmaStore,
-    NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV,
-    SKIP_IDLE_ENV, TMA_STORE_ENV,
+    column_order, column_order_rows, default_path_for, narrow_from, quad128_enabled, quad128_tile,
+    quad_tile, shard_whole_tile, skip_idle_enabled, tma_store, tma_tile, whole_tile,
+    wide_cluster_fits, Switches, TmaStore, COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT, NARROW_ENV,
+    NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV, SKIP_IDLE_ENV, TILE_ORDER_ENV,
+    TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -120,6 +121,9 @@ pub struct TreeGemm {
     tma_store: TmaStore,
     /// Whether idle consumer warpgroups skip their wgmma ([`skip_idle_enabled`]).
     skip_idle: bool,
+    /// The most rows at which the persistent kernels may take their tiles by column
+    /// ([`column_order_rows`]; `None`: never).
+    column_order_rows: Option<usize>,
 }
 
 impl TreeGemm {
@@ -213,6 +217,7 @@ impl TreeGemm {
             switches: Switches::from_env()?,
             tma_store: tma_store(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
             skip_idle: skip_idle_enabled(std::env::var(SKIP_IDLE_ENV).ok().as_deref())?,
+            column_order_rows: column_order_rows(std::env::var(TILE_ORDER_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
             tg.cluster_capacity[i] = tg
@@ -379,11 +384,16 @@ impl TreeGemm {
             epi: i32::from(silu),
             tma_out: i32::from(tma_out),
             skip_idle: i32::from(self.skip_idle),
-            tma_partial: i32::from(match self.tma_store {
-                TmaStore::Partial => true,
-                TmaStore::Auto => last_tile_past_first_warpgroup(s.m),
-                TmaStore::Whole | TmaStore::Off => false,
-            }),
+            tma_partial: i32::from(self.tma_store == TmaStore::Partial),
+            column_order: i32::from(
+                matches!(path, Path::WgTma { .. })
+                    && column_order(
+                        self.column_order_rows,
+                        s.m,
+                        s.n.div_ceil(w_rows as usize),
+                        self.sms,
+                    ),
+            ),
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {

@@ -81,12 +81,10 @@ pub fn tma_tile(m: usize, n: usize, sms: usize, from_rows: usize) -> usize {
 }
 
 /// The variable that sets how the persistent kernels (`wgtma128*`) store their results: by
-/// TMA from shared memory, overlapping the next tile, or from registers. Unset or `auto`:
-/// by TMA each warpgroup whose 64 rows all lie below M, and a warpgroup with rows on both
-/// sides of M where the last tile reaches into its second warpgroup (the TMA unit clips
-/// the box), else from registers ([`TmaStore::Auto`]); `1` by TMA only whole warpgroups;
-/// `partial` by TMA every warpgroup with a row below M; `0` from registers. Every way
-/// gives the same bits.
+/// TMA from shared memory, overlapping the next tile, or from registers. Unset, `auto` or
+/// `partial`: by TMA every warpgroup with a row below M, the TMA unit clipping the box at
+/// M ([`TmaStore::Partial`]); `1` by TMA only a warpgroup whose 64 rows all lie below M,
+/// the rest from registers; `0` from registers. Every way gives the same bits.
 pub const TMA_STORE_ENV: &str = "ARBOR_GEMM_TMA_STORE";
 
 /// How the persistent kernels store their results ([`TMA_STORE_ENV`]).
@@ -94,30 +92,26 @@ pub const TMA_STORE_ENV: &str = "ARBOR_GEMM_TMA_STORE";
 pub enum TmaStore {
     /// `0`: from registers.
     Off,
-    /// `1`: by TMA where a warpgroup's 64 rows all lie below M, the rest from registers
-    /// (gemm-log run 23: at 160 rows the clipped box cost the gate/up layer 197 µs against
-    /// 178 from registers).
+    /// `1`: by TMA where a warpgroup's 64 rows all lie below M, the rest from registers.
     Whole,
-    /// `partial`: by TMA wherever a warpgroup has a row below M.
+    /// The default: by TMA wherever a warpgroup has a row below M. Measured on an H100
+    /// (gemm-log run 25), the decode step against [`TmaStore::Whole`]: 72 rows 9.06 ms
+    /// against 9.55–9.64, 112 rows 8.37–8.39 against 9.04–9.05, 160 rows 11.73–11.75
+    /// against 12.24–12.29, 224 rows 12.11–12.14 against 13.57–13.63; where no warpgroup
+    /// straddles M (1, 128, 192, 256 rows) the same.
     Partial,
-    /// Unset or `auto`: [`TmaStore::Partial`] where the last tile has rows of its second
-    /// warpgroup (`gemm::last_tile_past_first_warpgroup`: 193–255 rows, where the step
-    /// took 12.54 ms so and 13.63–13.73 from registers, gemm-log run 24), else
-    /// [`TmaStore::Whole`].
-    Auto,
 }
 
 /// [`TMA_STORE_ENV`]'s value (`None`: unset).
 pub fn tma_store(value: Option<&str>) -> Result<TmaStore, GemmError> {
     match value.map(str::trim) {
-        None | Some("") | Some("auto") => Ok(TmaStore::Auto),
+        None | Some("") | Some("auto") | Some("partial") => Ok(TmaStore::Partial),
         Some("1") => Ok(TmaStore::Whole),
         Some("0") => Ok(TmaStore::Off),
-        Some("partial") => Ok(TmaStore::Partial),
         Some(v) => Err(GemmError::Env {
             var: TMA_STORE_ENV,
             value: v.to_string(),
-            msg: "expected auto (the default), 1 (by TMA where a warpgroup's rows all lie below M), partial (also where some do) or 0",
+            msg: "expected auto or partial (the default: by TMA wherever a warpgroup has a row below M), 1 (only where its rows all do) or 0",
         }),
     }
 }
@@ -139,6 +133,47 @@ pub fn skip_idle_enabled(value: Option<&str>) -> Result<bool, GemmError> {
         SKIP_IDLE_BY_DEFAULT,
         "expected 1 (warpgroups with no row below M run no wgmma) or 0",
     )
+}
+
+/// The variable that sets the order in which a persistent kernel's (`wgtma128*`) blocks
+/// take their tiles. Unset or `groups`: block b takes tiles b, b + blocks, b + 2·blocks,
+/// …, walking N in groups of 8 row tiles. `columns:ROWS`: at most ROWS rows, where the
+/// call has at least as many column tiles as the device has SMs, each block takes every
+/// row tile of a column before its next column, so one SM reads each W tile for all its
+/// rows (`columns`: up to [`COLUMN_ORDER_ROWS`]). The same bits either way (a tile's
+/// values do not depend on when it runs).
+pub const TILE_ORDER_ENV: &str = "ARBOR_GEMM_TILE_ORDER";
+
+/// The rows up to which `ARBOR_GEMM_TILE_ORDER=columns` orders tiles by column: two row
+/// tiles, decode's band.
+pub const COLUMN_ORDER_ROWS: usize = 256;
+
+/// [`TILE_ORDER_ENV`]'s value (`None`: unset) as the most rows a call may have to take its
+/// tiles by column (`None`: never).
+pub fn column_order_rows(value: Option<&str>) -> Result<Option<usize>, GemmError> {
+    match value.map(str::trim) {
+        None | Some("") | Some("groups") => Ok(None),
+        Some("columns") => Ok(Some(COLUMN_ORDER_ROWS)),
+        Some(v) => match v
+            .strip_prefix("columns:")
+            .map(|r| r.trim().parse::<usize>())
+        {
+            Some(Ok(rows)) => Ok(Some(rows)),
+            _ => Err(GemmError::Env {
+                var: TILE_ORDER_ENV,
+                value: v.to_string(),
+                msg: "expected groups (the default), columns or columns:ROWS",
+            }),
+        },
+    }
+}
+
+/// Whether a persistent call of `m` rows and `column_tiles` column tiles on `sms` SMs
+/// takes its tiles by column under [`column_order_rows`]'s `rows`: only where every block
+/// gets a column of its own (with fewer columns, ordering by column would leave SMs idle
+/// that the row tiles now fill).
+pub fn column_order(rows: Option<usize>, m: usize, column_tiles: usize, sms: usize) -> bool {
+    rows.is_some_and(|r| m <= r) && column_tiles >= sms
 }
 
 /// An on/off variable's value: `1`, `0`, or unset / empty for `default`; anything else an
@@ -536,6 +571,32 @@ mod tests {
         }
     }
 
+    #[test]
+    fn column_order_only_when_asked_within_its_rows_and_with_a_column_per_sm() {
+        assert_eq!(column_order_rows(None).unwrap(), None);
+        assert_eq!(column_order_rows(Some("groups")).unwrap(), None);
+        assert_eq!(
+            column_order_rows(Some("columns")).unwrap(),
+            Some(COLUMN_ORDER_ROWS)
+        );
+        assert_eq!(
+            column_order_rows(Some(" columns: 192 ")).unwrap(),
+            Some(192)
+        );
+        for bad in ["1", "column", "columns:", "columns:x"] {
+            let e = column_order_rows(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(TILE_ORDER_ENV) && e.contains(bad.trim()), "{e}");
+        }
+        let on = Some(COLUMN_ORDER_ROWS);
+        // gate/up (224 column tiles) and the LM head (1002) on 132 SMs, up to 256 rows.
+        assert!(column_order(on, 160, 224, 132));
+        assert!(column_order(on, 256, 1002, 132));
+        assert!(!column_order(on, 257, 224, 132));
+        // q/k/v (48 column tiles): by column, 48 blocks would do the work of 96.
+        assert!(!column_order(on, 160, 48, 132));
+        assert!(!column_order(None, 160, 224, 132));
+    }
+
     /// The 128-row quad rule (off with [`QUAD128_ENV`]=0): what it picks for the llama3-8b
     /// layers on 132 SMs, and that every other call keeps the path it had.
     #[test]
@@ -575,8 +636,8 @@ mod tests {
         }
         assert_eq!(pick(256, 4096, 8, false), "wgtma128");
         assert_eq!(pick(128, 4096, 8, false), "wgwhole64");
-        assert_eq!(tma_store(None).unwrap(), TmaStore::Auto);
-        assert_eq!(tma_store(Some("auto")).unwrap(), TmaStore::Auto);
+        assert_eq!(tma_store(None).unwrap(), TmaStore::Partial);
+        assert_eq!(tma_store(Some("auto")).unwrap(), TmaStore::Partial);
         assert_eq!(tma_store(Some("1")).unwrap(), TmaStore::Whole);
         assert_eq!(tma_store(Some(" 0 ")).unwrap(), TmaStore::Off);
         assert_eq!(tma_store(Some("partial")).unwrap(), TmaStore::Partial);

@@ -55,6 +55,9 @@ pub struct TmaParams {
     pub skip_idle: i32,
     /// 1 (with `tma_out`): a warpgroup with only some rows below `m` stores by TMA too.
     pub tma_partial: i32,
+    /// 1: the large-M kernel's blocks take every row tile of a column before the next
+    /// column (`gemm::column_order`).
+    pub column_order: i32,
 }
 
 /// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
@@ -330,7 +333,7 @@ mod tests {
 
     #[test]
     fn params_match_the_c_struct() {
-        // struct TmaParams: four 128-byte maps, two pointers, ten ints, padded to 64.
+        // struct TmaParams: four 128-byte maps, two pointers, eleven ints, padded to 64.
         assert_eq!(std::mem::align_of::<TmaParams>(), 64);
         assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
         assert_eq!(std::mem::offset_of!(TmaParams, to), 256);
@@ -343,6 +346,7 @@ mod tests {
         assert_eq!(std::mem::offset_of!(TmaParams, tma_out), 552);
         assert_eq!(std::mem::offset_of!(TmaParams, skip_idle), 556);
         assert_eq!(std::mem::offset_of!(TmaParams, tma_partial), 560);
+        assert_eq!(std::mem::offset_of!(TmaParams, column_order), 564);
         assert_eq!(std::mem::size_of::<TmaParams>(), 576);
     }
 }

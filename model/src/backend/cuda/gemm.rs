@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use arbor_kernels::cpu::TreeMatmul;
 use arbor_kernels::cuda::gemm::{
-    expert_maps, x_rows_padded, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, GemmError,
-    GroupedArgs, GroupedPath, GroupedWg, OutDtype, TreeGemm,
+    expert_maps, x_rows_to_allocate, x_rows_to_read, Epilogue, GemmArgs, GemmError, GroupedArgs,
+    GroupedPath, GroupedWg, OutDtype, TreeGemm, PAD_ABOVE_ROWS,
 };
 use arbor_kernels::cuda::ops::moe::MoeRoute;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevBuf, DevF32, DevU32, GpuDevice};
@@ -74,34 +74,38 @@ impl GemmKind {
 /// The variable that says how the GEMMs use the rows past M of their bf16 X buffers.
 pub const PAD_ENV: &str = "ARBOR_GEMM_PAD_ROWS";
 
-/// How the rows past M of a bf16 X buffer (allocated with `x_rows_to_allocate`) are used
-/// (`ARBOR_GEMM_PAD_ROWS`). The same bits every way: rows past M are never stored, and
-/// each output row depends only on its own row of X.
+/// How the rows past M of the model's bf16 X buffers are used (`ARBOR_GEMM_PAD_ROWS`).
+/// The same bits every way: rows past M are never stored, and each output row depends
+/// only on its own row of X.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PadRows {
-    /// Unset or `auto`: read where the last tile's second warpgroup is idle
-    /// (`x_rows_to_read`).
-    Auto,
-    /// `read`: read above 128 rows at every M (`x_rows_padded`, gemm-log run 23's rule).
-    Read,
+    /// Unset, `auto` or `read`: above [`PAD_ABOVE_ROWS`] (64) rows every buffer holds
+    /// whole 128-row boxes and the GEMMs read all of them (`x_rows_to_read`);
+    /// `above:ROWS`: above another number of rows.
+    Read { above: usize },
     /// `exact`: M rows are read; the TMA unit fills the last tile's boxes.
     Exact,
-    /// `zero`: as `read`, each buffer's padded rows zeroed first (a memset each). Slower at
-    /// 160 and 192 rows, where the last tile's second warpgroup is idle (gemm-log run 24);
-    /// kept to measure 193–255 rows, where that warpgroup multiplies them.
+    /// `zero`: as `read`, each buffer's padded rows zeroed first (a memset each): slower at
+    /// 160–224 rows (gemm-log runs 24 and 25).
     Zero,
 }
 
 impl PadRows {
+    pub const DEFAULT: PadRows = PadRows::Read {
+        above: PAD_ABOVE_ROWS,
+    };
+
     pub fn parse(var: Option<&str>) -> Result<Self, String> {
         match var.map(str::trim) {
-            None | Some("auto") => Ok(Self::Auto),
-            Some("read") => Ok(Self::Read),
+            None | Some("auto") | Some("read") => Ok(Self::DEFAULT),
             Some("exact") => Ok(Self::Exact),
             Some("zero") => Ok(Self::Zero),
-            Some(other) => Err(format!(
-                "{PAD_ENV}={other:?}: expected \"auto\" (the default), \"read\", \"exact\" or \"zero\""
-            )),
+            Some(other) => match other.strip_prefix("above:").map(|r| r.trim().parse()) {
+                Some(Ok(above)) => Ok(Self::Read { above }),
+                _ => Err(format!(
+                    "{PAD_ENV}={other:?}: expected \"auto\" or \"read\" (the default: whole boxes above {PAD_ABOVE_ROWS} rows), \"above:ROWS\", \"exact\" or \"zero\""
+                )),
+            },
         }
     }
 
@@ -112,12 +116,23 @@ impl PadRows {
             .clone()
     }
 
+    fn above(self) -> usize {
+        match self {
+            Self::Read { above } => above,
+            Self::Exact | Self::Zero => PAD_ABOVE_ROWS,
+        }
+    }
+
+    /// Rows to allocate for a bf16 X buffer of `m` rows.
+    pub fn rows_to_allocate(self, m: usize) -> usize {
+        x_rows_to_allocate(m, self.above())
+    }
+
     /// Rows of a bf16 X buffer of `available` rows that a call of `m` rows reads.
     pub fn x_rows(self, m: usize, available: usize) -> usize {
         match self {
-            Self::Auto => x_rows_to_read(m, available),
-            Self::Read | Self::Zero => x_rows_padded(m, available),
             Self::Exact => m,
+            _ => x_rows_to_read(m, available, self.above()),
         }
     }
 }
@@ -378,7 +393,7 @@ impl TensorGemm {
                     scratch_xb,
                     &mut retire,
                     |b| b.len(),
-                    x_rows_to_allocate(m) * k,
+                    pad.rows_to_allocate(m) * k,
                     |l| dev.zeros_bf16(l),
                 )?;
                 dev.f32_to_bf16_into(x, b)?;
@@ -431,7 +446,7 @@ impl TensorGemm {
                 shape,
                 x: xp,
                 ldx: k,
-                // Above 128 rows the bf16 X buffers hold whole TMA boxes (`x_rows_to_allocate`).
+                // Above 64 rows the bf16 X buffers hold whole TMA boxes (`PadRows`).
                 x_rows: pad.x_rows(m, xb.len() / k),
                 w: wp,
                 ldw: k,
@@ -779,25 +794,38 @@ mod tests {
 
     #[test]
     fn pad_rows_read_whole_boxes_above_128_rows_unless_exact() {
-        assert_eq!(PadRows::parse(None), Ok(PadRows::Auto));
-        assert_eq!(PadRows::parse(Some("read")), Ok(PadRows::Read));
+        assert_eq!(PadRows::parse(None), Ok(PadRows::DEFAULT));
+        assert_eq!(PadRows::parse(Some("auto")), Ok(PadRows::DEFAULT));
+        assert_eq!(PadRows::parse(Some("read")), Ok(PadRows::DEFAULT));
+        assert_eq!(
+            PadRows::parse(Some("above: 64")),
+            Ok(PadRows::Read { above: 64 })
+        );
         assert_eq!(PadRows::parse(Some(" exact ")), Ok(PadRows::Exact));
         assert_eq!(PadRows::parse(Some("zero")), Ok(PadRows::Zero));
-        for bad in ["", "1", "padded", "first-half"] {
+        for bad in ["", "1", "padded", "first-half", "above:", "above:-1"] {
             let e = PadRows::parse(Some(bad)).unwrap_err();
             assert!(
                 e.contains(PAD_ENV) && e.contains(&format!("{bad:?}")),
                 "{e}"
             );
         }
-        // The default reads whole boxes where the last tile's second warpgroup is idle.
-        assert_eq!(PadRows::Auto.x_rows(160, 256), 256);
-        assert_eq!(PadRows::Auto.x_rows(192, 256), 256);
-        assert_eq!(PadRows::Auto.x_rows(224, 256), 224);
-        assert_eq!(PadRows::Auto.x_rows(1, 1), 1);
-        assert_eq!(PadRows::Read.x_rows(224, 256), 256);
+        // The default reads whole boxes above 64 rows, M up to 64.
+        let d = PadRows::DEFAULT;
+        assert_eq!(d.x_rows(160, 256), 256);
+        assert_eq!(d.x_rows(192, 256), 256);
+        assert_eq!(d.x_rows(1, 1), 1);
+        assert_eq!(d.x_rows(224, 256), 256);
+        assert_eq!(d.rows_to_allocate(64), 64);
+        assert_eq!(d.rows_to_allocate(96), 128);
+        assert_eq!(d.x_rows(96, 128), 128);
+        assert_eq!(d.rows_to_allocate(160), 256);
         assert_eq!(PadRows::Zero.x_rows(224, 256), 256);
         assert_eq!(PadRows::Exact.x_rows(160, 256), 160);
-        assert_eq!(PadRows::Read.x_rows(1, 128), 1);
+        assert_eq!(d.x_rows(1, 128), 1);
+        let high = PadRows::Read { above: 128 };
+        assert_eq!(high.rows_to_allocate(96), 96);
+        assert_eq!(high.x_rows(96, 96), 96);
+        assert_eq!(high.rows_to_allocate(160), 256);
     }
 }

@@ -37,7 +37,6 @@ use arbor_collective::gpu::{Algo, GpuCollective};
 use arbor_collective::Communicator;
 use arbor_kernels::cpu::RopeTable;
 use arbor_kernels::cuda::cublas::Blas;
-use arbor_kernels::cuda::gemm::x_rows_to_allocate;
 use arbor_kernels::cuda::upload_ring::RowsUploadError;
 use arbor_kernels::cuda::{CudaError, DevBf16, DevF32, GpuDevice};
 
@@ -206,18 +205,19 @@ impl CudaBackend {
 
     /// A bf16 companion buffer of `[rows, cols]` for an op whose output feeds a GEMM, when
     /// the GEMMs read bf16 (the tensor-core kernels and cuBLAS; the simple kernel reads f32).
-    /// Above 128 rows its rows are padded to whole TMA boxes (`x_rows_to_allocate`): a box
+    /// Above 64 rows its rows are padded to whole TMA boxes (`gemm::PadRows`): a box
     /// that reaches past the buffer costs the TMA unit time, and the rows past `rows` are
     /// read, never stored.
     fn bf16_out(&self, rows: usize, cols: usize) -> BResult<Option<DevBf16>> {
         if self.gemm.is_none() && self.blas.is_none() {
             return Ok(None);
         }
+        let pad = gemm::PadRows::from_env().map_err(|e| self.shape_err(e))?;
         let mut b = self
             .dev
-            .empty_bf16(x_rows_to_allocate(rows) * cols)
+            .empty_bf16(pad.rows_to_allocate(rows) * cols)
             .map_err(|e| self.dev_err(e))?;
-        if gemm::PadRows::from_env() == Ok(gemm::PadRows::Zero) {
+        if pad == gemm::PadRows::Zero {
             self.dev
                 .zero_from(&mut b, rows * cols)
                 .map_err(|e| self.dev_err(e))?;

@@ -570,7 +570,7 @@ fn bench_shape(
             x: x_p,
             ldx: k,
             x_rows: match args.x_rows {
-                XRowsArg::Model => gemm::x_rows_to_read(m, padded_rows(m)),
+                XRowsArg::Model => gemm::x_rows_to_read(m, padded_rows(m), gemm::PAD_ABOVE_ROWS),
                 XRowsArg::Padded => padded_rows(m),
                 XRowsArg::Exact => m,
             },
