@@ -334,9 +334,9 @@ DEVI void tile_coords(int t, int num_m, int num_n, int& m_tile, int& n_tile) {
 // column_order 0: tile blockIdx.x + i * gridDim.x, placed by tile_coords. column_order 1:
 // row tile i % num_m of column blockIdx.x + (i / num_m) * gridDim.x, so one SM reads a
 // column's W tile for all of its row tiles, one right after the other (from L2 after the
-// first). With few row tiles and the default order, the blocks that hold a last, partial
-// row tile run ahead of those that hold full ones, and the W tile both need can leave L2
-// in between.
+// first), and each block gets its share of a last, partial row tile. With two row tiles
+// and an even grid, the default order gives a block only full tiles or only partial ones,
+// and two blocks that need the same W tile need it at different times.
 DEVI bool block_tile(int i, int num_m, int num_n, int column_order, int& m_tile, int& n_tile) {
     if (column_order) {
         const int col = (int)blockIdx.x + (i / num_m) * (int)gridDim.x;
