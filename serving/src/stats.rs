@@ -506,23 +506,15 @@ mod tests {
         b.record_step(0.5, 300, 0, 300);
         b.record_step(0.5, 300, 100, 300);
         let t = b.render();
-        assert!(
-            t.contains("arbor_decode_band_steps_total{rows=\"129-192\"} 2\n"),
-            "{t}"
-        );
-        assert!(
-            t.contains("arbor_decode_band_seconds_total{rows=\"129-192\"} 0.250000\n"),
-            "{t}"
-        );
-        assert!(
-            t.contains("arbor_decode_band_steps_total{rows=\"193-256\"} 0\n"),
-            "{t}"
-        );
-        // The step with prompt rows is not a decode-only step.
-        assert!(
-            t.contains("arbor_decode_band_steps_total{rows=\"257+\"} 1\n"),
-            "{t}"
-        );
+        for line in [
+            "arbor_decode_band_steps_total{rows=\"129-192\"} 2\n",
+            "arbor_decode_band_seconds_total{rows=\"129-192\"} 0.250000\n",
+            "arbor_decode_band_steps_total{rows=\"193-256\"} 0\n",
+            // The step with prompt rows is not a decode-only step.
+            "arbor_decode_band_steps_total{rows=\"257+\"} 1\n",
+        ] {
+            assert!(t.contains(line), "{line:?} missing from:\n{t}");
+        }
         s.add_phase(Phase::Masks, 0.25);
         s.add_phase(Phase::Masks, 0.5);
         let t = s.render();

@@ -479,12 +479,17 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
             let want = dev
                 .silu_mul_pairs(&roots, m, n / 2, Some(&mut want_b))
                 .unwrap_or_else(|e| panic!("{what}: silu_mul_pairs: {e}"));
-            let mut got = dev
-                .upload_f32(&vec![f32::NAN; m * n / 2])
-                .unwrap_or_else(|e| panic!("{e}"));
-            let mut got_b = dev
-                .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
-                .unwrap_or_else(|e| panic!("{e}"));
+            // Outputs that show any value a run leaves unwritten.
+            let nan_f32 = || {
+                dev.upload_f32(&vec![f32::NAN; m * n / 2])
+                    .unwrap_or_else(|e| panic!("{e}"))
+            };
+            let nan_bf16 = || {
+                dev.upload_bf16(&vec![half::bf16::NAN; m * n / 2])
+                    .unwrap_or_else(|e| panic!("{e}"))
+            };
+            let mut got = nan_f32();
+            let mut got_b = nan_bf16();
             let bp = got_b.device_ptr_mut(&stream).0;
             run(&tg, Epilogue::SiluMulPairs { bf16: bp }, ptr_f32(&mut got));
             let host = |b: &crate::cuda::DevF32| {
@@ -506,15 +511,11 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
             };
             same_bits(&bits(&got_b), &bits(&want_b), &format!("{what} (bf16)"));
             // Without the bf16 copy (f32 alone).
-            let mut got_f = dev
-                .upload_f32(&vec![f32::NAN; m * n / 2])
-                .unwrap_or_else(|e| panic!("{e}"));
+            let mut got_f = nan_f32();
             run(&tg, Epilogue::SiluMulPairs { bf16: 0 }, ptr_f32(&mut got_f));
             same_bits(&host(&got_f), &want_h, &format!("{what} (f32 alone)"));
             // Without the f32 copy (bf16 alone).
-            let mut alone_b = dev
-                .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
-                .unwrap_or_else(|e| panic!("{e}"));
+            let mut alone_b = nan_bf16();
             let ap = alone_b.device_ptr_mut(&stream).0;
             run(&tg, Epilogue::SiluMulPairs { bf16: ap }, 0);
             same_bits(
@@ -523,12 +524,8 @@ fn silu_epilogue_is_the_stored_roots_then_silu_mul_pairs() {
                 &format!("{what} (bf16 alone)"),
             );
             if matches!(path, Path::WgTma { .. }) {
-                let mut col = dev
-                    .upload_f32(&vec![f32::NAN; m * n / 2])
-                    .unwrap_or_else(|e| panic!("{e}"));
-                let mut col_b = dev
-                    .upload_bf16(&vec![half::bf16::NAN; m * n / 2])
-                    .unwrap_or_else(|e| panic!("{e}"));
+                let mut col = nan_f32();
+                let mut col_b = nan_bf16();
                 let cp = col_b.device_ptr_mut(&stream).0;
                 let cf = ptr_f32(&mut col);
                 by_column(&mut tg, |tg| {

@@ -793,7 +793,7 @@ mod tests {
     }
 
     #[test]
-    fn pad_rows_read_whole_boxes_above_128_rows_unless_exact() {
+    fn pad_rows_read_whole_boxes_above_64_rows_unless_exact() {
         assert_eq!(PadRows::parse(None), Ok(PadRows::DEFAULT));
         assert_eq!(PadRows::parse(Some("auto")), Ok(PadRows::DEFAULT));
         assert_eq!(PadRows::parse(Some("read")), Ok(PadRows::DEFAULT));
