@@ -1,7 +1,8 @@
 //! Causal GQA attention over the paged KV cache on tensor cores (paged_attention.cu).
 //!
 //! Two kernels compute rows with the same bits: the prefill kernel takes tiles of 64 (16
-//! rows a warp) or 96 (32 rows a warp) consecutive rows of one sequence, the decode kernel
+//! rows a warp, or one warpgroup's wgmma on sm_90a: paged_attention_wg.cu) or 96 (32 rows
+//! a warp) consecutive rows of one sequence, the decode kernel
 //! one row (its GQA heads as the tile's rows) and one split of its keys, with a combine
 //! kernel folding the splits. Which rows go to which kernel, and which prefill build runs
 //! ([`PrefillTiles`], `ARBOR_ATTN_PREFILL_ROWS`), is a speed choice only ([`AttnRouting`]).
@@ -155,8 +156,9 @@ fn stages_override() -> Option<DecodeStages> {
     })
 }
 
-/// `ARBOR_ATTN_PREFILL_ROWS` (64 or 96): the prefill build, for A/B benchmarks; read once.
-/// Unset: `None` (each step's build by [`PrefillTiles::for_longest`]); any other value is
+/// `ARBOR_ATTN_PREFILL_ROWS` (64, 96 or wgmma): the prefill build, for A/B benchmarks; read
+/// once (a build that does not run on the device or head dim falls back to 64 rows).
+/// Unset: `None` (each step's build by [`PrefillTiles::default_for`]); any other value is
 /// an error at every routing.
 fn prefill_tiles_env() -> Result<Option<PrefillTiles>, CudaError> {
     static S: std::sync::OnceLock<Result<Option<PrefillTiles>, String>> =
@@ -207,7 +209,8 @@ fn route_rows(
 impl GpuDevice {
     /// The routing of a ragged step whose sequences are `seqs` (rows in q order) for a
     /// model of `head_dim`, with the prefill build `ARBOR_ATTN_PREFILL_ROWS` names, or
-    /// when unset the one [`PrefillTiles::for_longest`] picks for the step's prefill runs.
+    /// when unset the one [`PrefillTiles::default_for`] picks for the device, the head dim
+    /// and the step's prefill runs.
     pub fn attn_routing(
         &self,
         seqs: &[SeqSpan],
@@ -215,7 +218,9 @@ impl GpuDevice {
     ) -> Result<AttnRouting, CudaError> {
         let build = match prefill_tiles_env()? {
             Some(b) => b,
-            None => PrefillTiles::for_longest(
+            None => PrefillTiles::default_for(
+                &self.arch,
+                head_dim,
                 seqs.iter()
                     .filter(|s| s.len >= PREFILL_MIN_ROWS)
                     .map(|s| s.pos0 + s.len)
@@ -238,6 +243,7 @@ impl GpuDevice {
             kernel: K,
             msg: format!("head_dim {head_dim} is above 256"),
         })?;
+        let prefill = prefill.or_fallback(&self.arch, head_dim);
         let (tiles, decode, max_pos) = route_rows(seqs, hd, prefill.rows())?;
         let n_tiles = tiles.len() / 4;
         let n_decode = decode.len();
@@ -362,6 +368,12 @@ impl GpuDevice {
 
         if let Some(tiles) = &routing.tiles {
             let pt = routing.prefill;
+            check(K, pt.runs(&self.arch, head_dim), || {
+                format!(
+                    "the {pt:?} prefill build does not run head_dim {head_dim} on {}",
+                    self.arch
+                )
+            })?;
             let name = pt.kernel(hd).ok_or_else(|| CudaError::Launch {
                 kernel: K,
                 msg: format!("no prefill kernel for head_dim {head_dim} ({pt:?})"),

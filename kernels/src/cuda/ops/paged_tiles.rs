@@ -17,7 +17,7 @@ pub const LONG_PREFILL_POS: usize = 4096;
 pub const PREFILL_ROWS_ENV: &str = "ARBOR_ATTN_PREFILL_ROWS";
 
 /// The prefill kernel's build: a speed choice only (a row's arithmetic is the same in
-/// both, and equals the decode kernel's).
+/// every build, and equals the decode kernel's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillTiles {
     /// 64-row tiles, 4 warps of 16 rows (`pa_prefill_hd*`).
@@ -25,30 +25,58 @@ pub enum PrefillTiles {
     /// 96-row tiles, 3 warps of 32 rows sharing each K and V fragment between two m16
     /// tiles (`pa_prefill96_hd*`); the default for long prompts.
     Rows96,
+    /// 64-row tiles on one warpgroup, scores and P·V by wgmma (`pa_prefill_wg_hd*`,
+    /// paged_attention_wg.cu): sm_90a and head dims 64 and 128 only
+    /// ([`PrefillTiles::runs`]).
+    Wgmma,
 }
 
 impl PrefillTiles {
+    pub const ALL: [Self; 3] = [Self::Rows64, Self::Rows96, Self::Wgmma];
+
     pub fn rows(self) -> usize {
         match self {
-            Self::Rows64 => PREFILL_TILE_ROWS_NARROW,
+            Self::Rows64 | Self::Wgmma => PREFILL_TILE_ROWS_NARROW,
             Self::Rows96 => PREFILL_TILE_ROWS,
         }
     }
 
-    /// Threads per CTA: 32 per warp, 16 rows per warp (64) or 32 (96).
+    /// Threads per CTA: 32 per warp, 16 rows per warp (64 rows, also the warpgroup's) or
+    /// 32 (96).
     pub(crate) fn threads(self) -> usize {
         match self {
-            Self::Rows64 => 32 * PREFILL_TILE_ROWS_NARROW / 16,
+            Self::Rows64 | Self::Wgmma => 32 * PREFILL_TILE_ROWS_NARROW / 16,
             Self::Rows96 => 32 * PREFILL_TILE_ROWS / 32,
         }
     }
 
-    /// From `64` or `96` (the rows of a tile).
+    /// From `64`, `96` (the rows of a tile) or `wgmma`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim() {
             "64" => Some(Self::Rows64),
             "96" => Some(Self::Rows96),
+            "wgmma" => Some(Self::Wgmma),
             _ => None,
+        }
+    }
+
+    /// Whether this build computes a model of `head_dim` on a device of NVRTC target
+    /// `arch`: the wgmma build needs sm_90a and a head dim of exactly 64 or 128 (its tiles
+    /// are whole 64-column swizzle halves); the others run everywhere up to 128.
+    pub fn runs(self, arch: &str, head_dim: usize) -> bool {
+        match self {
+            Self::Wgmma => arch == "sm_90a" && (head_dim == 64 || head_dim == 128),
+            Self::Rows64 | Self::Rows96 => head_dim <= 128,
+        }
+    }
+
+    /// This build where it [`runs`](PrefillTiles::runs), else the 64-row one (the same
+    /// bits: a speed choice only).
+    pub fn or_fallback(self, arch: &str, head_dim: usize) -> Self {
+        if self.runs(arch, head_dim) {
+            self
+        } else {
+            Self::Rows64
         }
     }
 
@@ -59,8 +87,21 @@ impl PrefillTiles {
         match value {
             None => Ok(None),
             Some(v) => Self::parse(v).map(Some).ok_or_else(|| {
-                format!("{PREFILL_ROWS_ENV}={v:?} is not 64 or 96 (rows per prefill tile)")
+                format!("{PREFILL_ROWS_ENV}={v:?} is not 64, 96 or wgmma (the prefill build)")
             }),
+        }
+    }
+
+    /// The default build for a step whose prefill rows reach position `longest` at most,
+    /// on a device of NVRTC target `arch`, for a model of `head_dim`: the wgmma build
+    /// wherever it runs (H100, one layer of llama3-8b: 0.64 of the 64-row build's time at
+    /// 1k contexts, 0.54 of the 96-row build's at 8k–16k, docs/attention.md), else
+    /// [`PrefillTiles::for_longest`].
+    pub fn default_for(arch: &str, head_dim: usize, longest: usize) -> Self {
+        if Self::Wgmma.runs(arch, head_dim) {
+            Self::Wgmma
+        } else {
+            Self::for_longest(longest)
         }
     }
 
@@ -87,6 +128,8 @@ impl PrefillTiles {
             (32, Rows96) => "pa_prefill96_hd32",
             (64, Rows96) => "pa_prefill96_hd64",
             (128, Rows96) => "pa_prefill96_hd128",
+            (64, Wgmma) => "pa_prefill_wg_hd64",
+            (128, Wgmma) => "pa_prefill_wg_hd128",
             _ => return None,
         })
     }
@@ -104,14 +147,20 @@ fn tile_elems(hd: usize, rows: usize) -> usize {
 
 /// Dynamic shared memory of the prefill kernel: a Q tile, one K and one V tile, the rows'
 /// total state (HD f32 per row), and for 32 rows per warp the rows' total m and l too
-/// (thread-private: 8 f32 per thread, 8 per row).
+/// (thread-private: 8 f32 per thread, 8 per row). The wgmma build's tiles are unpadded
+/// (swizzled instead) and 1024-aligned: up to 1 KiB goes to the alignment.
 pub(crate) fn prefill_smem_bytes(hd: usize, tiles: PrefillTiles) -> usize {
     let rows = tiles.rows();
-    let ml = match tiles {
-        PrefillTiles::Rows64 => 0,
-        PrefillTiles::Rows96 => 4 * 8 * tiles.threads(),
-    };
-    2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK)) + 4 * rows * hd + ml
+    let state = 4 * rows * hd;
+    match tiles {
+        PrefillTiles::Rows64 => 2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK)) + state,
+        PrefillTiles::Rows96 => {
+            2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK))
+                + state
+                + 4 * 8 * tiles.threads()
+        }
+        PrefillTiles::Wgmma => 1024 + 2 * hd * (rows + 2 * KV_BLOCK) + state,
+    }
 }
 
 /// How far ahead the decode kernel loads its key blocks (paged_attention.cu, STAGES). A
@@ -181,7 +230,7 @@ pub(crate) fn decode_kernel(hd: usize, stages: DecodeStages) -> Option<&'static 
 pub(crate) fn smem_attributes() -> Vec<(&'static str, usize)> {
     let mut v = Vec::new();
     for hd in [16, 32, 64, 128] {
-        for t in [PrefillTiles::Rows64, PrefillTiles::Rows96] {
+        for t in PrefillTiles::ALL {
             if let Some(name) = t.kernel(hd) {
                 v.push((name, prefill_smem_bytes(hd, t)));
             }
@@ -205,11 +254,16 @@ mod tests {
     fn shared_memory_fits_a_hopper_sm_twice_for_prefill() {
         // 2 prefill CTAs per SM (228 KiB, 1 KiB reserved per block) at head_dim 128, in
         // both builds; a third 96-row CTA would not fit (the occupancy the build assumes).
-        for t in [PrefillTiles::Rows64, PrefillTiles::Rows96] {
+        for t in PrefillTiles::ALL {
             let per_sm = 228 * 1024 / (prefill_smem_bytes(128, t) + 1024);
             assert!(per_sm >= 2, "{t:?}: {per_sm} CTAs per SM");
         }
         assert_eq!(prefill_smem_bytes(128, PrefillTiles::Rows96), 113_152);
+        // Alignment slack, Q + K + V (16 KiB each), the total state (32 KiB).
+        assert_eq!(
+            prefill_smem_bytes(128, PrefillTiles::Wgmma),
+            1024 + 3 * 16_384 + 32_768
+        );
         assert_eq!(228 * 1024 / (113_152 + 1024), 2);
     }
 
@@ -233,7 +287,11 @@ mod tests {
             PrefillTiles::for_longest(LONG_PREFILL_POS),
             PrefillTiles::Rows96
         );
-        for bad in ["", "32", "16", "96x", "auto"] {
+        assert_eq!(
+            PrefillTiles::from_env_value(Some("wgmma")),
+            Ok(Some(PrefillTiles::Wgmma))
+        );
+        for bad in ["", "32", "16", "96x", "auto", "wg"] {
             let e = PrefillTiles::from_env_value(Some(bad)).unwrap_err();
             assert!(
                 e.contains("ARBOR_ATTN_PREFILL_ROWS") && e.contains(&format!("{bad:?}")),
@@ -247,6 +305,38 @@ mod tests {
         assert_eq!(PrefillTiles::Rows96.threads(), 96);
         assert_eq!(PrefillTiles::Rows96.kernel(128), Some("pa_prefill96_hd128"));
         assert_eq!(PrefillTiles::Rows64.kernel(256), None);
+        assert_eq!(PrefillTiles::Wgmma.kernel(128), Some("pa_prefill_wg_hd128"));
+        assert_eq!(PrefillTiles::Wgmma.kernel(32), None);
+    }
+
+    #[test]
+    fn the_wgmma_build_runs_on_sm_90a_at_head_dims_64_and_128_only() {
+        let w = PrefillTiles::Wgmma;
+        assert!(w.runs("sm_90a", 128) && w.runs("sm_90a", 64));
+        // A padded head dim (100 → 128) would need zero columns the build does not make.
+        for hd in [16, 32, 100, 256] {
+            assert!(!w.runs("sm_90a", hd), "head_dim {hd}");
+            assert_eq!(w.or_fallback("sm_90a", hd), PrefillTiles::Rows64);
+        }
+        for arch in ["sm_80", "sm_89", "sm_100"] {
+            assert_eq!(w.or_fallback(arch, 128), PrefillTiles::Rows64, "{arch}");
+        }
+        assert_eq!(w.or_fallback("sm_90a", 128), w);
+        // The default takes it wherever it runs, the mma.sync builds elsewhere.
+        assert_eq!(PrefillTiles::default_for("sm_90a", 128, 100), w);
+        assert_eq!(PrefillTiles::default_for("sm_90a", 64, 9000), w);
+        assert_eq!(
+            PrefillTiles::default_for("sm_90a", 32, 100),
+            PrefillTiles::Rows64
+        );
+        assert_eq!(
+            PrefillTiles::default_for("sm_80", 128, LONG_PREFILL_POS),
+            PrefillTiles::Rows96
+        );
+        assert_eq!(
+            PrefillTiles::Rows96.or_fallback("sm_80", 128),
+            PrefillTiles::Rows96
+        );
     }
 
     #[test]
