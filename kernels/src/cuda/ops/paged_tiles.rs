@@ -23,7 +23,8 @@ pub enum PrefillTiles {
     /// 64-row tiles, 4 warps of 16 rows (`pa_prefill_hd*`).
     Rows64,
     /// 96-row tiles, 3 warps of 32 rows sharing each K and V fragment between two m16
-    /// tiles (`pa_prefill96_hd*`); the default for long prompts.
+    /// tiles (`pa_prefill96_hd*`); the default for long prompts where [`Self::Wgmma`]
+    /// does not run.
     Rows96,
     /// 64-row tiles on one warpgroup, scores and P·V by wgmma (`pa_prefill_wg_hd*`,
     /// paged_attention_wg.cu): sm_90a and head dims 64 and 128 only
