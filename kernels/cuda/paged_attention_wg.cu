@@ -87,8 +87,10 @@ __device__ __forceinline__ void pa_wg_fence() {
 __device__ __forceinline__ void pa_wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void pa_wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most N of this warpgroup's committed wgmma groups are pending.
+template <int N>
+__device__ __forceinline__ void pa_wg_wait_n() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // cp.async and st.shared write through the generic proxy; wgmma reads through the async one.
 __device__ __forceinline__ void pa_fence_async() {
@@ -130,12 +132,6 @@ __device__ __forceinline__ void pa_wg_pv(float* acc, const unsigned (&a)[4], uns
         pa_wgmma_rs_n128(acc, a, db);
     else
         pa_wgmma_rs_n64(acc, a, db);
-}
-
-// A wgmma-group wait: at most N of this warpgroup's committed groups still pending.
-template <int N>
-__device__ __forceinline__ void pa_wg_wait_n() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 // A tile's rows, positions, KV head and block count, where its swizzled Q, K and V tiles
