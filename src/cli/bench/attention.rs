@@ -246,7 +246,8 @@ fn bench(
     let tiles = if decode {
         String::new()
     } else {
-        format!(", {}-row tiles", routing.prefill_tiles().rows())
+        let pt = routing.prefill_tiles();
+        format!(", {pt:?} build, {}-row tiles", pt.rows())
     };
     println!(
         "{:>8} {:>6} {:>7} {:>10.1} {:>9.1} {:>10.0}   (splits {}{tiles})",
