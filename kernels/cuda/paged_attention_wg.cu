@@ -22,27 +22,13 @@
 // in the 128-byte swizzle (16-byte chunk c of a row r at chunk c ^ (r & 7)), the layout
 // wgmma's descriptors read with swizzle mode 1; then the rows' total state as in
 // pa_prefill_body. One K and one V buffer, loaded as pa_prefill_body loads them. Only
-// head_dim == HD (64 or 128) takes this build (paged_tiles.rs).
+// head_dim == HD (64 or 128) takes this build (paged_tiles.rs). The scores' wgmma, the
+// fences, waits and descriptors are wgmma.cuh's, shared with the GEMMs.
 #define PA_WG_ROWS 64
 #define PA_WG_THREADS 128
 #define PA_WG_HALF (64 * 128)  // bytes of a [64 rows][64 bf16] column half
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d[32] += Q·Kᵀ of one k16 step: m64n64k16, A and B K-major in shared memory.
-__device__ __forceinline__ void pa_wgmma_ss_n64(float* d, unsigned long long da, unsigned long long db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(1));
-}
-
 // d[32] += P·V of one 16-key step: m64n64k16, A (P) in registers, B (V) N-major in
 // shared memory.
 __device__ __forceinline__ void pa_wgmma_rs_n64(float* d, const unsigned (&a)[4], unsigned long long db) {
@@ -79,32 +65,6 @@ __device__ __forceinline__ void pa_wgmma_rs_n128(float* d, const unsigned (&a)[4
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-__device__ __forceinline__ void pa_wg_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void pa_wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-// Waits until at most N of this warpgroup's committed wgmma groups are pending.
-template <int N>
-__device__ __forceinline__ void pa_wg_wait_n() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// cp.async and st.shared write through the generic proxy; wgmma reads through the async one.
-__device__ __forceinline__ void pa_fence_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle: `lbo` bytes between 64-column halves
-// along the contiguous dimension (N-major V; unused K-major), `sbo` between 8-row groups.
-__device__ __forceinline__ unsigned long long pa_wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    unsigned long long d = (unsigned long long)((addr & 0x3FFFF) >> 4);
-    d |= (unsigned long long)(lbo >> 4) << 16;
-    d |= (unsigned long long)(sbo >> 4) << 32;
-    d |= 1ull << 62;
-    return d;
 }
 
 // Byte offset of 16-byte chunk c (of HD/8) of row r in a swizzled tile.
@@ -212,13 +172,13 @@ __device__ __forceinline__ void pa_wg_scores(float (&s)[8][4], unsigned sq, unsi
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
         const unsigned off = (kk >> 2) * PA_WG_HALF + (kk & 3) * 32;
-        da[kk] = pa_wg_desc(sq + off, 16, 1024);
-        db[kk] = pa_wg_desc(sk + off, 16, 1024);
+        da[kk] = wgmma_desc(sq + off, 16, 1024);
+        db[kk] = wgmma_desc(sk + off, 16, 1024);
     }
-    pa_wg_fence();
+    wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) pa_wgmma_ss_n64(&s[0][0], da[kk], db[kk]);
-    pa_wg_commit();
+    for (int kk = 0; kk < HD / 16; ++kk) wgmma_m64n64k16(&s[0][0], da[kk], db[kk]);
+    wgmma_commit();
 }
 
 // acc += P·V over the block's 16-key steps in order (V tile at sv); issued and committed.
@@ -226,11 +186,11 @@ template <int HD>
 __device__ __forceinline__ void pa_wg_pv_block(PaState<HD>& st, const unsigned (&P)[4][4], unsigned sv) {
     unsigned long long db[4];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) db[kk] = pa_wg_desc(sv + kk * 16 * 128, PA_WG_HALF, 1024);
-    pa_wg_fence();
+    for (int kk = 0; kk < 4; ++kk) db[kk] = wgmma_desc(sv + kk * 16 * 128, PA_WG_HALF, 1024);
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) pa_wg_pv<HD>(&st.acc[0][0], P[kk], db[kk]);
-    pa_wg_commit();
+    wgmma_commit();
 }
 
 // The block's softmax (pa_softmax: m, l, P in s, acc scaled), masked where a row of the
@@ -291,11 +251,11 @@ __device__ __forceinline__ void pa_prefill_wg_body(PA_PREFILL_ARGS) {
             // The next block's id, read now: its latency hides behind this block's scores.
             const unsigned nid = more ? table[w.tab + blk + 1] : 0u;
             pa_wait<1>();  // K(blk) has landed (V(blk) may be in flight)
-            pa_fence_async();
+            fence_proxy_async();
             __syncthreads();
             float s[8][4];
             pa_wg_scores<HD>(s, w.sq, w.sk);
-            pa_wg_wait_n<0>();
+            wgmma_wait0();
             __syncthreads();  // the warpgroup is done with K(blk)
             if (more) {
                 load(w.sk, kpool, nid, blk + 1);
@@ -307,10 +267,10 @@ __device__ __forceinline__ void pa_prefill_wg_body(PA_PREFILL_ARGS) {
             unsigned P[4][4];
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) pa_pfrag(P[kk], s, kk);
-            pa_fence_async();
+            fence_proxy_async();
             __syncthreads();  // every thread's part of V(blk) is visible
             pa_wg_pv_block<HD>(spl[0], P, w.sv);
-            pa_wg_wait_n<0>();
+            wgmma_wait0();
             __syncthreads();  // the warpgroup is done with V(blk)
             if (more) load(w.sv, vpool, nid, blk + 1);
         }

@@ -13,6 +13,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         "paged_attention.cu",
         include_str!("../../cuda/paged_attention.cu"),
     ),
+    ("wgmma.cuh", include_str!("../../cuda/wgmma.cuh")),
     (
         "paged_attention_wg.cu",
         include_str!("../../cuda/paged_attention_wg.cu"),

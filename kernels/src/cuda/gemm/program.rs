@@ -10,6 +10,7 @@ use super::error::GemmError;
 pub const SOURCES: &[(&str, &str)] = &[
     ("pdl.cuh", include_str!("../../../cuda/pdl.cuh")),
     ("silu.cuh", include_str!("../../../cuda/silu.cuh")),
+    ("wgmma.cuh", include_str!("../../../cuda/wgmma.cuh")),
     ("gemm_tree.cu", include_str!("../../../cuda/gemm_tree.cu")),
     ("gemm_moe.cu", include_str!("../../../cuda/gemm_moe.cu")),
     ("gemm_sm90.cu", include_str!("../../../cuda/gemm_sm90.cu")),
