@@ -269,6 +269,18 @@ __device__ __forceinline__ void pa_softmax(PaState<HD>& st, float (&s)[8][4], in
     }
 }
 
+// pa_softmax of a block of a warp's 16 rows, masked only where some row of the warp does
+// not see every key of the block (a block every row sees whole needs no mask: the same
+// values).
+template <int HD>
+__device__ __forceinline__ void pa_softmax_block(PaState<HD>& st, float (&s)[8][4], int key0, const int (&rowpos)[2],
+                                                 float sl, int lane) {
+    if (__all_sync(FULL_MASK, key0 + PA_BLOCK - 1 <= min(rowpos[0], rowpos[1])))
+        pa_softmax<HD, false>(st, s, key0, rowpos, sl, lane);
+    else
+        pa_softmax<HD, true>(st, s, key0, rowpos, sl, lane);
+}
+
 // One key block (keys key0 .. key0+63) into a warp's MT tiles of 16 rows (MT = 1 or 2;
 // tile m's state st[m], its q rows at sq + m·16 rows), in two halves: pa_scores (the
 // scores against sk, the online-softmax update of m and l, acc scaled; leaves the
@@ -349,13 +361,7 @@ __device__ __forceinline__ void pa_scores(PaState<HD> (&st)[MT], float (&s)[MT][
     }
 
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        // A block every row of the tile sees whole needs no mask (the same values).
-        if (__all_sync(FULL_MASK, key0 + PA_BLOCK - 1 <= min(rowpos[m][0], rowpos[m][1])))
-            pa_softmax<HD, false>(st[m], s[m], key0, rowpos[m], sl, lane);
-        else
-            pa_softmax<HD, true>(st[m], s[m], key0, rowpos[m], sl, lane);
-    }
+    for (int m = 0; m < MT; ++m) pa_softmax_block<HD>(st[m], s[m], key0, rowpos[m], sl, lane);
 }
 
 // bf16(p) of keys kk·16 .. kk·16+15 as P·V's A fragment.

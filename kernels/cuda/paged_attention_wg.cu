@@ -102,7 +102,7 @@ struct PaWgTile {
     unsigned tab;
     unsigned raw, sq, sk, sv;  // shared addresses: the window, the Q, K and V tiles
     float* tacc;               // the total acc, thread-private slots
-    int rowpos[1][2];          // this thread's rows' positions (−1: not a row)
+    int rowpos[2];             // this thread's rows' positions (−1: not a row)
 };
 
 // The tile of this CTA (tiles[n_tiles − 1 − blockIdx.x]: the later, longer tiles first).
@@ -132,7 +132,7 @@ __device__ __forceinline__ PaWgTile<HD> pa_wg_tile(PA_PREFILL_ARGS) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = warp * 16 + 8 * r + g;
-        w.rowpos[0][r] = i < w.nrows ? w.pos0 + i : -1;
+        w.rowpos[r] = i < w.nrows ? w.pos0 + i : -1;
     }
     return w;
 }
@@ -193,24 +193,13 @@ __device__ __forceinline__ void pa_wg_pv_block(PaState<HD>& st, const unsigned (
     wgmma_commit();
 }
 
-// The block's softmax (pa_softmax: m, l, P in s, acc scaled), masked where a row of the
-// warp does not see every key of the block.
-template <int HD>
-__device__ __forceinline__ void pa_wg_softmax(PaState<HD>& st, float (&s)[8][4], int key0, const int (&rowpos)[2], float sl,
-                                              int lane) {
-    if (__all_sync(FULL_MASK, key0 + PA_BLOCK - 1 <= min(rowpos[0], rowpos[1])))
-        pa_softmax<HD, false>(st, s, key0, rowpos, sl, lane);
-    else
-        pa_softmax<HD, true>(st, s, key0, rowpos, sl, lane);
-}
-
 // Writes the rows' total state as acc · rcp(l).
 template <int HD>
 __device__ __forceinline__ void pa_wg_store(const PaWgTile<HD>& w, const float (&tml)[2][2], float* out, bf16_t* outb) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t4 = lane & 3, g = lane >> 2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        if (w.rowpos[0][r] < 0) continue;
+        if (w.rowpos[r] < 0) continue;
         const size_t at = (size_t)(w.row0 + warp * 16 + 8 * r + g) * w.width + (size_t)w.h * HD;
         const float inv = pa_rcp(tml[r][1]);
 #pragma unroll
@@ -263,7 +252,7 @@ __device__ __forceinline__ void pa_prefill_wg_body(PA_PREFILL_ARGS) {
             } else {
                 pa_wait<0>();
             }
-            pa_wg_softmax<HD>(spl[0], s, blk * PA_BLOCK, w.rowpos[0], sl, lane);
+            pa_softmax_block<HD>(spl[0], s, blk * PA_BLOCK, w.rowpos, sl, lane);
             unsigned P[4][4];
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) pa_pfrag(P[kk], s, kk);
