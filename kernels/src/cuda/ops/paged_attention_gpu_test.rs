@@ -141,9 +141,6 @@ enum Route {
     Prefill(PrefillTiles),
 }
 
-/// Every prefill build; each case runs those that run on the device at its head dim.
-const BUILDS: [PrefillTiles; 3] = PrefillTiles::ALL;
-
 /// Attention of the given (position, q row) list, whose rows form the given spans, with
 /// the case's table for every span. Returns f32 `[rows, n_heads·head_dim]` and its bf16.
 fn run(
@@ -221,7 +218,11 @@ fn check_shape(n_heads: usize, n_kv: usize, head_dim: usize, len: usize, seed: u
     let Some(dev) = device() else { return };
     let c = Case::new(n_heads, n_kv, head_dim, len, seed);
     let kv = upload(&dev, &c);
-    for pt in BUILDS.into_iter().filter(|pt| pt.runs(&dev.arch, head_dim)) {
+    // Every prefill build that runs on the device at this head dim.
+    for pt in PrefillTiles::ALL
+        .into_iter()
+        .filter(|pt| pt.runs(&dev.arch, head_dim))
+    {
         check_build(&dev, &c, &kv, len, pt);
     }
 }

@@ -153,13 +153,10 @@ fn tile_elems(hd: usize, rows: usize) -> usize {
 pub(crate) fn prefill_smem_bytes(hd: usize, tiles: PrefillTiles) -> usize {
     let rows = tiles.rows();
     let state = 4 * rows * hd;
+    let padded_tiles = 2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK));
     match tiles {
-        PrefillTiles::Rows64 => 2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK)) + state,
-        PrefillTiles::Rows96 => {
-            2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK))
-                + state
-                + 4 * 8 * tiles.threads()
-        }
+        PrefillTiles::Rows64 => padded_tiles + state,
+        PrefillTiles::Rows96 => padded_tiles + state + 4 * 8 * tiles.threads(),
         PrefillTiles::Wgmma => 1024 + 2 * hd * (rows + 2 * KV_BLOCK) + state,
     }
 }
