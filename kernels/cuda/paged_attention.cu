@@ -121,24 +121,36 @@ __device__ __forceinline__ unsigned pa_pack(float lo, float hi) {
 #endif
 }
 
-// A tile of rows of HD bf16 in shared memory, each row padded by one 16-byte chunk: chunk c
-// of row r sits at chunk r·(HD/8 + 1) + c, so the 8 rows an ldmatrix reads hit distinct
-// banks, and every address is a per-thread base plus a constant.
-template <int HD>
+// A tile of rows of HD bf16 in shared memory, in 16-byte chunks, in one of two layouts (SWZ;
+// the values and every computation on them are the same in both):
+// - swizzled (SWZ, from HD 64 up): rows unpadded, chunk c of row r at r·HD/8 + (c ^ (r % 8)).
+//   The 8 rows an ldmatrix reads (r % 8 all different) hit distinct banks, and each 8-thread
+//   group of a cp.async writes one aligned 128-byte line. With padded rows (272 bytes at
+//   HD 128) those lines straddle two: the LSU splits the writes and fetches a third of the
+//   K/V sectors from L2 twice, and the tiles take 6 % more shared memory. The kernels that
+//   stream the cache (many CTAs per SM) use it.
+// - padded (below HD 64, too few chunks to swizzle over 8 rows, or !SWZ): each row padded by
+//   one chunk, chunk c of row r at r·(HD/8 + 1) + c, so every address is a per-thread base
+//   plus a constant: fewer instructions for a lone warp whose chain of instructions bounds
+//   it (the two-stage decode kernel, one CTA per SM at small batches).
+template <int HD, bool SWZ>
 __device__ __forceinline__ int pa_chunk(int r, int c) {
-    return r * (HD / 8 + 1) + c;
+    if constexpr (SWZ && HD >= 64)
+        return r * (HD / 8) + (c ^ (r & 7));
+    else
+        return r * (HD / 8 + 1) + c;
 }
-template <int HD>
+template <int HD, bool SWZ>
 __host__ __device__ constexpr int pa_tile_elems(int rows) {
-    return rows * (HD + 8);
+    return rows * (SWZ && HD >= 64 ? HD : HD + 8);
 }
 
 // A KV block (row j: key j, head_dim values at src + j·head_dim) into a tile by NT
 // threads; keys j ≥ nvalid and dims ≥ head_dim become zeros. Full rows (head_dim = HD) go
-// by cp.async, thread t taking chunk t mod HD/8 of every (NT·8/HD)-th row from t·8/HD, so
-// every address is the thread's base plus a constant; other head dims go synchronously.
+// by cp.async, thread t taking chunk t mod HD/8 of every (NT·8/HD)-th row from t·8/HD;
+// other head dims go synchronously.
 // The caller commits and waits.
-template <int HD, int NT>
+template <int HD, bool SWZ, int NT>
 __device__ __forceinline__ void pa_load_kv(bf16_t* tile, const bf16_t* src, int head_dim, int nvalid, int tid) {
     if (head_dim == HD) {
         constexpr int CPR = HD / 8;
@@ -146,13 +158,14 @@ __device__ __forceinline__ void pa_load_kv(bf16_t* tile, const bf16_t* src, int 
         static_assert(NT % CPR == 0, "threads must cover whole rows");
         const int c = tid % CPR, r0 = tid / CPR;
         const bf16_t* s = src + r0 * HD + c * 8;
-        const unsigned d = pa_smem(tile + pa_chunk<HD>(r0, c) * 8);
+        const unsigned d = pa_smem(tile);
 #pragma unroll
         for (int k = 0; k < (PA_BLOCK + RPI - 1) / RPI; ++k) {
             // Rows past nvalid are zero-filled: the source is not read (it is in the block).
             // Past the block's 64 rows (3 warps: RPI does not divide 64) nothing is copied.
-            if (PA_BLOCK % RPI == 0 || r0 + k * RPI < PA_BLOCK)
-                pa_cp16(d + k * RPI * (HD + 8) * 2, s + k * RPI * HD, r0 + k * RPI < nvalid);
+            const int r = r0 + k * RPI;
+            if (PA_BLOCK % RPI == 0 || r < PA_BLOCK)
+                pa_cp16(d + pa_chunk<HD, SWZ>(r, c) * 16, s + k * RPI * HD, r < nvalid);
         }
     } else if ((head_dim & 7) == 0) {
         const int gch = head_dim / 8;
@@ -160,20 +173,20 @@ __device__ __forceinline__ void pa_load_kv(bf16_t* tile, const bf16_t* src, int 
             const int r = i / (HD / 8), c = i % (HD / 8);
             const bool ok = r < nvalid && c < gch;
             const bf16_t* from = ok ? src + (size_t)r * head_dim + c * 8 : src;
-            pa_cp16(pa_smem(tile + pa_chunk<HD>(r, c) * 8), from, ok);
+            pa_cp16(pa_smem(tile + pa_chunk<HD, SWZ>(r, c) * 8), from, ok);
         }
     } else {
         for (int i = tid; i < PA_BLOCK * HD; i += NT) {
             const int r = i / HD, d = i % HD;
             const bf16_t v = (r < nvalid && d < head_dim) ? src[(size_t)r * head_dim + d] : (bf16_t)0;
-            tile[pa_chunk<HD>(r, d / 8) * 8 + (d & 7)] = v;
+            tile[pa_chunk<HD, SWZ>(r, d / 8) * 8 + (d & 7)] = v;
         }
     }
 }
 
 // Query rows (f32, row r at src_r(r)) rounded to bf16 into a tile of `rows` rows by NT
 // threads; rows past nrows and dims past head_dim are zeros.
-template <int HD, int NT, typename RowPtr>
+template <int HD, bool SWZ, int NT, typename RowPtr>
 __device__ __forceinline__ void pa_load_q(bf16_t* tile, int rows, int nrows, int head_dim, RowPtr src_r, int tid) {
     if (head_dim == HD) {
         constexpr int FPR = HD / 4;  // float4s per row
@@ -184,7 +197,7 @@ __device__ __forceinline__ void pa_load_q(bf16_t* tile, int rows, int nrows, int
             uint2 w;
             w.x = pa_pack(v.x, v.y);
             w.y = pa_pack(v.z, v.w);
-            *reinterpret_cast<uint2*>(tile + pa_chunk<HD>(r, d / 8) * 8 + (d & 7)) = w;
+            *reinterpret_cast<uint2*>(tile + pa_chunk<HD, SWZ>(r, d / 8) * 8 + (d & 7)) = w;
         }
         return;
     }
@@ -196,7 +209,7 @@ __device__ __forceinline__ void pa_load_q(bf16_t* tile, int rows, int nrows, int
             if (d < head_dim) a = s[d];
             if (d + 1 < head_dim) b = s[d + 1];
         }
-        *reinterpret_cast<unsigned*>(tile + pa_chunk<HD>(r, d / 8) * 8 + (d & 7)) = pa_pack(a, b);
+        *reinterpret_cast<unsigned*>(tile + pa_chunk<HD, SWZ>(r, d / 8) * 8 + (d & 7)) = pa_pack(a, b);
     }
 }
 
@@ -290,7 +303,7 @@ __device__ __forceinline__ void pa_softmax_block(PaState<HD>& st, float (&s)[8][
 // the other rows of its tile, and each row's chains run in the same order for any MT
 // (scores: over the k-steps in order; P·V: over the block's 16-key steps in order), so MT
 // changes no bit.
-template <int HD, int MT>
+template <int HD, bool SWZ, int MT>
 __device__ __forceinline__ void pa_scores(PaState<HD> (&st)[MT], float (&s)[MT][8][4], const bf16_t* sq,
                                           const bf16_t* sk, int key0, const int (&rowpos)[MT][2], float sl,
                                           int lane) {
@@ -308,11 +321,11 @@ __device__ __forceinline__ void pa_scores(PaState<HD> (&st)[MT], float (&s)[MT][
         unsigned a[MT][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
-            pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, qi >> 1) * 8), a[m][0], a[m][1], a[m][2], a[m][3]);
+            pa_ldsm_x4(pa_smem(sq + pa_chunk<HD, SWZ>(16 * m + qr, qi >> 1) * 8), a[m][0], a[m][1], a[m][2], a[m][3]);
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
             unsigned b0, b1;
-            pa_ldsm_x2(pa_smem(sk + pa_chunk<HD>(n * 8 + (lane & 7), (lane >> 3) & 1) * 8), b0, b1);
+            pa_ldsm_x2(pa_smem(sk + pa_chunk<HD, SWZ>(n * 8 + (lane & 7), (lane >> 3) & 1) * 8), b0, b1);
 #pragma unroll
             for (int m = 0; m < MT; ++m) pa_mma(s[m][n], a[m], b0, b1);
         }
@@ -324,13 +337,13 @@ __device__ __forceinline__ void pa_scores(PaState<HD> (&st)[MT], float (&s)[MT][
             unsigned a[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)
-                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, 2 * kk + (qi >> 1)) * 8), a[m][0], a[m][1], a[m][2],
-                           a[m][3]);
+                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD, SWZ>(16 * m + qr, 2 * kk + (qi >> 1)) * 8), a[m][0], a[m][1],
+                           a[m][2], a[m][3]);
 #pragma unroll
             for (int n = 0; n < 8; n += 2) {
                 unsigned b0, b1, b2, b3;
                 const int kr = n * 8 + (lane >> 4) * 8 + (lane & 7);
-                pa_ldsm_x4(pa_smem(sk + pa_chunk<HD>(kr, 2 * kk + ((lane >> 3) & 1)) * 8), b0, b1, b2, b3);
+                pa_ldsm_x4(pa_smem(sk + pa_chunk<HD, SWZ>(kr, 2 * kk + ((lane >> 3) & 1)) * 8), b0, b1, b2, b3);
 #pragma unroll
                 for (int m = 0; m < MT; ++m) pa_mma(s[m][n], a[m], b0, b1);
 #pragma unroll
@@ -343,15 +356,16 @@ __device__ __forceinline__ void pa_scores(PaState<HD> (&st)[MT], float (&s)[MT][
             unsigned a0[MT][4], a1[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, 2 * kk + (qi >> 1)) * 8), a0[m][0], a0[m][1],
+                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD, SWZ>(16 * m + qr, 2 * kk + (qi >> 1)) * 8), a0[m][0], a0[m][1],
                            a0[m][2], a0[m][3]);
-                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD>(16 * m + qr, 2 * kk + 2 + (qi >> 1)) * 8), a1[m][0], a1[m][1],
+                pa_ldsm_x4(pa_smem(sq + pa_chunk<HD, SWZ>(16 * m + qr, 2 * kk + 2 + (qi >> 1)) * 8), a1[m][0], a1[m][1],
                            a1[m][2], a1[m][3]);
             }
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 unsigned b0, b1, b2, b3;
-                pa_ldsm_x4(pa_smem(sk + pa_chunk<HD>(n * 8 + (lane & 7), 2 * kk + (lane >> 3)) * 8), b0, b1, b2, b3);
+                pa_ldsm_x4(pa_smem(sk + pa_chunk<HD, SWZ>(n * 8 + (lane & 7), 2 * kk + (lane >> 3)) * 8), b0, b1, b2,
+                           b3);
 #pragma unroll
                 for (int m = 0; m < MT; ++m) pa_mma(s[m][n], a0[m], b0, b1);
 #pragma unroll
@@ -380,7 +394,7 @@ __device__ __forceinline__ void pa_pack_p(unsigned (&P)[MT][4][4], const float (
 }
 
 // P·V from the probabilities s (packed a 16-key step at a time, as the mma needs them).
-template <int HD>
+template <int HD, bool SWZ>
 __device__ __forceinline__ void pa_pv(PaState<HD> (&st)[1], const float (&s)[1][8][4], const bf16_t* sv, int lane) {
     const int i = lane >> 3;
 #pragma unroll
@@ -391,7 +405,7 @@ __device__ __forceinline__ void pa_pv(PaState<HD> (&st)[1], const float (&s)[1][
 #pragma unroll
         for (int j = 0; j < HD / 8; j += 2) {
             unsigned b0, b1, b2, b3;
-            pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD>(vr, j + (i >> 1)) * 8), b0, b1, b2, b3);
+            pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD, SWZ>(vr, j + (i >> 1)) * 8), b0, b1, b2, b3);
             pa_mma(st[0].acc[j], pa, b0, b1);
             pa_mma(st[0].acc[j + 1], pa, b2, b3);
         }
@@ -400,7 +414,7 @@ __device__ __forceinline__ void pa_pv(PaState<HD> (&st)[1], const float (&s)[1][
 
 // P·V from bf16(p) packed after the scores (pa_pack_p: 16 registers a tile where the
 // probabilities take 32, which lets two tiles' states fit).
-template <int HD, int MT>
+template <int HD, bool SWZ, int MT>
 __device__ __forceinline__ void pa_pv(PaState<HD> (&st)[MT], const unsigned (&P)[MT][4][4], const bf16_t* sv,
                                       int lane) {
     const int i = lane >> 3;
@@ -410,7 +424,7 @@ __device__ __forceinline__ void pa_pv(PaState<HD> (&st)[MT], const unsigned (&P)
 #pragma unroll
         for (int j = 0; j < HD / 8; j += 2) {
             unsigned b0, b1, b2, b3;
-            pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD>(vr, j + (i >> 1)) * 8), b0, b1, b2, b3);
+            pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD, SWZ>(vr, j + (i >> 1)) * 8), b0, b1, b2, b3);
 #pragma unroll
             for (int m = 0; m < MT; ++m) pa_mma(st[m].acc[j], P[m][kk], b0, b1);
 #pragma unroll
@@ -525,12 +539,13 @@ template <int HD, int WARPS, int MT>
 __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
     constexpr int NT = WARPS * 32;
     constexpr int ROWS = WARPS * MT * 16;
+    constexpr bool SWZ = true;  // many warps per SM stream the tiles (pa_chunk)
     extern __shared__ uint4 pa_shm[];
     bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
-    bf16_t* sk = sq + pa_tile_elems<HD>(ROWS);
-    bf16_t* sv = sk + pa_tile_elems<HD>(PA_BLOCK);
+    bf16_t* sk = sq + pa_tile_elems<HD, SWZ>(ROWS);
+    bf16_t* sv = sk + pa_tile_elems<HD, SWZ>(PA_BLOCK);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float* tacc = reinterpret_cast<float*>(sv + pa_tile_elems<HD>(PA_BLOCK)) + tid;
+    float* tacc = reinterpret_cast<float*>(sv + pa_tile_elems<HD, SWZ>(PA_BLOCK)) + tid;
     const int t = n_tiles - 1 - (int)blockIdx.x;  // the later (longer) tiles first
     const unsigned* tile = tiles + 4 * t;
     const int row0 = (int)tile[0], nrows = (int)tile[1], pos0 = (int)tile[2];
@@ -541,7 +556,7 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
     const int last = pos0 + nrows - 1;
     const int nblk = last / PA_BLOCK + 1;
     auto load = [&](bf16_t* dst, const bf16_t* pool, unsigned id, int blk) {
-        pa_load_kv<HD, NT>(dst, pa_kv_at(pool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
+        pa_load_kv<HD, SWZ, NT>(dst, pa_kv_at(pool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
                            min(PA_BLOCK, last - blk * PA_BLOCK + 1), tid);
         pa_commit();
     };
@@ -550,13 +565,13 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
         load(sk, kpool, id0, 0);
         load(sv, vpool, id0, 0);
     }
-    pa_load_q<HD, NT>(
+    pa_load_q<HD, SWZ, NT>(
         sq, ROWS, nrows, head_dim, [&](int r) { return q + (size_t)(row0 + r) * width + (size_t)h * head_dim; },
         tid);
 
     const int g = lane >> 2;
     const int wr = warp * MT * 16;
-    const bf16_t* wq = sq + pa_tile_elems<HD>(wr);
+    const bf16_t* wq = sq + pa_tile_elems<HD, SWZ>(wr);
     int rowpos[MT][2];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -600,7 +615,7 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
             float s[MT][8][4];
             unsigned P[MT][4][4];
             if (active) {
-                pa_scores<HD, MT>(spl, s, wq, sk, blk * PA_BLOCK, rowpos, sl, lane);
+                pa_scores<HD, SWZ, MT>(spl, s, wq, sk, blk * PA_BLOCK, rowpos, sl, lane);
                 if constexpr (MT > 1) pa_pack_p<MT>(P, s);
             }
             __syncthreads();  // every warp is done with K(blk)
@@ -613,9 +628,9 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
             __syncthreads();
             if (active) {
                 if constexpr (MT == 1)
-                    pa_pv<HD>(spl, s, sv, lane);
+                    pa_pv<HD, SWZ>(spl, s, sv, lane);
                 else
-                    pa_pv<HD, MT>(spl, P, sv, lane);
+                    pa_pv<HD, SWZ, MT>(spl, P, sv, lane);
             }
             __syncthreads();  // every warp is done with V(blk)
             if (more) load(sv, vpool, nid, blk + 1);
@@ -650,7 +665,7 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
 //
 // STAGES is a speed choice only (the arithmetic of a block is the same): 2, two K/V stages
 // (the next block loads during this one); 1, one K and one V tile (the next K loads during
-// this block's P·V, the next V during the next scores, as the prefill kernel does): five
+// this block's P·V, the next V during the next scores, as the prefill kernel does): six
 // CTAs per SM at head_dim 128 where two stages fit three, which pays once CTAs queue for
 // SMs (H200: 4 × 8192 context 0.86 of two stages' time). Four stages were slower
 // everywhere (docs/attention.md): a lone warp's block is bound by its own instructions,
@@ -667,9 +682,13 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
 template <int HD, int STAGES>
 __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     static_assert(STAGES == 1 || STAGES == 2, "1 or 2 stages");
+    // One stage streams the cache with CTAs queued for SMs: swizzled tiles (more CTAs per
+    // SM, no split cp.async writes). Two stages run one CTA per SM at small batches, bound
+    // by the warp's own chain of instructions: padded tiles, whose addresses cost none.
+    constexpr bool SWZ = STAGES == 1;
     extern __shared__ uint4 pa_shm[];
     bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
-    bf16_t* skv = sq + pa_tile_elems<HD>(16);
+    bf16_t* skv = sq + pa_tile_elems<HD, SWZ>(16);
     const int lane = threadIdx.x;
     const int i = blockIdx.x;
     const int row = rows ? (int)rows[i] : i;
@@ -686,13 +705,13 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     const int width = n_heads * head_dim;
     const int b0 = split * PA_SPLIT_BLOCKS;
     const int b1 = min(b0 + PA_SPLIT_BLOCKS, pos / PA_BLOCK + 1);
-    constexpr int TILE = pa_tile_elems<HD>(PA_BLOCK);
+    constexpr int TILE = pa_tile_elems<HD, SWZ>(PA_BLOCK);
 
     // K (v = 0) or V (v = 1) of block blk into a tile; the caller commits.
     auto load = [&](bf16_t* dst, int v, int blk) {
         const int nvalid = min(PA_BLOCK, pos - blk * PA_BLOCK + 1);
         const unsigned id = table[tab + blk];
-        pa_load_kv<HD, 32>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
+        pa_load_kv<HD, SWZ, 32>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
                            nvalid, lane);
     };
     // Stage of block blk: its K tile, then its V tile.
@@ -713,7 +732,7 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
             pa_commit();  // empty past the split's end: the wait count stays uniform
         }
     }
-    pa_load_q<HD, 32>(
+    pa_load_q<HD, SWZ, 32>(
         sq, 16, nh, head_dim, [&](int r) { return q + (size_t)row * width + (size_t)(h0 + r) * head_dim; }, lane);
 
     const int g = lane >> 2;
@@ -726,13 +745,13 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
             const bool more = blk + 1 < b1;
             pa_wait<1>();  // K(blk) has landed (V(blk) may be in flight)
             __syncwarp();
-            pa_scores<HD, 1>(spl, s, sq, skv, blk * PA_BLOCK, rowpos, sl, lane);
+            pa_scores<HD, SWZ, 1>(spl, s, sq, skv, blk * PA_BLOCK, rowpos, sl, lane);
             __syncwarp();  // every lane is done with K(blk)
             if (more) load(skv, 0, blk + 1);
             pa_commit();
             pa_wait<1>();  // V(blk) has landed
             __syncwarp();
-            pa_pv<HD>(spl, s, skv + TILE, lane);
+            pa_pv<HD, SWZ>(spl, s, skv + TILE, lane);
             __syncwarp();  // every lane is done with V(blk)
             if (more) load(skv + TILE, 1, blk + 1);
             pa_commit();
@@ -746,8 +765,8 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
             }
             pa_commit();
             const bf16_t* st = stage(blk);
-            pa_scores<HD, 1>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
-            pa_pv<HD>(spl, s, st + TILE, lane);
+            pa_scores<HD, SWZ, 1>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
+            pa_pv<HD, SWZ>(spl, s, st + TILE, lane);
         }
     }
     if (n_splits == 1) {

@@ -142,21 +142,23 @@ pub(crate) fn padded_head_dim(head_dim: usize) -> Option<usize> {
     [16, 32, 64, 128, 256].into_iter().find(|&p| head_dim <= p)
 }
 
-fn tile_elems(hd: usize, rows: usize) -> usize {
-    rows * (hd + 8)
+/// Elements of a tile of `rows` rows (paged_attention.cu, `pa_chunk` and `pa_tile_elems`):
+/// `swizzled` rows are unpadded from head_dim 64 up; other rows are padded by 8.
+fn tile_elems(hd: usize, rows: usize, swizzled: bool) -> usize {
+    rows * if swizzled && hd >= 64 { hd } else { hd + 8 }
 }
 
 /// Dynamic shared memory of the prefill kernel: a Q tile, one K and one V tile, the rows'
 /// total state (HD f32 per row), and for 32 rows per warp the rows' total m and l too
-/// (thread-private: 8 f32 per thread, 8 per row). The wgmma build's tiles are unpadded
-/// (swizzled instead) and 1024-aligned: up to 1 KiB goes to the alignment.
+/// (thread-private: 8 f32 per thread, 8 per row). The wgmma build's tiles (its own
+/// swizzle) are 1024-aligned: up to 1 KiB goes to the alignment.
 pub(crate) fn prefill_smem_bytes(hd: usize, tiles: PrefillTiles) -> usize {
     let rows = tiles.rows();
     let state = 4 * rows * hd;
-    let padded_tiles = 2 * (tile_elems(hd, rows) + 2 * tile_elems(hd, KV_BLOCK));
+    let mma_tiles = 2 * (tile_elems(hd, rows, true) + 2 * tile_elems(hd, KV_BLOCK, true));
     match tiles {
-        PrefillTiles::Rows64 => padded_tiles + state,
-        PrefillTiles::Rows96 => padded_tiles + state + 4 * 8 * tiles.threads(),
+        PrefillTiles::Rows64 => mma_tiles + state,
+        PrefillTiles::Rows96 => mma_tiles + state + 4 * 8 * tiles.threads(),
         PrefillTiles::Wgmma => 1024 + 2 * hd * (rows + 2 * KV_BLOCK) + state,
     }
 }
@@ -200,9 +202,11 @@ impl DecodeStages {
     }
 }
 
-/// Dynamic shared memory of the decode kernel: 16 query rows and its K/V tiles.
+/// Dynamic shared memory of the decode kernel: 16 query rows and its K/V tiles, swizzled in
+/// the one-stage build and padded in the two-stage one (paged_attention.cu, `pa_chunk`).
 pub(crate) fn decode_smem_bytes(hd: usize, stages: DecodeStages) -> usize {
-    2 * (tile_elems(hd, 16) + 2 * stages.count() * tile_elems(hd, KV_BLOCK))
+    let swizzled = stages == DecodeStages::One;
+    2 * (tile_elems(hd, 16, swizzled) + 2 * stages.count() * tile_elems(hd, KV_BLOCK, swizzled))
 }
 
 /// The decode kernel compiled for padded head dim `hd` with `stages`, if there is one.
@@ -256,13 +260,13 @@ mod tests {
             let per_sm = 228 * 1024 / (prefill_smem_bytes(128, t) + 1024);
             assert!(per_sm >= 2, "{t:?}: {per_sm} CTAs per SM");
         }
-        assert_eq!(prefill_smem_bytes(128, PrefillTiles::Rows96), 113_152);
+        assert_eq!(prefill_smem_bytes(128, PrefillTiles::Rows96), 109_568);
         // Alignment slack, Q + K + V (16 KiB each), the total state (32 KiB).
         assert_eq!(
             prefill_smem_bytes(128, PrefillTiles::Wgmma),
             1024 + 3 * 16_384 + 32_768
         );
-        assert_eq!(228 * 1024 / (113_152 + 1024), 2);
+        assert_eq!(228 * 1024 / (109_568 + 1024), 2);
     }
 
     #[test]
@@ -347,9 +351,9 @@ mod tests {
             );
             assert!(compiled.contains(&name), "{name} is not in source::KERNELS");
         }
-        // Five one-stage CTAs per SM at head_dim 128 where two-stage ones fit three.
+        // Six one-stage CTAs per SM at head_dim 128 where two-stage ones fit three.
         let per_sm = |st| 228 * 1024 / (decode_smem_bytes(128, st) + 1024);
-        assert_eq!(per_sm(DecodeStages::One), 5);
+        assert_eq!(per_sm(DecodeStages::One), 6);
         assert_eq!(per_sm(DecodeStages::Two), 3);
         assert_eq!(DecodeStages::for_launch(16, 132), DecodeStages::Two);
         assert_eq!(DecodeStages::for_launch(4096, 132), DecodeStages::One);
