@@ -12,6 +12,8 @@
 # unprofiled run in the same call minus the kernels' sum is what the GPU spends between
 # kernels. Reference: torch.profiler (CUPTI) over graph replays of decode_baseline.py.
 # BATCHES (default "1 64"), NUMERICS (default "invariant fast"), REFERENCE=0 skips torch,
+# PROMPT_LEN=T decodes after prompts of T tokens (default: bench decode's) and then profiles
+# .device/long_context_reference.py at that context instead of decode_baseline.py,
 # PER_RANK_OF_TP=N profiles one rank's shape of TP=N instead (bench-rank-shape.sh),
 # DETAIL="kernel-regex[@skip] ..." adds ncu's full sections for one launch of each, at
 # batch DETAIL_BATCH (default 1).
@@ -22,6 +24,8 @@ source scripts/gpu/device-lib.sh
 script_start profile-summary.txt
 BATCHES=${BATCHES:-1 64}
 NUMERICS=${NUMERICS:-invariant fast}
+PLEN=()
+[[ -n ${PROMPT_LEN:-} ]] && PLEN=(--prompt-len "$PROMPT_LEN")
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 note "ncu: ${NCU:-not found}"
 
@@ -33,7 +37,7 @@ else
 fi
 for num in $NUMERICS; do
     step "wall TP 1 $num" "$OUT/profile-wall.log" 90 "$ARBOR" bench decode --model "$L8B" \
-        --device cuda --numerics "$num" --batch "$(echo "$BATCHES" | tr ' ' ,)" --steps 64
+        --device cuda --numerics "$num" --batch "$(echo "$BATCHES" | tr ' ' ,)" --steps 64 "${PLEN[@]}"
     grep -E "TP 1 $num" "$OUT/profile-wall.log" | tail -n 2 | tee -a "$SUMMARY"
 done
 if [[ -n $NCU ]]; then
@@ -44,7 +48,7 @@ if [[ -n $NCU ]]; then
             step "ncu TP 1 $num batch $b" "$OUT/profile-ncu.log" 120 env ARBOR_CUDA_GRAPHS=0 "$NCU" --clock-control none \
                 --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
                 --log-file "$OUT/profile-ncu-$num-b$b.csv" "$ARBOR" bench decode --model "$L8B" \
-                --device cuda --numerics "$num" --batch "$b" --steps 4
+                --device cuda --numerics "$num" --batch "$b" --steps 4 "${PLEN[@]}"
             python3 scripts/bench/profile-report.py arbor "$OUT/profile-ncu-$num-b$b.csv" \
                 "$OUT/profile-wall.log" "$num" "$b" | tee -a "$SUMMARY"
         done
@@ -60,11 +64,17 @@ for d in ${DETAIL:-}; do
     [[ $d == *@* ]] && skip=${d#*@}
     step "ncu detail $k batch ${DETAIL_BATCH:-1}" "$OUT/profile-detail-$k.txt" 120 "$NCU" --clock-control none \
         --set full -k "regex:$k" --launch-skip "$skip" --launch-count 1 "$ARBOR" bench decode \
-        --model "$L8B" --device cuda --numerics invariant --batch "${DETAIL_BATCH:-1}" --steps 16
+        --model "$L8B" --device cuda --numerics invariant --batch "${DETAIL_BATCH:-1}" --steps 16 "${PLEN[@]}"
     grep -E "^  [a-z_0-9]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Est. Speedup|stall" \
         "$OUT/profile-detail-$k.txt" | head -n 30 | tee -a "$SUMMARY"
 done
-if [[ ${REFERENCE:-1} == 1 && -f $BIN/decode_baseline.py ]]; then
+if [[ ${REFERENCE:-1} == 1 && -n ${PROMPT_LEN:-} && -f $BIN/long_context_reference.py ]]; then
+    # The context the unprofiled run's last steps see (bench decode's 64 steps).
+    step "reference torch.profiler" "$OUT/profile-reference.log" 300 python3 \
+        scripts/bench/profile-report.py reference "$BIN/long_context_reference.py" --compile --prefill "" \
+        --decode "$(echo "$BATCHES" | tr ' ' ,)" --ctx "$((PROMPT_LEN + 63))"
+    grep -A 40 '^reference profile' "$OUT/profile-reference.log" | tee -a "$SUMMARY"
+elif [[ ${REFERENCE:-1} == 1 && -f $BIN/decode_baseline.py ]]; then
     step "reference torch.profiler" "$OUT/profile-reference.log" 240 python3 \
         scripts/bench/profile-report.py reference "$BIN/decode_baseline.py" --compile \
         --batch "$(echo "$BATCHES" | tr ' ' ,)" --steps 8

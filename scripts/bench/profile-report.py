@@ -10,7 +10,7 @@
   profile-report.py arbor-steps NCU_CSV [TITLE]
       The same CSV cut into steps the same way: each step's kernel time and launch count,
       then the kernels of the longest step (a `bench decode` run's prefill) grouped by name.
-  profile-report.py reference decode_baseline.py ARGS...
+  profile-report.py reference decode_baseline.py|long_context_reference.py ARGS...
       Runs the reference loop with torch.profiler around five replays of each batch's CUDA
       graph and prints the same table (kernels of one step, their sum, the replay's span).
 """
@@ -94,9 +94,12 @@ def _profile_replays(graph, B, n=5):
 def reference(script, args):
     with open(script) as f:
         src = f.read()
-    marker = "    for _ in range(5): graph.replay()\n"
-    if marker not in src:
-        sys.exit(f"profile-report: {script} has no line {marker.strip()!r} to profile after")
+    # decode_baseline.py warms its graph with five replays, long_context_reference.py with
+    # three; the profiled replays follow the warm-up.
+    markers = ("    for _ in range(5): graph.replay()\n", "    for _ in range(3): graph.replay()\n")
+    marker = next((m for m in markers if m in src), None)
+    if marker is None:
+        sys.exit(f"profile-report: {script} has none of the lines {[m.strip() for m in markers]} to profile after")
     src = src.replace(marker, marker + "    _profile_replays(graph, B)\n", 1)
     sys.argv = [script] + args
     env = {"__name__": "__main__", "_report_table": lambda t, per, n, span: table(
