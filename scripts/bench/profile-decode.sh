@@ -4,7 +4,9 @@
 # Run from the repo root after `bash scripts/gpu/build-device.sh` (and, for the reference, a copy
 # of the PyTorch reference loop at .device/decode_baseline.py, not part of this repository:
 # docs/step.md, "The reference loop"):
-#   bash scripts/bench/profile-decode.sh            # writes $OUT/profile-*.{csv,log,txt}
+#   bash scripts/bench/profile-decode.sh            # writes $OUT/profile-summary.txt and
+#                                                   # profile-decode.tgz (the CSVs and logs:
+#                                                   # a call returns at most 8 files)
 # arbor: Nsight Compute (`ncu`, the profiler the lent machines have; no nsys there) times
 # every kernel of a short `bench decode` run (one metric, gpu__time_duration, clocks and
 # caches left alone); scripts/bench/profile-report.py splits the launches into steps at the
@@ -80,4 +82,10 @@ elif [[ ${REFERENCE:-1} == 1 && -f $BIN/decode_baseline.py ]]; then
         --batch "$(echo "$BATCHES" | tr ' ' ,)" --steps 8
     grep -A 40 '^reference profile' "$OUT/profile-reference.log" | tee -a "$SUMMARY"
 fi
+(
+    cd "$OUT" || exit
+    shopt -s nullglob
+    f=(profile-*.csv profile-*.log profile-detail-*.txt)
+    ((${#f[@]})) && tar czf profile-decode.tgz "${f[@]}" && rm -f "${f[@]}"
+)
 echo "==== profile-decode ($(elapsed) s)"

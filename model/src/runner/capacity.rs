@@ -132,6 +132,16 @@ impl StepBudget {
         }
     }
 
+    /// This budget with steps of at most `tokens` rows (and as many logits rows at most).
+    pub fn cut_to(self, tokens: usize) -> Self {
+        let tokens = tokens.clamp(1, self.tokens);
+        StepBudget {
+            tokens,
+            outputs: self.outputs.min(tokens),
+            ..self
+        }
+    }
+
     /// The budget's own limits, named.
     pub fn validate(&self) -> Result<(), String> {
         if self.tokens == 0 || self.outputs == 0 || self.decode_rows == 0 {
@@ -304,6 +314,27 @@ pub fn blocks_that_fit(
             }
             Ok((n.min(u32::MAX as f64) as usize, why))
         }
+    }
+}
+
+/// The fewest rows an offline step budget is cut to by [`fitting_step`].
+pub const MIN_FIT_STEP_TOKENS: usize = 256;
+
+/// The step budget offline work runs with on this rank: `step` when a cache beside its
+/// working memory holds the work's longest sequence (`blocks_at` gives the blocks a cache
+/// beside a budget's working memory holds), else the largest of `step` halved down to
+/// [`MIN_FIT_STEP_TOKENS`] rows that does, else the smallest of them (the cache's sizing
+/// then says what is missing). Ranks sharing one GPU each plan a step's working memory;
+/// eight of them planning 8192-row steps can leave the cache nothing. A smaller step
+/// changes no bit (a prompt is prefilled in chunks, with the same bits), only the speed.
+pub fn fitting_step(step: StepBudget, blocks_at: impl Fn(&StepBudget) -> usize) -> StepBudget {
+    let need = step.context.map_or(1, |c| c.div_ceil(KV_BLOCK)).max(1);
+    let mut tried = step;
+    loop {
+        if blocks_at(&tried) >= need || tried.tokens <= MIN_FIT_STEP_TOKENS {
+            return tried;
+        }
+        tried = tried.cut_to((tried.tokens / 2).max(MIN_FIT_STEP_TOKENS));
     }
 }
 
@@ -502,6 +533,39 @@ mod tests {
 
     /// Qwen3-30B-A3B's shape: a step's experts hold top_k routes of every row, each with
     /// its input, output and the all-reduce's gathered partials.
+    #[test]
+    fn offline_steps_shrink_until_the_longest_sequence_fits() {
+        let step = StepBudget {
+            tokens: 6000,
+            outputs: 8,
+            decode_rows: 8,
+            context: Some(1500),
+        };
+        // 24 blocks hold a sequence of 1500 positions.
+        let blocks_at =
+            |room_from: usize| move |s: &StepBudget| if s.tokens <= room_from { 30 } else { 0 };
+        assert_eq!(fitting_step(step, blocks_at(8192)), step, "fits as it is");
+        let cut = fitting_step(step, blocks_at(2048));
+        assert_eq!((cut.tokens, cut.outputs), (1500, 8), "6000 → 3000 → 1500");
+        assert_eq!(cut.context, step.context);
+        assert_eq!(cut.decode_rows, step.decode_rows);
+        let floor = fitting_step(step, blocks_at(0));
+        assert_eq!(
+            floor.tokens, MIN_FIT_STEP_TOKENS,
+            "the smallest tried, left to the error"
+        );
+        // Too few blocks for the longest sequence counts as not fitting.
+        let few = |s: &StepBudget| if s.tokens <= 750 { 24 } else { 23 };
+        assert_eq!(fitting_step(step, few).tokens, 750);
+        // Logits rows never exceed the rows.
+        let scoring = StepBudget {
+            outputs: 6000,
+            ..step
+        };
+        assert_eq!(scoring.cut_to(1024).outputs, 1024);
+        assert_eq!(scoring.cut_to(9000), scoring, "never larger");
+    }
+
     #[test]
     fn the_reserve_covers_the_experts_of_every_row() {
         let text = r#"{"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,

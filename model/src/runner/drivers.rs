@@ -70,14 +70,15 @@ impl<B: Backend> OfflineRunner for Worker<B> {
         self.check_offline()?;
         step.validate()
             .map_err(|m| ModelError::Plan(format!("step budget: {m}")))?;
-        if self.kv_opts.step == Some(step) && self.cache.is_some() {
+        if self.step_asked == Some(step) && self.cache.is_some() {
             return Ok(());
         }
+        self.step_asked = Some(step);
         self.kv_opts.step = Some(step);
         // Free the old cache before measuring what is left for the new one.
         self.cache = None;
         self.kv_shape = None;
-        self.init_cache()
+        self.make_cache(true)
     }
 
     fn generate(

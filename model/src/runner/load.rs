@@ -152,6 +152,7 @@ impl<B: Backend> Worker<B> {
             updates,
             max_seq_len,
             kv_opts: opts.kv.clone(),
+            step_asked: None,
             shadow: None,
             timing: GenTiming::default(),
             cache: None,

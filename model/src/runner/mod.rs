@@ -248,6 +248,9 @@ pub struct Worker<B: Backend> {
     /// The context limit of the model (before the cache bounds it).
     max_seq_len: usize,
     kv_opts: KvOptions,
+    /// The step budget offline work last asked for (`reserve_steps`); `kv_opts.step` holds
+    /// the one the cache was made for, which may be cut from it (`make_cache`).
+    step_asked: Option<StepBudget>,
     shadow: Option<Box<Worker<B>>>,
     timing: GenTiming,
     /// The paged KV cache (made by `init_cache` at load) and its size; None before it is
@@ -287,6 +290,13 @@ impl<B: Backend> Worker<B> {
     /// blocks on every rank (a collective: every rank calls it). `load` calls it; an
     /// engine built by hand makes its cache on first use.
     pub fn init_cache(&mut self) -> MResult<()> {
+        self.make_cache(false)
+    }
+
+    /// [`Worker::init_cache`]; `fit_step`: offline work, whose step budget may be cut
+    /// (`capacity::fitting_step`, the same on every rank) where its working memory would
+    /// leave the cache too little for the work's longest sequence.
+    fn make_cache(&mut self, fit_step: bool) -> MResult<()> {
         self.cache = None;
         self.offline_pool = None;
         let opts = &self.kv_opts;
@@ -311,11 +321,16 @@ impl<B: Backend> Worker<B> {
         let (rank, tp) = (self.backend.rank(), self.backend.world_size());
         let heads = HeadPlan::new(&self.cfg, rank, tp)?;
         let context = capacity::reserve_context(self.max_seq_len, opts.blocks, free, bpb);
-        let mut reserve = capacity::step_reserve_bytes(&self.cfg, &heads, tp, &step, context);
-        if let Some(s) = &self.shadow {
-            let sh = HeadPlan::new(&s.cfg, 0, 1)?;
-            reserve += capacity::step_reserve_bytes(&s.cfg, &sh, 1, &step, context);
-        }
+        let shadow_heads = match &self.shadow {
+            Some(s) => Some((&s.cfg, HeadPlan::new(&s.cfg, 0, 1)?)),
+            None => None,
+        };
+        let reserve_for = |step: &capacity::StepBudget| {
+            let mine = capacity::step_reserve_bytes(&self.cfg, &heads, tp, step, context);
+            mine + shadow_heads.as_ref().map_or(0, |(cfg, sh)| {
+                capacity::step_reserve_bytes(cfg, sh, 1, step, context)
+            })
+        };
         let cpu_default = match (free, opts.cpu_cache_gib, opts.blocks) {
             (None, None, None) => capacity::default_cpu_cache_bytes(
                 capacity::host_available_bytes(),
@@ -323,12 +338,39 @@ impl<B: Backend> Worker<B> {
             ),
             _ => 0,
         };
+        // Only a cache sized from free device memory grows when the step's working memory
+        // shrinks; every rank of a group takes the same branch (one backend kind, one
+        // `--kv-blocks`).
+        let step = if fit_step && free.is_some() && opts.blocks.is_none() {
+            let fits = capacity::fitting_step(step, |s| {
+                capacity::blocks_that_fit(opts, free, cpu_default, bpb, reserve_for(s))
+                    .map_or(0, |(n, _)| n)
+            });
+            let tokens = self
+                .backend
+                .min_over_ranks(fits.tokens as u64)
+                .map_err(|e| self.berr(e))? as usize;
+            let cut = step.cut_to(tokens);
+            if cut != step && rank == 0 {
+                tracing::warn!(
+                    from = step.tokens,
+                    to = cut.tokens,
+                    "steps cut to fit the KV cache beside their working memory (--max-num-batched-tokens sets them; the bits do not change)"
+                );
+            }
+            cut
+        } else {
+            step
+        };
+        let reserve = reserve_for(&step);
         let (mine, source) = capacity::blocks_that_fit(opts, free, cpu_default, bpb, reserve)
             .map_err(|m| ModelError::Plan(format!("rank {rank}: {m}")))?;
         let blocks = self
             .backend
             .min_over_ranks(mine as u64)
             .map_err(|e| self.berr(e))? as usize;
+        // The offline scheduler runs the steps of this budget (cut or not).
+        self.kv_opts.step = Some(step);
         let caches = self.alloc_caches(blocks)?;
         let cap = KvCapacity {
             blocks,
