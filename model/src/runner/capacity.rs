@@ -531,8 +531,6 @@ mod tests {
         assert!(mine < 1.5, "{mine} GiB");
     }
 
-    /// Qwen3-30B-A3B's shape: a step's experts hold top_k routes of every row, each with
-    /// its input, output and the all-reduce's gathered partials.
     #[test]
     fn offline_steps_shrink_until_the_longest_sequence_fits() {
         let step = StepBudget {
@@ -566,6 +564,8 @@ mod tests {
         assert_eq!(scoring.cut_to(9000), scoring, "never larger");
     }
 
+    /// Qwen3-30B-A3B's shape: a step's experts hold top_k routes of every row, each with
+    /// its input, output and the all-reduce's gathered partials.
     #[test]
     fn the_reserve_covers_the_experts_of_every_row() {
         let text = r#"{"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,

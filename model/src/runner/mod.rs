@@ -325,7 +325,7 @@ impl<B: Backend> Worker<B> {
             Some(s) => Some((&s.cfg, HeadPlan::new(&s.cfg, 0, 1)?)),
             None => None,
         };
-        let reserve_for = |step: &capacity::StepBudget| {
+        let reserve_for = |step: &StepBudget| {
             let mine = capacity::step_reserve_bytes(&self.cfg, &heads, tp, step, context);
             mine + shadow_heads.as_ref().map_or(0, |(cfg, sh)| {
                 capacity::step_reserve_bytes(cfg, sh, 1, step, context)
