@@ -153,3 +153,44 @@ fn a_real_difference_is_reported() {
     assert!(out.contains("RESULT: DIFFERENT"), "{out}");
     assert!(err.contains("first difference in TP=2 batch=3"), "{err}");
 }
+
+/// `--rank-logs` lets the ranks' logs through while each configuration runs; without it
+/// they are kept for the message of a configuration that fails (and a passing run shows
+/// none of them).
+#[test]
+fn rank_logs_come_through_only_when_asked() {
+    let s = Scratch::new("invariance-rank-logs");
+    let model = s.path().join("m");
+    make_tiny("llama", &model);
+    for stream in [false, true] {
+        let mut cmd = std::process::Command::new(arbor());
+        cmd.args(["check", "--model"])
+            .arg(&model)
+            .args([
+                "--tp",
+                "2",
+                "--batch",
+                "1",
+                "--max-tokens",
+                "2",
+                "--launcher",
+            ])
+            .arg(launcher())
+            .env("RUST_LOG", "info");
+        if stream {
+            cmd.arg("--rank-logs");
+        }
+        let o = cmd.output().unwrap();
+        let (out, err) = text(&o);
+        assert!(
+            o.status.success(),
+            "check failed\nstdout:\n{out}\nstderr:\n{err}"
+        );
+        assert!(out.contains("RESULT: bit-identical"), "{out}");
+        // Every rank logs its KV cache at info level.
+        let rank1 = err
+            .lines()
+            .any(|l| l.starts_with("[rank 1]") && l.contains("KV cache"));
+        assert_eq!(rank1, stream, "--rank-logs {stream}; stderr:\n{err}");
+    }
+}

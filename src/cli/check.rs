@@ -4,7 +4,7 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -44,6 +44,12 @@ pub struct Args {
     /// the collectives staged through the host (see `arbor-launch --help`).
     #[arg(long, value_name = "N|auto", value_parser = common::parse_ranks_per_gpu)]
     pub ranks_per_gpu: Option<String>,
+    /// Let the ranks' output (stderr: logs, progress) through while each configuration
+    /// runs, instead of keeping it for the message of a configuration that fails. A long
+    /// run then shows where it is; `RUST_LOG=info` adds each rank's KV cache and step
+    /// choices.
+    #[arg(long)]
+    pub rank_logs: bool,
     /// Also write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -153,27 +159,39 @@ impl Launcher {
     }
 
     /// Runs `arbor <sub_args>` as `tp` ranks (with `launch_args` for arbor-launch); the
-    /// error holds the ranks' stderr.
+    /// error holds the ranks' stderr, or, with `stream` (and always in-process), that
+    /// stderr goes to this process's as the ranks write it.
     fn run(
         &self,
         tp: usize,
         launch_args: &[OsString],
         sub_args: &[OsString],
         what: &str,
+        stream: bool,
     ) -> Result<()> {
         let arbor = std::env::current_exe().context("cannot find the path of this executable")?;
         match self {
             Launcher::External(launcher) => {
-                let out = Command::new(launcher)
-                    .arg("-n")
+                let mut cmd = Command::new(launcher);
+                cmd.arg("-n")
                     .arg(tp.to_string())
                     .args(launch_args)
                     .arg("--")
                     .arg(&arbor)
-                    .args(sub_args)
+                    .args(sub_args);
+                if stream {
+                    cmd.stderr(Stdio::inherit());
+                }
+                let out = cmd
                     .output()
                     .with_context(|| format!("cannot start {}", launcher.display()))?;
                 if !out.status.success() {
+                    if stream {
+                        bail!(
+                            "{what} failed ({}); the ranks' errors are above",
+                            out.status
+                        );
+                    }
                     let stderr = String::from_utf8_lossy(&out.stderr);
                     bail!("{what} failed ({}):\n{}", out.status, stderr.trim_end());
                 }
@@ -337,8 +355,18 @@ pub fn run_check(args: &Args) -> Result<Report> {
         sub.extend(args.kv.to_args().into_iter().map(OsString::from));
         sub.extend(args.step.to_args().into_iter().map(OsString::from));
         eprint!("[{:>2}/{}] {name:<16} generate ... ", i + 1, configs.len());
+        if args.rank_logs {
+            // The ranks' lines follow on lines of their own.
+            eprintln!();
+        }
         let t0 = Instant::now();
-        launcher.run(tp, &launch_args, &sub, &format!("generate at {name}"))?;
+        launcher.run(
+            tp,
+            &launch_args,
+            &sub,
+            &format!("generate at {name}"),
+            args.rank_logs,
+        )?;
         eprintln!("ok ({:.1} s)", t0.elapsed().as_secs_f64());
         runs.push(ConfigRun {
             name,
@@ -368,8 +396,11 @@ pub fn run_check(args: &Args) -> Result<Report> {
     sub.extend(args.kv.to_args().into_iter().map(OsString::from));
     sub.extend(args.step.to_args().into_iter().map(OsString::from));
     eprint!("[score] TP=1 batch={max_batch:<8} score ... ");
+    if args.rank_logs {
+        eprintln!();
+    }
     let t0 = Instant::now();
-    launcher.run(1, &launch_args, &sub, "score at TP=1")?;
+    launcher.run(1, &launch_args, &sub, "score at TP=1", args.rank_logs)?;
     eprintln!("ok ({:.1} s)", t0.elapsed().as_secs_f64());
     let scores = read_records::<ScoreRecord>(&score_out)?;
 
