@@ -163,20 +163,8 @@ fn rank_logs_come_through_only_when_asked() {
     let model = s.path().join("m");
     make_tiny("llama", &model);
     for stream in [false, true] {
-        let mut cmd = std::process::Command::new(arbor());
-        cmd.args(["check", "--model"])
-            .arg(&model)
-            .args([
-                "--tp",
-                "2",
-                "--batch",
-                "1",
-                "--max-tokens",
-                "2",
-                "--launcher",
-            ])
-            .arg(launcher())
-            .env("RUST_LOG", "info");
+        let mut cmd = check_command(&model, &launcher(), &s.path().join("report.json"));
+        cmd.env("RUST_LOG", "info");
         if stream {
             cmd.arg("--rank-logs");
         }

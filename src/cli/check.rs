@@ -142,51 +142,60 @@ impl Drop for WorkDir {
 
 /// How the configurations are launched.
 pub enum Launcher {
-    /// An `arbor-launch` binary (its output is captured and shown on failure).
-    External(PathBuf),
+    /// An `arbor-launch` binary: its stderr captured and shown on failure, or with
+    /// `stream` (`--rank-logs`) passed through as the ranks write it.
+    External { path: PathBuf, stream: bool },
     /// The launcher library inside this process (when no `arbor-launch` binary was built,
     /// e.g. after `cargo run -- demo`); the ranks' output goes straight to this stderr.
     InProcess,
 }
 
 impl Launcher {
-    /// `--launcher PATH`, else `arbor-launch` next to this executable, else in-process.
-    pub fn find(explicit: Option<&Path>) -> Result<Self> {
+    /// `--launcher PATH`, else `arbor-launch` next to this executable, else in-process;
+    /// `stream`: an external launcher passes the ranks' stderr through.
+    pub fn find(explicit: Option<&Path>, stream: bool) -> Result<Self> {
+        let external = |path| Launcher::External { path, stream };
         if explicit.is_some() {
-            return common::find_launcher(explicit).map(Launcher::External);
+            return common::find_launcher(explicit).map(external);
         }
-        Ok(common::find_launcher(None).map_or(Launcher::InProcess, Launcher::External))
+        Ok(common::find_launcher(None).map_or(Launcher::InProcess, external))
+    }
+
+    /// Whether the ranks' stderr reaches this process's stderr while they run.
+    fn streams(&self) -> bool {
+        match self {
+            Launcher::External { stream, .. } => *stream,
+            Launcher::InProcess => true,
+        }
     }
 
     /// Runs `arbor <sub_args>` as `tp` ranks (with `launch_args` for arbor-launch); the
-    /// error holds the ranks' stderr, or, with `stream` (and always in-process), that
-    /// stderr goes to this process's as the ranks write it.
+    /// error holds the ranks' stderr where it was not passed through ([`Launcher::streams`]).
     fn run(
         &self,
         tp: usize,
         launch_args: &[OsString],
         sub_args: &[OsString],
         what: &str,
-        stream: bool,
     ) -> Result<()> {
         let arbor = std::env::current_exe().context("cannot find the path of this executable")?;
         match self {
-            Launcher::External(launcher) => {
-                let mut cmd = Command::new(launcher);
+            Launcher::External { path, stream } => {
+                let mut cmd = Command::new(path);
                 cmd.arg("-n")
                     .arg(tp.to_string())
                     .args(launch_args)
                     .arg("--")
                     .arg(&arbor)
                     .args(sub_args);
-                if stream {
+                if *stream {
                     cmd.stderr(Stdio::inherit());
                 }
                 let out = cmd
                     .output()
-                    .with_context(|| format!("cannot start {}", launcher.display()))?;
+                    .with_context(|| format!("cannot start {}", path.display()))?;
                 if !out.status.success() {
-                    if stream {
+                    if *stream {
                         bail!(
                             "{what} failed ({}); the ranks' errors are above",
                             out.status
@@ -217,6 +226,16 @@ impl Launcher {
             }
         }
         Ok(())
+    }
+}
+
+/// A configuration's progress label, its "ok" to follow on the same line, or on a line
+/// after the ranks' own where their output comes through.
+fn progress(launcher: &Launcher, label: &str) {
+    if launcher.streams() {
+        eprintln!("{label}");
+    } else {
+        eprint!("{label}");
     }
 }
 
@@ -273,7 +292,7 @@ pub fn run_check(args: &Args) -> Result<Report> {
             args.model.display()
         );
     }
-    let launcher = Launcher::find(args.launcher.as_deref())?;
+    let launcher = Launcher::find(args.launcher.as_deref(), args.rank_logs)?;
     let launch_args: Vec<OsString> = match &args.ranks_per_gpu {
         Some(n) => vec!["--ranks-per-gpu".into(), n.into()],
         None => Vec::new(),
@@ -354,19 +373,12 @@ pub fn run_check(args: &Args) -> Result<Report> {
         ];
         sub.extend(args.kv.to_args().into_iter().map(OsString::from));
         sub.extend(args.step.to_args().into_iter().map(OsString::from));
-        eprint!("[{:>2}/{}] {name:<16} generate ... ", i + 1, configs.len());
-        if args.rank_logs {
-            // The ranks' lines follow on lines of their own.
-            eprintln!();
-        }
+        progress(
+            &launcher,
+            &format!("[{:>2}/{}] {name:<16} generate ... ", i + 1, configs.len()),
+        );
         let t0 = Instant::now();
-        launcher.run(
-            tp,
-            &launch_args,
-            &sub,
-            &format!("generate at {name}"),
-            args.rank_logs,
-        )?;
+        launcher.run(tp, &launch_args, &sub, &format!("generate at {name}"))?;
         eprintln!("ok ({:.1} s)", t0.elapsed().as_secs_f64());
         runs.push(ConfigRun {
             name,
@@ -395,12 +407,12 @@ pub fn run_check(args: &Args) -> Result<Report> {
     ];
     sub.extend(args.kv.to_args().into_iter().map(OsString::from));
     sub.extend(args.step.to_args().into_iter().map(OsString::from));
-    eprint!("[score] TP=1 batch={max_batch:<8} score ... ");
-    if args.rank_logs {
-        eprintln!();
-    }
+    progress(
+        &launcher,
+        &format!("[score] TP=1 batch={max_batch:<8} score ... "),
+    );
     let t0 = Instant::now();
-    launcher.run(1, &launch_args, &sub, "score at TP=1", args.rank_logs)?;
+    launcher.run(1, &launch_args, &sub, "score at TP=1")?;
     eprintln!("ok ({:.1} s)", t0.elapsed().as_secs_f64());
     let scores = read_records::<ScoreRecord>(&score_out)?;
 
