@@ -480,20 +480,22 @@ DEVI void persistent_body(const TmaParams& p) {
             if (tma_out && p.epi) {
                 // silu(gate)·up of the tile's 64 column pairs: f32 as two 64x32 boxes at the
                 // half's start, bf16 as one 64x64 box after them (both 128-byte swizzled).
+                // Value i/2 sits at row rb + 8·((i/2)&1) (rb = 16·warp + g, g = lane/4, so
+                // the row's r & 7 is g) and output column 4·(i/4) + lane%4: each offset is a
+                // per-thread base, a constant of i, and the swizzle's (k ^ g) << 4 =
+                // (k << 4) ^ (g << 4) with k a constant of i; the outputs' tests are hoisted.
                 store_done();
+                const bool want_f = p.outf != nullptr, want_h = p.outh != nullptr;
+                const u32 g16 = ((wl & 31) >> 2) << 4, t = wl & 3;
+                const u32 rb = ((wl >> 5) << 4) + ((wl & 31) >> 2);
+                unsigned char* const base_f = (unsigned char*)half + rb * 128 + (t << 2);
+                unsigned char* const base_h = (unsigned char*)half + 16384 + rb * 128 + (t << 1);
 #pragma unroll
                 for (int i = 0; i < A; i += 2) {
-                    const int r = acc_row(wl, i), j = acc_col(wl, i) >> 1;
                     const float y = silu_mul(root[i], root[i + 1]);
-                    if (p.outf) {
-                        const int cc = j & 31;
-                        const u32 off = (j >> 5) * 8192 + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
-                        *(float*)((unsigned char*)half + off) = y;
-                    }
-                    if (p.outh) {
-                        const u32 off = 16384 + r * 128 + ((((j >> 3) ^ (r & 7)) << 4) | ((j & 7) << 1));
-                        *(u16*)((unsigned char*)half + off) = f32_to_bf16(y);
-                    }
+                    const u32 lo = ((i >> 1) & 1) * 1024;
+                    if (want_f) *(float*)(base_f + (i >> 5) * 8192 + lo + ((((i >> 2) & 7) << 4) ^ g16)) = y;
+                    if (want_h) *(u16*)(base_h + lo + ((i >> 2) & 1) * 8 + (((i >> 3) << 4) ^ g16)) = f32_to_bf16(y);
                 }
                 fence_async_smem();
                 warpgroup_bar(g);

@@ -1,11 +1,12 @@
-//! NVRTC compilation of the kernel program, once per process per architecture.
+//! NVRTC compilation of the kernel program, once per process per architecture (and once
+//! per machine with the on-disk [`ptx_cache`]).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 
-use super::{probe, source, CudaError};
+use super::{probe, ptx_cache, source, CudaError};
 
 /// The NVRTC target for a compute capability: Hopper gets `sm_90a` (its own instructions),
 /// others their plain `sm_XY`.
@@ -62,18 +63,22 @@ pub fn compile_ptx(arch: &str) -> Result<String, CudaError> {
     Ok(text)
 }
 
-/// Compiles `src` with arbor's options (no cache).
+/// Compiles `src` with arbor's options, through the on-disk [`ptx_cache`].
 fn compile_source(src: &str, arch: &str) -> Result<String, CudaError> {
     probe::nvrtc()?;
-    let res = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src, options(arch)))
-        .map_err(|p| {
-            CudaError::NoNvrtc(format!("libnvrtc is unusable: {}", probe::panic_text(&p)))
+    let opts = options(arch);
+    let key = [src, arch, &format!("{opts:?}"), &ptx_cache::nvrtc_version()];
+    ptx_cache::cached("arbor_kernels", &key, || {
+        let res = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src, opts))
+            .map_err(|p| {
+                CudaError::NoNvrtc(format!("libnvrtc is unusable: {}", probe::panic_text(&p)))
+            })?;
+        let ptx: Ptx = res.map_err(|e| CudaError::Compile {
+            arch: arch.to_string(),
+            log: describe(e),
         })?;
-    let ptx: Ptx = res.map_err(|e| CudaError::Compile {
-        arch: arch.to_string(),
-        log: describe(e),
-    })?;
-    Ok(ptx.to_src())
+        Ok(ptx.to_src())
+    })
 }
 
 fn describe(e: CompileError) -> String {

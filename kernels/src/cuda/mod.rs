@@ -1,5 +1,5 @@
 //! CUDA kernels: sources under `kernels/cuda/`, compiled by NVRTC once per process for the
-//! device's architecture (`sm_90a` on Hopper), loaded into one module per device, and
+//! device's architecture (`sm_90a` on Hopper; the PTX kept on disk by [`ptx_cache`]), loaded into one module per device, and
 //! launched through the typed wrappers of [`ops`].
 //!
 //! Every kernel keeps the CPU backend's promise on the GPU: each output element's sequence
@@ -19,6 +19,7 @@ pub mod gemm;
 pub mod launch;
 pub mod ops;
 pub mod probe;
+pub mod ptx_cache;
 pub mod source;
 pub mod staging;
 pub mod upload_ring;

@@ -65,7 +65,8 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     }
 }
 
-/// Compiles [`SOURCE`] for `arch` and returns the PTX text.
+/// Compiles [`SOURCE`] for `arch` and returns the PTX text, through the on-disk
+/// [`ptx_cache`](crate::cuda::ptx_cache).
 pub fn compile(arch: &str) -> Result<String, GemmError> {
     let opts = CompileOptions {
         fmad: Some(false),
@@ -75,18 +76,22 @@ pub fn compile(arch: &str) -> Result<String, GemmError> {
         ..Default::default()
     };
     let src = program();
-    let res = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src, opts))
-        .map_err(|_| GemmError::NoGpu("libnvrtc is unusable".into()))?;
-    let ptx = res.map_err(|e| GemmError::Compile {
-        arch: arch.to_string(),
-        log: match e {
-            CompileError::CompileError { nvrtc, log, .. } => {
-                format!("{nvrtc:?}\n{}", log.to_string_lossy())
-            }
-            other => format!("{other:?}"),
-        },
-    })?;
-    Ok(ptx.to_src())
+    let version = crate::cuda::ptx_cache::nvrtc_version();
+    let key = [src.as_str(), arch, &format!("{opts:?}"), &version];
+    crate::cuda::ptx_cache::cached("gemm_tree", &key, || {
+        let res = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
+            .map_err(|_| GemmError::NoGpu("libnvrtc is unusable".into()))?;
+        let ptx = res.map_err(|e| GemmError::Compile {
+            arch: arch.to_string(),
+            log: match e {
+                CompileError::CompileError { nvrtc, log, .. } => {
+                    format!("{nvrtc:?}\n{}", log.to_string_lossy())
+                }
+                other => format!("{other:?}"),
+            },
+        })?;
+        Ok(ptx.to_src())
+    })
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ pub use super::paged_tiles::{PrefillTiles, PREFILL_ROWS_ENV};
 /// A sequence with at least this many rows in a step goes to the prefill kernel; fewer
 /// rows are cheaper one by one, with their keys cut into splits.
 pub const PREFILL_MIN_ROWS: usize = 16;
+/// paged_attention.cu `pa_combine`: its `__launch_bounds__`.
 const COMBINE_THREADS: u32 = 128;
 
 /// The rows of a step as the kernels read them, in device memory the caller keeps alive:
@@ -456,7 +457,11 @@ impl GpuDevice {
                 };
                 b.arg(&rows.pos).arg(&hi).arg(&di).arg(&msi);
                 let cfg = LaunchConfig {
-                    grid_dim: (routing.n_decode as u32, n_heads as u32, 1),
+                    grid_dim: (
+                        routing.n_decode as u32,
+                        combine_blocks_per_row(n_heads, head_dim),
+                        1,
+                    ),
                     block_dim: (COMBINE_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
@@ -465,6 +470,11 @@ impl GpuDevice {
         }
         Ok(out)
     }
+}
+
+/// `pa_combine`'s blocks per row: one thread for each pair of dims of each head.
+fn combine_blocks_per_row(n_heads: usize, head_dim: usize) -> u32 {
+    (n_heads * head_dim / 2).div_ceil(COMBINE_THREADS as usize) as u32
 }
 
 /// Positions a decode routing of `max_splits` serves: below this, every row's splits fit.
