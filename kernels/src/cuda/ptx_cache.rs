@@ -1,8 +1,9 @@
-//! NVRTC's PTX kept on disk between processes. Compiling arbor's kernel programs takes
-//! NVRTC tens of seconds at every start (the GEMM's program alone ~40 s on an H100 host);
-//! a process whose program text, compile options, target and NVRTC version equal an
-//! earlier one's reads that PTX back instead. The driver's own cache (`CUDA_CACHE_PATH`)
-//! then keeps the PTX's SASS, so a warm start compiles nothing.
+//! NVRTC's PTX kept on disk between processes. NVRTC compiles arbor's kernel programs at
+//! every start: about a second on an H100 host, about 45 s for the GEMM's program on a
+//! 2-core machine. A process whose program text, compile options, target and NVRTC
+//! version equal an earlier one's reads that PTX back instead. The driver's own cache
+//! (`CUDA_CACHE_PATH`) keeps the PTX's SASS, the larger part of a cold start on a GPU
+//! host, so with both warm a start compiles nothing.
 //!
 //! The entry's name is the SHA-256 of everything the compile reads, so a changed source,
 //! option or NVRTC release never meets an old entry; an entry's first line is the SHA-256
