@@ -100,8 +100,11 @@ fn read_entry(path: &Path) -> Option<String> {
 fn write_entry(path: &Path, ptx: &str) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
+    // One name per writer: ranks may be processes or threads of one process.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(
-        ".{}.{}.tmp",
+        ".{}.{}.{n}.tmp",
         path.file_name().and_then(|n| n.to_str()).unwrap_or("entry"),
         std::process::id()
     ));
@@ -226,6 +229,28 @@ mod tests {
         let failing = || -> Result<String, String> { Err("nvrtc: syntax error".into()) };
         assert!(cached_in(Some(&d), "p", &["b"], failing).is_err());
         assert!(!entry_path(&d, "p", &["b"]).exists());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn writers_racing_on_one_entry_leave_a_good_one() {
+        let d = scratch("race");
+        let ptx = "x".repeat(1 << 20);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| cached_in(Some(&d), "p", &["a"], || Ok::<_, String>(ptx.clone())));
+            }
+        });
+        let leftovers: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+        assert_eq!(
+            read_entry(&entry_path(&d, "p", &["a"])).as_deref(),
+            Some(ptx.as_str())
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 
