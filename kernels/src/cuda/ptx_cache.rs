@@ -115,6 +115,44 @@ fn write_entry(path: &Path, ptx: &str) -> std::io::Result<()> {
     })
 }
 
+/// Entries a program keeps: the newest few (by the time they were written), so that
+/// upgrades and other targets do not grow the directory without end.
+pub const KEEP_PER_PROGRAM: usize = 8;
+
+/// Removes all but the [`KEEP_PER_PROGRAM`] newest entries of `kept`'s program (the files
+/// named like it: the program's name, a dash, 32 hex digits, `.ptx`); `kept` stays.
+fn prune(dir: &Path, kept: &Path) {
+    let Some(name) = kept.file_name().and_then(|n| n.to_str()) else {
+        return;
+    };
+    let Some(prefix) = name.get(..name.len().saturating_sub(32 + 4)) else {
+        return;
+    };
+    let is_entry = |n: &str| {
+        n.strip_prefix(prefix)
+            .and_then(|r| r.strip_suffix(".ptx"))
+            .is_some_and(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    let Ok(list) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> = list
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(is_entry))
+        .filter(|e| e.path() != kept)
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    entries.sort_by(|a, b| b.0.cmp(&a.0));
+    for (_, old) in entries.into_iter().skip(KEEP_PER_PROGRAM - 1) {
+        match std::fs::remove_file(&old) {
+            Ok(()) => tracing::debug!(path = %old.display(), "old PTX cache entry removed"),
+            Err(e) => {
+                tracing::debug!(path = %old.display(), error = %e, "could not remove an old PTX cache entry")
+            }
+        }
+    }
+}
+
 /// `compile`'s PTX for `program` and the `parts` it reads, through the cache in `dir`
 /// (`None`: no cache). Only a successful compile is kept.
 pub fn cached_in<E>(
@@ -133,7 +171,10 @@ pub fn cached_in<E>(
     }
     let ptx = compile()?;
     match write_entry(&path, &ptx) {
-        Ok(()) => tracing::debug!(program, path = %path.display(), "PTX kept in the kernel cache"),
+        Ok(()) => {
+            tracing::debug!(program, path = %path.display(), "PTX kept in the kernel cache");
+            prune(dir, &path);
+        }
         Err(e) => tracing::warn!(
             program,
             path = %path.display(),
@@ -251,6 +292,40 @@ mod tests {
             read_entry(&entry_path(&d, "p", &["a"])).as_deref(),
             Some(ptx.as_str())
         );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_program_keeps_its_newest_entries_and_no_other_programs_are_touched() {
+        let d = scratch("prune");
+        std::fs::create_dir_all(&d).unwrap();
+        let other = entry_path(&d, "other", &["x"]);
+        std::fs::write(&other, "kept").unwrap();
+        std::fs::write(d.join("p-notahash.ptx"), "kept").unwrap();
+        let mut paths = Vec::new();
+        for i in 0..KEEP_PER_PROGRAM + 3 {
+            let part = i.to_string();
+            cached_in(Some(&d), "p", &[&part], || Ok::<_, String>(part.clone())).unwrap();
+            paths.push(entry_path(&d, "p", &[&part]));
+            // Modification times one step apart, oldest first.
+            let t =
+                std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i as u64);
+            std::fs::File::options()
+                .write(true)
+                .open(paths.last().unwrap())
+                .unwrap()
+                .set_modified(t)
+                .unwrap();
+        }
+        let alive: Vec<bool> = paths.iter().map(|p| p.exists()).collect();
+        let kept = alive.iter().filter(|a| **a).count();
+        assert_eq!(kept, KEEP_PER_PROGRAM, "{alive:?}");
+        assert!(alive[KEEP_PER_PROGRAM + 2], "the newest entry was removed");
+        assert!(
+            !alive[0] && !alive[1],
+            "the oldest entries stayed: {alive:?}"
+        );
+        assert!(other.exists() && d.join("p-notahash.ptx").exists());
         let _ = std::fs::remove_dir_all(&d);
     }
 
