@@ -142,7 +142,7 @@ fn prune(dir: &Path, kept: &Path) {
         .filter(|e| e.path() != kept)
         .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
         .collect();
-    entries.sort_by(|a, b| b.0.cmp(&a.0));
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
     for (_, old) in entries.into_iter().skip(KEEP_PER_PROGRAM - 1) {
         match std::fs::remove_file(&old) {
             Ok(()) => tracing::debug!(path = %old.display(), "old PTX cache entry removed"),
