@@ -66,9 +66,7 @@ pub fn compile_ptx(arch: &str) -> Result<String, CudaError> {
 /// Compiles `src` with arbor's options, through the on-disk [`ptx_cache`].
 fn compile_source(src: &str, arch: &str) -> Result<String, CudaError> {
     probe::nvrtc()?;
-    let opts = options(arch);
-    let key = [src, arch, &format!("{opts:?}"), &ptx_cache::nvrtc_version()];
-    ptx_cache::cached("arbor_kernels", &key, || {
+    ptx_cache::cached("arbor_kernels", src, arch, options(arch), |opts| {
         let res = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src, opts))
             .map_err(|p| {
                 CudaError::NoNvrtc(format!("libnvrtc is unusable: {}", probe::panic_text(&p)))

@@ -1,6 +1,6 @@
 //! CUDA kernels: sources under `kernels/cuda/`, compiled by NVRTC once per process for the
-//! device's architecture (`sm_90a` on Hopper; the PTX kept on disk by [`ptx_cache`]), loaded into one module per device, and
-//! launched through the typed wrappers of [`ops`].
+//! device's architecture (`sm_90a` on Hopper; the PTX kept on disk by [`ptx_cache`]),
+//! loaded into one module per device, and launched through the typed wrappers of [`ops`].
 //!
 //! Every kernel keeps the CPU backend's promise on the GPU: each output element's sequence
 //! of roundings is fixed by the source (NVRTC runs with `--fmad=false`; fused multiply-adds

@@ -51,7 +51,7 @@ pub fn dir() -> Option<PathBuf> {
 
 /// NVRTC's version as `major.minor`, part of every key; `unknown` where it cannot be read
 /// (the compile that follows then reports the library's problem itself).
-pub fn nvrtc_version() -> String {
+fn nvrtc_version() -> String {
     let read = || {
         let (mut major, mut minor) = (0, 0);
         // SAFETY: two out-pointers to live locals; cudarc loads the symbol and panics
@@ -77,11 +77,20 @@ pub fn entry_path(dir: &Path, program: &str, parts: &[&str]) -> PathBuf {
         h.update((p.len() as u64).to_le_bytes());
         h.update(p.as_bytes());
     }
+    dir.join(format!(
+        "{}{}.ptx",
+        entry_prefix(program),
+        &hex(&h.finalize())[..32]
+    ))
+}
+
+/// What every entry of `program` is named with first: the name made filename-safe, a dash.
+fn entry_prefix(program: &str) -> String {
     let name: String = program
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
-    dir.join(format!("{name}-{}.ptx", &hex(&h.finalize())[..32]))
+    format!("{name}-")
 }
 
 /// The entry's PTX, or `None` when it is missing or does not match its header.
@@ -119,17 +128,12 @@ fn write_entry(path: &Path, ptx: &str) -> std::io::Result<()> {
 /// upgrades and other targets do not grow the directory without end.
 pub const KEEP_PER_PROGRAM: usize = 8;
 
-/// Removes all but the [`KEEP_PER_PROGRAM`] newest entries of `kept`'s program (the files
-/// named like it: the program's name, a dash, 32 hex digits, `.ptx`); `kept` stays.
-fn prune(dir: &Path, kept: &Path) {
-    let Some(name) = kept.file_name().and_then(|n| n.to_str()) else {
-        return;
-    };
-    let Some(prefix) = name.get(..name.len().saturating_sub(32 + 4)) else {
-        return;
-    };
+/// Removes all but the [`KEEP_PER_PROGRAM`] newest entries of `program` (its prefix, 32
+/// hex digits, `.ptx`); `kept` stays.
+fn prune(dir: &Path, program: &str, kept: &Path) {
+    let prefix = entry_prefix(program);
     let is_entry = |n: &str| {
-        n.strip_prefix(prefix)
+        n.strip_prefix(prefix.as_str())
             .and_then(|r| r.strip_suffix(".ptx"))
             .is_some_and(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()))
     };
@@ -173,7 +177,7 @@ pub fn cached_in<E>(
     match write_entry(&path, &ptx) {
         Ok(()) => {
             tracing::debug!(program, path = %path.display(), "PTX kept in the kernel cache");
-            prune(dir, &path);
+            prune(dir, program, &path);
         }
         Err(e) => tracing::warn!(
             program,
@@ -185,13 +189,17 @@ pub fn cached_in<E>(
     Ok(ptx)
 }
 
-/// [`cached_in`] with this process's directory ([`dir`]).
+/// `compile(opts)`'s PTX of `src` for `arch`, through this process's cache directory
+/// ([`dir`]); the key is everything that compile reads, NVRTC's version too.
 pub fn cached<E>(
     program: &str,
-    parts: &[&str],
-    compile: impl FnOnce() -> Result<String, E>,
+    src: &str,
+    arch: &str,
+    opts: cudarc::nvrtc::CompileOptions,
+    compile: impl FnOnce(cudarc::nvrtc::CompileOptions) -> Result<String, E>,
 ) -> Result<String, E> {
-    cached_in(dir().as_deref(), program, parts, compile)
+    let key = [src, arch, &format!("{opts:?}"), &nvrtc_version()];
+    cached_in(dir().as_deref(), program, &key, || compile(opts))
 }
 
 #[cfg(test)]

@@ -76,9 +76,7 @@ pub fn compile(arch: &str) -> Result<String, GemmError> {
         ..Default::default()
     };
     let src = program();
-    let version = crate::cuda::ptx_cache::nvrtc_version();
-    let key = [src.as_str(), arch, &format!("{opts:?}"), &version];
-    crate::cuda::ptx_cache::cached("gemm_tree", &key, || {
+    crate::cuda::ptx_cache::cached("gemm_tree", &src, arch, opts, |opts| {
         let res = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
             .map_err(|_| GemmError::NoGpu("libnvrtc is unusable".into()))?;
         let ptx = res.map_err(|e| GemmError::Compile {

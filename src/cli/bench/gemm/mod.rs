@@ -98,6 +98,13 @@ enum ChecksArg {
     None,
 }
 
+impl Args {
+    /// Whether the timed calls are checked after timing (`--checks full`).
+    fn checked(&self) -> bool {
+        self.checks == ChecksArg::Full
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum XRowsArg {
     Model,
@@ -303,7 +310,7 @@ pub fn run(args: Args) -> Result<()> {
         .with_context(|| format!("shape K={k} N={n} at TP {}", args.tp))?;
         rows.extend(shape_rows);
     }
-    let checked = args.checks == ChecksArg::Full;
+    let checked = args.checked();
     let all_pass = rows
         .iter()
         .all(|r| r.rel_err_vs_cublas.is_none_or(|e| e < 1e-2) && r.checks.iter().all(|c| c.pass));
@@ -567,7 +574,7 @@ fn bench_shape(
         n_seg,
     };
 
-    let checked = args.checks == ChecksArg::Full;
+    let checked = args.checked();
     // The reference rows: the largest M, by its own path.
     let ref_y = if checked {
         call_f32(stream, tg, &ops, &Call::new(full(m_ref)), &ops.out)?
