@@ -64,6 +64,13 @@ struct __align__(64) TmaParams {
     // Large-M kernel: 1 when a block takes every row tile of a column before its next
     // column (block_tile), 0 when the blocks walk the tiles in groups of 8 row tiles.
     int column_order;
+    // Large-M kernel: the last `tail` tiles (0: none) are each done by two blocks, one per
+    // half of the segments, where they would otherwise fill only part of a last round of
+    // the grid (block_unit). Each half's subtree root goes to ws; the warpgroup that
+    // arrives second at the tile's counter in cnt adds the two (tail_combine) and stores.
+    float* ws;       // tail x 2 warpgroups x 2 halves x (64 x WN) f32, or null
+    unsigned* cnt;   // tail x 2 arrival counters, zero between calls, or null
+    int tail;
 };
 
 DEVI void mbar_init(u32 bar, u32 count) {
@@ -351,6 +358,72 @@ DEVI bool block_tile(int i, int num_m, int num_n, int column_order, int& m_tile,
     return true;
 }
 
+// One unit of a persistent block's work: tile (mt, nt), its segments [seg0, seg0 + nseg);
+// half -1 for a whole tile, 0 or 1 for the first or second half of tail tile j.
+struct Unit {
+    int mt, nt, seg0, nseg, half, j;
+};
+
+// The block's i-th unit; false past its last one. Without a tail (p.tail == 0), the tiles
+// of block_tile. With one, the T - tail tiles before it are a whole number of rounds of
+// the grid (the host picks tail = T mod blocks, at most half the blocks): block b takes
+// tiles b, b + blocks, ... of those, then, if b < 2·tail, half b / tail of tail tile
+// b mod tail. A last round of tail whole tiles would leave blocks - tail SMs idle; as
+// halves it takes half the time. The tree is unchanged: the first half's root is
+// ((s0+s1)+(s2+s3)) (at n_seg 8), the second's ((s4+s5)+(s6+s7)), and their sum the
+// tile's root.
+DEVI bool block_unit(int i, const TmaParams& p, int num_m, int num_n, Unit& u) {
+    u.seg0 = 0;
+    u.nseg = p.n_seg;
+    u.half = -1;
+    u.j = 0;
+    if (p.tail == 0) return block_tile(i, num_m, num_n, p.column_order, u.mt, u.nt);
+    const int whole = num_m * num_n - p.tail;
+    const int t = (int)blockIdx.x + i * (int)gridDim.x;
+    if (t < whole) {
+        tile_coords(t, num_m, num_n, u.mt, u.nt);
+        return true;
+    }
+    if (i != whole / (int)gridDim.x || (int)blockIdx.x >= 2 * p.tail) return false;
+    u.half = (int)blockIdx.x / p.tail;
+    u.j = (int)blockIdx.x % p.tail;
+    u.nseg = p.n_seg / 2;
+    u.seg0 = u.half * u.nseg;
+    tile_coords(whole + u.j, num_m, num_n, u.mt, u.nt);
+    return true;
+}
+
+// The warpgroup's half of tail tile u.j: its subtree root (A values a thread) goes to the
+// workspace; the warpgroup that arrives second at the counter reads the other half's and
+// adds the two in the tree's order (first + second) into root, and returns true: it stores
+// the tile. The first returns false. Writes, then a fence, then the arrival; the second
+// fences again before it reads (bypassing L1), and leaves the counter at zero.
+template <int A>
+DEVI bool tail_combine(const TmaParams& p, float* root, const Unit& u, int g, int wl, bool releaser,
+                       volatile int* arrived) {
+    const size_t tile_wg = (size_t)u.j * 2 + g;
+    float* mine = p.ws + (tile_wg * 2 + u.half) * (A * 128);
+#pragma unroll
+    for (int i = 0; i < A; ++i) mine[i * 128 + wl] = root[i];
+    __threadfence();
+    warpgroup_bar(g);
+    if (releaser) *arrived = (int)atomicAdd(p.cnt + tile_wg, 1u);
+    warpgroup_bar(g);
+    const bool second = *arrived != 0;
+    // Every thread has read the flag before the releaser may set it for another unit.
+    warpgroup_bar(g);
+    if (!second) return false;
+    __threadfence();
+    const float* other = p.ws + (tile_wg * 2 + (1 - u.half)) * (A * 128);
+#pragma unroll
+    for (int i = 0; i < A; ++i) {
+        const float o = __ldcg(other + i * 128 + wl);
+        root[i] = u.half == 0 ? root[i] + o : o + root[i];
+    }
+    if (releaser) p.cnt[tile_wg] = 0u;
+    return true;
+}
+
 // Shared memory of a persistent kernel besides alignment and barriers: its ring and the
 // s6 slot, which is also the TMA store's staging.
 constexpr int TMA_SMEM = 226 * 1024;
@@ -422,27 +495,28 @@ DEVI void persistent_body(const TmaParams& p) {
         // The first tile's first stages of W (constant data) go out before the wait, so
         // under PDL they stream while the previous kernel finishes; their X boxes follow
         // the wait, each stage's full barrier expecting both (as in small_m_body).
-        int mt0 = 0, nt0 = 0;
+        Unit u0;
         int early = 0;
-        if (p.w_early && block_tile(0, num_m, num_n, p.column_order, mt0, nt0)) {
-            early = min(STAGES, p.n_seg * tps);
+        if (p.w_early && block_unit(0, p, num_m, num_n, u0)) {
+            early = min(STAGES, u0.nseg * tps);
             for (int e = 0; e < early; ++e) {
                 mbar_expect_tx(full + 8 * e, STAGE_BYTES);
-                load_w_boxes<1, WN>(p, ring + e * STAGE_BYTES + A_BYTES, e % tps, e / tps, nt0 * WN,
-                                    full + 8 * e);
+                load_w_boxes<1, WN>(p, ring + e * STAGE_BYTES + A_BYTES, e % tps, u0.seg0 + e / tps,
+                                    u0.nt * WN, full + 8 * e);
             }
         }
         pdl_enter();
         for (int e = 0; e < early; ++e)
-            tma_load_3d(ring + e * STAGE_BYTES, &p.tx, (e % tps) * 64, e / tps, mt0 * 128, full + 8 * e);
+            tma_load_3d(ring + e * STAGE_BYTES, &p.tx, (e % tps) * 64, u0.seg0 + e / tps, u0.mt * 128,
+                        full + 8 * e);
         u32 it = 0;
-        int mt, nt;
-        for (int i = 0; block_tile(i, num_m, num_n, p.column_order, mt, nt); ++i) {
-            for (int s = 0; s < p.n_seg; ++s) {
+        Unit u;
+        for (int i = 0; block_unit(i, p, num_m, num_n, u); ++i) {
+            for (int s = u.seg0; s < u.seg0 + u.nseg; ++s) {
                 for (int kt = 0; kt < tps; ++kt, ++it) {
                     if ((int)it < early) continue;
                     produce_stage<STAGES, STAGE_BYTES, A_BYTES, 1, WN>(p, ring, full, empty, it, kt, s,
-                                                                      mt * 128, nt * WN);
+                                                                      u.mt * 128, u.nt * WN);
                 }
             }
         }
@@ -465,13 +539,17 @@ DEVI void persistent_body(const TmaParams& p) {
         if (releaser) bulk_wait_read();
         warpgroup_bar(g);
     };
+    __shared__ int arrived[2];  // tail_combine's counter value, one per warpgroup
     u32 it = 0;
-    int mt, nt;
-    for (int i = 0; block_tile(i, num_m, num_n, p.column_order, mt, nt); ++i) {
-        const int row0 = mt * 128 + g * 64, col0 = nt * WN;
+    Unit u;
+    for (int i = 0; block_unit(i, p, num_m, num_n, u); ++i) {
+        const int row0 = u.mt * 128 + g * 64, col0 = u.nt * WN;
+        const bool idle = p.skip_idle && row0 >= p.M;
         tile_tree<STAGES, STAGE_BYTES, A_BYTES, WN>(root, acc, p1, half + wl, ring, full, empty,
-                                                    g * 64 * 128, p.seg_len, tps, p.n_seg, it,
-                                                    releaser, store_done, p.skip_idle && row0 >= p.M);
+                                                    g * 64 * 128, p.seg_len, tps, u.nseg, it,
+                                                    releaser, store_done, idle);
+        // An idle warpgroup's rows are never stored: neither half of it meets the other.
+        if (u.half >= 0 && !idle && !tail_combine<A>(p, root, u, g, wl, releaser, arrived + g)) continue;
         // A warpgroup with rows on both sides of M stores by TMA, the unit clipping the box
         // at M, where the host asks for it (tma_partial, the default: the decode step at
         // 72-224 rows 0.5-1.5 ms faster than with these rows leaving from registers).

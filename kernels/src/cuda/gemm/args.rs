@@ -194,6 +194,10 @@ pub fn validate(a: &GemmArgs, path: Path) -> Result<(), GemmError> {
     if s.m > limit || s.n > limit || s.n_seg * s.seg_len > limit || a.ldx > limit || a.ldw > limit {
         return bad("a dimension exceeds i32".into());
     }
+    // The persistent kernels' workspace is optional (`Path::workspace_len`).
+    if !path.is_split() {
+        return Ok(());
+    }
     let need = path.workspace_len(s.m, s.n, s.n_seg);
     if need > 0 && (a.ws == 0 || !a.ws.is_multiple_of(16)) {
         return bad(format!(
@@ -407,9 +411,17 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("k == n_seg·seg_len = 4096"), "{e}");
-        // The tree paths keep their partials on the chip: no workspace at any shape.
-        assert_eq!(Path::WgTma { bn: 128 }.workspace_len(4096, 14336, 8), 0);
-        assert_eq!(Path::WgTma { bn: 128 }.workspace_len(4096, 4096, 4), 0);
+        // The tree paths keep their partials on the chip: no workspace at any shape, but
+        // for the persistent kernel's tail, at most half of a grid of at most 256 blocks.
+        assert_eq!(
+            Path::WgTma { bn: 128 }.workspace_len(4096, 14336, 8),
+            128 * 4 * 64 * 128
+        );
+        assert_eq!(Path::WgTma { bn: 128 }.counters_len(4096, 14336), 256);
+        assert_eq!(
+            Path::WgTma { bn: 64 }.workspace_len(128, 512, 4),
+            4 * 4 * 64 * 64
+        );
         assert_eq!(Path::WgCluster64.counters_len(64, 4096), 0);
     }
 }

@@ -36,10 +36,10 @@ pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
     column_order, column_order_rows, default_path_for, narrow_from, quad128_enabled, quad128_tile,
-    quad_tile, shard_whole_tile, skip_idle_enabled, tma_store, tma_tile, whole_tile,
-    wide_cluster_fits, Switches, TmaStore, COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT, NARROW_ENV,
-    NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV, SKIP_IDLE_ENV, TILE_ORDER_ENV,
-    TMA_STORE_ENV,
+    quad_tile, shard_whole_tile, skip_idle_enabled, tail_split_enabled, tma_store, tma_tile,
+    whole_tile, wide_cluster_fits, Switches, TmaStore, COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT,
+    NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV, SKIP_IDLE_ENV, TAIL_SPLIT_ENV,
+    TILE_ORDER_ENV, TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -124,6 +124,9 @@ pub struct TreeGemm {
     /// The most rows at which the persistent kernels may take their tiles by column
     /// ([`column_order_rows`]; `None`: never).
     column_order_rows: Option<usize>,
+    /// Whether the persistent kernels split a last round at most half full
+    /// ([`tail_split_enabled`]).
+    tail_split: bool,
 }
 
 impl TreeGemm {
@@ -218,6 +221,7 @@ impl TreeGemm {
             tma_store: tma_store(std::env::var(TMA_STORE_ENV).ok().as_deref())?,
             skip_idle: skip_idle_enabled(std::env::var(SKIP_IDLE_ENV).ok().as_deref())?,
             column_order_rows: column_order_rows(std::env::var(TILE_ORDER_ENV).ok().as_deref())?,
+            tail_split: tail_split_enabled(std::env::var(TAIL_SPLIT_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
             tg.cluster_capacity[i] = tg
@@ -369,6 +373,33 @@ impl TreeGemm {
                 },
             ),
         };
+        let column_order = matches!(path, Path::WgTma { .. })
+            && column_order(
+                self.column_order_rows,
+                s.m,
+                s.n.div_ceil(w_rows as usize),
+                self.sms,
+            );
+        // The tail split, where the call brought workspace and counters enough for it.
+        let tail = match path {
+            Path::WgTma { bn } if self.tail_split && !column_order => {
+                let tiles = s.m.div_ceil(128) * s.n.div_ceil(bn);
+                let blocks = Path::persistent_blocks(bn, s.m, s.n, self.sms);
+                let tail = tma::tail_tiles(tiles, blocks, s.n_seg);
+                let fits = a.ws != 0
+                    && a.ws.is_multiple_of(16)
+                    && a.ws_len >= tma::tail_workspace_len(tail, bn)
+                    && a.counters != 0
+                    && a.counters.is_multiple_of(4)
+                    && a.counters_len >= 2 * tail;
+                if fits {
+                    tail
+                } else {
+                    0
+                }
+            }
+            _ => 0,
+        };
         let p = tma::TmaParams {
             tx: tma::encode("x", a.x, a.x_rows, a.ldx, s.seg_len, s.n_seg, x_box)?,
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
@@ -385,15 +416,10 @@ impl TreeGemm {
             tma_out: i32::from(tma_out),
             skip_idle: i32::from(self.skip_idle),
             tma_partial: i32::from(self.tma_store == TmaStore::Partial),
-            column_order: i32::from(
-                matches!(path, Path::WgTma { .. })
-                    && column_order(
-                        self.column_order_rows,
-                        s.m,
-                        s.n.div_ceil(w_rows as usize),
-                        self.sms,
-                    ),
-            ),
+            column_order: i32::from(column_order),
+            ws: if tail > 0 { a.ws } else { 0 },
+            cnt: if tail > 0 { a.counters } else { 0 },
+            tail: tail as i32,
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {

@@ -204,14 +204,23 @@ impl Path {
         matches!(self, Path::Split16 | Path::Split64 | Path::WgSplit64)
     }
 
-    /// f32 elements of workspace the path needs: the split paths keep each segment sum
-    /// (`n_seg·m·n`); 0 for the others. Need not be initialised.
+    /// f32 elements of workspace the path uses: the split paths keep each segment sum
+    /// (`n_seg·m·n`, required); a persistent kernel (`WgTma`) its tail's half roots
+    /// (optional: given less, it runs without the tail split, with the same bits), as
+    /// many as any device's grid can ask for; 0 for the others. Need not be initialised.
     pub fn workspace_len(self, m: usize, n: usize, n_seg: usize) -> usize {
-        if self.is_split() {
-            n_seg * m * n
-        } else {
-            0
+        match self {
+            _ if self.is_split() => n_seg * m * n,
+            Path::WgTma { bn } => tma::tail_workspace_len(Self::max_tail(bn, m, n), bn),
+            _ => 0,
         }
+    }
+
+    /// The most tail tiles a persistent kernel of 128×`bn` tiles can split on any device:
+    /// a tail fills at most half a grid, which holds at most every tile and at most
+    /// [`tma::MAX_PERSISTENT_BLOCKS`] blocks.
+    fn max_tail(bn: usize, m: usize, n: usize) -> usize {
+        (m.div_ceil(128) * n.div_ceil(bn)).min(tma::MAX_PERSISTENT_BLOCKS) / 2
     }
 
     /// Blocks of a persistent kernel of 128×`bn` tiles: one per tile, at most one per SM
@@ -222,16 +231,20 @@ impl Path {
             .min(tma::MAX_PERSISTENT_BLOCKS)
     }
 
-    /// u32 arrival counters the path needs: one per output tile for the split paths, 0 for
-    /// the tree paths. The counter buffer must be zeroed once when allocated; every call
-    /// leaves the counters it used at zero, so one buffer serves calls of any shape (it is
-    /// separate from the workspace because the sums' extent changes with the shape).
+    /// u32 arrival counters the path uses: one per output tile for the split paths
+    /// (required), two per tail tile for a persistent kernel (optional, as its
+    /// workspace), 0 for the other tree paths. The counter buffer must be zeroed once when
+    /// allocated; every call leaves the counters it used at zero, so one buffer serves
+    /// calls of any shape (it is separate from the workspace because the sums' extent
+    /// changes with the shape).
     pub fn counters_len(self, m: usize, n: usize) -> usize {
-        if self.is_split() {
-            let ((tiles_n, _, tiles_m), _) = self.launch_dims(m, n, 1);
-            tiles_n * tiles_m
-        } else {
-            0
+        match self {
+            _ if self.is_split() => {
+                let ((tiles_n, _, tiles_m), _) = self.launch_dims(m, n, 1);
+                tiles_n * tiles_m
+            }
+            Path::WgTma { bn } => 2 * Self::max_tail(bn, m, n),
+            _ => 0,
         }
     }
 

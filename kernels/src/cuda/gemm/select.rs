@@ -135,6 +135,25 @@ pub fn skip_idle_enabled(value: Option<&str>) -> Result<bool, GemmError> {
     )
 }
 
+/// The variable that turns the persistent kernels' tail split on (`1`, the default) or off
+/// (`0`): where the tiles of a last, partial round of the grid fill at most half of it,
+/// each is done by two blocks, one per half of its segments, the tree unchanged
+/// (`tma::tail_tiles`). The same bits either way.
+pub const TAIL_SPLIT_ENV: &str = "ARBOR_GEMM_TAIL_SPLIT";
+
+/// Whether the tail split applies when [`TAIL_SPLIT_ENV`] is unset.
+pub const TAIL_SPLIT_BY_DEFAULT: bool = true;
+
+/// [`TAIL_SPLIT_ENV`]'s value (`None`: unset) as a switch.
+pub fn tail_split_enabled(value: Option<&str>) -> Result<bool, GemmError> {
+    switch(
+        TAIL_SPLIT_ENV,
+        value,
+        TAIL_SPLIT_BY_DEFAULT,
+        "expected 1 (a last round at most half full runs as half tiles) or 0",
+    )
+}
+
 /// The variable that sets the order in which a persistent kernel's (`wgtma128*`) blocks
 /// take their tiles. Unset or `groups`: block b takes tiles b, b + blocks, b + 2·blocks,
 /// …, walking N in groups of 8 row tiles. `columns:ROWS`: at most ROWS rows, where the
@@ -647,6 +666,10 @@ mod tests {
         assert!(!skip_idle_enabled(Some("0")).unwrap());
         let e = skip_idle_enabled(Some("2")).unwrap_err().to_string();
         assert!(e.contains(SKIP_IDLE_ENV) && e.contains('2'), "{e}");
+        assert_eq!(tail_split_enabled(None).unwrap(), TAIL_SPLIT_BY_DEFAULT);
+        assert!(!tail_split_enabled(Some("0")).unwrap());
+        let e = tail_split_enabled(Some("on")).unwrap_err().to_string();
+        assert!(e.contains(TAIL_SPLIT_ENV) && e.contains("on"), "{e}");
         assert_eq!(quad128_enabled(None).unwrap(), QUAD128_BY_DEFAULT);
         assert!(quad128_enabled(Some("1")).unwrap());
         assert!(!quad128_enabled(Some("0")).unwrap());

@@ -58,6 +58,35 @@ pub struct TmaParams {
     /// 1: the large-M kernel's blocks take every row tile of a column before the next
     /// column (`gemm::column_order`).
     pub column_order: i32,
+    /// The large-M kernel's tail split ([`tail_tiles`]): each half's subtree roots, `tail`
+    /// × 2 warpgroups × 2 halves × 64·bn f32 ([`tail_workspace_len`]).
+    pub ws: CUdeviceptr,
+    /// `tail` × 2 arrival counters, zero between calls.
+    pub cnt: CUdeviceptr,
+    /// Tiles done as two halves (0: none).
+    pub tail: i32,
+}
+
+/// The large-M kernel's tail ([`TmaParams::tail`]) for a grid of `blocks` over `tiles`
+/// tiles of `n_seg` segments: the tiles of a last, partial round of the grid where they
+/// fill at most half of it (as halves they then fit one round of half the time), else 0.
+/// Not where the grid is a single round (no whole round before it) or a tile has one
+/// segment.
+pub fn tail_tiles(tiles: usize, blocks: usize, n_seg: usize) -> usize {
+    if blocks == 0 || tiles <= blocks || n_seg < 2 {
+        return 0;
+    }
+    let r = tiles % blocks;
+    if 2 * r <= blocks {
+        r
+    } else {
+        0
+    }
+}
+
+/// f32 elements of workspace a tail of `tail` tiles of `bn` columns needs.
+pub fn tail_workspace_len(tail: usize, bn: usize) -> usize {
+    tail * 2 * 2 * 64 * bn
 }
 
 /// One operand (`rows` rows of `ld` bf16 starting at `ptr`, columns `[0, n_seg·seg_len)`
@@ -333,7 +362,8 @@ mod tests {
 
     #[test]
     fn params_match_the_c_struct() {
-        // struct TmaParams: four 128-byte maps, two pointers, eleven ints, padded to 64.
+        // struct TmaParams: four 128-byte maps, two pointers, eleven ints, two pointers, an
+        // int, padded to 64.
         assert_eq!(std::mem::align_of::<TmaParams>(), 64);
         assert_eq!(std::mem::offset_of!(TmaParams, tw), 128);
         assert_eq!(std::mem::offset_of!(TmaParams, to), 256);
@@ -347,6 +377,26 @@ mod tests {
         assert_eq!(std::mem::offset_of!(TmaParams, skip_idle), 556);
         assert_eq!(std::mem::offset_of!(TmaParams, tma_partial), 560);
         assert_eq!(std::mem::offset_of!(TmaParams, column_order), 564);
-        assert_eq!(std::mem::size_of::<TmaParams>(), 576);
+        assert_eq!(std::mem::offset_of!(TmaParams, ws), 568);
+        assert_eq!(std::mem::offset_of!(TmaParams, cnt), 576);
+        assert_eq!(std::mem::offset_of!(TmaParams, tail), 584);
+        assert_eq!(std::mem::size_of::<TmaParams>(), 640);
+    }
+
+    #[test]
+    fn the_tail_is_a_last_round_at_most_half_full() {
+        // gate/up at 256 rows on 132 SMs: 448 tiles, 3 rounds and 52.
+        assert_eq!(tail_tiles(448, 132, 8), 52);
+        assert_eq!(tail_tiles(448, 132, 2), 52);
+        assert_eq!(tail_tiles(448, 132, 1), 0);
+        // 100 of 132 in the last round: as halves, two rounds of half the time.
+        assert_eq!(tail_tiles(496, 132, 8), 0);
+        assert_eq!(tail_tiles(462, 132, 8), 66);
+        assert_eq!(tail_tiles(528, 132, 8), 0);
+        // One partial round: no whole round before it.
+        assert_eq!(tail_tiles(60, 132, 8), 0);
+        assert_eq!(tail_tiles(132, 132, 8), 0);
+        assert_eq!(tail_tiles(10, 0, 8), 0);
+        assert_eq!(tail_workspace_len(52, 128), 52 * 4 * 64 * 128);
     }
 }

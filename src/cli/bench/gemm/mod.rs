@@ -90,6 +90,17 @@ pub struct Args {
     /// "unchecked".
     #[arg(long, value_enum, default_value = "full")]
     checks: ChecksArg,
+    /// `cold`: W rotated over copies that fill 3× L2, so no timed call finds it cached (a
+    /// model's layers). `warm`: one copy, which a timed call finds in L2 where it fits: the
+    /// most that fetching W into L2 ahead of the call could give it.
+    #[arg(long, value_enum, default_value = "cold")]
+    w_cache: WCacheArg,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum WCacheArg {
+    Cold,
+    Warm,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -263,6 +274,9 @@ pub fn run(args: Args) -> Result<()> {
         l2 >> 20
     );
     println!("copy ceiling (device-to-device, read+write): {copy_gbps:.0} GB/s");
+    if args.w_cache == WCacheArg::Warm {
+        println!("W warm: one copy, found in L2 by every timed call where it fits");
+    }
     if args.tp > 1 {
         println!(
             "TP {}: each K below is rank 0's shard of the layer's K ({} of the 8 segments)",
@@ -526,7 +540,10 @@ fn bench_shape(
     let w_bytes = n * k * 2;
     // Enough weight copies that one pass over them is 3× L2: a timed call never finds W
     // cached by the previous one.
-    let copies = (3 * l2).div_ceil(w_bytes).clamp(1, 16);
+    let copies = match args.w_cache {
+        WCacheArg::Cold => (3 * l2).div_ceil(w_bytes).clamp(1, 16),
+        WCacheArg::Warm => 1,
+    };
     let x_host = random_bf16(x_rows * k, args.seed);
     let w_host = random_bf16(n * k, args.seed.wrapping_add(0x51ed));
     let x = stream.clone_htod(&x_host)?;
