@@ -31,7 +31,9 @@ for c in "${cases[@]}"; do
         step "arbor $num decode $name" "$OUT/long-arbor.log" 200 "$ARBOR" bench decode --model "$L8B" \
             --device cuda --numerics "$num" --batch "$batches" --prompt-len "$plen" --steps "$steps" \
             --out "$OUT/long-decode-$name-$num.json"
-        grep -E "TP 1 $num" "$OUT/long-arbor.log" | tail -n 5 | tee -a "$SUMMARY"
+        # This run's lines: one a batch (the log holds the earlier cases' too).
+        grep -E "TP 1 $num" "$OUT/long-arbor.log" | tail -n "$(tr ',' '\n' <<<"$batches" | grep -c .)" |
+            tee -a "$SUMMARY"
     done
     if [[ -f $REF ]]; then
         ctx=$((plen + steps - 1))
@@ -39,7 +41,9 @@ for c in "${cases[@]}"; do
         [[ $pre == - ]] && pre=""
         step "reference $name" "$OUT/long-reference.log" 300 python3 "$REF" --compile --prefill "$pre" \
             --decode "$batches" --ctx "$ctx" --out "$OUT/long-reference-$name.json"
-        grep -E "^reference" "$OUT/long-reference.log" | tail -n 6 | tee -a "$SUMMARY"
+        # This run's lines: its prefills and decode batches.
+        n_ref=$(tr ',' '\n' <<<"$batches,$pre" | grep -c .)
+        grep -E "^reference" "$OUT/long-reference.log" | tail -n "$n_ref" | tee -a "$SUMMARY"
     else
         note "SKIP  reference ($REF missing: copy long_context_reference.py into .device/)"
     fi
