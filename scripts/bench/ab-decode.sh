@@ -12,7 +12,10 @@
 #   BINS="before=.device/arbor now=.device/arbor" ENV_before="ARBOR_GEMM_NARROW=0 ARBOR_PDL=1" \
 #     BATCHES=128,192,256 NCU_BATCHES="" bash scripts/bench/ab-decode.sh
 # BATCHES (wall, default 1,8,32,64), NCU_BATCHES (default "1 64"), ROUNDS (default 2),
-# NUMERICS (default invariant); NCU_BATCHES="" skips ncu. Writes $OUT/ab-wall.log, ab-ncu.log,
+# NUMERICS (default invariant), PROMPT_LEN (default: bench decode's), STEPS (wall runs'
+# decode steps, default 64); NCU_BATCHES="" skips ncu. Long contexts, e.g. the 8k
+# batch-32 step of two builds, three rounds:
+#   PROMPT_LEN=8192 STEPS=9 BATCHES=32 ROUNDS=3 NCU_BATCHES="" bash scripts/bench/ab-decode.sh Writes $OUT/ab-wall.log, ab-ncu.log,
 # ab-ncu.tgz (the ncu tables), ab-make.log and ab-summary.txt.
 set -uo pipefail
 T0=$(date +%s)
@@ -24,6 +27,9 @@ BATCHES=${BATCHES:-1,8,32,64}
 NCU_BATCHES=${NCU_BATCHES-1 64}
 ROUNDS=${ROUNDS:-2}
 NUMERICS=${NUMERICS:-invariant}
+STEPS=${STEPS:-64}
+PROMPT_ARGS=()
+[[ -n ${PROMPT_LEN:-} ]] && PROMPT_ARGS=(--prompt-len "$PROMPT_LEN")
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 for b in $BINS; do
     if [[ $b != *=* || ! -x ${b#*=} || ! ${b%%=*} =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]]; then
@@ -54,7 +60,8 @@ for round in $(seq "$ROUNDS"); do
         envs "$name"
         run_log="$WORK/run-$name-$round.log"
         step "wall $name round $round" "$run_log" 90 env "${ENVS[@]}" "${b#*=}" bench decode \
-            --model "$L8B" --device cuda --numerics "$NUMERICS" --batch "$BATCHES" --steps 64
+            --model "$L8B" --device cuda --numerics "$NUMERICS" --batch "$BATCHES" --steps "$STEPS" \
+            "${PROMPT_ARGS[@]}"
         cat "$run_log" >>"$OUT/ab-wall.log"
         cat "$run_log" >>"$WORK/ab-wall-$name.log"
         grep -E "TP 1 $NUMERICS +batch" "$run_log" | sed "s/^/$name r$round  /" | tee -a "$SUMMARY"
@@ -68,7 +75,7 @@ if [[ -n $NCU ]]; then
             step "ncu $name batch $nb" "$OUT/ab-ncu.log" 120 env "${ENVS[@]}" "$NCU" --clock-control none \
                 --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
                 --log-file "$OUT/ab-ncu-$name-b$nb.csv" "${b#*=}" bench decode --model "$L8B" \
-                --device cuda --numerics "$NUMERICS" --batch "$nb" --steps 4 &&
+                --device cuda --numerics "$NUMERICS" --batch "$nb" --steps 4 "${PROMPT_ARGS[@]}" &&
                 python3 scripts/bench/profile-report.py arbor "$OUT/ab-ncu-$name-b$nb.csv" \
                     "$WORK/ab-wall-$name.log" "$NUMERICS" "$nb" | sed "s/^arbor/$name/" | tee -a "$SUMMARY"
         done
