@@ -324,6 +324,33 @@ impl TreeGemm {
         Ok(())
     }
 
+    /// The tiles a persistent kernel's call does as half tiles ([`tma::tail_tiles`]): 0
+    /// for other paths, with the split off, or where the call brought too little
+    /// workspace or too few counters for them.
+    fn tail(&self, path: Path, a: &GemmArgs) -> usize {
+        let Path::WgTma { bn } = path else {
+            return 0;
+        };
+        if !self.tail_split {
+            return 0;
+        }
+        let s = a.shape;
+        let tiles = s.m.div_ceil(128) * s.n.div_ceil(bn);
+        let blocks = Path::persistent_blocks(bn, s.m, s.n, self.sms);
+        let tail = tma::tail_tiles(tiles, blocks, s.n_seg);
+        let fits = a.ws != 0
+            && a.ws.is_multiple_of(16)
+            && a.ws_len >= tma::tail_workspace_len(tail, bn)
+            && a.counters != 0
+            && a.counters.is_multiple_of(4)
+            && a.counters_len >= 2 * tail;
+        if fits {
+            tail
+        } else {
+            0
+        }
+    }
+
     /// The TMA paths: tensor maps for this call's X and W, then `cuLaunchKernelEx`.
     unsafe fn launch_tma(
         &self,
@@ -380,26 +407,7 @@ impl TreeGemm {
                 s.n.div_ceil(w_rows as usize),
                 self.sms,
             );
-        // The tail split, where the call brought workspace and counters enough for it.
-        let tail = match path {
-            Path::WgTma { bn } if self.tail_split && !column_order => {
-                let tiles = s.m.div_ceil(128) * s.n.div_ceil(bn);
-                let blocks = Path::persistent_blocks(bn, s.m, s.n, self.sms);
-                let tail = tma::tail_tiles(tiles, blocks, s.n_seg);
-                let fits = a.ws != 0
-                    && a.ws.is_multiple_of(16)
-                    && a.ws_len >= tma::tail_workspace_len(tail, bn)
-                    && a.counters != 0
-                    && a.counters.is_multiple_of(4)
-                    && a.counters_len >= 2 * tail;
-                if fits {
-                    tail
-                } else {
-                    0
-                }
-            }
-            _ => 0,
-        };
+        let tail = if column_order { 0 } else { self.tail(path, a) };
         let p = tma::TmaParams {
             tx: tma::encode("x", a.x, a.x_rows, a.ldx, s.seg_len, s.n_seg, x_box)?,
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
