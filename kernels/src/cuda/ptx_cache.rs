@@ -69,6 +69,11 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// What an entry's header holds for its PTX.
+fn checksum(ptx: &str) -> String {
+    hex(&Sha256::digest(ptx.as_bytes()))
+}
+
 /// The entry's file for a program and the parts its compile reads (each part
 /// length-prefixed, so no two lists hash alike by concatenation).
 pub fn entry_path(dir: &Path, program: &str, parts: &[&str]) -> PathBuf {
@@ -98,7 +103,7 @@ fn read_entry(path: &Path) -> Option<String> {
     let text = std::fs::read_to_string(path).ok()?;
     let (first, ptx) = text.split_once('\n')?;
     let want = first.strip_prefix(HEADER)?;
-    if hex(&Sha256::digest(ptx.as_bytes())) == want {
+    if checksum(ptx) == want {
         Some(ptx.to_string())
     } else {
         tracing::warn!(path = %path.display(), "PTX cache entry does not match its checksum; compiling again");
@@ -117,7 +122,7 @@ fn write_entry(path: &Path, ptx: &str) -> std::io::Result<()> {
         path.file_name().and_then(|n| n.to_str()).unwrap_or("entry"),
         std::process::id()
     ));
-    let text = format!("{HEADER}{}\n{ptx}", hex(&Sha256::digest(ptx.as_bytes())));
+    let text = format!("{HEADER}{}\n{ptx}", checksum(ptx));
     std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
