@@ -9,7 +9,9 @@
 //     head (flash-attention style: Q tile against K/V blocks), in two builds: 4 warps ×
 //     16 rows (64-row tiles) or 3 warps × 32 rows (96-row tiles, two m16 tiles per warp);
 //   - the decode kernel: a CTA of one warp takes one row, the query heads that share one
-//     KV head (GQA: the heads are the tile's rows), and one split of its keys.
+//     KV head (GQA: the heads are the tile's rows), and one split of its keys; its wide
+//     build (paged_attention_wide.cu) shares each block among four warps, each score and
+//     each acc tile still one warp's chain of the same mma.
 //
 // The numerics of a row (query position p, head h), fixed by p alone (sl = scale·log2 e):
 // - q is rounded to bf16. Keys come in blocks of PA_BLOCK = 64 positions aligned at 0 (the
@@ -214,30 +216,31 @@ __device__ __forceinline__ void pa_load_q(bf16_t* tile, int rows, int nrows, int
 }
 
 // One warp's 16 rows of state; this thread holds rows g = lane/4 ([0]) and g + 8 ([1]),
-// and of each 8-dim tile j of acc the dims j·8 + 2·(lane%4) + {0, 1} (mma C layout).
-template <int HD>
+// and of each 8-dim tile j of acc the dims j·8 + 2·(lane%4) + {0, 1} (mma C layout). A
+// warp of the wide decode kernel holds J of the HD/8 tiles of acc (and the whole m, l).
+template <int HD, int J = HD / 8>
 struct PaState {
     float m[2], l[2];
-    float acc[HD / 8][4];
+    float acc[J][4];
 };
 
-template <int HD>
-__device__ __forceinline__ void pa_reset(PaState<HD>& s) {
+template <int HD, int J>
+__device__ __forceinline__ void pa_reset(PaState<HD, J>& s) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         s.m[r] = NEG_INF;
         s.l[r] = 0.0f;
     }
 #pragma unroll
-    for (int j = 0; j < HD / 8; ++j)
+    for (int j = 0; j < J; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s.acc[j][e] = 0.0f;
 }
 
 // The online-softmax update of one block's scores (header); MASK: keys past a row's
 // position may be in the block.
-template <int HD, bool MASK>
-__device__ __forceinline__ void pa_softmax(PaState<HD>& st, float (&s)[8][4], int key0, const int (&rowpos)[2], float sl,
+template <int HD, bool MASK, int J>
+__device__ __forceinline__ void pa_softmax(PaState<HD, J>& st, float (&s)[8][4], int key0, const int (&rowpos)[2], float sl,
                                            int lane) {
     const int t4 = lane & 3;
     float corr[2];
@@ -273,7 +276,7 @@ __device__ __forceinline__ void pa_softmax(PaState<HD>& st, float (&s)[8][4], in
     // acc · 1 = acc: skipped when no row of the warp has a new maximum.
     if (__any_sync(FULL_MASK, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-        for (int j = 0; j < HD / 8; ++j) {
+        for (int j = 0; j < J; ++j) {
             st.acc[j][0] = st.acc[j][0] * corr[0];
             st.acc[j][1] = st.acc[j][1] * corr[0];
             st.acc[j][2] = st.acc[j][2] * corr[1];
@@ -285,8 +288,8 @@ __device__ __forceinline__ void pa_softmax(PaState<HD>& st, float (&s)[8][4], in
 // pa_softmax of a block of a warp's 16 rows, masked only where some row of the warp does
 // not see every key of the block (a block every row sees whole needs no mask: the same
 // values).
-template <int HD>
-__device__ __forceinline__ void pa_softmax_block(PaState<HD>& st, float (&s)[8][4], int key0, const int (&rowpos)[2],
+template <int HD, int J>
+__device__ __forceinline__ void pa_softmax_block(PaState<HD, J>& st, float (&s)[8][4], int key0, const int (&rowpos)[2],
                                                  float sl, int lane) {
     if (__all_sync(FULL_MASK, key0 + PA_BLOCK - 1 <= min(rowpos[0], rowpos[1])))
         pa_softmax<HD, false>(st, s, key0, rowpos, sl, lane);
@@ -469,10 +472,11 @@ __device__ __forceinline__ void pa_put2(float* out, bf16_t* outb, size_t at, flo
 }
 
 // Writes this thread's part of a warp's 16 rows `st` (no fold pending) as acc · rcp(l):
-// row r of the thread goes to dst(r) (−1: not a real row), dims below head_dim (even).
-template <int HD, typename RowDst>
-__device__ __forceinline__ void pa_store(const PaState<HD>& st, RowDst dst, int head_dim, int lane, float* out,
-                                         bf16_t* outb) {
+// row r of the thread goes to dst(r) (−1: not a real row), dims below head_dim (even);
+// the state's acc tiles are tiles j0 .. j0 + J of the rows.
+template <int HD, int J, typename RowDst>
+__device__ __forceinline__ void pa_store(const PaState<HD, J>& st, RowDst dst, int head_dim, int lane, float* out,
+                                         bf16_t* outb, int j0 = 0) {
     const int t4 = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -480,8 +484,8 @@ __device__ __forceinline__ void pa_store(const PaState<HD>& st, RowDst dst, int 
         if (at < 0) continue;
         const float inv = pa_rcp(st.l[r]);
 #pragma unroll
-        for (int j = 0; j < HD / 8; ++j) {
-            const int d = j * 8 + 2 * t4;
+        for (int j = 0; j < J; ++j) {
+            const int d = (j0 + j) * 8 + 2 * t4;
             if (d < head_dim)
                 pa_put2(out, outb, at + d, st.acc[j][2 * r] * inv, st.acc[j][2 * r + 1] * inv);
         }

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device call (carry [".device"]): the decode attention kernel's variants (how far
-# ahead it loads: ARBOR_ATTN_DECODE_STAGES 1, 2 or the automatic choice; bits are the same
-# in all of them) side by side, alone and in the llama3-8b decode step, next to the PyTorch
+# One device call (carry [".device"]): the decode attention kernel's builds (how many
+# warps share a block and how far ahead it loads: ARBOR_ATTN_DECODE 1, 2, wide or the
+# automatic choice; bits are the same in all of them) side by side, alone and in the llama3-8b decode step, next to the PyTorch
 # long-context reference at ~1k context; `arbor check` of batch 1 against batch 128 (the
-# GEMMs' M = 128 paths). STAGES="2 1 auto" (attention alone), DECODE_STAGES="2 auto". Run from the repo root after
+# GEMMs' M = 128 paths). STAGES="2 1 wide auto" (attention alone), DECODE_STAGES="2 auto". Run from the repo root after
 # `bash scripts/gpu/build-device.sh` (and a copy of long_context_reference.py in .device/):
 #   bash scripts/bench/ab-attention-stages.sh     # writes $OUT/stages-*.json|log, stages-summary.txt
 set -uo pipefail
@@ -19,9 +19,9 @@ step "kernel tests (paged attention, every decode variant)" "$OUT/stages-tests.l
 grep -E "test result|panicked" "$OUT/stages-tests.log" | tee -a "$SUMMARY"
 
 DEC=1x1024,8x1024,64x1024,128x1024,256x1024,1x8192,4x8192,32x8192,1x16384,16x16384
-for st in ${STAGES:-2 1 auto}; do
+for st in ${STAGES:-2 1 wide auto}; do
     env_st=()
-    [[ $st != auto ]] && env_st=(env ARBOR_ATTN_DECODE_STAGES=$st)
+    [[ $st != auto ]] && env_st=(env ARBOR_ATTN_DECODE=$st)
     step "attention alone, stages $st" "$OUT/stages-attention.log" 60 "${env_st[@]}" "$BIN/arbor" bench attention \
         --prefill "" --decode "$DEC" --out "$OUT/stages-attention-$st.json"
 done
@@ -29,7 +29,7 @@ python3 - "$OUT" <<'PY' | tee -a "$SUMMARY"
 import json, os, sys
 d = sys.argv[1]
 runs = {}
-for st in ("2", "1", "auto"):
+for st in ("2", "1", "wide", "auto"):
     try:
         runs[st] = {(x["batch"], x["tokens"]): x["us"] for x in json.load(open(os.path.join(d, f"stages-attention-{st}.json"))) if x["kind"] == "decode"}
     except Exception as e:
@@ -50,7 +50,7 @@ step "check l8b TP 1, batch 1 against 128" "$OUT/stages-check.log" 240 "$ARBOR" 
 grep -iE "unique|identical|differ|PASS|FAIL" "$OUT/stages-check.log" | tail -n 4 | tee -a "$SUMMARY"
 for st in ${DECODE_STAGES:-2 auto}; do
     env_st=()
-    [[ $st != auto ]] && env_st=(env ARBOR_ATTN_DECODE_STAGES=$st)
+    [[ $st != auto ]] && env_st=(env ARBOR_ATTN_DECODE=$st)
     for c in "1024 17 1,8,64,128,256" "8192 9 1,4,32"; do
         read -r plen steps batches <<<"$c"
         step "decode ctx $plen stages $st" "$OUT/stages-decode.log" 150 "${env_st[@]}" "$ARBOR" bench decode \

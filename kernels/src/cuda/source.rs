@@ -13,6 +13,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         "paged_attention.cu",
         include_str!("../../cuda/paged_attention.cu"),
     ),
+    (
+        "paged_attention_wide.cu",
+        include_str!("../../cuda/paged_attention_wide.cu"),
+    ),
     ("wgmma.cuh", include_str!("../../cuda/wgmma.cuh")),
     (
         "paged_attention_wg.cu",
@@ -68,6 +72,8 @@ pub const KERNELS: &[&str] = &[
     "pa_decode1_hd64",
     "pa_decode1_hd128",
     "pa_decode1_hd256",
+    "pa_decode_wide_hd64",
+    "pa_decode_wide_hd128",
     "pa_combine",
     "moe_route_kernel",
     "moe_count_kernel",

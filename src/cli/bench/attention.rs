@@ -242,9 +242,12 @@ fn bench(
         tflops: flops / (us * 1e-6) / 1e12,
         kv_gbs: kv_bytes / (us * 1e-6) / 1e9,
     };
-    // Which prefill build ran (ARBOR_ATTN_PREFILL_ROWS), for A/B logs.
+    // Which build ran (ARBOR_ATTN_DECODE, ARBOR_ATTN_PREFILL_ROWS), for A/B logs.
     let tiles = if decode {
-        String::new()
+        format!(
+            ", {:?} decode build",
+            dev.decode_build(&routing, a.heads, layout)?
+        )
     } else {
         let pt = routing.prefill_tiles();
         format!(", {pt:?} build, {}-row tiles", pt.rows())

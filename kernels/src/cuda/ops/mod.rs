@@ -26,7 +26,7 @@ use super::launch::Launch;
 use super::{CudaError, GpuDevice};
 
 pub use elementwise::{CutDest, CutSource, SourceType};
-pub use paged_tiles::DecodeStages;
+pub use paged_tiles::{DecodeBuild, DECODE_BUILD_ENV, DECODE_WIDE_ENV};
 pub use row_meta::{row_bounds, RowMeta};
 pub use row_stats::{
     decode_row_stats, decode_top_k, row_stats_params, ROW_STATS_F32, ROW_STATS_U64, TOP_K_MAX,

@@ -14,7 +14,8 @@ use crate::cuda::{CudaError, GpuDevice};
 use crate::paged::{splits_of, PagedKvLayout, ATTN_SPLIT, KV_BLOCK};
 
 use super::paged_tiles::{
-    decode_kernel, decode_smem_bytes, padded_head_dim, prefill_smem_bytes, DecodeStages,
+    decode_kernel, decode_smem_bytes, padded_head_dim, prefill_smem_bytes, DecodeBuild,
+    DECODE_BUILD_ENV, DECODE_WIDE_ENV,
 };
 pub use super::paged_tiles::{PrefillTiles, PREFILL_ROWS_ENV};
 
@@ -114,9 +115,9 @@ pub struct AttnRouting {
     n_decode: usize,
     /// Grid depth of the decode kernel: at least the splits of its longest row.
     max_splits: usize,
-    /// The decode kernel's variant; `None`: by the launch's size
-    /// ([`DecodeStages::for_launch`], or `ARBOR_ATTN_DECODE_STAGES`).
-    decode_stages: Option<DecodeStages>,
+    /// The decode kernel's build; `None`: by the launch's size
+    /// ([`DecodeBuild::for_launch`], or `ARBOR_ATTN_DECODE`).
+    decode_build: Option<DecodeBuild>,
     /// The prefill build the tiles were cut for.
     prefill: PrefillTiles,
 }
@@ -137,23 +138,27 @@ impl AttnRouting {
     }
 
     /// The same routing with the decode kernel's variant fixed (tests, A/B benchmarks).
-    pub fn with_decode_stages(mut self, stages: DecodeStages) -> Self {
-        self.decode_stages = Some(stages);
+    pub fn with_decode_build(mut self, build: DecodeBuild) -> Self {
+        self.decode_build = Some(build);
         self
     }
 }
 
-/// `ARBOR_ATTN_DECODE_STAGES` (1 or 2): the decode kernel's variant for every launch,
-/// for A/B benchmarks; read once.
-fn stages_override() -> Option<DecodeStages> {
-    static S: std::sync::OnceLock<Option<DecodeStages>> = std::sync::OnceLock::new();
-    *S.get_or_init(|| {
-        let v = std::env::var("ARBOR_ATTN_DECODE_STAGES").ok()?;
-        let st = DecodeStages::parse(&v);
-        if st.is_none() {
-            tracing::warn!(value = %v, "ARBOR_ATTN_DECODE_STAGES is not 1 or 2: ignored");
-        }
-        st
+/// The decode build [`DECODE_BUILD_ENV`] forces (`None`: unset) and whether the rule may
+/// take the wide build ([`DECODE_WIDE_ENV`]), for A/B benchmarks; read once. A value
+/// either variable does not take is an error at every launch.
+fn decode_build_env() -> Result<(Option<DecodeBuild>, bool), CudaError> {
+    static S: std::sync::OnceLock<Result<(Option<DecodeBuild>, bool), String>> =
+        std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        let forced = DecodeBuild::from_env_value(std::env::var(DECODE_BUILD_ENV).ok().as_deref())?;
+        let wide = DecodeBuild::wide_allowed(std::env::var(DECODE_WIDE_ENV).ok().as_deref())?;
+        Ok((forced, wide))
+    })
+    .clone()
+    .map_err(|msg| CudaError::Launch {
+        kernel: "paged attention",
+        msg,
     })
 }
 
@@ -258,7 +263,7 @@ impl GpuDevice {
                 .transpose()?,
             n_decode,
             max_splits: splits_of(max_pos),
-            decode_stages: None,
+            decode_build: None,
             prefill,
         })
     }
@@ -272,7 +277,7 @@ impl GpuDevice {
             decode: None,
             n_decode: rows,
             max_splits: max_splits.max(1),
-            decode_stages: None,
+            decode_build: None,
             prefill: PrefillTiles::Rows96,
         }
     }
@@ -301,6 +306,29 @@ impl GpuDevice {
         self.paged_attention_into(
             q, k, v, layout, layer, rows, routing, n_heads, scale, None, outb,
         )
+    }
+
+    /// The decode kernel's build for `routing`'s decode rows: the routing's own, else the
+    /// one `ARBOR_ATTN_DECODE` forces, else [`DecodeBuild::for_launch`] of the launch's
+    /// grid (rows × KV heads × head tiles × splits).
+    pub fn decode_build(
+        &self,
+        routing: &AttnRouting,
+        n_heads: usize,
+        layout: PagedKvLayout,
+    ) -> Result<DecodeBuild, CudaError> {
+        let hd = padded_head_dim(layout.head_dim).ok_or_else(|| CudaError::Launch {
+            kernel: "paged attention",
+            msg: format!("head_dim {} is above 256", layout.head_dim),
+        })?;
+        let htiles = (n_heads / layout.n_kv_heads.max(1)).div_ceil(16);
+        let ctas = routing.n_decode * layout.n_kv_heads * htiles * routing.max_splits;
+        let (forced, wide) = decode_build_env()?;
+        Ok(routing
+            .decode_build
+            .or(forced)
+            .filter(|&b| decode_kernel(hd, b).is_some())
+            .unwrap_or_else(|| DecodeBuild::for_launch(ctas, self.sms, hd, wide)))
     }
 
     /// [`GpuDevice::paged_attention`] written into `out` when given (`q`'s length).
@@ -401,16 +429,11 @@ impl GpuDevice {
         if routing.n_decode > 0 {
             let ms = routing.max_splits;
             let msi = i32_of(K, "splits", ms)?;
-            let group = n_heads / n_kv_heads;
-            let htiles = group.div_ceil(16);
-            let ctas = routing.n_decode * n_kv_heads * htiles * ms;
-            let stages = routing
-                .decode_stages
-                .or_else(stages_override)
-                .unwrap_or_else(|| DecodeStages::for_launch(ctas, self.sms));
-            let name = decode_kernel(hd, stages).ok_or_else(|| CudaError::Launch {
+            let htiles = (n_heads / n_kv_heads).div_ceil(16);
+            let build = self.decode_build(routing, n_heads, layout)?;
+            let name = decode_kernel(hd, build).ok_or_else(|| CudaError::Launch {
                 kernel: K,
-                msg: format!("no decode kernel for head_dim {head_dim} with {stages:?} stages"),
+                msg: format!("no decode kernel for head_dim {head_dim} in the {build:?} build"),
             })?;
             // Split states: [decode rows][n_heads][splits][head_dim + 2] (acc, m, l).
             let part_len = if ms > 1 {
@@ -441,8 +464,8 @@ impl GpuDevice {
                     (n_kv_heads * htiles) as u32,
                     ms as u32,
                 ),
-                block_dim: (32, 1, 1),
-                shared_mem_bytes: decode_smem_bytes(hd, stages) as u32,
+                block_dim: (build.threads(), 1, 1),
+                shared_mem_bytes: decode_smem_bytes(hd, build) as u32,
             };
             self.launched(name, unsafe { b.launch(cfg) })?;
             if ms > 1 {

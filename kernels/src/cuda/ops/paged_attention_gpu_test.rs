@@ -136,7 +136,7 @@ fn upload(dev: &GpuDevice, c: &Case) -> OnDevice {
 #[derive(Clone, Copy, Debug)]
 enum Route {
     /// Every row through the decode kernel, in this variant.
-    Decode(DecodeStages),
+    Decode(DecodeBuild),
     /// Runs of at least 16 rows to this prefill build, the others to the decode kernel.
     Prefill(PrefillTiles),
 }
@@ -180,7 +180,7 @@ fn run(
                 .max()
                 .unwrap_or(1);
             dev.attn_routing_decode(positions.len(), ms)
-                .with_decode_stages(st)
+                .with_decode_build(st)
         }
         Route::Prefill(pt) => {
             let r = dev.attn_routing_with(spans, c.layout.head_dim, pt).unwrap();
@@ -262,9 +262,15 @@ fn check_build(dev: &GpuDevice, c: &Case, kv: &OnDevice, len: usize, pt: Prefill
         "hd {head_dim} {pt:?}: relative error {worst} vs f64"
     );
 
-    // Every row through the decode kernel (splits, combine), in each of its variants
-    // (how far ahead it loads): the same bits.
-    for stages in [DecodeStages::One, DecodeStages::Two] {
+    // Every row through the decode kernel (splits, combine), in each of its builds (how
+    // many warps share a block, how far ahead it loads): the same bits.
+    for stages in DecodeBuild::ALL {
+        if padded_head_dim(c.layout.head_dim)
+            .and_then(|hd| decode_kernel(hd, stages))
+            .is_none()
+        {
+            continue;
+        }
         let (dec, decb) = run(dev, c, kv, &all, &whole, Route::Decode(stages));
         if let Some(i) = (0..pre.len()).find(|&i| pre[i].to_bits() != dec[i].to_bits()) {
             panic!(

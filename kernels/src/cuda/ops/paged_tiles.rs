@@ -16,6 +16,14 @@ pub const LONG_PREFILL_POS: usize = 4096;
 /// The environment variable that picks the prefill build for A/B runs.
 pub const PREFILL_ROWS_ENV: &str = "ARBOR_ATTN_PREFILL_ROWS";
 
+/// The variable that forces the decode kernel's build ([`DecodeBuild`]) for A/B runs: `1`,
+/// `2` or `wide`. The wide build at a head dim without one falls back to the rule.
+pub const DECODE_BUILD_ENV: &str = "ARBOR_ATTN_DECODE";
+
+/// The variable that lets the rule ([`DecodeBuild::for_launch`]) take the wide build: `1`
+/// (the default) or `0` (the one-warp builds only, the rule as it was before the wide one).
+pub const DECODE_WIDE_ENV: &str = "ARBOR_ATTN_DECODE_WIDE";
+
 /// The prefill kernel's build: a speed choice only (a row's arithmetic is the same in
 /// every build, and equals the decode kernel's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,38 +171,85 @@ pub(crate) fn prefill_smem_bytes(hd: usize, tiles: PrefillTiles) -> usize {
     }
 }
 
-/// How far ahead the decode kernel loads its key blocks (paged_attention.cu, STAGES). A
-/// speed choice only: a block's arithmetic is the same in every variant.
+/// Which build of the decode kernel runs (paged_attention.cu): how many warps share a CTA's
+/// work and how far ahead it loads its key blocks. A speed choice only: every build runs
+/// each score and each acc tile as the same chain of the same mma, so the bits are the same.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodeStages {
-    /// One K and one V tile: the smallest CTA, for steps of many CTAs.
+pub enum DecodeBuild {
+    /// One warp, one K and one V tile: the smallest CTA, for steps of many CTAs.
     One,
-    /// Two K/V stages: the next block loads during this one.
+    /// One warp, two K/V stages: the next block loads during this one.
     Two,
+    /// Four warps sharing each block (`pa_decode_wide_body`), three K/V stages; head dims
+    /// 64 and 128.
+    Wide,
 }
 
-impl DecodeStages {
-    fn count(self) -> usize {
+impl DecodeBuild {
+    /// Every build, in the order the tests run them.
+    pub const ALL: [Self; 3] = [Self::One, Self::Two, Self::Wide];
+
+    fn stages(self) -> usize {
         match self {
             Self::One => 1,
             Self::Two => 2,
+            Self::Wide => 3,
         }
     }
 
-    /// From `1` or `2` (the `ARBOR_ATTN_DECODE_STAGES` override).
+    /// Threads of a CTA.
+    pub fn threads(self) -> u32 {
+        match self {
+            Self::One | Self::Two => 32,
+            Self::Wide => 128,
+        }
+    }
+
+    /// From `1`, `2` or `wide` (the [`DECODE_BUILD_ENV`] override).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim() {
             "1" => Some(Self::One),
             "2" => Some(Self::Two),
+            "wide" => Some(Self::Wide),
             _ => None,
         }
     }
 
-    /// The variant for a decode launch of `ctas` CTAs on `sms` SMs: the smallest CTA once
-    /// they queue for SMs (then warps per SM bound the step; H200, 4 × 8192 context: 0.86
-    /// of two stages' time), two stages while every CTA has an SM (batch 1: 0.98).
-    pub fn for_launch(ctas: usize, sms: usize) -> Self {
-        if ctas <= sms {
+    /// [`DECODE_BUILD_ENV`]'s value (`None`: unset) as the build it forces; anything else
+    /// than its values an error naming the variable and the value.
+    pub fn from_env_value(value: Option<&str>) -> Result<Option<Self>, String> {
+        match value {
+            None => Ok(None),
+            Some(v) => Self::parse(v).map(Some).ok_or_else(|| {
+                format!("{DECODE_BUILD_ENV}={v:?} is not 1, 2 or wide (the decode build)")
+            }),
+        }
+    }
+
+    /// [`DECODE_WIDE_ENV`]'s value (`None`: unset, on) as whether the rule may take the
+    /// wide build.
+    pub fn wide_allowed(value: Option<&str>) -> Result<bool, String> {
+        match value.map(str::trim) {
+            None | Some("") | Some("1") => Ok(true),
+            Some("0") => Ok(false),
+            Some(v) => Err(format!(
+                "{DECODE_WIDE_ENV}={v:?} is not 1 (the rule may take the wide decode build) or 0"
+            )),
+        }
+    }
+
+    /// The build for a decode launch of `ctas` CTAs on `sms` SMs at padded head dim `hd`
+    /// (`wide`: whether the wide build may be taken): the wide build while at most two
+    /// CTAs share an SM (batch 1 to a few rows, where each split's chain of blocks is the
+    /// kernel's time and four warps shorten each link: H100, one layer of llama3-8b, 1 ×
+    /// 1024 context 24.5 → 18.2 µs, 1 × 8192 27.6 → 22.5, docs/attention.md), then the
+    /// one-warp two-stage build while the grid fits one wave (head dims without a wide
+    /// build), and the smallest CTA once CTAs queue for SMs (warps per SM bound the step
+    /// then; H200, 4 × 8192 context: 0.86 of two stages' time).
+    pub fn for_launch(ctas: usize, sms: usize, hd: usize, wide: bool) -> Self {
+        if wide && ctas <= 2 * sms && decode_kernel(hd, Self::Wide).is_some() {
+            Self::Wide
+        } else if ctas <= sms {
             Self::Two
         } else {
             Self::One
@@ -202,25 +257,33 @@ impl DecodeStages {
     }
 }
 
-/// Dynamic shared memory of the decode kernel: 16 query rows and its K/V tiles, swizzled in
-/// the one-stage build and padded in the two-stage one (paged_attention.cu, `pa_chunk`).
-pub(crate) fn decode_smem_bytes(hd: usize, stages: DecodeStages) -> usize {
-    let swizzled = stages == DecodeStages::One;
-    2 * (tile_elems(hd, 16, swizzled) + 2 * stages.count() * tile_elems(hd, KV_BLOCK, swizzled))
+/// Dynamic shared memory of the decode kernel: 16 query rows and its K/V tiles, swizzled
+/// except in the one-warp two-stage build (paged_attention.cu, `pa_chunk`), and in the
+/// wide build the scores its warps exchange (8 n-tiles × 32 lanes × 4 f32).
+pub(crate) fn decode_smem_bytes(hd: usize, build: DecodeBuild) -> usize {
+    let swizzled = build != DecodeBuild::Two;
+    let tiles = 2
+        * (tile_elems(hd, 16, swizzled) + 2 * build.stages() * tile_elems(hd, KV_BLOCK, swizzled));
+    match build {
+        DecodeBuild::One | DecodeBuild::Two => tiles,
+        DecodeBuild::Wide => tiles + 8 * 32 * 16,
+    }
 }
 
-/// The decode kernel compiled for padded head dim `hd` with `stages`, if there is one.
-pub(crate) fn decode_kernel(hd: usize, stages: DecodeStages) -> Option<&'static str> {
-    use DecodeStages::*;
-    Some(match (hd, stages) {
+/// The decode kernel compiled for padded head dim `hd` in `build`, if there is one.
+pub(crate) fn decode_kernel(hd: usize, build: DecodeBuild) -> Option<&'static str> {
+    use DecodeBuild::*;
+    Some(match (hd, build) {
         (16, One) => "pa_decode1_hd16",
         (16, Two) => "pa_decode_hd16",
         (32, One) => "pa_decode1_hd32",
         (32, Two) => "pa_decode_hd32",
         (64, One) => "pa_decode1_hd64",
         (64, Two) => "pa_decode_hd64",
+        (64, Wide) => "pa_decode_wide_hd64",
         (128, One) => "pa_decode1_hd128",
         (128, Two) => "pa_decode_hd128",
+        (128, Wide) => "pa_decode_wide_hd128",
         (256, One) => "pa_decode1_hd256",
         (256, Two) => "pa_decode_hd256",
         _ => return None,
@@ -239,9 +302,9 @@ pub(crate) fn smem_attributes() -> Vec<(&'static str, usize)> {
         }
     }
     for hd in [16, 32, 64, 128, 256] {
-        for st in [DecodeStages::One, DecodeStages::Two] {
-            if let Some(name) = decode_kernel(hd, st) {
-                v.push((name, decode_smem_bytes(hd, st)));
+        for build in DecodeBuild::ALL {
+            if let Some(name) = decode_kernel(hd, build) {
+                v.push((name, decode_smem_bytes(hd, build)));
             }
         }
     }
@@ -351,14 +414,54 @@ mod tests {
             );
             assert!(compiled.contains(&name), "{name} is not in source::KERNELS");
         }
-        // Six one-stage CTAs per SM at head_dim 128 where two-stage ones fit three.
-        let per_sm = |st| 228 * 1024 / (decode_smem_bytes(128, st) + 1024);
-        assert_eq!(per_sm(DecodeStages::One), 6);
-        assert_eq!(per_sm(DecodeStages::Two), 3);
-        assert_eq!(DecodeStages::for_launch(16, 132), DecodeStages::Two);
-        assert_eq!(DecodeStages::for_launch(4096, 132), DecodeStages::One);
-        assert_eq!(DecodeStages::parse(" 1"), Some(DecodeStages::One));
-        assert_eq!(DecodeStages::parse("4"), None);
+        // Six one-stage CTAs per SM at head_dim 128 where two-stage ones fit three; the
+        // wide build two, as `for_launch` assumes.
+        let per_sm = |b| 228 * 1024 / (decode_smem_bytes(128, b) + 1024);
+        assert_eq!(per_sm(DecodeBuild::One), 6);
+        assert_eq!(per_sm(DecodeBuild::Two), 3);
+        assert_eq!(per_sm(DecodeBuild::Wide), 2);
+        assert_eq!(
+            DecodeBuild::for_launch(16, 132, 128, true),
+            DecodeBuild::Wide
+        );
+        assert_eq!(
+            DecodeBuild::for_launch(264, 132, 128, true),
+            DecodeBuild::Wide
+        );
+        assert_eq!(
+            DecodeBuild::for_launch(16, 132, 128, false),
+            DecodeBuild::Two
+        );
+        assert_eq!(DecodeBuild::for_launch(16, 132, 32, true), DecodeBuild::Two);
+        assert_eq!(
+            DecodeBuild::for_launch(265, 132, 128, true),
+            DecodeBuild::One
+        );
+        assert_eq!(
+            DecodeBuild::for_launch(4096, 132, 128, true),
+            DecodeBuild::One
+        );
+        assert_eq!(DecodeBuild::parse(" 1"), Some(DecodeBuild::One));
+        assert_eq!(DecodeBuild::parse("wide"), Some(DecodeBuild::Wide));
+        assert_eq!(DecodeBuild::parse("4"), None);
+        assert_eq!(DecodeBuild::from_env_value(None), Ok(None));
+        assert_eq!(
+            DecodeBuild::from_env_value(Some("wide")),
+            Ok(Some(DecodeBuild::Wide))
+        );
+        let err = DecodeBuild::from_env_value(Some("3")).unwrap_err();
+        assert!(
+            err.contains(DECODE_BUILD_ENV) && err.contains("\"3\""),
+            "{err}"
+        );
+        assert_eq!(DecodeBuild::wide_allowed(None), Ok(true));
+        assert_eq!(DecodeBuild::wide_allowed(Some("0")), Ok(false));
+        let err = DecodeBuild::wide_allowed(Some("no")).unwrap_err();
+        assert!(err.contains(DECODE_WIDE_ENV), "{err}");
+        for hd in [16, 32, 64, 128, 256] {
+            assert!(decode_kernel(hd, DecodeBuild::One).is_some());
+            assert!(decode_kernel(hd, DecodeBuild::Two).is_some());
+        }
     }
 
     #[test]
