@@ -683,6 +683,85 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
 #define PA_DECODE_PASS \
     q, kpool, vpool, out, outb, part, rows, row_pos, row_table, table, n_heads, n_kv_heads, head_dim, sl, layer_blocks, max_splits
 
+// Where a decode CTA sits in the grid (both builds): its launch row i and q row, the row's
+// position and block-table offset, its KV head and 16-head tile (h0, nh heads), its split
+// and that split's blocks b0 .. b1. `live` is false past the row's last split.
+struct PaDecodeCta {
+    int i, row, pos, n_splits, split, kvh, h0, nh, width, b0, b1;
+    unsigned tab;
+    bool live;
+};
+__device__ __forceinline__ PaDecodeCta pa_decode_cta(const unsigned* rows, const unsigned* row_pos,
+                                                     const unsigned* row_table, int n_heads, int n_kv_heads,
+                                                     int head_dim) {
+    PaDecodeCta c;
+    c.i = blockIdx.x;
+    c.row = rows ? (int)rows[c.i] : c.i;
+    c.pos = (int)row_pos[c.row];
+    c.tab = row_table[c.row];
+    c.n_splits = c.pos / PA_SPLIT + 1;
+    c.split = blockIdx.z;
+    c.live = c.split < c.n_splits;
+    const int group = n_heads / n_kv_heads;
+    const int htiles = (group + 15) / 16;
+    c.kvh = blockIdx.y / htiles;
+    c.h0 = c.kvh * group + (blockIdx.y % htiles) * 16;
+    c.nh = min(16, c.kvh * group + group - c.h0);
+    c.width = n_heads * head_dim;
+    c.b0 = c.split * PA_SPLIT_BLOCKS;
+    c.b1 = min(c.b0 + PA_SPLIT_BLOCKS, c.pos / PA_BLOCK + 1);
+    return c;
+}
+
+// K (v = 0) or V (v = 1) of key block blk of a decode CTA into a tile by NT threads; the
+// caller commits.
+template <int HD, bool SWZ, int NT>
+__device__ __forceinline__ void pa_decode_load(bf16_t* dst, int v, int blk, const PaDecodeCta& c,
+                                               const bf16_t* kpool, const bf16_t* vpool, const unsigned* table,
+                                               long long layer_blocks, int n_kv_heads, int head_dim, int tid) {
+    const int nvalid = min(PA_BLOCK, c.pos - blk * PA_BLOCK + 1);
+    const unsigned id = table[c.tab + blk];
+    pa_load_kv<HD, SWZ, NT>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, c.kvh, head_dim), head_dim,
+                            nvalid, tid);
+}
+
+// The end of a decode CTA: a row of one split writes its output, a row of more this
+// split's state to part (acc tiles j0 .. j0 + J of it; m and l where `ml`) for pa_combine.
+template <int HD, int J>
+__device__ __forceinline__ void pa_decode_finish(const PaState<HD, J>& st, const PaDecodeCta& c,
+                                                 const int (&rowpos)[2], int j0, bool ml, float* out,
+                                                 bf16_t* outb, float* part, int n_heads, int head_dim,
+                                                 int max_splits, int lane) {
+    const int g = lane >> 2;
+    if (c.n_splits == 1) {
+        pa_store<HD>(
+            st,
+            [&](int r) -> long long {
+                return rowpos[r] < 0 ? -1 : (long long)c.row * c.width + (long long)(c.h0 + g + 8 * r) * head_dim;
+            },
+            head_dim, lane, out, outb, j0);
+        return;
+    }
+    const int t4 = lane & 3;
+    const int stride = head_dim + 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rowpos[r] < 0) continue;
+        float* p = part + (((size_t)c.i * n_heads + c.h0 + g + 8 * r) * max_splits + c.split) * stride;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int d = (j0 + j) * 8 + 2 * t4 + e;
+                if (d < head_dim) p[d] = st.acc[j][2 * r + e];
+            }
+        if (ml && t4 == 0) {
+            p[head_dim] = st.m[r];
+            p[head_dim + 1] = st.l[r];
+        }
+    }
+}
+
 template <int HD, int STAGES>
 __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     static_assert(STAGES == 1 || STAGES == 2, "1 or 2 stages");
@@ -694,29 +773,13 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
     bf16_t* skv = sq + pa_tile_elems<HD, SWZ>(16);
     const int lane = threadIdx.x;
-    const int i = blockIdx.x;
-    const int row = rows ? (int)rows[i] : i;
-    const int pos = (int)row_pos[row];
-    const unsigned tab = row_table[row];
-    const int n_splits = pos / PA_SPLIT + 1;
-    const int split = blockIdx.z;
-    if (split >= n_splits) return;
-    const int group = n_heads / n_kv_heads;
-    const int htiles = (group + 15) / 16;
-    const int kvh = blockIdx.y / htiles;
-    const int h0 = kvh * group + (blockIdx.y % htiles) * 16;
-    const int nh = min(16, kvh * group + group - h0);
-    const int width = n_heads * head_dim;
-    const int b0 = split * PA_SPLIT_BLOCKS;
-    const int b1 = min(b0 + PA_SPLIT_BLOCKS, pos / PA_BLOCK + 1);
+    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, n_heads, n_kv_heads, head_dim);
+    if (!c.live) return;
+    const int pos = c.pos, b0 = c.b0, b1 = c.b1;
     constexpr int TILE = pa_tile_elems<HD, SWZ>(PA_BLOCK);
 
-    // K (v = 0) or V (v = 1) of block blk into a tile; the caller commits.
     auto load = [&](bf16_t* dst, int v, int blk) {
-        const int nvalid = min(PA_BLOCK, pos - blk * PA_BLOCK + 1);
-        const unsigned id = table[tab + blk];
-        pa_load_kv<HD, SWZ, 32>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
-                           nvalid, lane);
+        pa_decode_load<HD, SWZ, 32>(dst, v, blk, c, kpool, vpool, table, layer_blocks, n_kv_heads, head_dim, lane);
     };
     // Stage of block blk: its K tile, then its V tile.
     auto stage = [&](int blk) { return skv + ((blk - b0) % STAGES) * 2 * TILE; };
@@ -737,10 +800,11 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
         }
     }
     pa_load_q<HD, SWZ, 32>(
-        sq, 16, nh, head_dim, [&](int r) { return q + (size_t)row * width + (size_t)(h0 + r) * head_dim; }, lane);
+        sq, 16, c.nh, head_dim, [&](int r) { return q + (size_t)c.row * c.width + (size_t)(c.h0 + r) * head_dim; },
+        lane);
 
     const int g = lane >> 2;
-    const int rowpos[1][2] = {{g < nh ? pos : -1, g + 8 < nh ? pos : -1}};
+    const int rowpos[1][2] = {{g < c.nh ? pos : -1, g + 8 < c.nh ? pos : -1}};
     PaState<HD> spl[1];
     pa_reset(spl[0]);
     for (int blk = b0; blk < b1; ++blk) {
@@ -773,33 +837,7 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
             pa_pv<HD, SWZ>(spl, s, st + TILE, lane);
         }
     }
-    if (n_splits == 1) {
-        pa_store<HD>(
-            spl[0],
-            [&](int r) -> long long {
-                return rowpos[0][r] < 0 ? -1 : (long long)row * width + (long long)(h0 + g + 8 * r) * head_dim;
-            },
-            head_dim, lane, out, outb);
-        return;
-    }
-    const int t4 = lane & 3;
-    const int stride = head_dim + 2;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (rowpos[0][r] < 0) continue;
-        float* p = part + (((size_t)i * n_heads + h0 + g + 8 * r) * max_splits + split) * stride;
-#pragma unroll
-        for (int j = 0; j < HD / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int d = j * 8 + 2 * t4 + e;
-                if (d < head_dim) p[d] = spl[0].acc[j][2 * r + e];
-            }
-        if (t4 == 0) {
-            p[head_dim] = spl[0].m[r];
-            p[head_dim + 1] = spl[0].l[r];
-        }
-    }
+    pa_decode_finish(spl[0], c, rowpos[0], 0, true, out, outb, part, n_heads, head_dim, max_splits, lane);
 }
 
 #define PA_DECODE_ENTRY(NAME, HD, STAGES)                                  \

@@ -73,28 +73,13 @@ __device__ __forceinline__ void pa_decode_wide_body(PA_DECODE_ARGS) {
     bf16_t* skv = reinterpret_cast<bf16_t*>(ssc + 8 * 32);
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const int i = blockIdx.x;
-    const int row = rows ? (int)rows[i] : i;
-    const int pos = (int)row_pos[row];
-    const unsigned tab = row_table[row];
-    const int n_splits = pos / PA_SPLIT + 1;
-    const int split = blockIdx.z;
-    if (split >= n_splits) return;
-    const int group = n_heads / n_kv_heads;
-    const int htiles = (group + 15) / 16;
-    const int kvh = blockIdx.y / htiles;
-    const int h0 = kvh * group + (blockIdx.y % htiles) * 16;
-    const int nh = min(16, kvh * group + group - h0);
-    const int width = n_heads * head_dim;
-    const int b0 = split * PA_SPLIT_BLOCKS;
-    const int b1 = min(b0 + PA_SPLIT_BLOCKS, pos / PA_BLOCK + 1);
+    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, n_heads, n_kv_heads, head_dim);
+    if (!c.live) return;
+    const int pos = c.pos, b0 = c.b0, b1 = c.b1;
     constexpr int TILE = pa_tile_elems<HD, SWZ>(PA_BLOCK);
 
     auto load = [&](bf16_t* dst, int v, int blk) {
-        const int nvalid = min(PA_BLOCK, pos - blk * PA_BLOCK + 1);
-        const unsigned id = table[tab + blk];
-        pa_load_kv<HD, SWZ, NT>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, kvh, head_dim), head_dim,
-                                nvalid, tid);
+        pa_decode_load<HD, SWZ, NT>(dst, v, blk, c, kpool, vpool, table, layer_blocks, n_kv_heads, head_dim, tid);
     };
     auto stage = [&](int blk) { return skv + ((blk - b0) % STAGES) * 2 * TILE; };
 #pragma unroll
@@ -106,10 +91,11 @@ __device__ __forceinline__ void pa_decode_wide_body(PA_DECODE_ARGS) {
         pa_commit();  // empty past the split's end: the wait count stays uniform
     }
     pa_load_q<HD, SWZ, NT>(
-        sq, 16, nh, head_dim, [&](int r) { return q + (size_t)row * width + (size_t)(h0 + r) * head_dim; }, tid);
+        sq, 16, c.nh, head_dim, [&](int r) { return q + (size_t)c.row * c.width + (size_t)(c.h0 + r) * head_dim; },
+        tid);
 
     const int g = lane >> 2;
-    const int rowpos[2] = {g < nh ? pos : -1, g + 8 < nh ? pos : -1};
+    const int rowpos[2] = {g < c.nh ? pos : -1, g + 8 < c.nh ? pos : -1};
     PaState<HD, JW> spl;
     pa_reset(spl);
     for (int blk = b0; blk < b1; ++blk) {
@@ -143,34 +129,7 @@ __device__ __forceinline__ void pa_decode_wide_body(PA_DECODE_ARGS) {
         pa_softmax_block<HD>(spl, s, blk * PA_BLOCK, rowpos, sl, lane);
         pa_pv_part<HD, SWZ, JW>(spl, s, st + TILE, warp * JW, lane);
     }
-    const int j0 = warp * JW;
-    if (n_splits == 1) {
-        pa_store<HD>(
-            spl,
-            [&](int r) -> long long {
-                return rowpos[r] < 0 ? -1 : (long long)row * width + (long long)(h0 + g + 8 * r) * head_dim;
-            },
-            head_dim, lane, out, outb, j0);
-        return;
-    }
-    const int t4 = lane & 3;
-    const int stride = head_dim + 2;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (rowpos[r] < 0) continue;
-        float* p = part + (((size_t)i * n_heads + h0 + g + 8 * r) * max_splits + split) * stride;
-#pragma unroll
-        for (int j = 0; j < JW; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int d = (j0 + j) * 8 + 2 * t4 + e;
-                if (d < head_dim) p[d] = spl.acc[j][2 * r + e];
-            }
-        if (warp == 0 && t4 == 0) {
-            p[head_dim] = spl.m[r];
-            p[head_dim + 1] = spl.l[r];
-        }
-    }
+    pa_decode_finish(spl, c, rowpos, warp * JW, warp == 0, out, outb, part, n_heads, head_dim, max_splits, lane);
 }
 
 #define PA_DECODE_WIDE_ENTRY(NAME, HD, STAGES, W)                           \

@@ -420,27 +420,21 @@ mod tests {
         assert_eq!(per_sm(DecodeBuild::One), 6);
         assert_eq!(per_sm(DecodeBuild::Two), 3);
         assert_eq!(per_sm(DecodeBuild::Wide), 2);
-        assert_eq!(
-            DecodeBuild::for_launch(16, 132, 128, true),
-            DecodeBuild::Wide
-        );
-        assert_eq!(
-            DecodeBuild::for_launch(264, 132, 128, true),
-            DecodeBuild::Wide
-        );
-        assert_eq!(
-            DecodeBuild::for_launch(16, 132, 128, false),
-            DecodeBuild::Two
-        );
-        assert_eq!(DecodeBuild::for_launch(16, 132, 32, true), DecodeBuild::Two);
-        assert_eq!(
-            DecodeBuild::for_launch(265, 132, 128, true),
-            DecodeBuild::One
-        );
-        assert_eq!(
-            DecodeBuild::for_launch(4096, 132, 128, true),
-            DecodeBuild::One
-        );
+        // (CTAs, head dim, wide allowed) → build, on 132 SMs.
+        for (ctas, hd, wide, want) in [
+            (16, 128, true, DecodeBuild::Wide),
+            (264, 128, true, DecodeBuild::Wide),
+            (16, 128, false, DecodeBuild::Two),
+            (16, 32, true, DecodeBuild::Two),
+            (265, 128, true, DecodeBuild::One),
+            (4096, 128, true, DecodeBuild::One),
+        ] {
+            assert_eq!(
+                DecodeBuild::for_launch(ctas, 132, hd, wide),
+                want,
+                "{ctas} CTAs"
+            );
+        }
         assert_eq!(DecodeBuild::parse(" 1"), Some(DecodeBuild::One));
         assert_eq!(DecodeBuild::parse("wide"), Some(DecodeBuild::Wide));
         assert_eq!(DecodeBuild::parse("4"), None);
