@@ -5,7 +5,8 @@
 #   bash scripts/bench/profile-attention.sh
 # BUILDS (default "64 96 wgmma": ARBOR_ATTN_PREFILL_ROWS values), PREFILL (default
 # 8x1024,4x8192), DECODE (default 1x8192,32x8192; the one-stage decode kernel is profiled at
-# DECODE_NCU, default 32x8192). The ncu reports and logs go into one archive,
+# DECODE_NCU, default 32x8192, and the wide one at DECODE_WIDE_NCU, default 1x1024: what
+# bounds a batch-1 split's chain of blocks). The ncu reports and logs go into one archive,
 # $OUT/profile-attention.tgz (a call returns at most 8 files); the digest is in
 # $OUT/profile-attention-summary.txt.
 set -uo pipefail
@@ -51,6 +52,8 @@ if [[ -n $NCU ]]; then
     done
     ncu_kernel pa_decode1_hd128 '^pa_decode1_hd128$' "$ARBOR" bench attention --prefill "" \
         --decode "${DECODE_NCU:-32x8192}" --warmup 2 --iters 2
+    ARBOR_ATTN_DECODE=wide ncu_kernel pa_decode_wide_hd128 '^pa_decode_wide_hd128$' "$ARBOR" bench attention \
+        --prefill "" --decode "${DECODE_WIDE_NCU:-1x1024}" --warmup 2 --iters 2
     step "ncu flash (torch)" "$W/torch.txt" 150 "$NCU" --clock-control none --set full \
         -k "regex:flash" --launch-skip 2 --launch-count 1 \
         python3 scripts/bench/attention-reference.py --prefill 8x1024 --decode "" --iters 3
