@@ -725,6 +725,17 @@ __device__ __forceinline__ void pa_decode_load(bf16_t* dst, int v, int blk, cons
                             nvalid, tid);
 }
 
+// Block blk's K and V tiles into its stage (nothing past the split's last block b1 - 1),
+// as one commit group either way, so the wait counts stay uniform.
+template <typename Load, typename Stage>
+__device__ __forceinline__ void pa_decode_fill(const Load& load, const Stage& stage, int blk, int b1, int tile) {
+    if (blk < b1) {
+        load(stage(blk), 0, blk);
+        load(stage(blk) + tile, 1, blk);
+    }
+    pa_commit();
+}
+
 // The end of a decode CTA: a row of one split writes its output, a row of more this
 // split's state to part (acc tiles j0 .. j0 + J of it; m and l where `ml`) for pa_combine.
 template <int HD, int J>
@@ -791,13 +802,7 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
         pa_commit();
     } else {
 #pragma unroll
-        for (int s = 0; s + 1 < STAGES; ++s) {
-            if (b0 + s < b1) {
-                load(stage(b0 + s), 0, b0 + s);
-                load(stage(b0 + s) + TILE, 1, b0 + s);
-            }
-            pa_commit();  // empty past the split's end: the wait count stays uniform
-        }
+        for (int s = 0; s + 1 < STAGES; ++s) pa_decode_fill(load, stage, b0 + s, b1, TILE);
     }
     pa_load_q<HD, SWZ, 32>(
         sq, 16, c.nh, head_dim, [&](int r) { return q + (size_t)c.row * c.width + (size_t)(c.h0 + r) * head_dim; },
@@ -826,12 +831,7 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
         } else {
             pa_wait<STAGES - 2>();  // block blk has landed
             __syncwarp();           // and every lane is done with the stage loaded next
-            const int nb = blk + STAGES - 1;
-            if (nb < b1) {
-                load(stage(nb), 0, nb);
-                load(stage(nb) + TILE, 1, nb);
-            }
-            pa_commit();
+            pa_decode_fill(load, stage, blk + STAGES - 1, b1, TILE);
             const bf16_t* st = stage(blk);
             pa_scores<HD, SWZ, 1>(spl, s, sq, st, blk * PA_BLOCK, rowpos, sl, lane);
             pa_pv<HD, SWZ>(spl, s, st + TILE, lane);

@@ -83,13 +83,7 @@ __device__ __forceinline__ void pa_decode_wide_body(PA_DECODE_ARGS) {
     };
     auto stage = [&](int blk) { return skv + ((blk - b0) % STAGES) * 2 * TILE; };
 #pragma unroll
-    for (int s = 0; s + 1 < STAGES; ++s) {
-        if (b0 + s < b1) {
-            load(stage(b0 + s), 0, b0 + s);
-            load(stage(b0 + s) + TILE, 1, b0 + s);
-        }
-        pa_commit();  // empty past the split's end: the wait count stays uniform
-    }
+    for (int s = 0; s + 1 < STAGES; ++s) pa_decode_fill(load, stage, b0 + s, b1, TILE);
     pa_load_q<HD, SWZ, NT>(
         sq, 16, c.nh, head_dim, [&](int r) { return q + (size_t)c.row * c.width + (size_t)(c.h0 + r) * head_dim; },
         tid);
@@ -102,12 +96,7 @@ __device__ __forceinline__ void pa_decode_wide_body(PA_DECODE_ARGS) {
         pa_wait<STAGES - 2>();  // this thread's part of block blk has landed
         __syncthreads();        // every part (and q) has, and every warp is done with the
                                 // stage loaded next and with the scores in ssc
-        const int nb = blk + STAGES - 1;
-        if (nb < b1) {
-            load(stage(nb), 0, nb);
-            load(stage(nb) + TILE, 1, nb);
-        }
-        pa_commit();
+        pa_decode_fill(load, stage, blk + STAGES - 1, b1, TILE);
         const bf16_t* st = stage(blk);
         {
             float part_s[NW][4];

@@ -335,7 +335,7 @@ impl TreeGemm {
             return 0;
         }
         let s = a.shape;
-        let tiles = s.m.div_ceil(128) * s.n.div_ceil(bn);
+        let tiles = Path::persistent_tiles(bn, s.m, s.n);
         let blocks = Path::persistent_blocks(bn, s.m, s.n, self.sms);
         let tail = tma::tail_tiles(tiles, blocks, s.n_seg);
         let fits = a.ws != 0

@@ -220,13 +220,18 @@ impl Path {
     /// a tail fills at most half a grid, which holds at most every tile and at most
     /// [`tma::MAX_PERSISTENT_BLOCKS`] blocks.
     fn max_tail(bn: usize, m: usize, n: usize) -> usize {
-        (m.div_ceil(128) * n.div_ceil(bn)).min(tma::MAX_PERSISTENT_BLOCKS) / 2
+        Self::persistent_tiles(bn, m, n).min(tma::MAX_PERSISTENT_BLOCKS) / 2
+    }
+
+    /// Output tiles of a persistent kernel of 128×`bn` tiles.
+    pub(super) fn persistent_tiles(bn: usize, m: usize, n: usize) -> usize {
+        m.div_ceil(128) * n.div_ceil(bn)
     }
 
     /// Blocks of a persistent kernel of 128×`bn` tiles: one per tile, at most one per SM
     /// and at most [`tma::MAX_PERSISTENT_BLOCKS`].
     pub(super) fn persistent_blocks(bn: usize, m: usize, n: usize, sms: usize) -> usize {
-        (m.div_ceil(128) * n.div_ceil(bn))
+        Self::persistent_tiles(bn, m, n)
             .min(sms)
             .min(tma::MAX_PERSISTENT_BLOCKS)
     }
@@ -301,7 +306,7 @@ impl Path {
             Path::Split64 => ((n.div_ceil(64), n_seg, m.div_ceil(64)), 128),
             Path::WgSplit64 => ((n.div_ceil(128), n_seg, m.div_ceil(64)), 128),
             // Persistent: the launch caps the grid at the number of SMs.
-            Path::WgTma { bn } => ((m.div_ceil(128) * n.div_ceil(bn), 1, 1), 384),
+            Path::WgTma { bn } => ((Self::persistent_tiles(bn, m, n), 1, 1), 384),
             Path::WgCluster64 => ((n.div_ceil(128) * n_seg, m.div_ceil(64), 1), 160),
             Path::WgCluster64x2 => (
                 (n.div_ceil(128) * n_seg.div_ceil(2), m.div_ceil(64), 1),

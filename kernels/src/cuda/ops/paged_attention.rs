@@ -321,8 +321,19 @@ impl GpuDevice {
             kernel: "paged attention",
             msg: format!("head_dim {} is above 256", layout.head_dim),
         })?;
-        let htiles = (n_heads / layout.n_kv_heads.max(1)).div_ceil(16);
-        let ctas = routing.n_decode * layout.n_kv_heads * htiles * routing.max_splits;
+        self.decode_build_at(routing, hd, n_heads, layout.n_kv_heads)
+    }
+
+    /// [`GpuDevice::decode_build`] at padded head dim `hd`.
+    fn decode_build_at(
+        &self,
+        routing: &AttnRouting,
+        hd: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+    ) -> Result<DecodeBuild, CudaError> {
+        let htiles = (n_heads / n_kv_heads.max(1)).div_ceil(16);
+        let ctas = routing.n_decode * n_kv_heads * htiles * routing.max_splits;
         let (forced, wide) = decode_build_env()?;
         Ok(routing
             .decode_build
@@ -430,7 +441,7 @@ impl GpuDevice {
             let ms = routing.max_splits;
             let msi = i32_of(K, "splits", ms)?;
             let htiles = (n_heads / n_kv_heads).div_ceil(16);
-            let build = self.decode_build(routing, n_heads, layout)?;
+            let build = self.decode_build_at(routing, hd, n_heads, n_kv_heads)?;
             let name = decode_kernel(hd, build).ok_or_else(|| CudaError::Launch {
                 kernel: K,
                 msg: format!("no decode kernel for head_dim {head_dim} in the {build:?} build"),

@@ -264,17 +264,17 @@ fn check_build(dev: &GpuDevice, c: &Case, kv: &OnDevice, len: usize, pt: Prefill
 
     // Every row through the decode kernel (splits, combine), in each of its builds (how
     // many warps share a block, how far ahead it loads): the same bits.
-    for stages in DecodeBuild::ALL {
+    for build in DecodeBuild::ALL {
         if padded_head_dim(c.layout.head_dim)
-            .and_then(|hd| decode_kernel(hd, stages))
+            .and_then(|hd| decode_kernel(hd, build))
             .is_none()
         {
             continue;
         }
-        let (dec, decb) = run(dev, c, kv, &all, &whole, Route::Decode(stages));
+        let (dec, decb) = run(dev, c, kv, &all, &whole, Route::Decode(build));
         if let Some(i) = (0..pre.len()).find(|&i| pre[i].to_bits() != dec[i].to_bits()) {
             panic!(
-                "hd {head_dim}: decode ({stages:?} stages) differs from prefill ({pt:?}) at row {}, value {} ({} vs {})",
+                "hd {head_dim}: decode ({build:?} build) differs from prefill ({pt:?}) at row {}, value {} ({} vs {})",
                 i / w,
                 i % w,
                 dec[i],
@@ -283,7 +283,7 @@ fn check_build(dev: &GpuDevice, c: &Case, kv: &OnDevice, len: usize, pt: Prefill
         }
         assert_eq!(
             preb, decb,
-            "hd {head_dim}: bf16 outputs differ ({stages:?} stages, {pt:?})"
+            "hd {head_dim}: bf16 outputs differ ({build:?} build, {pt:?})"
         );
     }
 
