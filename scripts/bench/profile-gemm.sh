@@ -9,8 +9,11 @@
 # stall reasons). STALLS=1 adds source-level PC sampling to the reports and their samples
 # by SASS instruction to the summary (scripts/bench/ncu_source_top.py), e.g. for the
 # large-M kernel against cuBLAS's:
-#   SHAPE=4096x4096 M=4096 PATHS=wgtma128 STALLS=1 bash scripts/bench/profile-gemm.sh Timings: `arbor bench gemm --path P`
-# for every path first (no profiler attached), so the report sits next to wall figures.
+#   SHAPE=4096x4096 M=4096 PATHS=wgtma128 STALLS=1 bash scripts/bench/profile-gemm.sh
+# CUBLAS=0 leaves cuBLAS's kernel out (when comparing arbor's settings, e.g. under two
+# values of ARBOR_GEMM_TAIL_SPLIT, each run with its own OUT). Timings: `arbor bench gemm
+# --path P` for every path first (no profiler attached), so the report sits next to wall
+# figures.
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}
@@ -30,7 +33,7 @@ done
 
 # What ncu's full set says bounds a kernel, one block of lines per kernel.
 digest() {
-    grep -E "^  [A-Za-z_].*\(|Duration|Memory Throughput|DRAM Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Shared Memory|Achieved Occupancy|Registers Per|Waves Per SM|Grid Size|Block Size|Cluster Size|Est. Speedup|One or More Eligible|Issued Warp|Stall" \
+    grep -E "^  [A-Za-z_].*\(|Duration|Memory Throughput|DRAM Throughput|L2 Hit Rate|L1/TEX Cache Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Shared Memory|Achieved Occupancy|Registers Per|Waves Per SM|Grid Size|Block Size|Cluster Size|Est. Speedup|One or More Eligible|Issued Warp|Stall" \
         "$1" | head -n 48 | tee -a "$SUMMARY"
 }
 kernel_of() {
@@ -98,6 +101,7 @@ if [[ -n $NCU ]]; then
         stalls "$OUT/profile-gemm-$path.ncu-rep"
         sass_stalls "$OUT/profile-gemm-$path.ncu-rep"
     done
+    [[ ${CUBLAS:-1} == 1 ]] || { echo "==== profile-gemm ($(elapsed) s)"; exit 0; }
     step "ncu cuBLAS" "$OUT/profile-gemm-cublas.log" 150 "$NCU" --clock-control none --set full \
         "${SOURCE[@]}" -o "$OUT/profile-gemm-cublas" -f \
         -k "regex:nvjet|xmma|cutlass" --launch-skip 5 --launch-count 1 \

@@ -95,6 +95,23 @@ fn by_column<T>(tg: &mut TreeGemm, call: impl FnOnce(&TreeGemm) -> T) -> T {
     out
 }
 
+/// `call` on a device of `sms` SMs, as the test counts them, with the persistent kernels'
+/// tail split on or off; `tg` as it was afterwards. On five blocks a call whose last
+/// round holds one or two tiles splits them (q/k/v at 129 rows: 96 tiles, 19 rounds and
+/// 1), one of three or four does not (gate/up at 256 rows: 448 tiles, 89 rounds and 3).
+fn on_blocks<T>(
+    tg: &mut TreeGemm,
+    sms: usize,
+    tail_split: bool,
+    call: impl FnOnce(&TreeGemm) -> T,
+) -> T {
+    let (old_split, old_sms) = (std::mem::replace(&mut tg.tail_split, tail_split), tg.sms);
+    tg.sms = sms;
+    let out = call(tg);
+    (tg.tail_split, tg.sms) = (old_split, old_sms);
+    out
+}
+
 fn same_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if let Some(i) = got
@@ -262,8 +279,10 @@ fn check_all_paths(tg: &TreeGemm, stream: &Arc<CudaStream>, k: usize) {
 /// batch 129–512 and short prefills, where the 128-row tiles of `wgtma128` and
 /// `wgquad128x` take partial last row tiles (129, 200, 384): every Wgmma path gives
 /// `wgtma128`'s bits; for the 128-row paths also every TP 2 / 4 / 8 shard (a
-/// row-parallel layer's rank: 4, 2, 1 segments) combined on the host. One row is checked
-/// against the host `tree_matmul` within bf16 tolerance (the paths could agree on NaN).
+/// row-parallel layer's rank: 4, 2, 1 segments) combined on the host, and for the
+/// persistent kernels also on a grid of five blocks, the tail split on and off. One row
+/// is checked against the host `tree_matmul` within bf16 tolerance (the paths could agree
+/// on NaN).
 #[test]
 fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
     if let Err(e) = probe() {
@@ -358,6 +377,15 @@ fn model_shapes_from_129_to_512_rows_give_the_same_bits_on_every_path() {
                         &y,
                         &format!("{name}, tiles by column"),
                     );
+                    for split in [false, true] {
+                        same_bits(
+                            &on_blocks(&mut tg, 5, split, |tg| {
+                                b.call(tg, path, full(m), (0, 0, 0))
+                            }),
+                            &y,
+                            &format!("{name}, five blocks, tail split {split}"),
+                        );
+                    }
                 }
                 if !matches!(path, Path::WgTma { .. } | Path::WgQuad128 { .. }) {
                     continue;
