@@ -396,8 +396,8 @@ DEVI bool block_unit(int i, const TmaParams& p, int num_m, int num_n, Unit& u) {
 // A warpgroup's half root of a tail tile in the workspace: thread wl's values 4i .. 4i + 3
 // as one float4 at (i·128 + wl), so that each of a warp's 16-byte accesses covers 512
 // contiguous bytes and a thread's A values take A / 4 accesses.
-DEVI float4* half_root(const TmaParams& p, const Unit& u, int g, int half, int a) {
-    return (float4*)(p.ws + (((size_t)u.j * 2 + g) * 2 + half) * ((size_t)a * 128));
+DEVI float4* half_root(const TmaParams& p, size_t tile_wg, int half, int a) {
+    return (float4*)(p.ws + (tile_wg * 2 + half) * ((size_t)a * 128));
 }
 
 // The warpgroup's half of tail tile u.j: its subtree root (A values a thread) goes to the
@@ -412,19 +412,20 @@ DEVI float4* half_root(const TmaParams& p, const Unit& u, int g, int half, int a
 template <int A>
 DEVI bool tail_combine(const TmaParams& p, float* root, float* other, const Unit& u, int g, int wl,
                        bool releaser, volatile int* arrived) {
-    float4* const mine = half_root(p, u, g, u.half, A);
+    const size_t tile_wg = (size_t)u.j * 2 + g;
+    float4* const mine = half_root(p, tile_wg, u.half, A);
 #pragma unroll
     for (int i = 0; i < A; i += 4) mine[(i / 4) * 128 + wl] = make_float4(root[i], root[i + 1], root[i + 2], root[i + 3]);
     __threadfence();
     warpgroup_bar(g);
-    if (releaser) *arrived = (int)atomicAdd(p.cnt + (size_t)u.j * 2 + g, 1u);
+    if (releaser) *arrived = (int)atomicAdd(p.cnt + tile_wg, 1u);
     warpgroup_bar(g);
     const bool second = *arrived != 0;
     // Every thread has read the flag before the releaser may set it for another unit.
     warpgroup_bar(g);
     if (!second) return false;
     __threadfence();
-    const float4* const theirs = half_root(p, u, g, 1 - u.half, A);
+    const float4* const theirs = half_root(p, tile_wg, 1 - u.half, A);
 #pragma unroll
     for (int i = 0; i < A; i += 4) {
         const float4 x = __ldcg(theirs + (i / 4) * 128 + wl);
@@ -435,7 +436,7 @@ DEVI bool tail_combine(const TmaParams& p, float* root, float* other, const Unit
     }
 #pragma unroll
     for (int i = 0; i < A; ++i) root[i] = u.half == 0 ? root[i] + other[i] : other[i] + root[i];
-    if (releaser) p.cnt[(size_t)u.j * 2 + g] = 0u;
+    if (releaser) p.cnt[tile_wg] = 0u;
     return true;
 }
 

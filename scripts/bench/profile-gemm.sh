@@ -101,14 +101,15 @@ if [[ -n $NCU ]]; then
         stalls "$OUT/profile-gemm-$path.ncu-rep"
         sass_stalls "$OUT/profile-gemm-$path.ncu-rep"
     done
-    [[ ${CUBLAS:-1} == 1 ]] || { echo "==== profile-gemm ($(elapsed) s)"; exit 0; }
-    step "ncu cuBLAS" "$OUT/profile-gemm-cublas.log" 150 "$NCU" --clock-control none --set full \
-        "${SOURCE[@]}" -o "$OUT/profile-gemm-cublas" -f \
-        -k "regex:nvjet|xmma|cutlass" --launch-skip 5 --launch-count 1 \
-        "$ARBOR" bench gemm --shapes "$SHAPE" --m "$M" --iters 30
-    "$NCU" --import "$OUT/profile-gemm-cublas.ncu-rep" > "$OUT/profile-gemm-cublas.txt" 2>&1
-    digest "$OUT/profile-gemm-cublas.txt"
-    stalls "$OUT/profile-gemm-cublas.ncu-rep"
-    sass_stalls "$OUT/profile-gemm-cublas.ncu-rep"
+    if [[ ${CUBLAS:-1} == 1 ]]; then
+        step "ncu cuBLAS" "$OUT/profile-gemm-cublas.log" 150 "$NCU" --clock-control none --set full \
+            "${SOURCE[@]}" -o "$OUT/profile-gemm-cublas" -f \
+            -k "regex:nvjet|xmma|cutlass" --launch-skip 5 --launch-count 1 \
+            "$ARBOR" bench gemm --shapes "$SHAPE" --m "$M" --iters 30
+        "$NCU" --import "$OUT/profile-gemm-cublas.ncu-rep" > "$OUT/profile-gemm-cublas.txt" 2>&1
+        digest "$OUT/profile-gemm-cublas.txt"
+        stalls "$OUT/profile-gemm-cublas.ncu-rep"
+        sass_stalls "$OUT/profile-gemm-cublas.ncu-rep"
+    fi
 fi
 echo "==== profile-gemm ($(elapsed) s)"
