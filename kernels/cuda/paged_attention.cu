@@ -237,6 +237,38 @@ __device__ __forceinline__ void pa_reset(PaState<HD, J>& s) {
         for (int e = 0; e < 4; ++e) s.acc[j][e] = 0.0f;
 }
 
+// The maximum of row r (0: g, 1: g + 8) of a block's scores (keys key0 .. key0 + 63),
+// keys past the row's position first set to −inf where MASK (header).
+template <bool MASK>
+__device__ __forceinline__ float pa_block_max(float (&s)[8][4], int r, int key0, int rowpos, int t4) {
+    float bm = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if (MASK && key0 + n * 8 + 2 * t4 + e > rowpos) s[n][2 * r + e] = NEG_INF;
+            bm = fmaxf(bm, s[n][2 * r + e]);
+        }
+    bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 1));
+    return fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 2));
+}
+
+// Row r's probabilities p = ex2(fma(s, sl, −mu)) in place of its scores, and their sum:
+// per thread in key order, then lanes xor 1, xor 2 (header).
+__device__ __forceinline__ float pa_block_probs(float (&s)[8][4], int r, float sl, float mu) {
+    float ls = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float p = pa_ex2(__fmaf_rn(s[n][2 * r + e], sl, -mu));
+            s[n][2 * r + e] = p;
+            ls = ls + p;
+        }
+    ls = ls + __shfl_xor_sync(FULL_MASK, ls, 1);
+    return ls + __shfl_xor_sync(FULL_MASK, ls, 2);
+}
+
 // The online-softmax update of one block's scores (header); MASK: keys past a row's
 // position may be in the block.
 template <int HD, bool MASK, int J>
@@ -246,30 +278,11 @@ __device__ __forceinline__ void pa_softmax(PaState<HD, J>& st, float (&s)[8][4],
     float corr[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float bm = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                if (MASK && key0 + n * 8 + 2 * t4 + e > rowpos[r]) s[n][2 * r + e] = NEG_INF;
-                bm = fmaxf(bm, s[n][2 * r + e]);
-            }
-        bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 1));
-        bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 2));
+        const float bm = pa_block_max<MASK>(s, r, key0, rowpos[r], t4);
         const float mn = fmaxf(st.m[r], bm * sl);
         const float mu = mn == NEG_INF ? 0.0f : mn;
         corr[r] = mn == st.m[r] ? 1.0f : pa_ex2(st.m[r] - mu);
-        float ls = 0.0f;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = pa_ex2(__fmaf_rn(s[n][2 * r + e], sl, -mu));
-                s[n][2 * r + e] = p;
-                ls = ls + p;
-            }
-        ls = ls + __shfl_xor_sync(FULL_MASK, ls, 1);
-        ls = ls + __shfl_xor_sync(FULL_MASK, ls, 2);
+        const float ls = pa_block_probs(s, r, sl, mu);
         st.l[r] = __fmaf_rn(st.l[r], corr[r], ls);
         st.m[r] = mn;
     }

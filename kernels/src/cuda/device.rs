@@ -22,6 +22,8 @@ pub struct GpuDevice {
     pub workspace: Workspace,
     /// Streaming multiprocessors: how many CTAs run at once, for launch-size choices.
     pub sms: usize,
+    /// Shared memory a block may opt in to, in bytes: which kernels can run here.
+    pub smem_per_block: usize,
     /// Uploads copied beside the main stream's queued work (staging.rs).
     pub staging: super::staging::Staging,
     /// Weights uploaded in chunks through page-locked buffers (upload_ring.rs).
@@ -80,7 +82,18 @@ impl GpuDevice {
                 .map_err(drv(&format!("loading kernel {name}")))?;
             funcs.insert(name, f);
         }
+        let smem_per_block = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(drv("reading the opt-in shared memory per block"))?
+            .max(0) as usize;
         for (name, bytes) in super::ops::paged_tiles::smem_attributes() {
+            // A kernel that needs more than the device has is never launched there
+            // (`DecodeBuild::runs`); the attribute would be refused.
+            if bytes > smem_per_block {
+                continue;
+            }
             if let Some(f) = funcs.get(name) {
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -111,6 +124,7 @@ impl GpuDevice {
             arch,
             pdl,
             sms,
+            smem_per_block,
             staging: Default::default(),
             uploads: Default::default(),
             funcs,

@@ -17,6 +17,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         "paged_attention_wide.cu",
         include_str!("../../cuda/paged_attention_wide.cu"),
     ),
+    (
+        "paged_attention_par.cu",
+        include_str!("../../cuda/paged_attention_par.cu"),
+    ),
     ("wgmma.cuh", include_str!("../../cuda/wgmma.cuh")),
     (
         "paged_attention_wg.cu",
@@ -74,6 +78,7 @@ pub const KERNELS: &[&str] = &[
     "pa_decode1_hd256",
     "pa_decode_wide_hd64",
     "pa_decode_wide_hd128",
+    "pa_decode_par_hd128",
     "pa_combine",
     "moe_route_kernel",
     "moe_count_kernel",

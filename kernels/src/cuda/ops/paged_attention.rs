@@ -335,11 +335,12 @@ impl GpuDevice {
         let htiles = (n_heads / n_kv_heads.max(1)).div_ceil(16);
         let ctas = routing.n_decode * n_kv_heads * htiles * routing.max_splits;
         let (forced, wide) = decode_build_env()?;
+        let smem = self.smem_per_block;
         Ok(routing
             .decode_build
             .or(forced)
-            .filter(|&b| decode_kernel(hd, b).is_some())
-            .unwrap_or_else(|| DecodeBuild::for_launch(ctas, self.sms, hd, wide)))
+            .filter(|&b| b.runs(hd, smem))
+            .unwrap_or_else(|| DecodeBuild::for_launch(ctas, self.sms, hd, wide, smem)))
     }
 
     /// [`GpuDevice::paged_attention`] written into `out` when given (`q`'s length).

@@ -1,7 +1,7 @@
 //! The paged attention kernels' tiles: the head dims they are compiled for and the shared
 //! memory each needs (set on the functions when the module is loaded, `device.rs`).
 
-use crate::paged::KV_BLOCK;
+use crate::paged::{ATTN_SPLIT_BLOCKS, KV_BLOCK};
 
 /// paged_attention.cu's PA_PREFILL2_ROWS: query rows per tile of the default prefill
 /// build (3 warps × 32 rows, two m16 tiles per warp).
@@ -17,11 +17,12 @@ pub const LONG_PREFILL_POS: usize = 4096;
 pub const PREFILL_ROWS_ENV: &str = "ARBOR_ATTN_PREFILL_ROWS";
 
 /// The variable that forces the decode kernel's build ([`DecodeBuild`]) for A/B runs: `1`,
-/// `2` or `wide`. The wide build at a head dim without one falls back to the rule.
+/// `2`, `wide` or `par`. A build without a kernel at the head dim, or whose shared memory
+/// does not fit the device, falls back to the rule.
 pub const DECODE_BUILD_ENV: &str = "ARBOR_ATTN_DECODE";
 
-/// The variable that lets the rule ([`DecodeBuild::for_launch`]) take the wide build: `1`
-/// (the default) or `0` (the one-warp builds only, the rule as it was before the wide one).
+/// The variable that lets the rule ([`DecodeBuild::for_launch`]) take the builds of several
+/// warps (wide, parallel): `1` (the default) or `0` (the one-warp builds only).
 pub const DECODE_WIDE_ENV: &str = "ARBOR_ATTN_DECODE_WIDE";
 
 /// The prefill kernel's build: a speed choice only (a row's arithmetic is the same in
@@ -183,36 +184,40 @@ pub enum DecodeBuild {
     /// Four warps sharing each block (`pa_decode_wide_body`), three K/V stages; head dims
     /// 64 and 128.
     Wide,
+    /// Eight warps, one block of the split each (`pa_decode_par_body`): every block's
+    /// scores and softmax at once, then the chain of acc over the blocks; the whole split's
+    /// K and V in shared memory (213.5 KB, one CTA per SM: sm_90). Head dim 128.
+    Parallel,
 }
 
 impl DecodeBuild {
     /// Every build, in the order the tests run them.
-    pub const ALL: [Self; 3] = [Self::One, Self::Two, Self::Wide];
-
-    fn stages(self) -> usize {
-        match self {
-            Self::One => 1,
-            Self::Two => 2,
-            Self::Wide => 3,
-        }
-    }
+    pub const ALL: [Self; 4] = [Self::One, Self::Two, Self::Wide, Self::Parallel];
 
     /// Threads of a CTA.
     pub fn threads(self) -> u32 {
         match self {
             Self::One | Self::Two => 32,
             Self::Wide => 128,
+            Self::Parallel => 256,
         }
     }
 
-    /// From `1`, `2` or `wide` (the [`DECODE_BUILD_ENV`] override).
+    /// From `1`, `2`, `wide` or `par` (the [`DECODE_BUILD_ENV`] override).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim() {
             "1" => Some(Self::One),
             "2" => Some(Self::Two),
             "wide" => Some(Self::Wide),
+            "par" => Some(Self::Parallel),
             _ => None,
         }
+    }
+
+    /// Whether the build has a kernel at padded head dim `hd` whose shared memory fits
+    /// `smem_per_block` bytes (the device's opt-in limit).
+    pub fn runs(self, hd: usize, smem_per_block: usize) -> bool {
+        decode_kernel(hd, self).is_some() && decode_smem_bytes(hd, self) <= smem_per_block
     }
 
     /// [`DECODE_BUILD_ENV`]'s value (`None`: unset) as the build it forces; anything else
@@ -221,7 +226,7 @@ impl DecodeBuild {
         match value {
             None => Ok(None),
             Some(v) => Self::parse(v).map(Some).ok_or_else(|| {
-                format!("{DECODE_BUILD_ENV}={v:?} is not 1, 2 or wide (the decode build)")
+                format!("{DECODE_BUILD_ENV}={v:?} is not 1, 2, wide or par (the decode build)")
             }),
         }
     }
@@ -233,21 +238,31 @@ impl DecodeBuild {
             None | Some("") | Some("1") => Ok(true),
             Some("0") => Ok(false),
             Some(v) => Err(format!(
-                "{DECODE_WIDE_ENV}={v:?} is not 1 (the rule may take the wide decode build) or 0"
+                "{DECODE_WIDE_ENV}={v:?} is not 1 (the rule may take the decode builds of several warps) or 0"
             )),
         }
     }
 
     /// The build for a decode launch of `ctas` CTAs on `sms` SMs at padded head dim `hd`
-    /// (`wide`: whether the wide build may be taken): the wide build while at most two
-    /// CTAs share an SM (batch 1 to a few rows, where each split's chain of blocks is the
-    /// kernel's time and four warps shorten each link: H100, one layer of llama3-8b, 1 ×
-    /// 1024 context 24.5 → 18.2 µs, 1 × 8192 27.6 → 22.5, docs/attention.md), then the
-    /// one-warp two-stage build while the grid fits one wave (head dims without a wide
-    /// build), and the smallest CTA once CTAs queue for SMs (warps per SM bound the step
-    /// then; H200, 4 × 8192 context: 0.86 of two stages' time).
-    pub fn for_launch(ctas: usize, sms: usize, hd: usize, wide: bool) -> Self {
-        if wide && ctas <= 2 * sms && decode_kernel(hd, Self::Wide).is_some() {
+    /// (`several`: whether the builds of several warps may be taken; `smem_per_block`:
+    /// the device's opt-in shared memory per block). While the grid fits one wave, the
+    /// parallel build (a split's blocks at once instead of a chain of them: batch 1 to a
+    /// few rows, where that chain is the kernel's time), else the wide build while at most
+    /// two CTAs share an SM (four warps shorten each link: H100, one layer of llama3-8b,
+    /// 1 × 1024 context 24.5 → 18.2 µs, 1 × 8192 27.6 → 22.5, docs/attention.md), then the
+    /// one-warp two-stage build while the grid fits one wave (head dims without either),
+    /// and the smallest CTA once CTAs queue for SMs (warps per SM bound the step then;
+    /// H200, 4 × 8192 context: 0.86 of two stages' time).
+    pub fn for_launch(
+        ctas: usize,
+        sms: usize,
+        hd: usize,
+        several: bool,
+        smem_per_block: usize,
+    ) -> Self {
+        if several && ctas <= sms && Self::Parallel.runs(hd, smem_per_block) {
+            Self::Parallel
+        } else if several && ctas <= 2 * sms && Self::Wide.runs(hd, smem_per_block) {
             Self::Wide
         } else if ctas <= sms {
             Self::Two
@@ -258,15 +273,22 @@ impl DecodeBuild {
 }
 
 /// Dynamic shared memory of the decode kernel: 16 query rows and its K/V tiles, swizzled
-/// except in the one-warp two-stage build (paged_attention.cu, `pa_chunk`), and in the
-/// wide build the scores its warps exchange (8 n-tiles × 32 lanes × 4 f32).
+/// except in the one-warp two-stage build (paged_attention.cu, `pa_chunk`); in the wide
+/// build the scores its warps exchange (8 n-tiles × 32 lanes × 4 f32); in the parallel one
+/// (paged_attention_par.cu) a split's 8 K and 4 more V tiles, each block's P fragments (4
+/// × 32 lanes × 16 bytes) and three f32 for each of its 16 rows.
 pub(crate) fn decode_smem_bytes(hd: usize, build: DecodeBuild) -> usize {
     let swizzled = build != DecodeBuild::Two;
-    let tiles = 2
-        * (tile_elems(hd, 16, swizzled) + 2 * build.stages() * tile_elems(hd, KV_BLOCK, swizzled));
+    let q = tile_elems(hd, 16, swizzled);
+    let kv = tile_elems(hd, KV_BLOCK, swizzled);
     match build {
-        DecodeBuild::One | DecodeBuild::Two => tiles,
-        DecodeBuild::Wide => tiles + 8 * 32 * 16,
+        DecodeBuild::One => 2 * (q + 2 * kv),
+        DecodeBuild::Two => 2 * (q + 4 * kv),
+        DecodeBuild::Wide => 2 * (q + 6 * kv) + 8 * 32 * 16,
+        DecodeBuild::Parallel => {
+            let blocks = ATTN_SPLIT_BLOCKS;
+            2 * (q + (blocks + blocks / 2) * kv) + blocks * (4 * 32 * 16 + 3 * 16 * 4)
+        }
     }
 }
 
@@ -284,6 +306,7 @@ pub(crate) fn decode_kernel(hd: usize, build: DecodeBuild) -> Option<&'static st
         (128, One) => "pa_decode1_hd128",
         (128, Two) => "pa_decode_hd128",
         (128, Wide) => "pa_decode_wide_hd128",
+        (128, Parallel) => "pa_decode_par_hd128",
         (256, One) => "pa_decode1_hd256",
         (256, Two) => "pa_decode_hd256",
         _ => return None,
@@ -420,23 +443,37 @@ mod tests {
         assert_eq!(per_sm(DecodeBuild::One), 6);
         assert_eq!(per_sm(DecodeBuild::Two), 3);
         assert_eq!(per_sm(DecodeBuild::Wide), 2);
-        // (CTAs, head dim, wide allowed) → build, on 132 SMs.
-        for (ctas, hd, wide, want) in [
-            (16, 128, true, DecodeBuild::Wide),
-            (264, 128, true, DecodeBuild::Wide),
-            (16, 128, false, DecodeBuild::Two),
-            (16, 32, true, DecodeBuild::Two),
-            (265, 128, true, DecodeBuild::One),
-            (4096, 128, true, DecodeBuild::One),
+        // The parallel build: one CTA on an sm_90 SM (227 KiB a block), none on sm_80's
+        // 163 KiB.
+        assert_eq!(decode_smem_bytes(128, DecodeBuild::Parallel), 218_624);
+        assert_eq!(per_sm(DecodeBuild::Parallel), 1);
+        const SM90: usize = 227 * 1024;
+        const SM80: usize = 163 * 1024;
+        assert!(DecodeBuild::Parallel.runs(128, SM90));
+        assert!(!DecodeBuild::Parallel.runs(128, SM80));
+        assert!(!DecodeBuild::Parallel.runs(64, SM90));
+        // (CTAs, head dim, several warps allowed, shared memory a block) → build, on 132 SMs.
+        for (ctas, hd, several, smem, want) in [
+            (16, 128, true, SM90, DecodeBuild::Parallel),
+            (132, 128, true, SM90, DecodeBuild::Parallel),
+            (16, 128, true, SM80, DecodeBuild::Wide),
+            (16, 64, true, SM90, DecodeBuild::Wide),
+            (133, 128, true, SM90, DecodeBuild::Wide),
+            (264, 128, true, SM90, DecodeBuild::Wide),
+            (16, 128, false, SM90, DecodeBuild::Two),
+            (16, 32, true, SM90, DecodeBuild::Two),
+            (265, 128, true, SM90, DecodeBuild::One),
+            (4096, 128, true, SM90, DecodeBuild::One),
         ] {
             assert_eq!(
-                DecodeBuild::for_launch(ctas, 132, hd, wide),
+                DecodeBuild::for_launch(ctas, 132, hd, several, smem),
                 want,
-                "{ctas} CTAs"
+                "{ctas} CTAs, head dim {hd}, {smem} bytes"
             );
         }
         assert_eq!(DecodeBuild::parse(" 1"), Some(DecodeBuild::One));
         assert_eq!(DecodeBuild::parse("wide"), Some(DecodeBuild::Wide));
+        assert_eq!(DecodeBuild::parse("par"), Some(DecodeBuild::Parallel));
         assert_eq!(DecodeBuild::parse("4"), None);
         assert_eq!(DecodeBuild::from_env_value(None), Ok(None));
         assert_eq!(
