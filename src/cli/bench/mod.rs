@@ -18,7 +18,7 @@ pub enum BenchCommand {
     /// scripts/bench/bench-attention.sh puts them next to PyTorch's flash attention.
     ///
     /// Each row names the kernel build that ran. `ARBOR_ATTN_PREFILL_ROWS=64|96|wgmma` and
-    /// `ARBOR_ATTN_DECODE=1|2|wide` force a build, `ARBOR_ATTN_DECODE_WIDE=0` keeps the
+    /// `ARBOR_ATTN_DECODE=1|2|wide|par` force a build, `ARBOR_ATTN_DECODE_WIDE=0` keeps the
     /// decode rule to one-warp builds; every build gives the same bits (docs/attention.md).
     Attention(attention::Args),
     /// Deterministic all-reduce algorithms vs NCCL (run under arbor-launch).
