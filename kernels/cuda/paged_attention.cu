@@ -269,6 +269,18 @@ __device__ __forceinline__ float pa_block_probs(float (&s)[8][4], int r, float s
     return ls + __shfl_xor_sync(FULL_MASK, ls, 2);
 }
 
+// acc · c of this thread's two rows (c[0] for row g, c[1] for row g + 8).
+template <int HD, int J>
+__device__ __forceinline__ void pa_scale_acc(PaState<HD, J>& st, const float (&c)[2]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        st.acc[j][0] = st.acc[j][0] * c[0];
+        st.acc[j][1] = st.acc[j][1] * c[0];
+        st.acc[j][2] = st.acc[j][2] * c[1];
+        st.acc[j][3] = st.acc[j][3] * c[1];
+    }
+}
+
 // The online-softmax update of one block's scores (header); MASK: keys past a row's
 // position may be in the block.
 template <int HD, bool MASK, int J>
@@ -287,15 +299,7 @@ __device__ __forceinline__ void pa_softmax(PaState<HD, J>& st, float (&s)[8][4],
         st.m[r] = mn;
     }
     // acc · 1 = acc: skipped when no row of the warp has a new maximum.
-    if (__any_sync(FULL_MASK, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-        for (int j = 0; j < J; ++j) {
-            st.acc[j][0] = st.acc[j][0] * corr[0];
-            st.acc[j][1] = st.acc[j][1] * corr[0];
-            st.acc[j][2] = st.acc[j][2] * corr[1];
-            st.acc[j][3] = st.acc[j][3] * corr[1];
-        }
-    }
+    if (__any_sync(FULL_MASK, corr[0] != 1.0f || corr[1] != 1.0f)) pa_scale_acc(st, corr);
 }
 
 // pa_softmax of a block of a warp's 16 rows, masked only where some row of the warp does

@@ -26,29 +26,18 @@ struct PaParSmem {
     static constexpr int VT = PA_SPLIT_BLOCKS / 2;  // V tiles of their own
 };
 
-// The acc chain's step of block j: acc tiles j0, j0 + 1 of the warp, scaled by the block's
-// c and then P·V over the block's 16-key steps in order (pa_pv_part with P from shared
-// memory: the fragments pa_pfrag made).
+// The acc chain's step of one block: acc tiles j0, j0 + 1 of the warp scaled by the
+// block's c, then pa_pv_part's P·V steps with P from shared memory (the fragments
+// pa_pfrag made).
 template <int HD, bool SWZ>
 __device__ __forceinline__ void pa_par_pv(PaState<HD, 2>& st, const uint4* pf, const float (&c)[2], const bf16_t* sv,
                                           int j0, int lane) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        st.acc[j][0] = st.acc[j][0] * c[0];
-        st.acc[j][1] = st.acc[j][1] * c[0];
-        st.acc[j][2] = st.acc[j][2] * c[1];
-        st.acc[j][3] = st.acc[j][3] * c[1];
-    }
-    const int i = lane >> 3;
+    pa_scale_acc(st, c);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         const uint4 p = pf[kk * 32 + lane];
         const unsigned pa[4] = {p.x, p.y, p.z, p.w};
-        const int vr = kk * 16 + (i & 1) * 8 + (lane & 7);
-        unsigned b0, b1, b2, b3;
-        pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD, SWZ>(vr, j0 + (i >> 1)) * 8), b0, b1, b2, b3);
-        pa_mma(st.acc[0], pa, b0, b1);
-        pa_mma(st.acc[1], pa, b2, b3);
+        pa_pv_step<HD, SWZ, 2>(st, pa, sv, kk, j0, lane);
     }
 }
 

@@ -38,24 +38,31 @@ __device__ __forceinline__ void pa_scores_part(float (&s)[NW][4], const bf16_t* 
     }
 }
 
+// The 16-key step kk of P·V (bf16(p) as the A fragment pa) into acc tiles j0 .. j0 + J.
+template <int HD, bool SWZ, int J>
+__device__ __forceinline__ void pa_pv_step(PaState<HD, J>& st, const unsigned (&pa)[4], const bf16_t* sv, int kk,
+                                           int j0, int lane) {
+    static_assert(J % 2 == 0, "acc tiles in pairs (one ldmatrix.x4.trans)");
+    const int i = lane >> 3;
+    const int vr = kk * 16 + (i & 1) * 8 + (lane & 7);
+#pragma unroll
+    for (int j = 0; j < J; j += 2) {
+        unsigned b0, b1, b2, b3;
+        pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD, SWZ>(vr, j0 + j + (i >> 1)) * 8), b0, b1, b2, b3);
+        pa_mma(st.acc[j], pa, b0, b1);
+        pa_mma(st.acc[j + 1], pa, b2, b3);
+    }
+}
+
 // P·V into acc tiles j0 .. j0 + J (pa_pv's chains, MT = 1).
 template <int HD, bool SWZ, int J>
 __device__ __forceinline__ void pa_pv_part(PaState<HD, J>& st, const float (&s)[8][4], const bf16_t* sv, int j0,
                                            int lane) {
-    static_assert(J % 2 == 0, "acc tiles in pairs (one ldmatrix.x4.trans)");
-    const int i = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         unsigned pa[4];
         pa_pfrag(pa, s, kk);
-        const int vr = kk * 16 + (i & 1) * 8 + (lane & 7);
-#pragma unroll
-        for (int j = 0; j < J; j += 2) {
-            unsigned b0, b1, b2, b3;
-            pa_ldsm_x4_t(pa_smem(sv + pa_chunk<HD, SWZ>(vr, j0 + j + (i >> 1)) * 8), b0, b1, b2, b3);
-            pa_mma(st.acc[j], pa, b0, b1);
-            pa_mma(st.acc[j + 1], pa, b2, b3);
-        }
+        pa_pv_step<HD, SWZ, J>(st, pa, sv, kk, j0, lane);
     }
 }
 
