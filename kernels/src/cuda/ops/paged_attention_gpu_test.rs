@@ -353,6 +353,9 @@ fn paged_attention_small_and_padded_head_dims() {
     check_shape(8, 4, 16, 300, 4);
     check_shape(4, 2, 20, 530, 5);
     check_shape(2, 1, 6, 90, 6);
+    // Padded to 128: every head-dim-128 build (the parallel one too) on rows of 104
+    // values and 24 zero columns.
+    check_shape(8, 2, 104, 700, 9);
 }
 
 #[test]
