@@ -730,14 +730,24 @@ __device__ __forceinline__ PaDecodeCta pa_decode_cta(const unsigned* rows, const
     return c;
 }
 
-// K (v = 0) or V (v = 1) of key block blk of a decode CTA into a tile by NT threads; the
+// The block ids of a decode CTA's split, lane b of every warp holding block b0 + b's.
+// The rows, positions and block tables are the step's inputs, uploaded before its first
+// kernel and written by none, so every decode build reads them (pa_decode_cta, then
+// these ids) before the PDL wait: that chain of dependent loads runs while the kernel
+// before (RoPE and the KV write) still does. The K and V tiles, and q, come after it.
+__device__ __forceinline__ unsigned pa_split_ids(const PaDecodeCta& c, const unsigned* table, int lane) {
+    return c.live && lane < c.b1 - c.b0 ? table[c.tab + c.b0 + lane] : 0u;
+}
+
+// K (v = 0) or V (v = 1) of key block blk of a decode CTA into a tile by NT threads
+// (every lane of each warp calls it: the block id comes from `ids`, pa_split_ids); the
 // caller commits.
 template <int HD, bool SWZ, int NT>
-__device__ __forceinline__ void pa_decode_load(bf16_t* dst, int v, int blk, const PaDecodeCta& c,
-                                               const bf16_t* kpool, const bf16_t* vpool, const unsigned* table,
-                                               long long layer_blocks, int n_kv_heads, int head_dim, int tid) {
+__device__ __forceinline__ void pa_decode_load(bf16_t* dst, int v, int blk, unsigned ids, const PaDecodeCta& c,
+                                               const bf16_t* kpool, const bf16_t* vpool, long long layer_blocks,
+                                               int n_kv_heads, int head_dim, int tid) {
     const int nvalid = min(PA_BLOCK, c.pos - blk * PA_BLOCK + 1);
-    const unsigned id = table[c.tab + blk];
+    const unsigned id = __shfl_sync(FULL_MASK, ids, blk - c.b0);
     pa_load_kv<HD, SWZ, NT>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, c.kvh, head_dim), head_dim,
                             nvalid, tid);
 }
@@ -802,12 +812,14 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     bf16_t* skv = sq + pa_tile_elems<HD, SWZ>(16);
     const int lane = threadIdx.x;
     const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, n_heads, n_kv_heads, head_dim);
+    const unsigned ids = pa_split_ids(c, table, lane);
     if (!c.live) return;
+    pdl_enter();
     const int pos = c.pos, b0 = c.b0, b1 = c.b1;
     constexpr int TILE = pa_tile_elems<HD, SWZ>(PA_BLOCK);
 
     auto load = [&](bf16_t* dst, int v, int blk) {
-        pa_decode_load<HD, SWZ, 32>(dst, v, blk, c, kpool, vpool, table, layer_blocks, n_kv_heads, head_dim, lane);
+        pa_decode_load<HD, SWZ, 32>(dst, v, blk, ids, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, lane);
     };
     // Stage of block blk: its K tile, then its V tile.
     auto stage = [&](int blk) { return skv + ((blk - b0) % STAGES) * 2 * TILE; };
@@ -857,9 +869,9 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     pa_decode_finish(spl[0], c, rowpos[0], 0, true, out, outb, part, n_heads, head_dim, max_splits, lane);
 }
 
+// The decode bodies call pdl_enter() themselves, after their step-input prologue.
 #define PA_DECODE_ENTRY(NAME, HD, STAGES)                                  \
     extern "C" __global__ void __launch_bounds__(32) NAME(PA_DECODE_ARGS) { \
-        pdl_enter();                                                       \
         pa_decode_body<HD, STAGES>(PA_DECODE_PASS);                        \
     }
 // A prefill build of ROWS-row tiles, MT m16 tiles per warp.
@@ -898,7 +910,7 @@ extern "C" __global__ void __launch_bounds__(128, 8)
     pa_combine(float* __restrict__ out, bf16_t* __restrict__ outb, const float* __restrict__ part,
                const unsigned* __restrict__ rows, const unsigned* __restrict__ row_pos, int n_heads, int head_dim,
                int max_splits) {
-    pdl_enter();
+    // The row and its position are step inputs (pa_split_ids): read before the PDL wait.
     const int i = blockIdx.x;
     const int row = rows ? (int)rows[i] : i;
     const int n_splits = (int)row_pos[row] / PA_SPLIT + 1;
@@ -906,6 +918,7 @@ extern "C" __global__ void __launch_bounds__(128, 8)
     const int pairs = head_dim >> 1;
     const int x = blockIdx.y * blockDim.x + threadIdx.x;
     if (x >= n_heads * pairs) return;
+    pdl_enter();
     const int h = x / pairs, d = 2 * (x - h * pairs);
     const int stride = head_dim + 2;
     const float* p0 = part + ((size_t)i * n_heads + h) * max_splits * stride;

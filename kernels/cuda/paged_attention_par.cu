@@ -59,13 +59,15 @@ __device__ __forceinline__ void pa_decode_par_body(PA_DECODE_ARGS) {
     const int tid = threadIdx.x;
     const int lane = tid & 31, w = tid >> 5;
     const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, n_heads, n_kv_heads, head_dim);
+    const unsigned ids = pa_split_ids(c, table, lane);
     if (!c.live) return;
+    pdl_enter();
     const int pos = c.pos, b0 = c.b0, nb = c.b1 - c.b0;
     const int blk = b0 + w;
     const bool own = w < nb;
 
     auto load = [&](bf16_t* dst, int v, int b) {
-        pa_decode_load<HD, SWZ, 32>(dst, v, b, c, kpool, vpool, table, layer_blocks, n_kv_heads, head_dim, lane);
+        pa_decode_load<HD, SWZ, 32>(dst, v, b, ids, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, lane);
     };
     // Each warp loads its own block's K (group 1) and, warps 0–3, their block's V (group
     // 2); every thread commits the same groups, so the wait counts agree.
@@ -148,7 +150,6 @@ __device__ __forceinline__ void pa_decode_par_body(PA_DECODE_ARGS) {
 // Head dim 128 only (two acc tiles for each of eight warps), and only where 213.5 KB of
 // shared memory fit one CTA (sm_90; elsewhere the entry is empty and never launched).
 extern "C" __global__ void __launch_bounds__(32 * PA_SPLIT_BLOCKS, 1) pa_decode_par_hd128(PA_DECODE_ARGS) {
-    pdl_enter();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pa_decode_par_body<128>(PA_DECODE_PASS);
 #endif

@@ -77,30 +77,38 @@ __device__ __forceinline__ void qkv_rope_kv_body(QKV_ROPE_ARGS) {
     const long long rh = i / units;
     const int h = (int)(rh % heads);
     const int r = (int)(rh / heads);
+    // Before the PDL wait: the row's position, its cache row (positions and block tables
+    // are the step's inputs, uploaded before its first kernel and written by none) and the
+    // rotation (constant tables), so their dependent loads run while the q/k/v GEMM ends.
+    const size_t head_stride = (size_t)KV_BLOCK * head_dim;
+    const bool is_v = h >= n_heads + n_kv, is_q = h < n_heads;
+    size_t cache_row = 0;
+    if (!is_q) cache_row = kv_row_at(table, row_toff[r], row_pos[r], layer, blocks, n_kv, head_dim);
+    float c[PER], s[PER];
+    if (!is_v) {
+        const size_t t = (size_t)row_pos[r] * half + j;
+        load_f32s<PER>(cos_t + t, c);
+        load_f32s<PER>(sin_t + t, s);
+    }
+    pdl_enter();
     const float* src = qkv + ((size_t)r * heads + h) * head_dim;
     float x1[PER], x2[PER];
     load_f32s<PER>(src + j, x1);
     load_f32s<PER>(src + j + half, x2);
-    const size_t head_stride = (size_t)KV_BLOCK * head_dim;
-    if (h >= n_heads + n_kv) {
-        const size_t cache_row = kv_row_at(table, row_toff[r], row_pos[r], layer, blocks, n_kv, head_dim);
+    if (is_v) {
         bf16_t* dst = vc + cache_row + (size_t)(h - n_heads - n_kv) * head_stride;
         store_bf16s<PER>(dst + j, x1);
         store_bf16s<PER>(dst + j + half, x2);
         return;
     }
-    const size_t t = (size_t)row_pos[r] * half + j;
-    float c[PER], s[PER], y1[PER], y2[PER];
-    load_f32s<PER>(cos_t + t, c);
-    load_f32s<PER>(sin_t + t, s);
+    float y1[PER], y2[PER];
 #pragma unroll
     for (int e = 0; e < PER; ++e) rope_rotate(x1[e], x2[e], c[e], s[e], &y1[e], &y2[e]);
-    if (h < n_heads) {
+    if (is_q) {
         float* dst = q_out + ((size_t)r * n_heads + h) * head_dim;
         store_f32s<PER>(dst + j, y1);
         store_f32s<PER>(dst + j + half, y2);
     } else {
-        const size_t cache_row = kv_row_at(table, row_toff[r], row_pos[r], layer, blocks, n_kv, head_dim);
         bf16_t* dst = kc + cache_row + (size_t)(h - n_heads) * head_stride;
         store_bf16s<PER>(dst + j, y1);
         store_bf16s<PER>(dst + j + half, y2);
@@ -108,11 +116,10 @@ __device__ __forceinline__ void qkv_rope_kv_body(QKV_ROPE_ARGS) {
 }
 
 #define QKV_ROPE_PASS qkv, q_out, kc, vc, cos_t, sin_t, row_pos, row_toff, table, rows, n_heads, n_kv, head_dim, half, layer, blocks
+// The bodies call pdl_enter() themselves, after their step-input prologue.
 extern "C" __global__ void qkv_rope_kv_kernel(QKV_ROPE_ARGS) {
-    pdl_enter();
     qkv_rope_kv_body<1>(QKV_ROPE_PASS);
 }
 extern "C" __global__ void qkv_rope_kv4_kernel(QKV_ROPE_ARGS) {
-    pdl_enter();
     qkv_rope_kv_body<4>(QKV_ROPE_PASS);
 }

@@ -8,10 +8,14 @@
 //! the previous kernel has executed `griddepcontrol.launch_dependents`, and it must then
 //! execute `griddepcontrol.wait` (which returns when the previous grid has completed and
 //! its memory is visible) before touching anything that grid, or any earlier one, writes
-//! or reads. Every kernel of arbor's ops program and the TMA GEMMs does `pdl_enter()` as
-//! its first statement (wait, then trigger), so the order of memory effects is exactly the
-//! plain launch order; only the launch and the prologue overlap. The TMA GEMMs' producers
-//! load their first weight tiles (constant data) before the wait.
+//! or reads. Every kernel of arbor's ops program and the TMA GEMMs does `pdl_enter()`
+//! (wait, then trigger) before it touches memory an earlier kernel of the step writes, and
+//! before its own first write, so the order of memory effects is exactly the plain launch
+//! order; only the launch and the prologue overlap. Before the wait a kernel reads only
+//! what no kernel writes: the TMA GEMMs' producers load their first weight tiles; the
+//! decode attention kernels, `pa_combine` and RoPE + KV read the step's inputs (rows,
+//! positions, block tables: uploaded before the step's first kernel) and the RoPE tables,
+//! so their chains of dependent loads run while the kernel before still does.
 //!
 //! Kernels without the wait (cuBLAS, the collectives, the portable GEMM paths) are
 //! launched without the attribute and keep full serialisation.
@@ -214,7 +218,7 @@ pub struct Launch<'a> {
 
 impl<'a> Launch<'a> {
     /// `pdl`: launch with the PDL attribute (while the step wants it: [`step_pdl`]); only
-    /// for kernels that begin with `pdl_enter()`.
+    /// for kernels that call `pdl_enter()` before touching what an earlier kernel writes.
     pub fn new(stream: &'a CudaStream, func: &'a CudaFunction, pdl: bool) -> Self {
         Self {
             stream,

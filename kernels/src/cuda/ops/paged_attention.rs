@@ -14,7 +14,7 @@ use crate::cuda::{CudaError, GpuDevice};
 use crate::paged::{splits_of, PagedKvLayout, ATTN_SPLIT, KV_BLOCK};
 
 use super::paged_tiles::{
-    decode_kernel, decode_smem_bytes, padded_head_dim, prefill_smem_bytes, DecodeBuild,
+    decode_kernel, decode_smem_bytes, live_ctas, padded_head_dim, prefill_smem_bytes, DecodeBuild,
     DECODE_BUILD_ENV, DECODE_WIDE_ENV,
 };
 pub use super::paged_tiles::{PrefillTiles, PREFILL_ROWS_ENV};
@@ -333,14 +333,16 @@ impl GpuDevice {
         n_kv_heads: usize,
     ) -> Result<DecodeBuild, CudaError> {
         let htiles = (n_heads / n_kv_heads.max(1)).div_ceil(16);
-        let ctas = routing.n_decode * n_kv_heads * htiles * routing.max_splits;
+        let per_split = routing.n_decode * n_kv_heads * htiles;
+        let ctas = per_split * routing.max_splits;
+        let live = live_ctas(per_split, routing.max_splits);
         let (forced, wide) = decode_build_env()?;
         let smem = self.smem_per_block;
         Ok(routing
             .decode_build
             .or(forced)
             .filter(|&b| b.runs(hd, smem))
-            .unwrap_or_else(|| DecodeBuild::for_launch(ctas, self.sms, hd, wide, smem)))
+            .unwrap_or_else(|| DecodeBuild::for_launch(ctas, live, self.sms, hd, wide, smem)))
     }
 
     /// [`GpuDevice::paged_attention`] written into `out` when given (`q`'s length).

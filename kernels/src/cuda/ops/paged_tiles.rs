@@ -248,13 +248,20 @@ impl DecodeBuild {
     /// the device's opt-in shared memory per block). While the grid fits one wave, the
     /// parallel build (a split's blocks at once instead of a chain of them: batch 1 to a
     /// few rows, where that chain is the kernel's time), else the wide build while at most
-    /// two CTAs share an SM (four warps shorten each link: H100, one layer of llama3-8b,
-    /// 1 × 1024 context 24.5 → 18.2 µs, 1 × 8192 27.6 → 22.5, docs/attention.md), then the
-    /// one-warp two-stage build while the grid fits one wave (head dims without either),
-    /// and the smallest CTA once CTAs queue for SMs (warps per SM bound the step then;
-    /// H200, 4 × 8192 context: 0.86 of two stages' time).
+    /// two CTAs with keys share an SM (four warps shorten each link: H100, one layer of
+    /// llama3-8b, 1 × 1024 context 24.5 → 18.2 µs, 1 × 8192 27.6 → 22.5, docs/attention.md),
+    /// then the one-warp two-stage build while the grid fits one wave (head dims without
+    /// either), and the smallest CTA once CTAs queue for SMs (warps per SM bound the step
+    /// then; H200, 4 × 8192 context: 0.86 of two stages' time).
+    ///
+    /// `live`: the CTAs with keys at the low end of the launch's splits ([`live_ctas`]). A
+    /// recorded step's grid counts a power of two of splits, and the CTAs past a row's last
+    /// split come last in the launch order (the split is grid z) and leave at once, so the
+    /// wide build's two CTAs per SM count those (H200, batch 1, 16k–32k positions: the
+    /// wide build 0.97 / 1.01 / 0.99 of the one-stage build's step at 16k / 24k / 31k).
     pub fn for_launch(
         ctas: usize,
+        live: usize,
         sms: usize,
         hd: usize,
         several: bool,
@@ -262,7 +269,7 @@ impl DecodeBuild {
     ) -> Self {
         if several && ctas <= sms && Self::Parallel.runs(hd, smem_per_block) {
             Self::Parallel
-        } else if several && ctas <= 2 * sms && Self::Wide.runs(hd, smem_per_block) {
+        } else if several && live.min(ctas) <= 2 * sms && Self::Wide.runs(hd, smem_per_block) {
             Self::Wide
         } else if ctas <= sms {
             Self::Two
@@ -270,6 +277,15 @@ impl DecodeBuild {
             Self::One
         }
     }
+}
+
+/// The CTAs of a decode launch of `ctas_per_split` CTAs a split and `splits` splits (grid
+/// z) that have keys when the longest row has the fewest splits the launch serves: half of
+/// them and one more (a recorded step's power-of-two bucket serves rows of more than half
+/// its splits), all of them at one or two.
+pub fn live_ctas(ctas_per_split: usize, splits: usize) -> usize {
+    let low = if splits <= 2 { splits } else { splits / 2 + 1 };
+    ctas_per_split * low
 }
 
 /// Dynamic shared memory of the decode kernel: 16 query rows and its K/V tiles, swizzled
@@ -452,25 +468,38 @@ mod tests {
         assert!(DecodeBuild::Parallel.runs(128, SM90));
         assert!(!DecodeBuild::Parallel.runs(128, SM80));
         assert!(!DecodeBuild::Parallel.runs(64, SM90));
-        // (CTAs, head dim, several warps allowed, shared memory a block) → build, on 132 SMs.
-        for (ctas, hd, several, smem, want) in [
-            (16, 128, true, SM90, DecodeBuild::Parallel),
-            (132, 128, true, SM90, DecodeBuild::Parallel),
-            (16, 128, true, SM80, DecodeBuild::Wide),
-            (16, 64, true, SM90, DecodeBuild::Wide),
-            (133, 128, true, SM90, DecodeBuild::Wide),
-            (264, 128, true, SM90, DecodeBuild::Wide),
-            (16, 128, false, SM90, DecodeBuild::Two),
-            (16, 32, true, SM90, DecodeBuild::Two),
-            (265, 128, true, SM90, DecodeBuild::One),
-            (4096, 128, true, SM90, DecodeBuild::One),
+        // (CTAs, those with keys, head dim, several warps allowed, shared memory a block) →
+        // build, on 132 SMs.
+        for (ctas, live, hd, several, smem, want) in [
+            (16, 16, 128, true, SM90, DecodeBuild::Parallel),
+            (132, 132, 128, true, SM90, DecodeBuild::Parallel),
+            (16, 16, 128, true, SM80, DecodeBuild::Wide),
+            (16, 16, 64, true, SM90, DecodeBuild::Wide),
+            (133, 133, 128, true, SM90, DecodeBuild::Wide),
+            (264, 264, 128, true, SM90, DecodeBuild::Wide),
+            // Batch 1 at 16k-32k positions: 64 splits of 8 KV heads, 33 with keys.
+            (512, 264, 128, true, SM90, DecodeBuild::Wide),
+            (512, 264, 128, false, SM90, DecodeBuild::One),
+            // The parallel build counts every CTA: one wave of them.
+            (256, 72, 128, true, SM90, DecodeBuild::Wide),
+            (16, 16, 128, false, SM90, DecodeBuild::Two),
+            (16, 16, 32, true, SM90, DecodeBuild::Two),
+            (265, 265, 128, true, SM90, DecodeBuild::One),
+            (528, 265, 128, true, SM90, DecodeBuild::One),
+            (4096, 4096, 128, true, SM90, DecodeBuild::One),
         ] {
             assert_eq!(
-                DecodeBuild::for_launch(ctas, 132, hd, several, smem),
+                DecodeBuild::for_launch(ctas, live, 132, hd, several, smem),
                 want,
-                "{ctas} CTAs, head dim {hd}, {smem} bytes"
+                "{ctas} CTAs ({live} with keys), head dim {hd}, {smem} bytes"
             );
         }
+        // Half the splits and one more have keys at a bucket's low end.
+        assert_eq!(live_ctas(8, 1), 8);
+        assert_eq!(live_ctas(8, 2), 16);
+        assert_eq!(live_ctas(8, 3), 16);
+        assert_eq!(live_ctas(8, 4), 24);
+        assert_eq!(live_ctas(8, 64), 264);
         assert_eq!(DecodeBuild::parse(" 1"), Some(DecodeBuild::One));
         assert_eq!(DecodeBuild::parse("wide"), Some(DecodeBuild::Wide));
         assert_eq!(DecodeBuild::parse("par"), Some(DecodeBuild::Parallel));
