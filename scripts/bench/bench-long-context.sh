@@ -8,7 +8,8 @@
 # long:  prefill 4 x 8192, decode at ~8200 context, batch 1/32, and at ~16400, batch 1/16.
 # Each of arbor invariant, arbor fast and the reference runs the same shapes; the last
 # table prints ms and the ratios invariant / reference and invariant / fast.
-# Writes $OUT/long-*.json|log and long-summary.txt.
+# Writes $OUT/long-summary.txt and long-raw.tgz (the runs' long-*.json and long-*.log,
+# packed: the device tool brings back at most 8 files from $OUT).
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
@@ -77,4 +78,5 @@ for name in ("ctx1k", "ctx8k", "ctx16k"):
         ratio = lambda a, c: "—" if a is None or not c else f"{a / c:.2f}"
         print(f"{'prefill ' + p:>26} {row(i):>10} {row(f):>9} {row(r):>10} {ratio(i, r):>8} {ratio(i, f):>9}")
 PY
+(cd "$OUT" && tar czf long-raw.tgz long-*.json long-*.log 2>/dev/null && rm -f long-*.json long-*.log)
 echo "==== bench-long-context ($(elapsed) s)"
