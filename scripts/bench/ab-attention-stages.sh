@@ -5,7 +5,7 @@
 # long-context reference at ~1k context; `arbor check` of batch 1 against batch 128 (the
 # GEMMs' M = 128 paths). STAGES="2 1 wide auto" (attention alone), DECODE_STAGES="2 auto". Run from the repo root after
 # `bash scripts/gpu/build-device.sh` (and a copy of long_context_reference.py in .device/):
-#   bash scripts/bench/ab-attention-stages.sh     # writes $OUT/stages-*.json|log, stages-summary.txt
+#   bash scripts/bench/ab-attention-stages.sh     # writes $OUT/stages-summary.txt, stages-raw.tgz
 set -uo pipefail
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
@@ -87,4 +87,5 @@ for plen in ("1024", "8192"):
         f = lambda x: f"{x:.3f}" if x else "-"
         print(f"{plen:>8} {bt:>6} {f(mb):>9} {f(ma):>9} {(ma / mb if ma and mb else float('nan')):>7.2f} {f(rf):>10} {(ma / rf if ma and rf else float('nan')):>9.2f}")
 PY
+pack_raw stages-raw 'stages-*'
 note "==== ab-attention-stages ($(elapsed) s)"

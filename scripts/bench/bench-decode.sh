@@ -3,7 +3,8 @@
 # Run from the repo root after `bash scripts/gpu/build-device.sh` and, for the reference, a copy of
 # the PyTorch reference loop at .device/decode_baseline.py (not part of this repository;
 # docs/step.md, "The reference loop"):
-#   bash scripts/bench/bench-decode.sh              # writes $OUT/decode-*.json|txt|svg
+#   bash scripts/bench/bench-decode.sh              # writes $OUT/decode-summary.txt,
+#                                                   # decode-report.json|svg, decode-raw.tgz
 # Per TP (TPS, default: 1 and the GPU count) and batch (BATCHES, default 1,8,32,64), on a
 # llama3-8b-shape random model: `arbor bench decode` with --numerics invariant and fast (decode
 # steps replayed from CUDA graphs), invariant with ARBOR_CUDA_GRAPHS=0 (op by op; EAGER=0 skips),
@@ -125,4 +126,5 @@ if [[ ${PROFILE:-0} == 1 ]]; then
     done
 fi
 python3 scripts/bench/decode-report.py "$OUT" | tee -a "$SUMMARY"
+pack_raw decode-raw 'decode-*.log' 'decode-arbor-*.json' 'decode-reference-*.json' 'decode-sampled-*.json' 'prefill-*.json'
 echo "==== bench-decode ($(elapsed) s)"

@@ -78,5 +78,5 @@ for name in ("ctx1k", "ctx8k", "ctx16k"):
         ratio = lambda a, c: "—" if a is None or not c else f"{a / c:.2f}"
         print(f"{'prefill ' + p:>26} {row(i):>10} {row(f):>9} {row(r):>10} {ratio(i, r):>8} {ratio(i, f):>9}")
 PY
-(cd "$OUT" && tar czf long-raw.tgz long-*.json long-*.log 2>/dev/null && rm -f long-*.json long-*.log)
+pack_raw long-raw 'long-*'
 echo "==== bench-long-context ($(elapsed) s)"

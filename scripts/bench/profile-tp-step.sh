@@ -94,4 +94,5 @@ for (algo, n), us in sorted(ar.items()):
 if not step or not rank or not ar:
     print("  (some figures missing: see the logs; JSON keys read: [].batch / decode_ms_per_step, rows[].algo / bytes / time_us)")
 PY
+pack_raw profile-tp-raw 'profile-tp-*'
 echo "==== profile-tp-step ($(elapsed) s)"

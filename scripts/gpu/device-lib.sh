@@ -167,6 +167,23 @@ script_start() {
     ARBOR=$BIN/arbor
 }
 
+# pack_raw NAME GLOB...: the files of $OUT that match the globs, but the summary and other
+# archives, packed into $OUT/NAME.tgz and removed. The device tool brings back at most 8
+# files from $OUT, so a script that leaves more loses some (its summary among them); the
+# summary beside one archive always comes back.
+pack_raw() {
+    local name=$1 f g
+    shift
+    local files=()
+    for g in "$@"; do
+        for f in "$OUT"/$g; do
+            [[ -f $f && $f != "${SUMMARY:-}" && $f != *.tgz ]] && files+=("$(basename "$f")")
+        done
+    done
+    ((${#files[@]})) || return 0
+    (cd "$OUT" && tar czf "$name.tgz" "${files[@]}" && rm -f "${files[@]}")
+}
+
 # l8b_model LOG: sets L8B to the llama3-8b-shape model, made once per machine: a model
 # left by another script on a still-warm machine is reused (its marker says the make
 # finished).
