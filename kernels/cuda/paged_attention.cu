@@ -700,17 +700,23 @@ __device__ __forceinline__ void pa_prefill_body(PA_PREFILL_ARGS) {
 #define PA_DECODE_PASS \
     q, kpool, vpool, out, outb, part, rows, row_pos, row_table, table, n_heads, n_kv_heads, head_dim, sl, layer_blocks, max_splits
 
-// Where a decode CTA sits in the grid (both builds): its launch row i and q row, the row's
+// Where a decode CTA sits in the grid (every build): its launch row i and q row, the row's
 // position and block-table offset, its KV head and 16-head tile (h0, nh heads), its split
-// and that split's blocks b0 .. b1. `live` is false past the row's last split.
+// and that split's blocks b0 .. b1, with their block ids (`ids`: lane b of every warp holds
+// block b0 + b's). `live` is false past the row's last split.
+//
+// The rows, positions and block tables are the step's inputs, uploaded before its first
+// kernel and written by none, so every decode build reads them here, before the PDL wait:
+// that chain of dependent loads runs while the kernel before (RoPE and the KV write) still
+// does. The K and V tiles, and q, come after it.
 struct PaDecodeCta {
     int i, row, pos, n_splits, split, kvh, h0, nh, width, b0, b1;
-    unsigned tab;
+    unsigned tab, ids;
     bool live;
 };
 __device__ __forceinline__ PaDecodeCta pa_decode_cta(const unsigned* rows, const unsigned* row_pos,
-                                                     const unsigned* row_table, int n_heads, int n_kv_heads,
-                                                     int head_dim) {
+                                                     const unsigned* row_table, const unsigned* table,
+                                                     int n_heads, int n_kv_heads, int head_dim, int lane) {
     PaDecodeCta c;
     c.i = blockIdx.x;
     c.row = rows ? (int)rows[c.i] : c.i;
@@ -727,27 +733,18 @@ __device__ __forceinline__ PaDecodeCta pa_decode_cta(const unsigned* rows, const
     c.width = n_heads * head_dim;
     c.b0 = c.split * PA_SPLIT_BLOCKS;
     c.b1 = min(c.b0 + PA_SPLIT_BLOCKS, c.pos / PA_BLOCK + 1);
+    c.ids = c.live && lane < c.b1 - c.b0 ? table[c.tab + c.b0 + lane] : 0u;
     return c;
 }
 
-// The block ids of a decode CTA's split, lane b of every warp holding block b0 + b's.
-// The rows, positions and block tables are the step's inputs, uploaded before its first
-// kernel and written by none, so every decode build reads them (pa_decode_cta, then
-// these ids) before the PDL wait: that chain of dependent loads runs while the kernel
-// before (RoPE and the KV write) still does. The K and V tiles, and q, come after it.
-__device__ __forceinline__ unsigned pa_split_ids(const PaDecodeCta& c, const unsigned* table, int lane) {
-    return c.live && lane < c.b1 - c.b0 ? table[c.tab + c.b0 + lane] : 0u;
-}
-
 // K (v = 0) or V (v = 1) of key block blk of a decode CTA into a tile by NT threads
-// (every lane of each warp calls it: the block id comes from `ids`, pa_split_ids); the
-// caller commits.
+// (every lane of each warp calls it: the block id comes from c.ids); the caller commits.
 template <int HD, bool SWZ, int NT>
-__device__ __forceinline__ void pa_decode_load(bf16_t* dst, int v, int blk, unsigned ids, const PaDecodeCta& c,
+__device__ __forceinline__ void pa_decode_load(bf16_t* dst, int v, int blk, const PaDecodeCta& c,
                                                const bf16_t* kpool, const bf16_t* vpool, long long layer_blocks,
                                                int n_kv_heads, int head_dim, int tid) {
     const int nvalid = min(PA_BLOCK, c.pos - blk * PA_BLOCK + 1);
-    const unsigned id = __shfl_sync(FULL_MASK, ids, blk - c.b0);
+    const unsigned id = __shfl_sync(FULL_MASK, c.ids, blk - c.b0);
     pa_load_kv<HD, SWZ, NT>(dst, pa_kv_at(v ? vpool : kpool, id, layer_blocks, n_kv_heads, c.kvh, head_dim), head_dim,
                             nvalid, tid);
 }
@@ -811,15 +808,14 @@ __device__ __forceinline__ void pa_decode_body(PA_DECODE_ARGS) {
     bf16_t* sq = reinterpret_cast<bf16_t*>(pa_shm);
     bf16_t* skv = sq + pa_tile_elems<HD, SWZ>(16);
     const int lane = threadIdx.x;
-    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, n_heads, n_kv_heads, head_dim);
-    const unsigned ids = pa_split_ids(c, table, lane);
+    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, table, n_heads, n_kv_heads, head_dim, lane);
     if (!c.live) return;
     pdl_enter();
     const int pos = c.pos, b0 = c.b0, b1 = c.b1;
     constexpr int TILE = pa_tile_elems<HD, SWZ>(PA_BLOCK);
 
     auto load = [&](bf16_t* dst, int v, int blk) {
-        pa_decode_load<HD, SWZ, 32>(dst, v, blk, ids, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, lane);
+        pa_decode_load<HD, SWZ, 32>(dst, v, blk, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, lane);
     };
     // Stage of block blk: its K tile, then its V tile.
     auto stage = [&](int blk) { return skv + ((blk - b0) % STAGES) * 2 * TILE; };
@@ -910,7 +906,7 @@ extern "C" __global__ void __launch_bounds__(128, 8)
     pa_combine(float* __restrict__ out, bf16_t* __restrict__ outb, const float* __restrict__ part,
                const unsigned* __restrict__ rows, const unsigned* __restrict__ row_pos, int n_heads, int head_dim,
                int max_splits) {
-    // The row and its position are step inputs (pa_split_ids): read before the PDL wait.
+    // The row and its position are step inputs (pa_decode_cta): read before the PDL wait.
     const int i = blockIdx.x;
     const int row = rows ? (int)rows[i] : i;
     const int n_splits = (int)row_pos[row] / PA_SPLIT + 1;

@@ -58,8 +58,7 @@ __device__ __forceinline__ void pa_decode_par_body(PA_DECODE_ARGS) {
     float* sls = sc + W * 16;                                  // [block][row]: Σ p
     const int tid = threadIdx.x;
     const int lane = tid & 31, w = tid >> 5;
-    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, n_heads, n_kv_heads, head_dim);
-    const unsigned ids = pa_split_ids(c, table, lane);
+    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, table, n_heads, n_kv_heads, head_dim, lane);
     if (!c.live) return;
     pdl_enter();
     const int pos = c.pos, b0 = c.b0, nb = c.b1 - c.b0;
@@ -67,7 +66,7 @@ __device__ __forceinline__ void pa_decode_par_body(PA_DECODE_ARGS) {
     const bool own = w < nb;
 
     auto load = [&](bf16_t* dst, int v, int b) {
-        pa_decode_load<HD, SWZ, 32>(dst, v, b, ids, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, lane);
+        pa_decode_load<HD, SWZ, 32>(dst, v, b, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, lane);
     };
     // Each warp loads its own block's K (group 1) and, warps 0–3, their block's V (group
     // 2); every thread commits the same groups, so the wait counts agree.

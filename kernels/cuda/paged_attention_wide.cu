@@ -80,15 +80,14 @@ __device__ __forceinline__ void pa_decode_wide_body(PA_DECODE_ARGS) {
     bf16_t* skv = reinterpret_cast<bf16_t*>(ssc + 8 * 32);
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, n_heads, n_kv_heads, head_dim);
-    const unsigned ids = pa_split_ids(c, table, lane);
+    const PaDecodeCta c = pa_decode_cta(rows, row_pos, row_table, table, n_heads, n_kv_heads, head_dim, lane);
     if (!c.live) return;
     pdl_enter();
     const int pos = c.pos, b0 = c.b0, b1 = c.b1;
     constexpr int TILE = pa_tile_elems<HD, SWZ>(PA_BLOCK);
 
     auto load = [&](bf16_t* dst, int v, int blk) {
-        pa_decode_load<HD, SWZ, NT>(dst, v, blk, ids, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, tid);
+        pa_decode_load<HD, SWZ, NT>(dst, v, blk, c, kpool, vpool, layer_blocks, n_kv_heads, head_dim, tid);
     };
     auto stage = [&](int blk) { return skv + ((blk - b0) % STAGES) * 2 * TILE; };
 #pragma unroll

@@ -269,7 +269,7 @@ impl DecodeBuild {
     ) -> Self {
         if several && ctas <= sms && Self::Parallel.runs(hd, smem_per_block) {
             Self::Parallel
-        } else if several && live.min(ctas) <= 2 * sms && Self::Wide.runs(hd, smem_per_block) {
+        } else if several && live <= 2 * sms && Self::Wide.runs(hd, smem_per_block) {
             Self::Wide
         } else if ctas <= sms {
             Self::Two
