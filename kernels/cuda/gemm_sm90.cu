@@ -30,6 +30,8 @@ DEVI void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b) {
         wgmma_m64n24k16(d, desc_a, desc_b);
     } else if constexpr (WN == 16) {
         wgmma_m64n16k16(d, desc_a, desc_b);
+    } else if constexpr (WN == 8) {
+        wgmma_m64n8k16(d, desc_a, desc_b);
     } else {
         static_assert(WN == 128, "no wgmma for this tile width");
     }

@@ -152,6 +152,16 @@ __device__ __forceinline__ void wgmma_m64n16k16(float* d, unsigned long long des
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
+// W as A and a few rows of X as B (gemm_sm90_swap.cu): the same leaf on the transposed
+// output tile, 64 W rows x 8 X rows.
+__device__ __forceinline__ void wgmma_m64n8k16(float* d, unsigned long long desc_a, unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }

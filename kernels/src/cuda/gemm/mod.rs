@@ -32,14 +32,15 @@ pub use args::{
 use error::driver;
 pub use error::GemmError;
 pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, GroupedWg, MoeTiles};
-pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS, WHOLE_BNS};
+pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, SWAPQ_TW, TMA_BNS, WHOLE_BNS};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
     column_order, column_order_rows, default_path_for, narrow_from, quad128_enabled, quad128_tile,
-    quad_tile, shard_whole_tile, skip_idle_enabled, tail_split_enabled, tma_store, tma_tile,
-    whole_tile, wide_cluster_fits, Switches, TmaStore, COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT,
-    NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV, SKIP_IDLE_ENV, TAIL_SPLIT_ENV,
-    TILE_ORDER_ENV, TMA_STORE_ENV,
+    quad_tile, shard_whole_tile, skip_idle_enabled, swap_enabled, swapq_fits, tail_split_enabled,
+    tma_store, tma_tile, whole_tile, wide_cluster_fits, ClusterCapacity, Switches, TmaStore,
+    COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT,
+    QUAD128_ENV, SKIP_IDLE_ENV, SWAP_BY_DEFAULT, SWAP_ENV, TAIL_SPLIT_ENV, TILE_ORDER_ENV,
+    TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -109,9 +110,8 @@ pub struct TreeGemm {
     gather: CudaFunction,
     /// Streaming multiprocessors: the persistent kernel's grid.
     sms: usize,
-    /// Clusters of 1, 2, 4 and 8 `wgcluster64` blocks that fit on the device at once
-    /// (0 where that path is not compiled).
-    cluster_capacity: [u32; 4],
+    /// The cluster kernels' clusters that fit on the device at once.
+    capacity: ClusterCapacity,
     /// Launch the TMA kernels with programmatic dependent launch (launch.rs); the other
     /// paths have no `pdl_wait` and always launch plainly.
     pdl: bool,
@@ -211,7 +211,7 @@ impl TreeGemm {
             grouped,
             gather,
             sms: sms.max(1) as usize,
-            cluster_capacity: [0; 4],
+            capacity: ClusterCapacity::default(),
             pdl: super::launch::pdl_enabled(ctx).map_err(|_| GemmError::Env {
                 var: super::launch::PDL_ENV,
                 value: std::env::var(super::launch::PDL_ENV).unwrap_or_default(),
@@ -224,10 +224,11 @@ impl TreeGemm {
             tail_split: tail_split_enabled(std::env::var(TAIL_SPLIT_ENV).ok().as_deref())?,
         };
         for (i, n_seg) in [1usize, 2, 4, 8].into_iter().enumerate() {
-            tg.cluster_capacity[i] = tg
+            tg.capacity.cluster64[i] = tg
                 .max_active_clusters(Path::WgCluster64, n_seg)?
                 .unwrap_or(0);
         }
+        tg.capacity.swapq = tg.max_active_clusters(Path::WgSwapQuad, 8)?.unwrap_or(0);
         Ok(tg)
     }
 
@@ -239,7 +240,7 @@ impl TreeGemm {
             shape,
             self.family,
             self.sms,
-            &self.cluster_capacity,
+            &self.capacity,
             self.switches,
             silu,
             |p| self.has(p),
@@ -252,6 +253,7 @@ impl TreeGemm {
         let cluster = match path {
             Path::WgCluster64 => n_seg,
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => n_seg.div_ceil(2),
+            Path::WgSwapQuad => n_seg.div_ceil(4),
             _ => return Ok(None),
         };
         let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
@@ -364,10 +366,12 @@ impl TreeGemm {
         let s = a.shape;
         let x_box = match path {
             Path::WgTma { .. } | Path::WgQuad128 { .. } => 128,
+            Path::WgSwapQuad => 8,
             _ => 64,
         };
         let w_rows = match path {
             Path::WgWhole { bn } | Path::WgQuad { bn } => (bn / 2) as u32,
+            Path::WgSwapQuad => SWAPQ_TW as u32,
             Path::WgQuad128 { bn } | Path::WgTma { bn } => bn as u32,
             _ => 128,
         };
@@ -408,6 +412,7 @@ impl TreeGemm {
                 self.sms,
             );
         let tail = if column_order { 0 } else { self.tail(path, a) };
+        let (ws, cnt) = if tail > 0 { (a.ws, a.counters) } else { (0, 0) };
         let p = tma::TmaParams {
             tx: tma::encode("x", a.x, a.x_rows, a.ldx, s.seg_len, s.n_seg, x_box)?,
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
@@ -425,13 +430,14 @@ impl TreeGemm {
             skip_idle: i32::from(self.skip_idle),
             tma_partial: i32::from(self.tma_store == TmaStore::Partial),
             column_order: i32::from(column_order),
-            ws: if tail > 0 { a.ws } else { 0 },
-            cnt: if tail > 0 { a.counters } else { 0 },
+            ws,
+            cnt,
             tail: tail as i32,
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {
             Path::WgTma { bn } => (Path::persistent_blocks(bn, s.m, s.n, self.sms), None),
+            Path::WgSwapQuad => (gx, (s.n_seg > 4).then_some((s.n_seg / 4) as u32)),
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
             Path::WgWhole { .. } => (gx, None),
             Path::WgQuad { .. } | Path::WgQuad128 { .. } => (gx, Some(s.n_seg.div_ceil(4) as u32)),

@@ -24,6 +24,11 @@ const WHOLE_SMEM: u32 = 225 * 1024;
 pub const QUAD_BNS: [usize; 2] = [96, 64];
 /// Tile widths of the `wgquad128x` kernels (128-row tiles), widest first.
 pub const QUAD128_BNS: [usize; 2] = [128, 64];
+/// gemm_sm90_swap.cu SWAPQ_TW: W rows of a `wgswapq64` block (one 64-row A operand).
+pub const SWAPQ_TW: usize = 64;
+/// gemm_sm90_swap.cu SWAP_SMEM: the shared memory a `wgswapq64` block fills with its ring.
+const SWAP_SMEM: u32 = 224 * 1024;
+
 /// Tile widths of the persistent `wgtma128` kernels (128-row tiles), widest first.
 pub const TMA_BNS: [usize; 3] = [128, 96, 64];
 /// gemm_sm90_tma.cu TMA_SMEM: the shared memory a persistent block fills with its ring
@@ -83,6 +88,13 @@ pub enum Path {
     /// warpgroups take 64 rows each and share the W tile. For 129 ≤ M ≤ 512, where
     /// `wgtma128`'s few whole-K tiles leave SMs idle.
     WgQuad128 { bn: usize },
+    /// wgmma fed by TMA with the operands swapped: W's rows are the instruction's 64-row
+    /// side and 8 rows of X its N side (m64n8k16), so the accumulator holds only X's few
+    /// rows; 64 W rows × 8 X rows a block, four segments a block (the
+    /// subtree `(s0+s1)+(s2+s3)` in registers) and a tile's `n_seg / 4` blocks a cluster
+    /// folding over distributed shared memory, as `WgQuad` does: no workspace. For M ≤ 8
+    /// (more rows run as row tiles of 8). Needs `k == n_seg·seg_len`.
+    WgSwapQuad,
 }
 
 impl Path {
@@ -124,6 +136,7 @@ impl Path {
                 Path::WgQuad { bn: 64 },
                 Path::WgQuad128 { bn: 128 },
                 Path::WgQuad128 { bn: 64 },
+                Path::WgSwapQuad,
                 Path::WgTree128,
                 Path::WgSplit64,
             ],
@@ -141,7 +154,8 @@ impl Path {
             | Path::WgCluster64x2N256
             | Path::WgWhole { .. }
             | Path::WgQuad { .. }
-            | Path::WgQuad128 { .. } => Family::Wgmma,
+            | Path::WgQuad128 { .. }
+            | Path::WgSwapQuad => Family::Wgmma,
         }
     }
 
@@ -156,6 +170,7 @@ impl Path {
                 | Path::WgWhole { .. }
                 | Path::WgQuad { .. }
                 | Path::WgQuad128 { .. }
+                | Path::WgSwapQuad
         )
     }
 
@@ -185,6 +200,7 @@ impl Path {
             Path::WgQuad128 { bn: 128 } => "wgquad128x128",
             Path::WgQuad128 { bn: 64 } => "wgquad128x64",
             Path::WgQuad128 { .. } => "wgquad128",
+            Path::WgSwapQuad => "wgswapq64",
         }
     }
 
@@ -290,6 +306,15 @@ impl Path {
                 let bn = bn as u32;
                 ring_smem(WHOLE_SMEM, (bn / 2) * 256 * 4, (128 + bn) * 64 * 2)
             }
+            // SwapLayout<xr>: as many stages of (128 + xr) x 64 bf16 as fit in SWAP_SMEM (no
+            // tree slots, no cap), 2 mbarriers a stage, alignment.
+            // SwapLayout: as many stages of (64 + 8) x 64 bf16 as fit in SWAP_SMEM (no tree
+            // slots, no cap), 2 mbarriers a stage, alignment.
+            Path::WgSwapQuad => {
+                let stage = (SWAPQ_TW as u32 + 8) * 64 * 2;
+                let stages = SWAP_SMEM / stage;
+                stages * stage + 16 * stages + 1024
+            }
         }
     }
 
@@ -322,6 +347,10 @@ impl Path {
                 (n.div_ceil(bn) * n_seg.div_ceil(4), m.div_ceil(128), 1),
                 288,
             ),
+            Path::WgSwapQuad => (
+                (n.div_ceil(SWAPQ_TW) * n_seg.div_ceil(4), m.div_ceil(8), 1),
+                160,
+            ),
         }
     }
 
@@ -351,6 +380,7 @@ impl Path {
             Path::WgQuad128 { bn: 128 } => "arbor_gemm_wg_quad_128x128",
             Path::WgQuad128 { bn: 64 } => "arbor_gemm_wg_quad_128x64",
             Path::WgQuad128 { .. } => "arbor_gemm_wg_quad_128",
+            Path::WgSwapQuad => "arbor_gemm_wg_swapq_64x8",
         }
     }
 }

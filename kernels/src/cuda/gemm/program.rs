@@ -19,6 +19,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../../cuda/gemm_sm90_tma.cu"),
     ),
     (
+        "gemm_sm90_swap.cu",
+        include_str!("../../../cuda/gemm_sm90_swap.cu"),
+    ),
+    (
         "gemm_moe_sm90.cu",
         include_str!("../../../cuda/gemm_moe_sm90.cu"),
     ),

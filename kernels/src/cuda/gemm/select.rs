@@ -23,6 +23,38 @@ pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
     )
 }
 
+/// The variable that lets the default path take the swapped-operand quad kernel
+/// (`wgswapq64`) where [`swapq_fits`]: `1` on, `0` off, unset [`SWAP_BY_DEFAULT`].
+pub const SWAP_ENV: &str = "ARBOR_GEMM_SWAP";
+
+/// Whether [`swapq_fits`] applies when [`SWAP_ENV`] is unset.
+pub const SWAP_BY_DEFAULT: bool = true;
+
+/// [`SWAP_ENV`]'s value (`None`: unset) as a switch.
+pub fn swap_enabled(value: Option<&str>) -> Result<bool, GemmError> {
+    switch(
+        SWAP_ENV,
+        value,
+        SWAP_BY_DEFAULT,
+        "expected 1 (W as the wgmma's 64-row side and X's rows its N side, up to 8 rows, where the blocks make one wave) or 0",
+    )
+}
+
+/// Whether a call of `m` rows, `n` columns over `n_seg` segments takes `wgswapq64` on
+/// `sms` SMs that hold `clusters` of its clusters of two at once: at most 8 rows, the full
+/// tree (eight segments: clusters of two blocks of four), and blocks (two per 64 columns)
+/// that make one wave at least 7/8 full, every cluster resident. TP 1's o and down
+/// (N = 4096: 128 blocks). The narrow layers' cluster kernel (`wgcluster64x2n256`) runs
+/// 64 blocks there, so half the SMs stream W.
+pub fn swapq_fits(m: usize, n: usize, n_seg: usize, sms: usize, clusters: u32) -> bool {
+    let blocks = n.div_ceil(super::path::SWAPQ_TW) * 2;
+    m <= 8
+        && n_seg == 8
+        && blocks <= sms
+        && packs_waves(blocks, sms)
+        && blocks / 2 <= clusters as usize
+}
+
 /// The variable that sets the rows from which the default path takes the persistent
 /// kernel's narrower tiles ([`tma_tile`]): `1` from [`NARROW_FROM_ROWS`], `from:ROWS` from
 /// that many rows (to re-measure the rule), `0` never; unset [`NARROW_BY_DEFAULT`].
@@ -334,6 +366,8 @@ pub struct Switches {
     /// [`NARROW_ENV`]: the rows from which the persistent kernel's narrower tiles apply
     /// (`None`: never).
     pub narrow_from: Option<usize>,
+    /// [`SWAP_ENV`]: the swapped-operand quad kernel.
+    pub swap: bool,
 }
 
 impl Switches {
@@ -342,15 +376,28 @@ impl Switches {
         Ok(Switches {
             quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
             narrow_from: narrow_from(std::env::var(NARROW_ENV).ok().as_deref())?,
+            swap: swap_enabled(std::env::var(SWAP_ENV).ok().as_deref())?,
         })
     }
 }
 
+/// How many clusters of the cluster kernels the device holds at once
+/// (`cuOccupancyMaxActiveClusters`; 0 where a kernel is not compiled): what decides whether
+/// a grid of clusters runs in one wave.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClusterCapacity {
+    /// `wgcluster64` clusters of 1, 2, 4 and 8 blocks (by log2 of the count).
+    pub cluster64: [u32; 4],
+    /// `wgswapq64` clusters of two blocks.
+    pub swapq: u32,
+}
+
 /// The default path of a call on a device of `sms` SMs: [`Path::for_shape`], except that
+/// a TMA call takes `wgswapq64` where [`swapq_fits`] (with [`SWAP_ENV`] on), and
 /// a `wgcluster64` call takes a `wgwhole` kernel where [`shard_whole_tile`] or
 /// [`whole_tile`] names one, a `wgquad` kernel where [`quad_tile`] does; otherwise one of
 /// M ≤ 32 takes `wgcluster64x2n256` where [`wide_cluster_fits`], and a larger one whose
-/// grid has more clusters than the device holds at once (`cluster_capacity`, by
+/// grid has more clusters than the device holds at once (`capacity.cluster64`, by
 /// log2 n_seg: it would run in two waves, the second nearly empty) takes `wgcluster64x2`,
 /// half the blocks. With `quad128` ([`QUAD128_ENV`]), a `wgtma128` call takes a
 /// `wgquad128x` kernel where [`quad128_tile`] names one; before that, with `narrow_from`
@@ -363,7 +410,7 @@ pub fn default_path_for(
     shape: &TreeMatmul,
     family: Family,
     sms: usize,
-    cluster_capacity: &[u32; 4],
+    capacity: &ClusterCapacity,
     switches: Switches,
     silu: bool,
     has: impl Fn(Path) -> bool,
@@ -371,8 +418,16 @@ pub fn default_path_for(
     let Switches {
         quad128,
         narrow_from,
+        swap,
     } = switches;
     let path = Path::for_shape(shape, family);
+    if path.is_tma()
+        && swap
+        && has(Path::WgSwapQuad)
+        && swapq_fits(shape.m, shape.n, shape.n_seg, sms, capacity.swapq)
+    {
+        return Path::WgSwapQuad;
+    }
     if let (Path::WgTma { bn: 128 }, Some(from)) = (path, narrow_from) {
         let p = Path::WgTma {
             bn: tma_tile(shape.m, shape.n, sms, from),
@@ -417,7 +472,7 @@ pub fn default_path_for(
         return Path::WgCluster64x2N256;
     }
     if path == Path::WgCluster64 && shape.n_seg >= 2 {
-        let cap = cluster_capacity[shape.n_seg.trailing_zeros().min(3) as usize];
+        let cap = capacity.cluster64[shape.n_seg.trailing_zeros().min(3) as usize];
         let clusters = shape.n.div_ceil(128) * shape.m.div_ceil(64);
         if clusters > cap as usize {
             return Path::WgCluster64x2;
@@ -432,7 +487,10 @@ mod tests {
     use crate::cuda::gemm::path::{QUAD128_BNS, QUAD_BNS, WHOLE_BNS};
 
     /// `wgcluster64` clusters resident at once by log2 n_seg, as an H200 reports it.
-    const H200_CAP: [u32; 4] = [248, 124, 62, 30];
+    const H200_CAP: ClusterCapacity = ClusterCapacity {
+        cluster64: [248, 124, 62, 30],
+        swapq: 66,
+    };
 
     /// The Wgmma default path's name for M × N over `n_seg` segments of 512 on 132 SMs
     /// with an H200's `wgcluster64` capacity.
@@ -444,6 +502,7 @@ mod tests {
             Switches {
                 quad128,
                 narrow_from: None,
+                swap: false,
             },
         )
     }
@@ -534,6 +593,7 @@ mod tests {
         let off = Switches {
             quad128: false,
             narrow_from: None,
+            swap: false,
         };
         let no_whole = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, off, false, |p| {
             !matches!(p, Path::WgWhole { .. })
@@ -733,6 +793,7 @@ mod tests {
         let on = Switches {
             quad128: true,
             narrow_from: Some(NARROW_FROM_ROWS),
+            swap: false,
         };
         // From 256 rows the narrow tiles come before the quad ones; below, nothing changes.
         assert_eq!(h200_path_with(256, 4096, 8, on), "wgtma128x64");
@@ -783,5 +844,57 @@ mod tests {
         assert!(
             Path::WgTma { bn: 128 }.tma_stores(true) && !Path::WgTma { bn: 64 }.tma_stores(true)
         );
+    }
+
+    #[test]
+    fn the_narrow_layers_take_the_swapped_quad_kernel_up_to_eight_rows() {
+        let on = Switches {
+            quad128: true,
+            narrow_from: Some(NARROW_FROM_ROWS),
+            swap: true,
+        };
+        for (m, n, n_seg, want) in [
+            // o and down at TP 1: 128 blocks, 64 clusters of two.
+            (1, 4096, 8, "wgswapq64"),
+            (8, 4096, 8, "wgswapq64"),
+            (9, 4096, 8, "wgcluster64x2n256"),
+            // Wider N would need a second wave; a shard of fewer segments has no cluster
+            // of two to fold (TP 2's o: 4 segments).
+            (1, 6144, 8, "wgcluster64x2n256"),
+            (1, 28672, 8, "wgwhole224"),
+            (1, 128256, 8, "wgcluster64x2n256"),
+            (1, 4096, 4, "wgcluster64"),
+            // 96 blocks would leave more than an eighth of the SMs idle.
+            (1, 3072, 8, "wgcluster64"),
+            (64, 4096, 8, "wgquad64"),
+        ] {
+            assert_eq!(
+                h200_path_with(m, n, n_seg, on),
+                want,
+                "M = {m}, N = {n}, {n_seg} segments"
+            );
+        }
+        assert!(swapq_fits(1, 4096, 8, 132, 64));
+        // Fewer resident clusters than the grid's: a second wave.
+        assert!(!swapq_fits(1, 4096, 8, 132, 63));
+        assert!(!swapq_fits(1, 4096, 8, 0, 64));
+        let off = Switches { swap: false, ..on };
+        assert_eq!(h200_path_with(1, 4096, 8, off), "wgcluster64x2n256");
+        // A device without the kernel keeps the rules before it.
+        let shape = TreeMatmul {
+            m: 1,
+            n: 4096,
+            k: 4096,
+            seg_len: 512,
+            n_seg: 8,
+        };
+        let p = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, on, false, |p| {
+            p != Path::WgSwapQuad
+        });
+        assert_eq!(p.name(), "wgcluster64x2n256");
+        assert!(swap_enabled(None).unwrap() == SWAP_BY_DEFAULT);
+        assert!(!swap_enabled(Some("0")).unwrap());
+        let e = swap_enabled(Some("yes")).unwrap_err().to_string();
+        assert!(e.contains("ARBOR_GEMM_SWAP") && e.contains("yes"), "{e}");
     }
 }
