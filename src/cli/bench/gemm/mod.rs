@@ -296,6 +296,17 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
+    // The swapped quad kernel runs clusters of two; of four and eight blocks of its size
+    // (one an SM) is what a wider swapped kernel would need resident in one wave.
+    for size in [2usize, 4, 8] {
+        if let Ok(Some(c)) = tg.max_active_clusters(Path::WgSwapQuad, 4 * size) {
+            println!(
+                "{} blocks: at most {c} clusters of {size} resident ({} blocks)",
+                Path::WgSwapQuad.name(),
+                c as usize * size
+            );
+        }
+    }
     println!(
         "{:>6} {:>6} {:>5} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7} {:>6} {:>8} checks",
         "K",
