@@ -412,7 +412,6 @@ impl TreeGemm {
                 self.sms,
             );
         let tail = if column_order { 0 } else { self.tail(path, a) };
-        let (ws, cnt) = if tail > 0 { (a.ws, a.counters) } else { (0, 0) };
         let p = tma::TmaParams {
             tx: tma::encode("x", a.x, a.x_rows, a.ldx, s.seg_len, s.n_seg, x_box)?,
             tw: tma::encode("w", a.w, s.n, a.ldw, s.seg_len, s.n_seg, w_rows)?,
@@ -430,8 +429,8 @@ impl TreeGemm {
             skip_idle: i32::from(self.skip_idle),
             tma_partial: i32::from(self.tma_store == TmaStore::Partial),
             column_order: i32::from(column_order),
-            ws,
-            cnt,
+            ws: if tail > 0 { a.ws } else { 0 },
+            cnt: if tail > 0 { a.counters } else { 0 },
             tail: tail as i32,
         };
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);

@@ -306,8 +306,6 @@ impl Path {
                 let bn = bn as u32;
                 ring_smem(WHOLE_SMEM, (bn / 2) * 256 * 4, (128 + bn) * 64 * 2)
             }
-            // SwapLayout<xr>: as many stages of (128 + xr) x 64 bf16 as fit in SWAP_SMEM (no
-            // tree slots, no cap), 2 mbarriers a stage, alignment.
             // SwapLayout: as many stages of (64 + 8) x 64 bf16 as fit in SWAP_SMEM (no tree
             // slots, no cap), 2 mbarriers a stage, alignment.
             Path::WgSwapQuad => {

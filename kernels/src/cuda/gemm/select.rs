@@ -47,7 +47,7 @@ pub fn swap_enabled(value: Option<&str>) -> Result<bool, GemmError> {
 /// (N = 4096: 128 blocks). The narrow layers' cluster kernel (`wgcluster64x2n256`) runs
 /// 64 blocks there, so half the SMs stream W.
 pub fn swapq_fits(m: usize, n: usize, n_seg: usize, sms: usize, clusters: u32) -> bool {
-    let blocks = n.div_ceil(super::path::SWAPQ_TW) * 2;
+    let ((blocks, _, _), _) = Path::WgSwapQuad.launch_dims(m, n, n_seg);
     m <= 8
         && n_seg == 8
         && blocks <= sms
