@@ -183,11 +183,15 @@ DEVI int chunks_in_tile(int seg_len, int kt) { return min(4, (seg_len - kt * 64 
 // wgmma tying the warps to one releaser, a warp left two rounds of the ring behind would
 // read a later phase's parity as its own and wait forever. (A releaser-only walk with a
 // warpgroup barrier makes ptxas serialise every wgmma of the kernel: C7520.)
-template <int STAGES, int STAGE_BYTES, int WN = 128>
+// S: A operands a stage, A_STEP bytes apart, each onto its own WN / 2 values of acc with
+// the stage's one B operand (the swapped kernels' taller W tiles; each element's chain is
+// the one-operand chain). HOLD1: keep a wgmma group in flight across stages (the stage
+// is released one k-tile late); a ring of a few large stages releases each at once.
+template <int STAGES, int STAGE_BYTES, int WN = 128, int S = 1, int A_STEP = 0, bool HOLD1 = true>
 DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_row_off,
                        int seg_len, int tiles_per_seg, u32& it, bool releaser, bool idle = false) {
 #pragma unroll
-    for (int i = 0; i < WN / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < S * WN / 2; ++i) acc[i] = 0.f;
     if (idle) {
         for (int kt = 0; kt < tiles_per_seg; ++kt, ++it) {
             const int stage = (int)(it % STAGES);
@@ -206,18 +210,31 @@ DEVI void leaf_segment(float* acc, u32 sA, u32 sB, u32 full, u32 empty, int a_ro
         wgmma_fence();
         if (nk == 4) {
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) wgmma_m64k16<WN>(acc, da + 2 * kk, db + 2 * kk);
+            for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                for (int s = 0; s < S; ++s)
+                    wgmma_m64k16<WN>(acc + s * (WN / 2), da + 2 * kk + s * (A_STEP >> 4), db + 2 * kk);
         } else {
-            for (int kk = 0; kk < nk; ++kk) wgmma_m64k16<WN>(acc, da + 2 * kk, db + 2 * kk);
+            for (int kk = 0; kk < nk; ++kk)
+#pragma unroll
+                for (int s = 0; s < S; ++s)
+                    wgmma_m64k16<WN>(acc + s * (WN / 2), da + 2 * kk + s * (A_STEP >> 4), db + 2 * kk);
         }
         wgmma_commit();
-        // Keep one group in flight: the previous tile's group is done, free its stage.
-        wgmma_wait1();
-        if (prev >= 0 && releaser) mbar_release(empty + 8 * prev);
-        prev = stage;
+        if constexpr (HOLD1) {
+            // Keep one group in flight: the previous tile's group is done, free its stage.
+            wgmma_wait1();
+            if (prev >= 0 && releaser) mbar_release(empty + 8 * prev);
+            prev = stage;
+        } else {
+            wgmma_wait0();
+            if (releaser) mbar_release(empty + 8 * stage);
+        }
     }
-    wgmma_wait0();
-    if (prev >= 0 && releaser) mbar_release(empty + 8 * prev);
+    if constexpr (HOLD1) {
+        wgmma_wait0();
+        if (prev >= 0 && releaser) mbar_release(empty + 8 * prev);
+    }
 }
 
 // Accumulator element i of a thread of a 64x128 wgmma tile: row 16*(warp in group) +

@@ -47,7 +47,7 @@ kernel_of() {
         wgquad*) echo "arbor_gemm_wg_quad_64x${1#wgquad}" ;;
         wgsplit64) echo arbor_gemm_wg_split_64x128 ;;
         wgtree128) echo arbor_gemm_wg_tree_128x128 ;;
-        wgswap*) echo "arbor_gemm_wg_swap_128x${1#wgswap}" ;;
+        wgswap*s*) local f=${1#wgswap}; echo "arbor_gemm_wg_swap_${f%s*}x8_s${f#*s}" ;;
         *) echo "arbor_gemm_$1" ;;
     esac
 }

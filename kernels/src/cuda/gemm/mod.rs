@@ -32,15 +32,17 @@ pub use args::{
 use error::driver;
 pub use error::GemmError;
 pub use grouped::{expert_maps, validate_grouped, GroupedArgs, GroupedPath, GroupedWg, MoeTiles};
-pub use path::{Family, Path, QUAD128_BNS, QUAD_BNS, SWAPQ_TW, TMA_BNS, WHOLE_BNS};
+pub use path::{
+    Family, Path, SwapForm, QUAD128_BNS, QUAD_BNS, SWAP_FORMS, SWAP_XR, TMA_BNS, WHOLE_BNS,
+};
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
     column_order, column_order_rows, default_path_for, narrow_from, quad128_enabled, quad128_tile,
-    quad_tile, shard_whole_tile, skip_idle_enabled, swap_enabled, swapq_fits, tail_split_enabled,
-    tma_store, tma_tile, whole_tile, wide_cluster_fits, ClusterCapacity, Switches, TmaStore,
-    COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT,
-    QUAD128_ENV, SKIP_IDLE_ENV, SWAP_BY_DEFAULT, SWAP_ENV, TAIL_SPLIT_ENV, TILE_ORDER_ENV,
-    TMA_STORE_ENV,
+    quad_tile, shard_whole_tile, skip_idle_enabled, swap_form, swap_rule, tail_split_enabled,
+    tma_store, tma_tile, whole_tile, wide_cluster_fits, ClusterCapacity, SwapRule, Switches,
+    TmaStore, COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS,
+    QUAD128_BY_DEFAULT, QUAD128_ENV, SKIP_IDLE_ENV, SWAP_BY_DEFAULT, SWAP_ENV, TAIL_SPLIT_ENV,
+    TILE_ORDER_ENV, TMA_STORE_ENV,
 };
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
@@ -228,7 +230,9 @@ impl TreeGemm {
                 .max_active_clusters(Path::WgCluster64, n_seg)?
                 .unwrap_or(0);
         }
-        tg.capacity.swapq = tg.max_active_clusters(Path::WgSwapQuad, 8)?.unwrap_or(0);
+        for (i, size) in [1usize, 2, 4, 8].into_iter().enumerate() {
+            tg.capacity.swap[i] = tg.swap_clusters(size)?;
+        }
         Ok(tg)
     }
 
@@ -253,7 +257,7 @@ impl TreeGemm {
         let cluster = match path {
             Path::WgCluster64 => n_seg,
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => n_seg.div_ceil(2),
-            Path::WgSwapQuad => n_seg.div_ceil(4),
+            Path::WgSwap { spc, .. } => Path::swap_cluster(spc, n_seg),
             _ => return Ok(None),
         };
         let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
@@ -261,6 +265,20 @@ impl TreeGemm {
         };
         let (_, block) = path.launch_dims(1, 1, n_seg);
         tma::max_active_clusters(f, block, path.smem_bytes(), cluster as u32).map(Some)
+    }
+
+    /// How many clusters of `size` swapped-kernel blocks (one an SM, the same shared memory
+    /// whatever the form) the device holds at once; 0 where none was compiled.
+    pub fn swap_clusters(&self, size: usize) -> Result<u32, GemmError> {
+        let Some(&SwapForm { tw, spc, .. }) = SWAP_FORMS.first() else {
+            return Ok(0);
+        };
+        let path = Path::WgSwap { tw, spc };
+        let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
+            return Ok(0);
+        };
+        let (_, block) = path.launch_dims(1, 1, 1);
+        tma::max_active_clusters(f, block, path.smem_bytes(), size as u32)
     }
 
     /// Whether `path` was compiled for this device.
@@ -366,12 +384,13 @@ impl TreeGemm {
         let s = a.shape;
         let x_box = match path {
             Path::WgTma { .. } | Path::WgQuad128 { .. } => 128,
-            Path::WgSwapQuad => 8,
+            Path::WgSwap { .. } => SWAP_XR as u32,
             _ => 64,
         };
         let w_rows = match path {
             Path::WgWhole { bn } | Path::WgQuad { bn } => (bn / 2) as u32,
-            Path::WgSwapQuad => SWAPQ_TW as u32,
+            // The W map's box is one 64-row A operand; a block loads tw / 64 of them.
+            Path::WgSwap { .. } => 64,
             Path::WgQuad128 { bn } | Path::WgTma { bn } => bn as u32,
             _ => 128,
         };
@@ -436,7 +455,10 @@ impl TreeGemm {
         let ((gx, gy, gz), block) = path.launch_dims(s.m, s.n, s.n_seg);
         let (gx, cluster) = match path {
             Path::WgTma { bn } => (Path::persistent_blocks(bn, s.m, s.n, self.sms), None),
-            Path::WgSwapQuad => (gx, (s.n_seg > 4).then_some((s.n_seg / 4) as u32)),
+            Path::WgSwap { spc, .. } => {
+                let ns = Path::swap_cluster(spc, s.n_seg);
+                (gx, (ns > 1).then_some(ns as u32))
+            }
             Path::WgCluster64x2 | Path::WgCluster64x2N256 => (gx, Some((s.n_seg / 2) as u32)),
             Path::WgWhole { .. } => (gx, None),
             Path::WgQuad { .. } | Path::WgQuad128 { .. } => (gx, Some(s.n_seg.div_ceil(4) as u32)),

@@ -24,9 +24,70 @@ const WHOLE_SMEM: u32 = 225 * 1024;
 pub const QUAD_BNS: [usize; 2] = [96, 64];
 /// Tile widths of the `wgquad128x` kernels (128-row tiles), widest first.
 pub const QUAD128_BNS: [usize; 2] = [128, 64];
-/// gemm_sm90_swap.cu SWAPQ_TW: W rows of a `wgswapq64` block (one 64-row A operand).
-pub const SWAPQ_TW: usize = 64;
-/// gemm_sm90_swap.cu SWAP_SMEM: the shared memory a `wgswapq64` block fills with its ring.
+/// One form of the swapped kernel: W rows and segments a block, its path name and its
+/// kernel (gemm_sm90_swap.cu ARBOR_SWAP_KERNEL).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SwapForm {
+    pub tw: usize,
+    pub spc: usize,
+    pub name: &'static str,
+    pub kernel: &'static str,
+}
+
+/// The swapped kernel's forms, each one wave of resident clusters for some llama3-8b layer
+/// at TP 1, 2 or 4 (docs/gemm.md).
+pub const SWAP_FORMS: [SwapForm; 7] = [
+    SwapForm {
+        tw: 64,
+        spc: 1,
+        name: "wgswap64s1",
+        kernel: "arbor_gemm_wg_swap_64x8_s1",
+    },
+    SwapForm {
+        tw: 64,
+        spc: 2,
+        name: "wgswap64s2",
+        kernel: "arbor_gemm_wg_swap_64x8_s2",
+    },
+    SwapForm {
+        tw: 64,
+        spc: 4,
+        name: "wgswap64s4",
+        kernel: "arbor_gemm_wg_swap_64x8_s4",
+    },
+    SwapForm {
+        tw: 64,
+        spc: 8,
+        name: "wgswap64s8",
+        kernel: "arbor_gemm_wg_swap_64x8_s8",
+    },
+    SwapForm {
+        tw: 128,
+        spc: 4,
+        name: "wgswap128s4",
+        kernel: "arbor_gemm_wg_swap_128x8_s4",
+    },
+    SwapForm {
+        tw: 128,
+        spc: 8,
+        name: "wgswap128s8",
+        kernel: "arbor_gemm_wg_swap_128x8_s8",
+    },
+    SwapForm {
+        tw: 448,
+        spc: 4,
+        name: "wgswap448s4",
+        kernel: "arbor_gemm_wg_swap_448x8_s4",
+    },
+];
+
+/// The form of `tw` W rows and `spc` segments a block, if it is compiled.
+fn swap_form_of(tw: usize, spc: usize) -> Option<&'static SwapForm> {
+    SWAP_FORMS.iter().find(|f| f.tw == tw && f.spc == spc)
+}
+/// gemm_sm90_swap.cu SWAP_XR: X rows a swapped block (the wgmma's N side).
+pub const SWAP_XR: usize = 8;
+/// gemm_sm90_swap.cu SWAP_SMEM: the shared memory a swapped block fills with its ring.
 const SWAP_SMEM: u32 = 224 * 1024;
 
 /// Tile widths of the persistent `wgtma128` kernels (128-row tiles), widest first.
@@ -89,12 +150,13 @@ pub enum Path {
     /// `wgtma128`'s few whole-K tiles leave SMs idle.
     WgQuad128 { bn: usize },
     /// wgmma fed by TMA with the operands swapped: W's rows are the instruction's 64-row
-    /// side and 8 rows of X its N side (m64n8k16), so the accumulator holds only X's few
-    /// rows; 64 W rows × 8 X rows a block, four segments a block (the
-    /// subtree `(s0+s1)+(s2+s3)` in registers) and a tile's `n_seg / 4` blocks a cluster
+    /// side (`tw / 64` A operands a block) and 8 rows of X its N side (m64n8k16), so the
+    /// accumulator holds only X's few rows; `tw` W rows × 8 X rows a block, `spc` segments
+    /// a block (their subtree in registers) and a tile's `n_seg / spc` blocks a cluster
     /// folding over distributed shared memory, as `WgQuad` does: no workspace. For M ≤ 8
-    /// (more rows run as row tiles of 8). Needs `k == n_seg·seg_len`.
-    WgSwapQuad,
+    /// (more rows run as row tiles of 8). `(tw, spc)` one of [`SWAP_FORMS`]. Needs
+    /// `k == n_seg·seg_len`.
+    WgSwap { tw: usize, spc: usize },
 }
 
 impl Path {
@@ -136,7 +198,13 @@ impl Path {
                 Path::WgQuad { bn: 64 },
                 Path::WgQuad128 { bn: 128 },
                 Path::WgQuad128 { bn: 64 },
-                Path::WgSwapQuad,
+                Path::WgSwap { tw: 64, spc: 1 },
+                Path::WgSwap { tw: 64, spc: 2 },
+                Path::WgSwap { tw: 64, spc: 4 },
+                Path::WgSwap { tw: 64, spc: 8 },
+                Path::WgSwap { tw: 128, spc: 4 },
+                Path::WgSwap { tw: 128, spc: 8 },
+                Path::WgSwap { tw: 448, spc: 4 },
                 Path::WgTree128,
                 Path::WgSplit64,
             ],
@@ -155,7 +223,7 @@ impl Path {
             | Path::WgWhole { .. }
             | Path::WgQuad { .. }
             | Path::WgQuad128 { .. }
-            | Path::WgSwapQuad => Family::Wgmma,
+            | Path::WgSwap { .. } => Family::Wgmma,
         }
     }
 
@@ -170,7 +238,7 @@ impl Path {
                 | Path::WgWhole { .. }
                 | Path::WgQuad { .. }
                 | Path::WgQuad128 { .. }
-                | Path::WgSwapQuad
+                | Path::WgSwap { .. }
         )
     }
 
@@ -200,7 +268,7 @@ impl Path {
             Path::WgQuad128 { bn: 128 } => "wgquad128x128",
             Path::WgQuad128 { bn: 64 } => "wgquad128x64",
             Path::WgQuad128 { .. } => "wgquad128",
-            Path::WgSwapQuad => "wgswapq64",
+            Path::WgSwap { tw, spc } => swap_form_of(tw, spc).map_or("wgswap", |f| f.name),
         }
     }
 
@@ -250,6 +318,12 @@ impl Path {
         Self::persistent_tiles(bn, m, n)
             .min(sms)
             .min(tma::MAX_PERSISTENT_BLOCKS)
+    }
+
+    /// Blocks of a swapped kernel's tile (its cluster): `n_seg / spc`, one where the call
+    /// has no more segments than a block sums (the kernel's `min(SPC, n_seg)`).
+    pub(super) fn swap_cluster(spc: usize, n_seg: usize) -> usize {
+        (n_seg / spc.max(1)).max(1)
     }
 
     /// u32 arrival counters the path uses: one per output tile for the split paths
@@ -306,10 +380,10 @@ impl Path {
                 let bn = bn as u32;
                 ring_smem(WHOLE_SMEM, (bn / 2) * 256 * 4, (128 + bn) * 64 * 2)
             }
-            // SwapLayout: as many stages of (64 + 8) x 64 bf16 as fit in SWAP_SMEM (no tree
-            // slots, no cap), 2 mbarriers a stage, alignment.
-            Path::WgSwapQuad => {
-                let stage = (SWAPQ_TW as u32 + 8) * 64 * 2;
+            // SwapLayout<tw / 64>: as many stages of (tw + 8) x 64 bf16 as fit in SWAP_SMEM
+            // (no tree slots, no cap), 2 mbarriers a stage, alignment.
+            Path::WgSwap { tw, .. } => {
+                let stage = (tw + SWAP_XR) as u32 * 64 * 2;
                 let stages = SWAP_SMEM / stage;
                 stages * stage + 16 * stages + 1024
             }
@@ -345,8 +419,12 @@ impl Path {
                 (n.div_ceil(bn) * n_seg.div_ceil(4), m.div_ceil(128), 1),
                 288,
             ),
-            Path::WgSwapQuad => (
-                (n.div_ceil(SWAPQ_TW) * n_seg.div_ceil(4), m.div_ceil(8), 1),
+            Path::WgSwap { tw, spc } => (
+                (
+                    n.div_ceil(tw) * Self::swap_cluster(spc, n_seg),
+                    m.div_ceil(SWAP_XR),
+                    1,
+                ),
                 160,
             ),
         }
@@ -378,7 +456,9 @@ impl Path {
             Path::WgQuad128 { bn: 128 } => "arbor_gemm_wg_quad_128x128",
             Path::WgQuad128 { bn: 64 } => "arbor_gemm_wg_quad_128x64",
             Path::WgQuad128 { .. } => "arbor_gemm_wg_quad_128",
-            Path::WgSwapQuad => "arbor_gemm_wg_swapq_64x8",
+            Path::WgSwap { tw, spc } => {
+                swap_form_of(tw, spc).map_or("arbor_gemm_wg_swap", |f| f.kernel)
+            }
         }
     }
 }

@@ -2,7 +2,7 @@
 //! shape and the device (docs/gemm.md).
 
 use super::error::GemmError;
-use super::path::{Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS};
+use super::path::{Family, Path, SwapForm, QUAD128_BNS, QUAD_BNS, SWAP_FORMS, SWAP_XR, TMA_BNS};
 use crate::cpu::matmul::TreeMatmul;
 
 /// The variable that lets the default path take the 128-row quad tiles
@@ -23,36 +23,80 @@ pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
     )
 }
 
-/// The variable that lets the default path take the swapped-operand quad kernel
-/// (`wgswapq64`) where [`swapq_fits`]: `1` on, `0` off, unset [`SWAP_BY_DEFAULT`].
+/// The variable that sets where the default path takes a swapped-operand kernel
+/// ([`swap_form`]): `1` where its blocks make one wave at least 7/8 full, `wave` where
+/// they make one wave at least 2/3 full (to measure the narrower grids), `0` never; unset
+/// [`SWAP_BY_DEFAULT`].
 pub const SWAP_ENV: &str = "ARBOR_GEMM_SWAP";
 
-/// Whether [`swapq_fits`] applies when [`SWAP_ENV`] is unset.
-pub const SWAP_BY_DEFAULT: bool = true;
+/// [`SWAP_ENV`]'s rule when it is unset.
+pub const SWAP_BY_DEFAULT: SwapRule = SwapRule::Packed;
 
-/// [`SWAP_ENV`]'s value (`None`: unset) as a switch.
-pub fn swap_enabled(value: Option<&str>) -> Result<bool, GemmError> {
-    switch(
-        SWAP_ENV,
-        value,
-        SWAP_BY_DEFAULT,
-        "expected 1 (W as the wgmma's 64-row side and X's rows its N side, up to 8 rows, where the blocks make one wave) or 0",
-    )
+/// Where the default path takes a swapped-operand kernel ([`swap_form`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwapRule {
+    /// Never.
+    Off,
+    /// Where the form's blocks fill one wave at least 7/8 full (`1`).
+    Packed,
+    /// Where they fill one wave at least 2/3 full (`wave`).
+    Wave,
 }
 
-/// Whether a call of `m` rows, `n` columns over `n_seg` segments takes `wgswapq64` on
-/// `sms` SMs that hold `clusters` of its clusters of two at once: at most 8 rows, the full
-/// tree (eight segments: clusters of two blocks of four), and blocks (two per 64 columns)
-/// that make one wave at least 7/8 full, every cluster resident. TP 1's o and down
-/// (N = 4096: 128 blocks). The narrow layers' cluster kernel (`wgcluster64x2n256`) runs
-/// 64 blocks there, so half the SMs stream W.
-pub fn swapq_fits(m: usize, n: usize, n_seg: usize, sms: usize, clusters: u32) -> bool {
-    let ((blocks, _, _), _) = Path::WgSwapQuad.launch_dims(m, n, n_seg);
-    m <= 8
-        && n_seg == 8
-        && blocks <= sms
-        && packs_waves(blocks, sms)
-        && blocks / 2 <= clusters as usize
+/// [`SWAP_ENV`]'s value (`None`: unset) as a rule.
+pub fn swap_rule(value: Option<&str>) -> Result<SwapRule, GemmError> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(SWAP_BY_DEFAULT),
+        Some("1") => Ok(SwapRule::Packed),
+        Some("wave") => Ok(SwapRule::Wave),
+        Some("0") => Ok(SwapRule::Off),
+        Some(v) => Err(GemmError::Env {
+            var: SWAP_ENV,
+            value: v.to_string(),
+            msg: "expected 1 (W as the wgmma's 64-row side and X's rows its N side, up to 8 rows, where the blocks fill one wave 7/8 full), wave (2/3 full) or 0",
+        }),
+    }
+}
+
+/// The swapped-operand kernel a call of `m` rows, `n` columns over `n_seg` segments takes
+/// under `rule` on `sms` SMs that hold `clusters[i]` of its clusters of 2^i blocks at
+/// once, if any: at most 8 rows, and of the [`SWAP_FORMS`] that sum at most `n_seg`
+/// segments a block and whose blocks make one wave (every cluster resident) at least
+/// 7/8 full ([`SwapRule::Packed`]) or 2/3 full ([`SwapRule::Wave`]), the one with the
+/// most blocks, the most W rows a block on a tie (fewer blocks a tile: TP 1's q/k/v took
+/// 19.4 µs as `wgswap128s4` against 20.0 as `wgswap64s8` at one row, H200). The cluster kernels run the narrow
+/// layers on half the SMs or fewer at one row (`wgcluster64x2n256`: o and down on 64
+/// blocks), so the swapped kernel's one wave streams W on nearly all of them: TP 1's o
+/// and down (`wgswap64s4`, 128 blocks) and gate/up (`wgswap448s4`), the o and down shards
+/// at TP 2 and 4 (`wgswap64s2`, `wgswap64s1`).
+pub fn swap_form(
+    m: usize,
+    n: usize,
+    n_seg: usize,
+    sms: usize,
+    clusters: &[u32; 4],
+    rule: SwapRule,
+) -> Option<Path> {
+    if m == 0 || m > SWAP_XR || sms == 0 || rule == SwapRule::Off {
+        return None;
+    }
+    SWAP_FORMS
+        .iter()
+        .filter(|f| f.spc <= n_seg && n_seg.is_multiple_of(f.spc))
+        .filter_map(|&SwapForm { tw, spc, .. }| {
+            let path = Path::WgSwap { tw, spc };
+            let ((blocks, _, _), _) = path.launch_dims(m, n, n_seg);
+            let ns = n_seg / spc;
+            let resident =
+                ns == 1 || blocks / ns <= clusters[ns.trailing_zeros().min(3) as usize] as usize;
+            let full = match rule {
+                SwapRule::Wave => 3 * blocks >= 2 * sms,
+                _ => packs_waves(blocks, sms),
+            };
+            (blocks <= sms && resident && full).then_some((blocks, tw, path))
+        })
+        .max_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)))
+        .map(|(_, _, path)| path)
 }
 
 /// The variable that sets the rows from which the default path takes the persistent
@@ -366,8 +410,8 @@ pub struct Switches {
     /// [`NARROW_ENV`]: the rows from which the persistent kernel's narrower tiles apply
     /// (`None`: never).
     pub narrow_from: Option<usize>,
-    /// [`SWAP_ENV`]: the swapped-operand quad kernel.
-    pub swap: bool,
+    /// [`SWAP_ENV`]: where the swapped-operand kernels apply.
+    pub swap: SwapRule,
 }
 
 impl Switches {
@@ -376,7 +420,7 @@ impl Switches {
         Ok(Switches {
             quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
             narrow_from: narrow_from(std::env::var(NARROW_ENV).ok().as_deref())?,
-            swap: swap_enabled(std::env::var(SWAP_ENV).ok().as_deref())?,
+            swap: swap_rule(std::env::var(SWAP_ENV).ok().as_deref())?,
         })
     }
 }
@@ -388,12 +432,13 @@ impl Switches {
 pub struct ClusterCapacity {
     /// `wgcluster64` clusters of 1, 2, 4 and 8 blocks (by log2 of the count).
     pub cluster64: [u32; 4],
-    /// `wgswapq64` clusters of two blocks.
-    pub swapq: u32,
+    /// Swapped-kernel clusters of 1, 2, 4 and 8 blocks (by log2 of the count; one block an
+    /// SM).
+    pub swap: [u32; 4],
 }
 
 /// The default path of a call on a device of `sms` SMs: [`Path::for_shape`], except that
-/// a TMA call takes `wgswapq64` where [`swapq_fits`] (with [`SWAP_ENV`] on), and
+/// a TMA call takes the swapped kernel [`swap_form`] names under [`SWAP_ENV`]'s rule, and
 /// a `wgcluster64` call takes a `wgwhole` kernel where [`shard_whole_tile`] or
 /// [`whole_tile`] names one, a `wgquad` kernel where [`quad_tile`] does; otherwise one of
 /// M ≤ 32 takes `wgcluster64x2n256` where [`wide_cluster_fits`], and a larger one whose
@@ -421,12 +466,12 @@ pub fn default_path_for(
         swap,
     } = switches;
     let path = Path::for_shape(shape, family);
-    if path.is_tma()
-        && swap
-        && has(Path::WgSwapQuad)
-        && swapq_fits(shape.m, shape.n, shape.n_seg, sms, capacity.swapq)
-    {
-        return Path::WgSwapQuad;
+    if path.is_tma() {
+        if let Some(p) =
+            swap_form(shape.m, shape.n, shape.n_seg, sms, &capacity.swap, swap).filter(|&p| has(p))
+        {
+            return p;
+        }
     }
     if let (Path::WgTma { bn: 128 }, Some(from)) = (path, narrow_from) {
         let p = Path::WgTma {
@@ -489,7 +534,7 @@ mod tests {
     /// `wgcluster64` clusters resident at once by log2 n_seg, as an H200 reports it.
     const H200_CAP: ClusterCapacity = ClusterCapacity {
         cluster64: [248, 124, 62, 30],
-        swapq: 66,
+        swap: [132, 66, 30, 15],
     };
 
     /// The Wgmma default path's name for M × N over `n_seg` segments of 512 on 132 SMs
@@ -502,7 +547,7 @@ mod tests {
             Switches {
                 quad128,
                 narrow_from: None,
-                swap: false,
+                swap: SwapRule::Off,
             },
         )
     }
@@ -593,7 +638,7 @@ mod tests {
         let off = Switches {
             quad128: false,
             narrow_from: None,
-            swap: false,
+            swap: SwapRule::Off,
         };
         let no_whole = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, off, false, |p| {
             !matches!(p, Path::WgWhole { .. })
@@ -793,7 +838,7 @@ mod tests {
         let on = Switches {
             quad128: true,
             narrow_from: Some(NARROW_FROM_ROWS),
-            swap: false,
+            swap: SwapRule::Off,
         };
         // From 256 rows the narrow tiles come before the quad ones; below, nothing changes.
         assert_eq!(h200_path_with(256, 4096, 8, on), "wgtma128x64");
@@ -847,25 +892,28 @@ mod tests {
     }
 
     #[test]
-    fn the_narrow_layers_take_the_swapped_quad_kernel_up_to_eight_rows() {
+    fn the_swapped_kernels_take_the_layers_whose_blocks_fill_one_wave_up_to_eight_rows() {
         let on = Switches {
             quad128: true,
             narrow_from: Some(NARROW_FROM_ROWS),
-            swap: true,
+            swap: SwapRule::Packed,
         };
         for (m, n, n_seg, want) in [
-            // o and down at TP 1: 128 blocks, 64 clusters of two.
-            (1, 4096, 8, "wgswapq64"),
-            (8, 4096, 8, "wgswapq64"),
+            // TP 1's o and down: 128 blocks, 64 clusters of two.
+            (1, 4096, 8, "wgswap64s4"),
+            (8, 4096, 8, "wgswap64s4"),
             (9, 4096, 8, "wgcluster64x2n256"),
-            // Wider N would need a second wave; a shard of fewer segments has no cluster
-            // of two to fold (TP 2's o: 4 segments).
+            // TP 1's gate/up: 64 tiles of 448 W rows, 128 blocks.
+            (1, 28672, 8, "wgswap448s4"),
+            // The o and down shards at TP 2 (4 segments) and TP 4 (2).
+            (1, 4096, 4, "wgswap64s2"),
+            (4, 4096, 2, "wgswap64s1"),
+            // q/k/v has no form above 96 blocks; gate/up at TP 2 and 4 none above 112.
             (1, 6144, 8, "wgcluster64x2n256"),
-            (1, 28672, 8, "wgwhole224"),
-            (1, 128256, 8, "wgcluster64x2n256"),
-            (1, 4096, 4, "wgcluster64"),
-            // 96 blocks would leave more than an eighth of the SMs idle.
             (1, 3072, 8, "wgcluster64"),
+            (1, 14336, 8, "wgcluster64x2n256"),
+            // The LM head would need more than a wave.
+            (1, 128256, 8, "wgcluster64x2n256"),
             (64, 4096, 8, "wgquad64"),
         ] {
             assert_eq!(
@@ -874,11 +922,34 @@ mod tests {
                 "M = {m}, N = {n}, {n_seg} segments"
             );
         }
-        assert!(swapq_fits(1, 4096, 8, 132, 64));
+        let cap = H200_CAP.swap;
+        // One wave at least 2/3 full: the 96- and 112-block forms.
+        assert_eq!(
+            swap_form(1, 6144, 8, 132, &cap, SwapRule::Wave),
+            Some(Path::WgSwap { tw: 128, spc: 4 })
+        );
+        assert_eq!(
+            swap_form(1, 14336, 8, 132, &cap, SwapRule::Wave),
+            Some(Path::WgSwap { tw: 128, spc: 8 })
+        );
+        assert_eq!(
+            swap_form(1, 1536, 8, 132, &cap, SwapRule::Wave),
+            Some(Path::WgSwap { tw: 64, spc: 2 })
+        );
         // Fewer resident clusters than the grid's: a second wave.
-        assert!(!swapq_fits(1, 4096, 8, 132, 63));
-        assert!(!swapq_fits(1, 4096, 8, 0, 64));
-        let off = Switches { swap: false, ..on };
+        let short = [132, 63, 30, 15];
+        assert_eq!(swap_form(1, 4096, 8, 132, &short, SwapRule::Packed), None);
+        // Clusters of four beyond the 30 resident: TP 4's q/k/v in 24 fits, 32 would not.
+        assert_eq!(
+            swap_form(1, 1536, 8, 132, &[132, 66, 23, 15], SwapRule::Wave),
+            None
+        );
+        assert_eq!(swap_form(1, 4096, 8, 0, &cap, SwapRule::Packed), None);
+        assert_eq!(swap_form(0, 4096, 8, 132, &cap, SwapRule::Packed), None);
+        let off = Switches {
+            swap: SwapRule::Off,
+            ..on
+        };
         assert_eq!(h200_path_with(1, 4096, 8, off), "wgcluster64x2n256");
         // A device without the kernel keeps the rules before it.
         let shape = TreeMatmul {
@@ -889,12 +960,36 @@ mod tests {
             n_seg: 8,
         };
         let p = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, on, false, |p| {
-            p != Path::WgSwapQuad
+            !matches!(p, Path::WgSwap { .. })
         });
         assert_eq!(p.name(), "wgcluster64x2n256");
-        assert!(swap_enabled(None).unwrap() == SWAP_BY_DEFAULT);
-        assert!(!swap_enabled(Some("0")).unwrap());
-        let e = swap_enabled(Some("yes")).unwrap_err().to_string();
+        assert_eq!(swap_rule(None).unwrap(), SWAP_BY_DEFAULT);
+        assert_eq!(swap_rule(Some("0")).unwrap(), SwapRule::Off);
+        assert_eq!(swap_rule(Some(" wave ")).unwrap(), SwapRule::Wave);
+        let e = swap_rule(Some("yes")).unwrap_err().to_string();
         assert!(e.contains("ARBOR_GEMM_SWAP") && e.contains("yes"), "{e}");
+    }
+
+    #[test]
+    fn every_swapped_form_is_a_path_with_its_own_kernel_and_grid() {
+        let all = Path::all(Family::Wgmma);
+        for SwapForm { tw, spc, .. } in SWAP_FORMS {
+            let p = Path::WgSwap { tw, spc };
+            assert!(all.contains(&p), "{p:?}");
+            assert_eq!(p.name(), format!("wgswap{tw}s{spc}"));
+            assert_eq!(p.kernel(), format!("arbor_gemm_wg_swap_{tw}x8_s{spc}"));
+            // One block an SM: the ring fills the same 224 KB whatever the form.
+            assert!(
+                p.smem_bytes() <= 227 * 1024 && p.smem_bytes() > 170 * 1024,
+                "{p:?}"
+            );
+            // A block of n_seg / spc segments' tile, 8 rows of X.
+            assert_eq!(
+                p.launch_dims(9, 4096, 8).0,
+                (4096usize.div_ceil(tw) * (8 / spc), 2, 1)
+            );
+            // A call of fewer segments than the form sums is one block a tile.
+            assert_eq!(p.launch_dims(1, 4096, 1).0 .0, 4096usize.div_ceil(tw));
+        }
     }
 }

@@ -296,13 +296,12 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
-    // The swapped quad kernel runs clusters of two; of four and eight blocks of its size
-    // (one an SM) is what a wider swapped kernel would need resident in one wave.
+    // The swapped kernels run one block an SM in clusters of one to eight: how many fit
+    // at once decides which forms make one wave (swap_form).
     for size in [2usize, 4, 8] {
-        if let Ok(Some(c)) = tg.max_active_clusters(Path::WgSwapQuad, 4 * size) {
+        if let Ok(c) = tg.swap_clusters(size) {
             println!(
-                "{} blocks: at most {c} clusters of {size} resident ({} blocks)",
-                Path::WgSwapQuad.name(),
+                "wgswap blocks: at most {c} clusters of {size} resident ({} blocks)",
                 c as usize * size
             );
         }
