@@ -25,7 +25,8 @@ pub fn quad128_enabled(value: Option<&str>) -> Result<bool, GemmError> {
 
 /// The variable that sets where the default path takes a swapped-operand kernel
 /// ([`swap_form`]): `1` where its blocks make one wave at least 7/8 full, `wave` where
-/// they make one wave at least 2/3 full (to measure the narrower grids), `0` never; unset
+/// they make one wave at least 2/3 full or, too wide for one wave, the fewest waves (to
+/// measure the narrower grids and the LM head), `0` never; unset
 /// [`SWAP_BY_DEFAULT`].
 pub const SWAP_ENV: &str = "ARBOR_GEMM_SWAP";
 
@@ -39,7 +40,8 @@ pub enum SwapRule {
     Off,
     /// Where the form's blocks fill one wave at least 7/8 full (`1`).
     Packed,
-    /// Where they fill one wave at least 2/3 full (`wave`).
+    /// Where they fill one wave at least 2/3 full, and for an N too wide for one wave
+    /// of any form, the form of the fewest waves (`wave`; to measure these forms).
     Wave,
 }
 
@@ -68,7 +70,10 @@ pub fn swap_rule(value: Option<&str>) -> Result<SwapRule, GemmError> {
 /// layers on half the SMs or fewer at one row (`wgcluster64x2n256`: o and down on 64
 /// blocks), so the swapped kernel's one wave streams W on nearly all of them: TP 1's o
 /// and down (`wgswap64s4`, 128 blocks) and gate/up (`wgswap448s4`), the o and down shards
-/// at TP 2 and 4 (`wgswap64s2`, `wgswap64s1`).
+/// at TP 2 and 4 (`wgswap64s2`, `wgswap64s1`). Under [`SwapRule::Wave`] a call so wide
+/// that no form's blocks fit the SMs once (the LM head: 4.3 waves of `wgswap448s4`, 253.6 µs alone against the
+/// cluster kernel's 271.4 at one row, H200) takes the form of the fewest waves, each at
+/// least 2/3 full.
 pub fn swap_form(
     m: usize,
     n: usize,
@@ -80,23 +85,46 @@ pub fn swap_form(
     if m == 0 || m > SWAP_XR || sms == 0 || rule == SwapRule::Off {
         return None;
     }
-    SWAP_FORMS
+    // (path, blocks, W rows a block, blocks resident at once) of each form the call can take.
+    let forms = SWAP_FORMS
         .iter()
         .filter(|f| f.spc <= n_seg && n_seg.is_multiple_of(f.spc))
-        .filter_map(|&SwapForm { tw, spc, .. }| {
+        .map(|&SwapForm { tw, spc, .. }| {
             let path = Path::WgSwap { tw, spc };
             let ((blocks, _, _), _) = path.launch_dims(m, n, n_seg);
             let ns = n_seg / spc;
-            let resident =
-                ns == 1 || blocks / ns <= clusters[ns.trailing_zeros().min(3) as usize] as usize;
+            let wave = if ns == 1 {
+                sms
+            } else {
+                sms.min(clusters[ns.trailing_zeros().min(3) as usize] as usize * ns)
+            };
+            (path, blocks, tw, wave)
+        });
+    let one_wave = forms
+        .clone()
+        .filter(|&(_, blocks, _, wave)| {
             let full = match rule {
                 SwapRule::Wave => 3 * blocks >= 2 * sms,
                 _ => packs_waves(blocks, sms),
             };
-            (blocks <= sms && resident && full).then_some((blocks, tw, path))
+            blocks <= wave && full
         })
-        .max_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)))
-        .map(|(_, _, path)| path)
+        .max_by(|a, b| a.1.cmp(&b.1).then(a.2.cmp(&b.2)))
+        .map(|(path, ..)| path);
+    if one_wave.is_some() || rule != SwapRule::Wave || forms.clone().any(|f| f.1 <= sms) {
+        return one_wave;
+    }
+    // `wave` only, for an N so wide that no form's blocks fit the SMs once (the LM head):
+    // the form of the fewest waves, each at least 2/3 full, to measure against the
+    // cluster kernel.
+    forms
+        .filter(|&(_, blocks, _, wave)| wave > 0 && 3 * blocks >= 2 * blocks.div_ceil(wave) * wave)
+        .min_by(|a, b| {
+            (a.1.div_ceil(a.3))
+                .cmp(&b.1.div_ceil(b.3))
+                .then(b.1.cmp(&a.1))
+        })
+        .map(|(path, ..)| path)
 }
 
 /// The variable that sets the rows from which the default path takes the persistent
@@ -935,6 +963,12 @@ mod tests {
         assert_eq!(
             swap_form(1, 1536, 8, 132, &cap, SwapRule::Wave),
             Some(Path::WgSwap { tw: 64, spc: 2 })
+        );
+        // The LM head: several waves of any form; `wave` takes the fewest (five of 448 rows).
+        assert_eq!(swap_form(1, 128256, 8, 132, &cap, SwapRule::Packed), None);
+        assert_eq!(
+            swap_form(1, 128256, 8, 132, &cap, SwapRule::Wave),
+            Some(Path::WgSwap { tw: 448, spc: 4 })
         );
         // Fewer resident clusters than the grid's: a second wave.
         let short = [132, 63, 30, 15];
