@@ -15,6 +15,7 @@ mod grouped;
 mod path;
 mod program;
 mod select;
+mod swap;
 pub mod tma;
 
 use std::sync::Arc;
@@ -38,12 +39,12 @@ pub use path::{
 pub use program::{arch_for, compile, probe, program, SOURCES};
 pub use select::{
     column_order, column_order_rows, default_path_for, narrow_from, quad128_enabled, quad128_tile,
-    quad_tile, shard_whole_tile, skip_idle_enabled, swap_form, swap_rule, tail_split_enabled,
-    tma_store, tma_tile, whole_tile, wide_cluster_fits, ClusterCapacity, SwapRule, Switches,
-    TmaStore, COLUMN_ORDER_ROWS, NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS,
-    QUAD128_BY_DEFAULT, QUAD128_ENV, SKIP_IDLE_ENV, SWAP_BY_DEFAULT, SWAP_ENV, TAIL_SPLIT_ENV,
-    TILE_ORDER_ENV, TMA_STORE_ENV,
+    quad_tile, shard_whole_tile, skip_idle_enabled, tail_split_enabled, tma_store, tma_tile,
+    whole_tile, wide_cluster_fits, ClusterCapacity, Switches, TmaStore, COLUMN_ORDER_ROWS,
+    NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV,
+    SKIP_IDLE_ENV, TAIL_SPLIT_ENV, TILE_ORDER_ENV, TMA_STORE_ENV,
 };
+pub use swap::{swap_form, swap_rule, SwapRule, SWAP_BY_DEFAULT, SWAP_ENV};
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.
 #[repr(C)]

@@ -105,6 +105,15 @@ fn ring_smem(budget: u32, slots: u32, stage: u32) -> u32 {
     stages * stage + slots + 16 * stages + 1024
 }
 
+/// Whether a grid of `blocks` blocks, one per SM at a time, uses at least 7/8 of the
+/// block slots of the waves it runs in.
+pub(super) fn packs_waves(blocks: usize, sms: usize) -> bool {
+    if blocks == 0 || sms == 0 {
+        return false;
+    }
+    8 * blocks >= 7 * blocks.div_ceil(sms) * sms
+}
+
 /// Launch path. All paths of a [`Family`] give the same bits; [`Path::for_shape`] picks
 /// by speed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
