@@ -269,17 +269,11 @@ impl TreeGemm {
     }
 
     /// How many clusters of `size` swapped-kernel blocks (one an SM, the same shared memory
-    /// whatever the form) the device holds at once; 0 where none was compiled.
+    /// whatever the form) the device holds at once; 0 where none was compiled. Asked of
+    /// the one-segment form, whose cluster is a call's `n_seg` blocks.
     pub fn swap_clusters(&self, size: usize) -> Result<u32, GemmError> {
-        let Some(&SwapForm { tw, spc, .. }) = SWAP_FORMS.first() else {
-            return Ok(0);
-        };
-        let path = Path::WgSwap { tw, spc };
-        let Some((_, f)) = self.kernels.iter().find(|(p, _)| *p == path) else {
-            return Ok(0);
-        };
-        let (_, block) = path.launch_dims(1, 1, 1);
-        tma::max_active_clusters(f, block, path.smem_bytes(), size as u32)
+        let path = Path::WgSwap { tw: 64, spc: 1 };
+        Ok(self.max_active_clusters(path, size)?.unwrap_or(0))
     }
 
     /// Whether `path` was compiled for this device.

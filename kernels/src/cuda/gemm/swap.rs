@@ -36,7 +36,7 @@ pub fn swap_rule(value: Option<&str>) -> Result<SwapRule, GemmError> {
         Some(v) => Err(GemmError::Env {
             var: SWAP_ENV,
             value: v.to_string(),
-            msg: "expected 1 (W as the wgmma's 64-row side and X's rows its N side, up to 8 rows, where the blocks fill one wave 7/8 full), wave (2/3 full) or 0",
+            msg: "expected 1 (W as the wgmma's 64-row side and X's rows its N side, up to 8 rows, where the blocks fill one wave 7/8 full), wave (2/3 full, or the fewest waves where none fits one) or 0",
         }),
     }
 }
@@ -47,14 +47,16 @@ pub fn swap_rule(value: Option<&str>) -> Result<SwapRule, GemmError> {
 /// segments a block and whose blocks make one wave (every cluster resident) at least
 /// 7/8 full ([`SwapRule::Packed`]) or 2/3 full ([`SwapRule::Wave`]), the one with the
 /// most blocks, the most W rows a block on a tie (fewer blocks a tile: TP 1's q/k/v took
-/// 19.4 µs as `wgswap128s4` against 20.0 as `wgswap64s8` at one row, H200). The cluster kernels run the narrow
-/// layers on half the SMs or fewer at one row (`wgcluster64x2n256`: o and down on 64
-/// blocks), so the swapped kernel's one wave streams W on nearly all of them: TP 1's o
-/// and down (`wgswap64s4`, 128 blocks) and gate/up (`wgswap448s4`), the o and down shards
-/// at TP 2 and 4 (`wgswap64s2`, `wgswap64s1`). Under [`SwapRule::Wave`] a call so wide
-/// that no form's blocks fit the SMs once (the LM head: 4.3 waves of `wgswap448s4`, 253.6 µs alone against the
-/// cluster kernel's 271.4 at one row, H200) takes the form of the fewest waves, each at
-/// least 2/3 full.
+/// 19.4 µs as `wgswap128s4` against 20.0 as `wgswap64s8` at one row, H200).
+///
+/// The cluster kernels run the narrow layers on half the SMs or fewer at one row
+/// (`wgcluster64x2n256`: o and down on 64 blocks), so the swapped kernel's one wave
+/// streams W on nearly all of them: TP 1's o and down (`wgswap64s4`, 128 blocks) and
+/// gate/up (`wgswap448s4`), the o and down shards at TP 2 and 4 (`wgswap64s2`,
+/// `wgswap64s1`). Under [`SwapRule::Wave`] a call so wide that no form's blocks fit the
+/// SMs once (the LM head: 4.3 waves of `wgswap448s4`, 253.6 µs alone against the cluster
+/// kernel's 271.4 at one row, H200) takes the form of the fewest waves, each at least 2/3
+/// full.
 pub fn swap_form(
     m: usize,
     n: usize,
