@@ -9,8 +9,9 @@
 # 3. The collectives alone: `arbor bench allreduce` at N ranks, f32, the decode step's
 #    message sizes (hidden 4096 x batch x 4 bytes), arbor's `auto` next to NCCL, timed
 #    inside CUDA graphs like the step's.
-# 4. `ARBOR_PROFILE=1` at TP N, batch 1 (op by op, synchronised around every op): rank 0's
-#    per-op table, the all-reduce's in-step cost with the ranks' skew included.
+# 4. `ARBOR_PROFILE=1` at TP N, batch PROFILE_BATCH (default 1; op by op, synchronised
+#    around every op): rank 0's per-op table, the all-reduce's in-step cost with the ranks'
+#    skew included.
 # The summary prints step - rank compute (what TP costs) next to 2 x layers x the measured
 # all-reduce (what the collectives alone explain); the rest is waiting between ranks and
 # the launch gaps the graphs do not hide.
@@ -22,6 +23,7 @@ script_start profile-tp-summary.txt
 GPUS=$(nvidia-smi -L | grep -c '^GPU')
 TP=${TP:-$GPUS}
 BATCHES=${BATCHES:-1,8,64}
+PROFILE_BATCH=${PROFILE_BATCH:-1}
 STEPS=${STEPS:-64}
 LAYERS=32 # the llama3-8b shape's
 HIDDEN=4096
@@ -55,11 +57,11 @@ step "bench allreduce, $TP ranks, sizes $sizes" "$OUT/profile-tp-allreduce.log" 
 sed 's/^\[rank 0\] //' "$OUT/profile-tp-allreduce.log" | sed -n '/summary, /,$p' | head -n 20 |
     tee -a "$SUMMARY"
 
-step "ARBOR_PROFILE=1 TP $TP batch 1" "$OUT/profile-tp-ops.log" 120 env ARBOR_PROFILE=1 \
+step "ARBOR_PROFILE=1 TP $TP batch $PROFILE_BATCH" "$OUT/profile-tp-ops.log" 120 env ARBOR_PROFILE=1 \
     "$BIN/arbor-launch" -n "$TP" -- "$ARBOR" bench decode --model "$L8B" --device cuda \
-    --numerics invariant --batch 1 --steps 16
-# Rank 0's table, the decode-step rows (m=1) first.
-sed -n 's/^\[rank 0\] //p' "$OUT/profile-tp-ops.log" | grep -E "^profile|^op |m=1( |$)" |
+    --numerics invariant --batch "$PROFILE_BATCH" --steps 16
+# Rank 0's table, the decode-step rows (m = the batch) first.
+sed -n 's/^\[rank 0\] //p' "$OUT/profile-tp-ops.log" | grep -E "^profile|^op |m=$PROFILE_BATCH( |$)" |
     head -n 24 | tee -a "$SUMMARY"
 
 python3 - "$OUT" "$TP" "$LAYERS" "$HIDDEN" <<'PY' | tee -a "$SUMMARY"

@@ -3,7 +3,9 @@
 
 use super::error::GemmError;
 use super::path::{packs_waves, Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS};
+use super::spread::{spread_enabled, spread_path, SPREAD_ENV};
 use super::swap::{swap_form, swap_rule, SwapRule, SWAP_ENV};
+use super::switch::switch;
 use crate::cpu::matmul::TreeMatmul;
 
 /// The variable that lets the default path take the 128-row quad tiles
@@ -196,26 +198,6 @@ pub fn column_order(rows: Option<usize>, m: usize, column_tiles: usize, sms: usi
     rows.is_some_and(|r| m <= r) && column_tiles >= sms
 }
 
-/// An on/off variable's value: `1`, `0`, or unset / empty for `default`; anything else an
-/// error naming the variable.
-fn switch(
-    var: &'static str,
-    value: Option<&str>,
-    default: bool,
-    msg: &'static str,
-) -> Result<bool, GemmError> {
-    match value.map(str::trim) {
-        None | Some("") => Ok(default),
-        Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(v) => Err(GemmError::Env {
-            var,
-            value: v.to_string(),
-            msg,
-        }),
-    }
-}
-
 /// The `wgwhole` tile width the default path takes for an M ≤ 64 call on `sms` SMs, if
 /// any: where its grid runs in waves that are each at least 3/4 full (whole-K blocks are
 /// one per SM, so a partial last wave idles SMs), and only where `bench gemm` found it
@@ -328,6 +310,8 @@ pub struct Switches {
     pub narrow_from: Option<usize>,
     /// [`SWAP_ENV`]: where the swapped-operand kernels apply.
     pub swap: SwapRule,
+    /// [`SPREAD_ENV`]: calls of few tiles spread over the cluster kernels.
+    pub spread: bool,
 }
 
 impl Switches {
@@ -337,6 +321,7 @@ impl Switches {
             quad128: quad128_enabled(std::env::var(QUAD128_ENV).ok().as_deref())?,
             narrow_from: narrow_from(std::env::var(NARROW_ENV).ok().as_deref())?,
             swap: swap_rule(std::env::var(SWAP_ENV).ok().as_deref())?,
+            spread: spread_enabled(std::env::var(SPREAD_ENV).ok().as_deref())?,
         })
     }
 }
@@ -366,7 +351,9 @@ pub struct ClusterCapacity {
 /// persistent tiles [`tma_tile`] names, unless it ends in the SiLU·mul epilogue (`silu`)
 /// and the narrow tile cannot store that by TMA: its stores from registers made the
 /// gate/up layer at M = 256 slower than 128-column tiles (161.3 µs against 144.8 in the
-/// decode step, docs/gemm.md run 22). `has`: whether a path was compiled for the device.
+/// decode step, docs/gemm.md run 22). Last, with `spread` ([`SPREAD_ENV`]), a call of 65 to
+/// 256 rows whose path leaves half the SMs idle takes the cluster kernel [`spread_path`]
+/// names. `has`: whether a path was compiled for the device.
 pub fn default_path_for(
     shape: &TreeMatmul,
     family: Family,
@@ -376,10 +363,36 @@ pub fn default_path_for(
     silu: bool,
     has: impl Fn(Path) -> bool,
 ) -> Path {
+    // One type for `has` at every depth, so the call below instantiates nothing new.
+    let has: &dyn Fn(Path) -> bool = &has;
+    if switches.spread && shape.m > 64 {
+        let others = Switches {
+            spread: false,
+            ..switches
+        };
+        let path = default_path_for(shape, family, sms, capacity, others, silu, has);
+        if !path.is_tma() {
+            return path;
+        }
+        let ((x, y, z), _) = path.launch_dims(shape.m, shape.n, shape.n_seg);
+        let blocks = x * y * z;
+        return spread_path(
+            shape.m,
+            shape.n,
+            shape.n_seg,
+            blocks,
+            sms,
+            &capacity.cluster64,
+            silu,
+        )
+        .filter(|&p| has(p))
+        .unwrap_or(path);
+    }
     let Switches {
         quad128,
         narrow_from,
         swap,
+        ..
     } = switches;
     let path = Path::for_shape(shape, family);
     if path.is_tma() {
@@ -464,6 +477,7 @@ mod tests {
                 quad128,
                 narrow_from: None,
                 swap: SwapRule::Off,
+                spread: false,
             },
         )
     }
@@ -555,6 +569,7 @@ mod tests {
             quad128: false,
             narrow_from: None,
             swap: SwapRule::Off,
+            spread: false,
         };
         let no_whole = default_path_for(&shape, Family::Wgmma, 132, &H200_CAP, off, false, |p| {
             !matches!(p, Path::WgWhole { .. })
@@ -755,6 +770,7 @@ mod tests {
             quad128: true,
             narrow_from: Some(NARROW_FROM_ROWS),
             swap: SwapRule::Off,
+            spread: false,
         };
         // From 256 rows the narrow tiles come before the quad ones; below, nothing changes.
         assert_eq!(h200_path_with(256, 4096, 8, on), "wgtma128x64");
@@ -813,6 +829,7 @@ mod tests {
             quad128: true,
             narrow_from: Some(NARROW_FROM_ROWS),
             swap: SwapRule::Packed,
+            spread: false,
         };
         for (m, n, n_seg, want) in [
             // TP 1's o and down: 128 blocks, 64 clusters of two.
@@ -855,5 +872,72 @@ mod tests {
             !matches!(p, Path::WgSwap { .. })
         });
         assert_eq!(p.name(), "wgcluster64x2n256");
+    }
+
+    #[test]
+    fn calls_of_few_tiles_spread_over_clusters_and_the_rest_do_not_move() {
+        let with = |spread| Switches {
+            quad128: true,
+            narrow_from: Some(NARROW_FROM_ROWS),
+            swap: SwapRule::Packed,
+            spread,
+        };
+        let path = |m, n, k, n_seg, silu, spread| {
+            let s = TreeMatmul {
+                m,
+                n,
+                k,
+                seg_len: k / n_seg,
+                n_seg,
+            };
+            default_path_for(
+                &s,
+                Family::Wgmma,
+                132,
+                &H200_CAP,
+                with(spread),
+                silu,
+                |_| true,
+            )
+            .name()
+        };
+        // TP 4's and TP 2's q/k/v shards from 65 to 256 rows: 12 to 48 persistent tiles.
+        assert_eq!(path(128, 1536, 4096, 8, false, false), "wgtma128");
+        assert_eq!(path(128, 1536, 4096, 8, false, true), "wgcluster64");
+        assert_eq!(path(256, 1536, 4096, 8, false, true), "wgcluster64x2");
+        assert_eq!(path(128, 3072, 4096, 8, false, true), "wgcluster64x2");
+        // The o shards of two and four segments from 160 rows.
+        assert_eq!(path(192, 4096, 1024, 2, false, true), "wgcluster64");
+        assert_eq!(path(192, 4096, 2048, 4, false, true), "wgcluster64x2");
+        // Every TP 1 layer, the gate/up shards (SiLU·mul), TP 2's q/k/v from 160 rows, the
+        // down shards of 7 and 14 segments and the LM head shards keep their path at every M.
+        for (n, k, n_seg, silu) in [
+            (6144, 4096, 8, false),
+            (4096, 4096, 8, false),
+            (28672, 4096, 8, true),
+            (4096, 14336, 28, false),
+            (128256, 4096, 8, false),
+            (14336, 4096, 8, true),
+            (7168, 4096, 8, true),
+            (3584, 4096, 8, true),
+            (4096, 3584, 7, false),
+            (4096, 7168, 14, false),
+            (64128, 4096, 8, false),
+            (32064, 4096, 8, false),
+        ] {
+            for m in [1, 8, 64, 65, 96, 128, 160, 192, 256, 257, 1024] {
+                assert_eq!(
+                    path(m, n, k, n_seg, silu, true),
+                    path(m, n, k, n_seg, silu, false),
+                    "M = {m}, {k} × {n}"
+                );
+            }
+        }
+        for m in [160, 192, 256] {
+            assert_eq!(
+                path(m, 3072, 4096, 8, false, true),
+                path(m, 3072, 4096, 8, false, false)
+            );
+        }
     }
 }
