@@ -46,7 +46,7 @@ pub use select::{
     NARROW_BY_DEFAULT, NARROW_ENV, NARROW_FROM_ROWS, QUAD128_BY_DEFAULT, QUAD128_ENV,
     SKIP_IDLE_ENV, TAIL_SPLIT_ENV, TILE_ORDER_ENV, TMA_STORE_ENV,
 };
-pub use spread::{spread_enabled, spread_path, SPREAD_BY_DEFAULT, SPREAD_ENV};
+pub use spread::{spread_enabled, spread_path, SPREAD_BY_DEFAULT, SPREAD_ENV, SPREAD_ROWS};
 pub use swap::{swap_form, swap_rule, SwapRule, SWAP_BY_DEFAULT, SWAP_ENV};
 
 /// Kernel parameters, laid out as `struct Params` in gemm_tree.cu.

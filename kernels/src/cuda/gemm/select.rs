@@ -3,7 +3,7 @@
 
 use super::error::GemmError;
 use super::path::{packs_waves, Family, Path, QUAD128_BNS, QUAD_BNS, TMA_BNS};
-use super::spread::{spread_enabled, spread_path, SPREAD_ENV};
+use super::spread::{spread_enabled, spread_path, SPREAD_ENV, SPREAD_ROWS};
 use super::swap::{swap_form, swap_rule, SwapRule, SWAP_ENV};
 use super::switch::switch;
 use crate::cpu::matmul::TreeMatmul;
@@ -365,7 +365,7 @@ pub fn default_path_for(
 ) -> Path {
     // One type for `has` at every depth, so the call below instantiates nothing new.
     let has: &dyn Fn(Path) -> bool = &has;
-    if switches.spread && shape.m > 64 {
+    if switches.spread && SPREAD_ROWS.contains(&shape.m) {
         let others = Switches {
             spread: false,
             ..switches
@@ -374,13 +374,11 @@ pub fn default_path_for(
         if !path.is_tma() {
             return path;
         }
-        let ((x, y, z), _) = path.launch_dims(shape.m, shape.n, shape.n_seg);
-        let blocks = x * y * z;
         return spread_path(
             shape.m,
             shape.n,
             shape.n_seg,
-            blocks,
+            path,
             sms,
             &capacity.cluster64,
             silu,
